@@ -1,0 +1,1 @@
+//! GGUF v3 container and quantisation formats.

@@ -1,0 +1,1 @@
+//! The ds4 server: HTTP API and KV reuse (see issue: ds4-server).

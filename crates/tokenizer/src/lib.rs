@@ -1,0 +1,1 @@
+//! DeepSeek V4 tokenizer, chat encoding and DSML.
