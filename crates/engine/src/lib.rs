@@ -1,1 +1,3 @@
 //! DeepSeek V4 Flash inference engine.
+pub mod config;
+pub mod layout;
