@@ -1,17 +1,37 @@
 //! `ds4-tool`: model inspection, synthetic models, tokenizer and rendering debug tools.
+
+mod dump;
+mod inspect;
+mod synth;
+
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "ds4-tool", version, about = "DeepSeek V4 Flash model tools")]
+#[command(
+    name = "ds4-tool",
+    version,
+    about = "DeepSeek V4 Flash model tools: inspect GGUF files, write synthetic models, dump tensors"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
 }
 
 #[derive(Subcommand)]
-enum Command {}
+enum Command {
+    /// Print a GGUF's metadata, tensor table, bytes per type and the DS4 profile check.
+    Inspect(inspect::Args),
+    /// Write a synthetic DS4 model (random weights) in the exact published layout.
+    Synth(synth::Args),
+    /// Write one tensor dequantized to raw little-endian f32 (GGUF element order).
+    DumpTensor(dump::Args),
+}
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    match cli.command {}
+    match cli.command {
+        Command::Inspect(a) => inspect::run(a),
+        Command::Synth(a) => synth::run(a),
+        Command::DumpTensor(a) => dump::run(a),
+    }
 }

@@ -1,0 +1,119 @@
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use ds4_engine::config::Config;
+use ds4_engine::layout::check_layout;
+use ds4_gguf::{GgmlType, GgufFile};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// The GGUF file.
+    file: PathBuf,
+    /// Leave out the per-tensor table.
+    #[arg(long)]
+    no_tensors: bool,
+    /// Print every array item instead of a summary.
+    #[arg(long)]
+    full_arrays: bool,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let g = GgufFile::open(&a.file).with_context(|| format!("cannot open {}", a.file.display()))?;
+    println!("file: {}", a.file.display());
+    println!(
+        "GGUF v{}, {} bytes, {} metadata keys, {} tensors, alignment {}, data at offset {}",
+        g.version(),
+        g.len(),
+        g.metadata().len(),
+        g.tensors().len(),
+        g.alignment(),
+        g.data_offset()
+    );
+    println!("\n== metadata");
+    for (k, v) in g.metadata() {
+        let text = if a.full_arrays {
+            format!("{v:?}")
+        } else {
+            v.summary()
+        };
+        println!("{k:<50} {:<8} {text}", v.value_type().name());
+    }
+    if !a.no_tensors {
+        println!("\n== tensors");
+        println!(
+            "{:<44} {:<8} {:>26} {:>14} {:>14}",
+            "name", "type", "dims", "bytes", "offset"
+        );
+        for t in g.tensors() {
+            println!(
+                "{:<44} {:<8} {:>26} {:>14} {:>14}",
+                t.name,
+                t.ty.name(),
+                format!("{:?}", t.dims),
+                t.size,
+                t.offset
+            );
+        }
+    }
+    println!("\n== bytes per type");
+    let mut per = std::collections::BTreeMap::<GgmlType, (usize, u64)>::new();
+    for t in g.tensors() {
+        let e = per.entry(t.ty).or_default();
+        e.0 += 1;
+        e.1 += t.size;
+    }
+    for (ty, (n, b)) in &per {
+        println!(
+            "{:<8} {n:>6} tensors {b:>16} bytes  {:>9.2} GiB",
+            ty.name(),
+            *b as f64 / (1u64 << 30) as f64
+        );
+    }
+    let total = g.tensor_bytes();
+    println!(
+        "{:<8} {:>6} tensors {total:>16} bytes  {:>9.2} GiB",
+        "total",
+        g.tensors().len(),
+        total as f64 / (1u64 << 30) as f64
+    );
+
+    println!("\n== DeepSeek V4 profile");
+    match Config::from_gguf(&g) {
+        Err(e) => println!("not a loadable DS4 model: {e}"),
+        Ok(cfg) => {
+            println!(
+                "{} layers, n_embd {}, vocab {}, {} heads × {}, {} experts ({} used, width {}), ratios {:?}",
+                cfg.n_layer, cfg.n_embd, cfg.vocab, cfg.n_head, cfg.head_dim, cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp, cfg.compress_ratios
+            );
+            let dev = cfg.profile_deviations();
+            if dev.is_empty() {
+                println!("hyperparameters: DeepSeek V4 Flash (all checked keys match)");
+            } else {
+                println!(
+                    "hyperparameters differ from DeepSeek V4 Flash in {} ways:",
+                    dev.len()
+                );
+                for d in dev {
+                    println!("  {d}");
+                }
+            }
+            let issues = check_layout(&cfg, &g);
+            let fatal = issues.iter().filter(|i| i.is_fatal()).count();
+            if issues.is_empty() {
+                println!("tensor layout: exactly the published layout");
+            } else {
+                println!(
+                    "tensor layout: {} differences ({fatal} prevent loading):",
+                    issues.len()
+                );
+                for i in issues.iter().take(40) {
+                    println!("  {}{i}", if i.is_fatal() { "ERROR " } else { "" });
+                }
+                if issues.len() > 40 {
+                    println!("  … {} more", issues.len() - 40);
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,147 @@
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::ValueEnum;
+use ds4_cli::synth::Plan;
+use ds4_cli::vocab::Vocab;
+use ds4_engine::config::Config;
+use ds4_engine::layout::ExpertQuant;
+use indicatif::{ProgressBar, ProgressStyle};
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Dims {
+    /// The tiny test width (n_embd 256, 4 heads × 160, 8 experts, vocab 512).
+    Tiny,
+    /// The real DeepSeek V4 Flash shapes.
+    Full,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Experts {
+    /// gate/up IQ2_XXS, down Q2_K (the published q2 file).
+    Q2,
+    /// gate/up/down Q4_K (the published q4 file).
+    Q4,
+    /// Plain F32 experts (tests).
+    F32,
+}
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Output GGUF path.
+    #[arg(short, long, default_value = "synthetic.gguf")]
+    out: PathBuf,
+    /// Number of layers (the real model has 43).
+    #[arg(long, default_value_t = 43)]
+    layers: usize,
+    #[arg(long, value_enum, default_value = "full")]
+    dims: Dims,
+    #[arg(long, value_enum, default_value = "q2")]
+    experts: Experts,
+    /// Embed this tokenizer (HF tokenizer.json) as tokenizer.ggml.*, as the published
+    /// files do; default: a built-in byte-level vocabulary of the model's size.
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Print the tensor table and totals without writing anything.
+    #[arg(long)]
+    dry_run: bool,
+    /// Worker threads (default: all cores).
+    #[arg(short = 't', long)]
+    threads: Option<usize>,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    anyhow::ensure!(a.layers >= 1, "--layers must be at least 1");
+    let config = match a.dims {
+        Dims::Tiny => Config::tiny(a.layers),
+        Dims::Full => {
+            let mut c = Config::flash();
+            c.n_layer = a.layers;
+            c.compress_ratios = Config::flash_ratios(a.layers);
+            c.swiglu_clamp = vec![10.0; a.layers];
+            c.swiglu_clamp_shexp = vec![10.0; a.layers];
+            c.n_hash_layer = c.n_hash_layer.min(a.layers);
+            c
+        }
+    };
+    let experts = match a.experts {
+        Experts::Q2 => ExpertQuant::Q2,
+        Experts::Q4 => ExpertQuant::Q4,
+        Experts::F32 => ExpertQuant::F32,
+    };
+    let vocab = match &a.tokenizer {
+        Some(p) => Vocab::from_tokenizer_json(
+            &std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?,
+        )?,
+        None => Vocab::builtin(config.vocab)?,
+    };
+    let desc = format!(
+        "Synthetic random weights in the DS4 GGUF layout (seed {}); not a trained model",
+        a.seed
+    );
+    let plan = Plan::new(config, experts, &vocab, &desc)?;
+
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    if a.dry_run {
+        println!(
+            "{:<44} {:<8} {:>22} {:>14}",
+            "name", "type", "dims", "bytes"
+        );
+        for (s, b) in plan.specs.iter().zip(&plan.layout.tensor_sizes) {
+            println!(
+                "{:<44} {:<8} {:>22} {:>14}",
+                s.name,
+                s.published.name(),
+                format!("{:?}", s.dims),
+                b
+            );
+        }
+        println!();
+        for (ty, n, b) in plan.bytes_per_type() {
+            println!("{:<8} {n:>6} tensors {b:>16} bytes", ty.name());
+        }
+    }
+    println!(
+        "{} tensors, {} bytes of tensor data ({:.2} GiB), file size {} bytes",
+        plan.specs.len(),
+        plan.tensor_bytes(),
+        gib(plan.tensor_bytes()),
+        plan.layout.file_size
+    );
+    if a.dry_run {
+        return Ok(());
+    }
+    if let Some(t) = a.threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(t)
+            .build_global()
+            .ok();
+    }
+    let bar = ProgressBar::new(plan.layout.file_size);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+        )
+        .expect("static template")
+        .progress_chars("=> "),
+    );
+    bar.set_message(format!("writing {}", a.out.display()));
+    let done = AtomicU64::new(0);
+    let start = Instant::now();
+    plan.write(&a.out, a.seed, &|n| {
+        let d = done.fetch_add(n, Ordering::Relaxed) + n;
+        bar.set_position(d);
+    })?;
+    bar.finish_and_clear();
+    let secs = start.elapsed().as_secs_f64();
+    println!(
+        "wrote {} in {secs:.1} s ({:.0} MB/s)",
+        a.out.display(),
+        plan.layout.file_size as f64 / secs / 1e6
+    );
+    Ok(())
+}

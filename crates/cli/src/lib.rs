@@ -1,0 +1,5 @@
+//! Shared code of the `ds4`, `ds4-tool` and `ds4-bench` programs.
+
+pub mod rng;
+pub mod synth;
+pub mod vocab;
