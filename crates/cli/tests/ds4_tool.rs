@@ -1,0 +1,181 @@
+//! `ds4-tool` end to end: synth, inspect and dump-tensor on real files.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use ds4_engine::config::Config;
+use ds4_engine::layout::check_layout;
+use ds4_gguf::GgufFile;
+
+fn tool(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_ds4-tool"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures/tiny")
+        .join(name)
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ds4-tool-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+#[test]
+fn full_size_dry_run_lists_the_published_table() {
+    let (ok, out, err) = tool(&[
+        "synth",
+        "--dims",
+        "full",
+        "--layers",
+        "43",
+        "--experts",
+        "q2",
+        "--dry-run",
+    ]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("1328 tensors, 86714775900 bytes of tensor data"),
+        "{out}"
+    );
+    assert!(out.contains("blk.42.ffn_down_exps.weight"));
+    assert_eq!(
+        out.lines()
+            .filter(|l| l.starts_with("blk.")
+                || l.starts_with("output")
+                || l.starts_with("token_embd"))
+            .count(),
+        1328
+    );
+    let (ok, out, _) = tool(&[
+        "synth",
+        "--dims",
+        "full",
+        "--layers",
+        "43",
+        "--experts",
+        "q4",
+        "--dry-run",
+    ]);
+    assert!(ok);
+    assert!(
+        out.contains("1328 tensors, 164628167004 bytes of tensor data"),
+        "{out}"
+    );
+}
+
+#[test]
+fn tiny_synth_is_loadable_deterministic_and_thread_independent() {
+    let a = tmp("a.gguf");
+    let b = tmp("b.gguf");
+    let c = tmp("c.gguf");
+    let tok = fixture("tokenizer.json");
+    let base = [
+        "synth",
+        "--dims",
+        "tiny",
+        "--layers",
+        "6",
+        "--experts",
+        "q2",
+        "--tokenizer",
+        tok.to_str().unwrap(),
+    ];
+    let run = |out: &Path, extra: &[&str]| {
+        let mut args: Vec<&str> = base.to_vec();
+        args.extend_from_slice(&["-o", out.to_str().unwrap()]);
+        args.extend_from_slice(extra);
+        let (ok, _, err) = tool(&args);
+        assert!(ok, "{err}");
+    };
+    run(&a, &["--seed", "7", "-t", "1"]);
+    run(&b, &["--seed", "7", "-t", "2"]);
+    run(&c, &["--seed", "8"]);
+    let (fa, fb, fc) = (
+        std::fs::read(&a).unwrap(),
+        std::fs::read(&b).unwrap(),
+        std::fs::read(&c).unwrap(),
+    );
+    assert_eq!(fa, fb, "same seed, different thread count");
+    assert_ne!(fa, fc, "different seeds");
+
+    let g = GgufFile::open(&a).unwrap();
+    let cfg = Config::from_gguf(&g).unwrap();
+    assert_eq!(check_layout(&cfg, &g), vec![]);
+    let fixture_gguf = GgufFile::open(fixture("tiny-q2.gguf")).unwrap();
+    for key in [
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.merges",
+        "tokenizer.ggml.token_type",
+    ] {
+        assert_eq!(g.get(key), fixture_gguf.get(key), "{key}");
+    }
+    for (x, y) in g.tensors().iter().zip(fixture_gguf.tensors()) {
+        assert_eq!((&x.name, &x.dims, x.ty), (&y.name, &y.dims, y.ty));
+    }
+    // No temporary file is left behind.
+    assert!(!a.with_extension("gguf.tmp").exists());
+}
+
+#[test]
+fn inspect_reads_every_fixture() {
+    for f in ["tiny-q2.gguf", "tiny-q4.gguf", "tiny-plain.gguf"] {
+        let (ok, out, err) = tool(&["inspect", fixture(f).to_str().unwrap()]);
+        assert!(ok, "{f}: {err}");
+        assert!(out.contains("178 tensors"), "{f}");
+        assert!(out.contains("deepseek4.attention.compress_ratios"), "{f}");
+        assert!(out.contains("n_embd: 256 (Flash: 4096)"), "{f}");
+        if f == "tiny-plain.gguf" {
+            assert!(out.contains("0 prevent loading"), "{out}");
+        } else {
+            assert!(out.contains("exactly the published layout"), "{out}");
+        }
+    }
+}
+
+#[test]
+fn inspect_rejects_garbage_with_a_message() {
+    let p = tmp("garbage.gguf");
+    std::fs::write(&p, b"not a gguf file at all").unwrap();
+    let (ok, _, err) = tool(&["inspect", p.to_str().unwrap()]);
+    assert!(!ok);
+    assert!(err.contains("not a GGUF file"), "{err}");
+    let (ok, _, err) = tool(&["inspect", "/nonexistent/x.gguf"]);
+    assert!(!ok);
+    assert!(err.contains("cannot open"), "{err}");
+}
+
+#[test]
+fn dump_tensor_writes_dequantized_f32() {
+    let out = tmp("t.bin");
+    let f = fixture("tiny-q2.gguf");
+    let (ok, _, err) = tool(&[
+        "dump-tensor",
+        f.to_str().unwrap(),
+        "blk.3.ffn_down_exps.weight",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    let bytes = std::fs::read(&out).unwrap();
+    let g = GgufFile::open(&f).unwrap();
+    let t = g.tensor("blk.3.ffn_down_exps.weight").unwrap();
+    let want = ds4_gguf::quant::dequantize_to_vec(t.ty(), t.data, 256 * 256 * 8).unwrap();
+    let got: Vec<f32> = bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(got, want);
+    let (ok, _, err) = tool(&["dump-tensor", f.to_str().unwrap(), "blk.3.nope"]);
+    assert!(!ok && err.contains("no tensor named"), "{err}");
+}
