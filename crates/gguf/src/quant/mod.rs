@@ -8,10 +8,19 @@ mod blocks;
 mod dequant;
 mod dot;
 mod iq2xxs_grid;
+#[cfg(target_arch = "aarch64")]
+mod simd_neon;
+#[cfg(target_arch = "x86_64")]
+mod simd_x86;
 
 pub use blocks::*;
 pub use dequant::{dequantize, dequantize_row, dequantize_to_vec};
 pub use dot::*;
+
+/// The IQ2_XXS lattice grid (256 entries of 8 magnitude bytes), for GPU kernels.
+pub fn iq2xxs_grid() -> &'static [u64; 256] {
+    &iq2xxs_grid::IQ2XXS_GRID
+}
 
 /// f16 bits → f32, exact (subnormals, inf and NaN included).
 #[inline]

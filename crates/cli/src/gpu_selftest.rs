@@ -1,0 +1,295 @@
+//! `ds4-tool gpu-selftest`: every CUDA kernel against its CPU twin on fresh random
+//! inputs, then (with `bench`) achieved bandwidth at the real model's shapes.
+
+use anyhow::Result;
+use ds4_cuda::{DeviceMatrix, Gpu};
+use ds4_gguf::quant::dequantize_to_vec;
+use ds4_gguf::GgmlType;
+
+use crate::rng::Rng;
+use crate::synth::fill_blocks;
+
+/// One line of the report.
+#[derive(Clone, Debug)]
+pub struct Check {
+    pub name: String,
+    /// ‖gpu − cpu‖ / ‖cpu‖ against the f64 reference.
+    pub rel_err: f64,
+    pub bound: f64,
+}
+
+impl Check {
+    pub fn passed(&self) -> bool {
+        self.rel_err.is_finite() && self.rel_err <= self.bound
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Timing {
+    pub name: String,
+    pub bytes: f64,
+    pub ms: f64,
+}
+
+impl Timing {
+    pub fn gbps(&self) -> f64 {
+        self.bytes / self.ms / 1e6
+    }
+}
+
+fn random_matrix(ty: GgmlType, rows: usize, cols: usize, mats: usize, rng: &mut Rng) -> Vec<u8> {
+    let n = (rows * cols * mats) as u64;
+    let mut buf = vec![0u8; ty.bytes_for(n).expect("whole blocks") as usize];
+    fill_blocks(ty, 1.0 / (cols as f32).sqrt(), &mut buf, rng);
+    buf
+}
+
+fn random_vec(n: usize, rng: &mut Rng) -> Vec<f32> {
+    (0..n).map(|_| rng.normal()).collect()
+}
+
+fn rel_err(got: &[f32], want: &[f64]) -> f64 {
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(&g, &w)| (g as f64 - w).powi(2))
+        .sum();
+    let den: f64 = want.iter().map(|w| w * w).sum();
+    if got.iter().any(|g| !g.is_finite()) {
+        return f64::NAN;
+    }
+    (num / den.max(1e-300)).sqrt()
+}
+
+/// CPU reference of `y[k] = W[ids[k]]·x[k]` in f64 over exactly dequantized weights.
+fn reference(
+    ty: GgmlType,
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    ids: &[i32],
+    x: &[f32],
+    shared: bool,
+) -> Vec<f64> {
+    let mat_bytes = w.len() / (w.len() / ty.bytes_for((rows * cols) as u64).unwrap() as usize);
+    let mut out = Vec::with_capacity(ids.len() * rows);
+    for (k, &id) in ids.iter().enumerate() {
+        let m = &w[id as usize * mat_bytes..(id as usize + 1) * mat_bytes];
+        let dq = dequantize_to_vec(ty, m, rows * cols).unwrap();
+        let xk = if shared {
+            &x[..cols]
+        } else {
+            &x[k * cols..(k + 1) * cols]
+        };
+        for r in 0..rows {
+            out.push(
+                dq[r * cols..(r + 1) * cols]
+                    .iter()
+                    .zip(xk)
+                    .map(|(&a, &b)| a as f64 * b as f64)
+                    .sum(),
+            );
+        }
+    }
+    out
+}
+
+/// Correctness checks of every matvec kernel (plain and expert-selected).
+pub fn check_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+    let mut rng = Rng::stream(seed, 0xc0de, 0);
+    let mut checks = Vec::new();
+    let types = [
+        GgmlType::Q8_0,
+        GgmlType::F16,
+        GgmlType::F32,
+        GgmlType::IQ2_XXS,
+        GgmlType::Q2_K,
+        GgmlType::Q4_K,
+    ];
+    for ty in types {
+        for &(rows, cols) in &[(37usize, 512usize), (256, 4096), (129, 2048)] {
+            let mats = 5;
+            let w = random_matrix(ty, rows, cols, mats, &mut rng);
+            let m = DeviceMatrix::upload(gpu, ty, &w, rows, cols, mats)?;
+            // Plain product with matrix 0.
+            let x = random_vec(cols, &mut rng);
+            let xd = gpu.upload(&x)?;
+            let mut yd = gpu.upload(&vec![f32::NAN; rows])?;
+            gpu.matvec_buf(&m, &xd, &mut yd)?;
+            let y = gpu.download(&yd)?;
+            checks.push(Check {
+                name: format!("matvec {ty} {rows}x{cols}"),
+                rel_err: rel_err(&y, &reference(ty, &w, rows, cols, &[0], &x, true)),
+                bound: 2e-5,
+            });
+            // Expert selection with per-selection inputs, repeated ids included.
+            let ids = [3i32, 1, 4, 1];
+            let x = random_vec(ids.len() * cols, &mut rng);
+            let xd = gpu.upload(&x)?;
+            let idd = gpu.upload(&ids)?;
+            let mut yd = gpu.upload(&vec![f32::NAN; ids.len() * rows])?;
+            gpu.matvec_selected(&m, &idd, &xd, false, &mut yd)?;
+            let y = gpu.download(&yd)?;
+            checks.push(Check {
+                name: format!("matvec_selected {ty} {rows}x{cols}"),
+                rel_err: rel_err(&y, &reference(ty, &w, rows, cols, &ids, &x, false)),
+                bound: 2e-5,
+            });
+        }
+    }
+    Ok(checks)
+}
+
+/// Bandwidth of the decode matvecs at DeepSeek V4 Flash shapes. Several copies of
+/// each weight rotate so that the L2 cache cannot hold them.
+pub fn bench_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
+    let mut rng = Rng::stream(seed, 0xbe4c, 0);
+    let mut out = Vec::new();
+    let l2 = gpu.info().l2_bytes.max(1) as usize;
+    // (name, type, rows, cols, matrices in the stack, matrices used per call, shared input)
+    let shapes: &[(&str, GgmlType, usize, usize, usize, usize, bool)] = &[
+        (
+            "attn_q_b Q8_0 1024->32768",
+            GgmlType::Q8_0,
+            32768,
+            1024,
+            1,
+            1,
+            true,
+        ),
+        (
+            "attn_output_b Q8_0 8192->4096",
+            GgmlType::Q8_0,
+            4096,
+            8192,
+            1,
+            1,
+            true,
+        ),
+        (
+            "attn_q_a Q8_0 4096->1024",
+            GgmlType::Q8_0,
+            1024,
+            4096,
+            1,
+            1,
+            true,
+        ),
+        (
+            "output Q8_0 4096->129280",
+            GgmlType::Q8_0,
+            129_280,
+            4096,
+            1,
+            1,
+            true,
+        ),
+        (
+            "compressor_kv F16 4096->1024",
+            GgmlType::F16,
+            1024,
+            4096,
+            1,
+            1,
+            true,
+        ),
+        (
+            "indexer q_b F16 1024->8192",
+            GgmlType::F16,
+            8192,
+            1024,
+            1,
+            1,
+            true,
+        ),
+        (
+            "ffn_gate_inp F16 4096->256",
+            GgmlType::F16,
+            256,
+            4096,
+            1,
+            1,
+            true,
+        ),
+        ("hc_fn F16 16384->24", GgmlType::F16, 24, 16384, 1, 1, true),
+        (
+            "6 experts gate IQ2_XXS 4096->2048",
+            GgmlType::IQ2_XXS,
+            2048,
+            4096,
+            256,
+            6,
+            true,
+        ),
+        (
+            "6 experts down Q2_K 2048->4096",
+            GgmlType::Q2_K,
+            4096,
+            2048,
+            256,
+            6,
+            false,
+        ),
+        (
+            "6 experts gate Q4_K 4096->2048",
+            GgmlType::Q4_K,
+            2048,
+            4096,
+            256,
+            6,
+            true,
+        ),
+        (
+            "6 experts down Q4_K 2048->4096",
+            GgmlType::Q4_K,
+            4096,
+            2048,
+            256,
+            6,
+            false,
+        ),
+    ];
+    for &(name, ty, rows, cols, mats, used, shared) in shapes {
+        let w = random_matrix(ty, rows, cols, mats, &mut rng);
+        let m = DeviceMatrix::upload(gpu, ty, &w, rows, cols, mats)?;
+        let per_call = m.bytes_per_matrix() * used;
+        // Enough copies (or distinct experts) that consecutive calls miss the L2.
+        let copies = if mats > 1 {
+            1
+        } else {
+            (4 * l2 / m.bytes()).clamp(1, 16)
+        };
+        let mut extra = Vec::new();
+        for _ in 1..copies {
+            extra.push(DeviceMatrix::upload(gpu, ty, &w, rows, cols, mats)?);
+        }
+        let x = gpu.upload(&random_vec(used * cols, &mut rng))?;
+        let mut y = gpu.zeros::<f32>(used * rows)?;
+        let id_sets: Vec<_> = (0..8)
+            .map(|s| {
+                let ids: Vec<i32> = (0..used as i32)
+                    .map(|k| (k * 41 + s * 29) % mats as i32)
+                    .collect();
+                gpu.upload(&ids)
+            })
+            .collect::<Result<_, _>>()?;
+        let ms = gpu.time_ms(3, 50, |i| {
+            let mm = if i % copies == 0 {
+                &m
+            } else {
+                &extra[i % copies - 1]
+            };
+            if mats > 1 {
+                gpu.matvec_selected(mm, &id_sets[i % id_sets.len()], &x, shared, &mut y)
+            } else {
+                gpu.matvec_buf(mm, &x, &mut y)
+            }
+        })?;
+        out.push(Timing {
+            name: name.to_string(),
+            bytes: per_call as f64,
+            ms,
+        });
+    }
+    Ok(out)
+}

@@ -1,0 +1,71 @@
+// Shared definitions of the ds4 CUDA kernels. Built with nvcc (ahead of time) or NVRTC
+// (at run time), so it includes no system headers: fixed-width types and half
+// conversions are spelled out here.
+#pragma once
+
+typedef signed char i8;
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef int i32;
+typedef unsigned int u32;
+typedef long long i64;
+typedef unsigned long long u64;
+
+#define WARP 32
+
+__device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("{ .reg .b16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 f2h(float f) {
+    u16 h;
+    asm("{ .reg .b16 t; cvt.rn.f16.f32 t, %1; mov.b16 %0, t; }" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// 16 bytes as four 32-bit words (the unit of every weight load).
+struct __align__(16) W4 { u32 a, b, c, d; };
+
+__device__ __forceinline__ W4 ld16(const void* p) {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+    W4 w; w.a = v.x; w.b = v.y; w.c = v.z; w.d = v.w;
+    return w;
+}
+
+__device__ __forceinline__ float4 ldx4(const float* p) {
+    return *reinterpret_cast<const float4*>(p);
+}
+
+// Signed dot of 4 packed int8 with 4 floats.
+__device__ __forceinline__ float dot4_i8(u32 q, float4 x) {
+    return (float)(i8)(q & 0xff) * x.x + (float)(i8)((q >> 8) & 0xff) * x.y +
+           (float)(i8)((q >> 16) & 0xff) * x.z + (float)(i8)(q >> 24) * x.w;
+}
+
+// A matrix-vector launch: one warp per output row, ROWS_PER_BLOCK warps per block,
+// blockIdx.y = which of the selected matrices (routed experts) to use.
+#define ROWS_PER_BLOCK 8
+
+struct MatSel {
+    const i32* ids;   // matrix index per blockIdx.y, or null for matrix 0
+    i64 x_stride;     // input floats between consecutive blockIdx.y (0: shared input)
+    i64 y_stride;     // output floats between consecutive blockIdx.y
+};
+
+__device__ __forceinline__ int sel_matrix(const MatSel& s) {
+    return s.ids ? s.ids[blockIdx.y] : 0;
+}

@@ -1,0 +1,224 @@
+// Decode matrix-vector products, y = W·x with f32 activations, for every weight format.
+// Memory-bound: each lane streams 16-byte chunks of one row; x comes from L1/L2.
+// Weight layouts are the repacked ones of src/weights.rs (scales split from quants so
+// that quant loads are 16-byte aligned); Q4_K and F16/F32 keep the GGUF layout.
+#include "common.cuh"
+
+// Q8_0: qs [rows][cols] int8, d [rows][cols/32] f16.
+extern "C" __global__ void __launch_bounds__(256) matvec_q8_0(
+    const i8* __restrict__ qs, const u16* __restrict__ d, i64 mat_q, i64 mat_d,
+    const float* __restrict__ x, float* __restrict__ y, int rows, int cols, MatSel sel) {
+    const int row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.y;
+    if (row >= rows) return;
+    const int m = sel_matrix(sel);
+    x += blockIdx.y * sel.x_stride;
+    const i8* q = qs + m * mat_q + (i64)row * cols;
+    const u16* dr = d + m * mat_d + (i64)row * (cols / 32);
+    float acc = 0.f;
+#pragma unroll 4
+    for (int c = threadIdx.x * 16; c < cols; c += WARP * 16) {
+        const W4 w = ld16(q + c);
+        const float s = h2f(dr[c >> 5]);
+        float4 x0 = ldx4(x + c), x1 = ldx4(x + c + 4), x2 = ldx4(x + c + 8), x3 = ldx4(x + c + 12);
+        acc += s * (dot4_i8(w.a, x0) + dot4_i8(w.b, x1) + dot4_i8(w.c, x2) + dot4_i8(w.d, x3));
+    }
+    acc = warp_sum(acc);
+    if (threadIdx.x == 0) y[blockIdx.y * sel.y_stride + row] = acc;
+}
+
+__device__ __forceinline__ float dot2_h(u32 h, float a, float b) {
+    return h2f((u16)(h & 0xffff)) * a + h2f((u16)(h >> 16)) * b;
+}
+
+// F16: [rows][cols] f16 (GGUF layout).
+extern "C" __global__ void __launch_bounds__(256) matvec_f16(
+    const u16* __restrict__ w, i64 mat_w, const float* __restrict__ x, float* __restrict__ y,
+    int rows, int cols, MatSel sel) {
+    const int row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.y;
+    if (row >= rows) return;
+    const int m = sel_matrix(sel);
+    x += blockIdx.y * sel.x_stride;
+    const u16* r = w + m * mat_w + (i64)row * cols;
+    float acc = 0.f;
+    if ((cols & 7) == 0) {
+#pragma unroll 4
+        for (int c = threadIdx.x * 8; c < cols; c += WARP * 8) {
+            const W4 v = ld16(r + c);
+            const float4 x0 = ldx4(x + c), x1 = ldx4(x + c + 4);
+            acc += dot2_h(v.a, x0.x, x0.y) + dot2_h(v.b, x0.z, x0.w) + dot2_h(v.c, x1.x, x1.y) +
+                   dot2_h(v.d, x1.z, x1.w);
+        }
+    } else {
+        for (int c = threadIdx.x; c < cols; c += WARP) acc += h2f(r[c]) * x[c];
+    }
+    acc = warp_sum(acc);
+    if (threadIdx.x == 0) y[blockIdx.y * sel.y_stride + row] = acc;
+}
+
+// F32: [rows][cols] f32.
+extern "C" __global__ void __launch_bounds__(256) matvec_f32(
+    const float* __restrict__ w, i64 mat_w, const float* __restrict__ x, float* __restrict__ y,
+    int rows, int cols, MatSel sel) {
+    const int row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.y;
+    if (row >= rows) return;
+    const int m = sel_matrix(sel);
+    x += blockIdx.y * sel.x_stride;
+    const float* r = w + m * mat_w + (i64)row * cols;
+    float acc = 0.f;
+    if ((cols & 3) == 0) {
+        for (int c = threadIdx.x * 4; c < cols; c += WARP * 4) {
+            const float4 v = *reinterpret_cast<const float4*>(r + c);
+            const float4 xv = ldx4(x + c);
+            acc += v.x * xv.x + v.y * xv.y + v.z * xv.z + v.w * xv.w;
+        }
+    } else {
+        for (int c = threadIdx.x; c < cols; c += WARP) acc += r[c] * x[c];
+    }
+    acc = warp_sum(acc);
+    if (threadIdx.x == 0) y[blockIdx.y * sel.y_stride + row] = acc;
+}
+
+// IQ2_XXS: qs [rows][cols/256][64 bytes], d [rows][cols/256] f16. A lane takes 16 bytes
+// (two groups of 32 values). The 2 KB grid is staged in shared memory: lanes index it
+// divergently, which constant memory would serialise.
+extern "C" __global__ void __launch_bounds__(256) matvec_iq2_xxs(
+    const u8* __restrict__ qs, const u16* __restrict__ d, i64 mat_q, i64 mat_d,
+    const u64* __restrict__ grid_g, const float* __restrict__ x, float* __restrict__ y,
+    int rows, int cols, MatSel sel) {
+    __shared__ u64 grid[256];
+    const int tid = threadIdx.y * WARP + threadIdx.x;
+    for (int i = tid; i < 256; i += WARP * ROWS_PER_BLOCK) grid[i] = grid_g[i];
+    __syncthreads();
+    const int row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.y;
+    if (row >= rows) return;
+    const int m = sel_matrix(sel);
+    x += blockIdx.y * sel.x_stride;
+    const int nb = cols / 256;
+    const u8* q = qs + m * mat_q + (i64)row * nb * 64;
+    const u16* dr = d + m * mat_d + (i64)row * nb;
+    float acc = 0.f;
+    for (int c = threadIdx.x; c < nb * 4; c += WARP) {
+        const int b = c >> 2;
+        const W4 w = ld16(q + (i64)c * 16);
+        const float db = h2f(dr[b]) * 0.25f;
+        const float* xb = x + b * 256 + (c & 3) * 64;
+        const u32 words[4] = {w.a, w.b, w.c, w.d};
+#pragma unroll
+        for (int g = 0; g < 2; ++g) {
+            const u32 idx = words[2 * g], sg = words[2 * g + 1];
+            const float scale = db * (0.5f + (float)(sg >> 28));
+            float s = 0.f;
+#pragma unroll
+            for (int l = 0; l < 4; ++l) {
+                const u64 gv = grid[(idx >> (8 * l)) & 0xff];
+                u32 signs = (sg >> (7 * l)) & 127;
+                signs |= (__popc(signs) & 1) << 7;
+                const float* xx = xb + g * 32 + l * 8;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const float v = (float)((gv >> (8 * j)) & 0xff);
+                    s += ((signs >> j) & 1) ? -v * xx[j] : v * xx[j];
+                }
+            }
+            acc += scale * s;
+        }
+    }
+    acc = warp_sum(acc);
+    if (threadIdx.x == 0) y[blockIdx.y * sel.y_stride + row] = acc;
+}
+
+// Q2_K: qs [rows][nb][64], sc [rows][nb][16], dm [rows][nb] (f16 d, f16 dmin). A lane
+// takes 16 quant bytes: half h of chunk k covers elements 128k + 32j + 16h + l.
+extern "C" __global__ void __launch_bounds__(256) matvec_q2_k(
+    const u8* __restrict__ qs, const u8* __restrict__ sc, const u32* __restrict__ dm,
+    i64 mat_blocks, const float* __restrict__ x, float* __restrict__ y, int rows, int cols,
+    MatSel sel) {
+    const int row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.y;
+    if (row >= rows) return;
+    const int m = sel_matrix(sel);
+    x += blockIdx.y * sel.x_stride;
+    const int nb = cols / 256;
+    const i64 b0 = m * mat_blocks + (i64)row * nb;
+    float acc = 0.f;
+    for (int c = threadIdx.x; c < nb * 4; c += WARP) {
+        const int b = c >> 2, k = (c >> 1) & 1, h = c & 1;
+        const W4 w = ld16(qs + (b0 + b) * 64 + k * 32 + h * 16);
+        const u32 words[4] = {w.a, w.b, w.c, w.d};
+        const u32 dmv = dm[b0 + b];
+        const float dd = h2f((u16)(dmv & 0xffff)), dmin = h2f((u16)(dmv >> 16));
+        const u8* scb = sc + (b0 + b) * 16;
+        const float* xb = x + b * 256 + 128 * k + 16 * h;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u8 s = scb[8 * k + 2 * j + h];
+            float sq = 0.f, sx = 0.f;
+#pragma unroll
+            for (int l = 0; l < 16; ++l) {
+                const u32 byte = (words[l >> 2] >> (8 * (l & 3))) & 0xff;
+                const float xv = xb[32 * j + l];
+                sq += (float)((byte >> (2 * j)) & 3) * xv;
+                sx += xv;
+            }
+            acc += dd * (float)(s & 15) * sq - dmin * (float)(s >> 4) * sx;
+        }
+    }
+    acc = warp_sum(acc);
+    if (threadIdx.x == 0) y[blockIdx.y * sel.y_stride + row] = acc;
+}
+
+// Byte i (0..11) of the Q4_K scale words without indexing a register array at run
+// time (which would spill it to local memory).
+__device__ __forceinline__ u32 q4k_byte(int i, u32 w0, u32 w1, u32 w2) {
+    const u32 w = i < 4 ? w0 : (i < 8 ? w1 : w2);
+    return (w >> (8 * (i & 3))) & 0xff;
+}
+
+__device__ __forceinline__ void q4k_scale_min(int j, u32 w0, u32 w1, u32 w2, float& sc, float& mn) {
+    if (j < 4) {
+        sc = (float)(q4k_byte(j, w0, w1, w2) & 63);
+        mn = (float)(q4k_byte(j + 4, w0, w1, w2) & 63);
+    } else {
+        const u32 hi = q4k_byte(j + 4, w0, w1, w2);
+        sc = (float)((hi & 0xF) | ((q4k_byte(j - 4, w0, w1, w2) >> 6) << 4));
+        mn = (float)((hi >> 4) | ((q4k_byte(j, w0, w1, w2) >> 6) << 4));
+    }
+}
+
+// Q4_K in the GGUF layout (144-byte blocks are 16-byte aligned): a lane takes 16 quant
+// bytes of chunk c, half h: elements 64c + 16h + l (low nibbles) and 64c + 32 + 16h + l.
+extern "C" __global__ void __launch_bounds__(256) matvec_q4_k(
+    const u8* __restrict__ w, i64 mat_blocks, const float* __restrict__ x,
+    float* __restrict__ y, int rows, int cols, MatSel sel) {
+    const int row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.y;
+    if (row >= rows) return;
+    const int m = sel_matrix(sel);
+    x += blockIdx.y * sel.x_stride;
+    const int nb = cols / 256;
+    const u8* base = w + (m * mat_blocks + (i64)row * nb) * 144;
+    float acc = 0.f;
+    for (int c = threadIdx.x; c < nb * 8; c += WARP) {
+        const int b = c >> 3, ch = (c >> 1) & 3, h = c & 1;
+        const u8* blk = base + (i64)b * 144;
+        const W4 hdr = ld16(blk);
+        const W4 q = ld16(blk + 16 + ch * 32 + h * 16);
+        const u32 words[4] = {q.a, q.b, q.c, q.d};
+        const float dd = h2f((u16)(hdr.a & 0xffff)), dmin = h2f((u16)(hdr.a >> 16));
+        float sc1, m1, sc2, m2;
+        q4k_scale_min(2 * ch, hdr.b, hdr.c, hdr.d, sc1, m1);
+        q4k_scale_min(2 * ch + 1, hdr.b, hdr.c, hdr.d, sc2, m2);
+        const float* xl = x + b * 256 + 64 * ch + 16 * h;
+        float ql = 0.f, qh = 0.f, xsl = 0.f, xsh = 0.f;
+#pragma unroll
+        for (int l = 0; l < 16; ++l) {
+            const u32 byte = (words[l >> 2] >> (8 * (l & 3))) & 0xff;
+            const float a = xl[l], bb = xl[32 + l];
+            ql += (float)(byte & 15) * a;
+            qh += (float)(byte >> 4) * bb;
+            xsl += a;
+            xsh += bb;
+        }
+        acc += dd * (sc1 * ql + sc2 * qh) - dmin * (m1 * xsl + m2 * xsh);
+    }
+    acc = warp_sum(acc);
+    if (threadIdx.x == 0) y[blockIdx.y * sel.y_stride + row] = acc;
+}

@@ -1,0 +1,275 @@
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
+    ValidAsZeroBits,
+};
+use cudarc::nvrtc::Ptx;
+
+use crate::error::CudaError;
+
+/// The fatbin built by build.rs (empty when nvcc was not available at build time).
+static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/ds4_kernels.fatbin"));
+/// The same kernels as one CUDA source, for NVRTC.
+static SOURCE: &str = include_str!(concat!(env!("OUT_DIR"), "/ds4_kernels.cu"));
+
+/// Whether the CUDA driver library can be loaded. Never panics.
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the driver library by its usual names.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// How the kernel module was obtained.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KernelSource {
+    /// Compiled ahead of time by nvcc (sm_90a machine code + compute_90 PTX).
+    Fatbin,
+    /// Compiled by NVRTC at run time (possibly loaded from the disk cache).
+    Nvrtc { cached: bool, path: Option<PathBuf> },
+}
+
+#[derive(Clone, Debug)]
+pub struct GpuInfo {
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub multiprocessors: i32,
+    pub total_mem: usize,
+    pub l2_bytes: i32,
+    pub kernels: KernelSource,
+}
+
+/// One GPU with one stream and the ds4 kernel module loaded.
+pub struct Gpu {
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    module: Arc<CudaModule>,
+    funcs: Mutex<HashMap<&'static str, CudaFunction>>,
+    pub(crate) iq2_grid: CudaSlice<u64>,
+    info: GpuInfo,
+}
+
+/// A typed device buffer.
+pub type DeviceBuf<T> = CudaSlice<T>;
+
+impl Gpu {
+    /// Opens device `ordinal`: driver check, context, stream and kernels.
+    pub fn open(ordinal: usize) -> Result<Gpu, CudaError> {
+        if !driver_present() {
+            return Err(CudaError::NoDriver);
+        }
+        let count = CudaContext::device_count()?;
+        if ordinal as i32 >= count {
+            return Err(CudaError::NoDevice(ordinal, count));
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        // One stream, ordered work: cudarc's per-argument event tracking only adds
+        // launch overhead here (and gets in the way of graph capture).
+        // SAFETY: every buffer is used on the single stream created below.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream()?;
+        let cc = ctx.compute_capability()?;
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        let multiprocessors = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        let l2_bytes = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?;
+        let (module, kernels) = load_kernels(&ctx, cc)?;
+        let info = GpuInfo {
+            name: ctx.name()?,
+            compute_capability: cc,
+            multiprocessors,
+            total_mem: ctx.total_mem()?,
+            l2_bytes,
+            kernels,
+        };
+        let iq2_grid = stream.clone_htod(&ds4_gguf::quant::iq2xxs_grid()[..])?;
+        Ok(Gpu {
+            ctx,
+            stream,
+            module,
+            iq2_grid,
+            funcs: Mutex::new(HashMap::new()),
+            info,
+        })
+    }
+
+    pub fn info(&self) -> &GpuInfo {
+        &self.info
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// (free, total) device memory in bytes.
+    pub fn mem_info(&self) -> Result<(usize, usize), CudaError> {
+        Ok(self.ctx.mem_get_info()?)
+    }
+
+    pub(crate) fn func(&self, name: &'static str) -> Result<CudaFunction, CudaError> {
+        let mut f = self.funcs.lock().expect("kernel table lock");
+        if let Some(k) = f.get(name) {
+            return Ok(k.clone());
+        }
+        let k = self
+            .module
+            .load_function(name)
+            .map_err(|_| CudaError::MissingKernel(name.to_string()))?;
+        f.insert(name, k.clone());
+        Ok(k)
+    }
+
+    pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, CudaError> {
+        Ok(self.stream.clone_htod(host)?)
+    }
+
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> Result<CudaSlice<T>, CudaError> {
+        Ok(self.stream.alloc_zeros::<T>(n)?)
+    }
+
+    pub fn download<T: DeviceRepr + Default + Clone>(
+        &self,
+        dev: &CudaSlice<T>,
+    ) -> Result<Vec<T>, CudaError> {
+        Ok(self.stream.clone_dtoh(dev)?)
+    }
+
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        Ok(self.stream.synchronize()?)
+    }
+
+    /// The raw device address of a buffer (valid while the buffer lives).
+    pub fn ptr<T>(&self, buf: &CudaSlice<T>) -> u64 {
+        let (p, _sync) = buf.device_ptr(&self.stream);
+        p
+    }
+}
+
+fn load_kernels(
+    ctx: &Arc<CudaContext>,
+    cc: (i32, i32),
+) -> Result<(Arc<CudaModule>, KernelSource), CudaError> {
+    let force_nvrtc = std::env::var("DS4_CUDA_NVRTC").is_ok_and(|v| v == "1");
+    if !FATBIN.is_empty() && !force_nvrtc {
+        match ctx.load_module(Ptx::from_binary(FATBIN.to_vec())) {
+            Ok(m) => return Ok((m, KernelSource::Fatbin)),
+            // A GPU older than sm_90 cannot use the fatbin: compile for it instead.
+            Err(e) if cc.0 < 9 => eprintln!(
+                "ds4: prebuilt kernels do not load on sm_{}{} ({e}); compiling with NVRTC",
+                cc.0, cc.1
+            ),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    // SAFETY: only tries to dlopen the NVRTC library.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(CudaError::NoCompiler(
+            "libnvrtc not found; install the CUDA toolkit or a build with nvcc".into(),
+        ));
+    }
+    let arch = format!("sm_{}{}", cc.0, cc.1);
+    let hash = fnv1a(SOURCE.as_bytes()) ^ fnv1a(arch.as_bytes());
+    let cache = cache_dir().map(|d| d.join(format!("kernels-{hash:016x}-{arch}.ptx")));
+    if let Some(path) = &cache {
+        if let Ok(ptx) = std::fs::read_to_string(path) {
+            if let Ok(m) = ctx.load_module(Ptx::from_src(ptx)) {
+                return Ok((
+                    m,
+                    KernelSource::Nvrtc {
+                        cached: true,
+                        path: cache.clone(),
+                    },
+                ));
+            }
+        }
+    }
+    let arch_static: &'static str = Box::leak(arch.into_boxed_str());
+    let opts = cudarc::nvrtc::CompileOptions {
+        arch: Some(arch_static),
+        options: vec!["-std=c++17".into()],
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts)
+        .map_err(|e| CudaError::Compile(e.to_string()))?;
+    if let Some(path) = &cache {
+        if let Some(dir) = path.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        let tmp = path.with_extension("tmp");
+        if std::fs::write(&tmp, ptx.to_src()).is_ok() {
+            let _ = std::fs::rename(&tmp, path);
+        }
+    }
+    let m = ctx.load_module(ptx)?;
+    Ok((
+        m,
+        KernelSource::Nvrtc {
+            cached: false,
+            path: cache,
+        },
+    ))
+}
+
+fn cache_dir() -> Option<PathBuf> {
+    if let Some(d) = std::env::var_os("DS4_CACHE_DIR") {
+        return Some(PathBuf::from(d));
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+        return Some(PathBuf::from(d).join("ds4"));
+    }
+    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache").join("ds4"))
+}
+
+fn fnv1a(b: &[u8]) -> u64 {
+    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
+        (h ^ x as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+impl Gpu {
+    /// Mean milliseconds per call of `f` over `reps` calls, timed with device events
+    /// after `warmup` untimed calls.
+    pub fn time_ms(
+        &self,
+        warmup: usize,
+        reps: usize,
+        mut f: impl FnMut(usize) -> Result<(), CudaError>,
+    ) -> Result<f64, CudaError> {
+        for i in 0..warmup {
+            f(i)?;
+        }
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.ctx.new_event(timing)?;
+        let end = self.ctx.new_event(timing)?;
+        start.record(&self.stream)?;
+        for i in 0..reps {
+            f(i)?;
+        }
+        end.record(&self.stream)?;
+        end.synchronize()?;
+        Ok(start.elapsed_ms(&end)? as f64 / reps.max(1) as f64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_machine_without_a_driver_gets_an_error_not_a_panic() {
+        if !driver_present() {
+            assert!(matches!(Gpu::open(0), Err(CudaError::NoDriver)));
+        }
+    }
+
+    #[test]
+    fn the_kernel_source_is_embedded() {
+        assert!(SOURCE.contains("matvec_q8_0") && SOURCE.contains("warp_sum"));
+        if cfg!(ds4_fatbin) {
+            assert!(!FATBIN.is_empty());
+        }
+    }
+}

@@ -1,0 +1,18 @@
+/// Why the GPU cannot be used (every variant is recoverable: fall back to the CPU).
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    #[error("no CUDA driver library (libcuda) found on this machine")]
+    NoDriver,
+    #[error("no CUDA device {0} (found {1})")]
+    NoDevice(usize, i32),
+    #[error("CUDA driver error: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+    #[error("the kernels were not compiled ahead of time and NVRTC is not available: {0}")]
+    NoCompiler(String),
+    #[error("compiling the CUDA kernels with NVRTC failed: {0}")]
+    Compile(String),
+    #[error("kernel {0} is missing from the kernel module")]
+    MissingKernel(String),
+    #[error("{0}")]
+    Invalid(String),
+}

@@ -1,0 +1,19 @@
+//! CUDA device runtime and kernels for ds4.
+//!
+//! The CUDA driver is loaded dynamically: this crate builds without CUDA, and
+//! [`driver_present`] / [`Gpu::open`] report a missing driver or device as an error
+//! instead of panicking, so callers can fall back to the CPU backend.
+//!
+//! Kernels live in `kernels/*.cu`. `build.rs` compiles them to a fatbin (sm_90a + PTX)
+//! when nvcc is found; otherwise they are compiled at run time with NVRTC for the
+//! device's architecture and cached on disk.
+
+mod device;
+mod error;
+mod ops;
+mod weights;
+
+pub use device::{driver_present, DeviceBuf, Gpu, GpuInfo, KernelSource};
+pub use error::CudaError;
+pub use ops::MatSel;
+pub use weights::{repack, DeviceMatrix, Repacked};

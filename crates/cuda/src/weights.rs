@@ -1,0 +1,220 @@
+//! Weight upload: GGUF blocks are repacked so that every quant load in a kernel is
+//! 16-byte aligned (the 34-, 66- and 84-byte blocks are not), with scales split into
+//! arrays of their own. Bytes per weight are unchanged.
+
+use cudarc::driver::CudaSlice;
+use ds4_gguf::GgmlType;
+
+use crate::device::Gpu;
+use crate::error::CudaError;
+
+/// A repacked matrix stack on the host: up to three parts, see each kernel for layout.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Repacked {
+    pub parts: Vec<Vec<u8>>,
+}
+
+/// Repacks `n_mats` matrices of `rows × cols` elements of type `ty` (GGUF byte order).
+pub fn repack(
+    ty: GgmlType,
+    src: &[u8],
+    rows: usize,
+    cols: usize,
+    n_mats: usize,
+) -> Result<Repacked, CudaError> {
+    let n = rows * cols * n_mats;
+    let want = ty
+        .bytes_for(n as u64)
+        .ok_or_else(|| CudaError::Invalid(format!("{ty}: {cols} columns are not whole blocks")))?;
+    if src.len() as u64 != want {
+        return Err(CudaError::Invalid(format!(
+            "{ty}: {} bytes, expected {want}",
+            src.len()
+        )));
+    }
+    let parts = match ty {
+        GgmlType::F32 | GgmlType::F16 | GgmlType::Q4_K => vec![src.to_vec()],
+        GgmlType::Q8_0 => {
+            let nb = n / 32;
+            let mut qs = Vec::with_capacity(n);
+            let mut d = Vec::with_capacity(nb * 2);
+            for b in src.chunks_exact(34) {
+                d.extend_from_slice(&b[0..2]);
+                qs.extend_from_slice(&b[2..34]);
+            }
+            vec![qs, d]
+        }
+        GgmlType::IQ2_XXS => {
+            let nb = n / 256;
+            let mut qs = Vec::with_capacity(nb * 64);
+            let mut d = Vec::with_capacity(nb * 2);
+            for b in src.chunks_exact(66) {
+                d.extend_from_slice(&b[0..2]);
+                qs.extend_from_slice(&b[2..66]);
+            }
+            vec![qs, d]
+        }
+        GgmlType::Q2_K => {
+            let nb = n / 256;
+            let mut qs = Vec::with_capacity(nb * 64);
+            let mut sc = Vec::with_capacity(nb * 16);
+            let mut dm = Vec::with_capacity(nb * 4);
+            for b in src.chunks_exact(84) {
+                sc.extend_from_slice(&b[0..16]);
+                qs.extend_from_slice(&b[16..80]);
+                dm.extend_from_slice(&b[80..84]);
+            }
+            vec![qs, sc, dm]
+        }
+        other => {
+            return Err(CudaError::Invalid(format!(
+                "no CUDA kernel for {other} weights"
+            )))
+        }
+    };
+    Ok(Repacked { parts })
+}
+
+/// A weight matrix (or a stack of expert matrices) resident on the GPU.
+pub struct DeviceMatrix {
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    pub n_mats: usize,
+    pub(crate) parts: Vec<CudaSlice<u8>>,
+}
+
+impl DeviceMatrix {
+    /// Uploads `n_mats` matrices of `rows × cols` (GGUF layout `[cols, rows, n_mats]`).
+    pub fn upload(
+        gpu: &Gpu,
+        ty: GgmlType,
+        src: &[u8],
+        rows: usize,
+        cols: usize,
+        n_mats: usize,
+    ) -> Result<DeviceMatrix, CudaError> {
+        let r = repack(ty, src, rows, cols, n_mats)?;
+        let parts = r
+            .parts
+            .iter()
+            .map(|p| gpu.upload(p))
+            .collect::<Result<_, _>>()?;
+        Ok(DeviceMatrix {
+            ty,
+            rows,
+            cols,
+            n_mats,
+            parts,
+        })
+    }
+
+    /// Device bytes of the matrix stack.
+    pub fn bytes(&self) -> usize {
+        self.parts.iter().map(|p| p.len()).sum()
+    }
+
+    /// Bytes read by one product with one matrix of the stack.
+    pub fn bytes_per_matrix(&self) -> usize {
+        self.bytes() / self.n_mats
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ds4_gguf::quant::dequantize_to_vec;
+
+    /// Decodes the repacked layouts with the kernels' indexing, on the CPU.
+    fn decode_repacked(ty: GgmlType, r: &Repacked, n: usize) -> Vec<f32> {
+        let h = |b: &[u8], i: usize| {
+            ds4_gguf::quant::f16_to_f32(u16::from_le_bytes([b[2 * i], b[2 * i + 1]]))
+        };
+        let mut out = vec![0.0; n];
+        match ty {
+            GgmlType::Q8_0 => {
+                for (i, o) in out.iter_mut().enumerate() {
+                    *o = h(&r.parts[1], i / 32) * r.parts[0][i] as i8 as f32;
+                }
+            }
+            GgmlType::IQ2_XXS | GgmlType::Q2_K => {
+                // Reassemble GGUF blocks from the parts and use the reference decoder.
+                let nb = n / 256;
+                let mut blocks = Vec::new();
+                for b in 0..nb {
+                    if ty == GgmlType::IQ2_XXS {
+                        blocks.extend_from_slice(&r.parts[1][2 * b..2 * b + 2]);
+                        blocks.extend_from_slice(&r.parts[0][64 * b..64 * b + 64]);
+                    } else {
+                        blocks.extend_from_slice(&r.parts[1][16 * b..16 * b + 16]);
+                        blocks.extend_from_slice(&r.parts[0][64 * b..64 * b + 64]);
+                        blocks.extend_from_slice(&r.parts[2][4 * b..4 * b + 4]);
+                    }
+                }
+                out = dequantize_to_vec(ty, &blocks, n).unwrap();
+            }
+            _ => out = dequantize_to_vec(ty, &r.parts[0], n).unwrap(),
+        }
+        out
+    }
+
+    #[test]
+    fn repacking_preserves_every_value() {
+        let mut seed = 1u64;
+        let mut next = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 33) as u8
+        };
+        for ty in [
+            GgmlType::Q8_0,
+            GgmlType::IQ2_XXS,
+            GgmlType::Q2_K,
+            GgmlType::Q4_K,
+            GgmlType::F16,
+        ] {
+            let (rows, cols, mats) = (3, 512, 2);
+            let n = rows * cols * mats;
+            let mut src: Vec<u8> = (0..ty.bytes_for(n as u64).unwrap())
+                .map(|_| next())
+                .collect();
+            // Keep f16 scales finite.
+            if ty == GgmlType::F16 {
+                for c in src.chunks_exact_mut(2) {
+                    c[1] &= 0x3b;
+                }
+            } else {
+                let (bb, offs): (usize, &[usize]) = match ty {
+                    GgmlType::Q8_0 => (34, &[0]),
+                    GgmlType::IQ2_XXS => (66, &[0]),
+                    GgmlType::Q2_K => (84, &[80, 82]),
+                    _ => (144, &[0, 2]),
+                };
+                for b in src.chunks_exact_mut(bb) {
+                    for &o in offs {
+                        b[o + 1] &= 0x3b;
+                    }
+                }
+            }
+            let r = repack(ty, &src, rows, cols, mats).unwrap();
+            assert_eq!(
+                r.parts.iter().map(Vec::len).sum::<usize>(),
+                src.len(),
+                "{ty}: bytes kept"
+            );
+            assert_eq!(
+                decode_repacked(ty, &r, n),
+                dequantize_to_vec(ty, &src, n).unwrap(),
+                "{ty}"
+            );
+        }
+    }
+
+    #[test]
+    fn wrong_sizes_are_errors() {
+        assert!(repack(GgmlType::Q8_0, &[0; 33], 1, 32, 1).is_err());
+        assert!(repack(GgmlType::Q8_0, &[0; 34], 1, 31, 1).is_err());
+        assert!(repack(GgmlType::Q5_K, &[0; 176], 1, 256, 1).is_err());
+    }
+}
