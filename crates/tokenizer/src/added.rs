@@ -1,0 +1,108 @@
+//! Matching added tokens inside text, leftmost-longest.
+
+const NONE: u32 = u32::MAX;
+
+#[derive(Default)]
+struct Node {
+    edges: Vec<(u8, u32)>,
+    token: u32,
+}
+
+/// A byte trie of token strings.
+pub(crate) struct Trie {
+    nodes: Vec<Node>,
+    first: [bool; 256],
+}
+
+impl Trie {
+    pub(crate) fn new<'a>(tokens: impl IntoIterator<Item = (&'a str, u32)>) -> Trie {
+        let mut t = Trie {
+            nodes: vec![Node {
+                edges: Vec::new(),
+                token: NONE,
+            }],
+            first: [false; 256],
+        };
+        for (s, id) in tokens {
+            if s.is_empty() {
+                continue;
+            }
+            t.first[s.as_bytes()[0] as usize] = true;
+            let mut n = 0usize;
+            for &b in s.as_bytes() {
+                n = match t.nodes[n].edges.iter().find(|e| e.0 == b) {
+                    Some(&(_, k)) => k as usize,
+                    None => {
+                        t.nodes.push(Node {
+                            edges: Vec::new(),
+                            token: NONE,
+                        });
+                        let k = t.nodes.len() - 1;
+                        t.nodes[n].edges.push((b, k as u32));
+                        k
+                    }
+                };
+            }
+            // A duplicate string keeps the later id, like a map built from the list.
+            t.nodes[n].token = id;
+        }
+        t
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.nodes.len() == 1
+    }
+
+    /// Longest token starting at byte `i`: (end, id).
+    #[inline]
+    fn longest_at(&self, b: &[u8], i: usize) -> Option<(usize, u32)> {
+        let mut n = 0usize;
+        let mut best = None;
+        for (k, &byte) in b[i..].iter().enumerate() {
+            match self.nodes[n].edges.iter().find(|e| e.0 == byte) {
+                Some(&(_, next)) => n = next as usize,
+                None => break,
+            }
+            if self.nodes[n].token != NONE {
+                best = Some((i + k + 1, self.nodes[n].token));
+            }
+        }
+        best
+    }
+
+    /// Splits `text` into plain spans and tokens, in order.
+    ///
+    /// Scanning positions left to right and taking the longest token at the first position
+    /// where any matches is exactly leftmost-longest. Token strings are valid UTF-8 and start
+    /// with a lead byte, so matches always fall on character boundaries.
+    pub(crate) fn split<'a>(
+        &self,
+        text: &'a str,
+        mut on_text: impl FnMut(&'a str),
+        mut on_token: impl FnMut(u32),
+    ) {
+        let b = text.as_bytes();
+        let mut start = 0;
+        let mut i = 0;
+        while i < b.len() {
+            if !self.first[b[i] as usize] {
+                i += 1;
+                continue;
+            }
+            match self.longest_at(b, i) {
+                Some((end, id)) => {
+                    if start < i {
+                        on_text(&text[start..i]);
+                    }
+                    on_token(id);
+                    i = end;
+                    start = end;
+                }
+                None => i += 1,
+            }
+        }
+        if start < b.len() {
+            on_text(&text[start..]);
+        }
+    }
+}

@@ -1,0 +1,218 @@
+//! The tokenizer: added-token matching, pre-tokenization and BPE.
+
+use std::collections::HashMap;
+
+use crate::added::Trie;
+use crate::bpe::{char_to_byte_table, Bpe};
+use crate::error::TokenizerError;
+use crate::vocab::{self, VocabSpec};
+use crate::{pretokenize, SpecialIds};
+
+/// DeepSeek V4 byte-level BPE tokenizer, identical in output to Hugging Face `tokenizers`
+/// with the official `tokenizer.json` (`encode(text, add_special_tokens=False)`).
+pub struct Tokenizer {
+    tokens: Vec<Option<String>>,
+    token_to_id: HashMap<String, u32>,
+    /// Per id: skipped by `decode(.., skip_special = true)`.
+    special: Vec<bool>,
+    /// Per id: is an added token (matched as a whole in text, never produced by BPE).
+    added: Vec<bool>,
+    /// First pass: added tokens matched on the raw input.
+    trie_raw: Trie,
+    /// Second pass: added tokens flagged `normalized` (the normalizer is empty, so only
+    /// the pass order can differ from a single pass).
+    trie_normalized: Trie,
+    bpe: Bpe,
+    /// Bytes each id decodes to, concatenated; `decode_offsets[id]..decode_offsets[id + 1]`.
+    decode_bytes: Vec<u8>,
+    decode_offsets: Vec<u32>,
+    specials: Result<SpecialIds, &'static str>,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.tokens.len())
+            .field("added_tokens", &self.added.iter().filter(|&&a| a).count())
+            .finish()
+    }
+}
+
+impl Tokenizer {
+    /// Builds the tokenizer from the bytes of a Hugging Face `tokenizer.json`.
+    pub fn from_tokenizer_json(bytes: &[u8]) -> Result<Tokenizer, TokenizerError> {
+        Tokenizer::build(vocab::from_tokenizer_json(bytes)?)
+    }
+
+    /// Builds the tokenizer from GGUF metadata: `tokenizer.ggml.tokens`,
+    /// `tokenizer.ggml.merges` and, if present, `tokenizer.ggml.token_type`.
+    ///
+    /// Token types 3 (control) and 4 (user-defined) are the added tokens; control tokens
+    /// are the special ones (skipped on decode). Without types, added tokens are guessed
+    /// from their strings (see `vocab::from_gguf`), which is right for the official
+    /// vocabulary's chat markers but not guaranteed for every added token.
+    pub fn from_gguf_vocab(
+        tokens: Vec<String>,
+        merges: Vec<String>,
+        token_types: Option<Vec<i32>>,
+    ) -> Result<Tokenizer, TokenizerError> {
+        Tokenizer::build(vocab::from_gguf(tokens, merges, token_types)?)
+    }
+
+    fn build(spec: VocabSpec) -> Result<Tokenizer, TokenizerError> {
+        let VocabSpec {
+            tokens,
+            merges,
+            added: added_specs,
+        } = spec;
+        let n = tokens.len();
+        let mut token_to_id = HashMap::with_capacity(n);
+        for (id, t) in tokens.iter().enumerate() {
+            if let Some(t) = t {
+                token_to_id.entry(t.clone()).or_insert(id as u32);
+            }
+        }
+        let mut special = vec![false; n];
+        let mut added = vec![false; n];
+        for a in &added_specs {
+            special[a.id as usize] = a.special;
+            added[a.id as usize] = true;
+            // Added tokens win over a base-vocabulary entry with the same string.
+            token_to_id.insert(a.content.clone(), a.id);
+        }
+        let trie_raw = Trie::new(
+            added_specs
+                .iter()
+                .filter(|a| !a.normalized)
+                .map(|a| (a.content.as_str(), a.id)),
+        );
+        let trie_normalized = Trie::new(
+            added_specs
+                .iter()
+                .filter(|a| a.normalized)
+                .map(|a| (a.content.as_str(), a.id)),
+        );
+        let bpe = Bpe::new(&token_to_id, &merges)?;
+
+        let inv = char_to_byte_table();
+        let mut decode_bytes = Vec::new();
+        let mut decode_offsets = Vec::with_capacity(n + 1);
+        decode_offsets.push(0u32);
+        for t in &tokens {
+            if let Some(t) = t {
+                // A token whose characters are all in the byte alphabet is those bytes;
+                // any other (`｜`, `▁`, …) is its own UTF-8, as the ByteLevel decoder does.
+                let mapped: Option<Vec<u8>> = t
+                    .chars()
+                    .map(|c| inv.get(c as usize).copied().flatten())
+                    .collect();
+                match mapped {
+                    Some(b) => decode_bytes.extend_from_slice(&b),
+                    None => decode_bytes.extend_from_slice(t.as_bytes()),
+                }
+            }
+            decode_offsets.push(decode_bytes.len() as u32);
+        }
+        let mut tok = Tokenizer {
+            tokens,
+            token_to_id,
+            special,
+            added,
+            trie_raw,
+            trie_normalized,
+            bpe,
+            decode_bytes,
+            decode_offsets,
+            specials: Err(""),
+        };
+        tok.specials = SpecialIds::lookup(&tok);
+        Ok(tok)
+    }
+
+    /// Number of ids (base vocabulary plus added tokens).
+    pub fn vocab_size(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.token_to_id.get(token).copied()
+    }
+
+    pub fn id_to_token(&self, id: u32) -> Option<&str> {
+        self.tokens.get(id as usize).and_then(|t| t.as_deref())
+    }
+
+    /// Whether `decode(.., skip_special = true)` drops this id.
+    pub fn is_special(&self, id: u32) -> bool {
+        self.special.get(id as usize).copied().unwrap_or(false)
+    }
+
+    /// Whether this id is an added token (matched in text as a whole string).
+    pub fn is_added(&self, id: u32) -> bool {
+        self.added.get(id as usize).copied().unwrap_or(false)
+    }
+
+    /// The chat special ids, looked up by string. Fails if a required marker is missing.
+    pub fn special_ids(&self) -> Result<&SpecialIds, TokenizerError> {
+        self.specials
+            .as_ref()
+            .map_err(|&name| TokenizerError::MissingSpecial(name))
+    }
+
+    /// Encodes `text` with added tokens recognised anywhere in it, like Hugging Face
+    /// `encode(text, add_special_tokens=False)`. No BOS/EOS is added.
+    pub fn encode(&self, text: &str) -> Vec<u32> {
+        let mut out = Vec::with_capacity(text.len() / 3 + 4);
+        self.encode_into(text, &mut out);
+        out
+    }
+
+    /// `encode`, appending to `out`.
+    pub fn encode_into(&self, text: &str, out: &mut Vec<u32>) {
+        let bpe = &self.bpe;
+        let out = std::cell::RefCell::new(out);
+        let plain = |s: &str| {
+            let mut o = out.borrow_mut();
+            pretokenize::split(s, |piece| bpe.encode_piece(piece.as_bytes(), &mut o));
+        };
+        let token = |id: u32| out.borrow_mut().push(id);
+        if self.trie_normalized.is_empty() {
+            self.trie_raw.split(text, plain, token);
+        } else {
+            self.trie_raw.split(
+                text,
+                |s| self.trie_normalized.split(s, plain, token),
+                token,
+            );
+        }
+    }
+
+    /// Encodes `text` as ordinary text: added-token strings are split like any other text.
+    pub fn encode_plain(&self, text: &str) -> Vec<u32> {
+        let mut out = Vec::with_capacity(text.len() / 3 + 4);
+        pretokenize::split(text, |piece| self.bpe.encode_piece(piece.as_bytes(), &mut out));
+        out
+    }
+
+    /// Pre-tokenizer output for `text` (no added-token matching), for diagnostics.
+    pub fn pre_tokenize(&self, text: &str) -> Vec<String> {
+        let mut v = Vec::new();
+        pretokenize::split(text, |p| v.push(p.to_string()));
+        v
+    }
+
+    /// Raw bytes of one id: the byte-level inverse for ordinary tokens, the UTF-8 of the
+    /// string for added tokens outside the byte alphabet. Empty for unknown ids.
+    pub fn token_bytes(&self, id: u32) -> &[u8] {
+        let i = id as usize;
+        match (self.decode_offsets.get(i), self.decode_offsets.get(i + 1)) {
+            (Some(&a), Some(&b)) => &self.decode_bytes[a as usize..b as usize],
+            _ => &[],
+        }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn bpe(&self) -> &Bpe {
+        &self.bpe
+    }
+}
