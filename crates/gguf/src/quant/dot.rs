@@ -6,6 +6,11 @@
 //! * F16/F32 × f32: 16 interleaved lanes (`lane[i % 16] = fma(w[i], x[i], lane)`), then
 //!   the lanes are summed as a fixed pairwise tree. This is the order a 16-wide (or
 //!   2×8-wide) FMA loop produces naturally.
+//!
+//! The public `dot_*` functions dispatch to the best kernel this CPU has (chosen once,
+//! at first use); `dot_*_scalar` are the reference implementations. `dot_*_multi`
+//! compute one weight row against several activation rows, streaming each weight
+//! block once (prefill, batched decode); each result equals the single-row dot.
 
 use super::blocks::{BlockQ8K, BlockQ8_0, QK8_0, QK_K};
 use super::dequant::{ksigns, q4k_scale_min};
@@ -30,7 +35,7 @@ pub fn reduce_lanes(l: &[f32; DENSE_LANES]) -> f32 {
 }
 
 /// Q8_0 weight row · Q8_0 activations: `Σ_b (f16(d_w)·d_x)·Σ q_w·q_x`.
-pub fn dot_q8_0_q8_0(w: &[u8], x: &[BlockQ8_0]) -> f32 {
+pub fn dot_q8_0_q8_0_scalar(w: &[u8], x: &[BlockQ8_0]) -> f32 {
     debug_assert_eq!(w.len(), x.len() * 34);
     let mut acc = 0.0f32;
     for (wb, xb) in w.chunks_exact(34).zip(x) {
@@ -44,7 +49,7 @@ pub fn dot_q8_0_q8_0(w: &[u8], x: &[BlockQ8_0]) -> f32 {
 }
 
 /// Q2_K weight row · Q8_K activations (ggml scalar `vec_dot_q2_K_q8_K` order).
-pub fn dot_q2_k_q8_k(w: &[u8], x: &[BlockQ8K]) -> f32 {
+pub fn dot_q2_k_q8_k_scalar(w: &[u8], x: &[BlockQ8K]) -> f32 {
     debug_assert_eq!(w.len(), x.len() * 84);
     let mut acc = 0.0f32;
     for (wb, xb) in w.chunks_exact(84).zip(x) {
@@ -83,7 +88,7 @@ pub fn q2_k_block_sums(wb: &[u8], xb: &BlockQ8K) -> (i32, i32) {
 
 /// Q4_K weight row · Q8_K activations:
 /// `Σ_b (d_x·f16(d))·Σ_j sc_j·Σq4·q8 − (d_x·f16(dmin))·Σ_j m_j·(bsum_2j + bsum_2j+1)`.
-pub fn dot_q4_k_q8_k(w: &[u8], x: &[BlockQ8K]) -> f32 {
+pub fn dot_q4_k_q8_k_scalar(w: &[u8], x: &[BlockQ8K]) -> f32 {
     debug_assert_eq!(w.len(), x.len() * 144);
     let mut acc = 0.0f32;
     for (wb, xb) in w.chunks_exact(144).zip(x) {
@@ -120,7 +125,7 @@ pub fn q4_k_block_sums(wb: &[u8], xb: &BlockQ8K) -> (i32, i32) {
 }
 
 /// IQ2_XXS weight row · Q8_K activations: `0.125·Σ_b (f16(d)·d_x)·Σ_g (2ls+1)·Σ grid·sign·q8`.
-pub fn dot_iq2_xxs_q8_k(w: &[u8], x: &[BlockQ8K]) -> f32 {
+pub fn dot_iq2_xxs_q8_k_scalar(w: &[u8], x: &[BlockQ8K]) -> f32 {
     debug_assert_eq!(w.len(), x.len() * 66);
     let mut acc = 0.0f32;
     for (wb, xb) in w.chunks_exact(66).zip(x) {
@@ -153,7 +158,7 @@ pub fn iq2_xxs_block_sum(wb: &[u8], xb: &BlockQ8K) -> i32 {
 }
 
 /// F16 weight row · f32 activations in the canonical 16-lane FMA order.
-pub fn dot_f16_f32(w: &[u8], x: &[f32]) -> f32 {
+pub fn dot_f16_f32_scalar(w: &[u8], x: &[f32]) -> f32 {
     debug_assert_eq!(w.len(), x.len() * 2);
     let mut lanes = [0.0f32; DENSE_LANES];
     for (i, (wb, &xv)) in w.chunks_exact(2).zip(x).enumerate() {
@@ -165,7 +170,7 @@ pub fn dot_f16_f32(w: &[u8], x: &[f32]) -> f32 {
 }
 
 /// F32 weight row · f32 activations in the canonical 16-lane FMA order.
-pub fn dot_f32_f32(w: &[u8], x: &[f32]) -> f32 {
+pub fn dot_f32_f32_scalar(w: &[u8], x: &[f32]) -> f32 {
     debug_assert_eq!(w.len(), x.len() * 4);
     let mut lanes = [0.0f32; DENSE_LANES];
     for (i, (wb, &xv)) in w.chunks_exact(4).zip(x).enumerate() {
@@ -177,7 +182,7 @@ pub fn dot_f32_f32(w: &[u8], x: &[f32]) -> f32 {
 }
 
 /// f32 · f32 in the canonical 16-lane FMA order (attention scores, pooled sums).
-pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+pub fn dot_f32_scalar(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let mut lanes = [0.0f32; DENSE_LANES];
     for (i, (&av, &bv)) in a.iter().zip(b).enumerate() {
@@ -190,4 +195,260 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
 /// The blocks a Q8_K activation row needs for `n` inputs.
 pub const fn q8_k_blocks(n: usize) -> usize {
     n / QK_K
+}
+
+// ---------------------------------------------------------------------------------
+// Runtime dispatch
+// ---------------------------------------------------------------------------------
+
+/// An instruction-set level the dot kernels are compiled for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SimdLevel {
+    Scalar,
+    /// x86_64 AVX2 + FMA + F16C.
+    Avx2,
+    /// x86_64 AVX-512 F/BW/VL (+VNNI where a kernel uses it) on top of AVX2.
+    Avx512,
+    /// aarch64 NEON (+dotprod is not assumed).
+    Neon,
+}
+
+type QDot<B> = fn(&[u8], &[B]) -> f32;
+type QMulti<B> = fn(&[u8], &[&[B]], &mut [f32]);
+
+/// The kernels of one [`SimdLevel`]. Obtain one with [`DotKernels::get`] (which checks
+/// the CPU) or [`DotKernels::best`].
+#[derive(Clone, Copy, Debug)]
+pub struct DotKernels {
+    pub level: SimdLevel,
+    pub q8_0: QDot<BlockQ8_0>,
+    pub q2_k: QDot<BlockQ8K>,
+    pub q4_k: QDot<BlockQ8K>,
+    pub iq2_xxs: QDot<BlockQ8K>,
+    pub f16_f32: fn(&[u8], &[f32]) -> f32,
+    pub f32_f32: fn(&[u8], &[f32]) -> f32,
+    pub f32: fn(&[f32], &[f32]) -> f32,
+    pub q8_0_multi: QMulti<BlockQ8_0>,
+    pub q2_k_multi: QMulti<BlockQ8K>,
+    pub q4_k_multi: QMulti<BlockQ8K>,
+    pub iq2_xxs_multi: QMulti<BlockQ8K>,
+}
+
+fn multi_by_rows<B>(w: &[u8], xs: &[&[B]], out: &mut [f32], f: QDot<B>) {
+    for (x, o) in xs.iter().zip(out.iter_mut()) {
+        *o = f(w, x);
+    }
+}
+
+static SCALAR: DotKernels = DotKernels {
+    level: SimdLevel::Scalar,
+    q8_0: dot_q8_0_q8_0_scalar,
+    q2_k: dot_q2_k_q8_k_scalar,
+    q4_k: dot_q4_k_q8_k_scalar,
+    iq2_xxs: dot_iq2_xxs_q8_k_scalar,
+    f16_f32: dot_f16_f32_scalar,
+    f32_f32: dot_f32_f32_scalar,
+    f32: dot_f32_scalar,
+    q8_0_multi: |w, xs, out| multi_by_rows(w, xs, out, dot_q8_0_q8_0_scalar),
+    q2_k_multi: |w, xs, out| multi_by_rows(w, xs, out, dot_q2_k_q8_k_scalar),
+    q4_k_multi: |w, xs, out| multi_by_rows(w, xs, out, dot_q4_k_q8_k_scalar),
+    iq2_xxs_multi: |w, xs, out| multi_by_rows(w, xs, out, dot_iq2_xxs_q8_k_scalar),
+};
+
+#[cfg(target_arch = "x86_64")]
+mod x86_tables {
+    use super::super::simd_x86 as k;
+    use super::{DotKernels, SimdLevel};
+
+    // SAFETY (every wrapper below): these tables are only handed out by
+    // `DotKernels::get` after `is_x86_feature_detected!` confirmed the features the
+    // kernels are compiled for; the kernels bound every memory access by the slice
+    // lengths they are given.
+    macro_rules! wrap {
+        ($f:path, $($a:ident : $t:ty),*) => {
+            |$($a: $t),*| unsafe { $f($($a),*) }
+        };
+    }
+
+    pub(super) static AVX2: DotKernels = DotKernels {
+        level: SimdLevel::Avx2,
+        q8_0: wrap!(k::dot_q8_0_avx2, w: &[u8], x: &[_]),
+        q2_k: wrap!(k::dot_q2_k_avx2, w: &[u8], x: &[_]),
+        q4_k: wrap!(k::dot_q4_k_avx2, w: &[u8], x: &[_]),
+        iq2_xxs: wrap!(k::dot_iq2_xxs_avx2, w: &[u8], x: &[_]),
+        f16_f32: wrap!(k::dot_f16_f32_avx2, w: &[u8], x: &[f32]),
+        f32_f32: wrap!(k::dot_f32_f32_avx2, w: &[u8], x: &[f32]),
+        f32: wrap!(k::dot_f32_avx2, a: &[f32], b: &[f32]),
+        q8_0_multi: wrap!(k::dot_q8_0_multi_avx2, w: &[u8], xs: &[&[_]], o: &mut [f32]),
+        q2_k_multi: wrap!(k::dot_q2_k_multi_avx2, w: &[u8], xs: &[&[_]], o: &mut [f32]),
+        q4_k_multi: wrap!(k::dot_q4_k_multi_avx2, w: &[u8], xs: &[&[_]], o: &mut [f32]),
+        iq2_xxs_multi: wrap!(k::dot_iq2_xxs_multi_avx2, w: &[u8], xs: &[&[_]], o: &mut [f32]),
+    };
+
+    pub(super) static AVX512: DotKernels = DotKernels {
+        level: SimdLevel::Avx512,
+        q8_0: wrap!(k::dot_q8_0_avx512, w: &[u8], x: &[_]),
+        iq2_xxs: wrap!(k::dot_iq2_xxs_avx512vnni, w: &[u8], x: &[_]),
+        f16_f32: wrap!(k::dot_f16_f32_avx512, w: &[u8], x: &[f32]),
+        ..AVX2
+    };
+
+    pub(super) fn has_avx2() -> bool {
+        is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+    }
+
+    pub(super) fn has_avx512() -> bool {
+        has_avx2()
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512vnni")
+    }
+}
+
+impl DotKernels {
+    /// The kernels of `level`, or `None` when this CPU (or build target) lacks it.
+    pub fn get(level: SimdLevel) -> Option<&'static DotKernels> {
+        match level {
+            SimdLevel::Scalar => Some(&SCALAR),
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx2 if x86_tables::has_avx2() => Some(&x86_tables::AVX2),
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx512 if x86_tables::has_avx512() => Some(&x86_tables::AVX512),
+            #[cfg(target_arch = "aarch64")]
+            SimdLevel::Neon if std::arch::is_aarch64_feature_detected!("neon") => {
+                Some(&super::simd_neon::NEON)
+            }
+            _ => None,
+        }
+    }
+
+    /// Every level this CPU supports, best last.
+    pub fn available() -> Vec<&'static DotKernels> {
+        [
+            SimdLevel::Scalar,
+            SimdLevel::Neon,
+            SimdLevel::Avx2,
+            SimdLevel::Avx512,
+        ]
+        .into_iter()
+        .filter_map(DotKernels::get)
+        .collect()
+    }
+
+    /// The best supported level, chosen once. `DS4_SIMD=scalar|avx2|avx512|neon` caps
+    /// the choice (benchmarks, bisecting a numerical difference).
+    pub fn best() -> &'static DotKernels {
+        static BEST: std::sync::OnceLock<&'static DotKernels> = std::sync::OnceLock::new();
+        BEST.get_or_init(|| {
+            let all = DotKernels::available();
+            let wanted = std::env::var("DS4_SIMD")
+                .ok()
+                .map(|s| s.to_ascii_lowercase());
+            let pick = wanted.and_then(|w| {
+                all.iter()
+                    .copied()
+                    .find(|k| format!("{:?}", k.level).to_ascii_lowercase() == w)
+            });
+            pick.unwrap_or_else(|| all[all.len() - 1])
+        })
+    }
+}
+
+/// The level the public `dot_*` functions use.
+pub fn simd_level() -> SimdLevel {
+    DotKernels::best().level
+}
+
+/// Q8_0 weight row · Q8_0 activations: `Σ_b (f16(d_w)·d_x)·Σ q_w·q_x`.
+#[inline]
+pub fn dot_q8_0_q8_0(w: &[u8], x: &[BlockQ8_0]) -> f32 {
+    debug_assert_eq!(w.len(), x.len() * 34);
+    (DotKernels::best().q8_0)(w, x)
+}
+
+/// Q2_K weight row · Q8_K activations (ggml scalar `vec_dot_q2_K_q8_K` order).
+#[inline]
+pub fn dot_q2_k_q8_k(w: &[u8], x: &[BlockQ8K]) -> f32 {
+    debug_assert_eq!(w.len(), x.len() * 84);
+    (DotKernels::best().q2_k)(w, x)
+}
+
+/// Q4_K weight row · Q8_K activations (see [`dot_q4_k_q8_k_scalar`]).
+#[inline]
+pub fn dot_q4_k_q8_k(w: &[u8], x: &[BlockQ8K]) -> f32 {
+    debug_assert_eq!(w.len(), x.len() * 144);
+    (DotKernels::best().q4_k)(w, x)
+}
+
+/// IQ2_XXS weight row · Q8_K activations (see [`dot_iq2_xxs_q8_k_scalar`]).
+#[inline]
+pub fn dot_iq2_xxs_q8_k(w: &[u8], x: &[BlockQ8K]) -> f32 {
+    debug_assert_eq!(w.len(), x.len() * 66);
+    (DotKernels::best().iq2_xxs)(w, x)
+}
+
+/// F16 weight row · f32 activations in the canonical 16-lane FMA order.
+#[inline]
+pub fn dot_f16_f32(w: &[u8], x: &[f32]) -> f32 {
+    debug_assert_eq!(w.len(), x.len() * 2);
+    (DotKernels::best().f16_f32)(w, x)
+}
+
+/// F32 weight row · f32 activations in the canonical 16-lane FMA order.
+#[inline]
+pub fn dot_f32_f32(w: &[u8], x: &[f32]) -> f32 {
+    debug_assert_eq!(w.len(), x.len() * 4);
+    (DotKernels::best().f32_f32)(w, x)
+}
+
+/// f32 · f32 in the canonical 16-lane FMA order (attention scores, pooled sums).
+#[inline]
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    (DotKernels::best().f32)(a, b)
+}
+
+fn check_multi<B>(w: &[u8], block_bytes: usize, xs: &[&[B]], out: &[f32]) {
+    assert_eq!(
+        xs.len(),
+        out.len(),
+        "dot multi: one output per activation row"
+    );
+    let nb = w.len() / block_bytes;
+    assert_eq!(w.len(), nb * block_bytes, "dot multi: partial weight block");
+    for x in xs {
+        assert_eq!(x.len(), nb, "dot multi: activation row length");
+    }
+}
+
+/// `out[r] = dot_q8_0_q8_0(w, xs[r])` for every activation row, reading `w` once.
+/// Panics unless `xs.len() == out.len()` and every row has `w.len()/34` blocks.
+pub fn dot_q8_0_q8_0_multi(w: &[u8], xs: &[&[BlockQ8_0]], out: &mut [f32]) {
+    check_multi(w, 34, xs, out);
+    (DotKernels::best().q8_0_multi)(w, xs, out)
+}
+
+/// `out[r] = dot_q2_k_q8_k(w, xs[r])`, each weight block unpacked once for all rows.
+/// Panics unless `xs.len() == out.len()` and every row has `w.len()/84` blocks.
+pub fn dot_q2_k_q8_k_multi(w: &[u8], xs: &[&[BlockQ8K]], out: &mut [f32]) {
+    check_multi(w, 84, xs, out);
+    (DotKernels::best().q2_k_multi)(w, xs, out)
+}
+
+/// `out[r] = dot_q4_k_q8_k(w, xs[r])`, each weight block unpacked once for all rows.
+/// Panics unless `xs.len() == out.len()` and every row has `w.len()/144` blocks.
+pub fn dot_q4_k_q8_k_multi(w: &[u8], xs: &[&[BlockQ8K]], out: &mut [f32]) {
+    check_multi(w, 144, xs, out);
+    (DotKernels::best().q4_k_multi)(w, xs, out)
+}
+
+/// `out[r] = dot_iq2_xxs_q8_k(w, xs[r])`: the grid lookups and sign expansion of each
+/// weight block (the expensive part) are done once for all rows.
+/// Panics unless `xs.len() == out.len()` and every row has `w.len()/66` blocks.
+pub fn dot_iq2_xxs_q8_k_multi(w: &[u8], xs: &[&[BlockQ8K]], out: &mut [f32]) {
+    check_multi(w, 66, xs, out);
+    (DotKernels::best().iq2_xxs_multi)(w, xs, out)
 }

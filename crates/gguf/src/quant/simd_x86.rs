@@ -1,0 +1,666 @@
+//! x86_64 AVX2 (+FMA, F16C) and AVX-512 kernels, bit-identical to the scalar ones.
+//!
+//! How exactness is kept:
+//! * integer block sums use only exact operations: `maddubs` with one operand ≤ 43 in
+//!   magnitude (no i16 saturation), `madd`, i32 adds. Products of two arbitrary i8
+//!   (Q8_0) are widened to i16 first, because the usual `sign_epi8` trick gets
+//!   `-(-128)` wrong. IQ2_XXS signs go onto the grid values, never onto the activations,
+//!   for the same reason;
+//! * per-block float formulas are evaluated lane-wise with the same operations in the
+//!   same order as the scalar code, then blocks are added to the accumulator one by one;
+//! * dense dots keep 16 lanes (two 8-wide or one 16-wide FMA accumulator) and reduce
+//!   them in the canonical pairwise order.
+//!
+//! Every `unsafe fn` here requires the CPU features of its `target_feature` attribute;
+//! the dispatcher in `dot.rs` only hands them out after runtime detection. Pointer
+//! arguments must be valid for the documented number of bytes.
+
+use core::arch::x86_64::*;
+
+use super::blocks::{BlockQ8K, BlockQ8_0, IQ2_XXS_BLOCK_BYTES, Q2_K_BLOCK_BYTES, QK8_0};
+use super::blocks::{Q4_K_BLOCK_BYTES, Q8_0_BLOCK_BYTES};
+use super::dequant::{ksigns, q4k_scale_min};
+use super::dot::{reduce_lanes, DENSE_LANES};
+use super::iq2xxs_grid::IQ2XXS_GRID;
+
+/// `KSIGN_MASK[i]`: byte j is 0xFF when element j of an IQ2 8-group with sign index `i`
+/// is negative.
+static KSIGN_MASK: [u64; 128] = {
+    let mut t = [0u64; 128];
+    let mut i = 0;
+    while i < 128 {
+        let s = ksigns(i);
+        let mut m = 0u64;
+        let mut j = 0;
+        while j < 8 {
+            if s & (1 << j) != 0 {
+                m |= 0xFFu64 << (8 * j);
+            }
+            j += 1;
+        }
+        t[i] = m;
+        i += 1;
+    }
+    t
+};
+
+#[inline(always)]
+fn rd_u16(p: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([p[at], p[at + 1]])
+}
+
+#[inline(always)]
+fn rd_u32(p: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([p[at], p[at + 1], p[at + 2], p[at + 3]])
+}
+
+// ---------------------------------------------------------------------------------
+// Helpers
+// ---------------------------------------------------------------------------------
+
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn hsum_i32(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+    _mm_cvtsi128_si32(s)
+}
+
+/// Eight vectors of partial sums → one vector of their eight totals.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn reduce8(p: &[__m256i; 8]) -> __m256i {
+    let a = _mm256_hadd_epi32(p[0], p[1]);
+    let b = _mm256_hadd_epi32(p[2], p[3]);
+    let c = _mm256_hadd_epi32(p[4], p[5]);
+    let d = _mm256_hadd_epi32(p[6], p[7]);
+    let ab = _mm256_hadd_epi32(a, b);
+    let cd = _mm256_hadd_epi32(c, d);
+    let lo = _mm256_permute2x128_si256::<0x20>(ab, cd);
+    let hi = _mm256_permute2x128_si256::<0x31>(ab, cd);
+    _mm256_add_epi32(lo, hi)
+}
+
+/// Two f16 values at `p[at..at + 4]` → f32, exactly (F16C handles subnormals).
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn f16_pair(p: &[u8], at: usize) -> (f32, f32) {
+    let v = _mm_cvtph_ps(_mm_cvtsi32_si128(rd_u32(p, at) as i32));
+    (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn f16_one(p: &[u8], at: usize) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(rd_u16(p, at) as i32)))
+}
+
+// ---------------------------------------------------------------------------------
+// Q8_0 × Q8_0
+// ---------------------------------------------------------------------------------
+
+/// Partial sums (8 × i32) of one Q8_0 block: `wq` points at 32 weight i8, `xq` at 32
+/// activation i8.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn q8_0_partial(wq: *const u8, xq: *const i8) -> __m256i {
+    let w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(wq as *const __m128i));
+    let w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(wq.add(16) as *const __m128i));
+    let x0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(xq as *const __m128i));
+    let x1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(xq.add(16) as *const __m128i));
+    _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1))
+}
+
+/// f16 weight scales of blocks `b0..b0+8` as f32.
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn q8_0_scales8(w: &[u8], b0: usize) -> __m256 {
+    let at = |k: usize| rd_u16(w, (b0 + k) * Q8_0_BLOCK_BYTES) as i16;
+    _mm256_cvtph_ps(_mm_setr_epi16(
+        at(0),
+        at(1),
+        at(2),
+        at(3),
+        at(4),
+        at(5),
+        at(6),
+        at(7),
+    ))
+}
+
+/// Adds `(dw·dx)·isum` of eight blocks to `acc` one block at a time.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn q8_0_combine8(acc: &mut f32, dw: __m256, x: &[BlockQ8_0], b0: usize, isum: __m256i) {
+    let dx = _mm256_setr_ps(
+        x[b0].d,
+        x[b0 + 1].d,
+        x[b0 + 2].d,
+        x[b0 + 3].d,
+        x[b0 + 4].d,
+        x[b0 + 5].d,
+        x[b0 + 6].d,
+        x[b0 + 7].d,
+    );
+    let p = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum));
+    let mut t = [0.0f32; 8];
+    _mm256_storeu_ps(t.as_mut_ptr(), p);
+    for v in t {
+        *acc += v;
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q8_0_avx2(w: &[u8], x: &[BlockQ8_0]) -> f32 {
+    let nb = (w.len() / Q8_0_BLOCK_BYTES).min(x.len());
+    let wp = w.as_ptr();
+    let mut acc = 0.0f32;
+    let mut b = 0;
+    while b + 8 <= nb {
+        let mut p = [_mm256_setzero_si256(); 8];
+        for (k, pk) in p.iter_mut().enumerate() {
+            let wb = wp.add((b + k) * Q8_0_BLOCK_BYTES + 2);
+            *pk = q8_0_partial(wb, x[b + k].qs.as_ptr());
+        }
+        let dw = q8_0_scales8(w, b);
+        q8_0_combine8(&mut acc, dw, x, b, reduce8(&p));
+        b += 8;
+    }
+    while b < nb {
+        let isum = hsum_i32(q8_0_partial(
+            wp.add(b * Q8_0_BLOCK_BYTES + 2),
+            x[b].qs.as_ptr(),
+        ));
+        acc += (f16_one(w, b * Q8_0_BLOCK_BYTES) * x[b].d) * isum as f32;
+        b += 1;
+    }
+    acc
+}
+
+/// One Q8_0 weight row against several activation rows: each group of eight weight
+/// blocks is widened to i16 once and reused for every row.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q8_0_multi_avx2(w: &[u8], xs: &[&[BlockQ8_0]], out: &mut [f32]) {
+    let nb = w.len() / Q8_0_BLOCK_BYTES;
+    let wp = w.as_ptr();
+    for o in out.iter_mut() {
+        *o = 0.0;
+    }
+    let mut b = 0;
+    while b + 8 <= nb {
+        let mut wv = [_mm256_setzero_si256(); 16];
+        for k in 0..8 {
+            let q = wp.add((b + k) * Q8_0_BLOCK_BYTES + 2);
+            wv[2 * k] = _mm256_cvtepi8_epi16(_mm_loadu_si128(q as *const __m128i));
+            wv[2 * k + 1] = _mm256_cvtepi8_epi16(_mm_loadu_si128(q.add(16) as *const __m128i));
+        }
+        let dw = q8_0_scales8(w, b);
+        for (x, acc) in xs.iter().zip(out.iter_mut()) {
+            let mut p = [_mm256_setzero_si256(); 8];
+            for (k, pk) in p.iter_mut().enumerate() {
+                let xq = x[b + k].qs.as_ptr();
+                let x0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(xq as *const __m128i));
+                let x1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(xq.add(16) as *const __m128i));
+                *pk = _mm256_add_epi32(
+                    _mm256_madd_epi16(wv[2 * k], x0),
+                    _mm256_madd_epi16(wv[2 * k + 1], x1),
+                );
+            }
+            q8_0_combine8(acc, dw, x, b, reduce8(&p));
+        }
+        b += 8;
+    }
+    while b < nb {
+        let d = f16_one(w, b * Q8_0_BLOCK_BYTES);
+        for (x, acc) in xs.iter().zip(out.iter_mut()) {
+            let isum = hsum_i32(q8_0_partial(
+                wp.add(b * Q8_0_BLOCK_BYTES + 2),
+                x[b].qs.as_ptr(),
+            ));
+            *acc += (d * x[b].d) * isum as f32;
+        }
+        b += 1;
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// Q2_K × Q8_K
+// ---------------------------------------------------------------------------------
+
+/// The 2-bit values of one Q2_K block as 8 vectors of 32 bytes (vector `4k + j` holds
+/// elements `128k + 32j ..`), and the low-nibble scales broadcast to both lanes.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn q2_k_unpack(wb: *const u8) -> ([__m256i; 8], __m256i, __m128i) {
+    let m3 = _mm256_set1_epi8(3);
+    let m4 = _mm_set1_epi8(0xF);
+    let sc_bytes = _mm_loadu_si128(wb as *const __m128i);
+    let sc = _mm256_broadcastsi128_si256(_mm_and_si128(sc_bytes, m4));
+    let mins = _mm_and_si128(_mm_srli_epi16::<4>(sc_bytes), m4);
+    let mut q = [_mm256_setzero_si256(); 8];
+    for k in 0..2 {
+        let v = _mm256_loadu_si256(wb.add(16 + 32 * k) as *const __m256i);
+        q[4 * k] = _mm256_and_si256(v, m3);
+        q[4 * k + 1] = _mm256_and_si256(_mm256_srli_epi16::<2>(v), m3);
+        q[4 * k + 2] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m3);
+        q[4 * k + 3] = _mm256_and_si256(_mm256_srli_epi16::<6>(v), m3);
+    }
+    (q, sc, mins)
+}
+
+/// (isum, summs) of an unpacked Q2_K block against one Q8_K block.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn q2_k_sums(q: &[__m256i; 8], sc: __m256i, mins: __m128i, xb: &BlockQ8K) -> (i32, i32) {
+    let bsums = _mm256_loadu_si256(xb.bsums.as_ptr() as *const __m256i);
+    let summs = _mm256_madd_epi16(bsums, _mm256_cvtepu8_epi16(mins));
+    let xq = xb.qs.as_ptr();
+    let mut acc = _mm256_setzero_si256();
+    for (p, qp) in q.iter().enumerate() {
+        let x = _mm256_loadu_si256(xq.add(32 * p) as *const __m256i);
+        let prod = _mm256_maddubs_epi16(*qp, x);
+        // Sub-block scales 2p (first 16 elements, low lane) and 2p+1 (high lane), as i16.
+        let lo = (0x8000u16 | (2 * p) as u16) as i16;
+        let hi = (0x8000u16 | (2 * p + 1) as u16) as i16;
+        let s = _mm256_shuffle_epi8(
+            sc,
+            _mm256_setr_m128i(_mm_set1_epi16(lo), _mm_set1_epi16(hi)),
+        );
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(prod, s));
+    }
+    (hsum_i32(acc), hsum_i32(summs))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn q2_k_combine(acc: &mut f32, wb: &[u8], xb: &BlockQ8K, isum: i32, summs: i32) {
+    let (d, dmin) = f16_pair(wb, 80);
+    let dall = xb.d * d;
+    let dmin = xb.d * dmin;
+    *acc += dall * isum as f32 - dmin * summs as f32;
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q2_k_avx2(w: &[u8], x: &[BlockQ8K]) -> f32 {
+    let mut acc = 0.0f32;
+    for (wb, xb) in w.chunks_exact(Q2_K_BLOCK_BYTES).zip(x) {
+        let (q, sc, mins) = q2_k_unpack(wb.as_ptr());
+        let (isum, summs) = q2_k_sums(&q, sc, mins, xb);
+        q2_k_combine(&mut acc, wb, xb, isum, summs);
+    }
+    acc
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q2_k_multi_avx2(w: &[u8], xs: &[&[BlockQ8K]], out: &mut [f32]) {
+    for o in out.iter_mut() {
+        *o = 0.0;
+    }
+    for (b, wb) in w.chunks_exact(Q2_K_BLOCK_BYTES).enumerate() {
+        let (q, sc, mins) = q2_k_unpack(wb.as_ptr());
+        for (x, acc) in xs.iter().zip(out.iter_mut()) {
+            let (isum, summs) = q2_k_sums(&q, sc, mins, &x[b]);
+            q2_k_combine(acc, wb, &x[b], isum, summs);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// Q4_K × Q8_K
+// ---------------------------------------------------------------------------------
+
+/// Nibbles of one Q4_K block (vector `2c` = low nibbles of chunk c, `2c+1` = high),
+/// the eight 6-bit scales and mins.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn q4_k_unpack(wb: &[u8]) -> ([__m256i; 8], [u8; 8], [u8; 8]) {
+    let m4 = _mm256_set1_epi8(0xF);
+    let mut q = [_mm256_setzero_si256(); 8];
+    let p = wb.as_ptr();
+    for c in 0..4 {
+        let v = _mm256_loadu_si256(p.add(16 + 32 * c) as *const __m256i);
+        q[2 * c] = _mm256_and_si256(v, m4);
+        q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
+    }
+    let mut sc = [0u8; 8];
+    let mut mn = [0u8; 8];
+    for j in 0..8 {
+        (sc[j], mn[j]) = q4k_scale_min(j, &wb[4..16]);
+    }
+    (q, sc, mn)
+}
+
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn q4_k_sums(q: &[__m256i; 8], sc: &[u8; 8], mn: &[u8; 8], xb: &BlockQ8K) -> (i32, i32) {
+    let xq = xb.qs.as_ptr();
+    let mut acc = _mm256_setzero_si256();
+    for (j, qj) in q.iter().enumerate() {
+        let x = _mm256_loadu_si256(xq.add(32 * j) as *const __m256i);
+        let prod = _mm256_maddubs_epi16(*qj, x);
+        acc = _mm256_add_epi32(
+            acc,
+            _mm256_madd_epi16(prod, _mm256_set1_epi16(sc[j] as i16)),
+        );
+    }
+    let mut summs = 0i32;
+    for j in 0..8 {
+        summs += mn[j] as i32 * (xb.bsums[2 * j] as i32 + xb.bsums[2 * j + 1] as i32);
+    }
+    (hsum_i32(acc), summs)
+}
+
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn q4_k_combine(acc: &mut f32, wb: &[u8], xb: &BlockQ8K, isum: i32, summs: i32) {
+    let (d, dmin) = f16_pair(wb, 0);
+    let d = xb.d * d;
+    let dmin = xb.d * dmin;
+    *acc += d * isum as f32 - dmin * summs as f32;
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q4_k_avx2(w: &[u8], x: &[BlockQ8K]) -> f32 {
+    let mut acc = 0.0f32;
+    for (wb, xb) in w.chunks_exact(Q4_K_BLOCK_BYTES).zip(x) {
+        let (q, sc, mn) = q4_k_unpack(wb);
+        let (isum, summs) = q4_k_sums(&q, &sc, &mn, xb);
+        q4_k_combine(&mut acc, wb, xb, isum, summs);
+    }
+    acc
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q4_k_multi_avx2(w: &[u8], xs: &[&[BlockQ8K]], out: &mut [f32]) {
+    for o in out.iter_mut() {
+        *o = 0.0;
+    }
+    for (b, wb) in w.chunks_exact(Q4_K_BLOCK_BYTES).enumerate() {
+        let (q, sc, mn) = q4_k_unpack(wb);
+        for (x, acc) in xs.iter().zip(out.iter_mut()) {
+            let (isum, summs) = q4_k_sums(&q, &sc, &mn, &x[b]);
+            q4_k_combine(acc, wb, &x[b], isum, summs);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// IQ2_XXS × Q8_K
+// ---------------------------------------------------------------------------------
+
+/// Signed grid values (i8, |v| ≤ 43) of the 8 groups of one IQ2_XXS block and the
+/// group multipliers `2·ls + 1`.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn iq2_xxs_unpack(wb: &[u8]) -> ([__m256i; 8], [i16; 8]) {
+    let mut sg = [_mm256_setzero_si256(); 8];
+    let mut ls = [0i16; 8];
+    for g in 0..8 {
+        let o = 2 + 8 * g;
+        let a1 = rd_u32(wb, o + 4);
+        let grid = _mm256_setr_epi64x(
+            IQ2XXS_GRID[wb[o] as usize] as i64,
+            IQ2XXS_GRID[wb[o + 1] as usize] as i64,
+            IQ2XXS_GRID[wb[o + 2] as usize] as i64,
+            IQ2XXS_GRID[wb[o + 3] as usize] as i64,
+        );
+        let m = _mm256_setr_epi64x(
+            KSIGN_MASK[(a1 & 127) as usize] as i64,
+            KSIGN_MASK[((a1 >> 7) & 127) as usize] as i64,
+            KSIGN_MASK[((a1 >> 14) & 127) as usize] as i64,
+            KSIGN_MASK[((a1 >> 21) & 127) as usize] as i64,
+        );
+        sg[g] = _mm256_sub_epi8(_mm256_xor_si256(grid, m), m);
+        ls[g] = 2 * (a1 >> 28) as i16 + 1;
+    }
+    (sg, ls)
+}
+
+/// Σ_g ls_g·Σ sg·q8. `maddubs` needs an unsigned operand: with `u = q8 ^ 0x80 = q8+128`,
+/// Σ u·sg − Σ 128·sg = Σ q8·sg exactly (all pair sums stay within i16).
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn iq2_xxs_sum(sg: &[__m256i; 8], ls: &[i16; 8], xb: &BlockQ8K) -> i32 {
+    let bias = _mm256_set1_epi8(-128);
+    let xq = xb.qs.as_ptr();
+    let mut acc = _mm256_setzero_si256();
+    for g in 0..8 {
+        let x = _mm256_loadu_si256(xq.add(32 * g) as *const __m256i);
+        let u = _mm256_xor_si256(x, bias);
+        let t = _mm256_sub_epi16(
+            _mm256_maddubs_epi16(u, sg[g]),
+            _mm256_maddubs_epi16(bias, sg[g]),
+        );
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(t, _mm256_set1_epi16(ls[g])));
+    }
+    hsum_i32(acc)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_iq2_xxs_avx2(w: &[u8], x: &[BlockQ8K]) -> f32 {
+    let mut acc = 0.0f32;
+    for (wb, xb) in w.chunks_exact(IQ2_XXS_BLOCK_BYTES).zip(x) {
+        let (sg, ls) = iq2_xxs_unpack(wb);
+        let bsum = iq2_xxs_sum(&sg, &ls, xb);
+        acc += (f16_one(wb, 0) * xb.d) * bsum as f32;
+    }
+    0.125 * acc
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_iq2_xxs_multi_avx2(w: &[u8], xs: &[&[BlockQ8K]], out: &mut [f32]) {
+    for o in out.iter_mut() {
+        *o = 0.0;
+    }
+    for (b, wb) in w.chunks_exact(IQ2_XXS_BLOCK_BYTES).enumerate() {
+        let (sg, ls) = iq2_xxs_unpack(wb);
+        let d = f16_one(wb, 0);
+        for (x, acc) in xs.iter().zip(out.iter_mut()) {
+            let bsum = iq2_xxs_sum(&sg, &ls, &x[b]);
+            *acc += (d * x[b].d) * bsum as f32;
+        }
+    }
+    for o in out.iter_mut() {
+        *o *= 0.125;
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// Dense
+// ---------------------------------------------------------------------------------
+
+/// Finishes a dense dot: the vector part left lanes 0..16 for elements `0..done`; the
+/// tail continues the same lane assignment, then the canonical reduction.
+#[inline]
+fn dense_finish(
+    mut lanes: [f32; DENSE_LANES],
+    done: usize,
+    n: usize,
+    elem: impl Fn(usize) -> (f32, f32),
+) -> f32 {
+    for i in done..n {
+        let (a, b) = elem(i);
+        let l = &mut lanes[i % DENSE_LANES];
+        *l = a.mul_add(b, *l);
+    }
+    reduce_lanes(&lanes)
+}
+
+/// Dense dot of `n` elements where `load(i)` gives 8 weights at element i.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dense_avx2(n: usize, x: *const f32, load: impl Fn(usize) -> __m256) -> [f32; 16] {
+    let mut a0 = _mm256_setzero_ps();
+    let mut a1 = _mm256_setzero_ps();
+    let mut i = 0;
+    while i + 16 <= n {
+        a0 = _mm256_fmadd_ps(load(i), _mm256_loadu_ps(x.add(i)), a0);
+        a1 = _mm256_fmadd_ps(load(i + 8), _mm256_loadu_ps(x.add(i + 8)), a1);
+        i += 16;
+    }
+    let mut lanes = [0.0f32; 16];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), a0);
+    _mm256_storeu_ps(lanes.as_mut_ptr().add(8), a1);
+    lanes
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_f16_f32_avx2(w: &[u8], x: &[f32]) -> f32 {
+    let n = (w.len() / 2).min(x.len());
+    let wp = w.as_ptr();
+    let lanes = dense_avx2(n, x.as_ptr(), |i| {
+        _mm256_cvtph_ps(_mm_loadu_si128(wp.add(2 * i) as *const __m128i))
+    });
+    dense_finish(lanes, n / 16 * 16, n, |i| {
+        (half::f16::from_bits(rd_u16(w, 2 * i)).to_f32(), x[i])
+    })
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_f32_f32_avx2(w: &[u8], x: &[f32]) -> f32 {
+    let n = (w.len() / 4).min(x.len());
+    let wp = w.as_ptr() as *const f32;
+    let lanes = dense_avx2(n, x.as_ptr(), |i| _mm256_loadu_ps(wp.add(i)));
+    dense_finish(lanes, n / 16 * 16, n, |i| {
+        (f32::from_bits(rd_u32(w, 4 * i)), x[i])
+    })
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_f32_avx2(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let ap = a.as_ptr();
+    let lanes = dense_avx2(n, b.as_ptr(), |i| _mm256_loadu_ps(ap.add(i)));
+    dense_finish(lanes, n / 16 * 16, n, |i| (a[i], b[i]))
+}
+
+// ---------------------------------------------------------------------------------
+// AVX-512 (F + BW + VL, VNNI where noted)
+// ---------------------------------------------------------------------------------
+
+/// Q8_0 with 512-bit registers: two blocks per register, sixteen blocks per group.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q8_0_avx512(w: &[u8], x: &[BlockQ8_0]) -> f32 {
+    let nb = (w.len() / Q8_0_BLOCK_BYTES).min(x.len());
+    let wp = w.as_ptr();
+    let mut acc = 0.0f32;
+    let mut b = 0;
+    while b + 16 <= nb {
+        // p[k] holds the partial sums of blocks b+k (low 256 bits) and b+k+8 (high).
+        let mut p = [_mm256_setzero_si256(); 8];
+        let mut q = [_mm256_setzero_si256(); 8];
+        for k in 0..8 {
+            let w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+                wp.add((b + k) * Q8_0_BLOCK_BYTES + 2) as *const __m256i,
+            ));
+            let x0 =
+                _mm512_cvtepi8_epi16(_mm256_loadu_si256(x[b + k].qs.as_ptr() as *const __m256i));
+            let w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+                wp.add((b + k + 8) * Q8_0_BLOCK_BYTES + 2) as *const __m256i,
+            ));
+            let x1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+                x[b + k + 8].qs.as_ptr() as *const __m256i
+            ));
+            let s0 = _mm512_madd_epi16(w0, x0);
+            let s1 = _mm512_madd_epi16(w1, x1);
+            p[k] = _mm256_add_epi32(
+                _mm512_castsi512_si256(s0),
+                _mm512_extracti64x4_epi64::<1>(s0),
+            );
+            q[k] = _mm256_add_epi32(
+                _mm512_castsi512_si256(s1),
+                _mm512_extracti64x4_epi64::<1>(s1),
+            );
+        }
+        q8_0_combine8(&mut acc, q8_0_scales8(w, b), x, b, reduce8(&p));
+        q8_0_combine8(&mut acc, q8_0_scales8(w, b + 8), x, b + 8, reduce8(&q));
+        b += 16;
+    }
+    if b < nb {
+        acc = dot_q8_0_tail_avx2(acc, w, x, b, nb);
+    }
+    acc
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q8_0_tail_avx2(mut acc: f32, w: &[u8], x: &[BlockQ8_0], b0: usize, nb: usize) -> f32 {
+    let wp = w.as_ptr();
+    for b in b0..nb {
+        let isum = hsum_i32(q8_0_partial(
+            wp.add(b * Q8_0_BLOCK_BYTES + 2),
+            x[b].qs.as_ptr(),
+        ));
+        acc += (f16_one(w, b * Q8_0_BLOCK_BYTES) * x[b].d) * isum as f32;
+    }
+    acc
+}
+
+/// IQ2_XXS with VNNI: four groups per 512-bit register; `dpbusd` accumulates
+/// u8·i8 products straight into i32 (no i16 intermediate, no saturation).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_iq2_xxs_avx512vnni(w: &[u8], x: &[BlockQ8K]) -> f32 {
+    let bias = _mm512_set1_epi8(-128);
+    let mut acc = 0.0f32;
+    for (wb, xb) in w.chunks_exact(IQ2_XXS_BLOCK_BYTES).zip(x) {
+        let (sg, ls) = iq2_xxs_unpack(wb);
+        let xq = xb.qs.as_ptr();
+        let mut tot = _mm512_setzero_si512();
+        for h in 0..2 {
+            // Groups 4h..4h+4: 128 activations, four 32-byte signed-grid vectors.
+            let s01 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(sg[4 * h]), sg[4 * h + 1]);
+            let s23 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(sg[4 * h + 2]), sg[4 * h + 3]);
+            let x01 = _mm512_loadu_si512(xq.add(128 * h) as *const _);
+            let x23 = _mm512_loadu_si512(xq.add(128 * h + 64) as *const _);
+            let mut a01 =
+                _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(x01, bias), s01);
+            let mut a23 =
+                _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(x23, bias), s23);
+            a01 = _mm512_sub_epi32(a01, _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, s01));
+            a23 = _mm512_sub_epi32(a23, _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, s23));
+            let l01 = _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_set1_epi32(ls[4 * h] as i32)),
+                _mm256_set1_epi32(ls[4 * h + 1] as i32),
+            );
+            let l23 = _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_set1_epi32(ls[4 * h + 2] as i32)),
+                _mm256_set1_epi32(ls[4 * h + 3] as i32),
+            );
+            tot = _mm512_add_epi32(tot, _mm512_mullo_epi32(a01, l01));
+            tot = _mm512_add_epi32(tot, _mm512_mullo_epi32(a23, l23));
+        }
+        let bsum = _mm512_reduce_add_epi32(tot);
+        acc += (f16_one(wb, 0) * xb.d) * bsum as f32;
+    }
+    0.125 * acc
+}
+
+/// Dense dots with one 16-lane register: exactly the canonical lane assignment.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn dense_avx512(n: usize, x: *const f32, load: impl Fn(usize) -> __m512) -> [f32; 16] {
+    let mut a = _mm512_setzero_ps();
+    let mut i = 0;
+    while i + 16 <= n {
+        a = _mm512_fmadd_ps(load(i), _mm512_loadu_ps(x.add(i)), a);
+        i += 16;
+    }
+    let mut lanes = [0.0f32; 16];
+    _mm512_storeu_ps(lanes.as_mut_ptr(), a);
+    lanes
+}
+
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_f16_f32_avx512(w: &[u8], x: &[f32]) -> f32 {
+    let n = (w.len() / 2).min(x.len());
+    let wp = w.as_ptr();
+    let lanes = dense_avx512(n, x.as_ptr(), |i| {
+        _mm512_cvtph_ps(_mm256_loadu_si256(wp.add(2 * i) as *const __m256i))
+    });
+    dense_finish(lanes, n / 16 * 16, n, |i| {
+        (half::f16::from_bits(rd_u16(w, 2 * i)).to_f32(), x[i])
+    })
+}
+
+/// `QK8_0` is what the Q8_0 kernels above assume.
+const _: () = assert!(QK8_0 == 32);
