@@ -1,5 +1,6 @@
 //! `ds4-tool`: model inspection, synthetic models, tokenizer and rendering debug tools.
 
+mod download;
 mod dump;
 mod inspect;
 mod synth;
@@ -25,6 +26,8 @@ enum Command {
     Synth(synth::Args),
     /// Write one tensor dequantized to raw little-endian f32 (GGUF element order).
     DumpTensor(dump::Args),
+    /// Download a published GGUF from Hugging Face (resumable) and link ./ds4flash.gguf.
+    Download(download::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -33,5 +36,6 @@ fn main() -> anyhow::Result<()> {
         Command::Inspect(a) => inspect::run(a),
         Command::Synth(a) => synth::run(a),
         Command::DumpTensor(a) => dump::run(a),
+        Command::Download(a) => download::run(a),
     }
 }
