@@ -2,7 +2,7 @@
 //! inputs, then (with `bench`) achieved bandwidth at the real model's shapes.
 
 use anyhow::Result;
-use ds4_cuda::{DeviceMatrix, Gpu};
+use ds4_cuda::{DeviceMatrix, Gpu, MatSel};
 use ds4_gguf::quant::dequantize_to_vec;
 use ds4_gguf::GgmlType;
 
@@ -135,9 +135,66 @@ pub fn check_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
                 rel_err: rel_err(&y, &reference(ty, &w, rows, cols, &ids, &x, false)),
                 bound: 2e-5,
             });
+            if matches!(ty, GgmlType::IQ2_XXS | GgmlType::Q2_K | GgmlType::Q4_K) {
+                checks.push(check_q8act(gpu, &m, &w, &ids, &x)?);
+            }
         }
     }
+    checks.push(check_quantize(gpu, &mut rng)?);
     Ok(checks)
+}
+
+/// The GPU activation quantiser must reproduce `quantize_q8_0` bit for bit.
+fn check_quantize(gpu: &Gpu, rng: &mut Rng) -> Result<Check> {
+    let rows = 3;
+    let cols = 4096;
+    let mut x = random_vec(rows * cols, rng);
+    x[5] = 0.0;
+    x[32..64].fill(0.0); // an all-zero block
+    x[64] = 1e-30;
+    let xd = gpu.upload(&x)?;
+    let mut qa = gpu.alloc_quant_act(rows, cols)?;
+    gpu.quantize_act(gpu.ptr(&xd), &mut qa)?;
+    let (q, d) = (gpu.download(&qa.q)?, gpu.download(&qa.d)?);
+    let want = ds4_gguf::quant::quantize_q8_0_vec(&x);
+    let mut mismatches = 0usize;
+    for (b, wb) in want.iter().enumerate() {
+        mismatches += usize::from(d[b].to_bits() != wb.d.to_bits());
+        mismatches += (0..32).filter(|&i| q[b * 32 + i] != wb.qs[i]).count();
+    }
+    Ok(Check {
+        name: "quantize_q8_32 == CPU quantize_q8_0 (bits)".into(),
+        rel_err: mismatches as f64,
+        bound: 0.0,
+    })
+}
+
+/// Expert products with int8 activations against an f64 product of the exactly
+/// dequantized weights with the CPU-quantised activations.
+fn check_q8act(gpu: &Gpu, m: &DeviceMatrix, w: &[u8], ids: &[i32], x: &[f32]) -> Result<Check> {
+    let (rows, cols, ty) = (m.rows, m.cols, m.ty);
+    let blocks = ds4_gguf::quant::quantize_q8_0_vec(x);
+    let xq: Vec<f32> = blocks
+        .iter()
+        .flat_map(|b| b.qs.iter().map(move |&q| q as f32 * b.d))
+        .collect();
+    let xd = gpu.upload(x)?;
+    let mut qa = gpu.alloc_quant_act(ids.len(), cols)?;
+    gpu.quantize_act(gpu.ptr(&xd), &mut qa)?;
+    let idd = gpu.upload(ids)?;
+    let yd = gpu.upload(&vec![f32::NAN; ids.len() * rows])?;
+    let sel = MatSel {
+        ids: gpu.ptr(&idd),
+        x_stride: cols as i64,
+        y_stride: rows as i64,
+    };
+    gpu.matvec_q8act(m, &qa, gpu.ptr(&yd), ids.len(), sel)?;
+    let y = gpu.download(&yd)?;
+    Ok(Check {
+        name: format!("matvec_q8act {ty} {rows}x{cols}"),
+        rel_err: rel_err(&y, &reference(ty, w, rows, cols, ids, &xq, false)),
+        bound: 2e-5,
+    })
 }
 
 /// Bandwidth of the decode matvecs at DeepSeek V4 Flash shapes. Several copies of
@@ -290,6 +347,25 @@ pub fn bench_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
             bytes: per_call as f64,
             ms,
         });
+        if mats > 1 {
+            let mut qa = gpu.alloc_quant_act(if shared { 1 } else { used }, cols)?;
+            gpu.quantize_act(gpu.ptr(&x), &mut qa)?;
+            let yp = gpu.ptr(&y);
+            let ms = gpu.time_ms(3, 50, |i| {
+                let ids = &id_sets[i % id_sets.len()];
+                let sel = MatSel {
+                    ids: gpu.ptr(ids),
+                    x_stride: if shared { 0 } else { cols as i64 },
+                    y_stride: rows as i64,
+                };
+                gpu.matvec_q8act(&m, &qa, yp, used, sel)
+            })?;
+            out.push(Timing {
+                name: format!("{name} [int8 act]"),
+                bytes: per_call as f64,
+                ms,
+            });
+        }
     }
     Ok(out)
 }

@@ -15,5 +15,5 @@ mod weights;
 
 pub use device::{driver_present, DeviceBuf, Gpu, GpuInfo, KernelSource};
 pub use error::CudaError;
-pub use ops::MatSel;
+pub use ops::{MatSel, QuantAct};
 pub use weights::{repack, DeviceMatrix, Repacked};

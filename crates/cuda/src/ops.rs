@@ -131,3 +131,109 @@ impl Gpu {
         Ok(self.ptr(&self.iq2_grid))
     }
 }
+
+/// Activations quantised to int8 per 32 values (ds4's Q8_0 activation rule), on the GPU.
+pub struct QuantAct {
+    pub q: CudaSlice<i8>,
+    pub d: CudaSlice<f32>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl Gpu {
+    pub fn alloc_quant_act(&self, rows: usize, cols: usize) -> Result<QuantAct, CudaError> {
+        if cols % 32 != 0 {
+            return Err(CudaError::Invalid(format!(
+                "{cols} activations are not whole 32-blocks"
+            )));
+        }
+        Ok(QuantAct {
+            q: self.zeros(rows * cols)?,
+            d: self.zeros(rows * cols / 32)?,
+            rows,
+            cols,
+        })
+    }
+
+    /// Quantises `rows × cols` floats at device address `x` into `qa`.
+    pub fn quantize_act(&self, x: u64, qa: &mut QuantAct) -> Result<(), CudaError> {
+        let blocks = (qa.rows * qa.cols / 32) as i32;
+        let warps_per_block = 8u32;
+        let cfg = LaunchConfig {
+            grid_dim: ((blocks as u32).div_ceil(warps_per_block), 1, 1),
+            block_dim: (32 * warps_per_block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = self.func("quantize_q8_32")?;
+        let (q, d) = (self.ptr(&qa.q), self.ptr(&qa.d));
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&x).arg(&q).arg(&d).arg(&blocks);
+        // SAFETY: x holds rows × cols floats (caller), q/d are sized by alloc_quant_act.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// `y[k] = W[ids[k]] · xq[k]` with int8 activations (`sel.x_stride` counts int8
+    /// values; 0 = shared input). IQ2_XXS, Q2_K and Q4_K weights.
+    pub fn matvec_q8act(
+        &self,
+        m: &DeviceMatrix,
+        xq: &QuantAct,
+        y: u64,
+        n_sel: usize,
+        sel: MatSel,
+    ) -> Result<(), CudaError> {
+        if xq.cols != m.cols {
+            return Err(CudaError::Invalid(format!(
+                "activation width {} != matrix columns {}",
+                xq.cols, m.cols
+            )));
+        }
+        let rows = m.rows as i32;
+        let cols = m.cols as i32;
+        let elems = (m.rows * m.cols) as i64;
+        let x_bytes = (m.cols + m.cols / 32 * 4) as u32;
+        let p: Vec<u64> = m.parts.iter().map(|b| self.ptr(b)).collect();
+        let (xq_p, xd_p) = (self.ptr(&xq.q), self.ptr(&xq.d));
+        let (name, smem) = match m.ty {
+            GgmlType::IQ2_XXS => ("matvec_iq2_xxs_q8", 2048 + x_bytes),
+            GgmlType::Q2_K => ("matvec_q2_k_q8", x_bytes),
+            GgmlType::Q4_K => ("matvec_q4_k_q8", x_bytes),
+            other => {
+                return Err(CudaError::Invalid(format!(
+                    "no int8-activation kernel for {other}"
+                )))
+            }
+        };
+        let f = self.func(name)?;
+        let cfg = LaunchConfig {
+            grid_dim: ((m.rows as u32).div_ceil(ROWS_PER_BLOCK), n_sel as u32, 1),
+            block_dim: (32, ROWS_PER_BLOCK, 1),
+            shared_mem_bytes: smem,
+        };
+        let mut b = self.stream.launch_builder(&f);
+        let grid = self.ptr(&self.iq2_grid);
+        let (mat_q, mat_d, mat_blocks) = (elems / 256 * 64, elems / 256, elems / 256);
+        match m.ty {
+            GgmlType::IQ2_XXS => {
+                b.arg(&p[0]).arg(&p[1]).arg(&mat_q).arg(&mat_d).arg(&grid);
+            }
+            GgmlType::Q2_K => {
+                b.arg(&p[0]).arg(&p[1]).arg(&p[2]).arg(&mat_blocks);
+            }
+            _ => {
+                b.arg(&p[0]).arg(&mat_blocks);
+            }
+        }
+        b.arg(&xq_p)
+            .arg(&xd_p)
+            .arg(&y)
+            .arg(&rows)
+            .arg(&cols)
+            .arg(&sel);
+        // SAFETY: argument order matches matvec_q8act.cu; xq holds n_sel rows (or one
+        // shared row) of m.cols values; y holds n_sel × m.rows floats (caller).
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+}

@@ -1,0 +1,179 @@
+// Expert matvecs against int8 activations: x is quantised once per 32 values
+// (d = amax/127 in f32, q = rint(x/d), exactly ds4's Q8_0 activation rule), staged in
+// shared memory, and products use dp4a. 2-bit weights expand to 4 products per byte, so
+// f32 activations made these kernels instruction-bound (see NOTES.md).
+#include "common.cuh"
+
+// x [n_rows][n] f32 → q [n_rows][n] int8 and d [n_rows][n/32] f32. One warp per 32
+// values: lane i quantises value i of its block.
+extern "C" __global__ void quantize_q8_32(const float* __restrict__ x, i8* __restrict__ q,
+                                          float* __restrict__ d, int n_blocks) {
+    const int b = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    if (b >= n_blocks) return;
+    const int lane = threadIdx.x % WARP;
+    const float v = x[(i64)b * 32 + lane];
+    const float amax = warp_max(fabsf(v));
+    const float dd = amax / 127.0f;
+    const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
+    int qi = __float2int_rn(v * id);
+    qi = max(-128, min(127, qi));
+    q[(i64)b * 32 + lane] = (i8)qi;
+    if (lane == 0) d[b] = dd;
+}
+
+// Stages one activation row (cols int8 + cols/32 scales) into shared memory.
+__device__ __forceinline__ void stage_x(i8* sq, float* sd, const i8* q, const float* d, int cols) {
+    const int tid = threadIdx.y * WARP + threadIdx.x;
+    const int nthreads = WARP * blockDim.y;
+    for (int i = tid * 16; i < cols; i += nthreads * 16)
+        *reinterpret_cast<uint4*>(sq + i) = *reinterpret_cast<const uint4*>(q + i);
+    for (int i = tid; i < cols / 32; i += nthreads) sd[i] = d[i];
+    __syncthreads();
+}
+
+// Sum of 4 signed bytes.
+__device__ __forceinline__ int bsum4(int v) { return __dp4a(v, 0x01010101, 0); }
+
+// IQ2_XXS × Q8: one lane per 16 weight bytes (two groups of 32). Signs are applied to
+// the packed grid bytes with (g ^ m) − m per byte.
+extern "C" __global__ void __launch_bounds__(256) matvec_iq2_xxs_q8(
+    const u8* __restrict__ qs, const u16* __restrict__ dw, i64 mat_q, i64 mat_d,
+    const u64* __restrict__ grid_g, const i8* __restrict__ xq, const float* __restrict__ xd,
+    float* __restrict__ y, int rows, int cols, MatSel sel) {
+    extern __shared__ __align__(16) u8 smem[];
+    u64* grid = reinterpret_cast<u64*>(smem);
+    float* sd = reinterpret_cast<float*>(smem + 2048);
+    i8* sq = reinterpret_cast<i8*>(smem + 2048 + (cols / 32) * 4);
+    const int tid = threadIdx.y * WARP + threadIdx.x;
+    for (int i = tid; i < 256; i += WARP * blockDim.y) grid[i] = grid_g[i];
+    stage_x(sq, sd, xq + blockIdx.y * sel.x_stride, xd + blockIdx.y * (sel.x_stride / 32), cols);
+    const int row = blockIdx.x * blockDim.y + threadIdx.y;
+    if (row >= rows) return;
+    const int m = sel_matrix(sel);
+    const int nb = cols / 256;
+    const u8* q = qs + m * mat_q + (i64)row * nb * 64;
+    const u16* dr = dw + m * mat_d + (i64)row * nb;
+    float acc = 0.f;
+    for (int c = threadIdx.x; c < nb * 4; c += WARP) {
+        const int b = c >> 2;
+        const W4 w = ld16(q + (i64)c * 16);
+        const float db = h2f(dr[b]) * 0.25f;
+        const u32 words[4] = {w.a, w.b, w.c, w.d};
+#pragma unroll
+        for (int g = 0; g < 2; ++g) {
+            const int grp = c * 2 + g;  // group of 32 within the row
+            const u32 idx = words[2 * g], sg = words[2 * g + 1];
+            const int4* xv = reinterpret_cast<const int4*>(sq + grp * 32);
+            const int4 x01 = xv[0], x23 = xv[1];
+            const int xs[8] = {x01.x, x01.y, x01.z, x01.w, x23.x, x23.y, x23.z, x23.w};
+            int sumi = 0;
+#pragma unroll
+            for (int l = 0; l < 4; ++l) {
+                const u64 gv = grid[(idx >> (8 * l)) & 0xff];
+                u32 s = (sg >> (7 * l)) & 127;
+                s |= (__popc(s) & 1) << 7;
+                // Expand 8 sign bits to 8 byte masks.
+                const u32 mlo = ((s & 1) ? 0xffu : 0) | ((s & 2) ? 0xff00u : 0) |
+                                ((s & 4) ? 0xff0000u : 0) | ((s & 8) ? 0xff000000u : 0);
+                const u32 mhi = ((s & 16) ? 0xffu : 0) | ((s & 32) ? 0xff00u : 0) |
+                                ((s & 64) ? 0xff0000u : 0) | ((s & 128) ? 0xff000000u : 0);
+                const u32 glo = (u32)gv, ghi = (u32)(gv >> 32);
+                const int vlo = (int)__vsub4(glo ^ mlo, mlo);
+                const int vhi = (int)__vsub4(ghi ^ mhi, mhi);
+                sumi = __dp4a(vlo, xs[2 * l], sumi);
+                sumi = __dp4a(vhi, xs[2 * l + 1], sumi);
+            }
+            acc += db * (0.5f + (float)(sg >> 28)) * sd[grp] * (float)sumi;
+        }
+    }
+    acc = warp_sum(acc);
+    if (threadIdx.x == 0) y[blockIdx.y * sel.y_stride + row] = acc;
+}
+
+// Q2_K × Q8: a lane takes 16 quant bytes (half h of chunk k): for each j the 16 values
+// 128k + 32j + 16h + l sit in activation block 4k + j.
+extern "C" __global__ void __launch_bounds__(256) matvec_q2_k_q8(
+    const u8* __restrict__ qs, const u8* __restrict__ sc, const u32* __restrict__ dm,
+    i64 mat_blocks, const i8* __restrict__ xq, const float* __restrict__ xd,
+    float* __restrict__ y, int rows, int cols, MatSel sel) {
+    extern __shared__ __align__(16) u8 smem[];
+    float* sd = reinterpret_cast<float*>(smem);
+    i8* sq = reinterpret_cast<i8*>(smem + (cols / 32) * 4);
+    stage_x(sq, sd, xq + blockIdx.y * sel.x_stride, xd + blockIdx.y * (sel.x_stride / 32), cols);
+    const int row = blockIdx.x * blockDim.y + threadIdx.y;
+    if (row >= rows) return;
+    const int m = sel_matrix(sel);
+    const int nb = cols / 256;
+    const i64 b0 = m * mat_blocks + (i64)row * nb;
+    float acc = 0.f;
+    for (int c = threadIdx.x; c < nb * 4; c += WARP) {
+        const int b = c >> 2, k = (c >> 1) & 1, h = c & 1;
+        const W4 w = ld16(qs + (b0 + b) * 64 + k * 32 + h * 16);
+        const u32 words[4] = {w.a, w.b, w.c, w.d};
+        const u32 dmv = dm[b0 + b];
+        const float dd = h2f((u16)(dmv & 0xffff)), dmin = h2f((u16)(dmv >> 16));
+        const u8* scb = sc + (b0 + b) * 16;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int xb = b * 8 + 4 * k + j;  // activation block of 32
+            const int4 xv = *reinterpret_cast<const int4*>(sq + xb * 32 + 16 * h);
+            const int xs[4] = {xv.x, xv.y, xv.z, xv.w};
+            int sq_ = 0, sx = 0;
+#pragma unroll
+            for (int t = 0; t < 4; ++t) {
+                sq_ = __dp4a((int)((words[t] >> (2 * j)) & 0x03030303u), xs[t], sq_);
+                sx = __dp4a(0x01010101, xs[t], sx);
+            }
+            const u8 s = scb[8 * k + 2 * j + h];
+            acc += sd[xb] * (dd * (float)(s & 15) * (float)sq_ - dmin * (float)(s >> 4) * (float)sx);
+        }
+    }
+    acc = warp_sum(acc);
+    if (threadIdx.x == 0) y[blockIdx.y * sel.y_stride + row] = acc;
+}
+
+// Q4_K × Q8 (GGUF layout): a lane takes 16 quant bytes of chunk ch, half h: low nibbles
+// are values 64ch + 16h + l (activation block 2ch), high nibbles 64ch + 32 + 16h + l
+// (block 2ch + 1).
+extern "C" __global__ void __launch_bounds__(256) matvec_q4_k_q8(
+    const u8* __restrict__ w, i64 mat_blocks, const i8* __restrict__ xq,
+    const float* __restrict__ xd, float* __restrict__ y, int rows, int cols, MatSel sel) {
+    extern __shared__ __align__(16) u8 smem[];
+    float* sd = reinterpret_cast<float*>(smem);
+    i8* sq = reinterpret_cast<i8*>(smem + (cols / 32) * 4);
+    stage_x(sq, sd, xq + blockIdx.y * sel.x_stride, xd + blockIdx.y * (sel.x_stride / 32), cols);
+    const int row = blockIdx.x * blockDim.y + threadIdx.y;
+    if (row >= rows) return;
+    const int m = sel_matrix(sel);
+    const int nb = cols / 256;
+    const u8* base = w + (m * mat_blocks + (i64)row * nb) * 144;
+    float acc = 0.f;
+    for (int c = threadIdx.x; c < nb * 8; c += WARP) {
+        const int b = c >> 3, ch = (c >> 1) & 3, h = c & 1;
+        const u8* blk = base + (i64)b * 144;
+        const W4 hdr = ld16(blk);
+        const W4 q = ld16(blk + 16 + ch * 32 + h * 16);
+        const u32 words[4] = {q.a, q.b, q.c, q.d};
+        const float dd = h2f((u16)(hdr.a & 0xffff)), dmin = h2f((u16)(hdr.a >> 16));
+        float sc1, m1, sc2, m2;
+        q4k_scale_min(2 * ch, hdr.b, hdr.c, hdr.d, sc1, m1);
+        q4k_scale_min(2 * ch + 1, hdr.b, hdr.c, hdr.d, sc2, m2);
+        const int xb_lo = b * 8 + 2 * ch, xb_hi = xb_lo + 1;
+        const int4 xl = *reinterpret_cast<const int4*>(sq + xb_lo * 32 + 16 * h);
+        const int4 xh = *reinterpret_cast<const int4*>(sq + xb_hi * 32 + 16 * h);
+        const int xls[4] = {xl.x, xl.y, xl.z, xl.w};
+        const int xhs[4] = {xh.x, xh.y, xh.z, xh.w};
+        int ql = 0, qh = 0, sl = 0, sh = 0;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            ql = __dp4a((int)(words[t] & 0x0f0f0f0fu), xls[t], ql);
+            qh = __dp4a((int)((words[t] >> 4) & 0x0f0f0f0fu), xhs[t], qh);
+            sl = __dp4a(0x01010101, xls[t], sl);
+            sh = __dp4a(0x01010101, xhs[t], sh);
+        }
+        acc += sd[xb_lo] * (dd * sc1 * (float)ql - dmin * m1 * (float)sl) +
+               sd[xb_hi] * (dd * sc2 * (float)qh - dmin * m2 * (float)sh);
+    }
+    acc = warp_sum(acc);
+    if (threadIdx.x == 0) y[blockIdx.y * sel.y_stride + row] = acc;
+}
