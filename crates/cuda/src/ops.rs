@@ -142,7 +142,7 @@ pub struct QuantAct {
 
 impl Gpu {
     pub fn alloc_quant_act(&self, rows: usize, cols: usize) -> Result<QuantAct, CudaError> {
-        if cols % 32 != 0 {
+        if !cols.is_multiple_of(32) {
             return Err(CudaError::Invalid(format!(
                 "{cols} activations are not whole 32-blocks"
             )));

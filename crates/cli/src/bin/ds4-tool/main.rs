@@ -2,6 +2,7 @@
 
 mod download;
 mod dump;
+mod gpu_selftest;
 mod inspect;
 mod synth;
 
@@ -26,6 +27,8 @@ enum Command {
     Synth(synth::Args),
     /// Write one tensor dequantized to raw little-endian f32 (GGUF element order).
     DumpTensor(dump::Args),
+    /// Check every CUDA kernel against the CPU on random inputs (and time them with --bench).
+    GpuSelftest(gpu_selftest::Args),
     /// Download a published GGUF from Hugging Face (resumable) and link ./ds4flash.gguf.
     Download(download::Args),
 }
@@ -36,6 +39,7 @@ fn main() -> anyhow::Result<()> {
         Command::Inspect(a) => inspect::run(a),
         Command::Synth(a) => synth::run(a),
         Command::DumpTensor(a) => dump::run(a),
+        Command::GpuSelftest(a) => gpu_selftest::run(a),
         Command::Download(a) => download::run(a),
     }
 }
