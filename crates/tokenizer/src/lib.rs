@@ -9,9 +9,12 @@
 
 mod added;
 mod bpe;
+pub mod chat;
 mod decode;
+pub mod dsml;
 mod error;
 mod pretokenize;
+pub mod pyjson;
 mod special;
 mod tokenizer;
 mod unicode_tables;
