@@ -146,7 +146,10 @@ impl Session {
         ];
         for (i, v, what) in want {
             if h[i] as usize != v {
-                return Err(bad(format!("{what} {} does not match the model ({v})", h[i])));
+                return Err(bad(format!(
+                    "{what} {} does not match the model ({v})",
+                    h[i]
+                )));
             }
         }
         let count = h[7] as usize;
@@ -185,7 +188,7 @@ impl Session {
             let rows = get_f32s(r, n_raw * cfg.head_dim)?;
             l.set_raw(&rows);
             let check = |n: usize, what: &str| -> Result<()> {
-                let want = if ratio == 0 { 0 } else { count / ratio };
+                let want = count.checked_div(ratio).unwrap_or(0);
                 if n != want {
                     return Err(bad(format!(
                         "layer {il}: {n} {what} rows, {count} tokens at ratio {ratio} give {want}"
@@ -201,7 +204,10 @@ impl Session {
             if l.index_state.is_some() {
                 check(n_index[il], "index")?;
             } else if n_index[il] != 0 {
-                return Err(bad(format!("layer {il} has no indexer but {} index rows", n_index[il])));
+                return Err(bad(format!(
+                    "layer {il} has no indexer but {} index rows",
+                    n_index[il]
+                )));
             }
             if let Some(st) = l.index_state.as_mut() {
                 l.index = get_f32s(r, n_index[il] * cfg.idx_head_dim)?;

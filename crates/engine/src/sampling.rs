@@ -175,7 +175,12 @@ pub enum StopReason {
 
 /// Samples up to `max_tokens` tokens from the session's current logits, feeding each
 /// back; stops after a token in `stop` (included in the output) or at the limit.
-pub fn generate(session: &mut Session, sampler: &mut Sampler, max_tokens: usize, stop: &[u32]) -> Result<(Vec<u32>, StopReason)> {
+pub fn generate(
+    session: &mut Session,
+    sampler: &mut Sampler,
+    max_tokens: usize,
+    stop: &[u32],
+) -> Result<(Vec<u32>, StopReason)> {
     let mut out = Vec::new();
     while out.len() < max_tokens {
         let tok = sampler.sample(session.logits());

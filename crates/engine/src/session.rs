@@ -57,15 +57,27 @@ impl Session {
 
     pub fn with_options(model: &Model, opts: SessionOptions) -> Result<Session> {
         if opts.ctx == 0 {
-            return Err(EngineError::Invalid("context must hold at least one token".into()));
+            return Err(EngineError::Invalid(
+                "context must hold at least one token".into(),
+            ));
         }
         let numerics = opts.numerics.unwrap_or(model.numerics());
         let backend = Box::new(CpuBackend::new(model, opts.ctx, numerics));
-        Ok(Session::with_backend(model, backend, numerics, opts.prefill_chunk))
+        Ok(Session::with_backend(
+            model,
+            backend,
+            numerics,
+            opts.prefill_chunk,
+        ))
     }
 
     /// A session on another backend (which must start empty).
-    pub fn with_backend(model: &Model, backend: Box<dyn Backend>, numerics: Numerics, prefill_chunk: usize) -> Session {
+    pub fn with_backend(
+        model: &Model,
+        backend: Box<dyn Backend>,
+        numerics: Numerics,
+        prefill_chunk: usize,
+    ) -> Session {
         Session {
             model: model.clone(),
             backend,

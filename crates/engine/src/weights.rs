@@ -223,10 +223,7 @@ impl Binder<'_> {
             }
             return Err(EngineError::MissingTensor {
                 name: name.into(),
-                expected: format!(
-                    "{:?} dims {:?}",
-                    spec.published, spec.dims
-                ),
+                expected: format!("{:?} dims {:?}", spec.published, spec.dims),
             });
         };
         if info.dims != spec.dims {
@@ -252,10 +249,13 @@ impl Binder<'_> {
         let n_in = d[0] as usize;
         let n_out = d.get(1).copied().unwrap_or(1) as usize;
         let n_mat = d.get(2).copied().unwrap_or(1) as usize;
-        let row_bytes = info.ty.row_bytes(n_in).ok_or_else(|| EngineError::TensorData {
-            name: name.into(),
-            msg: format!("rows of {n_in} do not fill whole {:?} blocks", info.ty),
-        })?;
+        let row_bytes = info
+            .ty
+            .row_bytes(n_in)
+            .ok_or_else(|| EngineError::TensorData {
+                name: name.into(),
+                msg: format!("rows of {n_in} do not fill whole {:?} blocks", info.ty),
+            })?;
         let start = info.offset as usize;
         let len = info.size as usize;
         if len != row_bytes * n_out * n_mat || start + len > self.file.bytes().len() {
@@ -305,7 +305,13 @@ impl Binder<'_> {
         })
     }
 
-    fn compressor(&self, il: usize, prefix: &str, ratio: usize, dim: usize) -> Result<CompressorWeights> {
+    fn compressor(
+        &self,
+        il: usize,
+        prefix: &str,
+        ratio: usize,
+        dim: usize,
+    ) -> Result<CompressorWeights> {
         let n = |s: &str| layer_name(il, &format!("{prefix}{s}"));
         Ok(CompressorWeights {
             ratio,
@@ -363,7 +369,11 @@ impl Weights {
                 hc_ffn: b.hc(&n("hc_ffn_fn"), &n("hc_ffn_scale"), &n("hc_ffn_base"))?,
                 ffn_norm: b.vec(&n("ffn_norm"))?,
                 gate_inp: b.mat(&n("ffn_gate_inp"))?,
-                exp_probs_b: if hash { None } else { b.vec_opt(&n("exp_probs_b"))? },
+                exp_probs_b: if hash {
+                    None
+                } else {
+                    b.vec_opt(&n("exp_probs_b"))?
+                },
                 tid2eid: if hash {
                     Some(b.i32s(&n("ffn_gate_tid2eid"))?)
                 } else {

@@ -30,7 +30,13 @@ const FP8_BLOCK: usize = 64;
 const FP4_BLOCK: usize = 32;
 
 /// Runs `tokens` at positions `cache.n_tokens..` and returns the requested logits.
-pub fn forward(m: &ModelInner, numerics: Numerics, cache: &mut KvCache, tokens: &[u32], rows: LogitRows) -> Result<Vec<f32>> {
+pub fn forward(
+    m: &ModelInner,
+    numerics: Numerics,
+    cache: &mut KvCache,
+    tokens: &[u32],
+    rows: LogitRows,
+) -> Result<Vec<f32>> {
     let cfg = &m.config;
     if let Some(&t) = tokens.iter().find(|&&t| t as usize >= cfg.vocab) {
         return Err(EngineError::BadToken {
@@ -100,7 +106,8 @@ fn head(m: &ModelInner, numerics: Numerics, h: &[f32], sel: &[usize]) -> Vec<f32
         let rs = rms_scale(hrow, cfg.rms_eps);
         let pre: Vec<f32> = (0..nhc)
             .map(|s| {
-                sigmoid(mixes[i * nhc + s] * rs * w.head_hc.scale[0] + w.head_hc.base[s]) + cfg.hc_eps
+                sigmoid(mixes[i * nhc + s] * rs * w.head_hc.scale[0] + w.head_hc.base[s])
+                    + cfg.hc_eps
             })
             .collect();
         let xi = &mut x[i * e..(i + 1) * e];
@@ -149,8 +156,18 @@ impl LayerCtx<'_> {
         for t in 0..n {
             let ht = &h[t * nhc * e..(t + 1) * nhc * e];
             let rs = rms_scale(ht, cfg.rms_eps);
-            let mix: Vec<f32> = mixes[t * nmix..(t + 1) * nmix].iter().map(|v| v * rs).collect();
-            let hm = hc::split_sinkhorn(&mix, &hcw.scale, &hcw.base, nhc, cfg.sinkhorn_iters, cfg.hc_eps);
+            let mix: Vec<f32> = mixes[t * nmix..(t + 1) * nmix]
+                .iter()
+                .map(|v| v * rs)
+                .collect();
+            let hm = hc::split_sinkhorn(
+                &mix,
+                &hcw.scale,
+                &hcw.base,
+                nhc,
+                cfg.sinkhorn_iters,
+                cfg.hc_eps,
+            );
             hc::weighted_sum(ht, &hm.pre, &mut y[t * e..(t + 1) * e]);
             out.push(hm);
         }
@@ -241,7 +258,8 @@ impl LayerCtx<'_> {
         });
 
         let scale = (hd as f64).powf(-0.5) as f32;
-        let idx_scale = ((cfg.idx_head_dim as f64).powf(-0.5) * (cfg.idx_heads as f64).powf(-0.5)) as f32;
+        let idx_scale =
+            ((cfg.idx_head_dim as f64).powf(-0.5) * (cfg.idx_heads as f64).powf(-0.5)) as f32;
         let mut heads = vec![0.0f32; n * qdim];
         let mut scores = Vec::new();
         for t in 0..n {
@@ -257,8 +275,17 @@ impl LayerCtx<'_> {
 
             if let (Some(c), Some((k, g))) = (&lw.compressor, &comp_proj) {
                 let w = c.lanes * c.dim;
-                let st = cache.comp_state.as_mut().expect("compressed layer has state");
-                if let Some(mut row) = compressor::step(st, c.pool(), &k[t * w..(t + 1) * w], &g[t * w..(t + 1) * w], pos) {
+                let st = cache
+                    .comp_state
+                    .as_mut()
+                    .expect("compressed layer has state");
+                if let Some(mut row) = compressor::step(
+                    st,
+                    c.pool(),
+                    &k[t * w..(t + 1) * w],
+                    &g[t * w..(t + 1) * w],
+                    pos,
+                ) {
                     self.finish_row(&mut row, &c.norm, pos, false);
                     cache.comp.extend_from_slice(&row);
                 }
@@ -268,7 +295,13 @@ impl LayerCtx<'_> {
                 let c = &ix.compressor;
                 let w = c.lanes * c.dim;
                 let st = cache.index_state.as_mut().expect("indexer layer has state");
-                if let Some(mut row) = compressor::step(st, c.pool(), &k[t * w..(t + 1) * w], &g[t * w..(t + 1) * w], pos) {
+                if let Some(mut row) = compressor::step(
+                    st,
+                    c.pool(),
+                    &k[t * w..(t + 1) * w],
+                    &g[t * w..(t + 1) * w],
+                    pos,
+                ) {
                     self.finish_row(&mut row, &c.norm, pos, true);
                     cache.index.extend_from_slice(&row);
                 }
@@ -322,7 +355,8 @@ impl LayerCtx<'_> {
         let mut gy = vec![0.0f32; n * olr];
         for g in 0..groups {
             for t in 0..n {
-                gx[t * gin..(t + 1) * gin].copy_from_slice(&heads[t * qdim + g * gin..t * qdim + (g + 1) * gin]);
+                gx[t * gin..(t + 1) * gin]
+                    .copy_from_slice(&heads[t * qdim + g * gin..t * qdim + (g + 1) * gin]);
             }
             let wa = lw.out_a.view().rows(g * olr, olr);
             matmul_f32(wa, &gx, self.numerics, &mut gy);
@@ -366,10 +400,9 @@ impl LayerCtx<'_> {
         let k = cfg.n_expert_used;
         let routes: Vec<Route> = (0..n)
             .map(|t| {
-                let hash = lw
-                    .tid2eid
-                    .as_ref()
-                    .map(|tab| &tab[self.tokens[t] as usize * k..(self.tokens[t] as usize + 1) * k]);
+                let hash = lw.tid2eid.as_ref().map(|tab| {
+                    &tab[self.tokens[t] as usize * k..(self.tokens[t] as usize + 1) * k]
+                });
                 route(
                     &rl[t * cfg.n_expert..(t + 1) * cfg.n_expert],
                     lw.exp_probs_b.as_deref(),
@@ -418,7 +451,13 @@ impl LayerCtx<'_> {
             for (i, &(t, j)) in slots.iter().enumerate() {
                 let w = routes[t].weights[j];
                 let dst = &mut mid[(t * k + j) * ff..(t * k + j + 1) * ff];
-                swiglu(&g[i * ff..(i + 1) * ff], &u[i * ff..(i + 1) * ff], clamp, Some(w), dst);
+                swiglu(
+                    &g[i * ff..(i + 1) * ff],
+                    &u[i * ff..(i + 1) * ff],
+                    clamp,
+                    Some(w),
+                    dst,
+                );
             }
         }
         let pm = Prepared::for_mat(&mid, &lw.down_exps.view(), self.numerics);
@@ -439,7 +478,10 @@ impl LayerCtx<'_> {
         for t in 0..n {
             let o = &mut out[t * e..(t + 1) * e];
             for j in 0..k {
-                for (ov, dv) in o.iter_mut().zip(&down[(t * k + j) * e..(t * k + j + 1) * e]) {
+                for (ov, dv) in o
+                    .iter_mut()
+                    .zip(&down[(t * k + j) * e..(t * k + j + 1) * e])
+                {
                     *ov += dv;
                 }
             }

@@ -43,7 +43,13 @@ impl Backend for CpuBackend {
     }
 
     fn forward(&mut self, tokens: &[u32], rows: LogitRows) -> Result<Vec<f32>> {
-        forward::forward(self.model.inner(), self.numerics, &mut self.cache, tokens, rows)
+        forward::forward(
+            self.model.inner(),
+            self.numerics,
+            &mut self.cache,
+            tokens,
+            rows,
+        )
     }
 
     fn export_state(&self) -> KvCache {

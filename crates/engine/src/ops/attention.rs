@@ -4,7 +4,14 @@ use super::dot::{axpy, dot};
 
 /// `out = Σ_r softmax([s_r…, sink])_r · row_r` with `s_r = q·row_r·scale`: the sink
 /// takes part in the normalisation but contributes no value.
-pub fn attend_head(q: &[f32], rows: &[&[f32]], sink: f32, scale: f32, scores: &mut Vec<f32>, out: &mut [f32]) {
+pub fn attend_head(
+    q: &[f32],
+    rows: &[&[f32]],
+    sink: f32,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
     scores.clear();
     let mut m = sink;
     for row in rows {

@@ -18,7 +18,13 @@ pub struct Pool<'a> {
 /// Stores one token's projections (`kv`, `score` = gate output; both `lanes·dim`)
 /// at position `pos`. When the token closes a window, returns the pooled row
 /// (`dim` values, before norm/RoPE/QAT) and advances the frontier.
-pub fn step(st: &mut Frontier, w: Pool<'_>, kv: &[f32], score: &[f32], pos: usize) -> Option<Vec<f32>> {
+pub fn step(
+    st: &mut Frontier,
+    w: Pool<'_>,
+    kv: &[f32],
+    score: &[f32],
+    pos: usize,
+) -> Option<Vec<f32>> {
     let r = w.ratio;
     let d = w.dim;
     let width = w.lanes * d;
@@ -33,13 +39,16 @@ pub fn step(st: &mut Frontier, w: Pool<'_>, kv: &[f32], score: &[f32], pos: usiz
     {
         *s = g + a;
     }
-    if (pos + 1) % r != 0 {
+    if !(pos + 1).is_multiple_of(r) {
         return None;
     }
     let mut out = vec![0.0f32; d];
     // Candidate (row, column offset) pairs in visiting order.
     let cands: Vec<(usize, usize)> = if w.lanes == 2 {
-        (0..r).map(|i| (i, 0)).chain((0..r).map(|i| (r + i, d))).collect()
+        (0..r)
+            .map(|i| (i, 0))
+            .chain((0..r).map(|i| (r + i, d)))
+            .collect()
     } else {
         (0..r).map(|i| (i, 0)).collect()
     };

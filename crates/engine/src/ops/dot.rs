@@ -115,7 +115,9 @@ mod tests {
     #[test]
     fn dot_matches_f64_reference() {
         for n in [0usize, 1, 7, 31, 32, 33, 64, 160, 257, 1024] {
-            let a: Vec<f32> = (0..n).map(|i| ((i * 13 % 17) as f32 - 8.0) * 0.25).collect();
+            let a: Vec<f32> = (0..n)
+                .map(|i| ((i * 13 % 17) as f32 - 8.0) * 0.25)
+                .collect();
             let b: Vec<f32> = (0..n).map(|i| ((i * 7 % 11) as f32 - 5.0) * 0.5).collect();
             let want: f64 = a.iter().zip(&b).map(|(&x, &y)| x as f64 * y as f64).sum();
             // Inputs are small dyadic numbers: every path is exact.

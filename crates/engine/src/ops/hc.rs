@@ -16,7 +16,14 @@ pub struct HcMix {
 
 /// Splits the `2n + n²` mixes into pre/post/comb and runs the Sinkhorn normalisation
 /// (row softmax + eps, column normalise, then `iters − 1` row/column rounds).
-pub fn split_sinkhorn(mix: &[f32], scale: &[f32], base: &[f32], n: usize, iters: usize, eps: f32) -> HcMix {
+pub fn split_sinkhorn(
+    mix: &[f32],
+    scale: &[f32],
+    base: &[f32],
+    n: usize,
+    iters: usize,
+    eps: f32,
+) -> HcMix {
     let pre = (0..n)
         .map(|i| sigmoid(mix[i] * scale[0] + base[i]) + eps)
         .collect();
@@ -95,7 +102,9 @@ mod tests {
     #[test]
     fn sinkhorn_is_nearly_doubly_stochastic() {
         let n = 4;
-        let mix: Vec<f32> = (0..24).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.7).collect();
+        let mix: Vec<f32> = (0..24)
+            .map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.7)
+            .collect();
         let scale = [0.5f32, 0.8, 1.3];
         let base: Vec<f32> = (0..24).map(|i| (i as f32 * 0.1).cos()).collect();
         let m = split_sinkhorn(&mix, &scale, &base, n, 20, 1e-6);

@@ -74,6 +74,6 @@ mod tests {
         let q = [2.0, -1.0, -3.0, 0.5]; // two heads of dim 2
         let w = [1.0, 10.0];
         let s = scores(&rows, 2, &q, &w);
-        assert_eq!(s, vec![2.0, 0.0]);
+        assert_eq!(s, vec![2.0, 5.0]);
     }
 }

@@ -154,7 +154,14 @@ pub fn matmul_f32(w: MatRef<'_>, x: &[f32], numerics: Numerics, out: &mut [f32])
 }
 
 /// Output rows `o0..o1` for every listed activation row, into `buf[(o−o0)·n + i]`.
-fn rows_block(w: &MatRef<'_>, x: &Prepared<'_>, rows: &[usize], o0: usize, o1: usize, buf: &mut [f32]) {
+fn rows_block(
+    w: &MatRef<'_>,
+    x: &Prepared<'_>,
+    rows: &[usize],
+    o0: usize,
+    o1: usize,
+    buf: &mut [f32],
+) {
     let n = rows.len();
     let n_in = w.n_in;
     match x.kind {

@@ -12,7 +12,14 @@ pub struct Route {
 
 /// Routes one token. `hash`: the token's `tid2eid` row (layers < n_hash_layer);
 /// otherwise the top `k` of `probs + bias` (strict `>`, ties to the lower index).
-pub fn route(logits: &[f32], bias: Option<&[f32]>, hash: Option<&[i32]>, k: usize, scale: f32, normalize: bool) -> Route {
+pub fn route(
+    logits: &[f32],
+    bias: Option<&[f32]>,
+    hash: Option<&[i32]>,
+    k: usize,
+    scale: f32,
+    normalize: bool,
+) -> Route {
     let probs: Vec<f32> = logits.iter().map(|&x| softplus(x).sqrt()).collect();
     let experts: Vec<usize> = match hash {
         Some(ids) => ids.iter().map(|&e| e as usize).collect(),
