@@ -172,3 +172,19 @@ fn small_context_shrinks_the_raw_window() {
     let st = compare(&got, &want[..10 * 512], 512, &[0.0; 10]);
     assert!(st.max < 1e-3, "{st:?}");
 }
+
+#[test]
+fn results_do_not_depend_on_thread_count() {
+    for (variant, numerics) in [("q2", Numerics::Fast), ("q4", Numerics::Exact)] {
+        let model = load(variant, numerics);
+        let toks = tokens("b");
+        let run = |threads: usize| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap()
+                .install(|| session(&model, 4096).prefill_all_logits(&toks).unwrap())
+        };
+        assert!(run(1) == run(3), "{variant} {numerics:?}");
+    }
+}

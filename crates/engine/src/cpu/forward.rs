@@ -7,6 +7,7 @@
 //! same inputs as in one-token decode, so a chunk gives bit-identical results.
 
 use ds4_gguf::quant::f16_round;
+use rayon::prelude::*;
 
 use crate::backend::LogitRows;
 use crate::config::Config;
@@ -28,6 +29,8 @@ use crate::weights::{HcWeights, LayerWeights};
 const FP8_BLOCK: usize = 64;
 /// FP4 simulation block of indexer vectors.
 const FP4_BLOCK: usize = 32;
+/// Attention work (rows × query dims) above which heads run in parallel.
+const ATTN_PAR_MIN: usize = 1 << 18;
 
 /// Runs `tokens` at positions `cache.n_tokens..` and returns the requested logits.
 pub fn forward(
@@ -261,7 +264,6 @@ impl LayerCtx<'_> {
         let idx_scale =
             ((cfg.idx_head_dim as f64).powf(-0.5) * (cfg.idx_heads as f64).powf(-0.5)) as f32;
         let mut heads = vec![0.0f32; n * qdim];
-        let mut scores = Vec::new();
         for t in 0..n {
             let pos = self.pos0 + t;
             let ang = self.rope.angles(pos);
@@ -333,15 +335,21 @@ impl LayerCtx<'_> {
             }
             let qt = &q[t * qdim..(t + 1) * qdim];
             let ot = &mut heads[t * qdim..(t + 1) * qdim];
-            for hh in 0..nh {
-                attend_head(
-                    &qt[hh * hd..(hh + 1) * hd],
-                    &rows,
-                    lw.sinks[hh],
-                    scale,
-                    &mut scores,
-                    &mut ot[hh * hd..(hh + 1) * hd],
-                );
+            let one_head = |(hh, (oh, qh)): (usize, (&mut [f32], &[f32]))| {
+                let mut sc = Vec::with_capacity(rows.len());
+                attend_head(qh, &rows, lw.sinks[hh], scale, &mut sc, oh);
+            };
+            // Heads are independent: split them over threads when the rows are many.
+            if rows.len() * qdim >= ATTN_PAR_MIN {
+                ot.par_chunks_mut(hd)
+                    .zip(qt.par_chunks(hd))
+                    .enumerate()
+                    .for_each(one_head);
+            } else {
+                ot.chunks_mut(hd)
+                    .zip(qt.chunks(hd))
+                    .enumerate()
+                    .for_each(one_head);
             }
             rope::apply_heads(ot, hd, &ang, true);
         }

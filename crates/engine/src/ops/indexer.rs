@@ -1,20 +1,36 @@
 //! The lightning indexer of ratio-4 layers: scores every index row against the
 //! token's FP4-simulated query heads and keeps the top-k compressed rows.
 
+use rayon::prelude::*;
+
 use super::dot::dot;
 
-/// `score[c] = Σ_h max(0, k_c·q_h)·w_h` for every index row `k_c`.
+/// Rows per parallel task when scoring many index rows.
+const PAR_ROWS: usize = 1024;
+
+/// `score[c] = Σ_h max(0, k_c·q_h)·w_h` for every index row `k_c`. Rows are scored
+/// in parallel; each score is one thread's sequential sum over heads.
 pub fn scores(index_rows: &[f32], dim: usize, q: &[f32], w: &[f32]) -> Vec<f32> {
-    index_rows
-        .chunks_exact(dim)
-        .map(|k| {
-            let mut s = 0.0f32;
-            for (qh, &wh) in q.chunks_exact(dim).zip(w) {
-                s += dot(k, qh).max(0.0) * wh;
+    let score = |k: &[f32]| {
+        let mut s = 0.0f32;
+        for (qh, &wh) in q.chunks_exact(dim).zip(w) {
+            s += dot(k, qh).max(0.0) * wh;
+        }
+        s
+    };
+    let n = index_rows.len() / dim;
+    if n < 2 * PAR_ROWS {
+        return index_rows.chunks_exact(dim).map(score).collect();
+    }
+    let mut out = vec![0.0f32; n];
+    out.par_chunks_mut(PAR_ROWS)
+        .zip(index_rows.par_chunks(PAR_ROWS * dim))
+        .for_each(|(o, ks)| {
+            for (ov, k) in o.iter_mut().zip(ks.chunks_exact(dim)) {
+                *ov = score(k);
             }
-            s
-        })
-        .collect()
+        });
+    out
 }
 
 /// The `k` highest scores as a mask over rows. Ties go to the lower index (the set

@@ -153,6 +153,10 @@ pub fn matmul_f32(w: MatRef<'_>, x: &[f32], numerics: Numerics, out: &mut [f32])
     matmul(w, &p, out)
 }
 
+/// Activation rows per tile: a tile's activations stay in cache while a task's weight
+/// rows stream past (a 2048-token chunk of 4096-wide rows would not).
+const TOKEN_TILE: usize = 32;
+
 /// Output rows `o0..o1` for every listed activation row, into `buf[(o−o0)·n + i]`.
 fn rows_block(
     w: &MatRef<'_>,
@@ -164,37 +168,42 @@ fn rows_block(
 ) {
     let n = rows.len();
     let n_in = w.n_in;
-    match x.kind {
-        ActKind::F32 => {
-            let mut wrow = vec![0.0f32; n_in];
-            for o in o0..o1 {
-                w.dequant_row(o, &mut wrow);
-                for (i, &r) in rows.iter().enumerate() {
-                    buf[(o - o0) * n + i] = dot(&wrow, &x.f32[r * n_in..(r + 1) * n_in]);
+    let mut wrow = Vec::new();
+    for (tile_i, tile) in rows.chunks(TOKEN_TILE).enumerate() {
+        let i0 = tile_i * TOKEN_TILE;
+        match x.kind {
+            ActKind::F32 => {
+                wrow.resize(n_in, 0.0);
+                for o in o0..o1 {
+                    w.dequant_row(o, &mut wrow);
+                    for (i, &r) in tile.iter().enumerate() {
+                        buf[(o - o0) * n + i0 + i] = dot(&wrow, &x.f32[r * n_in..(r + 1) * n_in]);
+                    }
                 }
             }
-        }
-        ActKind::Q8_0 => {
-            let nb = n_in / QK8_0;
-            for o in o0..o1 {
-                let wr = w.row(o);
-                for (i, &r) in rows.iter().enumerate() {
-                    buf[(o - o0) * n + i] = dot_q8_0_q8_0(wr, &x.q8_0[r * nb..(r + 1) * nb]);
+            ActKind::Q8_0 => {
+                let nb = n_in / QK8_0;
+                for o in o0..o1 {
+                    let wr = w.row(o);
+                    for (i, &r) in tile.iter().enumerate() {
+                        buf[(o - o0) * n + i0 + i] =
+                            dot_q8_0_q8_0(wr, &x.q8_0[r * nb..(r + 1) * nb]);
+                    }
                 }
             }
-        }
-        ActKind::Q8K => {
-            let nb = n_in / QK_K;
-            let f = match w.ty {
-                GgmlType::Q2_K => dot_q2_k_q8_k,
-                GgmlType::Q4_K => dot_q4_k_q8_k,
-                GgmlType::IQ2_XXS => dot_iq2_xxs_q8_k,
-                other => unreachable!("no Q8_K kernel for {other:?}"),
-            };
-            for o in o0..o1 {
-                let wr = w.row(o);
-                for (i, &r) in rows.iter().enumerate() {
-                    buf[(o - o0) * n + i] = f(wr, &x.q8k[r * nb..(r + 1) * nb]);
+            ActKind::Q8K => {
+                let nb = n_in / QK_K;
+                let f = match w.ty {
+                    GgmlType::Q2_K => dot_q2_k_q8_k,
+                    GgmlType::Q4_K => dot_q4_k_q8_k,
+                    GgmlType::IQ2_XXS => dot_iq2_xxs_q8_k,
+                    other => unreachable!("no Q8_K kernel for {other:?}"),
+                };
+                for o in o0..o1 {
+                    let wr = w.row(o);
+                    for (i, &r) in tile.iter().enumerate() {
+                        buf[(o - o0) * n + i0 + i] = f(wr, &x.q8k[r * nb..(r + 1) * nb]);
+                    }
                 }
             }
         }
