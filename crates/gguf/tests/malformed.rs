@@ -86,9 +86,9 @@ fn bad_magic() {
 
 #[test]
 fn version_2_and_4_rejected() {
-    for v in [1, 2, 4] {
+    for v in [1u32, 2, 4] {
         let mut b = small_valid();
-        b[4..8].copy_from_slice(&(v as u32).to_le_bytes());
+        b[4..8].copy_from_slice(&v.to_le_bytes());
         assert!(matches!(parse(b), GgufError::BadVersion(x) if x == v));
     }
 }

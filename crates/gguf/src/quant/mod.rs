@@ -8,6 +8,7 @@ mod blocks;
 mod dequant;
 mod dot;
 mod iq2xxs_grid;
+mod quantize;
 #[cfg(target_arch = "aarch64")]
 mod simd_neon;
 #[cfg(target_arch = "x86_64")]
@@ -16,6 +17,9 @@ mod simd_x86;
 pub use blocks::*;
 pub use dequant::{dequantize, dequantize_row, dequantize_to_vec};
 pub use dot::*;
+pub use quantize::{
+    quantize_iq2_xxs, quantize_q2_k, quantize_q4_k, quantize_q8_0_weights, quantize_weights,
+};
 
 /// The IQ2_XXS lattice grid (256 entries of 8 magnitude bytes), for GPU kernels.
 pub fn iq2xxs_grid() -> &'static [u64; 256] {
