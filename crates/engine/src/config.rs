@@ -243,7 +243,7 @@ impl Config {
                 format!("{} KV heads; DeepSeek V4 uses exactly 1", self.n_head_kv),
             ));
         }
-        if self.rope_dim > self.head_dim || self.rope_dim % 2 != 0 {
+        if self.rope_dim > self.head_dim || !self.rope_dim.is_multiple_of(2) {
             return Err(bad(
                 "rope.dimension_count",
                 format!(
@@ -261,7 +261,7 @@ impl Config {
                 ),
             ));
         }
-        if self.n_head % self.o_groups != 0 {
+        if !self.n_head.is_multiple_of(self.o_groups) {
             return Err(bad(
                 "attention.output_group_count",
                 format!(
