@@ -110,6 +110,45 @@ thread_local! {
     });
 }
 
+/// A BPE run with access to the thread's cache.
+pub(crate) struct Session<'a> {
+    bpe: &'a Bpe,
+    cache: Option<&'a mut Cache>,
+}
+
+impl Session<'_> {
+    /// Appends the ids of one pre-token (raw UTF-8 bytes) to `out`.
+    #[inline]
+    pub(crate) fn encode_piece(&mut self, piece: &[u8], out: &mut Vec<u32>) {
+        let bpe = self.bpe;
+        if piece.len() == 1 {
+            let id = bpe.byte_ids[piece[0] as usize];
+            if id != NONE {
+                out.push(id);
+            }
+            return;
+        }
+        let Some(cache) = self.cache.as_deref_mut() else {
+            let mut syms = Vec::new();
+            bpe.merge_all(piece, &mut syms, &mut Vec::new());
+            out.extend_from_slice(&syms);
+            return;
+        };
+        if let Some(ids) = cache.map.get(piece) {
+            out.extend_from_slice(ids);
+            return;
+        }
+        bpe.merge_all(piece, &mut cache.syms, &mut cache.ranks);
+        out.extend_from_slice(&cache.syms);
+        if piece.len() <= MAX_CACHED_LEN {
+            if cache.map.len() >= CACHE_CAPACITY {
+                cache.map.clear();
+            }
+            cache.map.insert(piece.into(), cache.syms.as_slice().into());
+        }
+    }
+}
+
 pub(crate) struct Bpe {
     /// (left id, right id) packed into one u64 → (rank, merged id).
     merges: FxMap<u64, (u32, u32)>,
@@ -160,44 +199,32 @@ impl Bpe {
 
     #[inline]
     fn rank(&self, a: u32, b: u32) -> (u32, u32) {
-        self.merges.get(&pair_key(a, b)).copied().unwrap_or((NONE, NONE))
+        self.merges
+            .get(&pair_key(a, b))
+            .copied()
+            .unwrap_or((NONE, NONE))
     }
 
-    /// Appends the ids of one pre-token (raw UTF-8 bytes) to `out`.
-    pub(crate) fn encode_piece(&self, piece: &[u8], out: &mut Vec<u32>) {
-        if piece.len() == 1 {
-            let id = self.byte_ids[piece[0] as usize];
-            if id != NONE {
-                out.push(id);
-            }
-            return;
-        }
-        CACHE.with(|cell| {
-            let Ok(mut cache) = cell.try_borrow_mut() else {
-                // Only reachable through re-entrancy, which encode never does; stay correct.
-                let mut syms = Vec::new();
-                self.merge_all(piece, &mut syms, &mut Vec::new());
-                out.extend_from_slice(&syms);
-                return;
-            };
-            let cache = &mut *cache;
-            if cache.owner != self.instance {
-                cache.map.clear();
-                cache.owner = self.instance;
-            }
-            if let Some(ids) = cache.map.get(piece) {
-                out.extend_from_slice(ids);
-                return;
-            }
-            self.merge_all(piece, &mut cache.syms, &mut cache.ranks);
-            out.extend_from_slice(&cache.syms);
-            if piece.len() <= MAX_CACHED_LEN {
-                if cache.map.len() >= CACHE_CAPACITY {
+    /// Runs `f` with an encoding session bound to this thread's piece cache; borrowing the
+    /// thread-local once per call keeps its cost out of the per-piece path.
+    pub(crate) fn with_session<R>(&self, f: impl FnOnce(&mut Session<'_>) -> R) -> R {
+        CACHE.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut cache) => {
+                if cache.owner != self.instance {
                     cache.map.clear();
+                    cache.owner = self.instance;
                 }
-                cache.map.insert(piece.into(), cache.syms.as_slice().into());
+                f(&mut Session {
+                    bpe: self,
+                    cache: Some(&mut cache),
+                })
             }
-        });
+            // Nested use on one thread (a callback encoding inside an encode): no cache.
+            Err(_) => f(&mut Session {
+                bpe: self,
+                cache: None,
+            }),
+        })
     }
 
     /// Runs the merges on `piece`, leaving the final ids in `syms`.

@@ -276,9 +276,14 @@ fn merge_tool_messages(messages: &[Message]) -> Vec<Msg<'_>> {
                 }
             }
             "user" => {
-                let text = m.content.as_ref().map_or(Cow::Borrowed(""), |c| c.to_text());
+                let text = m
+                    .content
+                    .as_ref()
+                    .map_or(Cow::Borrowed(""), |c| c.to_text());
                 match merged.last_mut() {
-                    Some(last) if last.role == "user" && last.blocks.is_some() && last.task.is_none() => {
+                    Some(last)
+                        if last.role == "user" && last.blocks.is_some() && last.task.is_none() =>
+                    {
                         if let Some(b) = last.blocks.as_mut() {
                             b.push(Block::Text(text));
                         }
@@ -320,7 +325,9 @@ fn sort_tool_results(messages: &mut [Msg<'_>]) {
                 }
             }
         } else if m.role == "user" {
-            let Some(blocks) = m.blocks.as_mut() else { continue };
+            let Some(blocks) = m.blocks.as_mut() else {
+                continue;
+            };
             let results: Vec<Block<'_>> = blocks
                 .iter()
                 .filter(|b| matches!(b, Block::ToolResult { .. }))
@@ -330,10 +337,9 @@ fn sort_tool_results(messages: &mut [Msg<'_>]) {
                 continue;
             }
             let key = |b: &Block<'_>| match b {
-                Block::ToolResult { id: Some(id), .. } => order
-                    .iter()
-                    .find(|(i, _)| i == id)
-                    .map_or(0, |&(_, k)| k),
+                Block::ToolResult { id: Some(id), .. } => {
+                    order.iter().find(|(i, _)| i == id).map_or(0, |&(_, k)| k)
+                }
                 _ => 0,
             };
             let mut sorted = results;
@@ -467,7 +473,10 @@ fn render_message(index: usize, messages: &[Msg<'_>], ctx: &Ctx) -> Result<Strin
                 tc_content.push_str(&dsml::render_tool_calls(calls));
             }
             let prev_has_task = index > 0 && messages[index - 1].task.is_some();
-            if ctx.thinking && !prev_has_task && (!ctx.drop_thinking || last_user.is_none_or(|l| index > l)) {
+            if ctx.thinking
+                && !prev_has_task
+                && (!ctx.drop_thinking || last_user.is_none_or(|l| index > l))
+            {
                 prompt.push_str(msg.reasoning.unwrap_or(""));
                 prompt.push_str(THINK_END);
             }

@@ -51,7 +51,11 @@ fn push_param(out: &mut String, name: &str, is_str: bool, value: &str) {
     out.push_str(PARAMETER_START);
     out.push_str(" name=\"");
     out.push_str(name);
-    out.push_str(if is_str { "\" string=\"true\">" } else { "\" string=\"false\">" });
+    out.push_str(if is_str {
+        "\" string=\"true\">"
+    } else {
+        "\" string=\"false\">"
+    });
     out.push_str(value);
     out.push_str(PARAMETER_END);
 }
@@ -98,7 +102,10 @@ pub fn render_tool_calls(calls: &[ToolCall]) -> String {
         .iter()
         .map(|c| render_invoke(&c.function.name, &c.function.arguments))
         .collect();
-    format!("{TOOL_CALLS_START}\n{}\n{TOOL_CALLS_END}", invokes.join("\n"))
+    format!(
+        "{TOOL_CALLS_START}\n{}\n{TOOL_CALLS_END}",
+        invokes.join("\n")
+    )
 }
 
 /// Canonical DSML suffix of an assistant turn for calls known only as JSON (for example
@@ -195,7 +202,8 @@ fn parse_tool_calls(mut index: usize, text: &str) -> Result<(usize, Vec<ToolCall
             None => return Err(ParseError::MissingSpecialInToolCalls),
             _ => {}
         }
-        let (i, name_part, mut stop) = read_until(text, index, &[PARAMETER_START, "</｜DSML｜invoke"]);
+        let (i, name_part, mut stop) =
+            read_until(text, index, &[PARAMETER_START, "</｜DSML｜invoke"]);
         index = i;
         let name = match_tool_name(name_part)
             .ok_or_else(|| ParseError::ToolNameFormat(name_part.to_string()))?;
@@ -203,8 +211,8 @@ fn parse_tool_calls(mut index: usize, text: &str) -> Result<(usize, Vec<ToolCall
         while stop == Some(0) {
             let (i, param, _) = read_until(text, index, &["/｜DSML｜parameter"]);
             index = i;
-            let (pname, is_str, value) =
-                match_parameter(param).ok_or_else(|| ParseError::ParameterFormat(param.to_string()))?;
+            let (pname, is_str, value) = match_parameter(param)
+                .ok_or_else(|| ParseError::ParameterFormat(param.to_string()))?;
             if args.iter().any(|a| a.0 == pname) {
                 return Err(ParseError::DuplicateParameter(pname.to_string()));
             }

@@ -77,9 +77,34 @@ fn table() -> &'static ClassTable {
     })
 }
 
+/// Classes of the ASCII characters, the common case, without touching the table.
+const ASCII_CLASS: [Class; 128] = {
+    let mut t = [Class::Other; 128];
+    let mut i = 0;
+    while i < 128 {
+        let b = i as u8;
+        t[i] = if b.is_ascii_alphabetic() {
+            Class::LetterMark
+        } else if b.is_ascii_digit() {
+            Class::Number
+        } else if b.is_ascii_punctuation() {
+            Class::PunctSymbol
+        } else if matches!(b, 9..=13 | 32) {
+            Class::Space
+        } else {
+            Class::Other
+        };
+        i += 1;
+    }
+    t
+};
+
 #[inline]
 pub(crate) fn class_of(c: char) -> Class {
     let cp = c as u32;
+    if cp < 128 {
+        return ASCII_CLASS[cp as usize];
+    }
     let t = table();
     // Every code point is below 0x110000, so both indexes are in range.
     let block = t.block_of[(cp >> 8) as usize] as usize;
@@ -197,7 +222,11 @@ fn match_main(p: &str, i: usize, c: char) -> Option<usize> {
     if class == Class::LetterMark {
         return Some(letter_run_end(p, i));
     }
-    if c != '\r' && c != '\n' && class != Class::PunctSymbol && next_class == Some(Class::LetterMark) {
+    if c != '\r'
+        && c != '\n'
+        && class != Class::PunctSymbol
+        && next_class == Some(Class::LetterMark)
+    {
         return Some(letter_run_end(p, i + cl));
     }
     // ` ?[\p{P}\p{S}]+[\r\n]*`
@@ -223,7 +252,10 @@ fn punct_run_end(p: &str, from: usize) -> usize {
 
 fn newline_run_end(p: &str, from: usize) -> usize {
     let rest = &p.as_bytes()[from..];
-    from + rest.iter().take_while(|&&b| b == b'\r' || b == b'\n').count()
+    from + rest
+        .iter()
+        .take_while(|&&b| b == b'\r' || b == b'\n')
+        .count()
 }
 
 #[inline]
@@ -285,6 +317,15 @@ mod tests {
         assert_eq!(pieces("'s"), ["'s"]);
         assert_eq!(pieces(">;\n"), [">;\n"]);
         assert_eq!(pieces("\u{0}\u{1}"), ["\u{0}\u{1}"]);
+    }
+
+    #[test]
+    fn ascii_fast_path_agrees_with_table() {
+        let t = table();
+        for b in 0u32..128 {
+            let slow = Class::from_u8(t.blocks[t.block_of[0] as usize][b as usize]);
+            assert_eq!(class_of(char::from_u32(b).unwrap()), slow, "{b:#x}");
+        }
     }
 
     #[test]

@@ -469,15 +469,23 @@ mod tests {
     #[test]
     fn loads_like_python() {
         let d = |s: &str| loads(s).map(|v| v.dumps());
-        assert_eq!(d(r#"{"a": 1, "b": 2, "a": 3}"#).unwrap(), r#"{"a": 3, "b": 2}"#);
+        assert_eq!(
+            d(r#"{"a": 1, "b": 2, "a": 3}"#).unwrap(),
+            r#"{"a": 3, "b": 2}"#
+        );
         assert_eq!(d("-0").unwrap(), "0");
         assert_eq!(d("-0.0").unwrap(), "-0.0");
         assert_eq!(d("1E-7").unwrap(), "1e-07");
-        assert_eq!(d("123456789012345678901234567890").unwrap(), "123456789012345678901234567890");
+        assert_eq!(
+            d("123456789012345678901234567890").unwrap(),
+            "123456789012345678901234567890"
+        );
         assert_eq!(d(r#""\u00e9\ud83d\ude00""#).unwrap(), "\"é😀\"");
         assert_eq!(d("[NaN, -Infinity]").unwrap(), "[NaN, -Infinity]");
         assert_eq!(d(" {\"k\" : [1 , {}]} ").unwrap(), r#"{"k": [1, {}]}"#);
-        for bad in ["", "01", "1.", "-", "{\"a\"}", "\"\t\"", "[1,]", "tru", "{} x", "\"\\x\""] {
+        for bad in [
+            "", "01", "1.", "-", "{\"a\"}", "\"\t\"", "[1,]", "tru", "{} x", "\"\\x\"",
+        ] {
             assert!(loads(bad).is_none(), "{bad:?}");
         }
         let deep = "[".repeat(100_000);
@@ -486,6 +494,9 @@ mod tests {
 
     #[test]
     fn dumps_escapes() {
-        assert_eq!(dumps_str("a\"b\\c\n\u{1}\u{7f}é"), "\"a\\\"b\\\\c\\n\\u0001\u{7f}é\"");
+        assert_eq!(
+            dumps_str("a\"b\\c\n\u{1}\u{7f}é"),
+            "\"a\\\"b\\\\c\\n\\u0001\u{7f}é\""
+        );
     }
 }

@@ -169,28 +169,29 @@ impl Tokenizer {
 
     /// `encode`, appending to `out`.
     pub fn encode_into(&self, text: &str, out: &mut Vec<u32>) {
-        let bpe = &self.bpe;
-        let out = std::cell::RefCell::new(out);
-        let plain = |s: &str| {
-            let mut o = out.borrow_mut();
-            pretokenize::split(s, |piece| bpe.encode_piece(piece.as_bytes(), &mut o));
-        };
-        let token = |id: u32| out.borrow_mut().push(id);
-        if self.trie_normalized.is_empty() {
-            self.trie_raw.split(text, plain, token);
-        } else {
-            self.trie_raw.split(
-                text,
-                |s| self.trie_normalized.split(s, plain, token),
-                token,
-            );
-        }
+        self.bpe.with_session(|sess| {
+            let state = std::cell::RefCell::new((sess, out));
+            let plain = |s: &str| {
+                let mut st = state.borrow_mut();
+                let (sess, out) = &mut *st;
+                pretokenize::split(s, |piece| sess.encode_piece(piece.as_bytes(), out));
+            };
+            let token = |id: u32| state.borrow_mut().1.push(id);
+            if self.trie_normalized.is_empty() {
+                self.trie_raw.split(text, plain, token);
+            } else {
+                self.trie_raw
+                    .split(text, |s| self.trie_normalized.split(s, plain, token), token);
+            }
+        })
     }
 
     /// Encodes `text` as ordinary text: added-token strings are split like any other text.
     pub fn encode_plain(&self, text: &str) -> Vec<u32> {
         let mut out = Vec::with_capacity(text.len() / 3 + 4);
-        pretokenize::split(text, |piece| self.bpe.encode_piece(piece.as_bytes(), &mut out));
+        self.bpe.with_session(|sess| {
+            pretokenize::split(text, |piece| sess.encode_piece(piece.as_bytes(), &mut out));
+        });
         out
     }
 
@@ -214,5 +215,63 @@ impl Tokenizer {
     #[cfg(test)]
     pub(crate) fn bpe(&self) -> &Bpe {
         &self.bpe
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn official() -> Tokenizer {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../fixtures/tokenizer/tokenizer.json"
+        );
+        Tokenizer::from_tokenizer_json(&std::fs::read(path).unwrap()).unwrap()
+    }
+
+    /// The heap used for long pieces must merge in exactly the order of the linear scan.
+    #[test]
+    fn heap_and_scan_merges_agree() {
+        let tok = official();
+        let mut pieces: Vec<Vec<u8>> = vec![
+            b"a".repeat(200),
+            b" ".repeat(300),
+            "\n".repeat(150).into_bytes(),
+            "東京都庁舎の展望室から富士山が見えます"
+                .repeat(8)
+                .into_bytes(),
+            "Pneumonoultramicroscopicsilicovolcanoconiosis"
+                .repeat(3)
+                .into_bytes(),
+            "ололололо".repeat(20).into_bytes(),
+        ];
+        let mut x = 0x1234_5678_9abc_def0u64;
+        for len in [2, 3, 10, 65, 100, 257] {
+            for _ in 0..20 {
+                let bytes = (0..len)
+                    .map(|_| {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        b"eatnoisrhld \xc3\xa9\xe6\x9d\xb1"[(x % 17) as usize]
+                    })
+                    .collect();
+                pieces.push(bytes);
+            }
+        }
+        for p in &pieces {
+            let (scan, heap) = tok.bpe().merge_both_ways(p);
+            assert_eq!(scan, heap, "{:?}", String::from_utf8_lossy(p));
+        }
+    }
+
+    #[test]
+    fn added_tokens_split_inside_words() {
+        let tok = official();
+        let ids = tok.encode("über</think>gang");
+        assert!(ids.contains(&128822));
+        assert_eq!(tok.decode(&ids, false), "über</think>gang");
+        assert!(!tok.encode_plain("</think>").contains(&128822));
     }
 }

@@ -69,7 +69,9 @@ fn check_pipeline(root: &Value) -> Result<(), TokenizerError> {
             }
         }
     }
-    let pre = root.get("pre_tokenizer").ok_or_else(|| format_err("no pre_tokenizer"))?;
+    let pre = root
+        .get("pre_tokenizer")
+        .ok_or_else(|| format_err("no pre_tokenizer"))?;
     let steps = pre
         .get("pretokenizers")
         .and_then(Value::as_array)
@@ -94,7 +96,11 @@ fn check_pipeline(root: &Value) -> Result<(), TokenizerError> {
         return unsupported("last pre_tokenizer step is not ByteLevel without prefix space/regex");
     }
     let model = root.get("model").ok_or_else(|| format_err("no model"))?;
-    if model.get("type").and_then(Value::as_str).is_some_and(|t| t != "BPE") {
+    if model
+        .get("type")
+        .and_then(Value::as_str)
+        .is_some_and(|t| t != "BPE")
+    {
         return unsupported("model is not BPE");
     }
     if model.get("ignore_merges").and_then(Value::as_bool) == Some(true) {
@@ -104,7 +110,10 @@ fn check_pipeline(root: &Value) -> Result<(), TokenizerError> {
         return unsupported("BPE dropout");
     }
     for key in ["continuing_subword_prefix", "end_of_word_suffix"] {
-        if model.get(key).is_some_and(|v| !v.is_null() && v.as_str() != Some("")) {
+        if model
+            .get(key)
+            .is_some_and(|v| !v.is_null() && v.as_str() != Some(""))
+        {
             return unsupported(key);
         }
     }
@@ -178,7 +187,11 @@ pub(crate) fn from_tokenizer_json(bytes: &[u8]) -> Result<VocabSpec, TokenizerEr
             });
         }
     }
-    Ok(VocabSpec { tokens, merges, added })
+    Ok(VocabSpec {
+        tokens,
+        merges,
+        added,
+    })
 }
 
 /// Strings of the added tokens that are not control tokens, used when a GGUF file has no

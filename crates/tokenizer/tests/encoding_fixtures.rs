@@ -42,7 +42,10 @@ fn encode_cases_prompt_and_ids() {
                 let ids = tok.encode(&got);
                 let want_ids = ids_of(&c["prompt_ids"]);
                 if ids != want_ids {
-                    failures.push(format!("{label}: ids differ at #{}", first_diff(&ids, &want_ids)));
+                    failures.push(format!(
+                        "{label}: ids differ at #{}",
+                        first_diff(&ids, &want_ids)
+                    ));
                 }
             }
             Ok(got) => {
@@ -58,17 +61,25 @@ fn encode_cases_prompt_and_ids() {
         }
     }
     assert_eq!(cases.len(), 156);
-    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 #[test]
 fn upstream_pairs() {
     for n in 1..=4 {
-        let input: Value =
-            serde_json::from_slice(&read_fixture(&format!("encoding/upstream/test_input_{n}.json")))
-                .unwrap();
-        let want = String::from_utf8(read_fixture(&format!("encoding/upstream/test_output_{n}.txt")))
-            .unwrap();
+        let input: Value = serde_json::from_slice(&read_fixture(&format!(
+            "encoding/upstream/test_input_{n}.json"
+        )))
+        .unwrap();
+        let want = String::from_utf8(read_fixture(&format!(
+            "encoding/upstream/test_output_{n}.txt"
+        )))
+        .unwrap();
         let msgs = if n == 1 {
             let mut m = messages(&input["messages"]);
             m[0].tools = Some(serde_json::from_value(input["tools"].clone()).unwrap());
@@ -77,7 +88,11 @@ fn upstream_pairs() {
             messages(&input)
         };
         let opts = EncodeOptions {
-            thinking_mode: if n == 4 { ThinkingMode::Chat } else { ThinkingMode::Thinking },
+            thinking_mode: if n == 4 {
+                ThinkingMode::Chat
+            } else {
+                ThinkingMode::Thinking
+            },
             ..Default::default()
         };
         let got = encode_messages(&msgs, &[], &opts).unwrap();
@@ -119,5 +134,10 @@ fn parse_cases() {
     }
     assert_eq!(cases.len(), 92);
     assert_eq!(n_err, 14);
-    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }

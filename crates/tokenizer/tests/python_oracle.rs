@@ -92,21 +92,32 @@ const DIGITS: &[(u32, u32)] = &[
 ];
 
 const SPACES: &[&str] = &[
-    " ", " ", " ", "  ", "\t", "\n", "\n\n", "\r\n", "\r", "\u{b}", "\u{c}", "\u{a0}",
-    "\u{2009}", "\u{202f}", "\u{3000}", "\u{2028}", "\u{2029}", "\u{85}", "\u{1680}",
-    "\u{180e}", "\u{200b}", "\u{feff}", "\u{2000}", "\u{200a}", " \n ", "\t\t", "    ",
+    " ", " ", " ", "  ", "\t", "\n", "\n\n", "\r\n", "\r", "\u{b}", "\u{c}", "\u{a0}", "\u{2009}",
+    "\u{202f}", "\u{3000}", "\u{2028}", "\u{2029}", "\u{85}", "\u{1680}", "\u{180e}", "\u{200b}",
+    "\u{feff}", "\u{2000}", "\u{200a}", " \n ", "\t\t", "    ",
 ];
 
 const PUNCT: &[&str] = &[
-    ".", ",", "!", "?", ";", ":", "'", "\"", "(", ")", "[", "]", "{", "}", "<", ">", "/",
-    "\\", "-", "_", "=", "+", "*", "&", "^", "%", "$", "#", "@", "~", "`", "|", "...", "—",
-    "–", "«", "»", "“", "”", "¿", "¡", "、", "。", "，", "！", "？", "・", "€", "£", "©", "°",
-    "±", "×", "÷", "∑", "√", "∞", "→", "★", "♥", "://", "->", "=>", "!=", "#!", "'s", "'t",
+    ".", ",", "!", "?", ";", ":", "'", "\"", "(", ")", "[", "]", "{", "}", "<", ">", "/", "\\",
+    "-", "_", "=", "+", "*", "&", "^", "%", "$", "#", "@", "~", "`", "|", "...", "—", "–", "«",
+    "»", "“", "”", "¿", "¡", "、", "。", "，", "！", "？", "・", "€", "£", "©", "°", "±", "×", "÷",
+    "∑", "√", "∞", "→", "★", "♥", "://", "->", "=>", "!=", "#!", "'s", "'t",
 ];
 
 const EMOJI: &[&str] = &[
-    "😀", "🎉", "👍🏽", "👨‍👩‍👧", "🇮🇹", "🏴󠁧󠁢󠁳󠁣󠁴󠁿", "❤️", "1️⃣", "☺︎", "🤖", "\u{200d}",
-    "\u{fe0f}", "🏻",
+    "😀",
+    "🎉",
+    "👍🏽",
+    "👨‍👩‍👧",
+    "🇮🇹",
+    "🏴󠁧󠁢󠁳󠁣󠁴󠁿",
+    "❤️",
+    "1️⃣",
+    "☺︎",
+    "🤖",
+    "\u{200d}",
+    "\u{fe0f}",
+    "🏻",
 ];
 
 fn piece(rng: &mut Rng, added: &[String], out: &mut String) {
@@ -151,7 +162,18 @@ fn piece(rng: &mut Rng, added: &[String], out: &mut String) {
             out.push(c);
         }
         _ => {
-            let words = ["the", "Hello", "don't", "x_y", "API", "naïve", "über", "東京", "日本語", "ありがとう"];
+            let words = [
+                "the",
+                "Hello",
+                "don't",
+                "x_y",
+                "API",
+                "naïve",
+                "über",
+                "東京",
+                "日本語",
+                "ありがとう",
+            ];
             out.push_str(*rng.pick(&words));
         }
     }
@@ -258,7 +280,9 @@ fn random_strings_match_python_tokenizers() {
     let mut texts = random_cases(&added);
     let n_random = texts.len();
     texts.extend(code_point_sweep());
-    let Some(want) = run_oracle(&texts) else { return };
+    let Some(want) = run_oracle(&texts) else {
+        return;
+    };
     let tok = official();
     let mut failures = Vec::new();
     for (k, (text, want)) in texts.iter().zip(&want).enumerate() {
@@ -282,6 +306,11 @@ fn random_strings_match_python_tokenizers() {
         "{} of {} differ:\n{}",
         failures.len(),
         texts.len(),
-        failures.iter().take(20).cloned().collect::<Vec<_>>().join("\n")
+        failures
+            .iter()
+            .take(20)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
     );
 }

@@ -44,7 +44,12 @@ fn encode_cases_exact() {
         }
     }
     assert_eq!(n, 1319);
-    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 #[test]
@@ -71,11 +76,19 @@ fn decode_cases_exact_and_streaming() {
         streamed.push_str(&dec.finish());
         if streamed != want {
             let k = first_diff(streamed.as_bytes(), want.as_bytes());
-            failures.push(format!("cat={} stream decode differs at byte {k}", c["cat"]));
+            failures.push(format!(
+                "cat={} stream decode differs at byte {k}",
+                c["cat"]
+            ));
         }
     }
     assert_eq!(n, 202);
-    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 #[test]
@@ -83,7 +96,10 @@ fn special_ids_by_string() {
     let s = official().special_ids().expect("all markers present");
     assert_eq!((s.bos, s.eos), (0, 1));
     assert_eq!((s.user, s.assistant), (128803, 128804));
-    assert_eq!((s.think_start, s.think_end, s.dsml), (128821, 128822, 128825));
+    assert_eq!(
+        (s.think_start, s.think_end, s.dsml),
+        (128821, 128822, 128825)
+    );
     assert_eq!(s.latest_reminder, Some(128828));
     let t = official();
     assert!(t.is_special(0) && !t.is_special(128803));
