@@ -12,6 +12,7 @@ mod bpe;
 pub mod chat;
 mod decode;
 pub mod dsml;
+pub mod dsml_stream;
 mod error;
 mod pretokenize;
 pub mod pyjson;
