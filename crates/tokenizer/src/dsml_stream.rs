@@ -84,7 +84,8 @@ pub struct StreamOutcome {
     pub content: String,
     /// Complete calls only (a call cut off by the end of the stream is dropped).
     pub tool_calls: Vec<StreamedCall>,
-    /// The exact text of the tool-calls block, from the `"\n\n"` before it if present.
+    /// The exact text of the tool-calls block, from the `"\n\n"` before it if present; for
+    /// a malformed block, everything from there to the end of the stream.
     pub raw_block: Option<String>,
     /// The block broke the grammar; its text was given back as content.
     pub malformed: bool,
@@ -197,10 +198,9 @@ impl StreamParser {
             return ev;
         }
         self.buf.push_str(text);
+        // After a grammar error the rest of the text belongs to the (failed) block too.
         if let Some(raw) = self.out.raw_block.as_mut() {
-            if !matches!(self.state, State::Malformed) {
-                raw.push_str(text);
-            }
+            raw.push_str(text);
         }
         self.run(&mut ev, false);
         ev

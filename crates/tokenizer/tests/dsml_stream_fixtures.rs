@@ -108,3 +108,26 @@ fn streaming_agrees_with_strict_parser() {
         failures.join("\n")
     );
 }
+
+/// Regression (found by the fuzzer): a malformed block's raw text must not depend on how
+/// the stream was cut. Every fixture completion, whole vs one character at a time.
+#[test]
+fn outcome_independent_of_split() {
+    let (_, cases) = jsonl("encoding/parse_cases.jsonl");
+    for c in &cases {
+        let text = c["completion"].as_str().unwrap();
+        for thinking in [false, true] {
+            let opts = StreamOptions {
+                thinking,
+                ..Default::default()
+            };
+            let whole = ds4_tokenizer::dsml_stream::parse_streaming(text, opts);
+            let mut p = StreamParser::new(opts);
+            let mut buf = [0u8; 4];
+            for ch in text.chars() {
+                p.push(ch.encode_utf8(&mut buf));
+            }
+            assert_eq!(p.finish().1, whole, "{}", c["name"]);
+        }
+    }
+}
