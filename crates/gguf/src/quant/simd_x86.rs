@@ -167,13 +167,20 @@ pub(crate) unsafe fn dot_q8_0_avx2(w: &[u8], x: &[BlockQ8_0]) -> f32 {
         q8_0_combine8(&mut acc, dw, x, b, reduce8(&p));
         b += 8;
     }
-    while b < nb {
+    dot_q8_0_tail_avx2(acc, w, x, b, nb)
+}
+
+/// Blocks `b0..nb` one at a time (the part of a row short of a full group).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q8_0_tail_avx2(mut acc: f32, w: &[u8], x: &[BlockQ8_0], b0: usize, nb: usize) -> f32 {
+    let wp = w.as_ptr();
+    for b in b0..nb {
         let isum = hsum_i32(q8_0_partial(
             wp.add(b * Q8_0_BLOCK_BYTES + 2),
             x[b].qs.as_ptr(),
         ));
         acc += (f16_one(w, b * Q8_0_BLOCK_BYTES) * x[b].d) * isum as f32;
-        b += 1;
     }
     acc
 }
@@ -389,6 +396,38 @@ pub(crate) unsafe fn dot_q4_k_multi_avx2(w: &[u8], xs: &[&[BlockQ8K]], out: &mut
 // IQ2_XXS × Q8_K
 // ---------------------------------------------------------------------------------
 
+/// `IQ2XXS_SIGNED[128·g + s]`: grid point `g` with sign pattern `ksigns(s)` applied, as
+/// 8 i8. 256 KiB: one load per 8 weights replaces a grid load, a sign-mask load and the
+/// negation, which made the decode (not memory) the bottleneck of this kernel.
+static IQ2XXS_SIGNED: [u64; 256 * 128] = {
+    let mut t = [0u64; 256 * 128];
+    let mut g = 0;
+    while g < 256 {
+        let grid = IQ2XXS_GRID[g];
+        let mut s = 0;
+        while s < 128 {
+            let mask = KSIGN_MASK[s];
+            let mut v = 0u64;
+            let mut j = 0;
+            while j < 8 {
+                let b = ((grid >> (8 * j)) & 0xFF) as u8;
+                let neg = (mask >> (8 * j)) & 0xFF != 0;
+                let b = if neg {
+                    (b as i8).wrapping_neg() as u8
+                } else {
+                    b
+                };
+                v |= (b as u64) << (8 * j);
+                j += 1;
+            }
+            t[128 * g + s] = v;
+            s += 1;
+        }
+        g += 1;
+    }
+    t
+};
+
 /// Signed grid values (i8, |v| ≤ 43) of the 8 groups of one IQ2_XXS block and the
 /// group multipliers `2·ls + 1`.
 #[inline]
@@ -396,22 +435,15 @@ pub(crate) unsafe fn dot_q4_k_multi_avx2(w: &[u8], xs: &[&[BlockQ8K]], out: &mut
 unsafe fn iq2_xxs_unpack(wb: &[u8]) -> ([__m256i; 8], [i16; 8]) {
     let mut sg = [_mm256_setzero_si256(); 8];
     let mut ls = [0i16; 8];
+    let wb: &[u8; IQ2_XXS_BLOCK_BYTES] = wb.try_into().expect("IQ2_XXS block");
     for g in 0..8 {
         let o = 2 + 8 * g;
-        let a1 = rd_u32(wb, o + 4);
-        let grid = _mm256_setr_epi64x(
-            IQ2XXS_GRID[wb[o] as usize] as i64,
-            IQ2XXS_GRID[wb[o + 1] as usize] as i64,
-            IQ2XXS_GRID[wb[o + 2] as usize] as i64,
-            IQ2XXS_GRID[wb[o + 3] as usize] as i64,
-        );
-        let m = _mm256_setr_epi64x(
-            KSIGN_MASK[(a1 & 127) as usize] as i64,
-            KSIGN_MASK[((a1 >> 7) & 127) as usize] as i64,
-            KSIGN_MASK[((a1 >> 14) & 127) as usize] as i64,
-            KSIGN_MASK[((a1 >> 21) & 127) as usize] as i64,
-        );
-        sg[g] = _mm256_sub_epi8(_mm256_xor_si256(grid, m), m);
+        let a1 = u32::from_le_bytes([wb[o + 4], wb[o + 5], wb[o + 6], wb[o + 7]]);
+        let at = |l: usize| {
+            let s = (a1 >> (7 * l)) & 127;
+            IQ2XXS_SIGNED[128 * wb[o + l] as usize + s as usize] as i64
+        };
+        sg[g] = _mm256_setr_epi64x(at(0), at(1), at(2), at(3));
         ls[g] = 2 * (a1 >> 28) as i16 + 1;
     }
     (sg, ls)
@@ -539,100 +571,39 @@ pub(crate) unsafe fn dot_f32_avx2(a: &[f32], b: &[f32]) -> f32 {
 // AVX-512 (F + BW + VL, VNNI where noted)
 // ---------------------------------------------------------------------------------
 
-/// Q8_0 with 512-bit registers: two blocks per register, sixteen blocks per group.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-pub(crate) unsafe fn dot_q8_0_avx512(w: &[u8], x: &[BlockQ8_0]) -> f32 {
+/// Q8_0 with VNNI on 256-bit registers: `dpbusd` wants an unsigned operand, so the
+/// weights are biased by 128 (`w ^ 0x80`) and `128·Σx` (another `dpbusd`) is taken off:
+/// exact in i32, and no i8→i16 widening shuffles, which bound the AVX2 kernel in cache.
+#[inline]
+#[target_feature(enable = "avx512vl,avx512vnni,avx2")]
+unsafe fn q8_0_partial_vnni(wq: *const u8, xq: *const i8) -> __m256i {
+    let bias = _mm256_set1_epi8(-128);
+    let w = _mm256_xor_si256(_mm256_loadu_si256(wq as *const __m256i), bias);
+    let x = _mm256_loadu_si256(xq as *const __m256i);
+    let z = _mm256_setzero_si256();
+    _mm256_sub_epi32(
+        _mm256_dpbusd_epi32(z, w, x),
+        _mm256_dpbusd_epi32(z, bias, x),
+    )
+}
+
+#[target_feature(enable = "avx512f,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q8_0_vnni(w: &[u8], x: &[BlockQ8_0]) -> f32 {
     let nb = (w.len() / Q8_0_BLOCK_BYTES).min(x.len());
     let wp = w.as_ptr();
     let mut acc = 0.0f32;
     let mut b = 0;
-    while b + 16 <= nb {
-        // p[k] holds the partial sums of blocks b+k (low 256 bits) and b+k+8 (high).
+    while b + 8 <= nb {
         let mut p = [_mm256_setzero_si256(); 8];
-        let mut q = [_mm256_setzero_si256(); 8];
-        for k in 0..8 {
-            let w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(
-                wp.add((b + k) * Q8_0_BLOCK_BYTES + 2) as *const __m256i,
-            ));
-            let x0 =
-                _mm512_cvtepi8_epi16(_mm256_loadu_si256(x[b + k].qs.as_ptr() as *const __m256i));
-            let w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(
-                wp.add((b + k + 8) * Q8_0_BLOCK_BYTES + 2) as *const __m256i,
-            ));
-            let x1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(
-                x[b + k + 8].qs.as_ptr() as *const __m256i
-            ));
-            let s0 = _mm512_madd_epi16(w0, x0);
-            let s1 = _mm512_madd_epi16(w1, x1);
-            p[k] = _mm256_add_epi32(
-                _mm512_castsi512_si256(s0),
-                _mm512_extracti64x4_epi64::<1>(s0),
-            );
-            q[k] = _mm256_add_epi32(
-                _mm512_castsi512_si256(s1),
-                _mm512_extracti64x4_epi64::<1>(s1),
-            );
+        for (k, pk) in p.iter_mut().enumerate() {
+            let wb = wp.add((b + k) * Q8_0_BLOCK_BYTES + 2);
+            *pk = q8_0_partial_vnni(wb, x[b + k].qs.as_ptr());
         }
-        q8_0_combine8(&mut acc, q8_0_scales8(w, b), x, b, reduce8(&p));
-        q8_0_combine8(&mut acc, q8_0_scales8(w, b + 8), x, b + 8, reduce8(&q));
-        b += 16;
+        let dw = q8_0_scales8(w, b);
+        q8_0_combine8(&mut acc, dw, x, b, reduce8(&p));
+        b += 8;
     }
-    if b < nb {
-        acc = dot_q8_0_tail_avx2(acc, w, x, b, nb);
-    }
-    acc
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q8_0_tail_avx2(mut acc: f32, w: &[u8], x: &[BlockQ8_0], b0: usize, nb: usize) -> f32 {
-    let wp = w.as_ptr();
-    for b in b0..nb {
-        let isum = hsum_i32(q8_0_partial(
-            wp.add(b * Q8_0_BLOCK_BYTES + 2),
-            x[b].qs.as_ptr(),
-        ));
-        acc += (f16_one(w, b * Q8_0_BLOCK_BYTES) * x[b].d) * isum as f32;
-    }
-    acc
-}
-
-/// IQ2_XXS with VNNI: four groups per 512-bit register; `dpbusd` accumulates
-/// u8·i8 products straight into i32 (no i16 intermediate, no saturation).
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn dot_iq2_xxs_avx512vnni(w: &[u8], x: &[BlockQ8K]) -> f32 {
-    let bias = _mm512_set1_epi8(-128);
-    let mut acc = 0.0f32;
-    for (wb, xb) in w.chunks_exact(IQ2_XXS_BLOCK_BYTES).zip(x) {
-        let (sg, ls) = iq2_xxs_unpack(wb);
-        let xq = xb.qs.as_ptr();
-        let mut tot = _mm512_setzero_si512();
-        for h in 0..2 {
-            // Groups 4h..4h+4: 128 activations, four 32-byte signed-grid vectors.
-            let s01 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(sg[4 * h]), sg[4 * h + 1]);
-            let s23 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(sg[4 * h + 2]), sg[4 * h + 3]);
-            let x01 = _mm512_loadu_si512(xq.add(128 * h) as *const _);
-            let x23 = _mm512_loadu_si512(xq.add(128 * h + 64) as *const _);
-            let mut a01 =
-                _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(x01, bias), s01);
-            let mut a23 =
-                _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(x23, bias), s23);
-            a01 = _mm512_sub_epi32(a01, _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, s01));
-            a23 = _mm512_sub_epi32(a23, _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, s23));
-            let l01 = _mm512_inserti64x4::<1>(
-                _mm512_castsi256_si512(_mm256_set1_epi32(ls[4 * h] as i32)),
-                _mm256_set1_epi32(ls[4 * h + 1] as i32),
-            );
-            let l23 = _mm512_inserti64x4::<1>(
-                _mm512_castsi256_si512(_mm256_set1_epi32(ls[4 * h + 2] as i32)),
-                _mm256_set1_epi32(ls[4 * h + 3] as i32),
-            );
-            tot = _mm512_add_epi32(tot, _mm512_mullo_epi32(a01, l01));
-            tot = _mm512_add_epi32(tot, _mm512_mullo_epi32(a23, l23));
-        }
-        let bsum = _mm512_reduce_add_epi32(tot);
-        acc += (f16_one(wb, 0) * xb.d) * bsum as f32;
-    }
-    0.125 * acc
+    dot_q8_0_tail_avx2(acc, w, x, b, nb)
 }
 
 /// Dense dots with one 16-lane register: exactly the canonical lane assignment.
@@ -660,6 +631,24 @@ pub(crate) unsafe fn dot_f16_f32_avx512(w: &[u8], x: &[f32]) -> f32 {
     dense_finish(lanes, n / 16 * 16, n, |i| {
         (half::f16::from_bits(rd_u16(w, 2 * i)).to_f32(), x[i])
     })
+}
+
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_f32_f32_avx512(w: &[u8], x: &[f32]) -> f32 {
+    let n = (w.len() / 4).min(x.len());
+    let wp = w.as_ptr() as *const f32;
+    let lanes = dense_avx512(n, x.as_ptr(), |i| _mm512_loadu_ps(wp.add(i)));
+    dense_finish(lanes, n / 16 * 16, n, |i| {
+        (f32::from_bits(rd_u32(w, 4 * i)), x[i])
+    })
+}
+
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_f32_avx512(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let ap = a.as_ptr();
+    let lanes = dense_avx512(n, b.as_ptr(), |i| _mm512_loadu_ps(ap.add(i)));
+    dense_finish(lanes, n / 16 * 16, n, |i| (a[i], b[i]))
 }
 
 /// `QK8_0` is what the Q8_0 kernels above assume.
