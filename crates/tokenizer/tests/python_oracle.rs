@@ -42,6 +42,9 @@ impl Rng {
     fn pick<'a, T>(&mut self, v: &'a [T]) -> &'a T {
         &v[self.below(v.len())]
     }
+    fn word(&mut self, v: &[&'static str]) -> &'static str {
+        v[self.below(v.len())]
+    }
     fn in_range(&mut self, lo: u32, hi: u32) -> char {
         loop {
             let cp = lo + (self.next() % u64::from(hi - lo + 1)) as u32;
@@ -135,13 +138,13 @@ fn piece(rng: &mut Rng, added: &[String], out: &mut String) {
                 out.push(rng.in_range(lo, hi));
             }
         }
-        5 | 6 => out.push_str(*rng.pick(SPACES)),
+        5 | 6 => out.push_str(rng.word(SPACES)),
         7 | 8 => {
             for _ in 0..1 + rng.below(3) {
-                out.push_str(*rng.pick(PUNCT));
+                out.push_str(rng.word(PUNCT));
             }
         }
-        9 => out.push_str(*rng.pick(EMOJI)),
+        9 => out.push_str(rng.word(EMOJI)),
         10 => {
             let t = rng.pick(added);
             match rng.below(4) {
@@ -174,7 +177,7 @@ fn piece(rng: &mut Rng, added: &[String], out: &mut String) {
                 "日本語",
                 "ありがとう",
             ];
-            out.push_str(*rng.pick(&words));
+            out.push_str(rng.word(&words));
         }
     }
 }
