@@ -5,6 +5,7 @@ mod dump;
 mod gpu_selftest;
 mod inspect;
 mod synth;
+mod tokenize;
 
 use clap::{Parser, Subcommand};
 
@@ -31,6 +32,10 @@ enum Command {
     GpuSelftest(gpu_selftest::Args),
     /// Download a published GGUF from Hugging Face (resumable) and link ./ds4flash.gguf.
     Download(download::Args),
+    /// Tokenize JSON Lines `{"text": …}` from stdin into `{"ids": […]}` lines.
+    Tokenize(tokenize::TokenizeArgs),
+    /// Render chat requests (encode_cases.jsonl schema) from stdin into `{"prompt": …}` lines.
+    Render(tokenize::RenderArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -41,5 +46,7 @@ fn main() -> anyhow::Result<()> {
         Command::DumpTensor(a) => dump::run(a),
         Command::GpuSelftest(a) => gpu_selftest::run(a),
         Command::Download(a) => download::run(a),
+        Command::Tokenize(a) => tokenize::run_tokenize(a),
+        Command::Render(a) => tokenize::run_render(a),
     }
 }

@@ -1,0 +1,69 @@
+//! `tokenize` and `render`: JSON Lines filters over stdin/stdout, backed by ds4-tokenizer.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use ds4_tokenizer::Tokenizer;
+
+#[derive(clap::Args)]
+pub struct TokenizeArgs {
+    /// A GGUF file (reads `tokenizer.ggml.*`) or a Hugging Face tokenizer.json.
+    #[arg(long)]
+    pub tokenizer: PathBuf,
+}
+
+#[derive(clap::Args)]
+pub struct RenderArgs {}
+
+/// Loads a tokenizer from a GGUF's metadata or from a tokenizer.json, by magic bytes.
+pub fn load_tokenizer(path: &Path) -> anyhow::Result<Tokenizer> {
+    let mut magic = [0u8; 4];
+    let mut f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let is_gguf = f.read_exact(&mut magic).is_ok() && &magic == b"GGUF";
+    if !is_gguf {
+        let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+        return Ok(Tokenizer::from_tokenizer_json(&bytes)?);
+    }
+    let gguf = ds4_gguf::GgufFile::open(path)?;
+    let strings = |key: &str| -> anyhow::Result<Vec<String>> {
+        match gguf.get(key).and_then(|v| v.as_str_array()) {
+            Some(v) => Ok(v.into_iter().map(str::to_string).collect()),
+            None => bail!("{}: no string array {key}", path.display()),
+        }
+    };
+    let tokens = strings("tokenizer.ggml.tokens")?;
+    let merges = strings("tokenizer.ggml.merges")?;
+    let types = gguf
+        .get("tokenizer.ggml.token_type")
+        .and_then(|v| v.as_array())
+        .map(|(_, items)| {
+            items
+                .iter()
+                .map(|v| v.as_i64().and_then(|x| i32::try_from(x).ok()).unwrap_or(1))
+                .collect()
+        });
+    Ok(Tokenizer::from_gguf_vocab(tokens, merges, types)?)
+}
+
+fn io() -> (impl BufRead, impl Write) {
+    (
+        BufReader::new(std::io::stdin().lock()),
+        std::io::BufWriter::new(std::io::stdout().lock()),
+    )
+}
+
+pub fn run_tokenize(a: TokenizeArgs) -> anyhow::Result<()> {
+    let tok = load_tokenizer(&a.tokenizer)?;
+    let (r, mut w) = io();
+    ds4_tokenizer::cli::run_tokenize(r, &mut w, &tok)?;
+    w.flush()?;
+    Ok(())
+}
+
+pub fn run_render(_: RenderArgs) -> anyhow::Result<()> {
+    let (r, mut w) = io();
+    ds4_tokenizer::cli::run_render(r, &mut w)?;
+    w.flush()?;
+    Ok(())
+}
