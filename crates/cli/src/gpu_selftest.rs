@@ -141,6 +141,13 @@ pub fn check_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
         }
     }
     checks.push(check_quantize(gpu, &mut rng)?);
+    checks.push(check_quantize_k(gpu, &mut rng)?);
+    for &(rows, cols) in &[(37usize, 512usize), (256, 4096)] {
+        let w = random_matrix(GgmlType::Q8_0, rows, cols, 5, &mut rng);
+        let m = DeviceMatrix::upload(gpu, GgmlType::Q8_0, &w, rows, cols, 5)?;
+        let x = random_vec(4 * cols, &mut rng);
+        checks.push(check_q8act(gpu, &m, &w, &[3, 1, 4, 1], &x)?);
+    }
     Ok(checks)
 }
 
@@ -164,6 +171,33 @@ fn check_quantize(gpu: &Gpu, rng: &mut Rng) -> Result<Check> {
     }
     Ok(Check {
         name: "quantize_q8_32 == CPU quantize_q8_0 (bits)".into(),
+        rel_err: mismatches as f64,
+        bound: 0.0,
+    })
+}
+
+/// The GPU Q8_K quantiser must reproduce `quantize_q8_k` bit for bit (its scale is
+/// stored once per 32 values).
+fn check_quantize_k(gpu: &Gpu, rng: &mut Rng) -> Result<Check> {
+    let (rows, cols) = (2, 2048);
+    let mut x = random_vec(rows * cols, rng);
+    x[256..512].fill(0.0); // an all-zero block
+    x[600] = -9.0; // the signed maximum is negative
+    x[601] = 9.0; // a later tie must not win
+    let xd = gpu.upload(&x)?;
+    let mut qa = gpu.alloc_quant_act(rows, cols)?;
+    gpu.quantize_act_k(gpu.ptr(&xd), &mut qa)?;
+    let (q, d) = (gpu.download(&qa.q)?, gpu.download(&qa.d)?);
+    let want = ds4_gguf::quant::quantize_q8_k_vec(&x);
+    let mut mismatches = 0usize;
+    for (b, wb) in want.iter().enumerate() {
+        mismatches += (0..8)
+            .filter(|&j| d[b * 8 + j].to_bits() != wb.d.to_bits())
+            .count();
+        mismatches += (0..256).filter(|&i| q[b * 256 + i] != wb.qs[i]).count();
+    }
+    Ok(Check {
+        name: "quantize_q8_k32 == CPU quantize_q8_k (bits)".into(),
         rel_err: mismatches as f64,
         bound: 0.0,
     })

@@ -1,6 +1,7 @@
 //! Shared code of the `ds4`, `ds4-tool` and `ds4-bench` programs.
 
 pub mod download;
+pub mod fixture_check;
 pub mod gpu_selftest;
 pub mod rng;
 pub mod synth;

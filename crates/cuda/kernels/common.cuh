@@ -1,7 +1,7 @@
 // Shared definitions of the ds4 CUDA kernels. Built with nvcc (ahead of time) or NVRTC
 // (at run time), so it includes no system headers: fixed-width types and half
 // conversions are spelled out here.
-#pragma once
+
 
 typedef signed char i8;
 typedef unsigned char u8;

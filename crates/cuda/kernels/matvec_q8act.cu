@@ -177,3 +177,82 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q4_k_q8(
     acc = warp_sum(acc);
     if (threadIdx.x == 0) y[blockIdx.y * sel.y_stride + row] = acc;
 }
+
+// Q8_K-style activation quantisation (llama.cpp quantize_row_q8_K_ref, as the CPU's
+// quantize_q8_k): per 256 values the signed value of largest magnitude (the first on
+// ties) maps to -127, q = clamp(rint(x·(-127/max)), -128, 127), d = 1/iscale. The
+// scale is written once per 32 values so the int8 kernels above consume it unchanged.
+// One block of 256 threads per 256 values.
+extern "C" __global__ void __launch_bounds__(256) quantize_q8_k32(const float* __restrict__ x,
+        i8* __restrict__ q, float* __restrict__ d) {
+    __shared__ float s_abs[8];
+    __shared__ int s_idx[8];
+    __shared__ float s_max;
+    const i64 base = (i64)blockIdx.x * 256;
+    const float v = x[base + threadIdx.x];
+    float a = fabsf(v);
+    int idx = threadIdx.x;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float a2 = __shfl_xor_sync(0xffffffffu, a, o);
+        const int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (a2 > a || (a2 == a && i2 < idx)) {
+            a = a2;
+            idx = i2;
+        }
+    }
+    if (threadIdx.x % WARP == 0) {
+        s_abs[threadIdx.x / WARP] = a;
+        s_idx[threadIdx.x / WARP] = idx;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float ba = s_abs[0];
+        int bi = s_idx[0];
+        for (int w = 1; w < 8; ++w)
+            if (s_abs[w] > ba || (s_abs[w] == ba && s_idx[w] < bi)) {
+                ba = s_abs[w];
+                bi = s_idx[w];
+            }
+        s_max = ba == 0.f ? 0.f : x[base + bi];
+    }
+    __syncthreads();
+    const float mx = s_max;
+    if (mx == 0.f) {
+        q[base + threadIdx.x] = 0;
+        if (threadIdx.x < 8) d[blockIdx.x * 8 + threadIdx.x] = 0.f;
+        return;
+    }
+    const float iscale = -127.0f / mx;
+    int qi = __float2int_rn(iscale * v);
+    q[base + threadIdx.x] = (i8)max(-128, min(127, qi));
+    if (threadIdx.x < 8) d[blockIdx.x * 8 + threadIdx.x] = 1.0f / iscale;
+}
+
+// Q8_0 weights × Q8_0 activations (both int8 per 32, f16 / f32 scales), dp4a. A lane
+// takes 16 values: half of one block.
+extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8(
+    const i8* __restrict__ qs, const u16* __restrict__ dw, i64 mat_q, i64 mat_d,
+    const i8* __restrict__ xq, const float* __restrict__ xd, float* __restrict__ y, int rows,
+    int cols, MatSel sel) {
+    const int row = blockIdx.x * blockDim.y + threadIdx.y;
+    if (row >= rows) return;
+    const int m = sel_matrix(sel);
+    xq += blockIdx.y * sel.x_stride;
+    xd += blockIdx.y * (sel.x_stride / 32);
+    const i8* q = qs + m * mat_q + (i64)row * cols;
+    const u16* dr = dw + m * mat_d + (i64)row * (cols / 32);
+    float acc = 0.f;
+#pragma unroll 4
+    for (int c = threadIdx.x * 16; c < cols; c += WARP * 16) {
+        const W4 w = ld16(q + c);
+        const int4 xv = *reinterpret_cast<const int4*>(xq + c);
+        int s = __dp4a((int)w.a, xv.x, 0);
+        s = __dp4a((int)w.b, xv.y, s);
+        s = __dp4a((int)w.c, xv.z, s);
+        s = __dp4a((int)w.d, xv.w, s);
+        acc += (h2f(dr[c >> 5]) * xd[c >> 5]) * (float)s;
+    }
+    acc = warp_sum(acc);
+    if (threadIdx.x == 0) y[blockIdx.y * sel.y_stride + row] = acc;
+}

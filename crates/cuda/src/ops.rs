@@ -155,6 +155,31 @@ impl Gpu {
         })
     }
 
+    /// Quantises `rows × cols` floats at `x` into `qa` with one scale per 256 values
+    /// (Q8_K rule, bit-identical to the CPU's `quantize_q8_k`); the scale is stored
+    /// once per 32 values.
+    pub fn quantize_act_k(&self, x: u64, qa: &mut QuantAct) -> Result<(), CudaError> {
+        if !qa.cols.is_multiple_of(256) {
+            return Err(CudaError::Invalid(format!(
+                "{} activations are not whole 256-blocks",
+                qa.cols
+            )));
+        }
+        let blocks = (qa.rows * qa.cols / 256) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = self.func("quantize_q8_k32")?;
+        let (q, d) = (self.ptr(&qa.q), self.ptr(&qa.d));
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&x).arg(&q).arg(&d);
+        // SAFETY: x holds rows × cols floats (caller), q/d are sized by alloc_quant_act.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
     /// Quantises `rows × cols` floats at device address `x` into `qa`.
     pub fn quantize_act(&self, x: u64, qa: &mut QuantAct) -> Result<(), CudaError> {
         let blocks = (qa.rows * qa.cols / 32) as i32;
@@ -174,7 +199,7 @@ impl Gpu {
     }
 
     /// `y[k] = W[ids[k]] · xq[k]` with int8 activations (`sel.x_stride` counts int8
-    /// values; 0 = shared input). IQ2_XXS, Q2_K and Q4_K weights.
+    /// values; 0 = shared input). Q8_0, IQ2_XXS, Q2_K and Q4_K weights.
     pub fn matvec_q8act(
         &self,
         m: &DeviceMatrix,
@@ -183,10 +208,13 @@ impl Gpu {
         n_sel: usize,
         sel: MatSel,
     ) -> Result<(), CudaError> {
-        if xq.cols != m.cols {
+        // Each selection reads m.cols values at k·x_stride (one shared row when 0).
+        let stride = sel.x_stride.max(0) as usize;
+        let need = stride * n_sel.saturating_sub(1) + m.cols;
+        if need > xq.rows * xq.cols || !stride.is_multiple_of(32) || (stride == 0 && xq.cols < m.cols) {
             return Err(CudaError::Invalid(format!(
-                "activation width {} != matrix columns {}",
-                xq.cols, m.cols
+                "activations of {}×{} do not cover {n_sel} inputs of {} at stride {stride}",
+                xq.rows, xq.cols, m.cols
             )));
         }
         let rows = m.rows as i32;
@@ -196,6 +224,7 @@ impl Gpu {
         let p: Vec<u64> = m.parts.iter().map(|b| self.ptr(b)).collect();
         let (xq_p, xd_p) = (self.ptr(&xq.q), self.ptr(&xq.d));
         let (name, smem) = match m.ty {
+            GgmlType::Q8_0 => ("matvec_q8_0_q8", 0),
             GgmlType::IQ2_XXS => ("matvec_iq2_xxs_q8", 2048 + x_bytes),
             GgmlType::Q2_K => ("matvec_q2_k_q8", x_bytes),
             GgmlType::Q4_K => ("matvec_q4_k_q8", x_bytes),
@@ -214,7 +243,11 @@ impl Gpu {
         let mut b = self.stream.launch_builder(&f);
         let grid = self.ptr(&self.iq2_grid);
         let (mat_q, mat_d, mat_blocks) = (elems / 256 * 64, elems / 256, elems / 256);
+        let (q8_q, q8_d) = (elems, elems / 32);
         match m.ty {
+            GgmlType::Q8_0 => {
+                b.arg(&p[0]).arg(&p[1]).arg(&q8_q).arg(&q8_d);
+            }
             GgmlType::IQ2_XXS => {
                 b.arg(&p[0]).arg(&p[1]).arg(&mat_q).arg(&mat_d).arg(&grid);
             }

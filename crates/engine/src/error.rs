@@ -46,6 +46,9 @@ pub enum EngineError {
     Io(#[from] std::io::Error),
     #[error("{0}")]
     Invalid(String),
+    /// A device backend failed (driver error, out of device memory, …).
+    #[error("{0}")]
+    Backend(String),
 }
 
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;

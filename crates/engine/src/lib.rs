@@ -6,6 +6,7 @@
 pub mod backend;
 pub mod config;
 pub mod cpu;
+pub mod cuda;
 pub mod error;
 pub mod kv;
 pub mod layout;

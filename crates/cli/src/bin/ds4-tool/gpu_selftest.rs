@@ -1,6 +1,11 @@
 use anyhow::{bail, Result};
 use ds4_cli::gpu_selftest::{bench_kernels, check_kernels};
+use std::sync::Arc;
+
+use ds4_cli::fixture_check::{check_sequence, pooled_agreement, Manifest, VARIANTS};
 use ds4_cuda::Gpu;
+use ds4_engine::cuda::{CudaBackend, CudaWeights};
+use ds4_engine::{LoadOptions, Model, Numerics};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -13,11 +18,15 @@ pub struct Args {
     /// Seed of the random inputs (fresh inputs every run by default).
     #[arg(long)]
     seed: Option<u64>,
+    /// Tiny fixture folder: run every model variant, sequence and numeric mode on the
+    /// GPU against the official logits (empty string: skip).
+    #[arg(long, default_value = "fixtures/tiny")]
+    fixtures: String,
 }
 
 pub fn run(a: Args) -> Result<()> {
     let gpu = match Gpu::open(a.device) {
-        Ok(g) => g,
+        Ok(g) => Arc::new(g),
         Err(e) => bail!("no usable GPU: {e}"),
     };
     let i = gpu.info();
@@ -51,6 +60,9 @@ pub fn run(a: Args) -> Result<()> {
             c.bound
         );
     }
+    if !a.fixtures.is_empty() {
+        failed += run_fixtures(&gpu, std::path::Path::new(&a.fixtures))?;
+    }
     if a.bench {
         println!(
             "\n{:<40} {:>12} {:>10} {:>10}",
@@ -66,9 +78,56 @@ pub fn run(a: Args) -> Result<()> {
             );
         }
     }
-    println!("\n{} passed, {} failed", checks.len() - failed, failed);
+    let total = checks.len() + if a.fixtures.is_empty() { 0 } else { 24 };
+    println!("\n{} passed, {} failed", total - failed, failed);
     if failed > 0 {
         bail!("{failed} GPU checks failed");
     }
     Ok(())
+}
+
+/// The tiny fixtures on the CUDA backend; returns the number of failures.
+fn run_fixtures(gpu: &Arc<Gpu>, dir: &std::path::Path) -> Result<usize> {
+    let manifest = Manifest::load(dir)?;
+    let mut failed = 0;
+    println!(
+        "\n{:<6} {:<4} {:<6} {:>10} {:>10} {:>10} {:>7} {:>5} {:>7}",
+        "model", "seq", "mode", "max", "median", "p99", "argmax", "viol", "greedy"
+    );
+    for (variant, file, set) in VARIANTS {
+        let model = Model::load(dir.join(file), LoadOptions::default())?;
+        let weights = Arc::new(CudaWeights::upload(gpu, &model, &|_| {})?);
+        for numerics in [Numerics::Exact, Numerics::Fast] {
+            let mut results = Vec::new();
+            for seq in ["a", "b", "c"] {
+                let mut backend = CudaBackend::new(&weights, 4096, numerics)?;
+                let r = check_sequence(&mut backend, &manifest, dir, variant, set, seq, numerics)?;
+                failed += usize::from(!r.passed);
+                println!(
+                    "{} {:<6} {:<4} {:<6} {:>10.3e} {:>10.3e} {:>10.3e} {:>6.1}% {:>5} {:>7}",
+                    if r.passed { "PASS" } else { "FAIL" },
+                    r.variant,
+                    r.seq,
+                    format!("{:?}", r.numerics),
+                    r.max,
+                    r.median,
+                    r.p99,
+                    100.0 * r.argmax_agree,
+                    r.argmax_violations,
+                    if r.greedy_ok { "ok" } else { "DIFF" }
+                );
+                results.push(r);
+            }
+            let (frac, ok) = pooled_agreement(&results);
+            failed += usize::from(!ok);
+            let n: usize = results.iter().map(|r| r.positions).sum();
+            println!(
+                "{} {variant:<6} all  {:<6} argmax agreement {:.2}% over {n} positions (tier: >= 95%)",
+                if ok { "PASS" } else { "FAIL" },
+                format!("{numerics:?}"),
+                100.0 * frac
+            );
+        }
+    }
+    Ok(failed)
 }

@@ -1,0 +1,625 @@
+// The non-matmul operations of a DeepSeek V4 layer for one decoded token
+// (architecture.md §5). Every count that depends on the position (raw rows in the
+// window, compressed rows, frontier slots) is derived from `step->pos` in device
+// memory, so one token's launches can be captured in a CUDA graph and replayed.
+#include "common.cuh"
+
+#define NEG_INF_F (-1e30f)
+
+struct Step {
+    i32 pos;    // position of the token being decoded
+    i32 token;  // its id
+};
+
+// Weight storage types of the small dense tensors (norms, fns, embedding rows).
+#define WT_F32 0
+#define WT_F16 1
+#define WT_BF16 2
+
+__device__ __forceinline__ float ldw(const void* w, int type, i64 i) {
+    if (type == WT_F16) return h2f(reinterpret_cast<const u16*>(w)[i]);
+    if (type == WT_BF16) return __uint_as_float(((u32)reinterpret_cast<const u16*>(w)[i]) << 16);
+    return reinterpret_cast<const float*>(w)[i];
+}
+
+// Block-wide sum (blockDim.x ≤ 1024, a multiple of 32). `red` holds ≥ 32 floats.
+__device__ float block_sum(float v, float* red) {
+    v = warp_sum(v);
+    const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
+    __syncthreads();
+    if (lane == 0) red[wid] = v;
+    __syncthreads();
+    const int nw = blockDim.x / WARP;
+    v = threadIdx.x < nw ? red[threadIdx.x] : 0.f;
+    if (wid == 0) v = warp_sum(v);
+    if (threadIdx.x == 0) red[0] = v;
+    __syncthreads();
+    const float r = red[0];
+    __syncthreads();
+    return r;
+}
+
+__device__ float block_max(float v, float* red) {
+    v = warp_max(v);
+    const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
+    __syncthreads();
+    if (lane == 0) red[wid] = v;
+    __syncthreads();
+    const int nw = blockDim.x / WARP;
+    v = threadIdx.x < nw ? red[threadIdx.x] : -3.0e38f;
+    if (wid == 0) v = warp_max(v);
+    if (threadIdx.x == 0) red[0] = v;
+    __syncthreads();
+    const float r = red[0];
+    __syncthreads();
+    return r;
+}
+
+__device__ __forceinline__ float sigmoidf_(float x) {
+    return x >= 0.f ? 1.f / (1.f + expf(-x)) : expf(x) / (1.f + expf(x));
+}
+
+// ---- embedding: every HC stream starts as the token's embedding row.
+extern "C" __global__ void embed(const Step* step, const void* table, int type, int n_embd,
+                                 int n_hc, float* h) {
+    const i64 row = (i64)step->token * n_embd;
+    for (int i = threadIdx.x + blockIdx.x * blockDim.x; i < n_embd; i += blockDim.x * gridDim.x) {
+        float v;
+        if (type == 8) {  // Q8_0 rows: 34-byte blocks
+            const u8* b = reinterpret_cast<const u8*>(table) + (row + i) / 32 * 34;
+            v = h2f((u16)(b[0] | (b[1] << 8))) * (float)(i8)b[2 + (row + i) % 32];
+        } else {
+            v = ldw(table, type, row + i);
+        }
+        for (int s = 0; s < n_hc; ++s) h[(i64)s * n_embd + i] = v;
+    }
+}
+
+// ---- hyper-connection mixer: mix[k] = rms_scale(H) · (fn_k · H), one block per k.
+extern "C" __global__ void __launch_bounds__(1024) hc_mix(const float* h, int n, const void* fn,
+                                                          int fn_type, float eps, float* mix) {
+    __shared__ float red[32];
+    const int k = blockIdx.x;
+    float ss = 0.f, dot = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = h[i];
+        ss += v * v;
+        dot += ldw(fn, fn_type, (i64)k * n + i) * v;
+    }
+    ss = block_sum(ss, red);
+    dot = block_sum(dot, red);
+    if (threadIdx.x == 0) mix[k] = dot * (1.0f / sqrtf(ss / (float)n + eps));
+}
+
+// ---- HC pre: pre/post/comb from the mix (Sinkhorn on the n_hc × n_hc comb matrix),
+// then the sublayer input y = Σ_i pre_i·H_i. hcp receives post (n_hc) then comb (n_hc²).
+extern "C" __global__ void __launch_bounds__(1024) hc_pre(const float* h, const float* mix,
+        const float* scale, const float* base, int n_hc, int n_embd, int iters, float eps,
+        float* y, float* hcp) {
+    __shared__ float pre[8];
+    if (threadIdx.x == 0) {
+        float c[64];
+        for (int i = 0; i < n_hc; ++i) {
+            pre[i] = sigmoidf_(mix[i] * scale[0] + base[i]) + eps;
+            hcp[i] = 2.f * sigmoidf_(mix[n_hc + i] * scale[1] + base[n_hc + i]);
+        }
+        for (int i = 0; i < n_hc; ++i)
+            for (int j = 0; j < n_hc; ++j)
+                c[i * n_hc + j] = mix[2 * n_hc + i * n_hc + j] * scale[2] + base[2 * n_hc + i * n_hc + j];
+        // Row softmax (+eps), then column normalisation.
+        for (int i = 0; i < n_hc; ++i) {
+            float mx = c[i * n_hc];
+            for (int j = 1; j < n_hc; ++j) mx = fmaxf(mx, c[i * n_hc + j]);
+            float s = 0.f;
+            for (int j = 0; j < n_hc; ++j) {
+                c[i * n_hc + j] = expf(c[i * n_hc + j] - mx);
+                s += c[i * n_hc + j];
+            }
+            const float inv = 1.f / s;
+            for (int j = 0; j < n_hc; ++j) c[i * n_hc + j] = c[i * n_hc + j] * inv + eps;
+        }
+        for (int it = 0; it < iters; ++it) {
+            if (it > 0) {
+                for (int i = 0; i < n_hc; ++i) {
+                    float s = 0.f;
+                    for (int j = 0; j < n_hc; ++j) s += c[i * n_hc + j];
+                    const float inv = 1.f / (s + eps);
+                    for (int j = 0; j < n_hc; ++j) c[i * n_hc + j] *= inv;
+                }
+            }
+            for (int j = 0; j < n_hc; ++j) {
+                float s = 0.f;
+                for (int i = 0; i < n_hc; ++i) s += c[i * n_hc + j];
+                const float inv = 1.f / (s + eps);
+                for (int i = 0; i < n_hc; ++i) c[i * n_hc + j] *= inv;
+            }
+        }
+        for (int i = 0; i < n_hc * n_hc; ++i) hcp[n_hc + i] = c[i];
+    }
+    __syncthreads();
+    for (int d = threadIdx.x + blockIdx.x * blockDim.x; d < n_embd; d += blockDim.x * gridDim.x) {
+        float acc = 0.f;
+        for (int i = 0; i < n_hc; ++i) acc += pre[i] * h[(i64)i * n_embd + d];
+        y[d] = acc;
+    }
+}
+
+// ---- HC post: H'_j = out·post_j + Σ_i comb[i][j]·H_i.
+extern "C" __global__ void hc_post(const float* h, const float* out, const float* hcp, int n_hc,
+                                   int n_embd, float* h_out) {
+    for (int d = threadIdx.x + blockIdx.x * blockDim.x; d < n_embd; d += blockDim.x * gridDim.x) {
+        const float o = out[d];
+        for (int j = 0; j < n_hc; ++j) {
+            float acc = o * hcp[j];
+            for (int i = 0; i < n_hc; ++i) acc += hcp[n_hc + i * n_hc + j] * h[(i64)i * n_embd + d];
+            h_out[(i64)j * n_embd + d] = acc;
+        }
+    }
+}
+
+// ---- RMS norm of `rows` vectors of n (one block each); w may be null (unweighted).
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm(const float* x, const void* w, int w_type,
+                                                           int n, float eps, float* y) {
+    __shared__ float red[32];
+    const float* xr = x + (i64)blockIdx.x * n;
+    float* yr = y + (i64)blockIdx.x * n;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = block_sum(ss, red);
+    const float sc = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = xr[i] * sc;
+        yr[i] = w ? v * ldw(w, w_type, i) : v;
+    }
+}
+
+// ---- RoPE over the last rope_dim dims of each vector: interleaved pairs, angle =
+// pos · freq[k] with the per-pair frequencies (YaRN-blended on compressed layers)
+// computed once on the host, exactly as the CPU backend uses them.
+struct RopeP {
+    const float* freqs;  // rope_dim / 2 entries
+    i32 rope_dim;
+    i32 pad;
+};
+
+__device__ __forceinline__ void rope_pair(float& x0, float& x1, int k, float pos, const RopeP& p,
+                                          bool inverse) {
+    const float th = pos * p.freqs[k];
+    const float c = cosf(th), s = (inverse ? -1.f : 1.f) * sinf(th);
+    const float a = x0, b = x1;
+    x0 = a * c - b * s;
+    x1 = a * s + b * c;
+}
+
+extern "C" __global__ void rope_tail(const Step* step, float* x, int stride, int pos_offset,
+                                     RopeP p, int inverse) {
+    float* v = x + (i64)blockIdx.x * stride + (stride - p.rope_dim);
+    const float pos = (float)(step->pos + pos_offset);
+    for (int k = threadIdx.x; k < p.rope_dim / 2; k += blockDim.x)
+        rope_pair(v[2 * k], v[2 * k + 1], k, pos, p, inverse != 0);
+}
+
+// ---- QAT simulations.
+// FP8 E4M3 over blocks of 64: scale 2^ceil(log2(amax/448)), round to nearest E4M3
+// (ties to even), back to f32. One warp per block of 64 (2 values per lane).
+__device__ __forceinline__ float e4m3_round(float a) {  // a ≥ 0, a ≤ 448
+    if (a < 0.015625f) return rintf(a * 512.f) * (1.f / 512.f);  // subnormal: quantum 2^-9
+    u32 b = __float_as_uint(a);
+    b = (b + 0x7ffffu + ((b >> 20) & 1u)) & ~0xfffffu;          // keep 3 mantissa bits, RNE
+    return __uint_as_float(b);
+}
+
+// ceil(log2(x)) from the bits for a positive normal x, as the official kernels (and
+// the CPU backend) compute block scales; ceilf(log2f(x)) can be off by one just above
+// a power of two.
+__device__ __forceinline__ float pow2_ceil_log2(float x) {
+    const u32 b = __float_as_uint(x);
+    const int e = (int)((b >> 23) & 0xff);
+    const int c = e == 0 ? (int)ceilf(log2f(x)) : e - 127 + ((b & 0x7fffffu) != 0);
+    return ldexpf(1.0f, c);
+}
+
+__device__ void fp8_block64(float* v, int lane) {
+    float a = v[lane], b = v[lane + 32];
+    float amax = warp_max(fmaxf(fabsf(a), fabsf(b)));
+    amax = fmaxf(amax, 1e-4f);
+    const float s = pow2_ceil_log2(amax / 448.f);
+    float qa = fminf(fabsf(a) / s, 448.f), qb = fminf(fabsf(b) / s, 448.f);
+    v[lane] = copysignf(e4m3_round(qa) * s, a);
+    v[lane + 32] = copysignf(e4m3_round(qb) * s, b);
+}
+
+__device__ __forceinline__ float e2m1_round(float a) {  // a ≥ 0, a ≤ 6
+    if (a <= 0.25f) return 0.f;
+    if (a < 0.75f) return 0.5f;
+    if (a <= 1.25f) return 1.f;
+    if (a < 1.75f) return 1.5f;
+    if (a <= 2.5f) return 2.f;
+    if (a < 3.5f) return 3.f;
+    if (a <= 5.f) return 4.f;
+    return 6.f;
+}
+
+// FP4 E2M1 over blocks of 32: one warp per block, one value per lane.
+__device__ void fp4_block32(float* v, int lane) {
+    const float a = v[lane];
+    float amax = warp_max(fabsf(a));
+    amax = fmaxf(amax, 7.052966104933725e-38f);
+    const float s = pow2_ceil_log2(amax / 6.f);
+    const float q = fminf(fabsf(a) / s, 6.f);
+    v[lane] = copysignf(e2m1_round(q) * s, a);
+}
+
+// In-place Walsh-Hadamard of n (power of two ≤ 1024) values in shared memory, by the
+// whole block, then × 1/√n.
+__device__ void hadamard_smem(float* v, int n) {
+    for (int stride = 1; stride < n; stride <<= 1) {
+        __syncthreads();
+        for (int t = threadIdx.x; t < n / 2; t += blockDim.x) {
+            const int base = (t / stride) * 2 * stride, i = t % stride;
+            const float a = v[base + i], b = v[base + stride + i];
+            v[base + i] = a + b;
+            v[base + stride + i] = a - b;
+        }
+    }
+    __syncthreads();
+    const float sc = 1.0f / sqrtf((float)n);
+    for (int t = threadIdx.x; t < n; t += blockDim.x) v[t] *= sc;
+    __syncthreads();
+}
+
+// f32 → f16 → f32, as every stored KV row in the fast numerics.
+__device__ __forceinline__ float f16r(float x) { return h2f(f2h(x)); }
+
+// ---- The new raw KV row: rmsnorm(kv, kv_norm), RoPE, FP8 on the nope dims, (f16
+// round), stored at ring slot pos % raw_cap. One block, blockDim.x ≥ 32.
+extern "C" __global__ void __launch_bounds__(512) kv_finish(const Step* step, const float* kv,
+        const void* norm_w, int norm_type, int hd, float eps, RopeP p, int f16_round,
+        float* ring, int raw_cap) {
+    __shared__ float v[1024];
+    __shared__ float red[32];
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) ss += kv[i] * kv[i];
+    ss = block_sum(ss, red);
+    const float sc = 1.0f / sqrtf(ss / (float)hd + eps);
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) v[i] = kv[i] * sc * ldw(norm_w, norm_type, i);
+    __syncthreads();
+    const float pos = (float)step->pos;
+    const int nope = hd - p.rope_dim;
+    for (int k = threadIdx.x; k < p.rope_dim / 2; k += blockDim.x)
+        rope_pair(v[nope + 2 * k], v[nope + 2 * k + 1], k, pos, p, false);
+    __syncthreads();
+    const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
+    for (int b = wid; b < nope / 64; b += blockDim.x / WARP) fp8_block64(v + b * 64, lane);
+    __syncthreads();
+    float* dst = ring + (i64)(step->pos % raw_cap) * hd;
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) dst[i] = f16_round ? f16r(v[i]) : v[i];
+}
+
+// ---- Compressor step (§5.4). kvs holds the new kv (w floats) then the new gate score
+// (w floats, APE not yet added). State: skv, ssc [L·r][w]. When (pos+1) % r == 0 the
+// pooled row is normed, rotated (position pos+1−r) and QAT-simulated, then stored as
+// row (pos+1)/r − 1 of `rows`. mode 0: main (FP8 on nope dims), 1: indexer
+// (Hadamard + FP4). One block of ≥ d threads (d ≤ 1024).
+extern "C" __global__ void __launch_bounds__(1024) compressor_step(const Step* step,
+        const float* kvs, const void* ape, int ape_type, float* skv, float* ssc, int ratio,
+        int lanes, int d, const void* norm_w, int norm_type, float eps, RopeP p, int mode,
+        int f16_round, float* rows) {
+    __shared__ float v[1024];
+    __shared__ float red[32];
+    const int w = lanes * d;
+    const int pos = step->pos;
+    const int pm = pos % ratio;
+    const int slot = lanes == 2 ? ratio + pm : pm;
+    for (int j = threadIdx.x; j < w; j += blockDim.x) {
+        skv[(i64)slot * w + j] = kvs[j];
+        ssc[(i64)slot * w + j] = kvs[w + j] + ldw(ape, ape_type, (i64)pm * w + j);
+    }
+    if ((pos + 1) % ratio != 0) return;
+    __syncthreads();
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        float mx = NEG_INF_F;
+        if (lanes == 2) {
+            for (int i = 0; i < ratio; ++i) {
+                mx = fmaxf(mx, ssc[(i64)i * w + j]);
+                mx = fmaxf(mx, ssc[(i64)(ratio + i) * w + d + j]);
+            }
+        } else {
+            for (int i = 0; i < ratio; ++i) mx = fmaxf(mx, ssc[(i64)i * w + j]);
+        }
+        float num = 0.f, den = 0.f;
+        if (mx > -5e29f) {
+            if (lanes == 2) {
+                for (int i = 0; i < ratio; ++i) {
+                    float e = expf(ssc[(i64)i * w + j] - mx);
+                    num += e * skv[(i64)i * w + j];
+                    den += e;
+                    e = expf(ssc[(i64)(ratio + i) * w + d + j] - mx);
+                    num += e * skv[(i64)(ratio + i) * w + d + j];
+                    den += e;
+                }
+            } else {
+                for (int i = 0; i < ratio; ++i) {
+                    const float e = expf(ssc[(i64)i * w + j] - mx);
+                    num += e * skv[(i64)i * w + j];
+                    den += e;
+                }
+            }
+        }
+        v[j] = mx > -5e29f ? num / den : 0.f;
+    }
+    __syncthreads();
+    float ss = 0.f;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) ss += v[j] * v[j];
+    ss = block_sum(ss, red);
+    const float sc = 1.0f / sqrtf(ss / (float)d + eps);
+    for (int j = threadIdx.x; j < d; j += blockDim.x) v[j] = v[j] * sc * ldw(norm_w, norm_type, j);
+    __syncthreads();
+    const int nope = d - p.rope_dim;
+    const float rpos = (float)(pos + 1 - ratio);
+    for (int k = threadIdx.x; k < p.rope_dim / 2; k += blockDim.x)
+        rope_pair(v[nope + 2 * k], v[nope + 2 * k + 1], k, rpos, p, false);
+    __syncthreads();
+    const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
+    if (mode == 0) {
+        for (int b = wid; b < nope / 64; b += blockDim.x / WARP) fp8_block64(v + b * 64, lane);
+    } else {
+        hadamard_smem(v, d);
+        for (int b = wid; b < d / 32; b += blockDim.x / WARP) fp4_block32(v + b * 32, lane);
+    }
+    __syncthreads();
+    float* dst = rows + (i64)((pos + 1) / ratio - 1) * d;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) dst[j] = f16_round ? f16r(v[j]) : v[j];
+    if (lanes == 2) {
+        // The current window becomes the "previous" lane of the next row.
+        __syncthreads();
+        for (int i = threadIdx.x; i < ratio * w; i += blockDim.x) {
+            skv[i] = skv[(i64)ratio * w + i];
+            ssc[i] = ssc[(i64)ratio * w + i];
+        }
+    }
+}
+
+// ---- Indexer query: per head (one block each) RoPE on the tail, Hadamard, FP4.
+extern "C" __global__ void __launch_bounds__(256) indexer_q(const Step* step, float* q, int dim,
+                                                            RopeP p) {
+    __shared__ float v[1024];
+    float* qh = q + (i64)blockIdx.x * dim;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) v[i] = qh[i];
+    __syncthreads();
+    const int nope = dim - p.rope_dim;
+    for (int k = threadIdx.x; k < p.rope_dim / 2; k += blockDim.x)
+        rope_pair(v[nope + 2 * k], v[nope + 2 * k + 1], k, (float)step->pos, p, false);
+    hadamard_smem(v, dim);
+    const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
+    for (int b = wid; b < dim / 32; b += blockDim.x / WARP) fp4_block32(v + b * 32, lane);
+    __syncthreads();
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) qh[i] = v[i];
+}
+
+// ---- Indexer scores: score[c] = Σ_h relu(index_c · q_h) · wt_h · wscale for the
+// (pos+1)/4 index rows; one warp per row, grid-stride. Only used when that count
+// exceeds top_k (checked on the device).
+extern "C" __global__ void __launch_bounds__(256) indexer_scores(const Step* step,
+        const float* index_rows, const float* q, const float* wt, int heads, int dim,
+        float wscale, int ratio, int top_k, float* scores) {
+    const int n = (step->pos + 1) / ratio;
+    if (n <= top_k) return;
+    const int lane = threadIdx.x % WARP;
+    for (int c = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP; c < n;
+         c += gridDim.x * (blockDim.x / WARP)) {
+        const float* r = index_rows + (i64)c * dim;
+        float acc = 0.f;
+        for (int h = 0; h < heads; ++h) {
+            float dot = 0.f;
+            for (int i = lane; i < dim; i += WARP) dot += r[i] * q[(i64)h * dim + i];
+            dot = warp_sum(dot);
+            acc += fmaxf(dot, 0.f) * wt[h] * wscale;
+        }
+        if (lane == 0) scores[c] = acc;
+    }
+}
+
+// Order-preserving key of a float (larger float → larger key).
+__device__ __forceinline__ u32 fkey(float f) {
+    const u32 b = __float_as_uint(f);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// ---- Top-k mask over n scores: allowed[c] = 1 for the k largest (ties to the lowest
+// index), by a 4-pass radix select in one block. With n ≤ k every row is allowed.
+extern "C" __global__ void __launch_bounds__(1024) topk_mask(const Step* step, const float* scores,
+        int ratio, int k, u8* allowed) {
+    __shared__ u32 hist[256];
+    __shared__ u32 sel_prefix, sel_need;
+    const int n = (step->pos + 1) / ratio;
+    if (n <= k) {
+        for (int c = threadIdx.x; c < n; c += blockDim.x) allowed[c] = 1;
+        return;
+    }
+    u32 prefix = 0, need = (u32)k;  // rank still to find among keys matching prefix
+    for (int pass = 0; pass < 4; ++pass) {
+        const int shift = 24 - 8 * pass;
+        const u32 mask = pass == 0 ? 0u : (0xffffffffu << (32 - 8 * pass));
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        for (int c = threadIdx.x; c < n; c += blockDim.x) {
+            const u32 key = fkey(scores[c]);
+            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 0xff], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u32 acc = 0;
+            int digit = 255;
+            for (; digit > 0; --digit) {
+                if (acc + hist[digit] >= need) break;
+                acc += hist[digit];
+            }
+            sel_prefix = prefix | ((u32)digit << shift);
+            sel_need = need - acc;
+        }
+        __syncthreads();
+        prefix = sel_prefix;
+        need = sel_need;
+        __syncthreads();
+    }
+    // prefix = the k-th largest key; `need` of the rows equal to it are kept, the
+    // lowest indices first.
+    const u32 kth = prefix;
+    __shared__ u32 taken;
+    if (threadIdx.x == 0) taken = 0;
+    __syncthreads();
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+        const u32 key = fkey(scores[c]);
+        allowed[c] = key > kth ? 1 : 0;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int c = 0; c < n && taken < need; ++c)
+            if (fkey(scores[c]) == kth) {
+                allowed[c] = 1;
+                ++taken;
+            }
+    }
+}
+
+// ---- Sink attention for one head per block over the raw window (oldest first) and
+// the compressed rows (optionally masked), K = V = the stored row.
+extern "C" __global__ void __launch_bounds__(256) attention(const Step* step, const float* q,
+        const float* ring, int raw_cap, const float* comp, int ratio, const u8* allowed,
+        int use_mask, const float* sinks, int hd, float scale, float* scores_g, int scores_stride,
+        float* out) {
+    __shared__ float red[32];
+    const int h = blockIdx.x;
+    const int pos = step->pos;
+    const int n_raw = min(pos + 1, raw_cap);
+    const int n_comp = ratio > 0 ? (pos + 1) / ratio : 0;
+    const bool masked = use_mask && n_comp > 0;
+    const float* qh = q + (i64)h * hd;
+    float* sc = scores_g + (i64)h * scores_stride;
+    const int total = n_raw + n_comp;
+    const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP, nw = blockDim.x / WARP;
+    for (int r = wid; r < total; r += nw) {
+        const float* row;
+        if (r < n_raw) {
+            row = ring + (i64)((pos - n_raw + 1 + r) % raw_cap) * hd;
+        } else {
+            const int c = r - n_raw;
+            if (masked && !allowed[c]) {
+                if (lane == 0) sc[r] = NEG_INF_F;
+                continue;
+            }
+            row = comp + (i64)c * hd;
+        }
+        float dot = 0.f;
+        for (int i = lane; i < hd; i += WARP) dot += qh[i] * row[i];
+        dot = warp_sum(dot);
+        if (lane == 0) sc[r] = dot * scale;
+    }
+    __syncthreads();
+    float mx = -3.0e38f;
+    for (int r = threadIdx.x; r < total; r += blockDim.x) mx = fmaxf(mx, sc[r]);
+    mx = fmaxf(block_max(mx, red), sinks[h]);
+    float den = 0.f;
+    for (int r = threadIdx.x; r < total; r += blockDim.x) {
+        const float s = sc[r];
+        const float wgt = s <= -5e29f ? 0.f : expf(s - mx);
+        sc[r] = wgt;
+        den += wgt;
+    }
+    den = block_sum(den, red) + expf(sinks[h] - mx);
+    const float inv = 1.f / den;
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        float acc = 0.f;
+        for (int r = 0; r < total; ++r) {
+            const float wgt = sc[r];
+            if (wgt == 0.f) continue;
+            const float* row = r < n_raw ? ring + (i64)((pos - n_raw + 1 + r) % raw_cap) * hd
+                                         : comp + (i64)(r - n_raw) * hd;
+            acc += wgt * row[i];
+        }
+        out[(i64)h * hd + i] = acc * inv;
+    }
+}
+
+// ---- MoE router (§5.6): probs = √softplus(logits); selection by the hash table or by
+// top-k of probs + bias (strict >: ties to the lower index); weights from the unbiased
+// probs, normalised (floor 2^-14) and scaled. One thread.
+extern "C" __global__ void router(const Step* step, const float* logits, int n_expert, int k,
+                                  const float* bias, const i32* tid2eid, float wscale,
+                                  i32* ids, float* weights) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    float probs[512];
+    for (int e = 0; e < n_expert; ++e) {
+        const float x = logits[e];
+        const float sp = x > 20.f ? x : (x < -20.f ? expf(x) : log1pf(expf(x)));
+        probs[e] = sqrtf(sp);
+    }
+    if (tid2eid) {
+        for (int j = 0; j < k; ++j) ids[j] = tid2eid[(i64)step->token * k + j];
+    } else {
+        for (int j = 0; j < k; ++j) ids[j] = -1;
+        for (int j = 0; j < k; ++j) {
+            int best = -1;
+            float bv = 0.f;
+            for (int e = 0; e < n_expert; ++e) {
+                bool used = false;
+                for (int t = 0; t < j; ++t) used |= ids[t] == e;
+                if (used) continue;
+                const float v = probs[e] + (bias ? bias[e] : 0.f);
+                if (best < 0 || v > bv) {
+                    best = e;
+                    bv = v;
+                }
+            }
+            ids[j] = best;
+        }
+    }
+    float s = 0.f;
+    for (int j = 0; j < k; ++j) s += probs[ids[j]];
+    s = fmaxf(s, 6.103515625e-5f);
+    for (int j = 0; j < k; ++j) weights[j] = probs[ids[j]] / s * wscale;
+}
+
+// ---- SwiGLU with the asymmetric clamp, scaled by the routing weight (null: 1).
+// gu holds gate rows then up rows: [2][n_sel][n].
+extern "C" __global__ void swiglu(const float* gate, const float* up, const float* weights,
+                                  int n, int n_sel, float clamp, float* mid) {
+    for (int i = threadIdx.x + blockIdx.x * blockDim.x; i < n * n_sel; i += blockDim.x * gridDim.x) {
+        const float g = fminf(gate[i], clamp);
+        const float u = fminf(fmaxf(up[i], -clamp), clamp);
+        const float w = weights ? weights[i / n] : 1.f;
+        mid[i] = g * sigmoidf_(g) * u * w;
+    }
+}
+
+// ---- out = Σ_k parts[k] (k ascending) + extra.
+extern "C" __global__ void sum_rows(const float* parts, int n_parts, int n, const float* extra,
+                                    float* out) {
+    for (int i = threadIdx.x + blockIdx.x * blockDim.x; i < n; i += blockDim.x * gridDim.x) {
+        float acc = 0.f;
+        for (int k = 0; k < n_parts; ++k) acc += parts[(i64)k * n + i];
+        out[i] = acc + (extra ? extra[i] : 0.f);
+    }
+}
+
+// ---- Output head collapse: w_i = sigmoid(mix_i·scale + base_i) + eps, e = Σ w_i·H_i,
+// then rmsnorm(e, output_norm). One block.
+extern "C" __global__ void __launch_bounds__(1024) head_collapse(const float* h, const float* mix,
+        const float* scale, const float* base, int n_hc, int n_embd, float hc_eps,
+        const void* norm_w, int norm_type, float eps, float* tmp, float* x) {
+    __shared__ float red[32];
+    __shared__ float wgt[8];
+    if (threadIdx.x < n_hc) wgt[threadIdx.x] = sigmoidf_(mix[threadIdx.x] * scale[0] + base[threadIdx.x]) + hc_eps;
+    __syncthreads();
+    float ss = 0.f;
+    for (int d = threadIdx.x; d < n_embd; d += blockDim.x) {
+        float acc = 0.f;
+        for (int i = 0; i < n_hc; ++i) acc += wgt[i] * h[(i64)i * n_embd + d];
+        tmp[d] = acc;
+        ss += acc * acc;
+    }
+    ss = block_sum(ss, red);
+    const float sc = 1.0f / sqrtf(ss / (float)n_embd + eps);
+    for (int d = threadIdx.x; d < n_embd; d += blockDim.x) x[d] = tmp[d] * sc * ldw(norm_w, norm_type, d);
+}

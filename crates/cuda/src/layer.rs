@@ -1,0 +1,550 @@
+//! Launchers of the layer kernels (kernels/layer.cu). Arguments are raw device
+//! addresses (`u64`) so that a whole token's launches have stable parameters and can
+//! be captured in a CUDA graph; the engine's CUDA backend owns the buffers.
+
+// Each launcher takes exactly its kernel's parameters; grouping them into structs
+// would only move the same list elsewhere.
+#![allow(clippy::too_many_arguments)]
+
+use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+
+use crate::device::Gpu;
+use crate::error::CudaError;
+
+/// Storage type codes of small dense tensors passed to the layer kernels.
+pub const WT_F32: i32 = 0;
+pub const WT_F16: i32 = 1;
+pub const WT_BF16: i32 = 2;
+pub const WT_Q8_0: i32 = 8;
+
+/// RoPE parameters (mirrors `RopeP` in layer.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RopeP {
+    /// Device address of `rope_dim / 2` f32 frequencies.
+    pub freqs: u64,
+    pub rope_dim: i32,
+    pub pad: i32,
+}
+
+// SAFETY: repr(C) plain data matching the CUDA struct.
+unsafe impl DeviceRepr for RopeP {}
+
+fn cfg(grid: u32, block: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid.max(1), 1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Launches `name` with the listed arguments (each pushed by reference).
+macro_rules! launch {
+    ($gpu:expr, $name:expr, $cfg:expr, $($arg:expr),* $(,)?) => {{
+        let f = $gpu.func($name)?;
+        let mut b = $gpu.stream.launch_builder(&f);
+        $( b.arg(&$arg); )*
+        // SAFETY: each launcher passes exactly the parameters of the kernel of the
+        // same name in layer.cu, in order and with the same types; buffer sizes are
+        // the caller's contract (documented per launcher).
+        unsafe { b.launch($cfg) }?;
+        Ok::<(), CudaError>(())
+    }};
+}
+
+impl Gpu {
+    /// H[s] = embedding row of `step.token`, for every stream s.
+    pub fn embed(
+        &self,
+        step: u64,
+        table: u64,
+        ty: i32,
+        n_embd: usize,
+        n_hc: usize,
+        h: u64,
+    ) -> Result<(), CudaError> {
+        let (ne, nh) = (n_embd as i32, n_hc as i32);
+        launch!(
+            self,
+            "embed",
+            cfg((n_embd as u32).div_ceil(256), 256),
+            step,
+            table,
+            ty,
+            ne,
+            nh,
+            h
+        )
+    }
+
+    /// mix[k] = rms_scale(h) · (fn_k · h) for k < n_out; h has n values.
+    pub fn hc_mix(
+        &self,
+        h: u64,
+        n: usize,
+        fn_: u64,
+        fn_type: i32,
+        eps: f32,
+        mix: u64,
+        n_out: usize,
+    ) -> Result<(), CudaError> {
+        let n = n as i32;
+        launch!(
+            self,
+            "hc_mix",
+            cfg(n_out as u32, 1024),
+            h,
+            n,
+            fn_,
+            fn_type,
+            eps,
+            mix
+        )
+    }
+
+    /// Sinkhorn + sublayer input. `hcp` receives post (n_hc) then comb (n_hc²).
+    pub fn hc_pre(
+        &self,
+        h: u64,
+        mix: u64,
+        scale: u64,
+        base: u64,
+        n_hc: usize,
+        n_embd: usize,
+        iters: usize,
+        eps: f32,
+        y: u64,
+        hcp: u64,
+    ) -> Result<(), CudaError> {
+        let (nh, ne, it) = (n_hc as i32, n_embd as i32, iters as i32);
+        launch!(
+            self,
+            "hc_pre",
+            cfg(1, 1024),
+            h,
+            mix,
+            scale,
+            base,
+            nh,
+            ne,
+            it,
+            eps,
+            y,
+            hcp
+        )
+    }
+
+    pub fn hc_post(
+        &self,
+        h: u64,
+        out: u64,
+        hcp: u64,
+        n_hc: usize,
+        n_embd: usize,
+        h_out: u64,
+    ) -> Result<(), CudaError> {
+        let (nh, ne) = (n_hc as i32, n_embd as i32);
+        launch!(
+            self,
+            "hc_post",
+            cfg((n_embd as u32).div_ceil(256), 256),
+            h,
+            out,
+            hcp,
+            nh,
+            ne,
+            h_out
+        )
+    }
+
+    /// `rows` independent RMS norms of n values; `w = 0` for the unweighted norm.
+    pub fn rmsnorm(
+        &self,
+        x: u64,
+        w: u64,
+        w_type: i32,
+        n: usize,
+        rows: usize,
+        eps: f32,
+        y: u64,
+    ) -> Result<(), CudaError> {
+        let n = n as i32;
+        let block = if n >= 1024 { 1024 } else { 256 };
+        launch!(
+            self,
+            "rmsnorm",
+            cfg(rows as u32, block),
+            x,
+            w,
+            w_type,
+            n,
+            eps,
+            y
+        )
+    }
+
+    /// RoPE on the tail of `rows` vectors of `stride` floats at position pos + offset.
+    pub fn rope_tail(
+        &self,
+        step: u64,
+        x: u64,
+        stride: usize,
+        rows: usize,
+        pos_offset: i32,
+        rope: RopeP,
+        inverse: bool,
+    ) -> Result<(), CudaError> {
+        let (st, inv) = (stride as i32, inverse as i32);
+        launch!(
+            self,
+            "rope_tail",
+            cfg(rows as u32, 64),
+            step,
+            x,
+            st,
+            pos_offset,
+            rope,
+            inv
+        )
+    }
+
+    /// Normalises, rotates and QAT-rounds the new KV row into ring slot pos % raw_cap.
+    pub fn kv_finish(
+        &self,
+        step: u64,
+        kv: u64,
+        norm_w: u64,
+        norm_type: i32,
+        hd: usize,
+        eps: f32,
+        rope: RopeP,
+        f16_round: bool,
+        ring: u64,
+        raw_cap: usize,
+    ) -> Result<(), CudaError> {
+        if hd > 1024 {
+            return Err(CudaError::Invalid(format!("head dim {hd} > 1024")));
+        }
+        let (hd_, fr, rc) = (hd as i32, f16_round as i32, raw_cap as i32);
+        launch!(
+            self,
+            "kv_finish",
+            cfg(1, 512),
+            step,
+            kv,
+            norm_w,
+            norm_type,
+            hd_,
+            eps,
+            rope,
+            fr,
+            ring,
+            rc
+        )
+    }
+
+    /// One compressor step; `kvs` = new kv (lanes·d) then new gate scores (lanes·d).
+    pub fn compressor_step(
+        &self,
+        step: u64,
+        kvs: u64,
+        ape: u64,
+        ape_type: i32,
+        skv: u64,
+        ssc: u64,
+        ratio: usize,
+        lanes: usize,
+        d: usize,
+        norm_w: u64,
+        norm_type: i32,
+        eps: f32,
+        rope: RopeP,
+        indexer: bool,
+        f16_round: bool,
+        rows: u64,
+    ) -> Result<(), CudaError> {
+        if d > 1024 || (indexer && !d.is_power_of_two()) {
+            return Err(CudaError::Invalid(format!(
+                "compressor width {d} unsupported"
+            )));
+        }
+        let (r, l, dd, mode, fr) = (
+            ratio as i32,
+            lanes as i32,
+            d as i32,
+            indexer as i32,
+            f16_round as i32,
+        );
+        launch!(
+            self,
+            "compressor_step",
+            cfg(1, 1024),
+            step,
+            kvs,
+            ape,
+            ape_type,
+            skv,
+            ssc,
+            r,
+            l,
+            dd,
+            norm_w,
+            norm_type,
+            eps,
+            rope,
+            mode,
+            fr,
+            rows
+        )
+    }
+
+    /// RoPE + Hadamard + FP4 on each of `heads` indexer query heads of `dim` values.
+    pub fn indexer_q(
+        &self,
+        step: u64,
+        q: u64,
+        heads: usize,
+        dim: usize,
+        rope: RopeP,
+    ) -> Result<(), CudaError> {
+        let d = dim as i32;
+        launch!(self, "indexer_q", cfg(heads as u32, 256), step, q, d, rope)
+    }
+
+    /// Indexer scores of up to `max_rows` index rows (the live count comes from pos).
+    pub fn indexer_scores(
+        &self,
+        step: u64,
+        rows: u64,
+        q: u64,
+        wt: u64,
+        heads: usize,
+        dim: usize,
+        wscale: f32,
+        ratio: usize,
+        top_k: usize,
+        scores: u64,
+        max_rows: usize,
+    ) -> Result<(), CudaError> {
+        let (h, d, r, k) = (heads as i32, dim as i32, ratio as i32, top_k as i32);
+        let blocks = (max_rows as u32).div_ceil(8).clamp(1, 1024);
+        launch!(
+            self,
+            "indexer_scores",
+            cfg(blocks, 256),
+            step,
+            rows,
+            q,
+            wt,
+            h,
+            d,
+            wscale,
+            r,
+            k,
+            scores
+        )
+    }
+
+    pub fn topk_mask(
+        &self,
+        step: u64,
+        scores: u64,
+        ratio: usize,
+        k: usize,
+        allowed: u64,
+    ) -> Result<(), CudaError> {
+        let (r, kk) = (ratio as i32, k as i32);
+        launch!(
+            self,
+            "topk_mask",
+            cfg(1, 1024),
+            step,
+            scores,
+            r,
+            kk,
+            allowed
+        )
+    }
+
+    /// Sink attention of every head over the raw window and compressed rows.
+    pub fn attention(
+        &self,
+        step: u64,
+        q: u64,
+        ring: u64,
+        raw_cap: usize,
+        comp: u64,
+        ratio: usize,
+        allowed: u64,
+        use_mask: bool,
+        sinks: u64,
+        heads: usize,
+        hd: usize,
+        scale: f32,
+        scores: u64,
+        scores_stride: usize,
+        out: u64,
+    ) -> Result<(), CudaError> {
+        let (rc, r, um, hd_, ss) = (
+            raw_cap as i32,
+            ratio as i32,
+            use_mask as i32,
+            hd as i32,
+            scores_stride as i32,
+        );
+        launch!(
+            self,
+            "attention",
+            cfg(heads as u32, 256),
+            step,
+            q,
+            ring,
+            rc,
+            comp,
+            r,
+            allowed,
+            um,
+            sinks,
+            hd_,
+            scale,
+            scores,
+            ss,
+            out
+        )
+    }
+
+    /// Expert selection and weights (`tid2eid = 0`: top-k routing, `bias = 0`: none).
+    pub fn router(
+        &self,
+        step: u64,
+        logits: u64,
+        n_expert: usize,
+        k: usize,
+        bias: u64,
+        tid2eid: u64,
+        wscale: f32,
+        ids: u64,
+        weights: u64,
+    ) -> Result<(), CudaError> {
+        if n_expert > 512 {
+            return Err(CudaError::Invalid(format!("{n_expert} experts > 512")));
+        }
+        let (ne, kk) = (n_expert as i32, k as i32);
+        launch!(
+            self,
+            "router",
+            cfg(1, 32),
+            step,
+            logits,
+            ne,
+            kk,
+            bias,
+            tid2eid,
+            wscale,
+            ids,
+            weights
+        )
+    }
+
+    /// mid = silu(min(g, c))·clamp(u, ±c)·w_k over n_sel rows of n (`weights = 0`: 1).
+    pub fn swiglu(
+        &self,
+        gate: u64,
+        up: u64,
+        weights: u64,
+        n: usize,
+        n_sel: usize,
+        clamp: f32,
+        mid: u64,
+    ) -> Result<(), CudaError> {
+        let (nn, ns) = (n as i32, n_sel as i32);
+        launch!(
+            self,
+            "swiglu",
+            cfg(((n * n_sel) as u32).div_ceil(256), 256),
+            gate,
+            up,
+            weights,
+            nn,
+            ns,
+            clamp,
+            mid
+        )
+    }
+
+    /// out = Σ_k parts[k] + extra (`extra = 0`: none).
+    pub fn sum_rows(
+        &self,
+        parts: u64,
+        n_parts: usize,
+        n: usize,
+        extra: u64,
+        out: u64,
+    ) -> Result<(), CudaError> {
+        let (np, nn) = (n_parts as i32, n as i32);
+        launch!(
+            self,
+            "sum_rows",
+            cfg((n as u32).div_ceil(256), 256),
+            parts,
+            np,
+            nn,
+            extra,
+            out
+        )
+    }
+
+    /// The head's stream collapse and final norm into `x`.
+    pub fn head_collapse(
+        &self,
+        h: u64,
+        mix: u64,
+        scale: u64,
+        base: u64,
+        n_hc: usize,
+        n_embd: usize,
+        hc_eps: f32,
+        norm_w: u64,
+        norm_type: i32,
+        eps: f32,
+        tmp: u64,
+        x: u64,
+    ) -> Result<(), CudaError> {
+        let (nh, ne) = (n_hc as i32, n_embd as i32);
+        launch!(
+            self,
+            "head_collapse",
+            cfg(1, 1024),
+            h,
+            mix,
+            scale,
+            base,
+            nh,
+            ne,
+            hc_eps,
+            norm_w,
+            norm_type,
+            eps,
+            tmp,
+            x
+        )
+    }
+
+    /// Copies host values into a device buffer.
+    pub fn write<T: DeviceRepr>(
+        &self,
+        dst: &mut cudarc::driver::CudaSlice<T>,
+        src: &[T],
+    ) -> Result<(), CudaError> {
+        Ok(self.stream.memcpy_htod(src, dst)?)
+    }
+
+    /// Device-to-device copy of a whole buffer.
+    pub fn copy<T: DeviceRepr>(
+        &self,
+        src: &cudarc::driver::CudaSlice<T>,
+        dst: &mut cudarc::driver::CudaSlice<T>,
+    ) -> Result<(), CudaError> {
+        Ok(self.stream.memcpy_dtod(src, dst)?)
+    }
+}

@@ -1,0 +1,127 @@
+//! The CUDA backend: the whole forward pass on the GPU, weights and KV resident in
+//! device memory. It implements the same [`Backend`] boundary as the CPU reference,
+//! and exports/imports its state in the host [`KvCache`] form, so snapshots and
+//! payloads move freely between CPU and GPU sessions.
+//!
+//! Numerics: activations stay f32 for the Q8_0/F16 projections (exact weights, no
+//! activation quantisation); routed experts use int8 activations in `Fast` mode and
+//! f32 in `Exact` mode; `Fast` rounds stored KV rows to f16 as the CPU does.
+
+mod state;
+pub mod weights;
+
+use std::sync::Arc;
+
+pub use ds4_cuda::{driver_present, CudaError, Gpu};
+
+use crate::backend::{Backend, LogitRows};
+use crate::error::{EngineError, Result};
+use crate::kv::KvCache;
+use crate::model::Model;
+use crate::ops::linear::Numerics;
+use state::DeviceState;
+pub use weights::CudaWeights;
+
+impl From<CudaError> for EngineError {
+    fn from(e: CudaError) -> Self {
+        EngineError::Backend(format!("CUDA: {e}"))
+    }
+}
+
+/// A GPU session backend.
+pub struct CudaBackend {
+    weights: Arc<CudaWeights>,
+    numerics: Numerics,
+    state: DeviceState,
+}
+
+impl CudaBackend {
+    /// A new empty session on `weights` (uploaded once with [`CudaWeights::upload`]).
+    pub fn new(weights: &Arc<CudaWeights>, ctx: usize, numerics: Numerics) -> Result<CudaBackend> {
+        Ok(CudaBackend {
+            weights: weights.clone(),
+            numerics,
+            state: DeviceState::new(weights, ctx)?,
+        })
+    }
+
+    /// Opens GPU `ordinal` and uploads `model`; the usual way to start.
+    pub fn load(
+        model: &Model,
+        ordinal: usize,
+        progress: &dyn Fn(usize),
+    ) -> Result<Arc<CudaWeights>> {
+        let gpu = Arc::new(Gpu::open(ordinal)?);
+        Ok(Arc::new(CudaWeights::upload(&gpu, model, progress)?))
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &str {
+        "cuda"
+    }
+
+    fn n_tokens(&self) -> usize {
+        self.state.n_tokens
+    }
+
+    fn ctx(&self) -> usize {
+        self.state.ctx
+    }
+
+    fn forward(&mut self, tokens: &[u32], rows: LogitRows) -> Result<Vec<f32>> {
+        let cfg = &self.weights.config;
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= cfg.vocab) {
+            return Err(EngineError::BadToken {
+                token: t,
+                vocab: cfg.vocab,
+            });
+        }
+        if self.state.n_tokens + tokens.len() > self.state.ctx {
+            return Err(EngineError::ContextFull {
+                ctx: self.state.ctx,
+                have: self.state.n_tokens,
+                adding: tokens.len(),
+            });
+        }
+        let mut out = Vec::new();
+        for (i, &t) in tokens.iter().enumerate() {
+            let want = match rows {
+                LogitRows::None => false,
+                LogitRows::Last => i + 1 == tokens.len(),
+                LogitRows::All => true,
+            };
+            self.state.decode(&self.weights, self.numerics, t, want)?;
+            if want {
+                out.extend(self.state.logits(&self.weights)?);
+            }
+        }
+        Ok(out)
+    }
+
+    fn export_state(&self) -> KvCache {
+        self.state
+            .export(&self.weights)
+            .expect("reading the GPU state back failed (device lost?)")
+    }
+
+    fn import_state(&mut self, state: KvCache) -> Result<()> {
+        self.state.import(&self.weights, &state)
+    }
+
+    fn reset(&mut self) {
+        self.state.n_tokens = 0;
+    }
+
+    fn clone_box(&self) -> Box<dyn Backend> {
+        let state = self
+            .state
+            .duplicate(&self.weights)
+            .expect("copying the GPU state failed (out of device memory?)");
+        Box::new(CudaBackend {
+            weights: self.weights.clone(),
+            numerics: self.numerics,
+            state,
+        })
+    }
+}

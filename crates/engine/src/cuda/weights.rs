@@ -1,0 +1,240 @@
+//! Model weights resident on the GPU, uploaded once and shared by every CUDA session.
+
+use std::sync::Arc;
+
+use ds4_cuda::{CudaError, DeviceBuf, DeviceMatrix, Gpu, RopeP, WT_BF16, WT_F16, WT_F32, WT_Q8_0};
+use ds4_gguf::GgmlType;
+
+use crate::config::Config;
+use crate::model::Model;
+use crate::weights::{CompressorWeights, HcWeights, Mat};
+
+/// A small dense tensor kept in its file encoding (F32/F16/BF16) for the layer kernels.
+pub struct DenseTensor {
+    pub buf: DeviceBuf<u8>,
+    pub ty: i32,
+}
+
+pub struct HcDev {
+    pub fn_: DenseTensor,
+    pub scale: DeviceBuf<f32>,
+    pub base: DeviceBuf<f32>,
+}
+
+pub struct CompressorDev {
+    pub ratio: usize,
+    pub lanes: usize,
+    pub dim: usize,
+    pub ape: DeviceBuf<f32>,
+    pub kv: DeviceMatrix,
+    pub gate: DeviceMatrix,
+    pub norm: DeviceBuf<f32>,
+}
+
+pub struct IndexerDev {
+    pub q_b: DeviceMatrix,
+    pub proj: DeviceMatrix,
+    pub compressor: CompressorDev,
+}
+
+pub struct LayerDev {
+    pub ratio: usize,
+    pub freqs: DeviceBuf<f32>,
+    pub hc_attn: HcDev,
+    pub attn_norm: DeviceBuf<f32>,
+    pub q_a: DeviceMatrix,
+    pub q_a_norm: DeviceBuf<f32>,
+    pub q_b: DeviceMatrix,
+    pub kv: DeviceMatrix,
+    pub kv_norm: DeviceBuf<f32>,
+    pub sinks: DeviceBuf<f32>,
+    /// `o_groups` matrices of `o_lora_rank` rows.
+    pub out_a: DeviceMatrix,
+    pub out_b: DeviceMatrix,
+    pub compressor: Option<CompressorDev>,
+    pub indexer: Option<IndexerDev>,
+    pub hc_ffn: HcDev,
+    pub ffn_norm: DeviceBuf<f32>,
+    pub gate_inp: DeviceMatrix,
+    pub exp_probs_b: Option<DeviceBuf<f32>>,
+    pub tid2eid: Option<DeviceBuf<i32>>,
+    pub gate_exps: DeviceMatrix,
+    pub up_exps: DeviceMatrix,
+    pub down_exps: DeviceMatrix,
+    pub gate_sh: DeviceMatrix,
+    pub up_sh: DeviceMatrix,
+    pub down_sh: DeviceMatrix,
+}
+
+pub struct CudaWeights {
+    pub gpu: Arc<Gpu>,
+    pub config: Config,
+    pub token_embd: DenseTensor,
+    pub layers: Vec<LayerDev>,
+    pub head_hc: HcDev,
+    pub output_norm: DeviceBuf<f32>,
+    pub output: DeviceMatrix,
+    /// 0..o_groups, the matrix ids of the grouped output projection.
+    pub group_ids: DeviceBuf<i32>,
+    pub bytes: usize,
+}
+
+fn wt_code(ty: GgmlType) -> Result<i32, CudaError> {
+    Ok(match ty {
+        GgmlType::F32 => WT_F32,
+        GgmlType::F16 => WT_F16,
+        GgmlType::BF16 => WT_BF16,
+        GgmlType::Q8_0 => WT_Q8_0,
+        other => {
+            return Err(CudaError::Invalid(format!(
+                "{other} is not a dense layer-kernel type"
+            )))
+        }
+    })
+}
+
+struct Uploader<'a> {
+    gpu: &'a Arc<Gpu>,
+    bytes: usize,
+    progress: &'a dyn Fn(usize),
+}
+
+impl Uploader<'_> {
+    fn mat(&mut self, m: &Mat) -> Result<DeviceMatrix, CudaError> {
+        self.mat_grouped(m, 1)
+    }
+
+    /// Uploads `m` as `groups` consecutive matrices of n_out/groups rows (or its own
+    /// expert stack when groups = 1).
+    fn mat_grouped(&mut self, m: &Mat, groups: usize) -> Result<DeviceMatrix, CudaError> {
+        let (rows, mats) = if groups > 1 {
+            (m.n_out / groups, groups)
+        } else {
+            (m.n_out, m.n_mat)
+        };
+        let d = DeviceMatrix::upload(self.gpu, m.ty, m.data(), rows, m.n_in, mats)
+            .map_err(|e| CudaError::Invalid(format!("{}: {e}", m.name)))?;
+        self.bytes += d.bytes();
+        (self.progress)(m.data().len());
+        Ok(d)
+    }
+
+    fn dense(&mut self, m: &Mat) -> Result<DenseTensor, CudaError> {
+        let ty = wt_code(m.ty).map_err(|e| CudaError::Invalid(format!("{}: {e}", m.name)))?;
+        self.bytes += m.data().len();
+        (self.progress)(m.data().len());
+        Ok(DenseTensor {
+            buf: self.gpu.upload(m.data())?,
+            ty,
+        })
+    }
+
+    fn vec(&mut self, v: &[f32]) -> Result<DeviceBuf<f32>, CudaError> {
+        self.bytes += v.len() * 4;
+        self.gpu.upload(v)
+    }
+
+    fn hc(&mut self, h: &HcWeights) -> Result<HcDev, CudaError> {
+        Ok(HcDev {
+            fn_: self.dense(&h.fn_)?,
+            scale: self.vec(&h.scale)?,
+            base: self.vec(&h.base)?,
+        })
+    }
+
+    fn compressor(&mut self, c: &CompressorWeights) -> Result<CompressorDev, CudaError> {
+        Ok(CompressorDev {
+            ratio: c.ratio,
+            lanes: c.lanes,
+            dim: c.dim,
+            ape: self.vec(&c.ape)?,
+            kv: self.mat(&c.kv)?,
+            gate: self.mat(&c.gate)?,
+            norm: self.vec(&c.norm)?,
+        })
+    }
+}
+
+impl CudaWeights {
+    /// Uploads every weight of `model`. `progress(bytes)` is called as file bytes are
+    /// uploaded.
+    pub fn upload(
+        gpu: &Arc<Gpu>,
+        model: &Model,
+        progress: &dyn Fn(usize),
+    ) -> Result<CudaWeights, CudaError> {
+        let cfg = model.config().clone();
+        let w = model.weights();
+        let inner = model.inner();
+        let mut up = Uploader {
+            gpu,
+            bytes: 0,
+            progress,
+        };
+        let mut layers = Vec::with_capacity(cfg.n_layer);
+        for (il, lw) in w.layers.iter().enumerate() {
+            let freqs = up.vec(inner.ropes[il].freqs())?;
+            layers.push(LayerDev {
+                ratio: lw.ratio,
+                freqs,
+                hc_attn: up.hc(&lw.hc_attn)?,
+                attn_norm: up.vec(&lw.attn_norm)?,
+                q_a: up.mat(&lw.q_a)?,
+                q_a_norm: up.vec(&lw.q_a_norm)?,
+                q_b: up.mat(&lw.q_b)?,
+                kv: up.mat(&lw.kv)?,
+                kv_norm: up.vec(&lw.kv_norm)?,
+                sinks: up.vec(&lw.sinks)?,
+                out_a: up.mat_grouped(&lw.out_a, cfg.o_groups)?,
+                out_b: up.mat(&lw.out_b)?,
+                compressor: lw
+                    .compressor
+                    .as_ref()
+                    .map(|c| up.compressor(c))
+                    .transpose()?,
+                indexer: lw
+                    .indexer
+                    .as_ref()
+                    .map(|ix| -> Result<IndexerDev, CudaError> {
+                        Ok(IndexerDev {
+                            q_b: up.mat(&ix.q_b)?,
+                            proj: up.mat(&ix.proj)?,
+                            compressor: up.compressor(&ix.compressor)?,
+                        })
+                    })
+                    .transpose()?,
+                hc_ffn: up.hc(&lw.hc_ffn)?,
+                ffn_norm: up.vec(&lw.ffn_norm)?,
+                gate_inp: up.mat(&lw.gate_inp)?,
+                exp_probs_b: lw.exp_probs_b.as_ref().map(|b| up.vec(b)).transpose()?,
+                tid2eid: lw.tid2eid.as_ref().map(|t| gpu.upload(t)).transpose()?,
+                gate_exps: up.mat(&lw.gate_exps)?,
+                up_exps: up.mat(&lw.up_exps)?,
+                down_exps: up.mat(&lw.down_exps)?,
+                gate_sh: up.mat(&lw.gate_sh)?,
+                up_sh: up.mat(&lw.up_sh)?,
+                down_sh: up.mat(&lw.down_sh)?,
+            });
+        }
+        let group_ids: Vec<i32> = (0..cfg.o_groups as i32).collect();
+        Ok(CudaWeights {
+            gpu: gpu.clone(),
+            token_embd: up.dense(&w.token_embd)?,
+            layers,
+            head_hc: up.hc(&w.head_hc)?,
+            output_norm: up.vec(&w.output_norm)?,
+            output: up.mat(&w.output)?,
+            group_ids: gpu.upload(&group_ids)?,
+            bytes: up.bytes,
+            config: cfg,
+        })
+    }
+
+    pub fn rope(&self, il: usize) -> RopeP {
+        RopeP {
+            freqs: self.gpu.ptr(&self.layers[il].freqs),
+            rope_dim: self.config.rope_dim as i32,
+            pad: 0,
+        }
+    }
+}
