@@ -267,6 +267,12 @@ mod tests {
     }
 
     #[test]
+    fn shareable_across_threads() {
+        fn check<T: Send + Sync>() {}
+        check::<Tokenizer>();
+    }
+
+    #[test]
     fn added_tokens_split_inside_words() {
         let tok = official();
         let ids = tok.encode("über</think>gang");
