@@ -62,7 +62,7 @@ fn rd_u32(p: &[u8], at: usize) -> u32 {
 /// keep the out-of-order window busy with decode work and a serial float chain, so the
 /// hardware prefetcher alone leaves DRAM bandwidth unused; rows are usually contiguous
 /// in a tensor, so running past the end of the row fetches the next one.
-const PREFETCH_BYTES: usize = 1024;
+const PREFETCH_BYTES: usize = 2048;
 
 #[inline(always)]
 fn prefetch(p: *const u8) {
@@ -215,6 +215,9 @@ pub(crate) unsafe fn dot_q8_0_multi_avx2(w: &[u8], xs: &[&[BlockQ8_0]], out: &mu
         let mut wv = [_mm256_setzero_si256(); 16];
         for k in 0..8 {
             let q = wp.add((b + k) * Q8_0_BLOCK_BYTES + 2);
+            if k % 2 == 0 {
+                prefetch(q);
+            }
             wv[2 * k] = _mm256_cvtepi8_epi16(_mm_loadu_si128(q as *const __m128i));
             wv[2 * k + 1] = _mm256_cvtepi8_epi16(_mm_loadu_si128(q.add(16) as *const __m128i));
         }
@@ -323,6 +326,7 @@ pub(crate) unsafe fn dot_q2_k_multi_avx2(w: &[u8], xs: &[&[BlockQ8K]], out: &mut
     }
     for (b, wb) in w.chunks_exact(Q2_K_BLOCK_BYTES).enumerate() {
         let (q, sc, mins) = q2_k_unpack(wb.as_ptr());
+        prefetch(wb.as_ptr());
         for (x, acc) in xs.iter().zip(out.iter_mut()) {
             let (isum, summs) = q2_k_sums(&q, sc, mins, &x[b]);
             q2_k_combine(acc, wb, &x[b], isum, summs);
@@ -403,6 +407,7 @@ pub(crate) unsafe fn dot_q4_k_multi_avx2(w: &[u8], xs: &[&[BlockQ8K]], out: &mut
     }
     for (b, wb) in w.chunks_exact(Q4_K_BLOCK_BYTES).enumerate() {
         let (q, sc, mn) = q4_k_unpack(wb);
+        prefetch(wb.as_ptr());
         for (x, acc) in xs.iter().zip(out.iter_mut()) {
             let (isum, summs) = q4_k_sums(&q, &sc, &mn, &x[b]);
             q4_k_combine(acc, wb, &x[b], isum, summs);
@@ -507,6 +512,7 @@ pub(crate) unsafe fn dot_iq2_xxs_multi_avx2(w: &[u8], xs: &[&[BlockQ8K]], out: &
     for (b, wb) in w.chunks_exact(IQ2_XXS_BLOCK_BYTES).enumerate() {
         let (sg, ls) = iq2_xxs_unpack(wb);
         let d = f16_one(wb, 0);
+        prefetch(wb.as_ptr());
         for (x, acc) in xs.iter().zip(out.iter_mut()) {
             let bsum = iq2_xxs_sum(&sg, &ls, &x[b]);
             *acc += (d * x[b].d) * bsum as f32;
@@ -561,6 +567,9 @@ pub(crate) unsafe fn dot_f16_f32_avx2(w: &[u8], x: &[f32]) -> f32 {
     let n = (w.len() / 2).min(x.len());
     let wp = w.as_ptr();
     let lanes = dense_avx2(n, x.as_ptr(), |i| {
+        if i % 32 == 0 {
+            prefetch(wp.wrapping_add(2 * i));
+        }
         _mm256_cvtph_ps(_mm_loadu_si128(wp.add(2 * i) as *const __m128i))
     });
     dense_finish(lanes, n / 16 * 16, n, |i| {
@@ -572,7 +581,12 @@ pub(crate) unsafe fn dot_f16_f32_avx2(w: &[u8], x: &[f32]) -> f32 {
 pub(crate) unsafe fn dot_f32_f32_avx2(w: &[u8], x: &[f32]) -> f32 {
     let n = (w.len() / 4).min(x.len());
     let wp = w.as_ptr() as *const f32;
-    let lanes = dense_avx2(n, x.as_ptr(), |i| _mm256_loadu_ps(wp.add(i)));
+    let lanes = dense_avx2(n, x.as_ptr(), |i| {
+        if i % 16 == 0 {
+            prefetch(wp.wrapping_add(i) as *const u8);
+        }
+        _mm256_loadu_ps(wp.add(i))
+    });
     dense_finish(lanes, n / 16 * 16, n, |i| {
         (f32::from_bits(rd_u32(w, 4 * i)), x[i])
     })
@@ -648,6 +662,9 @@ pub(crate) unsafe fn dot_f16_f32_avx512(w: &[u8], x: &[f32]) -> f32 {
     let n = (w.len() / 2).min(x.len());
     let wp = w.as_ptr();
     let lanes = dense_avx512(n, x.as_ptr(), |i| {
+        if i % 32 == 0 {
+            prefetch(wp.wrapping_add(2 * i));
+        }
         _mm512_cvtph_ps(_mm256_loadu_si256(wp.add(2 * i) as *const __m256i))
     });
     dense_finish(lanes, n / 16 * 16, n, |i| {
@@ -659,7 +676,10 @@ pub(crate) unsafe fn dot_f16_f32_avx512(w: &[u8], x: &[f32]) -> f32 {
 pub(crate) unsafe fn dot_f32_f32_avx512(w: &[u8], x: &[f32]) -> f32 {
     let n = (w.len() / 4).min(x.len());
     let wp = w.as_ptr() as *const f32;
-    let lanes = dense_avx512(n, x.as_ptr(), |i| _mm512_loadu_ps(wp.add(i)));
+    let lanes = dense_avx512(n, x.as_ptr(), |i| {
+        prefetch(wp.wrapping_add(i) as *const u8);
+        _mm512_loadu_ps(wp.add(i))
+    });
     dense_finish(lanes, n / 16 * 16, n, |i| {
         (f32::from_bits(rd_u32(w, 4 * i)), x[i])
     })
