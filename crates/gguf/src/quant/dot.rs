@@ -288,6 +288,7 @@ mod x86_tables {
     pub(super) static AVX512: DotKernels = DotKernels {
         level: SimdLevel::Avx512,
         q8_0: wrap!(k::dot_q8_0_vnni, w: &[u8], x: &[_]),
+        iq2_xxs: wrap!(k::dot_iq2_xxs_avx512, w: &[u8], x: &[_]),
         f16_f32: wrap!(k::dot_f16_f32_avx512, w: &[u8], x: &[f32]),
         f32_f32: wrap!(k::dot_f32_f32_avx512, w: &[u8], x: &[f32]),
         f32: wrap!(k::dot_f32_avx512, a: &[f32], b: &[f32]),
