@@ -289,6 +289,7 @@ mod x86_tables {
         level: SimdLevel::Avx512,
         q8_0: wrap!(k::dot_q8_0_vnni, w: &[u8], x: &[_]),
         iq2_xxs: wrap!(k::dot_iq2_xxs_avx512, w: &[u8], x: &[_]),
+        iq2_xxs_multi: wrap!(k::dot_iq2_xxs_multi_avx512, w: &[u8], xs: &[&[_]], o: &mut [f32]),
         f16_f32: wrap!(k::dot_f16_f32_avx512, w: &[u8], x: &[f32]),
         f32_f32: wrap!(k::dot_f32_f32_avx512, w: &[u8], x: &[f32]),
         f32: wrap!(k::dot_f32_avx512, a: &[f32], b: &[f32]),

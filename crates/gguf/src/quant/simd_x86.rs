@@ -648,8 +648,75 @@ pub(crate) unsafe fn dot_q8_0_vnni(w: &[u8], x: &[BlockQ8_0]) -> f32 {
     dot_q8_0_tail_avx2(acc, w, x, b, nb)
 }
 
+/// One IQ2_XXS block decoded for 512-bit kernels: signed grid values of groups
+/// (2h, 2h+1) in `sg[h]`, their `Σ 128·sg` pair sums (the bias term of the unsigned
+/// `maddubs` trick, which does not depend on the activations) and `2·ls+1` per half.
+struct Iq2Zmm {
+    sg: [__m512i; 4],
+    bias_term: [__m512i; 4],
+    ls: [__m512i; 4],
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+unsafe fn iq2_xxs_unpack512(wb: &[u8; IQ2_XXS_BLOCK_BYTES]) -> Iq2Zmm {
+    let shifts = _mm256_setr_epi32(0, 7, 14, 21, 0, 7, 14, 21);
+    let m127 = _mm256_set1_epi32(127);
+    let bias = _mm512_set1_epi8(-128);
+    let table = IQ2XXS_SIGNED.as_ptr() as *const i64;
+    let p = wb.as_ptr();
+    let z = _mm512_setzero_si512();
+    let mut out = Iq2Zmm {
+        sg: [z; 4],
+        bias_term: [z; 4],
+        ls: [z; 4],
+    };
+    for h in 0..4 {
+        // Groups 2h and 2h+1: grid bytes at 2+16h and 10+16h, sign words after them.
+        let o = 2 + 16 * h;
+        let a = rd_u32(wb, o + 4);
+        let b = rd_u32(wb, o + 12);
+        let gi = _mm_setr_epi32(
+            (p.add(o) as *const i32).read_unaligned(),
+            (p.add(o + 8) as *const i32).read_unaligned(),
+            0,
+            0,
+        );
+        let grid = _mm256_slli_epi32::<7>(_mm256_cvtepu8_epi32(gi));
+        let words = _mm256_setr_m128i(_mm_set1_epi32(a as i32), _mm_set1_epi32(b as i32));
+        let signs = _mm256_and_si256(_mm256_srlv_epi32(words, shifts), m127);
+        let sg = _mm512_i32gather_epi64::<8>(_mm256_add_epi32(grid, signs), table);
+        out.sg[h] = sg;
+        out.bias_term[h] = _mm512_maddubs_epi16(bias, sg);
+        out.ls[h] = _mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(_mm256_set1_epi16(2 * (a >> 28) as i16 + 1)),
+            _mm256_set1_epi16(2 * (b >> 28) as i16 + 1),
+        );
+    }
+    out
+}
+
+/// Σ_g ls_g·Σ sg·q8 of a decoded block (see [`iq2_xxs_sum`] for the bias trick).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+unsafe fn iq2_xxs_sum512(d: &Iq2Zmm, xb: &BlockQ8K) -> i32 {
+    let bias = _mm512_set1_epi8(-128);
+    let xq = xb.qs.as_ptr();
+    let mut tot = _mm512_setzero_si512();
+    for h in 0..4 {
+        let xv = _mm512_loadu_si512(xq.add(64 * h) as *const _);
+        let t = _mm512_sub_epi16(
+            _mm512_maddubs_epi16(_mm512_xor_si512(xv, bias), d.sg[h]),
+            d.bias_term[h],
+        );
+        tot = _mm512_add_epi32(tot, _mm512_madd_epi16(t, d.ls[h]));
+    }
+    _mm512_reduce_add_epi32(tot)
+}
+
 /// IQ2_XXS with 512-bit registers: one 8-index gather and one multiply chain per two
-/// groups (64 weights).
+/// groups (64 weights). Kept fused rather than built on [`iq2_xxs_unpack512`]: letting
+/// each gather overlap the previous pair's arithmetic is ~15% faster for one row.
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
 pub(crate) unsafe fn dot_iq2_xxs_avx512(w: &[u8], x: &[BlockQ8K]) -> f32 {
     let shifts = _mm256_setr_epi32(0, 7, 14, 21, 0, 7, 14, 21);
@@ -695,6 +762,26 @@ pub(crate) unsafe fn dot_iq2_xxs_avx512(w: &[u8], x: &[BlockQ8K]) -> f32 {
         acc += (f16_one(wb, 0) * xb.d) * bsum as f32;
     }
     0.125 * acc
+}
+
+/// Multi-row IQ2_XXS: each block is gathered and its bias term computed once.
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_iq2_xxs_multi_avx512(w: &[u8], xs: &[&[BlockQ8K]], out: &mut [f32]) {
+    for o in out.iter_mut() {
+        *o = 0.0;
+    }
+    for (b, wb) in w.chunks_exact(IQ2_XXS_BLOCK_BYTES).enumerate() {
+        prefetch(wb.as_ptr());
+        let wb: &[u8; IQ2_XXS_BLOCK_BYTES] = wb.try_into().expect("IQ2_XXS block");
+        let dec = iq2_xxs_unpack512(wb);
+        let d = f16_one(wb, 0);
+        for (x, acc) in xs.iter().zip(out.iter_mut()) {
+            *acc += (d * x[b].d) * iq2_xxs_sum512(&dec, &x[b]) as f32;
+        }
+    }
+    for o in out.iter_mut() {
+        *o *= 0.125;
+    }
 }
 
 /// Dense dots with one 16-lane register: exactly the canonical lane assignment.
