@@ -1,8 +1,10 @@
 //! Shared code of the `ds4`, `ds4-tool` and `ds4-bench` programs.
 
+pub mod bench_plot;
 pub mod download;
 pub mod fixture_check;
 pub mod gpu_selftest;
 pub mod rng;
 pub mod synth;
+pub mod tok;
 pub mod vocab;

@@ -88,6 +88,26 @@ impl Plan {
         m.into_iter().map(|(t, (n, b))| (t, n, b)).collect()
     }
 
+    /// Work items: (tensor, chunk index, byte offset in the tensor, length), in file
+    /// order. Each is generated from its own seeded stream.
+    fn work(&self) -> Vec<(usize, usize, usize, usize)> {
+        let mut work = Vec::new();
+        for (i, s) in self.specs.iter().enumerate() {
+            let bb = s.published.block_bytes();
+            let chunk = (CHUNK_BLOCKS_BYTES / bb).max(1) * bb;
+            let size = self.layout.tensor_sizes[i] as usize;
+            for (c, start) in (0..size).step_by(chunk).enumerate() {
+                work.push((i, c, start, chunk.min(size - start)));
+            }
+        }
+        work
+    }
+
+    fn fill(&self, seed: u64, (i, c, start, _len): (usize, usize, usize, usize), buf: &mut [u8]) {
+        let mut rng = Rng::stream(seed, i as u64, c as u64);
+        fill_tensor_chunk(&self.specs[i], &self.config, start, buf, &mut rng);
+    }
+
     /// Writes the file at `path` (through a temporary file renamed into place).
     /// `progress` is called with the number of bytes just written.
     pub fn write(&self, path: &Path, seed: u64, progress: &(dyn Fn(u64) + Sync)) -> Result<()> {
@@ -103,24 +123,18 @@ impl Plan {
         })?;
         (&file).write_all(&self.layout.header)?;
         progress(self.layout.header.len() as u64);
-        let mut work = Vec::new();
-        for (i, s) in self.specs.iter().enumerate() {
-            let bb = s.published.block_bytes();
-            let chunk = (CHUNK_BLOCKS_BYTES / bb).max(1) * bb;
-            let size = self.layout.tensor_sizes[i] as usize;
-            for (c, start) in (0..size).step_by(chunk).enumerate() {
-                work.push((i, c, start, chunk.min(size - start)));
-            }
-        }
-        work.par_iter()
-            .try_for_each_init(Vec::new, |buf, &(i, c, start, len)| -> Result<()> {
-                let spec = &self.specs[i];
-                buf.resize(len, 0);
-                let mut rng = Rng::stream(seed, i as u64, c as u64);
-                fill_tensor_chunk(spec, &self.config, start, buf, &mut rng);
-                write_at(&file, buf, self.layout.tensor_offsets[i] + start as u64)
-                    .with_context(|| format!("writing {}", tmp.display()))?;
-                progress(len as u64);
+        self.work()
+            .par_iter()
+            .try_for_each_init(Vec::new, |buf, &item| -> Result<()> {
+                buf.resize(item.3, 0);
+                self.fill(seed, item, buf);
+                write_at(
+                    &file,
+                    buf,
+                    self.layout.tensor_offsets[item.0] + item.2 as u64,
+                )
+                .with_context(|| format!("writing {}", tmp.display()))?;
+                progress(item.3 as u64);
                 Ok(())
             })?;
         file.sync_all()?;
@@ -128,6 +142,32 @@ impl Plan {
         std::fs::rename(&tmp, path)
             .with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))?;
         Ok(())
+    }
+
+    /// The whole file image in memory, byte-identical to [`Plan::write`]'s file (for
+    /// benchmarks on machines whose disk cannot hold the model).
+    pub fn build(&self, seed: u64, progress: &(dyn Fn(u64) + Sync)) -> Vec<u8> {
+        // Zeroed allocation: untouched pages cost nothing, padding stays zero.
+        let mut image = vec![0u8; self.layout.file_size as usize];
+        image[..self.layout.header.len()].copy_from_slice(&self.layout.header);
+        let work = self.work();
+        // Carve the disjoint chunk ranges out of the image, in file order.
+        let mut slices = Vec::with_capacity(work.len());
+        let mut rest: &mut [u8] = &mut image[..];
+        let mut at = 0usize;
+        for &item in &work {
+            let off = self.layout.tensor_offsets[item.0] as usize + item.2;
+            let (_, tail) = rest.split_at_mut(off - at);
+            let (chunk, tail) = tail.split_at_mut(item.3);
+            slices.push((item, chunk));
+            rest = tail;
+            at = off + item.3;
+        }
+        slices.into_par_iter().for_each(|(item, chunk)| {
+            self.fill(seed, item, chunk);
+            progress(item.3 as u64);
+        });
+        image
     }
 }
 
@@ -352,6 +392,19 @@ mod tests {
             let r = rms_of(ty, 0.02);
             assert!((0.012..0.03).contains(&r), "{ty}: rms {r}");
         }
+    }
+
+    #[test]
+    fn the_in_memory_image_equals_the_written_file() {
+        let cfg = Config::tiny(3);
+        let vocab = Vocab::builtin(cfg.vocab).unwrap();
+        let plan = Plan::new(cfg, ExpertQuant::Q2, &vocab, "test").unwrap();
+        let path =
+            std::env::temp_dir().join(format!("ds4-synth-image-{}.gguf", std::process::id()));
+        plan.write(&path, 9, &|_| {}).unwrap();
+        let file = std::fs::read(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(plan.build(9, &|_| {}), file);
     }
 
     #[test]

@@ -3,7 +3,7 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use ds4_tokenizer::Tokenizer;
 
 #[derive(clap::Args)]
@@ -26,24 +26,7 @@ pub fn load_tokenizer(path: &Path) -> anyhow::Result<Tokenizer> {
         return Ok(Tokenizer::from_tokenizer_json(&bytes)?);
     }
     let gguf = ds4_gguf::GgufFile::open(path)?;
-    let strings = |key: &str| -> anyhow::Result<Vec<String>> {
-        match gguf.get(key).and_then(|v| v.as_str_array()) {
-            Some(v) => Ok(v.into_iter().map(str::to_string).collect()),
-            None => bail!("{}: no string array {key}", path.display()),
-        }
-    };
-    let tokens = strings("tokenizer.ggml.tokens")?;
-    let merges = strings("tokenizer.ggml.merges")?;
-    let types = gguf
-        .get("tokenizer.ggml.token_type")
-        .and_then(|v| v.as_array())
-        .map(|(_, items)| {
-            items
-                .iter()
-                .map(|v| v.as_i64().and_then(|x| i32::try_from(x).ok()).unwrap_or(1))
-                .collect()
-        });
-    Ok(Tokenizer::from_gguf_vocab(tokens, merges, types)?)
+    ds4_cli::tok::from_gguf(&gguf).with_context(|| path.display().to_string())
 }
 
 fn io() -> (impl BufRead, impl Write) {

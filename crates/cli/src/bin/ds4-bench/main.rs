@@ -1,0 +1,313 @@
+//! `ds4-bench`: prefill and decode throughput at growing context frontiers.
+//!
+//! Loads the model once, walks a prompt to each frontier (timing only the newly
+//! prefilled tokens), then from a snapshot decodes `--gen-tokens` greedy non-EOS
+//! tokens, restores the snapshot and moves on. Writes the reference's CSV
+//! (`ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes`).
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, ValueEnum};
+use ds4_cli::bench_plot::{self, BenchRow, CSV_HEADER};
+use ds4_cli::synth::Plan;
+use ds4_cli::vocab::Vocab;
+use ds4_engine::config::Config;
+use ds4_engine::cuda::{driver_present, CudaBackend};
+use ds4_engine::layout::ExpertQuant;
+use ds4_engine::{LoadOptions, Model, Numerics, Session, SessionOptions};
+use ds4_gguf::GgufFile;
+use indicatif::{ProgressBar, ProgressStyle};
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum BackendKind {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug)]
+enum Synthetic {
+    Q2,
+    Q4,
+}
+
+#[derive(Parser)]
+#[command(
+    name = "ds4-bench",
+    version,
+    about = "Prefill and decode tokens/s of ds4 at context frontiers (CSV)"
+)]
+struct Args {
+    /// Model file.
+    #[arg(short, long, default_value = "ds4flash.gguf")]
+    model: PathBuf,
+    /// Instead of a file: random weights in the exact full-size layout, built in memory
+    /// (no disk needed; the q2 layout needs ≈ 81 GiB of host RAM and GPU memory).
+    #[arg(long, value_enum)]
+    synthetic_weights: Option<Synthetic>,
+    /// Layers of the synthetic model (the real one has 43).
+    #[arg(long, default_value_t = 43)]
+    layers: usize,
+    /// Raw text to tokenize as the prompt (no chat template).
+    #[arg(long, conflicts_with = "chat_prompt_file")]
+    prompt_file: Option<PathBuf>,
+    /// Text sent as one no-think chat turn.
+    #[arg(long)]
+    chat_prompt_file: Option<PathBuf>,
+    /// System prompt of --chat-prompt-file.
+    #[arg(
+        long = "system",
+        short = 's',
+        default_value = "You are a helpful assistant."
+    )]
+    system: String,
+    #[arg(long, value_enum)]
+    backend: Option<BackendKind>,
+    /// CPU threads.
+    #[arg(short = 't', long)]
+    threads: Option<usize>,
+    /// Exact numerics (f32 activations, f32 KV).
+    #[arg(long)]
+    quality: bool,
+    #[arg(long, default_value_t = 2048)]
+    ctx_start: usize,
+    #[arg(long, default_value_t = 32768)]
+    ctx_max: usize,
+    /// Session capacity (default ctx-max + gen-tokens + 1).
+    #[arg(long)]
+    ctx_alloc: Option<usize>,
+    /// Multiply the frontier by this (≥ 1); 1 = add --step-incr.
+    #[arg(long, default_value_t = 1.0)]
+    step_mul: f64,
+    #[arg(long, default_value_t = 2048)]
+    step_incr: usize,
+    /// Greedy tokens decoded at each frontier.
+    #[arg(
+        long = "gen-tokens",
+        short = 'n',
+        visible_alias = "tokens",
+        default_value_t = 128
+    )]
+    gen_tokens: usize,
+    /// CSV output (default stdout).
+    #[arg(long)]
+    csv: Option<PathBuf>,
+    /// Also draw the CSV as an SVG chart.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// CUDA device.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+fn bar(len: u64, msg: &str) -> ProgressBar {
+    let b = ProgressBar::new(len);
+    b.set_style(
+        ProgressStyle::with_template(
+            "{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+        )
+        .expect("static template")
+        .progress_chars("=> "),
+    );
+    b.set_message(msg.to_string());
+    b
+}
+
+fn load_model(a: &Args) -> Result<Model> {
+    let gguf = match a.synthetic_weights {
+        Some(kind) => {
+            let mut cfg = Config::flash();
+            cfg.n_layer = a.layers;
+            cfg.compress_ratios = Config::flash_ratios(a.layers);
+            cfg.swiglu_clamp = vec![10.0; a.layers];
+            cfg.swiglu_clamp_shexp = vec![10.0; a.layers];
+            cfg.n_hash_layer = cfg.n_hash_layer.min(a.layers);
+            let experts = if kind == Synthetic::Q2 { ExpertQuant::Q2 } else { ExpertQuant::Q4 };
+            let plan = Plan::new(cfg, experts, &Vocab::builtin(129_280)?, "ds4-bench synthetic weights")?;
+            let b = bar(plan.layout.file_size, "generating synthetic weights");
+            let done = AtomicU64::new(0);
+            let t = Instant::now();
+            let image = plan.build(a.seed, &|n| b.set_position(done.fetch_add(n, Ordering::Relaxed) + n));
+            b.finish_and_clear();
+            eprintln!("ds4-bench: {:?} synthetic weights, {} layers, {:.1} GiB in {:.1} s", kind, a.layers, image.len() as f64 / (1u64 << 30) as f64, t.elapsed().as_secs_f64());
+            GgufFile::from_bytes(image)?
+        }
+        None => GgufFile::open(&a.model).with_context(|| {
+            format!("cannot open {} (download one with `ds4-tool download q2-imatrix`, or use --synthetic-weights q2)", a.model.display())
+        })?,
+    };
+    let numerics = if a.quality {
+        Numerics::Exact
+    } else {
+        Numerics::Fast
+    };
+    Ok(Model::from_gguf(Arc::new(gguf), LoadOptions { numerics })?)
+}
+
+fn prompt_tokens(a: &Args, model: &Model, need: usize) -> Result<Vec<u32>> {
+    let text = match (&a.prompt_file, &a.chat_prompt_file) {
+        (Some(p), _) | (None, Some(p)) => Some(
+            std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?,
+        ),
+        (None, None) => None,
+    };
+    let mut tokens = match text {
+        Some(t) => {
+            let tok = ds4_cli::tok::from_gguf(model.gguf())?;
+            if a.chat_prompt_file.is_some() {
+                let bos = tok.token_to_id("<｜begin▁of▁sentence｜>").unwrap_or(0);
+                let mut ids = vec![bos];
+                ids.extend(tok.encode(&a.system));
+                ids.extend(tok.encode(&format!("<｜User｜>{t}<｜Assistant｜></think>")));
+                ids
+            } else {
+                tok.encode(&t)
+            }
+        }
+        None => {
+            if a.synthetic_weights.is_none() {
+                bail!("give --prompt-file or --chat-prompt-file (or use --synthetic-weights, which bench on random tokens)");
+            }
+            // Random weights: the tokens' meaning is irrelevant; ids of the byte range.
+            let mut rng = ds4_cli::rng::Rng::stream(a.seed, 7, 7);
+            (0..need).map(|_| 3 + rng.below(256) as u32).collect()
+        }
+    };
+    if tokens.len() < need {
+        bail!(
+            "the prompt has {} tokens; --ctx-max {} needs at least that many",
+            tokens.len(),
+            need
+        );
+    }
+    tokens.truncate(need);
+    Ok(tokens)
+}
+
+fn main() -> Result<()> {
+    let a = Args::parse();
+    if a.step_mul < 1.0 {
+        bail!("--step-mul must be at least 1");
+    }
+    if a.ctx_start == 0 || a.ctx_start > a.ctx_max {
+        bail!("need 0 < --ctx-start <= --ctx-max");
+    }
+    let alloc = a.ctx_alloc.unwrap_or(a.ctx_max + a.gen_tokens + 1);
+    if alloc <= a.ctx_max + a.gen_tokens {
+        bail!("--ctx-alloc must be greater than ctx-max + gen-tokens");
+    }
+    if let Some(t) = a.threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(t)
+            .build_global()
+            .ok();
+    }
+    let model = load_model(&a)?;
+    let numerics = model.numerics();
+    let backend = a.backend.unwrap_or(if driver_present() {
+        BackendKind::Cuda
+    } else {
+        BackendKind::Cpu
+    });
+    let mut session = match backend {
+        BackendKind::Cpu => Session::with_options(
+            &model,
+            SessionOptions {
+                numerics: Some(numerics),
+                ..SessionOptions::new(alloc)
+            },
+        )?,
+        BackendKind::Cuda => {
+            let total: u64 = model.gguf().tensor_bytes();
+            let b = bar(total, "uploading weights to the GPU");
+            let done = AtomicU64::new(0);
+            let weights = CudaBackend::load(&model, a.device, &|n| {
+                b.set_position(done.fetch_add(n as u64, Ordering::Relaxed) + n as u64)
+            })
+            .context("CUDA backend unavailable (use --backend cpu)")?;
+            b.finish_and_clear();
+            let be = CudaBackend::new(&weights, alloc, numerics)?;
+            Session::with_backend(&model, Box::new(be), numerics, 2048)
+        }
+    };
+    let prompt = prompt_tokens(&a, &model, a.ctx_max)?;
+    let eos = model
+        .gguf()
+        .get("tokenizer.ggml.eos_token_id")
+        .and_then(|v| v.as_i64())
+        .unwrap_or(1) as u32;
+
+    let mut out: Box<dyn Write> = match &a.csv {
+        Some(p) => Box::new(
+            std::fs::File::create(p).with_context(|| format!("cannot create {}", p.display()))?,
+        ),
+        None => Box::new(std::io::stdout()),
+    };
+    writeln!(out, "{CSV_HEADER}")?;
+    let mut rows = Vec::new();
+    let mut frontier = a.ctx_start;
+    loop {
+        let have = session.n_tokens();
+        let t = Instant::now();
+        session.prefill(&prompt[have..frontier])?;
+        let prefill_s = t.elapsed().as_secs_f64();
+        let snapshot = session.clone();
+        let mut payload = Vec::new();
+        snapshot.save_payload(&mut payload)?;
+        let t = Instant::now();
+        for _ in 0..a.gen_tokens {
+            let logits = session.logits();
+            let mut best = 0usize;
+            for (i, &v) in logits.iter().enumerate() {
+                if i as u32 != eos && (best as u32 == eos || v > logits[best]) {
+                    best = i;
+                }
+            }
+            session.decode(best as u32)?;
+        }
+        let gen_s = t.elapsed().as_secs_f64();
+        session = snapshot;
+        let row = BenchRow {
+            ctx_tokens: frontier as u64,
+            prefill_tokens: (frontier - have) as u64,
+            prefill_tps: (frontier - have) as f64 / prefill_s,
+            gen_tokens: a.gen_tokens as u64,
+            gen_tps: a.gen_tokens as f64 / gen_s.max(1e-9),
+            kvcache_bytes: payload.len() as u64,
+        };
+        writeln!(out, "{}", row.to_csv())?;
+        out.flush()?;
+        rows.push(row);
+        if frontier >= a.ctx_max {
+            break;
+        }
+        frontier = if a.step_mul > 1.0 {
+            ((frontier as f64 * a.step_mul).ceil() as usize).min(a.ctx_max)
+        } else {
+            (frontier + a.step_incr).min(a.ctx_max)
+        };
+    }
+    if let Some(p) = &a.plot {
+        let title = format!(
+            "ds4-bench {} ({})",
+            if backend == BackendKind::Cuda {
+                "CUDA"
+            } else {
+                "CPU"
+            },
+            a.synthetic_weights.map_or_else(
+                || a.model.display().to_string(),
+                |k| format!("synthetic {k:?}")
+            )
+        );
+        std::fs::write(p, bench_plot::svg(&rows, &title))
+            .with_context(|| format!("cannot write {}", p.display()))?;
+    }
+    Ok(())
+}
