@@ -4,6 +4,7 @@ mod download;
 mod dump;
 mod gpu_selftest;
 mod inspect;
+mod logits;
 mod synth;
 mod tokenize;
 
@@ -36,6 +37,8 @@ enum Command {
     Tokenize(tokenize::TokenizeArgs),
     /// Render chat requests (encode_cases.jsonl schema) from stdin into `{"prompt": …}` lines.
     Render(tokenize::RenderArgs),
+    /// Write the f32 logits of every position of a token sequence (positions × vocab, LE).
+    Logits(logits::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -48,5 +51,6 @@ fn main() -> anyhow::Result<()> {
         Command::Download(a) => download::run(a),
         Command::Tokenize(a) => tokenize::run_tokenize(a),
         Command::Render(a) => tokenize::run_render(a),
+        Command::Logits(a) => logits::run(a),
     }
 }

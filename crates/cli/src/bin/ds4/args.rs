@@ -1,0 +1,291 @@
+//! Command-line flags of `ds4`, compatible with the reference CLI (server.md §5).
+
+use std::path::PathBuf;
+
+use clap::error::ErrorKind;
+use clap::{CommandFactory, Parser, ValueEnum};
+
+pub const DEFAULT_SYSTEM: &str = "You are a helpful assistant";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BackendArg {
+    /// The CPU reference backend (all cores unless -t).
+    Cpu,
+    /// One NVIDIA GPU (weights and KV in device memory).
+    Cuda,
+}
+
+/// Reasoning mode of the assistant turn.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Think {
+    /// `</think>`: answer directly.
+    None,
+    /// `<think>`: reason first (the default).
+    High,
+    /// `<think>` plus the Think Max paragraph after BOS (needs ctx ≥ 393216).
+    Max,
+}
+
+impl Think {
+    pub fn enabled(self) -> bool {
+        self != Think::None
+    }
+
+    /// Max silently becomes High below the minimum context (server.md §1.3).
+    pub fn effective(self, ctx: usize) -> Think {
+        if self == Think::Max && ctx < ds4_tokenizer::chat::THINK_MAX_MIN_CONTEXT {
+            Think::High
+        } else {
+            self
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Think::None => "off",
+            Think::High => "high",
+            Think::Max => "max",
+        }
+    }
+}
+
+const AFTER_HELP: &str = "\
+Modes:
+  ds4 -p TEXT            one-shot: answer TEXT and exit (or --prompt-file FILE)
+  ds4                    interactive chat (type /help inside)
+  ds4 -p TEXT --dump-tokens        print the prompt's token ids and exit (vocab only)
+  ds4 -p TEXT --dump-logprobs F    greedy steps with top-k logprobs as JSON into F
+  ds4 --perplexity-file F          teacher-forced NLL and perplexity of a text file
+  ds4 --inspect                    model summary
+
+A prompt that starts with <｜begin▁of▁sentence｜> is used verbatim as a rendered chat;
+otherwise it becomes BOS, [Think Max text], system, <｜User｜>, prompt, <｜Assistant｜>,
+<think> (or </think> with --nothink). Reasoning is printed in grey on a terminal.
+Without the weights: `ds4-tool download q2-imatrix` fetches them and links ./ds4flash.gguf.
+
+Bad values and unknown options exit with status 2.";
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "ds4",
+    version,
+    about = "Chat with DeepSeek V4 Flash: one-shot prompts, an interactive session, scoring tools",
+    after_help = AFTER_HELP
+)]
+pub struct Args {
+    /// GGUF model file.
+    #[arg(
+        short = 'm',
+        long,
+        default_value = "ds4flash.gguf",
+        value_name = "FILE"
+    )]
+    pub model: PathBuf,
+
+    /// Prompt text (one-shot mode).
+    #[arg(short = 'p', long, value_name = "TEXT", conflicts_with = "prompt_file")]
+    pub prompt: Option<String>,
+
+    /// Read the one-shot prompt from a file.
+    #[arg(long, value_name = "FILE")]
+    pub prompt_file: Option<PathBuf>,
+
+    /// System prompt (`-sys` works too); "" sends none.
+    #[arg(long = "system", value_name = "TEXT", default_value = DEFAULT_SYSTEM)]
+    pub system: String,
+
+    /// Maximum tokens to generate (clamped to the room left in the context).
+    #[arg(short = 'n', long = "tokens", value_name = "N", default_value_t = 50000,
+          value_parser = positive)]
+    pub tokens: usize,
+
+    /// Context size in tokens.
+    #[arg(short = 'c', long = "ctx", value_name = "N", default_value_t = 32768,
+          value_parser = positive)]
+    pub ctx: usize,
+
+    /// Sampling temperature in [0, 100]; 0 is greedy.
+    #[arg(long, value_name = "F", default_value_t = 1.0,
+          value_parser = |s: &str| float_in(s, 0.0, 100.0), allow_negative_numbers = true)]
+    pub temp: f32,
+
+    /// Nucleus sampling mass in [0, 1]; 1 is off.
+    #[arg(long = "top-p", value_name = "F", default_value_t = 1.0,
+          value_parser = |s: &str| float_in(s, 0.0, 1.0), allow_negative_numbers = true)]
+    pub top_p: f32,
+
+    /// Drop tokens below min-p × p(top token), in [0, 1].
+    #[arg(long = "min-p", value_name = "F", default_value_t = 0.05,
+          value_parser = |s: &str| float_in(s, 0.0, 1.0), allow_negative_numbers = true)]
+    pub min_p: f32,
+
+    /// Sampling seed (> 0; default: from the clock).
+    #[arg(long, value_name = "N", value_parser = seed)]
+    pub seed: Option<u64>,
+
+    /// Reason before answering (the default).
+    #[arg(long, overrides_with_all = ["think_max", "nothink"])]
+    pub think: bool,
+
+    /// Maximum reasoning effort (needs --ctx >= 393216, otherwise normal thinking).
+    #[arg(long = "think-max", overrides_with_all = ["think", "nothink"])]
+    pub think_max: bool,
+
+    /// Answer directly, without reasoning.
+    #[arg(long, overrides_with_all = ["think", "think_max"])]
+    pub nothink: bool,
+
+    /// CPU threads (default: all cores).
+    #[arg(short = 't', long, value_name = "N", value_parser = positive)]
+    pub threads: Option<usize>,
+
+    /// Compute backend (default: cuda when a GPU is usable, else cpu).
+    #[arg(long, value_enum, value_name = "NAME")]
+    pub backend: Option<BackendArg>,
+
+    /// Same as --backend cpu.
+    #[arg(long, conflicts_with_all = ["backend", "cuda"])]
+    pub cpu: bool,
+
+    /// Same as --backend cuda.
+    #[arg(long, conflicts_with = "backend")]
+    pub cuda: bool,
+
+    /// Exact f32 numerics (the official math) instead of ds4's quantised activations.
+    #[arg(long)]
+    pub quality: bool,
+
+    /// Print the token ids of the prompt text as written (rendered-chat tokenizer) and exit.
+    #[arg(long)]
+    pub dump_tokens: bool,
+
+    /// Run greedy steps and write each step's top logprobs as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub dump_logprobs: Option<PathBuf>,
+
+    /// Alternatives per step in --dump-logprobs (at most 128).
+    #[arg(long, value_name = "N", default_value_t = 20, value_parser = positive)]
+    pub logprobs_top_k: usize,
+
+    /// Score a raw text file: 32 context tokens, then up to -n teacher-forced tokens;
+    /// prints `tokens= scored= nll= avg_nll= ppl=`.
+    #[arg(long, value_name = "FILE")]
+    pub perplexity_file: Option<PathBuf>,
+
+    /// Print the model summary and exit.
+    #[arg(long)]
+    pub inspect: bool,
+
+    /// (ds4-server's flag: refused with a pointer.)
+    #[arg(long, hide = true)]
+    pub server: bool,
+}
+
+fn positive(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(v) if v > 0 && v <= i32::MAX as usize => Ok(v),
+        _ => Err(format!("expected a positive integer, got {s:?}")),
+    }
+}
+
+fn seed(s: &str) -> Result<u64, String> {
+    match s.parse::<u64>() {
+        Ok(v) if v > 0 => Ok(v),
+        _ => Err(format!("expected a positive integer, got {s:?}")),
+    }
+}
+
+fn float_in(s: &str, lo: f32, hi: f32) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(v) if v.is_finite() && (lo..=hi).contains(&v) => Ok(v),
+        _ => Err(format!("expected a number in [{lo}, {hi}], got {s:?}")),
+    }
+}
+
+impl Args {
+    /// Parses the process arguments; bad values exit with status 2.
+    pub fn parse_env() -> Args {
+        // The reference spells the system flag `-sys`; clap has no multi-letter shorts.
+        let argv = std::env::args_os().map(|a| {
+            if a == "-sys" {
+                "--system".into()
+            } else if let Some(v) = a.to_str().and_then(|s| s.strip_prefix("-sys=")) {
+                format!("--system={v}").into()
+            } else {
+                a
+            }
+        });
+        let args = Args::parse_from(argv);
+        args.validate();
+        args
+    }
+
+    fn validate(&self) {
+        if self.server {
+            fail(
+                ErrorKind::UnknownArgument,
+                "--server is not a ds4 option: use ds4-server",
+            );
+        }
+        if self.dump_tokens && !self.has_prompt() {
+            fail(
+                ErrorKind::MissingRequiredArgument,
+                "--dump-tokens needs -p or --prompt-file",
+            );
+        }
+        if self.dump_logprobs.is_some() && !self.has_prompt() {
+            fail(
+                ErrorKind::MissingRequiredArgument,
+                "--dump-logprobs needs -p or --prompt-file",
+            );
+        }
+        if self.perplexity_file.is_some() && self.has_prompt() {
+            fail(
+                ErrorKind::ArgumentConflict,
+                "--perplexity-file scores a file: leave out -p/--prompt-file",
+            );
+        }
+    }
+
+    pub fn has_prompt(&self) -> bool {
+        self.prompt.is_some() || self.prompt_file.is_some()
+    }
+
+    pub fn think_mode(&self) -> Think {
+        if self.nothink {
+            Think::None
+        } else if self.think_max {
+            Think::Max
+        } else {
+            Think::High
+        }
+    }
+
+    pub fn backend_choice(&self) -> Option<BackendArg> {
+        if self.cpu {
+            Some(BackendArg::Cpu)
+        } else if self.cuda {
+            Some(BackendArg::Cuda)
+        } else {
+            self.backend
+        }
+    }
+
+    /// The prompt text of one-shot mode, if any (the file is read as is).
+    pub fn prompt_text(&self) -> anyhow::Result<Option<String>> {
+        if let Some(p) = &self.prompt {
+            return Ok(Some(p.clone()));
+        }
+        match &self.prompt_file {
+            Some(f) => Ok(Some(std::fs::read_to_string(f).map_err(|e| {
+                anyhow::anyhow!("cannot read --prompt-file {}: {e}", f.display())
+            })?)),
+            None => Ok(None),
+        }
+    }
+}
+
+/// A usage error: message on stderr, exit status 2.
+pub fn fail(kind: ErrorKind, msg: &str) -> ! {
+    Args::command().error(kind, msg).exit()
+}

@@ -1,0 +1,146 @@
+//! Prefill with a progress bar and the streaming sampling loop, shared by the
+//! one-shot and interactive modes.
+
+use std::io::{IsTerminal, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use ds4_engine::{Sampler, Session};
+use ds4_tokenizer::Tokenizer;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::render::TokenPrinter;
+
+/// Tokens per forward call while prefilling: large enough to amortise the weight
+/// reads, small enough for a live progress bar (results do not depend on it).
+const PROGRESS_STEP: usize = 512;
+
+/// Appends `tokens` to the session, showing `processing N input tokens` on stderr
+/// (a bar on a terminal, one line otherwise). Returns false when `stop` was raised
+/// between chunks.
+pub fn prefill(session: &mut Session, tokens: &[u32], stop: Option<&AtomicBool>) -> Result<bool> {
+    let n = tokens.len();
+    if n == 0 {
+        return Ok(true);
+    }
+    let tty = std::io::stderr().is_terminal();
+    let bar = if tty {
+        ProgressBar::new(n as u64)
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template(
+            "processing {len} input tokens: {pos}/{len} ({percent}%) {bar:30} {per_sec} eta {eta}",
+        )
+        .expect("valid template"),
+    );
+    let step = PROGRESS_STEP.min(session.prefill_chunk()).max(1);
+    for chunk in tokens.chunks(step) {
+        if stop.is_some_and(|s| s.load(Ordering::SeqCst)) {
+            bar.abandon();
+            return Ok(false);
+        }
+        if let Err(e) = session.prefill(chunk) {
+            bar.abandon();
+            return Err(e.into());
+        }
+        bar.inc(chunk.len() as u64);
+    }
+    bar.finish_and_clear();
+    if !tty {
+        eprintln!("processing {n} input tokens: {n}/{n} (100.0%)");
+    }
+    Ok(true)
+}
+
+/// What a generation produced.
+pub struct Generated {
+    /// Sampled tokens, without the EOS that ended them.
+    pub tokens: Vec<u32>,
+    /// Stopped by `stop` (Ctrl+C).
+    pub interrupted: bool,
+    pub elapsed: Duration,
+}
+
+/// Samples up to `max` tokens from the session's logits, printing each, feeding each
+/// back (all but the last); stops before EOS, at the limit or when `stop` is raised.
+pub fn generate<W: Write>(
+    session: &mut Session,
+    sampler: &mut Sampler,
+    tok: &Tokenizer,
+    eos: u32,
+    max: usize,
+    printer: &mut TokenPrinter<W>,
+    stop: Option<&AtomicBool>,
+) -> Result<Generated> {
+    let t0 = Instant::now();
+    let mut out = Vec::new();
+    let stopped = || stop.is_some_and(|s| s.load(Ordering::SeqCst));
+    let mut interrupted = false;
+    while out.len() < max {
+        if stopped() {
+            interrupted = true;
+            break;
+        }
+        let t = sampler.sample(session.logits());
+        if t == eos {
+            break;
+        }
+        printer.write(tok.token_bytes(t))?;
+        out.push(t);
+        if out.len() >= max {
+            break;
+        }
+        if stopped() {
+            interrupted = true;
+            break;
+        }
+        session.decode(t)?;
+    }
+    let elapsed = t0.elapsed();
+    printer.finish()?;
+    Ok(Generated {
+        tokens: out,
+        interrupted,
+        elapsed,
+    })
+}
+
+/// Generation budget: `-n`, clamped to the room left (one position stays free).
+pub fn budget(n: usize, ctx: usize, pos: usize) -> usize {
+    n.min(ctx.saturating_sub(pos).saturating_sub(1))
+}
+
+/// `ds4: prefill: X t/s, generation: Y t/s`.
+pub fn timing_line(
+    prefill_tokens: usize,
+    prefill: Duration,
+    gen_tokens: usize,
+    gen: Duration,
+) -> String {
+    let rate = |n: usize, d: Duration| {
+        let s = d.as_secs_f64();
+        if s > 0.0 {
+            n as f64 / s
+        } else {
+            0.0
+        }
+    };
+    format!(
+        "ds4: prefill: {:.2} t/s, generation: {:.2} t/s",
+        rate(prefill_tokens, prefill),
+        rate(gen_tokens, gen)
+    )
+}
+
+/// The sampling seed: the flag, or one from the clock and the process id.
+pub fn seed_or_clock(seed: Option<u64>) -> u64 {
+    seed.unwrap_or_else(|| {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64);
+        (t ^ (u64::from(std::process::id()) << 32)).max(1)
+    })
+}

@@ -1,0 +1,69 @@
+//! `ds4`: chat with DeepSeek V4 Flash from the terminal, flag-compatible with the
+//! reference CLI (server.md §5): one-shot prompts, an interactive session that keeps
+//! its KV state between turns, and the scoring/diagnostic modes.
+
+mod args;
+mod dump;
+mod engine;
+mod generate;
+mod oneshot;
+mod render;
+mod repl;
+
+use anyhow::Result;
+use ds4_engine::Numerics;
+
+use args::{Args, Think};
+use engine::Engine;
+
+fn main() {
+    let args = Args::parse_env();
+    if let Err(e) = run(&args) {
+        eprintln!("ds4: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: &Args) -> Result<()> {
+    if let Some(n) = args.threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()?;
+    }
+    let prompt = args.prompt_text()?;
+    if args.dump_tokens {
+        let text = prompt.as_deref().unwrap_or_default();
+        return dump::dump_tokens(&args.model, text);
+    }
+    let numerics = if args.quality {
+        Numerics::Exact
+    } else {
+        Numerics::Fast
+    };
+    let engine = Engine::load(&args.model, numerics, args.backend_choice())?;
+    if args.inspect {
+        return dump::inspect(&engine, args);
+    }
+    eprintln!("{}", engine.describe());
+    if let Some(path) = &args.perplexity_file {
+        return dump::perplexity(&engine, args, path);
+    }
+    match prompt {
+        Some(text) => {
+            if args.think_mode() == Think::Max
+                && args.think_mode().effective(args.ctx) != Think::Max
+            {
+                eprintln!(
+                    "ds4: warning: --think-max needs --ctx >= {}; ctx={} uses normal thinking instead",
+                    ds4_tokenizer::chat::THINK_MAX_MIN_CONTEXT,
+                    args.ctx
+                );
+            }
+            match &args.dump_logprobs {
+                Some(path) => dump::dump_logprobs(&engine, args, &text, path),
+                None => oneshot::run(&engine, args, &text),
+            }
+        }
+        None => repl::run(&engine, args),
+    }
+}

@@ -1,0 +1,59 @@
+//! One-shot mode: render the prompt, prefill, stream the answer, print the speeds.
+
+use std::io::IsTerminal;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use ds4_engine::{Sampler, SamplerConfig};
+
+use crate::args::Args;
+use crate::engine::Engine;
+use crate::generate::{budget, generate, prefill, seed_or_clock, timing_line};
+use crate::render::{prompt_tokens, TokenPrinter};
+
+pub fn sampler_config(args: &Args) -> SamplerConfig {
+    SamplerConfig {
+        temperature: args.temp,
+        top_k: 0,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        seed: seed_or_clock(args.seed),
+    }
+}
+
+pub fn run(engine: &Engine, args: &Args, prompt: &str) -> Result<()> {
+    let think = args.think_mode().effective(args.ctx);
+    let sp = engine.specials();
+    let tokens = prompt_tokens(&engine.tok, sp, &args.system, prompt, think);
+    if tokens.len() >= args.ctx {
+        bail!(
+            "the prompt has {} tokens, which does not fit --ctx {}",
+            tokens.len(),
+            args.ctx
+        );
+    }
+    let mut session = engine.session(args.ctx)?;
+    let t0 = Instant::now();
+    prefill(&mut session, &tokens, None)?;
+    let prefill_time = t0.elapsed();
+
+    let mut sampler = Sampler::new(sampler_config(args));
+    let stdout = std::io::stdout();
+    let color = stdout.is_terminal() && std::env::var_os("NO_COLOR").is_none();
+    let mut printer = TokenPrinter::new(stdout.lock(), think.enabled(), color);
+    let max = budget(args.tokens, args.ctx, session.n_tokens());
+    let g = generate(
+        &mut session,
+        &mut sampler,
+        &engine.tok,
+        sp.eos,
+        max,
+        &mut printer,
+        None,
+    )?;
+    eprintln!(
+        "{}",
+        timing_line(tokens.len(), prefill_time, g.tokens.len(), g.elapsed)
+    );
+    Ok(())
+}
