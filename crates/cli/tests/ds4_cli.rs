@@ -1,0 +1,389 @@
+//! End-to-end tests of the `ds4` CLI and `ds4-tool logits` on the tiny fixture model
+//! (random weights: the text is gibberish, but greedy decoding is deterministic).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::Duration;
+
+const DS4: &str = env!("CARGO_BIN_EXE_ds4");
+const DS4_TOOL: &str = env!("CARGO_BIN_EXE_ds4-tool");
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny")
+}
+
+fn model() -> PathBuf {
+    fixtures().join("tiny-q2.gguf")
+}
+
+fn tmp_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ds4-cli-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// `ds4 -m tiny-q2.gguf -t 1 ARGS…` with stdin closed.
+fn ds4(args: &[&str]) -> Output {
+    Command::new(DS4)
+        .arg("-m")
+        .arg(model())
+        .args(["-t", "1"])
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run ds4")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+#[test]
+fn oneshot_greedy_is_deterministic() {
+    let args = ["-p", "Hello, who are you?", "-n", "24", "--temp", "0"];
+    let a = ds4(&args);
+    assert!(a.status.success(), "{}", text(&a.stderr));
+    let b = ds4(&args);
+    assert!(!a.stdout.is_empty());
+    assert_eq!(a.stdout, b.stdout);
+    let err = text(&a.stderr);
+    assert!(err.contains("ds4: prefill: "), "{err}");
+    assert!(err.contains(" t/s, generation: "), "{err}");
+    // Think tags are stripped in thinking mode.
+    let out = text(&a.stdout);
+    assert!(!out.contains("<think>") && !out.contains("</think>"));
+    // --nothink changes the prompt's last token, so the greedy answer differs.
+    let c = ds4(&[
+        "-p",
+        "Hello, who are you?",
+        "-n",
+        "24",
+        "--temp",
+        "0",
+        "--nothink",
+    ]);
+    assert!(c.status.success());
+    assert_ne!(a.stdout, c.stdout);
+}
+
+#[test]
+fn sampling_is_seeded() {
+    let args = ["-p", "Hi", "-n", "16", "--temp", "0.8", "--seed", "7"];
+    let a = ds4(&args);
+    let b = ds4(&args);
+    assert!(a.status.success(), "{}", text(&a.stderr));
+    assert_eq!(a.stdout, b.stdout);
+}
+
+#[test]
+fn dump_tokens_uses_the_reference_format() {
+    let prompt =
+        "<｜begin▁of▁sentence｜>You are a helpful assistant<｜User｜>Hi<｜Assistant｜></think>";
+    let o = ds4(&["-p", prompt, "--dump-tokens"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let out = text(&o.stdout);
+    let mut lines = out.lines();
+    let first = lines.next().unwrap();
+    assert!(first.starts_with('[') && first.ends_with(']'), "{first}");
+    let ids: Vec<u32> = first[1..first.len() - 1]
+        .split(", ")
+        .map(|s| s.parse().unwrap())
+        .collect();
+    let rest: Vec<&str> = lines.collect();
+    assert_eq!(rest.len(), ids.len());
+    for (line, id) in rest.iter().zip(&ids) {
+        assert_eq!(&line[..6], format!("{id:6}"), "{line}");
+        assert_eq!(&line[6..8], "  ");
+    }
+    assert_eq!(rest[0], format!("{:6}  <｜begin▁of▁sentence｜>", ids[0]));
+    assert!(rest.last().unwrap().ends_with("</think>"));
+    assert!(rest.iter().any(|l| l.ends_with("<｜User｜>")));
+}
+
+#[test]
+fn dump_logprobs_writes_reference_json() {
+    let dir = tmp_dir("logprobs");
+    let f = dir.join("lp.json");
+    let o = ds4(&[
+        "-p",
+        "Hello",
+        "-n",
+        "5",
+        "--logprobs-top-k",
+        "7",
+        "-c",
+        "4096",
+        "--dump-logprobs",
+        f.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&f).unwrap()).unwrap();
+    assert_eq!(v["source"], "ds4");
+    assert_eq!(v["ctx"], 4096);
+    assert_eq!(v["top_k"], 7);
+    assert!(v["prompt_tokens"].as_u64().unwrap() > 3);
+    let steps = v["steps"].as_array().unwrap();
+    assert!(!steps.is_empty() && steps.len() <= 5);
+    for (i, s) in steps.iter().enumerate() {
+        assert_eq!(s["step"], i as u64);
+        let sel = &s["selected"];
+        let top = s["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 7);
+        // Greedy: the selected token is the best alternative.
+        assert_eq!(top[0]["token"]["id"], sel["id"]);
+        let bytes: Vec<u8> = sel["bytes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b.as_u64().unwrap() as u8)
+            .collect();
+        if let Ok(t) = std::str::from_utf8(&bytes) {
+            assert_eq!(sel["text"], t);
+        }
+        let lps: Vec<f64> = top.iter().map(|t| t["logprob"].as_f64().unwrap()).collect();
+        assert!(lps.windows(2).all(|w| w[0] >= w[1]), "{lps:?}");
+        assert!(lps[0] <= 0.0 && lps.iter().map(|l| l.exp()).sum::<f64>() <= 1.0 + 1e-9);
+        let l0 = top[0]["logit"].as_f64().unwrap();
+        let l1 = top[1]["logit"].as_f64().unwrap();
+        assert!(((l0 - l1) - (lps[0] - lps[1])).abs() < 1e-4);
+    }
+    // The system prompt is part of the rendering: disabling it shortens the prompt.
+    let o = ds4(&[
+        "-p",
+        "Hello",
+        "-n",
+        "1",
+        "-sys",
+        "",
+        "--dump-logprobs",
+        f.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let w: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&f).unwrap()).unwrap();
+    assert!(w["prompt_tokens"].as_u64() < v["prompt_tokens"].as_u64());
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn perplexity_file_prints_the_reference_line() {
+    let dir = tmp_dir("ppl");
+    let f = dir.join("text.txt");
+    std::fs::write(
+        &f,
+        "The quick brown fox jumps over the lazy dog. ".repeat(20),
+    )
+    .unwrap();
+    let o = ds4(&["--perplexity-file", f.to_str().unwrap(), "-n", "40"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let out = text(&o.stdout);
+    let line = out.lines().next().unwrap();
+    let fields: Vec<(&str, &str)> = line
+        .split(' ')
+        .map(|kv| kv.split_once('=').unwrap())
+        .collect();
+    let keys: Vec<&str> = fields.iter().map(|f| f.0).collect();
+    assert_eq!(
+        keys,
+        ["tokens", "scored", "nll", "avg_nll", "ppl"],
+        "{line}"
+    );
+    let num = |i: usize| fields[i].1.parse::<f64>().unwrap();
+    assert!(num(0) > 72.0);
+    assert_eq!(num(1), 40.0);
+    assert!((num(2) / 40.0 - num(3)).abs() < 1e-6);
+    assert!((num(3).exp() - num(4)).abs() < 1e-6 * num(4));
+    // Nine decimals, as the reference prints them.
+    assert_eq!(fields[2].1.split('.').nth(1).unwrap().len(), 9);
+    // Too short a text is an error.
+    std::fs::write(&f, "short").unwrap();
+    let o = ds4(&["--perplexity-file", f.to_str().unwrap()]);
+    assert!(!o.status.success());
+    assert!(text(&o.stderr).contains("more than 32 tokens"));
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn bad_flags_exit_with_status_2() {
+    let cases: &[&[&str]] = &[
+        &["--bogus"],
+        &["-p", "x", "--temp", "200"],
+        &["-p", "x", "--temp", "-1"],
+        &["-p", "x", "--top-p", "1.5"],
+        &["-p", "x", "--min-p", "abc"],
+        &["-p", "x", "-n", "0"],
+        &["-p", "x", "-c", "lots"],
+        &["-p", "x", "--seed", "0"],
+        &["-p", "x", "--backend", "metal"],
+        &["-p", "x", "--prompt-file", "y"],
+        &["--dump-tokens"],
+        &["--server"],
+    ];
+    for args in cases {
+        let o = ds4(args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", text(&o.stderr));
+        assert!(!o.stderr.is_empty(), "{args:?}");
+    }
+    let o = Command::new(DS4)
+        .args(["-p", "x", "-t", "0"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    let o = Command::new(DS4).arg("--help").output().unwrap();
+    assert!(o.status.success());
+    let help = text(&o.stdout);
+    for flag in [
+        "--model",
+        "--ctx",
+        "--think-max",
+        "--dump-logprobs",
+        "--perplexity-file",
+        "--quality",
+    ] {
+        assert!(help.contains(flag), "{flag} missing from --help");
+    }
+}
+
+#[test]
+fn missing_model_says_how_to_download() {
+    let o = Command::new(DS4)
+        .args(["-m", "/nonexistent/ds4flash.gguf", "-p", "hi"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    let err = text(&o.stderr);
+    assert!(
+        err.contains("/nonexistent/ds4flash.gguf not found"),
+        "{err}"
+    );
+    assert!(err.contains("ds4-tool download q2-imatrix"), "{err}");
+}
+
+#[test]
+fn inspect_prints_a_summary() {
+    let o = ds4(&["--inspect"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let out = text(&o.stdout);
+    assert!(out.contains("layers: 6"), "{out}");
+    assert!(out.contains("vocab 512"), "{out}");
+}
+
+#[test]
+fn logits_tool_matches_the_fixture() {
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("manifest.json")).unwrap())
+            .unwrap();
+    let ids = &manifest["sequences"]["a"]["tokens"];
+    let dir = tmp_dir("logits");
+    let ids_path = dir.join("a.json");
+    std::fs::write(&ids_path, ids.to_string()).unwrap();
+    let out = dir.join("a.bin");
+    let o = Command::new(DS4_TOOL)
+        .args(["logits", "-m"])
+        .arg(model())
+        .arg("--tokens")
+        .arg(&ids_path)
+        .arg("--out")
+        .arg(&out)
+        .arg("--quality")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let read = |p: &Path| -> Vec<f32> {
+        std::fs::read(p)
+            .unwrap()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    };
+    let got = read(&out);
+    let want = read(&fixtures().join("expected/q2/a.logits.f32"));
+    assert_eq!(got.len(), ids.as_array().unwrap().len() * 512);
+    assert_eq!(got.len(), want.len());
+    let max = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(max < 1e-3, "max abs diff {max}");
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// The interactive mode in a pty: turns, commands, Ctrl+C, /quit.
+mod interactive {
+    use super::*;
+    use rexpect::session::{spawn_command, PtySession};
+
+    fn spawn(home: &Path, extra: &[&str]) -> PtySession {
+        let mut cmd = Command::new(DS4);
+        cmd.arg("-m")
+            .arg(model())
+            .args(["-t", "1", "--temp", "0"])
+            .args(extra)
+            .env("HOME", home)
+            .env("TERM", "dumb")
+            .env("NO_COLOR", "1");
+        spawn_command(cmd, Some(30_000)).expect("spawn ds4 in a pty")
+    }
+
+    #[test]
+    fn turns_and_commands() {
+        let home = tmp_dir("repl-home");
+        let mut p = spawn(&home, &["-n", "8"]);
+        p.exp_string("/quit, /exit").unwrap();
+        p.exp_string("ds4> ").unwrap();
+        p.send_line("Hello there").unwrap();
+        p.exp_string("ds4: prefill: ").unwrap();
+        p.exp_string("ds4> ").unwrap();
+        p.send_line("/help").unwrap();
+        p.exp_string("/read FILE").unwrap();
+        p.exp_string("ds4> ").unwrap();
+        p.send_line("/nothink").unwrap();
+        p.exp_string("thinking: off").unwrap();
+        p.exp_string("ds4> ").unwrap();
+        p.send_line("/think-max").unwrap();
+        p.exp_string("high (ctx below 393216)").unwrap();
+        p.exp_string("ds4> ").unwrap();
+        p.send_line("/nothink").unwrap();
+        p.exp_string("ds4> ").unwrap();
+        p.send_line("/bogus").unwrap();
+        p.exp_string("unknown command").unwrap();
+        p.exp_string("ds4> ").unwrap();
+        // The second turn extends the live session: only its new tokens are prefilled.
+        p.send_line("And a second question").unwrap();
+        p.exp_string("ds4: prefill: ").unwrap();
+        p.exp_string("ds4> ").unwrap();
+        p.send_line("/quit").unwrap();
+        p.exp_eof().unwrap();
+        let history = std::fs::read_to_string(home.join(".ds4_history")).unwrap();
+        assert!(history.contains("And a second question"), "{history}");
+        std::fs::remove_dir_all(home).ok();
+    }
+
+    #[test]
+    fn ctrl_c_stops_generation_and_returns_to_the_prompt() {
+        let home = tmp_dir("repl-ctrlc");
+        let mut p = spawn(&home, &["-n", "100000"]);
+        p.exp_string("ds4> ").unwrap();
+        // Ctrl+C at the prompt is ignored.
+        p.send_control('c').unwrap();
+        p.send_line("Tell me a very long story").unwrap();
+        // Let it generate for a while (the greedy tiny model never emits EOS here).
+        std::thread::sleep(Duration::from_millis(1500));
+        p.send_control('c').unwrap();
+        // The partial answer is kept (the timing line only follows a kept turn).
+        p.exp_string("ds4: interrupted").unwrap();
+        p.exp_string("generation: ").unwrap();
+        p.exp_string("ds4> ").unwrap();
+        // The session goes on after the partial answer.
+        p.send_line("/nothink").unwrap();
+        p.exp_string("thinking: off").unwrap();
+        p.send_line("Shorter please").unwrap();
+        std::thread::sleep(Duration::from_millis(800));
+        p.send_control('c').unwrap();
+        p.exp_string("ds4: interrupted").unwrap();
+        p.exp_string("ds4> ").unwrap();
+        p.send_line("/exit").unwrap();
+        p.exp_eof().unwrap();
+        std::fs::remove_dir_all(home).ok();
+    }
+}
