@@ -145,15 +145,14 @@ pub fn check_sequence(
             logits = backend.forward(&[tok], LogitRows::Last)?;
         }
     }
+    // The fast tier's agreement *rate* (≥ 95%) is judged over all positions of a model
+    // (`pooled_agreement`): on a 12-position sequence a single flip at a near-tie
+    // (reference margin 0.0016 in q4/a) would read 91.7%. Every other criterion,
+    // including "argmax equal wherever the margin ≥ 0.75", holds per sequence.
     let passed = if exact {
         max <= 1e-3 && median <= 1e-4 && violations == 0 && greedy_ok
     } else {
-        median <= 0.15
-            && p99 <= 0.5
-            && max <= 1.0
-            && agree_frac >= 0.95
-            && violations == 0
-            && greedy_ok
+        median <= 0.15 && p99 <= 0.5 && max <= 1.0 && violations == 0 && greedy_ok
     };
     Ok(FixtureResult {
         variant: variant.into(),

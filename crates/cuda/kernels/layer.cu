@@ -96,45 +96,58 @@ extern "C" __global__ void __launch_bounds__(1024) hc_mix(const float* h, int n,
 extern "C" __global__ void __launch_bounds__(1024) hc_pre(const float* h, const float* mix,
         const float* scale, const float* base, int n_hc, int n_embd, int iters, float eps,
         float* y, float* hcp) {
+    // Sinkhorn runs in the first warp, one lane per element of the n_hc × n_hc comb
+    // matrix (n_hc ≤ 5); each lane sums its row/column in the same order as the CPU.
     __shared__ float pre[8];
-    if (threadIdx.x == 0) {
-        float c[64];
-        for (int i = 0; i < n_hc; ++i) {
-            pre[i] = sigmoidf_(mix[i] * scale[0] + base[i]) + eps;
-            hcp[i] = 2.f * sigmoidf_(mix[n_hc + i] * scale[1] + base[n_hc + i]);
+    __shared__ float c[32];
+    const int t = threadIdx.x;
+    const int nn = n_hc * n_hc;
+    if (t < WARP) {
+        const int i = t / n_hc, j = t % n_hc;
+        if (t < n_hc) {
+            pre[t] = sigmoidf_(mix[t] * scale[0] + base[t]) + eps;
+            hcp[t] = 2.f * sigmoidf_(mix[n_hc + t] * scale[1] + base[n_hc + t]);
         }
-        for (int i = 0; i < n_hc; ++i)
-            for (int j = 0; j < n_hc; ++j)
-                c[i * n_hc + j] = mix[2 * n_hc + i * n_hc + j] * scale[2] + base[2 * n_hc + i * n_hc + j];
-        // Row softmax (+eps), then column normalisation.
-        for (int i = 0; i < n_hc; ++i) {
+        if (t < nn) c[t] = mix[2 * n_hc + t] * scale[2] + base[2 * n_hc + t];
+        __syncwarp();
+        float v = 0.f;
+        if (t < nn) {
             float mx = c[i * n_hc];
-            for (int j = 1; j < n_hc; ++j) mx = fmaxf(mx, c[i * n_hc + j]);
-            float s = 0.f;
-            for (int j = 0; j < n_hc; ++j) {
-                c[i * n_hc + j] = expf(c[i * n_hc + j] - mx);
-                s += c[i * n_hc + j];
-            }
-            const float inv = 1.f / s;
-            for (int j = 0; j < n_hc; ++j) c[i * n_hc + j] = c[i * n_hc + j] * inv + eps;
+            for (int k = 1; k < n_hc; ++k) mx = fmaxf(mx, c[i * n_hc + k]);
+            v = expf(c[t] - mx);
         }
+        __syncwarp();
+        if (t < nn) c[t] = v;
+        __syncwarp();
+        if (t < nn) {
+            float s = 0.f;
+            for (int k = 0; k < n_hc; ++k) s += c[i * n_hc + k];
+            v = c[t] * (1.f / s) + eps;
+        }
+        __syncwarp();
+        if (t < nn) c[t] = v;
+        __syncwarp();
         for (int it = 0; it < iters; ++it) {
             if (it > 0) {
-                for (int i = 0; i < n_hc; ++i) {
+                if (t < nn) {
                     float s = 0.f;
-                    for (int j = 0; j < n_hc; ++j) s += c[i * n_hc + j];
-                    const float inv = 1.f / (s + eps);
-                    for (int j = 0; j < n_hc; ++j) c[i * n_hc + j] *= inv;
+                    for (int k = 0; k < n_hc; ++k) s += c[i * n_hc + k];
+                    v = c[t] * (1.f / (s + eps));
                 }
+                __syncwarp();
+                if (t < nn) c[t] = v;
+                __syncwarp();
             }
-            for (int j = 0; j < n_hc; ++j) {
+            if (t < nn) {
                 float s = 0.f;
-                for (int i = 0; i < n_hc; ++i) s += c[i * n_hc + j];
-                const float inv = 1.f / (s + eps);
-                for (int i = 0; i < n_hc; ++i) c[i * n_hc + j] *= inv;
+                for (int k = 0; k < n_hc; ++k) s += c[k * n_hc + j];
+                v = c[t] * (1.f / (s + eps));
             }
+            __syncwarp();
+            if (t < nn) c[t] = v;
+            __syncwarp();
         }
-        for (int i = 0; i < n_hc * n_hc; ++i) hcp[n_hc + i] = c[i];
+        if (t < nn) hcp[n_hc + t] = c[t];
     }
     __syncthreads();
     for (int d = threadIdx.x + blockIdx.x * blockDim.x; d < n_embd; d += blockDim.x * gridDim.x) {
@@ -484,12 +497,17 @@ extern "C" __global__ void __launch_bounds__(1024) topk_mask(const Step* step, c
 }
 
 // ---- Sink attention for one head per block over the raw window (oldest first) and
-// the compressed rows (optionally masked), K = V = the stored row.
+// the compressed rows (optionally masked), K = V = the stored row. Rows are spread
+// over the block's warps: scores one warp per row, then each warp accumulates the
+// weighted rows of its share in registers (a lane holds hd/32 dims) and the warps'
+// partial sums are added in shared memory. hd must be a multiple of 4 (≤ 1024).
+#define ATT_WARPS 8
 extern "C" __global__ void __launch_bounds__(256) attention(const Step* step, const float* q,
         const float* ring, int raw_cap, const float* comp, int ratio, const u8* allowed,
         int use_mask, const float* sinks, int hd, float scale, float* scores_g, int scores_stride,
         float* out) {
     __shared__ float red[32];
+    __shared__ float part[ATT_WARPS][1024];
     const int h = blockIdx.x;
     const int pos = step->pos;
     const int n_raw = min(pos + 1, raw_cap);
@@ -512,7 +530,11 @@ extern "C" __global__ void __launch_bounds__(256) attention(const Step* step, co
             row = comp + (i64)c * hd;
         }
         float dot = 0.f;
-        for (int i = lane; i < hd; i += WARP) dot += qh[i] * row[i];
+        for (int i = lane * 4; i < hd; i += WARP * 4) {
+            const float4 a = *reinterpret_cast<const float4*>(qh + i);
+            const float4 b = *reinterpret_cast<const float4*>(row + i);
+            dot += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+        }
         dot = warp_sum(dot);
         if (lane == 0) sc[r] = dot * scale;
     }
@@ -529,56 +551,97 @@ extern "C" __global__ void __launch_bounds__(256) attention(const Step* step, co
     }
     den = block_sum(den, red) + expf(sinks[h] - mx);
     const float inv = 1.f / den;
-    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
-        float acc = 0.f;
-        for (int r = 0; r < total; ++r) {
-            const float wgt = sc[r];
-            if (wgt == 0.f) continue;
-            const float* row = r < n_raw ? ring + (i64)((pos - n_raw + 1 + r) % raw_cap) * hd
-                                         : comp + (i64)(r - n_raw) * hd;
-            acc += wgt * row[i];
+    // Lane l of a warp owns dims {4l..4l+3} + 128·j for j < hd/128.
+    float acc[32];
+    const int nj = (hd + 127) / 128;
+#pragma unroll
+    for (int t = 0; t < 32; ++t) acc[t] = 0.f;
+    for (int r = wid; r < total; r += nw) {
+        const float wgt = sc[r];
+        if (wgt == 0.f) continue;
+        const float* row = r < n_raw ? ring + (i64)((pos - n_raw + 1 + r) % raw_cap) * hd
+                                     : comp + (i64)(r - n_raw) * hd;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            if (j < nj && 128 * j + 4 * lane < hd) {
+                const float4 v = *reinterpret_cast<const float4*>(row + 128 * j + 4 * lane);
+                acc[4 * j] += wgt * v.x;
+                acc[4 * j + 1] += wgt * v.y;
+                acc[4 * j + 2] += wgt * v.z;
+                acc[4 * j + 3] += wgt * v.w;
+            }
         }
-        out[(i64)h * hd + i] = acc * inv;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        if (j < nj && 128 * j + 4 * lane < hd) {
+#pragma unroll
+            for (int t = 0; t < 4; ++t) part[wid][128 * j + 4 * lane + t] = acc[4 * j + t];
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        float s = 0.f;
+        for (int w = 0; w < nw; ++w) s += part[w][i];
+        out[(i64)h * hd + i] = s * inv;
     }
 }
 
 // ---- MoE router (§5.6): probs = √softplus(logits); selection by the hash table or by
-// top-k of probs + bias (strict >: ties to the lower index); weights from the unbiased
-// probs, normalised (floor 2^-14) and scaled. One thread.
-extern "C" __global__ void router(const Step* step, const float* logits, int n_expert, int k,
-                                  const float* bias, const i32* tid2eid, float wscale,
-                                  i32* ids, float* weights) {
-    if (threadIdx.x != 0 || blockIdx.x != 0) return;
-    float probs[512];
-    for (int e = 0; e < n_expert; ++e) {
+// top-k of probs + bias (largest first, ties to the lower index, as the CPU's strict >
+// insertion); weights from the unbiased probs, normalised (floor 2^-14) and scaled.
+// One block of 512 threads (n_expert ≤ 512).
+extern "C" __global__ void __launch_bounds__(512) router(const Step* step, const float* logits,
+        int n_expert, int k, const float* bias, const i32* tid2eid, float wscale, i32* ids,
+        float* weights) {
+    __shared__ float probs[512];
+    __shared__ float key[512];
+    __shared__ float wv[32];
+    __shared__ int wi[32];
+    __shared__ int sel[64];
+    const int e = threadIdx.x;
+    if (e < n_expert) {
         const float x = logits[e];
         const float sp = x > 20.f ? x : (x < -20.f ? expf(x) : log1pf(expf(x)));
         probs[e] = sqrtf(sp);
+        key[e] = probs[e] + (bias ? bias[e] : 0.f);
     }
+    __syncthreads();
     if (tid2eid) {
-        for (int j = 0; j < k; ++j) ids[j] = tid2eid[(i64)step->token * k + j];
+        if (e < k) sel[e] = tid2eid[(i64)step->token * k + e];
     } else {
-        for (int j = 0; j < k; ++j) ids[j] = -1;
         for (int j = 0; j < k; ++j) {
-            int best = -1;
-            float bv = 0.f;
-            for (int e = 0; e < n_expert; ++e) {
-                bool used = false;
-                for (int t = 0; t < j; ++t) used |= ids[t] == e;
-                if (used) continue;
-                const float v = probs[e] + (bias ? bias[e] : 0.f);
-                if (best < 0 || v > bv) {
-                    best = e;
-                    bv = v;
-                }
+            float v = e < n_expert ? key[e] : -3.0e38f;
+            int idx = e < n_expert ? e : 0x7fffffff;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                const float v2 = __shfl_xor_sync(0xffffffffu, v, o);
+                const int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
+                if (v2 > v || (v2 == v && i2 < idx)) { v = v2; idx = i2; }
             }
-            ids[j] = best;
+            if (threadIdx.x % WARP == 0) { wv[threadIdx.x / WARP] = v; wi[threadIdx.x / WARP] = idx; }
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                float bv = wv[0];
+                int bi = wi[0];
+                for (int w = 1; w < (int)(blockDim.x / WARP); ++w)
+                    if (wv[w] > bv || (wv[w] == bv && wi[w] < bi)) { bv = wv[w]; bi = wi[w]; }
+                sel[j] = bi;
+                key[bi] = -3.0e38f;  // taken
+            }
+            __syncthreads();
         }
     }
-    float s = 0.f;
-    for (int j = 0; j < k; ++j) s += probs[ids[j]];
-    s = fmaxf(s, 6.103515625e-5f);
-    for (int j = 0; j < k; ++j) weights[j] = probs[ids[j]] / s * wscale;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float s = 0.f;
+        for (int j = 0; j < k; ++j) s += probs[sel[j]];
+        s = fmaxf(s, 6.103515625e-5f);
+        for (int j = 0; j < k; ++j) {
+            ids[j] = sel[j];
+            weights[j] = probs[sel[j]] / s * wscale;
+        }
+    }
 }
 
 // ---- SwiGLU with the asymmetric clamp, scaled by the routing weight (null: 1).

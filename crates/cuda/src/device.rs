@@ -48,6 +48,18 @@ pub struct Gpu {
     funcs: Mutex<HashMap<&'static str, CudaFunction>>,
     pub(crate) iq2_grid: CudaSlice<u64>,
     info: GpuInfo,
+    /// `DS4_CUDA_PROFILE=1`: per-kernel device time (events around every launch).
+    profile: Option<Mutex<Profile>>,
+}
+
+#[derive(Default)]
+struct Profile {
+    pending: Vec<(
+        &'static str,
+        cudarc::driver::CudaEvent,
+        cudarc::driver::CudaEvent,
+    )>,
+    totals: HashMap<&'static str, (u64, f64)>,
 }
 
 /// A typed device buffer.
@@ -90,6 +102,9 @@ impl Gpu {
             iq2_grid,
             funcs: Mutex::new(HashMap::new()),
             info,
+            profile: std::env::var("DS4_CUDA_PROFILE")
+                .is_ok_and(|v| v == "1")
+                .then(Default::default),
         })
     }
 
@@ -104,6 +119,55 @@ impl Gpu {
     /// (free, total) device memory in bytes.
     pub fn mem_info(&self) -> Result<(usize, usize), CudaError> {
         Ok(self.ctx.mem_get_info()?)
+    }
+
+    /// Whether per-kernel profiling is on (graphs must then stay off).
+    pub fn profiling(&self) -> bool {
+        self.profile.is_some()
+    }
+
+    /// Runs `launch` between two timing events when profiling.
+    pub(crate) fn timed(
+        &self,
+        name: &'static str,
+        launch: impl FnOnce() -> Result<(), CudaError>,
+    ) -> Result<(), CudaError> {
+        let Some(p) = &self.profile else {
+            return launch();
+        };
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let (a, b) = (self.ctx.new_event(timing)?, self.ctx.new_event(timing)?);
+        a.record(&self.stream)?;
+        launch()?;
+        b.record(&self.stream)?;
+        let mut p = p.lock().expect("profile lock");
+        p.pending.push((name, a, b));
+        if p.pending.len() >= 4096 {
+            Self::fold(&mut p)?;
+        }
+        Ok(())
+    }
+
+    fn fold(p: &mut Profile) -> Result<(), CudaError> {
+        for (name, a, b) in p.pending.drain(..) {
+            b.synchronize()?;
+            let e = p.totals.entry(name).or_default();
+            e.0 += 1;
+            e.1 += a.elapsed_ms(&b)? as f64;
+        }
+        Ok(())
+    }
+
+    /// (kernel, launches, total ms), largest first; empty unless profiling.
+    pub fn profile_report(&self) -> Result<Vec<(&'static str, u64, f64)>, CudaError> {
+        let Some(p) = &self.profile else {
+            return Ok(Vec::new());
+        };
+        let mut p = p.lock().expect("profile lock");
+        Self::fold(&mut p)?;
+        let mut v: Vec<_> = p.totals.iter().map(|(k, (n, ms))| (*k, *n, *ms)).collect();
+        v.sort_by(|a, b| b.2.total_cmp(&a.2));
+        Ok(v)
     }
 
     pub(crate) fn func(&self, name: &'static str) -> Result<CudaFunction, CudaError> {
@@ -251,6 +315,38 @@ impl Gpu {
         end.record(&self.stream)?;
         end.synchronize()?;
         Ok(start.elapsed_ms(&end)? as f64 / reps.max(1) as f64)
+    }
+}
+
+/// A captured sequence of launches (one decoded token), replayed with one call.
+pub struct TokenGraph(cudarc::driver::CudaGraph);
+
+// SAFETY: the graph is owned by one session at a time (not Sync); launching binds the
+// CUDA context on the calling thread first, so moving it between threads is sound.
+unsafe impl Send for TokenGraph {}
+
+impl TokenGraph {
+    pub fn launch(&self) -> Result<(), CudaError> {
+        Ok(self.0.launch()?)
+    }
+}
+
+impl Gpu {
+    /// Starts recording this GPU's stream into a graph instead of running it.
+    pub fn begin_capture(&self) -> Result<(), CudaError> {
+        use cudarc::driver::sys::CUstreamCaptureMode_enum as M;
+        Ok(self
+            .stream
+            .begin_capture(M::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?)
+    }
+
+    /// Ends the recording and instantiates the graph.
+    pub fn end_capture(&self) -> Result<TokenGraph, CudaError> {
+        let flags = cudarc::driver::sys::CUgraphInstantiate_flags_enum(0);
+        match self.stream.end_capture(flags)? {
+            Some(g) => Ok(TokenGraph(g)),
+            None => Err(CudaError::Invalid("graph capture recorded nothing".into())),
+        }
     }
 }
 

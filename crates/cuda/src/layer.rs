@@ -42,13 +42,15 @@ fn cfg(grid: u32, block: u32) -> LaunchConfig {
 macro_rules! launch {
     ($gpu:expr, $name:expr, $cfg:expr, $($arg:expr),* $(,)?) => {{
         let f = $gpu.func($name)?;
-        let mut b = $gpu.stream.launch_builder(&f);
-        $( b.arg(&$arg); )*
-        // SAFETY: each launcher passes exactly the parameters of the kernel of the
-        // same name in layer.cu, in order and with the same types; buffer sizes are
-        // the caller's contract (documented per launcher).
-        unsafe { b.launch($cfg) }?;
-        Ok::<(), CudaError>(())
+        $gpu.timed($name, || {
+            let mut b = $gpu.stream.launch_builder(&f);
+            $( b.arg(&$arg); )*
+            // SAFETY: each launcher passes exactly the parameters of the kernel of the
+            // same name in layer.cu, in order and with the same types; buffer sizes are
+            // the caller's contract (documented per launcher).
+            unsafe { b.launch($cfg) }?;
+            Ok::<(), CudaError>(())
+        })
     }};
 }
 
@@ -116,6 +118,11 @@ impl Gpu {
         y: u64,
         hcp: u64,
     ) -> Result<(), CudaError> {
+        if n_hc > 5 {
+            return Err(CudaError::Invalid(format!(
+                "{n_hc} hyper-connection streams > 5"
+            )));
+        }
         let (nh, ne, it) = (n_hc as i32, n_embd as i32, iters as i32);
         launch!(
             self,
@@ -385,6 +392,11 @@ impl Gpu {
         scores_stride: usize,
         out: u64,
     ) -> Result<(), CudaError> {
+        if !hd.is_multiple_of(4) || hd > 1024 {
+            return Err(CudaError::Invalid(format!(
+                "attention head dim {hd}: must be a multiple of 4, at most 1024"
+            )));
+        }
         let (rc, r, um, hd_, ss) = (
             raw_cap as i32,
             ratio as i32,
@@ -426,14 +438,16 @@ impl Gpu {
         ids: u64,
         weights: u64,
     ) -> Result<(), CudaError> {
-        if n_expert > 512 {
-            return Err(CudaError::Invalid(format!("{n_expert} experts > 512")));
+        if n_expert > 512 || k > 64 {
+            return Err(CudaError::Invalid(format!(
+                "{n_expert} experts / {k} used: at most 512 / 64"
+            )));
         }
         let (ne, kk) = (n_expert as i32, k as i32);
         launch!(
             self,
             "router",
-            cfg(1, 32),
+            cfg(1, 512),
             step,
             logits,
             ne,

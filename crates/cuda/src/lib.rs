@@ -14,7 +14,7 @@ mod layer;
 mod ops;
 mod weights;
 
-pub use device::{driver_present, DeviceBuf, Gpu, GpuInfo, KernelSource};
+pub use device::{driver_present, DeviceBuf, Gpu, GpuInfo, KernelSource, TokenGraph};
 pub use error::CudaError;
 pub use layer::{RopeP, WT_BF16, WT_F16, WT_F32, WT_Q8_0};
 pub use ops::{MatSel, QuantAct};

@@ -44,7 +44,7 @@ impl Gpu {
         };
         let elems = (m.rows * m.cols) as i64;
         let p: Vec<u64> = m.parts.iter().map(|b| self.ptr(b)).collect();
-        let f = self.func(match m.ty {
+        let kname = match m.ty {
             GgmlType::Q8_0 => "matvec_q8_0",
             GgmlType::F16 => "matvec_f16",
             GgmlType::F32 => "matvec_f32",
@@ -52,7 +52,8 @@ impl Gpu {
             GgmlType::Q2_K => "matvec_q2_k",
             GgmlType::Q4_K => "matvec_q4_k",
             other => return Err(CudaError::Invalid(format!("no matvec kernel for {other}"))),
-        })?;
+        };
+        let f = self.func(kname)?;
         let mut b = self.stream.launch_builder(&f);
         let (mat_a, mat_b) = match m.ty {
             GgmlType::Q8_0 => (elems, elems / 32),
@@ -79,7 +80,10 @@ impl Gpu {
         // SAFETY: argument order and types match the kernel signatures in matvec.cu;
         // the caller passes buffers of at least n_sel × cols inputs and n_sel × rows
         // outputs (checked by the safe wrappers that use this).
-        unsafe { b.launch(cfg) }?;
+        self.timed(kname, || {
+            unsafe { b.launch(cfg) }?;
+            Ok(())
+        })?;
         Ok(())
     }
 
@@ -176,7 +180,10 @@ impl Gpu {
         let mut b = self.stream.launch_builder(&f);
         b.arg(&x).arg(&q).arg(&d);
         // SAFETY: x holds rows × cols floats (caller), q/d are sized by alloc_quant_act.
-        unsafe { b.launch(cfg) }?;
+        self.timed("quantize_q8_k32", || {
+            unsafe { b.launch(cfg) }?;
+            Ok(())
+        })?;
         Ok(())
     }
 
@@ -194,7 +201,10 @@ impl Gpu {
         let mut b = self.stream.launch_builder(&f);
         b.arg(&x).arg(&q).arg(&d).arg(&blocks);
         // SAFETY: x holds rows × cols floats (caller), q/d are sized by alloc_quant_act.
-        unsafe { b.launch(cfg) }?;
+        self.timed("quantize_q8_32", || {
+            unsafe { b.launch(cfg) }?;
+            Ok(())
+        })?;
         Ok(())
     }
 
@@ -211,7 +221,10 @@ impl Gpu {
         // Each selection reads m.cols values at k·x_stride (one shared row when 0).
         let stride = sel.x_stride.max(0) as usize;
         let need = stride * n_sel.saturating_sub(1) + m.cols;
-        if need > xq.rows * xq.cols || !stride.is_multiple_of(32) || (stride == 0 && xq.cols < m.cols) {
+        if need > xq.rows * xq.cols
+            || !stride.is_multiple_of(32)
+            || (stride == 0 && xq.cols < m.cols)
+        {
             return Err(CudaError::Invalid(format!(
                 "activations of {}×{} do not cover {n_sel} inputs of {} at stride {stride}",
                 xq.rows, xq.cols, m.cols
@@ -266,7 +279,10 @@ impl Gpu {
             .arg(&sel);
         // SAFETY: argument order matches matvec_q8act.cu; xq holds n_sel rows (or one
         // shared row) of m.cols values; y holds n_sel × m.rows floats (caller).
-        unsafe { b.launch(cfg) }?;
+        self.timed(name, || {
+            unsafe { b.launch(cfg) }?;
+            Ok(())
+        })?;
         Ok(())
     }
 }

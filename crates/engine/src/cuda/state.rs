@@ -1,7 +1,7 @@
 //! Per-session device state (KV rows, compressor frontiers, scratch) and the decode
 //! of one token.
 
-use ds4_cuda::{CudaError, DeviceBuf, Gpu, MatSel, QuantAct};
+use ds4_cuda::{CudaError, DeviceBuf, Gpu, MatSel, QuantAct, TokenGraph};
 use ds4_gguf::GgmlType;
 
 use super::weights::{CudaWeights, LayerDev};
@@ -84,6 +84,11 @@ pub(super) struct DeviceState {
     layers: Vec<LayerState>,
     s: Scratch,
     q: QuantBufs,
+    /// One captured token (without / with the output head), replayed per token; all
+    /// position-dependent counts are read from the device step buffer.
+    graphs: [Option<TokenGraph>; 2],
+    graph_numerics: Option<Numerics>,
+    use_graphs: bool,
 }
 
 fn comp_cap(ctx: usize, ratio: usize) -> usize {
@@ -196,6 +201,10 @@ impl DeviceState {
             layers,
             s,
             q,
+            graphs: [None, None],
+            graph_numerics: None,
+            use_graphs: !g.profiling()
+                && std::env::var("DS4_CUDA_GRAPHS").map_or(true, |v| v != "0"),
         })
     }
 
@@ -208,9 +217,36 @@ impl DeviceState {
         head: bool,
     ) -> Result<()> {
         let g = &*w.gpu;
-        let c = &w.config;
         let pos = self.n_tokens as i32;
         g.write(&mut self.s.step, &[pos, token as i32])?;
+        if self.use_graphs {
+            if self.graph_numerics != Some(numerics) {
+                self.graphs = [None, None];
+                self.graph_numerics = Some(numerics);
+            }
+            let key = usize::from(head);
+            if self.graphs[key].is_none() {
+                g.begin_capture()?;
+                let enqueued = self.enqueue_token(w, numerics, head);
+                let graph = g.end_capture();
+                enqueued?;
+                self.graphs[key] = Some(graph?);
+            }
+            self.graphs[key]
+                .as_ref()
+                .expect("captured above")
+                .launch()?;
+        } else {
+            self.enqueue_token(w, numerics, head)?;
+        }
+        self.n_tokens += 1;
+        Ok(())
+    }
+
+    /// Enqueues every launch of one token (the step buffer already holds pos/token).
+    fn enqueue_token(&mut self, w: &CudaWeights, numerics: Numerics, head: bool) -> Result<()> {
+        let g = &*w.gpu;
+        let c = &w.config;
         let p = |b: &DeviceBuf<f32>| g.ptr(b);
         let step = g.ptr(&self.s.step);
         g.embed(
@@ -263,7 +299,6 @@ impl DeviceState {
                 fast,
             )?;
         }
-        self.n_tokens += 1;
         Ok(())
     }
 
@@ -434,31 +469,29 @@ impl DeviceState {
                     fast,
                     p(index),
                 )?;
-                // Only past top_k rows does the indexer choose; below it the mask is
-                // all ones (the kernels check the live count themselves).
-                let n_rows = (self.n_tokens + 1) / cw.ratio;
-                if n_rows > c.idx_topk {
-                    g.matvec(&ix.q_b, p(&s.qr), p(&s.qi), 1, plain)?;
-                    g.indexer_q(step, p(&s.qi), c.idx_heads, c.idx_head_dim, rope)?;
-                    g.matvec(&ix.proj, p(&s.n), p(&s.wt), 1, plain)?;
-                    let wscale = ((c.idx_head_dim as f64).powf(-0.5)
-                        * (c.idx_heads as f64).powf(-0.5)) as f32;
-                    g.indexer_scores(
-                        step,
-                        p(index),
-                        p(&s.qi),
-                        p(&s.wt),
-                        c.idx_heads,
-                        c.idx_head_dim,
-                        wscale,
-                        cw.ratio,
-                        c.idx_topk,
-                        p(&s.iscores),
-                        n_rows,
-                    )?;
-                    g.topk_mask(step, p(&s.iscores), cw.ratio, c.idx_topk, g.ptr(&s.allowed))?;
-                    use_mask = true;
-                }
+                // The indexer runs every token so one captured graph serves every
+                // position: below top_k rows the kernels themselves allow every row.
+                let max_rows = comp_cap(self.ctx, cw.ratio);
+                g.matvec(&ix.q_b, p(&s.qr), p(&s.qi), 1, plain)?;
+                g.indexer_q(step, p(&s.qi), c.idx_heads, c.idx_head_dim, rope)?;
+                g.matvec(&ix.proj, p(&s.n), p(&s.wt), 1, plain)?;
+                let wscale =
+                    ((c.idx_head_dim as f64).powf(-0.5) * (c.idx_heads as f64).powf(-0.5)) as f32;
+                g.indexer_scores(
+                    step,
+                    p(index),
+                    p(&s.qi),
+                    p(&s.wt),
+                    c.idx_heads,
+                    c.idx_head_dim,
+                    wscale,
+                    cw.ratio,
+                    c.idx_topk,
+                    p(&s.iscores),
+                    max_rows,
+                )?;
+                g.topk_mask(step, p(&s.iscores), cw.ratio, c.idx_topk, g.ptr(&s.allowed))?;
+                use_mask = true;
             }
         }
         let scale = (hd as f64).powf(-0.5) as f32;

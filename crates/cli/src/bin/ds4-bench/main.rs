@@ -215,6 +215,7 @@ fn main() -> Result<()> {
     } else {
         BackendKind::Cpu
     });
+    let mut gpu_for_profile = None;
     let mut session = match backend {
         BackendKind::Cpu => Session::with_options(
             &model,
@@ -232,6 +233,7 @@ fn main() -> Result<()> {
             })
             .context("CUDA backend unavailable (use --backend cpu)")?;
             b.finish_and_clear();
+            gpu_for_profile = Some(weights.gpu.clone());
             let be = CudaBackend::new(&weights, alloc, numerics)?;
             Session::with_backend(&model, Box::new(be), numerics, 2048)
         }
@@ -292,6 +294,25 @@ fn main() -> Result<()> {
         } else {
             (frontier + a.step_incr).min(a.ctx_max)
         };
+    }
+    if let Some(gpu) = gpu_for_profile.filter(|g| g.profiling()) {
+        let rows = gpu.profile_report()?;
+        let total: f64 = rows.iter().map(|r| r.2).sum();
+        eprintln!(
+            "\nDS4_CUDA_PROFILE: device time per kernel over {} tokens",
+            session.n_tokens()
+        );
+        eprintln!(
+            "{:<24} {:>10} {:>12} {:>10} {:>7}",
+            "kernel", "launches", "total ms", "us/launch", "share"
+        );
+        for (name, n, ms) in rows {
+            eprintln!(
+                "{name:<24} {n:>10} {ms:>12.2} {:>10.2} {:>6.1}%",
+                1e3 * ms / n as f64,
+                100.0 * ms / total
+            );
+        }
     }
     if let Some(p) = &a.plot {
         let title = format!(
