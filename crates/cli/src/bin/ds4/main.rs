@@ -19,6 +19,14 @@ use engine::Engine;
 fn main() {
     let args = Args::parse_env();
     if let Err(e) = run(&args) {
+        // A closed stdout (`ds4 … | head`) ends the run quietly, like SIGPIPE would.
+        let broken_pipe = e.chain().any(|c| {
+            c.downcast_ref::<std::io::Error>()
+                .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+        });
+        if broken_pipe {
+            std::process::exit(141);
+        }
         eprintln!("ds4: {e:#}");
         std::process::exit(1);
     }

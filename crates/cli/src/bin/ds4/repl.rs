@@ -98,7 +98,7 @@ impl Chat<'_> {
         let prefilled = match self.sync(&target) {
             Ok(Some(n)) => n,
             Ok(None) => {
-                eprintln!("\nds4: interrupted; the turn was dropped");
+                eprintln!("\nds4: interrupted before the answer; the turn was dropped");
                 return Ok(());
             }
             Err(e) => {
@@ -124,7 +124,7 @@ impl Chat<'_> {
         )?;
         INTERRUPTED.store(false, Ordering::SeqCst);
         if g.interrupted && g.tokens.is_empty() {
-            eprintln!("ds4: interrupted; the turn was dropped");
+            eprintln!("ds4: interrupted before the answer; the turn was dropped");
             return Ok(());
         }
         // Keep the answer (partial if interrupted) and close it with EOS; the next
@@ -133,7 +133,7 @@ impl Chat<'_> {
         self.body.extend_from_slice(&g.tokens);
         self.body.push(sp.eos);
         if g.interrupted {
-            eprintln!("ds4: interrupted");
+            eprintln!("ds4: interrupted after {} tokens", g.tokens.len());
         }
         eprintln!(
             "{}",
