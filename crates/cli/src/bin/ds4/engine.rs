@@ -29,24 +29,7 @@ pub fn check_model_exists(path: &Path) -> Result<()> {
 
 /// The tokenizer of a DS4 GGUF, from its `tokenizer.ggml.*` metadata.
 pub fn tokenizer_from_gguf(gguf: &GgufFile) -> Result<Tokenizer> {
-    let strings = |key: &str| -> Result<Vec<String>> {
-        match gguf.get(key).and_then(|v| v.as_str_array()) {
-            Some(v) => Ok(v.into_iter().map(str::to_string).collect()),
-            None => bail!("the model has no string array {key}; is this a DS4 GGUF?"),
-        }
-    };
-    let tokens = strings("tokenizer.ggml.tokens")?;
-    let merges = strings("tokenizer.ggml.merges")?;
-    let types = gguf
-        .get("tokenizer.ggml.token_type")
-        .and_then(|v| v.as_array())
-        .map(|(_, items)| {
-            items
-                .iter()
-                .map(|v| v.as_i64().and_then(|x| i32::try_from(x).ok()).unwrap_or(1))
-                .collect()
-        });
-    Ok(Tokenizer::from_gguf_vocab(tokens, merges, types)?)
+    ds4_cli::tok::from_gguf(gguf)
 }
 
 /// Everything a run needs: model, tokenizer, backend choice.
