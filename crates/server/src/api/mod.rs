@@ -1,0 +1,256 @@
+//! Request parsing and response shaping for each API. Parsing is strict about the types
+//! of known fields (400 `invalid JSON request`) and ignores unknown fields.
+
+pub mod anthropic;
+pub mod openai;
+pub mod responses;
+
+use std::time::Instant;
+
+use serde_json::{Map, Value};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use crate::error::ApiError;
+use crate::job::{ApiKind, GenEvent, GenJob, GenResult, Sampling};
+use crate::render::ThinkMode;
+use crate::worker::Shared;
+
+/// The deepest JSON nesting accepted (a DoS guard; the reference uses 256).
+pub const MAX_NESTING: usize = 256;
+
+/// Parses a request body into a JSON object, checking nesting depth first so a hostile
+/// body cannot exhaust the stack.
+pub fn parse_body(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    let mut depth = 0usize;
+    let mut in_str = false;
+    let mut esc = false;
+    for &b in body {
+        if in_str {
+            if esc {
+                esc = false;
+            } else if b == b'\\' {
+                esc = true;
+            } else if b == b'"' {
+                in_str = false;
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_str = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > MAX_NESTING {
+                    return Err(ApiError::bad_request(format!(
+                        "invalid JSON request: nesting deeper than {MAX_NESTING}"
+                    )));
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    // serde_json's own recursion limit (128) also applies; deeper input is a 400 too.
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("invalid JSON request: {e}")))?;
+    match v {
+        Value::Object(o) => Ok(o),
+        _ => Err(ApiError::bad_request(
+            "invalid JSON request: the body must be a JSON object",
+        )),
+    }
+}
+
+fn type_error(key: &str, want: &str) -> ApiError {
+    ApiError::bad_request(format!("invalid JSON request: `{key}` must be {want}"))
+}
+
+pub fn get_str<'a>(o: &'a Map<String, Value>, key: &str) -> Result<Option<&'a str>, ApiError> {
+    match o.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(_) => Err(type_error(key, "a string")),
+    }
+}
+
+pub fn get_bool(o: &Map<String, Value>, key: &str) -> Result<Option<bool>, ApiError> {
+    match o.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(_) => Err(type_error(key, "a boolean")),
+    }
+}
+
+pub fn get_f32(o: &Map<String, Value>, key: &str) -> Result<Option<f32>, ApiError> {
+    match o.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => Ok(n.as_f64().map(|f| f as f32).filter(|f| f.is_finite())),
+        Some(_) => Err(type_error(key, "a number")),
+    }
+}
+
+/// Integers: any number, negative values clamp to 0 (`max_tokens:-5` → 0).
+pub fn get_usize(o: &Map<String, Value>, key: &str) -> Result<Option<usize>, ApiError> {
+    match o.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => {
+            let f = n.as_f64().unwrap_or(0.0);
+            Ok(Some(if f <= 0.0 {
+                0
+            } else if f >= usize::MAX as f64 {
+                usize::MAX
+            } else {
+                f as usize
+            }))
+        }
+        Some(_) => Err(type_error(key, "an integer")),
+    }
+}
+
+pub fn get_u64(o: &Map<String, Value>, key: &str) -> Result<Option<u64>, ApiError> {
+    Ok(get_usize(o, key)?.map(|v| v as u64))
+}
+
+pub fn get_array<'a>(
+    o: &'a Map<String, Value>,
+    key: &str,
+) -> Result<Option<&'a Vec<Value>>, ApiError> {
+    match o.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Array(a)) => Ok(Some(a)),
+        Some(_) => Err(type_error(key, "an array")),
+    }
+}
+
+pub fn get_object<'a>(
+    o: &'a Map<String, Value>,
+    key: &str,
+) -> Result<Option<&'a Map<String, Value>>, ApiError> {
+    match o.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Object(m)) => Ok(Some(m)),
+        Some(_) => Err(type_error(key, "an object")),
+    }
+}
+
+/// `stop`: a string or an array of strings (empty strings ignored).
+pub fn get_stops(o: &Map<String, Value>, key: &str) -> Result<Vec<String>, ApiError> {
+    match o.get(key) {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::String(s)) => Ok(vec![s.clone()]
+            .into_iter()
+            .filter(|s| !s.is_empty())
+            .collect()),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| {
+                v.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| type_error(key, "a string or an array of strings"))
+            })
+            .filter(|r| !matches!(r, Ok(s) if s.is_empty()))
+            .collect(),
+        Some(_) => Err(type_error(key, "a string or an array of strings")),
+    }
+}
+
+/// Sampling fields shared by the OpenAI chat/completions and Anthropic requests.
+pub fn get_sampling(o: &Map<String, Value>, min_p_seed: bool) -> Result<Sampling, ApiError> {
+    let mut s = Sampling::default();
+    if let Some(t) = get_f32(o, "temperature")? {
+        s.temperature = t;
+    }
+    if let Some(t) = get_f32(o, "top_p")? {
+        s.top_p = t;
+    }
+    if let Some(k) = get_usize(o, "top_k")? {
+        s.top_k = k;
+    }
+    if min_p_seed {
+        if let Some(m) = get_f32(o, "min_p")? {
+            s.min_p = m;
+        }
+        if let Some(seed) = get_u64(o, "seed")? {
+            s.seed = seed;
+        }
+    }
+    Ok(s)
+}
+
+/// What the API layer hands to the worker, plus what it needs to shape the answer.
+pub struct Prepared {
+    pub kind: ApiKind,
+    pub model: String,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub prompt_text: String,
+    pub prompt_tokens: Vec<u32>,
+    pub mode: ThinkMode,
+    pub structured: bool,
+    pub tools_active: bool,
+    pub max_tokens: usize,
+    pub sampling: Sampling,
+    pub stops: Vec<String>,
+    pub raw: Option<String>,
+}
+
+/// Tokenizes the rendered prompt and enforces the context limit (§2.2 errors).
+pub fn tokenize_checked(
+    shared: &Shared,
+    text: &str,
+    param: &'static str,
+) -> Result<Vec<u32>, ApiError> {
+    let toks = shared.tok.encode(text);
+    if toks.len() >= shared.cfg.ctx {
+        return Err(ApiError::context_exceeded(
+            toks.len(),
+            shared.cfg.ctx,
+            param,
+        ));
+    }
+    Ok(toks)
+}
+
+/// Queues the job and returns the event channel.
+pub fn submit(shared: &Shared, p: &Prepared) -> Result<UnboundedReceiver<GenEvent>, ApiError> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let job = GenJob {
+        id: shared.next_id(),
+        kind: p.kind,
+        prompt_text: p.prompt_text.clone(),
+        prompt_tokens: p.prompt_tokens.clone(),
+        mode: p.mode,
+        structured: p.structured,
+        tools_active: p.tools_active,
+        max_tokens: p.max_tokens,
+        sampling: p.sampling.clone(),
+        stops: p.stops.clone(),
+        tx,
+        enqueued: Instant::now(),
+        trace_request: p.raw.clone(),
+    };
+    shared.submit(job)?;
+    Ok(rx)
+}
+
+/// Waits for a non-streaming result.
+pub async fn collect(mut rx: UnboundedReceiver<GenEvent>) -> Result<GenResult, ApiError> {
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            GenEvent::Done(r) => return Ok(*r),
+            GenEvent::Failed { status, message } => {
+                let kind = if status == 400 {
+                    "invalid_request_error"
+                } else {
+                    "server_error"
+                };
+                return Err(ApiError::new(status, kind, message));
+            }
+            _ => {}
+        }
+    }
+    Err(ApiError::internal("the engine stopped before answering"))
+}
+
+pub fn unix_now() -> u64 {
+    crate::kvcache::disk::now_secs()
+}

@@ -1,0 +1,288 @@
+//! The engine behind the worker: a small trait so the HTTP, streaming and cache logic can
+//! be tested with a deterministic fake, and its implementation over `ds4_engine::Session`.
+
+use std::io::{Read, Write};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ds4_engine::Session;
+use ds4_tokenizer::Tokenizer;
+
+use crate::error::ServerError;
+
+/// One live timeline: tokens evaluated so far and the logits after the last one.
+pub trait EngineBackend: Send {
+    /// Context capacity in tokens.
+    fn ctx(&self) -> usize;
+    /// Routed-expert quantisation bits of the model (2 or 4), written into KVC headers.
+    fn quant_bits(&self) -> u8;
+    fn tokens(&self) -> &[u32];
+    /// Next-token logits (empty before the first token).
+    fn logits(&self) -> &[f32];
+    /// Evaluates `tokens` after the current ones.
+    fn prefill(&mut self, tokens: &[u32]) -> Result<(), ServerError>;
+    /// Evaluates one token.
+    fn decode(&mut self, token: u32) -> Result<(), ServerError>;
+    /// Forgets every token.
+    fn reset(&mut self);
+    /// An independent copy of the whole state (for rewinding without a re-prefill).
+    fn snapshot(&self) -> Box<dyn EngineBackend>;
+    /// The DSV4 session payload (architecture.md §6).
+    fn save_payload(&self, w: &mut dyn Write) -> Result<(), ServerError>;
+    /// Replaces the state with a payload written by `save_payload`.
+    fn load_payload(&mut self, r: &mut dyn Read) -> Result<(), ServerError>;
+}
+
+/// The real engine: a `ds4_engine::Session` on the CPU or CUDA backend.
+pub struct RealEngine {
+    session: Session,
+    quant_bits: u8,
+}
+
+impl RealEngine {
+    pub fn new(session: Session) -> RealEngine {
+        let quant_bits = quant_bits_of(session.model().gguf());
+        RealEngine {
+            session,
+            quant_bits,
+        }
+    }
+}
+
+/// 2 or 4 from the routed-expert tensor type of the first layer (IQ2_XXS vs Q4_K).
+pub fn quant_bits_of(gguf: &ds4_gguf::GgufFile) -> u8 {
+    match gguf.tensor_info("blk.0.ffn_gate_exps.weight") {
+        Some(t) if format!("{:?}", t.ty).contains("Q4") => 4,
+        _ => 2,
+    }
+}
+
+impl EngineBackend for RealEngine {
+    fn ctx(&self) -> usize {
+        self.session.ctx()
+    }
+    fn quant_bits(&self) -> u8 {
+        self.quant_bits
+    }
+    fn tokens(&self) -> &[u32] {
+        self.session.tokens()
+    }
+    fn logits(&self) -> &[f32] {
+        self.session.logits()
+    }
+    fn prefill(&mut self, tokens: &[u32]) -> Result<(), ServerError> {
+        Ok(self.session.prefill(tokens)?)
+    }
+    fn decode(&mut self, token: u32) -> Result<(), ServerError> {
+        self.session.decode(token)?;
+        Ok(())
+    }
+    fn reset(&mut self) {
+        self.session.reset();
+    }
+    fn snapshot(&self) -> Box<dyn EngineBackend> {
+        Box::new(RealEngine {
+            session: self.session.clone(),
+            quant_bits: self.quant_bits,
+        })
+    }
+    fn save_payload(&self, mut w: &mut dyn Write) -> Result<(), ServerError> {
+        Ok(self.session.save_payload(&mut w)?)
+    }
+    fn load_payload(&mut self, mut r: &mut dyn Read) -> Result<(), ServerError> {
+        let res = self.session.load_payload(&mut r);
+        if res.is_err() {
+            // A failed load may leave partial state behind: start clean.
+            self.session.reset();
+        }
+        Ok(res?)
+    }
+}
+
+/// What the fake engine answers to a prompt (the decoded prompt text → the reply text).
+pub type Script = Arc<dyn Fn(&str) -> String + Send + Sync>;
+
+/// A deterministic engine for tests: after each prefill it renders `script(prompt)` into
+/// tokens and makes them the argmax, one by one, followed by EOS. Logits are one-hot with
+/// a large margin, so every sampler setting picks the scripted token.
+#[derive(Clone)]
+pub struct FakeEngine {
+    tok: Arc<Tokenizer>,
+    script: Script,
+    ctx: usize,
+    tokens: Vec<u32>,
+    logits: Vec<f32>,
+    reply: Vec<u32>,
+    gen_start: usize,
+    eos: u32,
+    delay: Duration,
+}
+
+impl FakeEngine {
+    pub fn new(tok: Arc<Tokenizer>, ctx: usize, script: Script) -> FakeEngine {
+        let eos = tok.special_ids().map(|s| s.eos).unwrap_or(1);
+        FakeEngine {
+            tok,
+            script,
+            ctx,
+            tokens: Vec::new(),
+            logits: Vec::new(),
+            reply: Vec::new(),
+            gen_start: 0,
+            eos,
+            delay: Duration::ZERO,
+        }
+    }
+
+    /// Sleep per evaluated token (to test keepalive, cancellation and queueing).
+    pub fn with_delay(mut self, delay: Duration) -> FakeEngine {
+        self.delay = delay;
+        self
+    }
+
+    fn update_logits(&mut self) {
+        let vocab = self.tok.vocab_size();
+        let idx = self.tokens.len() - self.gen_start;
+        let next = self.reply.get(idx).copied().unwrap_or(self.eos);
+        self.logits = vec![0.0; vocab];
+        self.logits[next as usize % vocab] = 100.0;
+    }
+
+    fn check_room(&self, n: usize) -> Result<(), ServerError> {
+        if self.tokens.len() + n > self.ctx {
+            return Err(ServerError::Engine(format!(
+                "context of {} tokens is full",
+                self.ctx
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl EngineBackend for FakeEngine {
+    fn ctx(&self) -> usize {
+        self.ctx
+    }
+    fn quant_bits(&self) -> u8 {
+        2
+    }
+    fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+    fn logits(&self) -> &[f32] {
+        &self.logits
+    }
+    fn prefill(&mut self, tokens: &[u32]) -> Result<(), ServerError> {
+        self.check_room(tokens.len())?;
+        if !self.delay.is_zero() {
+            std::thread::sleep(self.delay * tokens.len().min(50) as u32);
+        }
+        self.tokens.extend_from_slice(tokens);
+        let text = self.tok.decode(&self.tokens, false);
+        self.reply = self.tok.encode(&(self.script)(&text));
+        self.gen_start = self.tokens.len();
+        self.update_logits();
+        Ok(())
+    }
+    fn decode(&mut self, token: u32) -> Result<(), ServerError> {
+        self.check_room(1)?;
+        if !self.delay.is_zero() {
+            std::thread::sleep(self.delay);
+        }
+        self.tokens.push(token);
+        self.update_logits();
+        Ok(())
+    }
+    fn reset(&mut self) {
+        self.tokens.clear();
+        self.logits.clear();
+        self.reply.clear();
+        self.gen_start = 0;
+    }
+    fn snapshot(&self) -> Box<dyn EngineBackend> {
+        Box::new(self.clone())
+    }
+    fn save_payload(&self, w: &mut dyn Write) -> Result<(), ServerError> {
+        // Same header idea as DSV4 (magic, version, count) so corrupt files are caught.
+        let mut out = Vec::with_capacity(12 + 4 * self.tokens.len());
+        out.extend_from_slice(b"FAKE");
+        out.extend_from_slice(&1u32.to_le_bytes());
+        out.extend_from_slice(&(self.tokens.len() as u32).to_le_bytes());
+        for t in &self.tokens {
+            out.extend_from_slice(&t.to_le_bytes());
+        }
+        w.write_all(&out)?;
+        Ok(())
+    }
+    fn load_payload(&mut self, r: &mut dyn Read) -> Result<(), ServerError> {
+        let mut all = Vec::new();
+        r.read_to_end(&mut all)?;
+        let bad = || ServerError::Engine("session payload: not a fake payload".into());
+        if all.len() < 12 || &all[..4] != b"FAKE" {
+            return Err(bad());
+        }
+        let n = u32::from_le_bytes([all[8], all[9], all[10], all[11]]) as usize;
+        if all.len() != 12 + 4 * n || n >= self.ctx {
+            return Err(bad());
+        }
+        let toks: Vec<u32> = all[12..]
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        self.reset();
+        self.prefill(&toks)
+    }
+}
+
+/// The fake engine's default script, used by `--fake-engine` and the tests: a short
+/// reasoning when the prompt opens one, a DSML call of the first tool when the last user
+/// message mentions the weather, and a plain answer otherwise (also after tool results).
+pub fn default_script() -> Script {
+    Arc::new(|prompt: &str| {
+        let mut out = String::new();
+        if prompt.ends_with("<think>") {
+            out.push_str("The user wants an answer. Let me think.</think>");
+        }
+        let last_user = prompt.rsplit("<｜User｜>").next().unwrap_or("");
+        let after_tool = last_user.contains("<tool_result>");
+        let tool = first_tool(prompt);
+        if let (Some((name, param)), false) = (tool, after_tool) {
+            if last_user.to_lowercase().contains("weather") {
+                out.push_str("Checking.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"");
+                out.push_str(&name);
+                out.push_str("\">\n<｜DSML｜parameter name=\"");
+                out.push_str(&param);
+                out.push_str("\" string=\"true\">Paris & \"Lyon\"</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>");
+                return out;
+            }
+        }
+        if after_tool {
+            out.push_str("It is sunny in Paris.");
+        } else if last_user.contains("long answer") {
+            for i in 0..40 {
+                out.push_str(&format!("word{i} "));
+            }
+        } else {
+            out.push_str("Hello! I am a tiny fake model. STOP here.");
+        }
+        out
+    })
+}
+
+/// The first tool name and its first property in the rendered tools block.
+fn first_tool(prompt: &str) -> Option<(String, String)> {
+    let tools = prompt.split("### Available Tool Schemas").nth(1)?;
+    let name = quoted_after(tools, "\"name\": \"")?;
+    let param = tools
+        .split("\"properties\": {\"")
+        .nth(1)
+        .and_then(|s| s.split('"').next())
+        .unwrap_or("arg")
+        .to_string();
+    Some((name, param))
+}
+
+fn quoted_after(s: &str, key: &str) -> Option<String> {
+    let rest = s.split(key).nth(1)?;
+    Some(rest.split('"').next()?.to_string())
+}

@@ -1,0 +1,205 @@
+//! Counters for `GET /metrics` (Prometheus text format) and the log timestamp helper.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+/// `MMDD HH:MM:SS` in UTC (the reference log prefix, without a timezone library).
+pub fn timestamp() -> String {
+    let secs = crate::kvcache::disk::now_secs();
+    let days = (secs / 86400) as i64;
+    let tod = secs % 86400;
+    // Civil-from-days (Howard Hinnant's algorithm).
+    let z = days + 719468;
+    let era = z.div_euclid(146097);
+    let doe = z - era * 146097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    format!(
+        "{m:02}{d:02} {:02}:{:02}:{:02}",
+        tod / 3600,
+        tod / 60 % 60,
+        tod % 60
+    )
+}
+
+/// `log!(...)`: one stderr line with the reference prefix.
+#[macro_export]
+macro_rules! log {
+    ($($arg:tt)*) => {
+        eprintln!("{} ds4-server: {}", $crate::metrics::timestamp(), format!($($arg)*))
+    };
+}
+
+#[derive(Debug, Default)]
+pub struct Metrics {
+    pub queue_depth: AtomicU64,
+    pub requests: [AtomicU64; 5],
+    pub rejected_busy: AtomicU64,
+    pub errors: AtomicU64,
+    pub cancelled: AtomicU64,
+    pub prompt_tokens: AtomicU64,
+    pub cached_tokens: AtomicU64,
+    pub completion_tokens: AtomicU64,
+    pub prefill_tokens: AtomicU64,
+    pub prefill_micros: AtomicU64,
+    pub decode_tokens: AtomicU64,
+    pub decode_micros: AtomicU64,
+    /// Last request's throughputs, in milli-tokens per second.
+    pub last_prefill_mtps: AtomicU64,
+    pub last_decode_mtps: AtomicU64,
+    /// Cache hits by kind: memory-token, memory-text, snapshot, disk; then misses.
+    pub cache: [AtomicU64; 5],
+    pub disk_saves: AtomicU64,
+}
+
+pub const ENDPOINTS: [&str; 5] = [
+    "chat",
+    "completions",
+    "responses",
+    "messages",
+    "count_tokens",
+];
+pub const CACHE_KINDS: [&str; 4] = ["memory-token", "memory-text", "snapshot", "disk"];
+
+impl Metrics {
+    pub fn endpoint(&self, name: &str) {
+        if let Some(i) = ENDPOINTS.iter().position(|e| *e == name) {
+            self.requests[i].fetch_add(1, Relaxed);
+        }
+    }
+
+    pub fn cache_hit(&self, kind: &str) {
+        match CACHE_KINDS.iter().position(|k| *k == kind) {
+            Some(i) => self.cache[i].fetch_add(1, Relaxed),
+            None => self.cache[4].fetch_add(1, Relaxed),
+        };
+    }
+
+    pub fn render(&self) -> String {
+        let mut s = String::new();
+        let mut metric = |name: &str, kind: &str, help: &str, lines: Vec<(String, f64)>| {
+            s.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
+            for (labels, v) in lines {
+                s.push_str(&format!("{name}{labels} {v}\n"));
+            }
+        };
+        let g = |a: &AtomicU64| a.load(Relaxed) as f64;
+        metric(
+            "ds4_queue_depth",
+            "gauge",
+            "Requests waiting for the engine.",
+            vec![(String::new(), g(&self.queue_depth))],
+        );
+        metric(
+            "ds4_requests_total",
+            "counter",
+            "Requests by endpoint.",
+            ENDPOINTS
+                .iter()
+                .zip(&self.requests)
+                .map(|(e, a)| (format!("{{endpoint=\"{e}\"}}"), g(a)))
+                .collect(),
+        );
+        metric(
+            "ds4_rejected_busy_total",
+            "counter",
+            "Requests refused with 503 because the queue was full.",
+            vec![(String::new(), g(&self.rejected_busy))],
+        );
+        metric(
+            "ds4_errors_total",
+            "counter",
+            "Generations that ended with an error.",
+            vec![(String::new(), g(&self.errors))],
+        );
+        metric(
+            "ds4_cancelled_total",
+            "counter",
+            "Generations cancelled because the client went away.",
+            vec![(String::new(), g(&self.cancelled))],
+        );
+        metric(
+            "ds4_prompt_tokens_total",
+            "counter",
+            "Prompt tokens (effective prompts).",
+            vec![(String::new(), g(&self.prompt_tokens))],
+        );
+        metric(
+            "ds4_cached_tokens_total",
+            "counter",
+            "Prompt tokens reused from the KV cache.",
+            vec![(String::new(), g(&self.cached_tokens))],
+        );
+        metric(
+            "ds4_tokens_in_total",
+            "counter",
+            "Prompt tokens evaluated (prefill).",
+            vec![(String::new(), g(&self.prefill_tokens))],
+        );
+        metric(
+            "ds4_tokens_out_total",
+            "counter",
+            "Generated tokens.",
+            vec![(String::new(), g(&self.completion_tokens))],
+        );
+        let rate = |t: &AtomicU64, us: &AtomicU64| {
+            let us = us.load(Relaxed);
+            if us == 0 {
+                0.0
+            } else {
+                t.load(Relaxed) as f64 * 1e6 / us as f64
+            }
+        };
+        metric(
+            "ds4_prefill_tokens_per_second",
+            "gauge",
+            "Average prefill throughput since start.",
+            vec![(
+                String::new(),
+                rate(&self.prefill_tokens, &self.prefill_micros),
+            )],
+        );
+        metric(
+            "ds4_decode_tokens_per_second",
+            "gauge",
+            "Average decode throughput since start.",
+            vec![(
+                String::new(),
+                rate(&self.decode_tokens, &self.decode_micros),
+            )],
+        );
+        metric(
+            "ds4_last_prefill_tokens_per_second",
+            "gauge",
+            "Prefill throughput of the last request.",
+            vec![(String::new(), g(&self.last_prefill_mtps) / 1000.0)],
+        );
+        metric(
+            "ds4_last_decode_tokens_per_second",
+            "gauge",
+            "Decode throughput of the last request.",
+            vec![(String::new(), g(&self.last_decode_mtps) / 1000.0)],
+        );
+        let mut cache: Vec<(String, f64)> = CACHE_KINDS
+            .iter()
+            .zip(&self.cache)
+            .map(|(k, a)| (format!("{{kind=\"{k}\"}}"), g(a)))
+            .collect();
+        cache.push(("{kind=\"miss\"}".into(), g(&self.cache[4])));
+        metric(
+            "ds4_cache_hits_total",
+            "counter",
+            "KV reuse outcome per request, by kind.",
+            cache,
+        );
+        metric(
+            "ds4_disk_cache_saves_total",
+            "counter",
+            "Checkpoints written to the disk cache.",
+            vec![(String::new(), g(&self.disk_saves))],
+        );
+        s
+    }
+}

@@ -1,0 +1,244 @@
+//! Prompt rendering (server.md §1) on top of the tokenizer crate's official encoder, and
+//! the think-mode resolution shared by every endpoint (§2.2).
+
+use ds4_tokenizer::chat::{
+    encode_messages, Content, EncodeOptions, Message, ReasoningEffort, ThinkingMode,
+    REASONING_EFFORT_MAX, THINK_MAX_MIN_CONTEXT,
+};
+use ds4_tokenizer::markers::{ASSISTANT, BOS, THINK_END, THINK_START, USER};
+use serde_json::Value;
+
+use crate::error::ApiError;
+use crate::toolmem::ToolMemory;
+
+/// Think mode of one request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ThinkMode {
+    None,
+    High,
+    Max,
+}
+
+impl ThinkMode {
+    pub fn thinking(self) -> bool {
+        self != ThinkMode::None
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ThinkMode::None => "none",
+            ThinkMode::High => "high",
+            ThinkMode::Max => "max",
+        }
+    }
+}
+
+/// Think controls as found in a request, before resolution.
+#[derive(Clone, Debug, Default)]
+pub struct ThinkControls {
+    /// An explicit on/off (`think`, `thinking`, Responses `reasoning.effort`).
+    pub enabled: Option<bool>,
+    /// `reasoning_effort`, `output_config.effort` or `reasoning.effort`.
+    pub effort: Option<String>,
+}
+
+/// §2.2: explicit controls win, then the effort, then the model alias; Max needs a
+/// context of at least 393,216 tokens and otherwise becomes High.
+pub fn resolve_think(c: &ThinkControls, model: &str, ctx: usize) -> Result<ThinkMode, ApiError> {
+    let mut enabled = true;
+    let mut effort = ThinkMode::High;
+    if let Some(e) = c.enabled {
+        enabled = e;
+    }
+    if let Some(e) = c.effort.as_deref() {
+        effort = match e {
+            "max" => ThinkMode::Max,
+            "xhigh" | "high" | "medium" | "low" | "minimal" => ThinkMode::High,
+            "none" => ThinkMode::None,
+            other => {
+                return Err(ApiError::bad_request(format!(
+                    "unsupported reasoning effort {other:?} (use none, minimal, low, medium, high, xhigh or max)"
+                )))
+            }
+        };
+    }
+    if c.enabled.is_none() {
+        match model {
+            "deepseek-chat" => enabled = false,
+            "deepseek-reasoner" => enabled = true,
+            _ => {}
+        }
+    }
+    Ok(if !enabled || effort == ThinkMode::None {
+        ThinkMode::None
+    } else if effort == ThinkMode::Max && ctx >= THINK_MAX_MIN_CONTEXT {
+        ThinkMode::Max
+    } else {
+        ThinkMode::High
+    })
+}
+
+/// Parses a `thinking` member: bool, `{"type":"enabled"|"disabled"|"adaptive"}` or null.
+pub fn thinking_flag(v: &Value) -> Result<Option<bool>, ApiError> {
+    match v {
+        Value::Null => Ok(None),
+        Value::Bool(b) => Ok(Some(*b)),
+        Value::Object(o) => match o.get("type").and_then(Value::as_str) {
+            Some("disabled") => Ok(Some(false)),
+            Some(_) => Ok(Some(true)),
+            None => Ok(None),
+        },
+        _ => Err(ApiError::invalid_json()),
+    }
+}
+
+/// A chat conversation in API-neutral form.
+#[derive(Clone, Debug, Default)]
+pub struct Conversation {
+    /// System and developer texts, in request order.
+    pub system: Vec<String>,
+    /// user / assistant / tool messages, in order.
+    pub messages: Vec<Message>,
+    /// Tool schemas as sent (OpenAI wrappers, Anthropic or Responses items).
+    pub tools: Vec<Value>,
+    /// `tool_choice` is `none`: no tools block, no DSML parsing.
+    pub tools_disabled: bool,
+}
+
+impl Conversation {
+    pub fn tools_active(&self) -> bool {
+        !self.tools.is_empty() && !self.tools_disabled
+    }
+
+    /// Every tool-call id mentioned (assistant calls and tool results).
+    pub fn tool_ids(&self) -> Vec<String> {
+        let mut ids = Vec::new();
+        for m in &self.messages {
+            if let Some(calls) = &m.tool_calls {
+                ids.extend(calls.iter().filter_map(|c| c.id.clone()));
+            }
+            if let Some(id) = &m.tool_call_id {
+                ids.push(id.clone());
+            }
+        }
+        ids
+    }
+}
+
+/// How many assistant turns were rendered from exact DSML and how many canonically.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ReplayStats {
+    pub exact: usize,
+    pub canonical: usize,
+}
+
+/// Renders the conversation to the prompt text (ending with the assistant prefix).
+/// Assistant turns whose calls are all known to the tool memory with one DSML block are
+/// rendered with that exact block, so the prompt matches the tokens the model sampled.
+pub fn render_chat(
+    conv: &Conversation,
+    mode: ThinkMode,
+    memory: Option<&ToolMemory>,
+) -> Result<(String, ReplayStats), ApiError> {
+    let mut stats = ReplayStats::default();
+    let mut msgs: Vec<Message> = Vec::with_capacity(conv.messages.len() + 1);
+    let tools = conv.tools_active();
+    if !conv.system.is_empty() || tools {
+        let mut sys = Message::new("system", &conv.system.join("\n\n"));
+        if tools {
+            sys.tools = Some(conv.tools.iter().map(tool_for_encoder).collect());
+        }
+        msgs.push(sys);
+    }
+    for m in &conv.messages {
+        let mut m = m.clone();
+        if m.role == "assistant" {
+            if let Some(calls) = m.tool_calls.as_ref().filter(|c| !c.is_empty()) {
+                let block = memory.and_then(|mem| {
+                    let ids: Vec<&str> = calls.iter().filter_map(|c| c.id.as_deref()).collect();
+                    if ids.len() != calls.len() {
+                        return None;
+                    }
+                    mem.block_for_all(&ids)
+                });
+                match block {
+                    Some(b) => {
+                        let mut text = m
+                            .content
+                            .as_ref()
+                            .map(|c| c.to_text().into_owned())
+                            .unwrap_or_default();
+                        text.push_str(&b);
+                        m.content = Some(Content::Text(text));
+                        m.tool_calls = None;
+                        stats.exact += 1;
+                    }
+                    None => stats.canonical += 1,
+                }
+            }
+        }
+        msgs.push(m);
+    }
+    let opts = EncodeOptions {
+        thinking_mode: if mode.thinking() {
+            ThinkingMode::Thinking
+        } else {
+            ThinkingMode::Chat
+        },
+        reasoning_effort: (mode == ThinkMode::Max).then_some(ReasoningEffort::Max),
+        drop_thinking: true,
+        add_default_bos_token: true,
+    };
+    let text = encode_messages(&msgs, &[], &opts)
+        .map_err(|e| ApiError::bad_request(format!("cannot render messages: {e}")))?;
+    Ok((text, stats))
+}
+
+/// The encoder reads OpenAI `{"type":"function","function":{…}}` items (and any other
+/// shape as the schema itself); Responses namespaces are flattened by the API layer.
+fn tool_for_encoder(t: &Value) -> Value {
+    t.clone()
+}
+
+/// §1.4: the `/v1/completions` prompt.
+pub fn render_completion(prompt: &str, mode: ThinkMode) -> String {
+    let mut s = String::with_capacity(prompt.len() + 128);
+    s.push_str(BOS);
+    if mode == ThinkMode::Max {
+        s.push_str(REASONING_EFFORT_MAX);
+    }
+    s.push_str("You are a helpful assistant");
+    s.push_str(USER);
+    s.push_str(prompt);
+    s.push_str(ASSISTANT);
+    s.push_str(if mode.thinking() {
+        THINK_START
+    } else {
+        THINK_END
+    });
+    s
+}
+
+/// Concatenates the text of an OpenAI content value (string, null or parts array);
+/// non-text parts (images, files) are dropped.
+pub fn content_text(v: &Value) -> Result<String, ApiError> {
+    match v {
+        Value::Null => Ok(String::new()),
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(items) => {
+            let mut out = String::new();
+            for it in items {
+                match it {
+                    Value::String(s) => out.push_str(s),
+                    Value::Object(o) => {
+                        if let Some(t) = o.get("text").and_then(Value::as_str) {
+                            out.push_str(t);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            Ok(out)
+        }
+        _ => Err(ApiError::invalid_json()),
+    }
+}

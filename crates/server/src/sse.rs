@@ -1,0 +1,96 @@
+//! Server-sent events: one driver turns the worker's events into an SSE body through an
+//! API-specific formatter, with keepalive comments while nothing else is sent (§2.7).
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::Response;
+use bytes::Bytes;
+use serde_json::Value;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use crate::job::GenEvent;
+
+/// Shapes one API's stream.
+pub trait SseFormatter: Send + 'static {
+    /// Frames sent right away, before the engine reports anything.
+    fn open(&mut self) -> Vec<String> {
+        Vec::new()
+    }
+    /// Frames for one worker event.
+    fn event(&mut self, ev: GenEvent) -> Vec<String>;
+}
+
+/// `data: JSON\n\n`.
+pub fn data(v: &Value) -> String {
+    format!("data: {v}\n\n")
+}
+
+/// `event: NAME\ndata: JSON\n\n`.
+pub fn named(name: &str, v: &Value) -> String {
+    format!("event: {name}\ndata: {v}\n\n")
+}
+
+struct State {
+    rx: UnboundedReceiver<GenEvent>,
+    fmt: Box<dyn SseFormatter>,
+    queue: VecDeque<String>,
+    done: bool,
+    keepalive: Duration,
+}
+
+/// The streaming response. Dropping the body (client gone) drops the receiver, which the
+/// worker notices and cancels the generation.
+pub fn response(
+    rx: UnboundedReceiver<GenEvent>,
+    mut fmt: Box<dyn SseFormatter>,
+    keepalive: Duration,
+) -> Response {
+    let queue: VecDeque<String> = fmt.open().into();
+    let st = State {
+        rx,
+        fmt,
+        queue,
+        done: false,
+        keepalive,
+    };
+    let stream = futures_util::stream::unfold(st, |mut s| async move {
+        loop {
+            if let Some(f) = s.queue.pop_front() {
+                return Some((Ok::<Bytes, Infallible>(Bytes::from(f)), s));
+            }
+            if s.done {
+                return None;
+            }
+            match tokio::time::timeout(s.keepalive, s.rx.recv()).await {
+                Err(_) => s.queue.push_back(": keepalive\n\n".to_string()),
+                Ok(Some(ev)) => {
+                    let terminal = matches!(ev, GenEvent::Done(_) | GenEvent::Failed { .. });
+                    let frames = s.fmt.event(ev);
+                    s.queue.extend(frames);
+                    s.done = terminal;
+                }
+                Ok(None) => {
+                    let frames = s.fmt.event(GenEvent::Failed {
+                        status: 500,
+                        message: "the engine stopped".into(),
+                    });
+                    s.queue.extend(frames);
+                    s.done = true;
+                }
+            }
+        }
+    });
+    let mut resp = Response::new(Body::from_stream(stream));
+    *resp.status_mut() = StatusCode::OK;
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    resp
+}

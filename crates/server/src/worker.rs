@@ -1,0 +1,691 @@
+//! The engine worker (server.md §3, §4.1): one thread owns the engine and the single live
+//! session and runs jobs from a bounded FIFO one at a time. Per job it brings the session
+//! to the prompt reusing as much KV as it can, generates, and streams events back.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io::Write;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use ds4_engine::{argmax, Sampler, SamplerConfig};
+use ds4_tokenizer::Tokenizer;
+
+use crate::config::ServerConfig;
+use crate::engine::EngineBackend;
+use crate::error::ApiError;
+use crate::gen::Pipeline;
+use crate::job::{Finish, GenEvent, GenJob, GenResult, Usage};
+use crate::kvcache::{DiskCache, SaveReason};
+use crate::log;
+use crate::metrics::Metrics;
+use crate::toolmem::ToolMemory;
+
+/// Tokens per prefill call: small enough to notice a disconnect and report progress.
+const PREFILL_CHUNK: usize = 512;
+
+struct Queue {
+    jobs: VecDeque<GenJob>,
+    shutdown: bool,
+}
+
+/// State shared by the HTTP handlers and the worker.
+pub struct Shared {
+    pub cfg: ServerConfig,
+    pub tok: Arc<Tokenizer>,
+    pub metrics: Metrics,
+    pub tools: Mutex<ToolMemory>,
+    queue: Mutex<Queue>,
+    cv: Condvar,
+    next_id: AtomicU64,
+    /// Set at shutdown: the running generation stops at its next token.
+    stop_now: AtomicBool,
+    seed_counter: AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic elsewhere must not take the server down with poisoned locks.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Shared {
+    pub fn new(cfg: ServerConfig, tok: Arc<Tokenizer>) -> Arc<Shared> {
+        let max_ids = cfg.tool_memory_max_ids;
+        Arc::new(Shared {
+            cfg,
+            tok,
+            metrics: Metrics::default(),
+            tools: Mutex::new(ToolMemory::new(max_ids)),
+            queue: Mutex::new(Queue {
+                jobs: VecDeque::new(),
+                shutdown: false,
+            }),
+            cv: Condvar::new(),
+            next_id: AtomicU64::new(1),
+            stop_now: AtomicBool::new(false),
+            seed_counter: AtomicU64::new(0),
+        })
+    }
+
+    /// Server-wide request counter (ids `chatcmpl-N`, `cmpl-N`).
+    pub fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Relaxed)
+    }
+
+    pub fn tool_memory(&self) -> MutexGuard<'_, ToolMemory> {
+        lock(&self.tools)
+    }
+
+    /// Queues a job; 503 when the queue is full or the server is shutting down.
+    pub fn submit(&self, job: GenJob) -> Result<(), ApiError> {
+        let mut q = lock(&self.queue);
+        if q.shutdown {
+            return Err(ApiError::unavailable("server shutting down"));
+        }
+        if q.jobs.len() >= self.cfg.queue_max {
+            self.metrics.rejected_busy.fetch_add(1, Relaxed);
+            return Err(ApiError::unavailable(format!(
+                "server busy: {} requests are already queued; retry later",
+                q.jobs.len()
+            )));
+        }
+        q.jobs.push_back(job);
+        self.metrics.queue_depth.store(q.jobs.len() as u64, Relaxed);
+        self.cv.notify_one();
+        Ok(())
+    }
+
+    /// Stops accepting jobs; queued jobs are answered with 503, the running one stops.
+    pub fn begin_shutdown(&self) {
+        let mut q = lock(&self.queue);
+        q.shutdown = true;
+        self.stop_now.store(true, Relaxed);
+        self.cv.notify_all();
+    }
+
+    pub fn is_shutting_down(&self) -> bool {
+        lock(&self.queue).shutdown
+    }
+
+    fn seed(&self) -> u64 {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        t ^ self.seed_counter.fetch_add(0x9e37_79b9_7f4a_7c15, Relaxed)
+    }
+}
+
+pub struct Worker {
+    shared: Arc<Shared>,
+    engine: Box<dyn EngineBackend>,
+    /// The live session right after the last prompt's `<｜Assistant｜>`: the next turn
+    /// usually diverges there (dropped reasoning, truncated stop), and restoring it costs
+    /// a copy instead of a re-prefill.
+    snap: Option<Box<dyn EngineBackend>>,
+    disk: Option<DiskCache>,
+    /// Longest length saved as a continued checkpoint in this timeline.
+    frontier: usize,
+    trace: Option<File>,
+    eos: u32,
+    user: u32,
+    assistant: u32,
+}
+
+/// Starts the worker thread; it returns once shutdown was requested and the queue is
+/// drained (after saving the live session to the disk cache).
+pub fn spawn_worker(shared: Arc<Shared>, engine: Box<dyn EngineBackend>) -> JoinHandle<()> {
+    let mut w = Worker::new(shared, engine);
+    std::thread::Builder::new()
+        .name("ds4-engine".into())
+        .spawn(move || w.run())
+        .expect("spawn the engine thread")
+}
+
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+type Fail = (u16, String);
+
+impl Worker {
+    pub fn new(shared: Arc<Shared>, engine: Box<dyn EngineBackend>) -> Worker {
+        let sp = shared.tok.special_ids().ok().cloned();
+        let disk = shared.cfg.kv_disk.clone().and_then(|c| {
+            let dir = c.dir.clone();
+            match DiskCache::open(c, engine.ctx(), engine.quant_bits()) {
+                Ok(d) => Some(d),
+                Err(e) => {
+                    log!(
+                        "kv cache: cannot use {}: {e}; disk cache disabled",
+                        dir.display()
+                    );
+                    None
+                }
+            }
+        });
+        if let (Some(d), true) = (&disk, shared.cfg.exact_dsml_replay) {
+            let maps = d.read_tool_maps(shared.cfg.tool_memory_max_ids);
+            let mut mem = shared.tool_memory();
+            for (id, block) in &maps {
+                mem.insert(std::slice::from_ref(id), block);
+            }
+            if !maps.is_empty() {
+                log!("kv cache: restored {} tool-call ids from disk", maps.len());
+            }
+        }
+        let trace = shared
+            .cfg
+            .trace
+            .as_ref()
+            .and_then(|p| match File::create(p) {
+                Ok(f) => Some(f),
+                Err(e) => {
+                    log!("cannot open trace file {}: {e}", p.display());
+                    None
+                }
+            });
+        Worker {
+            shared,
+            engine,
+            snap: None,
+            disk,
+            frontier: 0,
+            trace,
+            eos: sp.as_ref().map_or(1, |s| s.eos),
+            user: sp.as_ref().map_or(u32::MAX, |s| s.user),
+            assistant: sp.as_ref().map_or(u32::MAX, |s| s.assistant),
+        }
+    }
+
+    pub fn run(&mut self) {
+        loop {
+            let job = {
+                let mut q = lock(&self.shared.queue);
+                while q.jobs.is_empty() && !q.shutdown {
+                    q = self.shared.cv.wait(q).unwrap_or_else(|e| e.into_inner());
+                }
+                let j = q.jobs.pop_front();
+                self.shared
+                    .metrics
+                    .queue_depth
+                    .store(q.jobs.len() as u64, Relaxed);
+                match j {
+                    Some(j) if q.shutdown => {
+                        let _ = j.tx.send(GenEvent::Failed {
+                            status: 503,
+                            message: "server shutting down".into(),
+                        });
+                        continue;
+                    }
+                    Some(j) => j,
+                    None => break,
+                }
+            };
+            if job.tx.is_closed() {
+                self.shared.metrics.cancelled.fetch_add(1, Relaxed);
+                continue;
+            }
+            // A bug in one request must not take the engine thread down.
+            let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_job(&job)));
+            if res.is_err() {
+                log!("request {} panicked; resetting the live session", job.id);
+                self.engine.reset();
+                self.snap = None;
+                let _ = job.tx.send(GenEvent::Failed {
+                    status: 500,
+                    message: "internal error".into(),
+                });
+            }
+        }
+        self.save_live(SaveReason::Shutdown);
+        log!("engine worker stopped");
+    }
+
+    fn save_live(&mut self, reason: SaveReason) {
+        let Some(disk) = &self.disk else { return };
+        let toks = self.engine.tokens();
+        if toks.len() < disk.cfg.min_tokens {
+            return;
+        }
+        let key = self.shared.tok.decode(toks, false);
+        let map = self.tool_map_for(&key);
+        match disk.store(self.engine.as_ref(), &key, reason, &map) {
+            Ok(_) => {
+                self.shared.metrics.disk_saves.fetch_add(1, Relaxed);
+            }
+            Err(e) => log!("kv cache: {} save skipped: {e}", reason.as_str()),
+        }
+    }
+
+    fn tool_map_for(&self, key: &str) -> Vec<(String, Arc<str>)> {
+        if !self.shared.cfg.exact_dsml_replay {
+            return Vec::new();
+        }
+        self.shared.tool_memory().entries_in(key)
+    }
+
+    /// Finds how much of `job`'s prompt `engine` already holds: the token prefix, or the
+    /// decoded text as a byte prefix of the rendered prompt (BPE may tokenize the same
+    /// text differently than it was sampled). Returns the effective prompt.
+    fn match_session(
+        &self,
+        engine: &dyn EngineBackend,
+        job: &GenJob,
+    ) -> Option<(Vec<u32>, usize, &'static str)> {
+        let live = engine.tokens();
+        if live.is_empty() {
+            return None;
+        }
+        let prompt = &job.prompt_tokens;
+        if prompt.len() >= live.len() && common_prefix(live, prompt) == live.len() {
+            return Some((prompt.clone(), live.len(), "memory-token"));
+        }
+        let text = self.shared.tok.decode(live, false);
+        if job.prompt_text.len() >= text.len()
+            && job.prompt_text.as_bytes().starts_with(text.as_bytes())
+            && job.prompt_text.is_char_boundary(text.len())
+        {
+            let mut eff = live.to_vec();
+            self.shared
+                .tok
+                .encode_into(&job.prompt_text[text.len()..], &mut eff);
+            return Some((eff, live.len(), "memory-text"));
+        }
+        None
+    }
+
+    /// §4.1: live session, then the snapshot, then the disk cache, then a cold prefill.
+    fn sync(&mut self, job: &GenJob) -> Result<(Vec<u32>, usize, &'static str), Fail> {
+        if let Some(m) = self.match_session(self.engine.as_ref(), job) {
+            return Ok(m);
+        }
+        if let Some(snap) = &self.snap {
+            if let Some((eff, cached, _)) = self.match_session(snap.as_ref(), job) {
+                self.engine = snap.snapshot();
+                return Ok((eff, cached, "snapshot"));
+            }
+        }
+        let live = self.engine.tokens().len();
+        if live > 0 {
+            let common = common_prefix(self.engine.tokens(), &job.prompt_tokens);
+            log!(
+                "live kv cache miss live={live} prompt={} common={common}",
+                job.prompt_tokens.len()
+            );
+            if self.disk.as_ref().is_some_and(|d| live >= d.cfg.min_tokens) {
+                self.save_live(SaveReason::Evict);
+            }
+        }
+        self.frontier = 0;
+        self.snap = None;
+        if let Some(disk) = &self.disk {
+            if let Some(hit) = disk.lookup(&job.prompt_text, self.engine.as_mut()) {
+                let mut eff = self.engine.tokens().to_vec();
+                self.shared
+                    .tok
+                    .encode_into(&job.prompt_text[hit.key_len..], &mut eff);
+                self.frontier = hit.tokens;
+                log!(
+                    "kv cache: disk hit {} tokens from {}",
+                    hit.tokens,
+                    hit.path.display()
+                );
+                return Ok((eff, hit.tokens, "disk"));
+            }
+        }
+        self.engine.reset();
+        Ok((job.prompt_tokens.clone(), 0, "none"))
+    }
+
+    /// Cold-save cut (§4.4): the last `<｜User｜>` before the first `<｜Assistant｜>` keeps
+    /// the stable scaffolding (system, tools) and leaves out the task text.
+    fn cold_cut(&self, eff: &[u32]) -> Option<usize> {
+        let d = self.disk.as_ref()?;
+        let (min, max) = (d.cfg.min_tokens, d.cfg.cold_max_tokens);
+        if max == 0 || eff.len() < min || eff.len() > max {
+            return None;
+        }
+        let first_asst = eff
+            .iter()
+            .position(|&t| t == self.assistant)
+            .unwrap_or(eff.len());
+        let anchor = eff[..first_asst].iter().rposition(|&t| t == self.user);
+        Some(match anchor {
+            Some(a) if a >= min => a,
+            _ => d.cfg.store_len(eff.len()),
+        })
+    }
+
+    fn continued_due(&self, pos: usize) -> bool {
+        let Some(d) = &self.disk else { return false };
+        let step = d.cfg.continued_step();
+        step > 0 && pos % step == 0 && pos >= d.cfg.min_tokens && pos > self.frontier
+    }
+
+    fn save_continued(&mut self) {
+        let pos = self.engine.tokens().len();
+        self.save_live(SaveReason::Continued);
+        self.frontier = pos;
+    }
+
+    /// Evaluates `eff[pos..]` in chunks, stopping at the cold-save cut, the snapshot
+    /// point and continued-save frontiers. Fails when the client went away.
+    fn prefill(&mut self, job: &GenJob, eff: &[u32], cold: Option<usize>) -> Result<(), Fail> {
+        let start = self.engine.tokens().len();
+        let total = eff.len() - start;
+        let snap_at = eff.len().checked_sub(1).filter(|&p| p > start);
+        let step = self.disk.as_ref().map_or(0, |d| d.cfg.continued_step());
+        let t0 = Instant::now();
+        loop {
+            let pos = self.engine.tokens().len();
+            if Some(pos) == cold {
+                self.save_live(SaveReason::Cold);
+                self.frontier = self.frontier.max(pos);
+            }
+            if Some(pos) == snap_at {
+                self.snap = Some(self.engine.snapshot());
+            }
+            if pos > start && self.continued_due(pos) {
+                self.save_continued();
+            }
+            if pos >= eff.len() {
+                break;
+            }
+            let mut end = eff.len().min(pos + PREFILL_CHUNK);
+            for p in [cold, snap_at].into_iter().flatten() {
+                if p > pos {
+                    end = end.min(p);
+                }
+            }
+            if step > 0 {
+                end = end.min((pos / step + 1) * step);
+            }
+            self.engine
+                .prefill(&eff[pos..end])
+                .map_err(|e| (500, e.to_string()))?;
+            let _ = job.tx.send(GenEvent::Progress {
+                done: end - start,
+                total,
+            });
+            if job.tx.is_closed() {
+                return Err((499, "client disconnected during prefill".into()));
+            }
+        }
+        let m = &self.shared.metrics;
+        let us = t0.elapsed().as_micros() as u64;
+        m.prefill_tokens.fetch_add(total as u64, Relaxed);
+        m.prefill_micros.fetch_add(us, Relaxed);
+        if us > 0 && total > 0 {
+            m.last_prefill_mtps
+                .store(total as u64 * 1_000_000_000 / us, Relaxed);
+        }
+        Ok(())
+    }
+
+    fn run_job(&mut self, job: &GenJob) {
+        let started = Instant::now();
+        let (eff, cached, source) = match self.sync(job) {
+            Ok(x) => x,
+            Err((status, message)) => return self.fail(job, status, message),
+        };
+        let ctx = self.engine.ctx();
+        if eff.len() >= ctx {
+            self.engine.reset();
+            return self.fail(
+                job,
+                400,
+                format!(
+                    "Prompt has {} tokens, but the configured context size is {ctx} tokens",
+                    eff.len()
+                ),
+            );
+        }
+        let cold = if cached == 0 {
+            self.cold_cut(&eff)
+        } else {
+            None
+        };
+        self.shared.metrics.cache_hit(source);
+        log!(
+            "{} ctx={cached}..{}:{} [{} tools={} think={}] queued {} ms",
+            job.kind.as_str(),
+            eff.len(),
+            eff.len() - cached,
+            source,
+            job.tools_active,
+            job.mode.as_str(),
+            started.duration_since(job.enqueued).as_millis()
+        );
+        if let Err((status, message)) = self.prefill(job, &eff, cold) {
+            if status == 499 {
+                self.shared.metrics.cancelled.fetch_add(1, Relaxed);
+                log!("request {}: {message}", job.id);
+                return;
+            }
+            self.engine.reset();
+            self.snap = None;
+            return self.fail(job, status, message);
+        }
+        let _ = job.tx.send(GenEvent::Started {
+            prompt: eff.len(),
+            cached,
+        });
+        let result = self.generate(job, &eff, cached);
+        self.trace(job, &eff, cached, source, &result);
+        let m = &self.shared.metrics;
+        m.prompt_tokens.fetch_add(eff.len() as u64, Relaxed);
+        m.cached_tokens.fetch_add(cached as u64, Relaxed);
+        m.completion_tokens
+            .fetch_add(result.usage.completion as u64, Relaxed);
+        if result.finish == Finish::Error {
+            m.errors.fetch_add(1, Relaxed);
+        }
+        log!(
+            "request {} finish={}{} tokens={} in {:.2}s",
+            job.id,
+            result.finish.openai(),
+            result
+                .error
+                .as_ref()
+                .map(|e| format!(" error=\"{e}\""))
+                .unwrap_or_default(),
+            result.usage.completion,
+            started.elapsed().as_secs_f64()
+        );
+        let _ = job.tx.send(GenEvent::Done(Box::new(result)));
+    }
+
+    fn fail(&mut self, job: &GenJob, status: u16, message: String) {
+        log!("request {} failed: {message}", job.id);
+        self.shared.metrics.errors.fetch_add(1, Relaxed);
+        let _ = job.tx.send(GenEvent::Failed { status, message });
+    }
+
+    fn generate(&mut self, job: &GenJob, eff: &[u32], cached: usize) -> GenResult {
+        let tok = self.shared.tok.clone();
+        let ctx = self.engine.ctx();
+        let max = job.max_tokens.min(ctx.saturating_sub(eff.len()));
+        let s = &job.sampling;
+        let seed = if s.seed > 0 {
+            s.seed
+        } else {
+            self.shared.seed()
+        };
+        let mut sampler = Sampler::new(SamplerConfig {
+            temperature: s.temperature.clamp(0.0, 100.0),
+            top_k: s.top_k.min(1024),
+            top_p: if s.top_p > 0.0 && s.top_p <= 1.0 {
+                s.top_p
+            } else {
+                1.0
+            },
+            min_p: s.min_p.clamp(0.0, 1.0),
+            seed,
+        });
+        let mut pipe = Pipeline::new(
+            job.kind,
+            job.structured,
+            job.mode.thinking(),
+            job.tools_active,
+            &job.stops,
+        );
+        let mut dec = tok.stream_decoder(false);
+        let mut n = 0usize;
+        let mut finish = Finish::Stop;
+        let mut error: Option<String> = None;
+        let t0 = Instant::now();
+        loop {
+            if n >= max {
+                finish = Finish::Length;
+                break;
+            }
+            if job.tx.is_closed() {
+                finish = Finish::Error;
+                error = Some("client disconnected".into());
+                self.shared.metrics.cancelled.fetch_add(1, Relaxed);
+                break;
+            }
+            if self.shared.stop_now.load(Relaxed) {
+                finish = Finish::Error;
+                error = Some("shutdown requested".into());
+                break;
+            }
+            let logits = self.engine.logits();
+            if logits.is_empty() {
+                finish = Finish::Error;
+                error = Some("no logits".into());
+                break;
+            }
+            // Greedy inside DSML syntax: a sampled typo in a tag breaks the call, while
+            // argument payloads keep the request's sampling (§2.2).
+            let t = if job.tools_active && pipe.in_dsml_syntax() {
+                argmax(logits)
+            } else {
+                sampler.sample(logits)
+            };
+            if t == self.eos {
+                break;
+            }
+            n += 1;
+            let piece = dec.push(t);
+            for ev in pipe.push(&piece) {
+                let _ = job.tx.send(ev);
+            }
+            if pipe.stop_hit.is_some() {
+                break;
+            }
+            let pos = self.engine.tokens().len();
+            if pos >= ctx {
+                finish = Finish::Length;
+                break;
+            }
+            if let Err(e) = self.engine.decode(t) {
+                finish = Finish::Error;
+                error = Some(e.to_string());
+                break;
+            }
+            if pipe.block_closed() {
+                break;
+            }
+            if self.continued_due(pos + 1) && !pipe.in_dsml_syntax() {
+                self.save_continued();
+            }
+        }
+        let us = t0.elapsed().as_micros() as u64;
+        let m = &self.shared.metrics;
+        m.decode_tokens.fetch_add(n as u64, Relaxed);
+        m.decode_micros.fetch_add(us, Relaxed);
+        if us > 0 && n > 0 {
+            m.last_decode_mtps
+                .store(n as u64 * 1_000_000_000 / us, Relaxed);
+        }
+        let tail = dec.finish();
+        if !tail.is_empty() {
+            for ev in pipe.push(&tail) {
+                let _ = job.tx.send(ev);
+            }
+        }
+        let stop_sequence = pipe.stop_hit.clone();
+        let (evs, out) = pipe.finish();
+        for ev in evs {
+            let _ = job.tx.send(ev);
+        }
+        if out.malformed {
+            log!("request {}: invalid tool call; returned as text", job.id);
+        }
+        if !out.calls.is_empty() && finish != Finish::Error {
+            finish = Finish::ToolCalls;
+        } else if out.unterminated && finish == Finish::Stop {
+            finish = Finish::Error;
+            error = Some("unterminated tool call".into());
+        }
+        if let (Some(block), false) = (
+            &out.raw_block,
+            out.calls.is_empty() || !self.shared.cfg.exact_dsml_replay,
+        ) {
+            let ids: Vec<String> = out.calls.iter().map(|c| c.id.clone()).collect();
+            self.shared.tool_memory().insert(&ids, block);
+        }
+        GenResult {
+            finish,
+            error,
+            reasoning: out.reasoning,
+            reasoning_closed: out.reasoning_closed,
+            content: out.content,
+            tool_calls: out.calls,
+            streamed_calls: out.streamed_calls,
+            stop_sequence,
+            usage: Usage {
+                prompt: eff.len(),
+                completion: n,
+                cached,
+            },
+        }
+    }
+
+    fn trace(&mut self, job: &GenJob, eff: &[u32], cached: usize, source: &str, r: &GenResult) {
+        let Some(f) = self.trace.as_mut() else { return };
+        let mut s = String::new();
+        s.push_str(&format!(
+            "===== request {} {} =====\n",
+            job.id,
+            crate::metrics::timestamp()
+        ));
+        s.push_str(&format!(
+            "kind: {}\nthink_mode: {}\ntools: {}\nprompt_tokens: {}\neffective_prompt_tokens: {}\ncached_tokens: {cached}\nmax_tokens: {}\ntemperature: {}\ntop_k: {}\ntop_p: {}\nmin_p: {}\nseed: {}\n",
+            job.kind.as_str(), job.mode.as_str(), job.tools_active, job.prompt_tokens.len(), eff.len(),
+            job.max_tokens, job.sampling.temperature, job.sampling.top_k, job.sampling.top_p, job.sampling.min_p, job.sampling.seed
+        ));
+        s.push_str(&format!(
+            "--- cache decision ---\ncache_source: {source}\ncached_tokens: {cached}\n"
+        ));
+        if let Some(raw) = &job.trace_request {
+            s.push_str("--- raw request json ---\n");
+            s.push_str(raw);
+            s.push('\n');
+        }
+        s.push_str("--- rendered prompt ---\n");
+        s.push_str(&job.prompt_text);
+        s.push_str("\n--- parsed message ---\n");
+        s.push_str(&format!(
+            "finish: {}\ngenerated_tokens: {}\n",
+            r.finish.openai(),
+            r.usage.completion
+        ));
+        if let Some(rsn) = &r.reasoning {
+            s.push_str(&format!("reasoning: {rsn}\n"));
+        }
+        s.push_str(&format!("content: {}\n", r.content));
+        for (i, c) in r.tool_calls.iter().enumerate() {
+            s.push_str(&format!(
+                "tool_call[{i}]: id={} name={} arguments={}\n",
+                c.id, c.name, c.arguments
+            ));
+        }
+        s.push_str(&format!("===== end request {} =====\n", job.id));
+        let _ = f.write_all(s.as_bytes());
+    }
+}
