@@ -1,0 +1,180 @@
+//! Test helpers: an in-process server over the fake engine and a minimal HTTP/1.1 client
+//! (loopback only, bounded timeouts).
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ds4_server::engine::{default_script, FakeEngine};
+use ds4_server::{ServerConfig, TestServer};
+use ds4_tokenizer::Tokenizer;
+use serde_json::Value;
+
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+pub fn tokenizer() -> Arc<Tokenizer> {
+    let bytes =
+        std::fs::read(root().join("fixtures/tiny/tokenizer.json")).expect("tiny tokenizer.json");
+    Arc::new(Tokenizer::from_tokenizer_json(&bytes).expect("tokenizer"))
+}
+
+pub fn fake_server(cfg: ServerConfig) -> TestServer {
+    fake_server_delay(cfg, 0)
+}
+
+pub fn fake_server_delay(cfg: ServerConfig, delay_ms: u64) -> TestServer {
+    let tok = tokenizer();
+    let eng = FakeEngine::new(tok.clone(), cfg.ctx, default_script())
+        .with_delay(Duration::from_millis(delay_ms));
+    TestServer::start(cfg, tok, Box::new(eng))
+}
+
+pub struct Resp {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Resp {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text()))
+    }
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+    /// SSE frames as (event name, data).
+    pub fn sse(&self) -> Vec<(Option<String>, String)> {
+        let text = self.text();
+        let mut out = Vec::new();
+        for frame in text.split("\n\n") {
+            let mut ev = None;
+            let mut data = None;
+            for line in frame.lines() {
+                if let Some(e) = line.strip_prefix("event: ") {
+                    ev = Some(e.to_string());
+                } else if let Some(d) = line.strip_prefix("data: ") {
+                    data = Some(d.to_string());
+                }
+            }
+            if let Some(d) = data {
+                out.push((ev, d));
+            }
+        }
+        out
+    }
+    pub fn sse_json(&self) -> Vec<Value> {
+        self.sse()
+            .into_iter()
+            .filter(|(_, d)| d != "[DONE]")
+            .map(|(_, d)| serde_json::from_str(&d).expect("event JSON"))
+            .collect()
+    }
+}
+
+fn dechunk(mut b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let Some(nl) = b.windows(2).position(|w| w == b"\r\n") else {
+            break;
+        };
+        let size = usize::from_str_radix(std::str::from_utf8(&b[..nl]).unwrap_or("0").trim(), 16)
+            .unwrap_or(0);
+        b = &b[nl + 2..];
+        if size == 0 || b.len() < size {
+            out.extend_from_slice(&b[..size.min(b.len())]);
+            break;
+        }
+        out.extend_from_slice(&b[..size]);
+        b = &b[(size + 2).min(b.len())..];
+    }
+    out
+}
+
+pub fn raw(addr: SocketAddr, request: &[u8]) -> Resp {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    s.write_all(request).expect("write");
+    let mut buf = Vec::new();
+    let _ = s.read_to_end(&mut buf);
+    parse(&buf)
+}
+
+pub fn parse(buf: &[u8]) -> Resp {
+    let split = buf
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .unwrap_or_else(|| panic!("no header end: {:?}", String::from_utf8_lossy(buf)));
+    let head = String::from_utf8_lossy(&buf[..split]).into_owned();
+    let mut lines = head.split("\r\n");
+    let status: u16 = lines
+        .next()
+        .and_then(|l| l.split(' ').nth(1))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| {
+            l.split_once(": ")
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+        })
+        .collect();
+    let body = &buf[split + 4..];
+    let chunked = headers
+        .iter()
+        .any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
+    Resp {
+        status,
+        body: if chunked {
+            dechunk(body)
+        } else {
+            body.to_vec()
+        },
+        headers,
+    }
+}
+
+pub fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    extra_headers: &[(&str, &str)],
+    body: &[u8],
+) -> Resp {
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    if !body.is_empty() {
+        req.push_str("Content-Type: application/json\r\n");
+    }
+    for (k, v) in extra_headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    let mut bytes = req.into_bytes();
+    bytes.extend_from_slice(body);
+    raw(addr, &bytes)
+}
+
+pub fn post(addr: SocketAddr, path: &str, body: &Value) -> Resp {
+    request(addr, "POST", path, &[], body.to_string().as_bytes())
+}
+
+pub fn get(addr: SocketAddr, path: &str) -> Resp {
+    request(addr, "GET", path, &[], b"")
+}
+
+pub fn weather_tool() -> Value {
+    serde_json::json!({"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}})
+}
