@@ -32,7 +32,12 @@ fn tmpdir(name: &str) -> std::path::PathBuf {
 }
 
 fn kv_files(dir: &Path) -> Vec<std::path::PathBuf> {
-    let mut v: Vec<_> = std::fs::read_dir(dir).unwrap().flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|e| e == "kv")).collect();
+    let mut v: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "kv"))
+        .collect();
     v.sort();
     v
 }
@@ -43,7 +48,15 @@ fn read_header(bytes: &[u8]) -> (u8, u8, u8, u32, u32, u64, u32) {
     assert_eq!(bytes[3], 1, "version");
     let u32at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().unwrap());
     let u64at = |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().unwrap());
-    (bytes[4], bytes[5], bytes[6], u32at(8), u32at(16), u64at(40), u32at(48))
+    (
+        bytes[4],
+        bytes[5],
+        bytes[6],
+        u32at(8),
+        u32at(16),
+        u64at(40),
+        u32at(48),
+    )
 }
 
 #[test]
@@ -70,14 +83,22 @@ fn restart_serves_the_prefix_from_disk() {
         assert_eq!(b.len() as u64, 52 + key_len as u64 + payload);
         let key = &b[52..52 + key_len as usize];
         assert!(key.starts_with("<｜begin▁of▁sentence｜>".as_bytes()));
-        assert_eq!(&b[52 + key_len as usize..52 + key_len as usize + 4], b"FAKE");
+        assert_eq!(
+            &b[52 + key_len as usize..52 + key_len as usize + 4],
+            b"FAKE"
+        );
         reasons.push(reason);
     }
-    assert!(reasons.contains(&1) && reasons.contains(&4), "cold and shutdown saves: {reasons:?}");
+    assert!(
+        reasons.contains(&1) && reasons.contains(&4),
+        "cold and shutdown saves: {reasons:?}"
+    );
     // A fresh server (empty live session) reuses the shared system prefix from disk.
     let s = fake_server(cfg(&dir));
     let r = ask(&s, "another question");
-    let cached = r["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    let cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
     assert!(cached >= 32, "{r}");
     let m = get(s.addr, "/metrics").text();
     assert!(m.contains("ds4_cache_hits_total{kind=\"disk\"} 1"), "{m}");
@@ -101,7 +122,11 @@ fn garbage_cache_files_are_ignored() {
     std::fs::write(name('c'), &h).unwrap();
     std::fs::write(dir.join("README.kv"), b"ignored name").unwrap();
     let s = fake_server(cfg(&dir));
-    let r = post(s.addr, "/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}));
+    let r = post(
+        s.addr,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+    );
     assert_eq!(r.status, 200);
     drop(s);
     let _ = std::fs::remove_dir_all(&dir);

@@ -1,0 +1,114 @@
+//! The official OpenAI and Anthropic Python SDKs against the `ds4-server` binary
+//! (pinned in .ci/requirements.txt). Fails when the packages are missing, unless
+//! DS4_SKIP_PYTHON_TESTS=1.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn skip() -> bool {
+    if std::env::var("DS4_SKIP_PYTHON_TESTS").as_deref() == Ok("1") {
+        eprintln!("skipped: DS4_SKIP_PYTHON_TESTS=1");
+        return true;
+    }
+    false
+}
+
+/// Starts the binary on an ephemeral port and returns it with its base URL.
+fn start(args: &[&str]) -> (Child, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ds4-server"))
+        .args(["--port", "0"])
+        .args(args)
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start ds4-server");
+    let err = child.stderr.take().unwrap();
+    let mut lines = BufReader::new(err).lines();
+    let url = loop {
+        let line = lines
+            .next()
+            .expect("server exited before listening")
+            .expect("stderr");
+        eprintln!("{line}");
+        if let Some(u) = line.split("listening on ").nth(1) {
+            break u.trim().to_string();
+        }
+    };
+    std::thread::spawn(move || {
+        for l in lines.map_while(Result::ok) {
+            eprintln!("{l}")
+        }
+    });
+    (child, url)
+}
+
+fn stop(mut child: Child) {
+    // SIGTERM: the clean shutdown path (saves the live session).
+    let _ = Command::new("kill")
+        .arg("-TERM")
+        .arg(child.id().to_string())
+        .status();
+    let _ = child.wait();
+}
+
+fn run_sdk(url: &str, extra: &[&str]) {
+    let out = Command::new("python3")
+        .arg(root().join("crates/server/tests/py/sdk_test.py"))
+        .args(["--base-url", url])
+        .args(extra)
+        .output()
+        .expect("python3");
+    eprintln!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "SDK test failed (install with: pip install -r .ci/requirements.txt, or set DS4_SKIP_PYTHON_TESTS=1)");
+}
+
+#[test]
+fn python_sdks_against_the_fake_engine() {
+    if skip() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("ds4-sdk-kv-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let tj = root().join("fixtures/tiny/tokenizer.json");
+    let d = dir.to_str().unwrap();
+    let (child, url) = start(&[
+        "--fake-engine",
+        tj.to_str().unwrap(),
+        "--ctx",
+        "4096",
+        "--kv-disk-dir",
+        d,
+        "--kv-cache-min-tokens",
+        "16",
+    ]);
+    run_sdk(&url, &["--kv-dir", d]);
+    stop(child);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn python_sdks_against_the_tiny_model() {
+    if skip() {
+        return;
+    }
+    let model = root().join("fixtures/tiny/tiny-q2.gguf");
+    let (child, url) = start(&[
+        "-m",
+        model.to_str().unwrap(),
+        "--cpu",
+        "--ctx",
+        "4096",
+        "-n",
+        "24",
+    ]);
+    run_sdk(&url, &["--no-tools"]);
+    stop(child);
+}
