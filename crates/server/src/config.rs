@@ -149,11 +149,7 @@ impl KvDiskConfig {
     pub fn store_len(&self, len: usize) -> usize {
         if len > self.min_tokens + self.trim {
             let x = len - self.trim;
-            let x = if self.align > 0 {
-                x / self.align * self.align
-            } else {
-                x
-            };
+            let x = x.checked_div(self.align).map_or(x, |q| q * self.align);
             if x >= self.min_tokens {
                 return x;
             }

@@ -362,7 +362,7 @@ impl Worker {
     fn continued_due(&self, pos: usize) -> bool {
         let Some(d) = &self.disk else { return false };
         let step = d.cfg.continued_step();
-        step > 0 && pos % step == 0 && pos >= d.cfg.min_tokens && pos > self.frontier
+        step > 0 && pos.is_multiple_of(step) && pos >= d.cfg.min_tokens && pos > self.frontier
     }
 
     fn save_continued(&mut self) {
@@ -400,8 +400,8 @@ impl Worker {
                     end = end.min(p);
                 }
             }
-            if step > 0 {
-                end = end.min((pos / step + 1) * step);
+            if let Some(q) = pos.checked_div(step) {
+                end = end.min((q + 1) * step);
             }
             self.engine
                 .prefill(&eff[pos..end])

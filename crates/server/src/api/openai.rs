@@ -90,22 +90,18 @@ fn parse_messages(o: &Map<String, Value>) -> Result<Conversation, ApiError> {
     Ok(conv)
 }
 
-fn common(
-    shared: &Shared,
-    o: &Map<String, Value>,
-    kind: ApiKind,
-) -> Result<
-    (
-        String,
-        crate::render::ThinkMode,
-        Sampling,
-        usize,
-        Vec<String>,
-        bool,
-        bool,
-    ),
-    ApiError,
-> {
+/// Fields shared by chat and completions.
+type Common = (
+    String,
+    crate::render::ThinkMode,
+    Sampling,
+    usize,
+    Vec<String>,
+    bool,
+    bool,
+);
+
+fn common(shared: &Shared, o: &Map<String, Value>, kind: ApiKind) -> Result<Common, ApiError> {
     let model = get_str(o, "model")?
         .unwrap_or("deepseek-v4-flash")
         .to_string();
