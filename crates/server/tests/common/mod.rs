@@ -85,10 +85,7 @@ impl Resp {
 
 fn dechunk(mut b: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
-    while let Some(nl) = b.windows(2).position(|w| {
-        w == b"
-"
-    }) {
+    while let Some(nl) = b.windows(2).position(|w| w == b"\r\n") {
         let size = usize::from_str_radix(std::str::from_utf8(&b[..nl]).unwrap_or("0").trim(), 16)
             .unwrap_or(0);
         b = &b[nl + 2..];
