@@ -286,3 +286,31 @@ fn quoted_after(s: &str, key: &str) -> Option<String> {
     let rest = s.split(key).nth(1)?;
     Some(rest.split('"').next()?.to_string())
 }
+
+/// The tokenizer of a DS4 GGUF, from its `tokenizer.ggml.*` metadata (the same loader as
+/// the CLI's; the server cannot depend on the CLI crate).
+pub fn tokenizer_from_gguf(gguf: &ds4_gguf::GgufFile) -> Result<Tokenizer, ServerError> {
+    let strings = |key: &str| -> Result<Vec<String>, ServerError> {
+        gguf.get(key)
+            .and_then(|v| v.as_str_array())
+            .map(|v| v.into_iter().map(str::to_string).collect())
+            .ok_or_else(|| {
+                ServerError::Invalid(format!(
+                    "the model has no string array {key}; is this a DS4 GGUF?"
+                ))
+            })
+    };
+    let tokens = strings("tokenizer.ggml.tokens")?;
+    let merges = strings("tokenizer.ggml.merges")?;
+    let types = gguf
+        .get("tokenizer.ggml.token_type")
+        .and_then(|v| v.as_array())
+        .map(|(_, items)| {
+            items
+                .iter()
+                .map(|v| v.as_i64().and_then(|x| i32::try_from(x).ok()).unwrap_or(1))
+                .collect()
+        });
+    Tokenizer::from_gguf_vocab(tokens, merges, types)
+        .map_err(|e| ServerError::Invalid(e.to_string()))
+}

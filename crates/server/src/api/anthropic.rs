@@ -282,7 +282,6 @@ pub struct MessageStream {
     index: usize,
     started: bool,
     sent_text: bool,
-    sent_thinking: bool,
 }
 
 impl MessageStream {
@@ -294,7 +293,6 @@ impl MessageStream {
             index: 0,
             started: false,
             sent_text: false,
-            sent_thinking: false,
         }
     }
 
@@ -360,7 +358,6 @@ impl SseFormatter for MessageStream {
                         json!({"type": "thinking", "thinking": "", "signature": ""}),
                     );
                 }
-                self.sent_thinking = true;
                 out.push(Self::ev("content_block_delta", json!({"index": self.index, "delta": {"type": "thinking_delta", "thinking": s}})));
             }
             GenEvent::Content(s) => {
@@ -423,7 +420,6 @@ impl SseFormatter for MessageStream {
             }
             GenEvent::Progress { .. } => {}
         }
-        let _ = self.sent_thinking;
         out
     }
 }

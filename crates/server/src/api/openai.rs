@@ -1,6 +1,6 @@
 //! OpenAI `/v1/chat/completions` and `/v1/completions` (server.md §2.3, §2.4).
 
-use ds4_tokenizer::chat::{Content, FunctionCall, Message, ToolCall};
+use ds4_tokenizer::chat::{FunctionCall, Message, ToolCall};
 use serde_json::{json, Map, Value};
 
 use super::*;
@@ -346,13 +346,4 @@ impl SseFormatter for CompletionStream {
             _ => Vec::new(),
         }
     }
-}
-
-#[allow(dead_code)]
-fn content_of(m: &Message) -> String {
-    m.content
-        .as_ref()
-        .map(Content::to_text)
-        .map(|c| c.into_owned())
-        .unwrap_or_default()
 }

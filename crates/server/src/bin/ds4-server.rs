@@ -11,27 +11,6 @@ use ds4_server::worker::spawn_worker;
 use ds4_server::{log, Args, EngineBackend, Shared};
 use ds4_tokenizer::Tokenizer;
 
-fn tokenizer_from_gguf(gguf: &ds4_gguf::GgufFile) -> Result<Tokenizer> {
-    let strings = |key: &str| -> Result<Vec<String>> {
-        match gguf.get(key).and_then(|v| v.as_str_array()) {
-            Some(v) => Ok(v.into_iter().map(str::to_string).collect()),
-            None => bail!("the model has no string array {key}; is this a DS4 GGUF?"),
-        }
-    };
-    let tokens = strings("tokenizer.ggml.tokens")?;
-    let merges = strings("tokenizer.ggml.merges")?;
-    let types = gguf
-        .get("tokenizer.ggml.token_type")
-        .and_then(|v| v.as_array())
-        .map(|(_, items)| {
-            items
-                .iter()
-                .map(|v| v.as_i64().and_then(|x| i32::try_from(x).ok()).unwrap_or(1))
-                .collect()
-        });
-    Ok(Tokenizer::from_gguf_vocab(tokens, merges, types)?)
-}
-
 fn load_engine(args: &Args) -> Result<(Arc<Tokenizer>, Box<dyn EngineBackend>)> {
     if let Some(tj) = &args.fake_engine {
         let bytes = std::fs::read(tj).with_context(|| format!("reading {}", tj.display()))?;
@@ -54,7 +33,8 @@ fn load_engine(args: &Args) -> Result<(Arc<Tokenizer>, Box<dyn EngineBackend>)> 
     };
     let model = Model::load(&args.model, LoadOptions { numerics })
         .with_context(|| format!("cannot load {}", args.model.display()))?;
-    let tok = tokenizer_from_gguf(model.gguf())?;
+    let tok = ds4_server::engine::tokenizer_from_gguf(model.gguf())
+        .map_err(|e| anyhow::anyhow!("tokenizer of {}: {e}", args.model.display()))?;
     tok.special_ids()
         .map_err(|e| anyhow::anyhow!("the model's vocabulary lacks the chat markers: {e}"))?;
     let want = if args.cpu {
