@@ -42,10 +42,7 @@ fn tiny_model_reuse_and_disk_restart() {
     let body = |q: &str| json!({"model": "deepseek-chat", "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}], "max_tokens": 6, "seed": 7});
     let s = server(&dir);
     let r1 = post(s.addr, "/v1/chat/completions", &body("one")).json();
-    assert_eq!(
-        r1["usage"]["completion_tokens"].as_u64().unwrap() + 0,
-        r1["usage"]["completion_tokens"].as_u64().unwrap()
-    );
+    assert_eq!(r1["choices"][0]["message"]["role"], "assistant");
     let r2 = post(s.addr, "/v1/chat/completions", &body("one")).json();
     // Same prompt again: rewinds to the snapshot instead of re-prefilling.
     assert_eq!(
