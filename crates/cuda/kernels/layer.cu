@@ -1,7 +1,9 @@
-// The non-matmul operations of a DeepSeek V4 layer for one decoded token
-// (architecture.md §5). Every count that depends on the position (raw rows in the
-// window, compressed rows, frontier slots) is derived from `step->pos` in device
-// memory, so one token's launches can be captured in a CUDA graph and replayed.
+// The non-matmul operations of a DeepSeek V4 layer (architecture.md §5). Every count
+// that depends on the position (raw rows in the window, compressed rows, frontier
+// slots) is derived from `step->pos` in device memory, so one token's launches can be
+// captured in a CUDA graph and replayed. Per-token kernels take the token of a batch
+// from blockIdx.y (decode: one token, gridDim.y = 1): `step` is then an array and the
+// token's rows are found at the natural per-token strides.
 #include "common.cuh"
 
 #define NEG_INF_F (-1e30f)
@@ -62,7 +64,8 @@ __device__ __forceinline__ float sigmoidf_(float x) {
 // ---- embedding: every HC stream starts as the token's embedding row.
 extern "C" __global__ void embed(const Step* step, const void* table, int type, int n_embd,
                                  int n_hc, float* h) {
-    const i64 row = (i64)step->token * n_embd;
+    const i64 row = (i64)step[blockIdx.y].token * n_embd;
+    h += (i64)blockIdx.y * n_hc * n_embd;
     for (int i = threadIdx.x + blockIdx.x * blockDim.x; i < n_embd; i += blockDim.x * gridDim.x) {
         float v;
         if (type == 8) {  // Q8_0 rows: 34-byte blocks
@@ -80,6 +83,8 @@ extern "C" __global__ void __launch_bounds__(1024) hc_mix(const float* h, int n,
                                                           int fn_type, float eps, float* mix) {
     __shared__ float red[32];
     const int k = blockIdx.x;
+    h += (i64)blockIdx.y * n;
+    mix += (i64)blockIdx.y * gridDim.x;
     float ss = 0.f, dot = 0.f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         const float v = h[i];
@@ -102,6 +107,10 @@ extern "C" __global__ void __launch_bounds__(1024) hc_pre(const float* h, const 
     __shared__ float c[32];
     const int t = threadIdx.x;
     const int nn = n_hc * n_hc;
+    h += (i64)blockIdx.y * n_hc * n_embd;
+    mix += (i64)blockIdx.y * (2 + n_hc) * n_hc;
+    y += (i64)blockIdx.y * n_embd;
+    hcp += (i64)blockIdx.y * (n_hc + nn);
     if (t < WARP) {
         const int i = t / n_hc, j = t % n_hc;
         if (t < n_hc) {
@@ -150,7 +159,7 @@ extern "C" __global__ void __launch_bounds__(1024) hc_pre(const float* h, const 
         if (t < nn) hcp[n_hc + t] = c[t];
     }
     __syncthreads();
-    for (int d = threadIdx.x + blockIdx.x * blockDim.x; d < n_embd; d += blockDim.x * gridDim.x) {
+    for (int d = threadIdx.x; d < n_embd; d += blockDim.x) {
         float acc = 0.f;
         for (int i = 0; i < n_hc; ++i) acc += pre[i] * h[(i64)i * n_embd + d];
         y[d] = acc;
@@ -160,6 +169,10 @@ extern "C" __global__ void __launch_bounds__(1024) hc_pre(const float* h, const 
 // ---- HC post: H'_j = out·post_j + Σ_i comb[i][j]·H_i.
 extern "C" __global__ void hc_post(const float* h, const float* out, const float* hcp, int n_hc,
                                    int n_embd, float* h_out) {
+    h += (i64)blockIdx.y * n_hc * n_embd;
+    h_out += (i64)blockIdx.y * n_hc * n_embd;
+    out += (i64)blockIdx.y * n_embd;
+    hcp += (i64)blockIdx.y * (n_hc + n_hc * n_hc);
     for (int d = threadIdx.x + blockIdx.x * blockDim.x; d < n_embd; d += blockDim.x * gridDim.x) {
         const float o = out[d];
         for (int j = 0; j < n_hc; ++j) {
@@ -206,8 +219,8 @@ __device__ __forceinline__ void rope_pair(float& x0, float& x1, int k, float pos
 
 extern "C" __global__ void rope_tail(const Step* step, float* x, int stride, int pos_offset,
                                      RopeP p, int inverse) {
-    float* v = x + (i64)blockIdx.x * stride + (stride - p.rope_dim);
-    const float pos = (float)(step->pos + pos_offset);
+    float* v = x + ((i64)blockIdx.y * gridDim.x + blockIdx.x) * stride + (stride - p.rope_dim);
+    const float pos = (float)(step[blockIdx.y].pos + pos_offset);
     for (int k = threadIdx.x; k < p.rope_dim / 2; k += blockDim.x)
         rope_pair(v[2 * k], v[2 * k + 1], k, pos, p, inverse != 0);
 }
@@ -291,6 +304,8 @@ extern "C" __global__ void __launch_bounds__(512) kv_finish(const Step* step, co
         float* ring, int raw_cap) {
     __shared__ float v[1024];
     __shared__ float red[32];
+    step += blockIdx.y;
+    kv += (i64)blockIdx.y * hd;
     float ss = 0.f;
     for (int i = threadIdx.x; i < hd; i += blockDim.x) ss += kv[i] * kv[i];
     ss = block_sum(ss, red);
@@ -393,11 +408,152 @@ extern "C" __global__ void __launch_bounds__(1024) compressor_step(const Step* s
     }
 }
 
+// ---- Batched compressor (prefill): the same result as compressor_step run for each of
+// the batch's tokens in order. kvs holds per token the kv (w floats) then the raw gate
+// score (w floats); tokens are at positions p0 = step[0].pos … p0 + n_tok − 1.
+//
+// A value of position q < p0 comes from the frontier state as it was before the
+// batch: with one lane, slot q % r; with two lanes, the current-window slots r + q % r
+// when q is in the window open at p0, the previous-window slots q mod r otherwise.
+struct CompVal {
+    float kv, sc;
+};
+
+__device__ __forceinline__ CompVal comp_value(int q, int col, int p0, const float* kvs,
+        const void* ape, int ape_type, const float* skv, const float* ssc, int ratio, int lanes,
+        int w) {
+    const int m = ((q % ratio) + ratio) % ratio;
+    CompVal v;
+    if (q >= p0) {
+        const float* t = kvs + (i64)(q - p0) * 2 * w;
+        v.kv = t[col];
+        v.sc = t[w + col] + ldw(ape, ape_type, (i64)m * w + col);
+    } else {
+        int slot = m;
+        if (lanes == 2) {
+            const int qw = q >= 0 ? q / ratio : -1;
+            if (qw == p0 / ratio) slot = ratio + m;
+        }
+        v.kv = skv[(i64)slot * w + col];
+        v.sc = ssc[(i64)slot * w + col];
+    }
+    return v;
+}
+
+// One block per row completed inside the batch (blockIdx.x = row − p0 / r).
+extern "C" __global__ void __launch_bounds__(1024) compressor_emit(const Step* step, int n_tok,
+        const float* kvs, const void* ape, int ape_type, const float* skv, const float* ssc,
+        int ratio, int lanes, int d, const void* norm_w, int norm_type, float eps, RopeP p,
+        int mode, int f16_round, float* rows) {
+    __shared__ float v[1024];
+    __shared__ float red[32];
+    const int w = lanes * d;
+    const int p0 = step[0].pos;
+    const int row = p0 / ratio + blockIdx.x;
+    if (row > (p0 + n_tok) / ratio - 1) return;
+    const int base = row * ratio;  // first position of the row's window
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        float mx = NEG_INF_F;
+        for (int i = 0; i < ratio; ++i) {
+            if (lanes == 2) {
+                mx = fmaxf(mx, comp_value(base - ratio + i, j, p0, kvs, ape, ape_type, skv, ssc,
+                                          ratio, lanes, w).sc);
+                mx = fmaxf(mx, comp_value(base + i, d + j, p0, kvs, ape, ape_type, skv, ssc, ratio,
+                                          lanes, w).sc);
+            } else {
+                mx = fmaxf(mx, comp_value(base + i, j, p0, kvs, ape, ape_type, skv, ssc, ratio,
+                                          lanes, w).sc);
+            }
+        }
+        float num = 0.f, den = 0.f;
+        if (mx > -5e29f) {
+            for (int i = 0; i < ratio; ++i) {
+                if (lanes == 2) {
+                    CompVal a = comp_value(base - ratio + i, j, p0, kvs, ape, ape_type, skv, ssc,
+                                           ratio, lanes, w);
+                    float e = expf(a.sc - mx);
+                    num += e * a.kv;
+                    den += e;
+                    a = comp_value(base + i, d + j, p0, kvs, ape, ape_type, skv, ssc, ratio, lanes,
+                                   w);
+                    e = expf(a.sc - mx);
+                    num += e * a.kv;
+                    den += e;
+                } else {
+                    const CompVal a = comp_value(base + i, j, p0, kvs, ape, ape_type, skv, ssc,
+                                                 ratio, lanes, w);
+                    const float e = expf(a.sc - mx);
+                    num += e * a.kv;
+                    den += e;
+                }
+            }
+        }
+        v[j] = mx > -5e29f ? num / den : 0.f;
+    }
+    __syncthreads();
+    float ss = 0.f;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) ss += v[j] * v[j];
+    ss = block_sum(ss, red);
+    const float sc = 1.0f / sqrtf(ss / (float)d + eps);
+    for (int j = threadIdx.x; j < d; j += blockDim.x) v[j] = v[j] * sc * ldw(norm_w, norm_type, j);
+    __syncthreads();
+    const int nope = d - p.rope_dim;
+    for (int k = threadIdx.x; k < p.rope_dim / 2; k += blockDim.x)
+        rope_pair(v[nope + 2 * k], v[nope + 2 * k + 1], k, (float)base, p, false);
+    __syncthreads();
+    const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
+    if (mode == 0) {
+        for (int b = wid; b < nope / 64; b += blockDim.x / WARP) fp8_block64(v + b * 64, lane);
+    } else {
+        hadamard_smem(v, d);
+        for (int b = wid; b < d / 32; b += blockDim.x / WARP) fp4_block32(v + b * 32, lane);
+    }
+    __syncthreads();
+    float* dst = rows + (i64)row * d;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) dst[j] = f16_round ? f16r(v[j]) : v[j];
+}
+
+// The frontier state after the batch (run after compressor_emit, which reads the old
+// one). One thread per (slot j < r, column): the current-window slot gets the latest
+// position ≡ j (mod r) when it is in the batch; with two lanes the previous-window slot
+// gets position R·r + j of the last row R completed in the batch, if any.
+extern "C" __global__ void compressor_state(const Step* step, int n_tok, const float* kvs,
+        const void* ape, int ape_type, float* skv, float* ssc, int ratio, int lanes, int d) {
+    const int w = lanes * d;
+    const int p0 = step[0].pos;
+    const int last = p0 + n_tok - 1;
+    for (i64 e = threadIdx.x + (i64)blockIdx.x * blockDim.x; e < (i64)ratio * w;
+         e += (i64)blockDim.x * gridDim.x) {
+        const int j = (int)(e / w), col = (int)(e % w);
+        const int cur = lanes == 2 ? ratio + j : j;
+        CompVal prev_v;
+        const int r_last = (last + 1) / ratio - 1;
+        const bool emitted = r_last >= p0 / ratio;
+        if (lanes == 2 && emitted)
+            prev_v = comp_value(r_last * ratio + j, col, p0, kvs, ape, ape_type, skv, ssc, ratio,
+                                lanes, w);
+        if (last >= j) {
+            const int q = j + (last - j) / ratio * ratio;
+            if (q >= p0) {
+                const CompVal c =
+                    comp_value(q, col, p0, kvs, ape, ape_type, skv, ssc, ratio, lanes, w);
+                skv[(i64)cur * w + col] = c.kv;
+                ssc[(i64)cur * w + col] = c.sc;
+            }
+        }
+        if (lanes == 2 && emitted) {
+            skv[(i64)j * w + col] = prev_v.kv;
+            ssc[(i64)j * w + col] = prev_v.sc;
+        }
+    }
+}
+
 // ---- Indexer query: per head (one block each) RoPE on the tail, Hadamard, FP4.
 extern "C" __global__ void __launch_bounds__(256) indexer_q(const Step* step, float* q, int dim,
                                                             RopeP p) {
     __shared__ float v[1024];
-    float* qh = q + (i64)blockIdx.x * dim;
+    step += blockIdx.y;
+    float* qh = q + ((i64)blockIdx.y * gridDim.x + blockIdx.x) * dim;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) v[i] = qh[i];
     __syncthreads();
     const int nope = dim - p.rope_dim;
@@ -415,7 +571,11 @@ extern "C" __global__ void __launch_bounds__(256) indexer_q(const Step* step, fl
 // exceeds top_k (checked on the device).
 extern "C" __global__ void __launch_bounds__(256) indexer_scores(const Step* step,
         const float* index_rows, const float* q, const float* wt, int heads, int dim,
-        float wscale, int ratio, int top_k, float* scores) {
+        float wscale, int ratio, int top_k, float* scores, int scores_stride) {
+    step += blockIdx.y;
+    q += (i64)blockIdx.y * heads * dim;
+    wt += (i64)blockIdx.y * heads;
+    scores += (i64)blockIdx.y * scores_stride;
     const int n = (step->pos + 1) / ratio;
     if (n <= top_k) return;
     const int lane = threadIdx.x % WARP;
@@ -439,17 +599,49 @@ __device__ __forceinline__ u32 fkey(float f) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-// ---- Top-k mask over n scores: allowed[c] = 1 for the k largest (ties to the lowest
-// index), by a 4-pass radix select in one block. With n ≤ k every row is allowed.
-extern "C" __global__ void __launch_bounds__(1024) topk_mask(const Step* step, const float* scores,
-        int ratio, int k, u8* allowed) {
+// Exclusive prefix sum over the block of one int per thread (blockDim.x ≤ 1024).
+__device__ int block_exclusive_scan(int v, int* red, int* total) {
+    const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
+    int x = v;
+#pragma unroll
+    for (int o = 1; o < WARP; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    __syncthreads();
+    if (lane == WARP - 1) red[wid] = x;
+    __syncthreads();
+    if (wid == 0) {
+        const int nw = blockDim.x / WARP;
+        int w = lane < nw ? red[lane] : 0;
+#pragma unroll
+        for (int o = 1; o < WARP; o <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, w, o);
+            if (lane >= o) w += y;
+        }
+        if (lane < nw) red[lane] = w;
+    }
+    __syncthreads();
+    const int before = (wid > 0 ? red[wid - 1] : 0) + x - v;
+    if (total) *total = red[blockDim.x / WARP - 1];
+    __syncthreads();
+    return before;
+}
+
+// ---- Top-k selection over n scores: sel receives the indices of the k largest in
+// ascending index order (ties at the k-th value to the lowest indices), found by a
+// 4-pass radix select and a block-wide compaction. With n ≤ k nothing is written:
+// attention then uses every row. One block per token (blockIdx.y), 1024 threads.
+extern "C" __global__ void __launch_bounds__(1024) topk_select(const Step* step,
+        const float* scores, int scores_stride, int ratio, int k, i32* sel) {
     __shared__ u32 hist[256];
     __shared__ u32 sel_prefix, sel_need;
+    __shared__ int red[32];
+    step += blockIdx.y;
+    scores += (i64)blockIdx.y * scores_stride;
+    sel += (i64)blockIdx.y * k;
     const int n = (step->pos + 1) / ratio;
-    if (n <= k) {
-        for (int c = threadIdx.x; c < n; c += blockDim.x) allowed[c] = 1;
-        return;
-    }
+    if (n <= k) return;
     u32 prefix = 0, need = (u32)k;  // rank still to find among keys matching prefix
     for (int pass = 0; pass < 4; ++pass) {
         const int shift = 24 - 8 * pass;
@@ -476,23 +668,24 @@ extern "C" __global__ void __launch_bounds__(1024) topk_mask(const Step* step, c
         need = sel_need;
         __syncthreads();
     }
-    // prefix = the k-th largest key; `need` of the rows equal to it are kept, the
-    // lowest indices first.
+    // prefix = the k-th largest key; keep every larger key and the first `need` equal
+    // ones. Each thread owns a contiguous chunk, so ascending order falls out of the scan.
     const u32 kth = prefix;
-    __shared__ u32 taken;
-    if (threadIdx.x == 0) taken = 0;
-    __syncthreads();
-    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+    const int chunk = (n + blockDim.x - 1) / blockDim.x;
+    const int c0 = min(n, (int)threadIdx.x * chunk), c1 = min(n, c0 + chunk);
+    int gt = 0, eq = 0;
+    for (int c = c0; c < c1; ++c) {
         const u32 key = fkey(scores[c]);
-        allowed[c] = key > kth ? 1 : 0;
+        gt += key > kth;
+        eq += key == kth;
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int c = 0; c < n && taken < need; ++c)
-            if (fkey(scores[c]) == kth) {
-                allowed[c] = 1;
-                ++taken;
-            }
+    const int eq_before = block_exclusive_scan(eq, red, nullptr);
+    const int eq_take = max(0, min(eq, (int)need - eq_before));
+    int out = block_exclusive_scan(gt + eq_take, red, nullptr);
+    int eq_left = eq_take;
+    for (int c = c0; c < c1; ++c) {
+        const u32 key = fkey(scores[c]);
+        if (key > kth || (key == kth && eq_left-- > 0)) sel[out++] = c;
     }
 }
 
@@ -503,18 +696,23 @@ extern "C" __global__ void __launch_bounds__(1024) topk_mask(const Step* step, c
 // partial sums are added in shared memory. hd must be a multiple of 4 (≤ 1024).
 #define ATT_WARPS 8
 extern "C" __global__ void __launch_bounds__(256) attention(const Step* step, const float* q,
-        const float* ring, int raw_cap, const float* comp, int ratio, const u8* allowed,
-        int use_mask, const float* sinks, int hd, float scale, float* scores_g, int scores_stride,
+        const float* ring, int raw_cap, int window, const float* comp, int ratio, const i32* sel,
+        int top_k, const float* sinks, int hd, float scale, float* scores_g, int scores_stride,
         float* out) {
     __shared__ float red[32];
     __shared__ float part[ATT_WARPS][1024];
     const int h = blockIdx.x;
-    const int pos = step->pos;
-    const int n_raw = min(pos + 1, raw_cap);
-    const int n_comp = ratio > 0 ? (pos + 1) / ratio : 0;
-    const bool masked = use_mask && n_comp > 0;
-    const float* qh = q + (i64)h * hd;
-    float* sc = scores_g + (i64)h * scores_stride;
+    const int t = blockIdx.y;
+    const int pos = step[t].pos;
+    const int n_raw = min(pos + 1, window);
+    const int n_comp_all = ratio > 0 ? (pos + 1) / ratio : 0;
+    // With a selection (indexer layers past top_k rows) only the selected rows count.
+    const bool masked = sel != nullptr && n_comp_all > top_k;
+    const int n_comp = masked ? top_k : n_comp_all;
+    sel += (i64)t * top_k;
+    const float* qh = q + ((i64)t * gridDim.x + h) * hd;
+    out += (i64)t * gridDim.x * hd;
+    float* sc = scores_g + ((i64)t * gridDim.x + h) * scores_stride;
     const int total = n_raw + n_comp;
     const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP, nw = blockDim.x / WARP;
     for (int r = wid; r < total; r += nw) {
@@ -522,11 +720,7 @@ extern "C" __global__ void __launch_bounds__(256) attention(const Step* step, co
         if (r < n_raw) {
             row = ring + (i64)((pos - n_raw + 1 + r) % raw_cap) * hd;
         } else {
-            const int c = r - n_raw;
-            if (masked && !allowed[c]) {
-                if (lane == 0) sc[r] = NEG_INF_F;
-                continue;
-            }
+            const int c = masked ? sel[r - n_raw] : r - n_raw;
             row = comp + (i64)c * hd;
         }
         float dot = 0.f;
@@ -559,8 +753,9 @@ extern "C" __global__ void __launch_bounds__(256) attention(const Step* step, co
     for (int r = wid; r < total; r += nw) {
         const float wgt = sc[r];
         if (wgt == 0.f) continue;
-        const float* row = r < n_raw ? ring + (i64)((pos - n_raw + 1 + r) % raw_cap) * hd
-                                     : comp + (i64)(r - n_raw) * hd;
+        const float* row =
+            r < n_raw ? ring + (i64)((pos - n_raw + 1 + r) % raw_cap) * hd
+                      : comp + (i64)(masked ? sel[r - n_raw] : r - n_raw) * hd;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             if (j < nj && 128 * j + 4 * lane < hd) {
@@ -599,6 +794,10 @@ extern "C" __global__ void __launch_bounds__(512) router(const Step* step, const
     __shared__ float wv[32];
     __shared__ int wi[32];
     __shared__ int sel[64];
+    step += blockIdx.x;
+    logits += (i64)blockIdx.x * n_expert;
+    ids += (i64)blockIdx.x * k;
+    weights += (i64)blockIdx.x * k;
     const int e = threadIdx.x;
     if (e < n_expert) {
         const float x = logits[e];
@@ -656,9 +855,20 @@ extern "C" __global__ void swiglu(const float* gate, const float* up, const floa
     }
 }
 
+// ---- dst row blockIdx.y = src row blockIdx.y / k.
+extern "C" __global__ void repeat_rows(const float* src, int width, int k, float* dst) {
+    const float* s = src + (i64)(blockIdx.y / k) * width;
+    float* d = dst + (i64)blockIdx.y * width;
+    for (int i = threadIdx.x + blockIdx.x * blockDim.x; i < width; i += blockDim.x * gridDim.x)
+        d[i] = s[i];
+}
+
 // ---- out = Σ_k parts[k] (k ascending) + extra.
 extern "C" __global__ void sum_rows(const float* parts, int n_parts, int n, const float* extra,
                                     float* out) {
+    parts += (i64)blockIdx.y * n_parts * n;
+    out += (i64)blockIdx.y * n;
+    if (extra) extra += (i64)blockIdx.y * n;
     for (int i = threadIdx.x + blockIdx.x * blockDim.x; i < n; i += blockDim.x * gridDim.x) {
         float acc = 0.f;
         for (int k = 0; k < n_parts; ++k) acc += parts[(i64)k * n + i];

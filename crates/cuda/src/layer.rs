@@ -31,8 +31,13 @@ pub struct RopeP {
 unsafe impl DeviceRepr for RopeP {}
 
 fn cfg(grid: u32, block: u32) -> LaunchConfig {
+    cfg2(grid, 1, block)
+}
+
+/// `tokens` blocks in y: the token of a batch (per-token kernels).
+fn cfg2(grid: u32, tokens: usize, block: u32) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (grid.max(1), 1, 1),
+        grid_dim: (grid.max(1), (tokens as u32).max(1), 1),
         block_dim: (block, 1, 1),
         shared_mem_bytes: 0,
     }
@@ -55,9 +60,11 @@ macro_rules! launch {
 }
 
 impl Gpu {
-    /// H[s] = embedding row of `step.token`, for every stream s.
+    /// H[t][s] = embedding row of `step[t].token`, for every stream s and each of
+    /// `n_tok` tokens.
     pub fn embed(
         &self,
+        n_tok: usize,
         step: u64,
         table: u64,
         ty: i32,
@@ -69,7 +76,7 @@ impl Gpu {
         launch!(
             self,
             "embed",
-            cfg((n_embd as u32).div_ceil(256), 256),
+            cfg2((n_embd as u32).div_ceil(256), n_tok, 256),
             step,
             table,
             ty,
@@ -79,9 +86,10 @@ impl Gpu {
         )
     }
 
-    /// mix[k] = rms_scale(h) · (fn_k · h) for k < n_out; h has n values.
+    /// mix[t][k] = rms_scale(h[t]) · (fn_k · h[t]) for k < n_out; h[t] has n values.
     pub fn hc_mix(
         &self,
+        n_tok: usize,
         h: u64,
         n: usize,
         fn_: u64,
@@ -94,7 +102,7 @@ impl Gpu {
         launch!(
             self,
             "hc_mix",
-            cfg(n_out as u32, 1024),
+            cfg2(n_out as u32, n_tok, 1024),
             h,
             n,
             fn_,
@@ -104,9 +112,10 @@ impl Gpu {
         )
     }
 
-    /// Sinkhorn + sublayer input. `hcp` receives post (n_hc) then comb (n_hc²).
+    /// Sinkhorn + sublayer input. `hcp` receives post (n_hc) then comb (n_hc²), per token.
     pub fn hc_pre(
         &self,
+        n_tok: usize,
         h: u64,
         mix: u64,
         scale: u64,
@@ -127,7 +136,7 @@ impl Gpu {
         launch!(
             self,
             "hc_pre",
-            cfg(1, 1024),
+            cfg2(1, n_tok, 1024),
             h,
             mix,
             scale,
@@ -143,6 +152,7 @@ impl Gpu {
 
     pub fn hc_post(
         &self,
+        n_tok: usize,
         h: u64,
         out: u64,
         hcp: u64,
@@ -154,7 +164,7 @@ impl Gpu {
         launch!(
             self,
             "hc_post",
-            cfg((n_embd as u32).div_ceil(256), 256),
+            cfg2((n_embd as u32).div_ceil(256), n_tok, 256),
             h,
             out,
             hcp,
@@ -190,9 +200,11 @@ impl Gpu {
         )
     }
 
-    /// RoPE on the tail of `rows` vectors of `stride` floats at position pos + offset.
+    /// RoPE on the tail of `rows` vectors of `stride` floats per token, at the token's
+    /// position + offset.
     pub fn rope_tail(
         &self,
+        n_tok: usize,
         step: u64,
         x: u64,
         stride: usize,
@@ -205,7 +217,7 @@ impl Gpu {
         launch!(
             self,
             "rope_tail",
-            cfg(rows as u32, 64),
+            cfg2(rows as u32, n_tok, 64),
             step,
             x,
             st,
@@ -215,9 +227,11 @@ impl Gpu {
         )
     }
 
-    /// Normalises, rotates and QAT-rounds the new KV row into ring slot pos % raw_cap.
+    /// Normalises, rotates and QAT-rounds each token's new KV row into ring slot
+    /// pos % raw_cap.
     pub fn kv_finish(
         &self,
+        n_tok: usize,
         step: u64,
         kv: u64,
         norm_w: u64,
@@ -236,7 +250,7 @@ impl Gpu {
         launch!(
             self,
             "kv_finish",
-            cfg(1, 512),
+            cfg2(1, n_tok, 512),
             step,
             kv,
             norm_w,
@@ -305,9 +319,89 @@ impl Gpu {
         )
     }
 
+    /// The compressor over a batch of `n_tok` tokens starting at step[0].pos: emits
+    /// every row completed in the batch, then advances the frontier state, exactly as
+    /// `compressor_step` per token. `kvs[t]` = kv (lanes·d) then raw gate scores.
+    pub fn compressor_batch(
+        &self,
+        n_tok: usize,
+        step: u64,
+        kvs: u64,
+        ape: u64,
+        ape_type: i32,
+        skv: u64,
+        ssc: u64,
+        ratio: usize,
+        lanes: usize,
+        d: usize,
+        norm_w: u64,
+        norm_type: i32,
+        eps: f32,
+        rope: RopeP,
+        indexer: bool,
+        f16_round: bool,
+        rows: u64,
+    ) -> Result<(), CudaError> {
+        if d > 1024 || (indexer && !d.is_power_of_two()) || ratio == 0 || !(1..=2).contains(&lanes)
+        {
+            return Err(CudaError::Invalid(format!(
+                "compressor width {d} / ratio {ratio} / {lanes} lanes unsupported"
+            )));
+        }
+        let (nt, r, l, dd, mode, fr) = (
+            n_tok as i32,
+            ratio as i32,
+            lanes as i32,
+            d as i32,
+            indexer as i32,
+            f16_round as i32,
+        );
+        // Rows completed in the batch: at most n_tok / ratio + 1.
+        let emits = (n_tok / ratio + 1) as u32;
+        launch!(
+            self,
+            "compressor_emit",
+            cfg(emits, 1024),
+            step,
+            nt,
+            kvs,
+            ape,
+            ape_type,
+            skv,
+            ssc,
+            r,
+            l,
+            dd,
+            norm_w,
+            norm_type,
+            eps,
+            rope,
+            mode,
+            fr,
+            rows
+        )?;
+        let cells = (ratio * lanes * d) as u32;
+        launch!(
+            self,
+            "compressor_state",
+            cfg(cells.div_ceil(256).min(4096), 256),
+            step,
+            nt,
+            kvs,
+            ape,
+            ape_type,
+            skv,
+            ssc,
+            r,
+            l,
+            dd
+        )
+    }
+
     /// RoPE + Hadamard + FP4 on each of `heads` indexer query heads of `dim` values.
     pub fn indexer_q(
         &self,
+        n_tok: usize,
         step: u64,
         q: u64,
         heads: usize,
@@ -315,12 +409,22 @@ impl Gpu {
         rope: RopeP,
     ) -> Result<(), CudaError> {
         let d = dim as i32;
-        launch!(self, "indexer_q", cfg(heads as u32, 256), step, q, d, rope)
+        launch!(
+            self,
+            "indexer_q",
+            cfg2(heads as u32, n_tok, 256),
+            step,
+            q,
+            d,
+            rope
+        )
     }
 
-    /// Indexer scores of up to `max_rows` index rows (the live count comes from pos).
+    /// Indexer scores of up to `max_rows` index rows per token (the live count comes
+    /// from pos); token t's scores start at t · max_rows.
     pub fn indexer_scores(
         &self,
+        n_tok: usize,
         step: u64,
         rows: u64,
         q: u64,
@@ -334,11 +438,12 @@ impl Gpu {
         max_rows: usize,
     ) -> Result<(), CudaError> {
         let (h, d, r, k) = (heads as i32, dim as i32, ratio as i32, top_k as i32);
+        let ss = max_rows as i32;
         let blocks = (max_rows as u32).div_ceil(8).clamp(1, 1024);
         launch!(
             self,
             "indexer_scores",
-            cfg(blocks, 256),
+            cfg2(blocks, n_tok, 256),
             step,
             rows,
             q,
@@ -348,42 +453,54 @@ impl Gpu {
             wscale,
             r,
             k,
-            scores
+            scores,
+            ss
         )
     }
 
-    pub fn topk_mask(
+    /// Per token, the indices of the `k` best of its (pos+1)/ratio scores (row t of
+    /// `scores` at t · scores_stride) into `sel[t][k]`, ascending; untouched while the
+    /// count is ≤ k (attention then uses every row).
+    pub fn topk_select(
         &self,
+        n_tok: usize,
         step: u64,
         scores: u64,
+        scores_stride: usize,
         ratio: usize,
         k: usize,
-        allowed: u64,
+        sel: u64,
     ) -> Result<(), CudaError> {
-        let (r, kk) = (ratio as i32, k as i32);
+        let (ss, r, kk) = (scores_stride as i32, ratio as i32, k as i32);
         launch!(
             self,
-            "topk_mask",
-            cfg(1, 1024),
+            "topk_select",
+            cfg2(1, n_tok, 1024),
             step,
             scores,
+            ss,
             r,
             kk,
-            allowed
+            sel
         )
     }
 
-    /// Sink attention of every head over the raw window and compressed rows.
+    /// Sink attention of every head of each token over its raw window (the last
+    /// `window` positions, stored at pos % raw_cap) and its compressed rows (those of
+    /// `sel[t]` when `sel` ≠ 0 and the count exceeds top_k). Scores of (t, h) are at
+    /// (t · heads + h) · scores_stride.
     pub fn attention(
         &self,
+        n_tok: usize,
         step: u64,
         q: u64,
         ring: u64,
         raw_cap: usize,
+        window: usize,
         comp: u64,
         ratio: usize,
-        allowed: u64,
-        use_mask: bool,
+        sel: u64,
+        top_k: usize,
         sinks: u64,
         heads: usize,
         hd: usize,
@@ -397,25 +514,32 @@ impl Gpu {
                 "attention head dim {hd}: must be a multiple of 4, at most 1024"
             )));
         }
-        let (rc, r, um, hd_, ss) = (
+        if window > raw_cap {
+            return Err(CudaError::Invalid(format!(
+                "attention window {window} > ring of {raw_cap}"
+            )));
+        }
+        let (rc, win, r, tk, hd_, ss) = (
             raw_cap as i32,
+            window as i32,
             ratio as i32,
-            use_mask as i32,
+            top_k as i32,
             hd as i32,
             scores_stride as i32,
         );
         launch!(
             self,
             "attention",
-            cfg(heads as u32, 256),
+            cfg2(heads as u32, n_tok, 256),
             step,
             q,
             ring,
             rc,
+            win,
             comp,
             r,
-            allowed,
-            um,
+            sel,
+            tk,
             sinks,
             hd_,
             scale,
@@ -425,9 +549,11 @@ impl Gpu {
         )
     }
 
-    /// Expert selection and weights (`tid2eid = 0`: top-k routing, `bias = 0`: none).
+    /// Expert selection and weights of each token (`tid2eid = 0`: top-k routing,
+    /// `bias = 0`: none); token t's ids/weights at t · k.
     pub fn router(
         &self,
+        n_tok: usize,
         step: u64,
         logits: u64,
         n_expert: usize,
@@ -447,7 +573,7 @@ impl Gpu {
         launch!(
             self,
             "router",
-            cfg(1, 512),
+            cfg(n_tok as u32, 512),
             step,
             logits,
             ne,
@@ -486,9 +612,10 @@ impl Gpu {
         )
     }
 
-    /// out = Σ_k parts[k] + extra (`extra = 0`: none).
+    /// out[t] = Σ_k parts[t][k] + extra[t] (`extra = 0`: none).
     pub fn sum_rows(
         &self,
+        n_tok: usize,
         parts: u64,
         n_parts: usize,
         n: usize,
@@ -499,12 +626,34 @@ impl Gpu {
         launch!(
             self,
             "sum_rows",
-            cfg((n as u32).div_ceil(256), 256),
+            cfg2((n as u32).div_ceil(256), n_tok, 256),
             parts,
             np,
             nn,
             extra,
             out
+        )
+    }
+
+    /// dst[t·k + j] = src[t] for j < k: each of `n` rows of `width` floats repeated k
+    /// times (the routed experts' per-pair inputs of a batch).
+    pub fn repeat_rows(
+        &self,
+        src: u64,
+        n: usize,
+        width: usize,
+        k: usize,
+        dst: u64,
+    ) -> Result<(), CudaError> {
+        let (w, kk) = (width as i32, k as i32);
+        launch!(
+            self,
+            "repeat_rows",
+            cfg2((width as u32).div_ceil(256), n * k, 256),
+            src,
+            w,
+            kk,
+            dst
         )
     }
 

@@ -163,13 +163,29 @@ impl Gpu {
     /// (Q8_K rule, bit-identical to the CPU's `quantize_q8_k`); the scale is stored
     /// once per 32 values.
     pub fn quantize_act_k(&self, x: u64, qa: &mut QuantAct) -> Result<(), CudaError> {
+        self.quantize_act_k_rows(x, qa, qa.rows)
+    }
+
+    /// [`Gpu::quantize_act_k`] of the first `rows` rows only.
+    pub fn quantize_act_k_rows(
+        &self,
+        x: u64,
+        qa: &mut QuantAct,
+        rows: usize,
+    ) -> Result<(), CudaError> {
+        if rows > qa.rows {
+            return Err(CudaError::Invalid(format!(
+                "{rows} rows into activations of {}",
+                qa.rows
+            )));
+        }
         if !qa.cols.is_multiple_of(256) {
             return Err(CudaError::Invalid(format!(
                 "{} activations are not whole 256-blocks",
                 qa.cols
             )));
         }
-        let blocks = (qa.rows * qa.cols / 256) as u32;
+        let blocks = (rows * qa.cols / 256) as u32;
         let cfg = LaunchConfig {
             grid_dim: (blocks, 1, 1),
             block_dim: (256, 1, 1),
@@ -189,7 +205,23 @@ impl Gpu {
 
     /// Quantises `rows × cols` floats at device address `x` into `qa`.
     pub fn quantize_act(&self, x: u64, qa: &mut QuantAct) -> Result<(), CudaError> {
-        let blocks = (qa.rows * qa.cols / 32) as i32;
+        self.quantize_act_rows(x, qa, qa.rows)
+    }
+
+    /// [`Gpu::quantize_act`] of the first `rows` rows only.
+    pub fn quantize_act_rows(
+        &self,
+        x: u64,
+        qa: &mut QuantAct,
+        rows: usize,
+    ) -> Result<(), CudaError> {
+        if rows > qa.rows {
+            return Err(CudaError::Invalid(format!(
+                "{rows} rows into activations of {}",
+                qa.rows
+            )));
+        }
+        let blocks = (rows * qa.cols / 32) as i32;
         let warps_per_block = 8u32;
         let cfg = LaunchConfig {
             grid_dim: ((blocks as u32).div_ceil(warps_per_block), 1, 1),

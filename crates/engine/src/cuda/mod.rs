@@ -33,6 +33,12 @@ pub struct CudaBackend {
     weights: Arc<CudaWeights>,
     numerics: Numerics,
     state: DeviceState,
+    /// Multi-token forwards run as batched prefill (`DS4_CUDA_BATCH=0`: token by token).
+    batched: bool,
+}
+
+fn batched_default() -> bool {
+    std::env::var("DS4_CUDA_BATCH").map_or(true, |v| v != "0")
 }
 
 impl CudaBackend {
@@ -42,7 +48,26 @@ impl CudaBackend {
             weights: weights.clone(),
             numerics,
             state: DeviceState::new(weights, ctx)?,
+            batched: batched_default(),
         })
+    }
+
+    /// Whether multi-token forwards run as batched prefill (default; `false`: one
+    /// token at a time through the decode path).
+    pub fn set_batched(&mut self, batched: bool) {
+        self.batched = batched;
+    }
+
+    /// Lowers the batched prefill chunk (tokens per batch) to at most `chunk`; the
+    /// session's initial chunk (`DS4_CUDA_PREFILL_CHUNK`, ≤ 512, bounded by the context's
+    /// score buffers) is the maximum.
+    pub fn set_prefill_chunk(&mut self, chunk: usize) {
+        self.state.set_chunk(chunk);
+    }
+
+    /// Tokens per batched prefill chunk.
+    pub fn prefill_chunk(&self) -> usize {
+        self.state.chunk()
     }
 
     /// Opens GPU `ordinal` and uploads `model`; the usual way to start.
@@ -85,6 +110,22 @@ impl Backend for CudaBackend {
             });
         }
         let mut out = Vec::new();
+        if tokens.len() > 1 && self.batched {
+            // Batched prefill, one chunk at a time.
+            let chunk = self.state.chunk();
+            let n_chunks = tokens.len().div_ceil(chunk);
+            for (i, part) in tokens.chunks(chunk).enumerate() {
+                let last = i + 1 == n_chunks;
+                out.extend(self.state.prefill(
+                    &self.weights,
+                    self.numerics,
+                    part,
+                    last && rows == LogitRows::Last,
+                    rows == LogitRows::All,
+                )?);
+            }
+            return Ok(out);
+        }
         for (i, &t) in tokens.iter().enumerate() {
             let want = match rows {
                 LogitRows::None => false,
@@ -122,6 +163,7 @@ impl Backend for CudaBackend {
             weights: self.weights.clone(),
             numerics: self.numerics,
             state,
+            batched: self.batched,
         })
     }
 }

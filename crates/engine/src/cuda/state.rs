@@ -24,7 +24,7 @@ struct LayerState {
 }
 
 /// Quantised activations of the fast numerics (ds4's: Q8_0 per 32 values before Q8_0
-/// weights, Q8_K per 256 before routed experts).
+/// weights, Q8_K per 256 before routed experts), for up to `cap` tokens.
 struct QuantBufs {
     /// Inputs of width n_embd (attn/ffn norm outputs, the head input).
     embd: QuantAct,
@@ -32,13 +32,33 @@ struct QuantBufs {
     heads: QuantAct,
     low: QuantAct,
     shared_mid: QuantAct,
-    /// Q8_K: the routed experts' input and their weighted `mid` rows.
+    /// Q8_K: the routed experts' input (one row per token, or per (token, expert)
+    /// pair when batched) and their weighted `mid` rows.
     exp_in: QuantAct,
     exp_mid: QuantAct,
 }
 
-/// Scratch activations (one token).
+impl QuantBufs {
+    fn new(g: &Gpu, c: &Config, cap: usize) -> Result<QuantBufs> {
+        let k = c.n_expert_used;
+        let ffs = c.n_ff_exp * c.n_expert_shared;
+        let e = c.n_embd;
+        Ok(QuantBufs {
+            embd: g.alloc_quant_act(cap, e)?,
+            qr: g.alloc_quant_act(cap, c.q_lora_rank)?,
+            heads: g.alloc_quant_act(cap, c.q_dim())?,
+            low: g.alloc_quant_act(cap, c.o_groups * c.o_lora_rank)?,
+            shared_mid: g.alloc_quant_act(cap, ffs)?,
+            exp_in: g.alloc_quant_act(if cap == 1 { 1 } else { cap * k }, e)?,
+            exp_mid: g.alloc_quant_act(cap * k, c.n_ff_exp)?,
+        })
+    }
+}
+
+/// Scratch activations of up to `cap` tokens (rows of token t at t × width).
 struct Scratch {
+    cap: usize,
+    /// `cap` (pos, token) pairs.
     step: DeviceBuf<i32>,
     h: DeviceBuf<f32>,
     h2: DeviceBuf<f32>,
@@ -58,12 +78,15 @@ struct Scratch {
     qi: DeviceBuf<f32>,
     wt: DeviceBuf<f32>,
     iscores: DeviceBuf<f32>,
-    allowed: DeviceBuf<u8>,
+    iscores_stride: usize,
+    sel: DeviceBuf<i32>,
     att: DeviceBuf<f32>,
     att_stride: usize,
     rlog: DeviceBuf<f32>,
     ids: DeviceBuf<i32>,
     rw: DeviceBuf<f32>,
+    /// The experts' input repeated per (token, expert) pair (batches only).
+    rep: DeviceBuf<f32>,
     g: DeviceBuf<f32>,
     u: DeviceBuf<f32>,
     mid: DeviceBuf<f32>,
@@ -75,15 +98,98 @@ struct Scratch {
     hx: DeviceBuf<f32>,
     tmp: DeviceBuf<f32>,
     logits: DeviceBuf<f32>,
+    /// Matrix ids g = i mod o_groups of the grouped output projection, cap × o_groups.
+    group_ids: DeviceBuf<i32>,
+}
+
+/// The scratch of up to `cap` tokens with its quantised activations.
+struct Work {
+    s: Scratch,
+    q8: QuantBufs,
+}
+
+impl Work {
+    fn new(g: &Gpu, c: &Config, ctx: usize, cap: usize, att_stride: usize) -> Result<Work> {
+        Ok(Work {
+            s: Scratch::new(g, c, ctx, cap, att_stride)?,
+            q8: QuantBufs::new(g, c, cap)?,
+        })
+    }
+}
+
+impl Scratch {
+    fn new(g: &Gpu, c: &Config, ctx: usize, cap: usize, att_stride: usize) -> Result<Scratch> {
+        let k = c.n_expert_used;
+        let ff = c.n_ff_exp;
+        let ffs = c.n_ff_exp * c.n_expert_shared;
+        let e = c.n_embd;
+        let icap = comp_cap(ctx, 4);
+        let hd = c.head_dim;
+        let z = |n: usize| g.zeros::<f32>(n.max(1));
+        let groups: Vec<i32> = (0..cap * c.o_groups)
+            .map(|i| (i % c.o_groups) as i32)
+            .collect();
+        Ok(Scratch {
+            cap,
+            step: g.zeros::<i32>(2 * cap)?,
+            h: z(cap * c.n_hc * e)?,
+            h2: z(cap * c.n_hc * e)?,
+            mix: z(cap * c.hc_mix())?,
+            hcp: z(cap * (c.n_hc + c.n_hc * c.n_hc))?,
+            y: z(cap * e)?,
+            n: z(cap * e)?,
+            qa: z(cap * c.q_lora_rank)?,
+            qr: z(cap * c.q_lora_rank)?,
+            q: z(cap * c.q_dim())?,
+            kv: z(cap * hd)?,
+            heads: z(cap * c.q_dim())?,
+            low: z(cap * c.o_groups * c.o_lora_rank)?,
+            o: z(cap * e)?,
+            ckv: z(cap * 4 * hd)?,
+            icv: z(cap * 4 * c.idx_head_dim)?,
+            qi: z(cap * c.idx_heads * c.idx_head_dim)?,
+            wt: z(cap * c.idx_heads)?,
+            iscores: z(cap * icap)?,
+            iscores_stride: icap,
+            sel: g.zeros::<i32>((cap * c.idx_topk).max(1))?,
+            att: z(cap * c.n_head * att_stride)?,
+            att_stride,
+            rlog: z(cap * c.n_expert)?,
+            ids: g.zeros::<i32>(cap * k)?,
+            rw: z(cap * k)?,
+            rep: z(if cap == 1 { 1 } else { cap * k * e })?,
+            g: z(cap * k * ff)?,
+            u: z(cap * k * ff)?,
+            mid: z(cap * k * ff)?,
+            dn: z(cap * k * e)?,
+            sg: z(cap * ffs)?,
+            su: z(cap * ffs)?,
+            smid: z(cap * ffs)?,
+            sh: z(cap * e)?,
+            hx: z(e)?,
+            tmp: z(e)?,
+            logits: z(c.vocab)?,
+            group_ids: g.upload(&groups)?,
+        })
+    }
 }
 
 pub(super) struct DeviceState {
     pub ctx: usize,
     pub n_tokens: usize,
+    /// Raw rows attended (the model's sliding window).
+    window: usize,
+    /// Slots of the raw ring: the window plus one prefill chunk, so a chunk's rows never
+    /// overwrite rows its earlier tokens still attend to.
     raw_cap: usize,
+    /// Tokens per batched prefill chunk.
+    chunk: usize,
+    att_stride: usize,
     layers: Vec<LayerState>,
-    s: Scratch,
-    q: QuantBufs,
+    /// One token (decode, captured in graphs).
+    s: Work,
+    /// `chunk` tokens, allocated on the first batched forward.
+    batch: Option<Work>,
     /// One captured token (without / with the output head), replayed per token; all
     /// position-dependent counts are read from the device step buffer.
     graphs: [Option<TokenGraph>; 2],
@@ -95,21 +201,43 @@ fn comp_cap(ctx: usize, ratio: usize) -> usize {
     ctx / ratio + 2
 }
 
+/// Device bytes per token of the batch buffers that grow with the context (attention
+/// scores and indexer scores); chunks are sized so these stay within 512 MiB.
+const CHUNK_SCORE_BUDGET: usize = 512 << 20;
+const MAX_CHUNK: usize = 512;
+
 impl DeviceState {
     pub fn new(w: &CudaWeights, ctx: usize) -> Result<DeviceState> {
         let g = &w.gpu;
         let c = &w.config;
-        let raw_cap = c.window.min(ctx).max(1);
+        let window = c.window.max(1);
         let hd = c.head_dim;
+        // Compressed rows one token attends to: the top-k selection on indexer layers,
+        // every row on the other compressed layers.
+        let max_comp = (0..c.n_layer)
+            .map(|il| match c.compress_ratios[il] {
+                0 => 0,
+                _ if c.has_indexer(il) => c.idx_topk,
+                r => comp_cap(ctx, r),
+            })
+            .max()
+            .unwrap_or(0);
+        let att_stride = window + max_comp;
+        let per_token = 4 * (c.n_head * att_stride + comp_cap(ctx, 4));
+        let chunk = std::env::var("DS4_CUDA_PREFILL_CHUNK")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or(MAX_CHUNK)
+            .min(CHUNK_SCORE_BUDGET / per_token)
+            .clamp(1, ctx.max(1));
+        let raw_cap = window + chunk;
         let mut layers = Vec::with_capacity(c.n_layer);
-        let mut max_comp = 0;
         for (il, l) in w.layers.iter().enumerate() {
             let r = l.ratio;
             let lanes = Config::compressor_lanes(r);
             let zeros = |n: usize| g.zeros::<f32>(n);
             let neg = |n: usize| g.upload(&vec![crate::kv::NEG_INF; n]);
             let (comp, skv, ssc) = if r != 0 {
-                max_comp = max_comp.max(comp_cap(ctx, r));
                 let f = lanes * r * lanes * hd;
                 (
                     Some(zeros(comp_cap(ctx, r) * hd)?),
@@ -140,72 +268,92 @@ impl DeviceState {
                 issc,
             });
         }
-        let k = c.n_expert_used;
-        let ff = c.n_ff_exp;
-        let ffs = c.n_ff_exp * c.n_expert_shared;
-        let e = c.n_embd;
-        let att_stride = raw_cap + max_comp;
-        let icap = comp_cap(ctx, 4);
-        let z = |n: usize| g.zeros::<f32>(n.max(1));
-        let s = Scratch {
-            step: g.zeros::<i32>(2)?,
-            h: z(c.n_hc * e)?,
-            h2: z(c.n_hc * e)?,
-            mix: z(c.hc_mix())?,
-            hcp: z(c.n_hc + c.n_hc * c.n_hc)?,
-            y: z(e)?,
-            n: z(e)?,
-            qa: z(c.q_lora_rank)?,
-            qr: z(c.q_lora_rank)?,
-            q: z(c.q_dim())?,
-            kv: z(hd)?,
-            heads: z(c.q_dim())?,
-            low: z(c.o_groups * c.o_lora_rank)?,
-            o: z(e)?,
-            ckv: z(4 * hd)?,
-            icv: z(4 * c.idx_head_dim)?,
-            qi: z(c.idx_heads * c.idx_head_dim)?,
-            wt: z(c.idx_heads)?,
-            iscores: z(icap)?,
-            allowed: g.zeros::<u8>(icap)?,
-            att: z(c.n_head * att_stride)?,
-            att_stride,
-            rlog: z(c.n_expert)?,
-            ids: g.zeros::<i32>(k)?,
-            rw: z(k)?,
-            g: z(k * ff)?,
-            u: z(k * ff)?,
-            mid: z(k * ff)?,
-            dn: z(k * e)?,
-            sg: z(ffs)?,
-            su: z(ffs)?,
-            smid: z(ffs)?,
-            sh: z(e)?,
-            hx: z(e)?,
-            tmp: z(e)?,
-            logits: z(c.vocab)?,
-        };
-        let q = QuantBufs {
-            embd: g.alloc_quant_act(1, e)?,
-            qr: g.alloc_quant_act(1, c.q_lora_rank)?,
-            heads: g.alloc_quant_act(1, c.q_dim())?,
-            low: g.alloc_quant_act(1, c.o_groups * c.o_lora_rank)?,
-            shared_mid: g.alloc_quant_act(1, ffs)?,
-            exp_in: g.alloc_quant_act(1, e)?,
-            exp_mid: g.alloc_quant_act(k, ff)?,
-        };
         Ok(DeviceState {
             ctx,
             n_tokens: 0,
+            window,
             raw_cap,
+            chunk,
+            att_stride,
             layers,
-            s,
-            q,
+            s: Work::new(g, c, ctx, 1, att_stride)?,
+            batch: None,
             graphs: [None, None],
             graph_numerics: None,
             use_graphs: !g.profiling()
                 && std::env::var("DS4_CUDA_GRAPHS").map_or(true, |v| v != "0"),
         })
+    }
+
+    /// Tokens per batched prefill chunk.
+    pub fn chunk(&self) -> usize {
+        self.chunk
+    }
+
+    /// Lowers the chunk (the ring and the batch buffers stay sized for the first one).
+    pub fn set_chunk(&mut self, chunk: usize) {
+        self.chunk = chunk.clamp(1, self.raw_cap - self.window);
+    }
+
+    /// Runs `tokens` (at most `chunk()`) at positions `n_tokens..` as one batch; with
+    /// `all_rows` the logits of every token are returned, otherwise (with `head`) the
+    /// last token's.
+    pub fn prefill(
+        &mut self,
+        w: &CudaWeights,
+        numerics: Numerics,
+        tokens: &[u32],
+        head: bool,
+        all_rows: bool,
+    ) -> Result<Vec<f32>> {
+        let n = tokens.len();
+        if n == 0 || n > self.chunk {
+            return Err(crate::error::EngineError::Invalid(format!(
+                "prefill batch of {n} tokens (chunk {})",
+                self.chunk
+            )));
+        }
+        let g = &*w.gpu;
+        if self.batch.is_none() {
+            self.batch = Some(Work::new(
+                g,
+                &w.config,
+                self.ctx,
+                self.chunk,
+                self.att_stride,
+            )?);
+        }
+        let mut b = self.batch.take().expect("allocated above");
+        debug_assert!(n <= b.s.cap);
+        let result = (|| -> Result<Vec<f32>> {
+            let steps: Vec<i32> = tokens
+                .iter()
+                .enumerate()
+                .flat_map(|(i, &t)| [(self.n_tokens + i) as i32, t as i32])
+                .collect();
+            let mut view = b.s.step.slice_mut(0..steps.len());
+            g.stream()
+                .memcpy_htod(&steps, &mut view)
+                .map_err(CudaError::from)?;
+            self.enqueue_layers(w, numerics, &mut b, n)?;
+            let c = &w.config;
+            let row = (c.n_hc * c.n_embd * 4) as u64;
+            let mut out = Vec::new();
+            if all_rows {
+                for t in 0..n {
+                    self.head(w, numerics, g.ptr(&b.s.h) + t as u64 * row)?;
+                    out.extend(g.download(&self.s.s.logits)?);
+                }
+            } else if head {
+                self.head(w, numerics, g.ptr(&b.s.h) + (n as u64 - 1) * row)?;
+                out = g.download(&self.s.s.logits)?;
+            }
+            Ok(out)
+        })();
+        self.batch = Some(b);
+        let out = result?;
+        self.n_tokens += n;
+        Ok(out)
     }
 
     /// Runs one token at position `n_tokens`; with `head` the logits are computed.
@@ -218,7 +366,7 @@ impl DeviceState {
     ) -> Result<()> {
         let g = &*w.gpu;
         let pos = self.n_tokens as i32;
-        g.write(&mut self.s.step, &[pos, token as i32])?;
+        g.write(&mut self.s.s.step, &[pos, token as i32])?;
         if self.use_graphs {
             if self.graph_numerics != Some(numerics) {
                 self.graphs = [None, None];
@@ -243,78 +391,113 @@ impl DeviceState {
         Ok(())
     }
 
+    fn kv(&self) -> KvView<'_> {
+        KvView {
+            layers: &self.layers,
+            window: self.window,
+            raw_cap: self.raw_cap,
+            ctx: self.ctx,
+        }
+    }
+
     /// Enqueues every launch of one token (the step buffer already holds pos/token).
     fn enqueue_token(&mut self, w: &CudaWeights, numerics: Numerics, head: bool) -> Result<()> {
-        let g = &*w.gpu;
-        let c = &w.config;
-        let p = |b: &DeviceBuf<f32>| g.ptr(b);
-        let step = g.ptr(&self.s.step);
-        g.embed(
-            step,
-            g.ptr(&w.token_embd.buf),
-            w.token_embd.ty,
-            c.n_embd,
-            c.n_hc,
-            p(&self.s.h),
-        )?;
-        for il in 0..c.n_layer {
-            self.attention(w, numerics, il)?;
-            self.ffn(w, numerics, il)?;
-        }
+        let kv = KvView {
+            layers: &self.layers,
+            window: self.window,
+            raw_cap: self.raw_cap,
+            ctx: self.ctx,
+        };
+        kv.enqueue(w, numerics, &mut self.s, 1)?;
         if head {
-            let s = &self.s;
-            g.hc_mix(
-                p(&s.h),
-                c.n_hc * c.n_embd,
-                g.ptr(&w.head_hc.fn_.buf),
-                w.head_hc.fn_.ty,
-                c.rms_eps,
-                p(&s.mix),
-                c.n_hc,
-            )?;
-            g.head_collapse(
-                p(&s.h),
-                p(&s.mix),
-                p(&w.head_hc.scale),
-                p(&w.head_hc.base),
-                c.n_hc,
-                c.n_embd,
-                c.hc_eps,
-                p(&w.output_norm),
-                ds4_cuda::WT_F32,
-                c.rms_eps,
-                p(&s.tmp),
-                p(&s.hx),
-            )?;
-            let fast = numerics == Numerics::Fast;
-            mv(
-                g,
-                &w.output,
-                p(&s.hx),
-                &mut self.q.embd,
-                false,
-                p(&s.logits),
-                1,
-                MatSel::default(),
-                fast,
-            )?;
+            let h = w.gpu.ptr(&self.s.s.h);
+            head_logits(w, numerics, &mut self.s, h)?;
         }
         Ok(())
     }
 
-    pub fn logits(&self, w: &CudaWeights) -> Result<Vec<f32>> {
-        Ok(w.gpu.download(&self.s.logits)?)
+    fn enqueue_layers(
+        &mut self,
+        w: &CudaWeights,
+        numerics: Numerics,
+        b: &mut Work,
+        n_tok: usize,
+    ) -> Result<()> {
+        self.kv().enqueue(w, numerics, b, n_tok)
     }
+
+    /// The logits of the HC state at `h` into the decode scratch.
+    fn head(&mut self, w: &CudaWeights, numerics: Numerics, h: u64) -> Result<()> {
+        head_logits(w, numerics, &mut self.s, h)
+    }
+
+    pub fn logits(&self, w: &CudaWeights) -> Result<Vec<f32>> {
+        Ok(w.gpu.download(&self.s.s.logits)?)
+    }
+}
+
+/// The output head on one token's HC state `h`, into `s.logits`.
+fn head_logits(w: &CudaWeights, numerics: Numerics, b: &mut Work, h: u64) -> Result<()> {
+    let (s, q8) = (&b.s, &mut b.q8);
+    let g = &*w.gpu;
+    let c = &w.config;
+    let p = |b: &DeviceBuf<f32>| g.ptr(b);
+    g.hc_mix(
+        1,
+        h,
+        c.n_hc * c.n_embd,
+        g.ptr(&w.head_hc.fn_.buf),
+        w.head_hc.fn_.ty,
+        c.rms_eps,
+        p(&s.mix),
+        c.n_hc,
+    )?;
+    g.head_collapse(
+        h,
+        p(&s.mix),
+        p(&w.head_hc.scale),
+        p(&w.head_hc.base),
+        c.n_hc,
+        c.n_embd,
+        c.hc_eps,
+        p(&w.output_norm),
+        ds4_cuda::WT_F32,
+        c.rms_eps,
+        p(&s.tmp),
+        p(&s.hx),
+    )?;
+    let fast = numerics == Numerics::Fast;
+    mv(
+        g,
+        &w.output,
+        p(&s.hx),
+        &mut q8.embd,
+        false,
+        p(&s.logits),
+        1,
+        fast,
+    )?;
+    Ok(())
+}
+
+/// The KV state as the layer launches see it.
+struct KvView<'a> {
+    layers: &'a [LayerState],
+    window: usize,
+    raw_cap: usize,
+    ctx: usize,
 }
 
 fn hc_pre(
     s: &Scratch,
+    n_tok: usize,
     g: &Gpu,
     c: &Config,
     hc: &super::weights::HcDev,
     h: u64,
 ) -> Result<(), CudaError> {
     g.hc_mix(
+        n_tok,
         h,
         c.n_hc * c.n_embd,
         g.ptr(&hc.fn_.buf),
@@ -324,6 +507,7 @@ fn hc_pre(
         c.hc_mix(),
     )?;
     g.hc_pre(
+        n_tok,
         h,
         g.ptr(&s.mix),
         g.ptr(&hc.scale),
@@ -337,65 +521,77 @@ fn hc_pre(
     )
 }
 
-impl DeviceState {
-    fn attention(&mut self, w: &CudaWeights, numerics: Numerics, il: usize) -> Result<()> {
+impl KvView<'_> {
+    /// Embeds the `n_tok` tokens of `s.step` and runs every layer on them.
+    fn enqueue(
+        &self,
+        w: &CudaWeights,
+        numerics: Numerics,
+        b: &mut Work,
+        n_tok: usize,
+    ) -> Result<()> {
+        let g = &*w.gpu;
+        let c = &w.config;
+        let s = &b.s;
+        g.embed(
+            n_tok,
+            g.ptr(&s.step),
+            g.ptr(&w.token_embd.buf),
+            w.token_embd.ty,
+            c.n_embd,
+            c.n_hc,
+            g.ptr(&s.h),
+        )?;
+        for il in 0..c.n_layer {
+            self.attention(w, numerics, il, b, n_tok)?;
+            self.ffn(w, numerics, il, b, n_tok)?;
+        }
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        w: &CudaWeights,
+        numerics: Numerics,
+        il: usize,
+        b: &mut Work,
+        n: usize,
+    ) -> Result<()> {
         let g = &*w.gpu;
         let c = &w.config;
         let l: &LayerDev = &w.layers[il];
         let st = &self.layers[il];
-        let s = &self.s;
-        let qb = &mut self.q;
+        let (s, qb) = (&b.s, &mut b.q8);
         let p = |b: &DeviceBuf<f32>| g.ptr(b);
         let step = g.ptr(&s.step);
         let rope = w.rope(il);
         let fast = numerics == Numerics::Fast;
         let f32t = ds4_cuda::WT_F32;
         let hd = c.head_dim;
-        let plain = MatSel::default();
 
-        hc_pre(s, g, c, &l.hc_attn, p(&s.h))?;
+        hc_pre(s, n, g, c, &l.hc_attn, p(&s.h))?;
         g.rmsnorm(
             p(&s.y),
             p(&l.attn_norm),
             f32t,
             c.n_embd,
-            1,
+            n,
             c.rms_eps,
             p(&s.n),
         )?;
-        mv(
-            g,
-            &l.q_a,
-            p(&s.n),
-            &mut qb.embd,
-            false,
-            p(&s.qa),
-            1,
-            plain,
-            fast,
-        )?;
+        mv(g, &l.q_a, p(&s.n), &mut qb.embd, false, p(&s.qa), n, fast)?;
         g.rmsnorm(
             p(&s.qa),
             p(&l.q_a_norm),
             f32t,
             c.q_lora_rank,
-            1,
+            n,
             c.rms_eps,
             p(&s.qr),
         )?;
-        mv(
-            g,
-            &l.q_b,
-            p(&s.qr),
-            &mut qb.qr,
-            false,
-            p(&s.q),
-            1,
-            plain,
-            fast,
-        )?;
-        g.rmsnorm(p(&s.q), 0, f32t, hd, c.n_head, c.rms_eps, p(&s.q))?;
-        g.rope_tail(step, p(&s.q), hd, c.n_head, 0, rope, false)?;
+        mv(g, &l.q_b, p(&s.qr), &mut qb.qr, false, p(&s.q), n, fast)?;
+        g.rmsnorm(p(&s.q), 0, f32t, hd, n * c.n_head, c.rms_eps, p(&s.q))?;
+        g.rope_tail(n, step, p(&s.q), hd, c.n_head, 0, rope, false)?;
         // The same quantised `n` as attn_q_a.
         mv(
             g,
@@ -404,11 +600,11 @@ impl DeviceState {
             &mut qb.embd,
             l.q_a.ty == GgmlType::Q8_0,
             p(&s.kv),
-            1,
-            plain,
+            n,
             fast,
         )?;
         g.kv_finish(
+            n,
             step,
             p(&s.kv),
             p(&l.kv_norm),
@@ -421,25 +617,19 @@ impl DeviceState {
             self.raw_cap,
         )?;
 
-        let mut use_mask = false;
+        let mut sel = 0u64;
         if let (Some(cw), Some(comp)) = (&l.compressor, &st.comp) {
-            let width = cw.lanes * cw.dim;
             let ckv = p(&s.ckv);
-            g.matvec(&cw.kv, p(&s.n), ckv, 1, plain)?;
-            g.matvec(&cw.gate, p(&s.n), ckv + 4 * width as u64, 1, plain)?;
-            g.compressor_step(
+            compressor_inputs(g, cw, p(&s.n), ckv, n)?;
+            compress(
+                g,
+                c,
+                n,
                 step,
                 ckv,
-                p(&cw.ape),
-                f32t,
-                p(st.skv.as_ref().expect("compressed layer state")),
-                p(st.ssc.as_ref().expect("compressed layer state")),
-                cw.ratio,
-                cw.lanes,
-                cw.dim,
-                p(&cw.norm),
-                f32t,
-                c.rms_eps,
+                cw,
+                st.skv.as_ref(),
+                st.ssc.as_ref(),
                 rope,
                 false,
                 fast,
@@ -447,37 +637,33 @@ impl DeviceState {
             )?;
             if let (Some(ix), Some(index)) = (&l.indexer, &st.index) {
                 let icw = &ix.compressor;
-                let iw = icw.lanes * icw.dim;
                 let icv = p(&s.icv);
-                g.matvec(&icw.kv, p(&s.n), icv, 1, plain)?;
-                g.matvec(&icw.gate, p(&s.n), icv + 4 * iw as u64, 1, plain)?;
-                g.compressor_step(
+                compressor_inputs(g, icw, p(&s.n), icv, n)?;
+                compress(
+                    g,
+                    c,
+                    n,
                     step,
                     icv,
-                    p(&icw.ape),
-                    f32t,
-                    p(st.iskv.as_ref().expect("indexer state")),
-                    p(st.issc.as_ref().expect("indexer state")),
-                    icw.ratio,
-                    icw.lanes,
-                    icw.dim,
-                    p(&icw.norm),
-                    f32t,
-                    c.rms_eps,
+                    icw,
+                    st.iskv.as_ref(),
+                    st.issc.as_ref(),
                     rope,
                     true,
                     fast,
                     p(index),
                 )?;
                 // The indexer runs every token so one captured graph serves every
-                // position: below top_k rows the kernels themselves allow every row.
+                // position: below top_k rows the kernels themselves select every row.
                 let max_rows = comp_cap(self.ctx, cw.ratio);
-                g.matvec(&ix.q_b, p(&s.qr), p(&s.qi), 1, plain)?;
-                g.indexer_q(step, p(&s.qi), c.idx_heads, c.idx_head_dim, rope)?;
-                g.matvec(&ix.proj, p(&s.n), p(&s.wt), 1, plain)?;
+                g.matvec(&ix.q_b, p(&s.qr), p(&s.qi), n, rows(&ix.q_b))?;
+                g.indexer_q(n, step, p(&s.qi), c.idx_heads, c.idx_head_dim, rope)?;
+                g.matvec(&ix.proj, p(&s.n), p(&s.wt), n, rows(&ix.proj))?;
                 let wscale =
                     ((c.idx_head_dim as f64).powf(-0.5) * (c.idx_heads as f64).powf(-0.5)) as f32;
+                debug_assert!(max_rows <= s.iscores_stride);
                 g.indexer_scores(
+                    n,
                     step,
                     p(index),
                     p(&s.qi),
@@ -488,22 +674,32 @@ impl DeviceState {
                     cw.ratio,
                     c.idx_topk,
                     p(&s.iscores),
-                    max_rows,
+                    s.iscores_stride,
                 )?;
-                g.topk_mask(step, p(&s.iscores), cw.ratio, c.idx_topk, g.ptr(&s.allowed))?;
-                use_mask = true;
+                g.topk_select(
+                    n,
+                    step,
+                    p(&s.iscores),
+                    s.iscores_stride,
+                    cw.ratio,
+                    c.idx_topk,
+                    g.ptr(&s.sel),
+                )?;
+                sel = g.ptr(&s.sel);
             }
         }
         let scale = (hd as f64).powf(-0.5) as f32;
         g.attention(
+            n,
             step,
             p(&s.q),
             p(&st.ring),
             self.raw_cap,
+            self.window,
             st.comp.as_ref().map_or(0, p),
             l.ratio,
-            g.ptr(&s.allowed),
-            use_mask,
+            sel,
+            c.idx_topk,
             p(&l.sinks),
             c.n_head,
             hd,
@@ -512,48 +708,42 @@ impl DeviceState {
             s.att_stride,
             p(&s.heads),
         )?;
-        g.rope_tail(step, p(&s.heads), hd, c.n_head, 0, rope, true)?;
+        g.rope_tail(n, step, p(&s.heads), hd, c.n_head, 0, rope, true)?;
         let groups = MatSel {
-            ids: g.ptr(&w.group_ids),
+            ids: g.ptr(&s.group_ids),
             x_stride: (c.q_dim() / c.o_groups) as i64,
             y_stride: c.o_lora_rank as i64,
         };
-        mv(
+        mv_sel(
             g,
             &l.out_a,
             p(&s.heads),
             &mut qb.heads,
-            false,
             p(&s.low),
-            c.o_groups,
+            n * c.o_groups,
             groups,
             fast,
         )?;
-        mv(
-            g,
-            &l.out_b,
-            p(&s.low),
-            &mut qb.low,
-            false,
-            p(&s.o),
-            1,
-            plain,
-            fast,
-        )?;
-        g.hc_post(p(&s.h), p(&s.o), p(&s.hcp), c.n_hc, c.n_embd, p(&s.h2))?;
+        mv(g, &l.out_b, p(&s.low), &mut qb.low, false, p(&s.o), n, fast)?;
+        g.hc_post(n, p(&s.h), p(&s.o), p(&s.hcp), c.n_hc, c.n_embd, p(&s.h2))?;
         Ok(())
     }
 
-    fn ffn(&mut self, w: &CudaWeights, numerics: Numerics, il: usize) -> Result<()> {
+    fn ffn(
+        &self,
+        w: &CudaWeights,
+        numerics: Numerics,
+        il: usize,
+        b: &mut Work,
+        n: usize,
+    ) -> Result<()> {
         let g = &*w.gpu;
         let c = &w.config;
         let l: &LayerDev = &w.layers[il];
-        let step = g.ptr(&self.s.step);
-        let plain = MatSel::default();
+        let (s, qb) = (&b.s, &mut b.q8);
+        let step = g.ptr(&s.step);
         let (k, ff, e) = (c.n_expert_used, c.n_ff_exp, c.n_embd);
-        hc_pre(&self.s, g, c, &l.hc_ffn, g.ptr(&self.s.h2))?;
-        let s = &self.s;
-        let qb = &mut self.q;
+        hc_pre(s, n, g, c, &l.hc_ffn, g.ptr(&s.h2))?;
         let fast = numerics == Numerics::Fast;
         let p = |b: &DeviceBuf<f32>| g.ptr(b);
         g.rmsnorm(
@@ -561,12 +751,13 @@ impl DeviceState {
             p(&l.ffn_norm),
             ds4_cuda::WT_F32,
             e,
-            1,
+            n,
             c.rms_eps,
             p(&s.n),
         )?;
-        g.matvec(&l.gate_inp, p(&s.n), p(&s.rlog), 1, plain)?;
+        g.matvec(&l.gate_inp, p(&s.n), p(&s.rlog), n, rows(&l.gate_inp))?;
         g.router(
+            n,
             step,
             p(&s.rlog),
             c.n_expert,
@@ -578,9 +769,17 @@ impl DeviceState {
             p(&s.rw),
         )?;
         let ids = g.ptr(&s.ids);
-        let shared_in = MatSel {
+        // The experts' input: one shared row for a single token, otherwise one row per
+        // (token, expert) pair.
+        let (x_in, in_stride) = if n == 1 {
+            (p(&s.n), 0)
+        } else {
+            g.repeat_rows(p(&s.n), n, e, k, p(&s.rep))?;
+            (p(&s.rep), e as i64)
+        };
+        let gate_up = MatSel {
             ids,
-            x_stride: 0,
+            x_stride: in_stride,
             y_stride: ff as i64,
         };
         let per_mid = MatSel {
@@ -592,28 +791,30 @@ impl DeviceState {
             numerics == Numerics::Fast
                 && matches!(m.ty, GgmlType::IQ2_XXS | GgmlType::Q2_K | GgmlType::Q4_K)
         };
+        let pairs = n * k;
         if int8(&l.gate_exps) && int8(&l.up_exps) {
-            g.quantize_act_k(p(&s.n), &mut qb.exp_in)?;
-            g.matvec_q8act(&l.gate_exps, &qb.exp_in, p(&s.g), k, shared_in)?;
-            g.matvec_q8act(&l.up_exps, &qb.exp_in, p(&s.u), k, shared_in)?;
+            let in_rows = if n == 1 { 1 } else { pairs };
+            g.quantize_act_k_rows(x_in, &mut qb.exp_in, in_rows)?;
+            g.matvec_q8act(&l.gate_exps, &qb.exp_in, p(&s.g), pairs, gate_up)?;
+            g.matvec_q8act(&l.up_exps, &qb.exp_in, p(&s.u), pairs, gate_up)?;
         } else {
-            g.matvec(&l.gate_exps, p(&s.n), p(&s.g), k, shared_in)?;
-            g.matvec(&l.up_exps, p(&s.n), p(&s.u), k, shared_in)?;
+            g.matvec(&l.gate_exps, x_in, p(&s.g), pairs, gate_up)?;
+            g.matvec(&l.up_exps, x_in, p(&s.u), pairs, gate_up)?;
         }
         g.swiglu(
             p(&s.g),
             p(&s.u),
             p(&s.rw),
             ff,
-            k,
+            pairs,
             c.swiglu_clamp[il],
             p(&s.mid),
         )?;
         if int8(&l.down_exps) {
-            g.quantize_act_k(p(&s.mid), &mut qb.exp_mid)?;
-            g.matvec_q8act(&l.down_exps, &qb.exp_mid, p(&s.dn), k, per_mid)?;
+            g.quantize_act_k_rows(p(&s.mid), &mut qb.exp_mid, pairs)?;
+            g.matvec_q8act(&l.down_exps, &qb.exp_mid, p(&s.dn), pairs, per_mid)?;
         } else {
-            g.matvec(&l.down_exps, p(&s.mid), p(&s.dn), k, per_mid)?;
+            g.matvec(&l.down_exps, p(&s.mid), p(&s.dn), pairs, per_mid)?;
         }
         let ffs = c.n_ff_exp * c.n_expert_shared;
         mv(
@@ -623,8 +824,7 @@ impl DeviceState {
             &mut qb.embd,
             false,
             p(&s.sg),
-            1,
-            plain,
+            n,
             fast,
         )?;
         mv(
@@ -634,8 +834,7 @@ impl DeviceState {
             &mut qb.embd,
             l.gate_sh.ty == GgmlType::Q8_0,
             p(&s.su),
-            1,
-            plain,
+            n,
             fast,
         )?;
         g.swiglu(
@@ -643,7 +842,7 @@ impl DeviceState {
             p(&s.su),
             0,
             ffs,
-            1,
+            n,
             c.swiglu_clamp_shexp[il],
             p(&s.smid),
         )?;
@@ -654,15 +853,105 @@ impl DeviceState {
             &mut qb.shared_mid,
             false,
             p(&s.sh),
-            1,
-            plain,
+            n,
             fast,
         )?;
-        g.sum_rows(p(&s.dn), k, e, p(&s.sh), p(&s.o))?;
-        g.hc_post(p(&s.h2), p(&s.o), p(&s.hcp), c.n_hc, c.n_embd, p(&s.h))?;
+        g.sum_rows(n, p(&s.dn), k, e, p(&s.sh), p(&s.o))?;
+        g.hc_post(n, p(&s.h2), p(&s.o), p(&s.hcp), c.n_hc, c.n_embd, p(&s.h))?;
         Ok(())
     }
+}
 
+/// The compressor's kv and gate projections of `n` tokens: token t's kv at
+/// out + t·2w, its gate scores right after.
+fn compressor_inputs(
+    g: &Gpu,
+    cw: &super::weights::CompressorDev,
+    x: u64,
+    out: u64,
+    n: usize,
+) -> Result<(), CudaError> {
+    let width = cw.lanes * cw.dim;
+    let sel = MatSel {
+        ids: 0,
+        x_stride: cw.kv.cols as i64,
+        y_stride: 2 * width as i64,
+    };
+    g.matvec(&cw.kv, x, out, n, sel)?;
+    g.matvec(&cw.gate, x, out + 4 * width as u64, n, sel)
+}
+
+/// Advances a compressor by `n` tokens (one: the graph-captured decode step).
+#[allow(clippy::too_many_arguments)]
+fn compress(
+    g: &Gpu,
+    c: &Config,
+    n: usize,
+    step: u64,
+    kvs: u64,
+    cw: &super::weights::CompressorDev,
+    skv: Option<&DeviceBuf<f32>>,
+    ssc: Option<&DeviceBuf<f32>>,
+    rope: ds4_cuda::RopeP,
+    indexer: bool,
+    fast: bool,
+    rows_out: u64,
+) -> Result<(), CudaError> {
+    let skv = g.ptr(skv.expect("compressed layer state"));
+    let ssc = g.ptr(ssc.expect("compressed layer state"));
+    let f32t = ds4_cuda::WT_F32;
+    if n == 1 {
+        g.compressor_step(
+            step,
+            kvs,
+            g.ptr(&cw.ape),
+            f32t,
+            skv,
+            ssc,
+            cw.ratio,
+            cw.lanes,
+            cw.dim,
+            g.ptr(&cw.norm),
+            f32t,
+            c.rms_eps,
+            rope,
+            indexer,
+            fast,
+            rows_out,
+        )
+    } else {
+        g.compressor_batch(
+            n,
+            step,
+            kvs,
+            g.ptr(&cw.ape),
+            f32t,
+            skv,
+            ssc,
+            cw.ratio,
+            cw.lanes,
+            cw.dim,
+            g.ptr(&cw.norm),
+            f32t,
+            c.rms_eps,
+            rope,
+            indexer,
+            fast,
+            rows_out,
+        )
+    }
+}
+
+/// A plain matrix applied to `n` consecutive input rows.
+fn rows(m: &ds4_cuda::DeviceMatrix) -> MatSel {
+    MatSel {
+        ids: 0,
+        x_stride: m.cols as i64,
+        y_stride: m.rows as i64,
+    }
+}
+
+impl DeviceState {
     /// The state in host form (rows in logical order, frontiers as stored).
     pub fn export(&self, w: &CudaWeights) -> Result<KvCache> {
         let g = &*w.gpu;
@@ -672,7 +961,7 @@ impl DeviceState {
         let hd = c.head_dim;
         for (il, (lc, st)) in kv.layers.iter_mut().zip(&self.layers).enumerate() {
             let ring = g.download(&st.ring)?;
-            let n_raw = self.n_tokens.min(self.raw_cap);
+            let n_raw = self.n_tokens.min(self.window);
             let first = self.n_tokens - n_raw;
             let rows: Vec<f32> = (first..self.n_tokens)
                 .flat_map(|pos| {
@@ -750,8 +1039,9 @@ impl DeviceState {
     }
 }
 
-/// One projection: in the fast numerics a Q8_0 weight gets its input quantised to
-/// Q8_0 first (into `xq`, which `quantized` says already holds `x`), as on the CPU.
+/// One projection of `n` input rows: in the fast numerics a Q8_0 weight gets its input
+/// quantised to Q8_0 first (into `xq`, which `quantized` says already holds `x`), as on
+/// the CPU.
 #[allow(clippy::too_many_arguments)]
 fn mv(
     g: &Gpu,
@@ -760,14 +1050,34 @@ fn mv(
     xq: &mut QuantAct,
     quantized: bool,
     y: u64,
+    n: usize,
+    fast: bool,
+) -> Result<(), CudaError> {
+    if fast && m.ty == GgmlType::Q8_0 {
+        if !quantized {
+            g.quantize_act_rows(x, xq, n)?;
+        }
+        g.matvec_q8act(m, xq, y, n, rows(m))
+    } else {
+        g.matvec(m, x, y, n, rows(m))
+    }
+}
+
+/// A selected / grouped projection (`n_sel` selections, inputs at sel.x_stride).
+#[allow(clippy::too_many_arguments)]
+fn mv_sel(
+    g: &Gpu,
+    m: &ds4_cuda::DeviceMatrix,
+    x: u64,
+    xq: &mut QuantAct,
+    y: u64,
     n_sel: usize,
     sel: MatSel,
     fast: bool,
 ) -> Result<(), CudaError> {
     if fast && m.ty == GgmlType::Q8_0 {
-        if !quantized {
-            g.quantize_act(x, xq)?;
-        }
+        let rows_q = (n_sel * sel.x_stride as usize).div_ceil(xq.cols);
+        g.quantize_act_rows(x, xq, rows_q)?;
         g.matvec_q8act(m, xq, y, n_sel, sel)
     } else {
         g.matvec(m, x, y, n_sel, sel)

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use ds4_cli::fixture_check::{check_sequence, pooled_agreement, Manifest, VARIANTS};
 use ds4_cuda::Gpu;
 use ds4_engine::cuda::{CudaBackend, CudaWeights};
-use ds4_engine::{LoadOptions, Model, Numerics};
+use ds4_engine::{Backend, LoadOptions, LogitRows, Model, Numerics};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -78,12 +78,64 @@ pub fn run(a: Args) -> Result<()> {
             );
         }
     }
-    let total = checks.len() + if a.fixtures.is_empty() { 0 } else { 24 };
+    let total = checks.len() + if a.fixtures.is_empty() { 0 } else { 24 + 18 };
     println!("\n{} passed, {} failed", total - failed, failed);
     if failed > 0 {
         bail!("{failed} GPU checks failed");
     }
     Ok(())
+}
+
+/// Batched prefill against token-by-token decode on one long sequence (every chunk
+/// boundary, the raw ring wrapping, compressor windows split across chunks, indexer
+/// selections past top-k): max |Δlogit| over every position. Returns the failures.
+fn batch_consistency(
+    weights: &Arc<CudaWeights>,
+    variant: &str,
+    numerics: Numerics,
+) -> Result<usize> {
+    let vocab = weights.config.vocab;
+    let n = 300;
+    let tokens: Vec<u32> = (0..n as u64)
+        .map(|i| ((i * 2654435761 + 12345) % vocab as u64) as u32)
+        .collect();
+    let run = |batched: bool, chunk: usize| -> Result<Vec<f32>> {
+        let mut b = CudaBackend::new(weights, 4096, numerics)?;
+        b.set_batched(batched);
+        b.set_prefill_chunk(chunk);
+        // Two calls, so a chunk also starts mid-window.
+        let mut out = b.forward(&tokens[..101], LogitRows::All)?;
+        out.extend(b.forward(&tokens[101..], LogitRows::All)?);
+        Ok(out)
+    };
+    let want = run(false, 1)?;
+    let bound = if numerics == Numerics::Exact {
+        1e-4
+    } else {
+        0.05
+    };
+    let mut failed = 0;
+    for chunk in [7, 64, 512] {
+        let got = run(true, chunk)?;
+        let max = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        let agree = got
+            .chunks_exact(vocab)
+            .zip(want.chunks_exact(vocab))
+            .filter(|(a, b)| ds4_engine::argmax(a) == ds4_engine::argmax(b))
+            .count();
+        let ok = max <= bound && got.len() == want.len() && agree * 100 >= n * 99;
+        failed += usize::from(!ok);
+        println!(
+            "{} {variant:<6} batch {:<6} chunk {chunk:>3}: max |Δ| vs token-by-token {max:.3e} (bound {bound:.0e}), argmax {agree}/{n}",
+            if ok { "PASS" } else { "FAIL" },
+            format!("{numerics:?}"),
+        );
+    }
+    Ok(failed)
 }
 
 /// The tiny fixtures on the CUDA backend; returns the number of failures.
@@ -118,6 +170,7 @@ fn run_fixtures(gpu: &Arc<Gpu>, dir: &std::path::Path) -> Result<usize> {
                 );
                 results.push(r);
             }
+            failed += batch_consistency(&weights, variant, numerics)?;
             let (frac, ok) = pooled_agreement(&results);
             failed += usize::from(!ok);
             let n: usize = results.iter().map(|r| r.positions).sum();
