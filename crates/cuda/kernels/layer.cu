@@ -102,9 +102,9 @@ extern "C" __global__ void __launch_bounds__(1024) hc_pre(const float* h, const 
         const float* scale, const float* base, int n_hc, int n_embd, int iters, float eps,
         float* y, float* hcp) {
     // Sinkhorn runs in the first warp, one lane per element of the n_hc × n_hc comb
-    // matrix (n_hc ≤ 5); each lane sums its row/column in the same order as the CPU.
+    // matrix (n_hc ≤ 5), in registers: row and column sums gather the other lanes'
+    // values with shuffles, in the same order as the CPU.
     __shared__ float pre[8];
-    __shared__ float c[32];
     const int t = threadIdx.x;
     const int nn = n_hc * n_hc;
     h += (i64)blockIdx.y * n_hc * n_embd;
@@ -112,51 +112,29 @@ extern "C" __global__ void __launch_bounds__(1024) hc_pre(const float* h, const 
     y += (i64)blockIdx.y * n_embd;
     hcp += (i64)blockIdx.y * (n_hc + nn);
     if (t < WARP) {
-        const int i = t / n_hc, j = t % n_hc;
+        const int i = t < nn ? t / n_hc : 0, j = t < nn ? t % n_hc : 0;
         if (t < n_hc) {
             pre[t] = sigmoidf_(mix[t] * scale[0] + base[t]) + eps;
             hcp[t] = 2.f * sigmoidf_(mix[n_hc + t] * scale[1] + base[n_hc + t]);
         }
-        if (t < nn) c[t] = mix[2 * n_hc + t] * scale[2] + base[2 * n_hc + t];
-        __syncwarp();
-        float v = 0.f;
-        if (t < nn) {
-            float mx = c[i * n_hc];
-            for (int k = 1; k < n_hc; ++k) mx = fmaxf(mx, c[i * n_hc + k]);
-            v = expf(c[t] - mx);
-        }
-        __syncwarp();
-        if (t < nn) c[t] = v;
-        __syncwarp();
-        if (t < nn) {
-            float s = 0.f;
-            for (int k = 0; k < n_hc; ++k) s += c[i * n_hc + k];
-            v = c[t] * (1.f / s) + eps;
-        }
-        __syncwarp();
-        if (t < nn) c[t] = v;
-        __syncwarp();
+        float c = t < nn ? mix[2 * n_hc + t] * scale[2] + base[2 * n_hc + t] : 0.f;
+        float mx = __shfl_sync(0xffffffffu, c, i * n_hc);
+        for (int k = 1; k < n_hc; ++k) mx = fmaxf(mx, __shfl_sync(0xffffffffu, c, i * n_hc + k));
+        c = t < nn ? expf(c - mx) : 0.f;
+        float sum = 0.f;
+        for (int k = 0; k < n_hc; ++k) sum += __shfl_sync(0xffffffffu, c, i * n_hc + k);
+        c = c * (1.f / sum) + eps;
         for (int it = 0; it < iters; ++it) {
             if (it > 0) {
-                if (t < nn) {
-                    float s = 0.f;
-                    for (int k = 0; k < n_hc; ++k) s += c[i * n_hc + k];
-                    v = c[t] * (1.f / (s + eps));
-                }
-                __syncwarp();
-                if (t < nn) c[t] = v;
-                __syncwarp();
+                sum = 0.f;
+                for (int k = 0; k < n_hc; ++k) sum += __shfl_sync(0xffffffffu, c, i * n_hc + k);
+                c = c * (1.f / (sum + eps));
             }
-            if (t < nn) {
-                float s = 0.f;
-                for (int k = 0; k < n_hc; ++k) s += c[k * n_hc + j];
-                v = c[t] * (1.f / (s + eps));
-            }
-            __syncwarp();
-            if (t < nn) c[t] = v;
-            __syncwarp();
+            sum = 0.f;
+            for (int k = 0; k < n_hc; ++k) sum += __shfl_sync(0xffffffffu, c, k * n_hc + j);
+            c = c * (1.f / (sum + eps));
         }
-        if (t < nn) hcp[n_hc + t] = c[t];
+        if (t < nn) hcp[n_hc + t] = c;
     }
     __syncthreads();
     for (int d = threadIdx.x; d < n_embd; d += blockDim.x) {
@@ -567,29 +545,68 @@ extern "C" __global__ void __launch_bounds__(256) indexer_q(const Step* step, fl
 }
 
 // ---- Indexer scores: score[c] = Σ_h relu(index_c · q_h) · wt_h · wscale for the
-// (pos+1)/4 index rows; one warp per row, grid-stride. Only used when that count
-// exceeds top_k (checked on the device).
+// (pos+1)/ratio index rows of token blockIdx.y, skipped while that count is ≤ top_k
+// (checked on the device). Block = 64 rows × every head (≤ 64; dim ≤ 128): the rows
+// and the token's queries are staged k-major in shared memory, each thread owns a
+// 4-row × 4-head register tile, and the per-row head sums are reduced in shared
+// memory. Dynamic shared memory: indexer_scores_smem(dim) bytes.
+#define IDX_ROWS 64
+#define IDX_HEADS 64
+#define IDX_S 68  // k-major row stride (floats): float4-aligned, few bank conflicts
 extern "C" __global__ void __launch_bounds__(256) indexer_scores(const Step* step,
         const float* index_rows, const float* q, const float* wt, int heads, int dim,
         float wscale, int ratio, int top_k, float* scores, int scores_stride) {
+    extern __shared__ __align__(16) float ism[];
+    float* qs = ism;                  // [dim][IDX_S]: qs[k][h]
+    float* ks = ism + dim * IDX_S;    // [dim][IDX_S]: ks[k][row]
+    float* red = ks + dim * IDX_S;    // [16][IDX_ROWS]
+    __shared__ float ws[IDX_HEADS];
     step += blockIdx.y;
     q += (i64)blockIdx.y * heads * dim;
     wt += (i64)blockIdx.y * heads;
     scores += (i64)blockIdx.y * scores_stride;
     const int n = (step->pos + 1) / ratio;
     if (n <= top_k) return;
-    const int lane = threadIdx.x % WARP;
-    for (int c = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP; c < n;
-         c += gridDim.x * (blockDim.x / WARP)) {
-        const float* r = index_rows + (i64)c * dim;
-        float acc = 0.f;
-        for (int h = 0; h < heads; ++h) {
-            float dot = 0.f;
-            for (int i = lane; i < dim; i += WARP) dot += r[i] * q[(i64)h * dim + i];
-            dot = warp_sum(dot);
-            acc += fmaxf(dot, 0.f) * wt[h] * wscale;
-        }
-        if (lane == 0) scores[c] = acc;
+    const int c0 = blockIdx.x * IDX_ROWS;
+    if (c0 >= n) return;
+    const int tid = threadIdx.x;
+    for (int i = tid; i < IDX_HEADS * dim; i += blockDim.x) {
+        const int hh = i / dim, k = i % dim;
+        qs[k * IDX_S + hh] = hh < heads ? q[i] : 0.f;
+    }
+    if (tid < IDX_HEADS) ws[tid] = tid < heads ? wt[tid] * wscale : 0.f;
+    for (int i = tid; i < IDX_ROWS * dim; i += blockDim.x) {
+        const int r = i / dim, k = i % dim;
+        ks[k * IDX_S + r] = c0 + r < n ? index_rows[(i64)c0 * dim + i] : 0.f;
+    }
+    __syncthreads();
+    const int rg = tid % 16, hg = tid / 16;
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+    for (int k = 0; k < dim; ++k) {
+        const float4 a = *reinterpret_cast<const float4*>(ks + k * IDX_S + rg * 4);
+        const float4 b = *reinterpret_cast<const float4*>(qs + k * IDX_S + hg * 4);
+        const float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[i][j] += av[i] * bv[j];
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float p = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) p += fmaxf(acc[i][j], 0.f) * ws[hg * 4 + j];
+        red[hg * IDX_ROWS + rg * 4 + i] = p;
+    }
+    __syncthreads();
+    if (tid < IDX_ROWS && c0 + tid < n) {
+        float sum = 0.f;
+        for (int g = 0; g < 16; ++g) sum += red[g * IDX_ROWS + tid];
+        scores[c0 + tid] = sum;
     }
 }
 
@@ -689,96 +706,172 @@ extern "C" __global__ void __launch_bounds__(1024) topk_select(const Step* step,
     }
 }
 
-// ---- Sink attention for one head per block over the raw window (oldest first) and
-// the compressed rows (optionally masked), K = V = the stored row. Rows are spread
-// over the block's warps: scores one warp per row, then each warp accumulates the
-// weighted rows of its share in registers (a lane holds hd/32 dims) and the warps'
-// partial sums are added in shared memory. hd must be a multiple of 4 (≤ 1024).
-#define ATT_WARPS 8
-extern "C" __global__ void __launch_bounds__(256) attention(const Step* step, const float* q,
-        const float* ring, int raw_cap, int window, const float* comp, int ratio, const i32* sel,
-        int top_k, const float* sinks, int hd, float scale, float* scores_g, int scores_stride,
-        float* out) {
-    __shared__ float red[32];
-    __shared__ float part[ATT_WARPS][1024];
-    const int h = blockIdx.x;
-    const int t = blockIdx.y;
+// ---- Split sink attention (flash-decoding): K = V = the stored row, shared by every
+// head (MQA). Block (chunk c, head group, token t) walks rows [c·rows_per_chunk, …) of
+// the token's row list (raw window oldest first, then the compressed rows or their
+// top-k selection) once with an online softmax; warp w owns head group·8 + w and a lane
+// holds dims {4l..4l+3} + 128·j, so each row is loaded once per warp and used for both
+// the score and the weighted sum. Partials: acc [t][h][c][hd], (max, sum) [t][h][c].
+// With a single chunk the block finishes the softmax itself (sink included) and
+// writes the output directly. hd must be a multiple of 4 (≤ 512).
+#define ATT_HEADS_PER_BLOCK 8
+#define ATT_ROWS_PER_STEP 4
+extern "C" __global__ void __launch_bounds__(256) attention_split(const Step* step,
+        const float* q, const float* ring, int raw_cap, int window, const float* comp,
+        int ratio, const i32* sel, int top_k, const float* sinks, int heads, int hd, float scale,
+        int rows_per_chunk, float* part_acc, float* part_ml, float* out) {
+    const int c = blockIdx.x;
+    const int n_chunks = gridDim.x;
+    const int t = blockIdx.z;
+    const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
+    const int h = blockIdx.y * ATT_HEADS_PER_BLOCK + wid;
     const int pos = step[t].pos;
     const int n_raw = min(pos + 1, window);
     const int n_comp_all = ratio > 0 ? (pos + 1) / ratio : 0;
-    // With a selection (indexer layers past top_k rows) only the selected rows count.
     const bool masked = sel != nullptr && n_comp_all > top_k;
     const int n_comp = masked ? top_k : n_comp_all;
-    sel += (i64)t * top_k;
-    const float* qh = q + ((i64)t * gridDim.x + h) * hd;
-    out += (i64)t * gridDim.x * hd;
-    float* sc = scores_g + ((i64)t * gridDim.x + h) * scores_stride;
+    const i32* st = sel + (i64)t * top_k;
     const int total = n_raw + n_comp;
-    const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP, nw = blockDim.x / WARP;
-    for (int r = wid; r < total; r += nw) {
-        const float* row;
-        if (r < n_raw) {
-            row = ring + (i64)((pos - n_raw + 1 + r) % raw_cap) * hd;
+    const int r0 = c * rows_per_chunk, r1 = min(total, r0 + rows_per_chunk);
+    if (h >= heads) return;
+    // Lane part j holds dims 128·j + 4·lane … + 3 when they exist (hd ≤ 512).
+    const int njl = (hd - 4 * lane + 127) / 128;
+    float qv[16], acc[16];
+    const float* qh = q + ((i64)t * heads + h) * hd;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        if (j < njl) {
+            const float4 a = *reinterpret_cast<const float4*>(qh + 128 * j + 4 * lane);
+            qv[4 * j] = a.x * scale;
+            qv[4 * j + 1] = a.y * scale;
+            qv[4 * j + 2] = a.z * scale;
+            qv[4 * j + 3] = a.w * scale;
         } else {
-            const int c = masked ? sel[r - n_raw] : r - n_raw;
-            row = comp + (i64)c * hd;
+            qv[4 * j] = qv[4 * j + 1] = qv[4 * j + 2] = qv[4 * j + 3] = 0.f;
         }
-        float dot = 0.f;
-        for (int i = lane * 4; i < hd; i += WARP * 4) {
-            const float4 a = *reinterpret_cast<const float4*>(qh + i);
-            const float4 b = *reinterpret_cast<const float4*>(row + i);
-            dot += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
-        }
-        dot = warp_sum(dot);
-        if (lane == 0) sc[r] = dot * scale;
     }
-    __syncthreads();
-    float mx = -3.0e38f;
-    for (int r = threadIdx.x; r < total; r += blockDim.x) mx = fmaxf(mx, sc[r]);
-    mx = fmaxf(block_max(mx, red), sinks[h]);
-    float den = 0.f;
-    for (int r = threadIdx.x; r < total; r += blockDim.x) {
-        const float s = sc[r];
-        const float wgt = s <= -5e29f ? 0.f : expf(s - mx);
-        sc[r] = wgt;
-        den += wgt;
-    }
-    den = block_sum(den, red) + expf(sinks[h] - mx);
-    const float inv = 1.f / den;
-    // Lane l of a warp owns dims {4l..4l+3} + 128·j for j < hd/128.
-    float acc[32];
-    const int nj = (hd + 127) / 128;
 #pragma unroll
-    for (int t = 0; t < 32; ++t) acc[t] = 0.f;
-    for (int r = wid; r < total; r += nw) {
-        const float wgt = sc[r];
-        if (wgt == 0.f) continue;
-        const float* row =
-            r < n_raw ? ring + (i64)((pos - n_raw + 1 + r) % raw_cap) * hd
-                      : comp + (i64)(masked ? sel[r - n_raw] : r - n_raw) * hd;
+    for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+    float m = -3.0e38f, l = 0.f;
+    // Four rows per step: their loads and reductions overlap, and the running max and
+    // the accumulator are rescaled once per step.
+    for (int r = r0; r < r1; r += ATT_ROWS_PER_STEP) {
+        float v[ATT_ROWS_PER_STEP][16];
+        float d[ATT_ROWS_PER_STEP];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            if (j < nj && 128 * j + 4 * lane < hd) {
-                const float4 v = *reinterpret_cast<const float4*>(row + 128 * j + 4 * lane);
-                acc[4 * j] += wgt * v.x;
-                acc[4 * j + 1] += wgt * v.y;
-                acc[4 * j + 2] += wgt * v.z;
-                acc[4 * j + 3] += wgt * v.w;
+        for (int u = 0; u < ATT_ROWS_PER_STEP; ++u) {
+            const int ru = r + u;
+            const float* row = nullptr;
+            if (ru < r1) {
+                if (ru < n_raw) {
+                    row = ring + (i64)((pos - n_raw + 1 + ru) % raw_cap) * hd;
+                } else {
+                    const int ci = masked ? st[ru - n_raw] : ru - n_raw;
+                    row = comp + (i64)ci * hd;
+                }
+            }
+            d[u] = 0.f;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                if (row && j < njl) {
+                    const float4 b = *reinterpret_cast<const float4*>(row + 128 * j + 4 * lane);
+                    v[u][4 * j] = b.x;
+                    v[u][4 * j + 1] = b.y;
+                    v[u][4 * j + 2] = b.z;
+                    v[u][4 * j + 3] = b.w;
+                } else {
+                    v[u][4 * j] = v[u][4 * j + 1] = v[u][4 * j + 2] = v[u][4 * j + 3] = 0.f;
+                }
+                d[u] += qv[4 * j] * v[u][4 * j] + qv[4 * j + 1] * v[u][4 * j + 1] +
+                        qv[4 * j + 2] * v[u][4 * j + 2] + qv[4 * j + 3] * v[u][4 * j + 3];
             }
         }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int u = 0; u < ATT_ROWS_PER_STEP; ++u)
+                d[u] += __shfl_xor_sync(0xffffffffu, d[u], o);
+        float mn = m;
+#pragma unroll
+        for (int u = 0; u < ATT_ROWS_PER_STEP; ++u)
+            if (r + u < r1) mn = fmaxf(mn, d[u]);
+        const float corr = expf(m - mn);
+        float p[ATT_ROWS_PER_STEP];
+        l *= corr;
+#pragma unroll
+        for (int u = 0; u < ATT_ROWS_PER_STEP; ++u) {
+            p[u] = r + u < r1 ? expf(d[u] - mn) : 0.f;
+            l += p[u];
+        }
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            float a = acc[j] * corr;
+#pragma unroll
+            for (int u = 0; u < ATT_ROWS_PER_STEP; ++u) a += p[u] * v[u][j];
+            acc[j] = a;
+        }
+        m = mn;
     }
+    if (n_chunks == 1) {
+        // Finish here: the sink joins the denominator only.
+        const float sk = sinks[h];
+        const float mm = fmaxf(m, sk);
+        const float den = l * expf(m - mm) + expf(sk - mm);
+        const float f = expf(m - mm) / den;
+        float* o = out + ((i64)t * heads + h) * hd;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        if (j < nj && 128 * j + 4 * lane < hd) {
+        for (int j = 0; j < 4; ++j) {
+            if (j < njl) {
+                float4 a;
+                a.x = acc[4 * j] * f;
+                a.y = acc[4 * j + 1] * f;
+                a.z = acc[4 * j + 2] * f;
+                a.w = acc[4 * j + 3] * f;
+                *reinterpret_cast<float4*>(o + 128 * j + 4 * lane) = a;
+            }
+        }
+        return;
+    }
+    const i64 pi = ((i64)t * heads + h) * n_chunks + c;
+    float* pa = part_acc + pi * hd;
 #pragma unroll
-            for (int t = 0; t < 4; ++t) part[wid][128 * j + 4 * lane + t] = acc[4 * j + t];
+    for (int j = 0; j < 4; ++j) {
+        if (j < njl) {
+            float4 a;
+            a.x = acc[4 * j];
+            a.y = acc[4 * j + 1];
+            a.z = acc[4 * j + 2];
+            a.w = acc[4 * j + 3];
+            *reinterpret_cast<float4*>(pa + 128 * j + 4 * lane) = a;
         }
     }
-    __syncthreads();
+    if (lane == 0) {
+        part_ml[2 * pi] = r0 < r1 ? m : -3.0e38f;
+        part_ml[2 * pi + 1] = r0 < r1 ? l : 0.f;
+    }
+}
+
+// Combines the chunks of attention_split: block (h, t), the sink in the denominator.
+extern "C" __global__ void __launch_bounds__(128) attention_combine(const float* part_acc,
+        const float* part_ml, const float* sinks, int heads, int hd, int n_chunks, float* out) {
+    const int h = blockIdx.x, t = blockIdx.y;
+    const i64 base = ((i64)t * heads + h) * n_chunks;
+    float mm = sinks[h];
+    for (int c = 0; c < n_chunks; ++c) mm = fmaxf(mm, part_ml[2 * (base + c)]);
+    float den = expf(sinks[h] - mm);
+    for (int c = 0; c < n_chunks; ++c) {
+        const float l = part_ml[2 * (base + c) + 1];
+        if (l > 0.f) den += l * expf(part_ml[2 * (base + c)] - mm);
+    }
+    const float inv = 1.f / den;
+    float* o = out + ((i64)t * heads + h) * hd;
     for (int i = threadIdx.x; i < hd; i += blockDim.x) {
         float s = 0.f;
-        for (int w = 0; w < nw; ++w) s += part[w][i];
-        out[(i64)h * hd + i] = s * inv;
+        for (int c = 0; c < n_chunks; ++c) {
+            const float l = part_ml[2 * (base + c) + 1];
+            if (l > 0.f) s += part_acc[(base + c) * hd + i] * expf(part_ml[2 * (base + c)] - mm);
+        }
+        o[i] = s * inv;
     }
 }
 

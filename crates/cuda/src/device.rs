@@ -170,6 +170,19 @@ impl Gpu {
         Ok(v)
     }
 
+    /// Lets kernel `name` use `bytes` of dynamic shared memory (beyond the default 48 KiB).
+    pub(crate) fn allow_smem(&self, name: &'static str, bytes: usize) -> Result<(), CudaError> {
+        if bytes <= 48 << 10 {
+            return Ok(());
+        }
+        let f = self.func(name)?;
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )?;
+        Ok(())
+    }
+
     pub(crate) fn func(&self, name: &'static str) -> Result<CudaFunction, CudaError> {
         let mut f = self.funcs.lock().expect("kernel table lock");
         if let Some(k) = f.get(name) {

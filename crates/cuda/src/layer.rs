@@ -437,13 +437,22 @@ impl Gpu {
         scores: u64,
         max_rows: usize,
     ) -> Result<(), CudaError> {
+        if heads > 64 || dim > 128 {
+            return Err(CudaError::Invalid(format!(
+                "indexer of {heads} heads × {dim}: at most 64 × 128"
+            )));
+        }
         let (h, d, r, k) = (heads as i32, dim as i32, ratio as i32, top_k as i32);
         let ss = max_rows as i32;
-        let blocks = (max_rows as u32).div_ceil(8).clamp(1, 1024);
+        // qs and ks (dim × 68 floats each) and the 16 × 64 reduction.
+        let smem = (2 * dim * 68 + 16 * 64) * 4;
+        let mut cfg = cfg2((max_rows as u32).div_ceil(64), n_tok, 256);
+        cfg.shared_mem_bytes = smem as u32;
+        self.allow_smem("indexer_scores", smem)?;
         launch!(
             self,
             "indexer_scores",
-            cfg2(blocks, n_tok, 256),
+            cfg,
             step,
             rows,
             q,
@@ -487,8 +496,10 @@ impl Gpu {
 
     /// Sink attention of every head of each token over its raw window (the last
     /// `window` positions, stored at pos % raw_cap) and its compressed rows (those of
-    /// `sel[t]` when `sel` ≠ 0 and the count exceeds top_k). Scores of (t, h) are at
-    /// (t · heads + h) · scores_stride.
+    /// `sel[t]` when `sel` ≠ 0 and the count exceeds top_k), split into `n_chunks`
+    /// chunks of `rows_per_chunk` rows; with more than one chunk the partials go to
+    /// `part_acc` (n_tok·heads·n_chunks·hd floats) and `part_ml` (twice n_tok·heads·n_chunks)
+    /// and a combine pass writes `out`.
     pub fn attention(
         &self,
         n_tok: usize,
@@ -505,32 +516,41 @@ impl Gpu {
         heads: usize,
         hd: usize,
         scale: f32,
-        scores: u64,
-        scores_stride: usize,
+        rows_per_chunk: usize,
+        n_chunks: usize,
+        part_acc: u64,
+        part_ml: u64,
         out: u64,
     ) -> Result<(), CudaError> {
-        if !hd.is_multiple_of(4) || hd > 1024 {
+        if !hd.is_multiple_of(4) || hd > 512 {
             return Err(CudaError::Invalid(format!(
-                "attention head dim {hd}: must be a multiple of 4, at most 1024"
+                "attention head dim {hd}: must be a multiple of 4, at most 512"
             )));
         }
-        if window > raw_cap {
+        if window > raw_cap || n_chunks == 0 || rows_per_chunk == 0 {
             return Err(CudaError::Invalid(format!(
-                "attention window {window} > ring of {raw_cap}"
+                "attention window {window} / ring {raw_cap} / {n_chunks} chunks of {rows_per_chunk}"
             )));
         }
-        let (rc, win, r, tk, hd_, ss) = (
+        let (rc, win, r, tk, nh, hd_, rpc) = (
             raw_cap as i32,
             window as i32,
             ratio as i32,
             top_k as i32,
+            heads as i32,
             hd as i32,
-            scores_stride as i32,
+            rows_per_chunk as i32,
         );
+        let groups = (heads as u32).div_ceil(8);
+        let grid = LaunchConfig {
+            grid_dim: (n_chunks as u32, groups, n_tok as u32),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
         launch!(
             self,
-            "attention",
-            cfg2(heads as u32, n_tok, 256),
+            "attention_split",
+            grid,
             step,
             q,
             ring,
@@ -541,12 +561,30 @@ impl Gpu {
             sel,
             tk,
             sinks,
+            nh,
             hd_,
             scale,
-            scores,
-            ss,
+            rpc,
+            part_acc,
+            part_ml,
             out
-        )
+        )?;
+        if n_chunks > 1 {
+            let nc = n_chunks as i32;
+            launch!(
+                self,
+                "attention_combine",
+                cfg2(heads as u32, n_tok, 128),
+                part_acc,
+                part_ml,
+                sinks,
+                nh,
+                hd_,
+                nc,
+                out
+            )?;
+        }
+        Ok(())
     }
 
     /// Expert selection and weights of each token (`tid2eid = 0`: top-k routing,

@@ -80,7 +80,10 @@ struct Scratch {
     iscores: DeviceBuf<f32>,
     iscores_stride: usize,
     sel: DeviceBuf<i32>,
-    att: DeviceBuf<f32>,
+    /// Split-attention partials (decode: chunks of ATT_CHUNK rows).
+    att_acc: DeviceBuf<f32>,
+    att_ml: DeviceBuf<f32>,
+    /// Rows a token can attend to at most (window + compressed rows).
     att_stride: usize,
     rlog: DeviceBuf<f32>,
     ids: DeviceBuf<i32>,
@@ -152,7 +155,16 @@ impl Scratch {
             iscores: z(cap * icap)?,
             iscores_stride: icap,
             sel: g.zeros::<i32>((cap * c.idx_topk).max(1))?,
-            att: z(cap * c.n_head * att_stride)?,
+            att_acc: z(if cap == 1 {
+                c.n_head * att_stride.div_ceil(ATT_CHUNK) * hd
+            } else {
+                1
+            })?,
+            att_ml: z(if cap == 1 {
+                2 * c.n_head * att_stride.div_ceil(ATT_CHUNK)
+            } else {
+                1
+            })?,
             att_stride,
             rlog: z(cap * c.n_expert)?,
             ids: g.zeros::<i32>(cap * k)?,
@@ -205,6 +217,9 @@ fn comp_cap(ctx: usize, ratio: usize) -> usize {
 /// scores and indexer scores); chunks are sized so these stay within 512 MiB.
 const CHUNK_SCORE_BUDGET: usize = 512 << 20;
 const MAX_CHUNK: usize = 512;
+/// Rows per split-attention chunk in decode (a prefill batch uses one chunk per token:
+/// its tokens already fill the GPU).
+const ATT_CHUNK: usize = 64;
 
 impl DeviceState {
     pub fn new(w: &CudaWeights, ctx: usize) -> Result<DeviceState> {
@@ -223,7 +238,7 @@ impl DeviceState {
             .max()
             .unwrap_or(0);
         let att_stride = window + max_comp;
-        let per_token = 4 * (c.n_head * att_stride + comp_cap(ctx, 4));
+        let per_token = 4 * comp_cap(ctx, 4);
         let chunk = std::env::var("DS4_CUDA_PREFILL_CHUNK")
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
@@ -689,6 +704,11 @@ impl KvView<'_> {
             }
         }
         let scale = (hd as f64).powf(-0.5) as f32;
+        let (rows_per_chunk, n_chunks) = if n == 1 {
+            (ATT_CHUNK, s.att_stride.div_ceil(ATT_CHUNK))
+        } else {
+            (s.att_stride, 1)
+        };
         g.attention(
             n,
             step,
@@ -704,8 +724,10 @@ impl KvView<'_> {
             c.n_head,
             hd,
             scale,
-            p(&s.att),
-            s.att_stride,
+            rows_per_chunk,
+            n_chunks,
+            p(&s.att_acc),
+            p(&s.att_ml),
             p(&s.heads),
         )?;
         g.rope_tail(n, step, p(&s.heads), hd, c.n_head, 0, rope, true)?;
