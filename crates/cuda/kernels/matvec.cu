@@ -33,26 +33,41 @@ __device__ __forceinline__ float dot2_h(u32 h, float a, float b) {
 // F16: [rows][cols] f16 (GGUF layout).
 extern "C" __global__ void __launch_bounds__(256) matvec_f16(
     const u16* __restrict__ w, i64 mat_w, const float* __restrict__ x, float* __restrict__ y,
-    int rows, int cols, MatSel sel) {
-    const int row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.y;
-    if (row >= rows) return;
+    int rows, int cols, MatSel sel, int ks) {
+    // `ks` warps share a row (split K) so short matrices still fill the GPU.
+    __shared__ float red[ROWS_PER_BLOCK];
+    const int row = blockIdx.x * (blockDim.y / ks) + threadIdx.y / ks;
+    const int split = threadIdx.y % ks;
     const int m = sel_matrix(sel);
     x += blockIdx.y * sel.x_stride;
-    const u16* r = w + m * mat_w + (i64)row * cols;
     float acc = 0.f;
-    if ((cols & 7) == 0) {
+    if (row < rows) {
+        const u16* r = w + m * mat_w + (i64)row * cols;
+        if ((cols & 7) == 0) {
 #pragma unroll 4
-        for (int c = threadIdx.x * 8; c < cols; c += WARP * 8) {
-            const W4 v = ld16(r + c);
-            const float4 x0 = ldx4(x + c), x1 = ldx4(x + c + 4);
-            acc += dot2_h(v.a, x0.x, x0.y) + dot2_h(v.b, x0.z, x0.w) + dot2_h(v.c, x1.x, x1.y) +
-                   dot2_h(v.d, x1.z, x1.w);
+            for (int c = (split * WARP + threadIdx.x) * 8; c < cols; c += ks * WARP * 8) {
+                const W4 v = ld16(r + c);
+                const float4 x0 = ldx4(x + c), x1 = ldx4(x + c + 4);
+                acc += dot2_h(v.a, x0.x, x0.y) + dot2_h(v.b, x0.z, x0.w) +
+                       dot2_h(v.c, x1.x, x1.y) + dot2_h(v.d, x1.z, x1.w);
+            }
+        } else {
+            for (int c = split * WARP + threadIdx.x; c < cols; c += ks * WARP)
+                acc += h2f(r[c]) * x[c];
         }
-    } else {
-        for (int c = threadIdx.x; c < cols; c += WARP) acc += h2f(r[c]) * x[c];
     }
     acc = warp_sum(acc);
-    if (threadIdx.x == 0) y[blockIdx.y * sel.y_stride + row] = acc;
+    if (ks == 1) {
+        if (threadIdx.x == 0 && row < rows) y[blockIdx.y * sel.y_stride + row] = acc;
+        return;
+    }
+    if (threadIdx.x == 0) red[threadIdx.y] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0 && split == 0 && row < rows) {
+        float s = 0.f;
+        for (int i = 0; i < ks; ++i) s += red[threadIdx.y + i];
+        y[blockIdx.y * sel.y_stride + row] = s;
+    }
 }
 
 // F32: [rows][cols] f32.

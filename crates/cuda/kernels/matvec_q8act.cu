@@ -31,6 +31,10 @@ __device__ __forceinline__ void stage_x(i8* sq, float* sd, const i8* q, const fl
     __syncthreads();
 }
 
+// Rows per warp of the expert kernels: a block stages the activation row (and the
+// IQ2 grid) once for 8 × EXP_ROWS_PER_WARP rows.
+#define EXP_ROWS_PER_WARP 4
+
 // Sum of 4 signed bytes.
 __device__ __forceinline__ int bsum4(int v) { return __dp4a(v, 0x01010101, 0); }
 
@@ -47,8 +51,9 @@ extern "C" __global__ void __launch_bounds__(256) matvec_iq2_xxs_q8(
     const int tid = threadIdx.y * WARP + threadIdx.x;
     for (int i = tid; i < 256; i += WARP * blockDim.y) grid[i] = grid_g[i];
     stage_x(sq, sd, xq + blockIdx.y * sel.x_stride, xd + blockIdx.y * (sel.x_stride / 32), cols);
-    const int row = blockIdx.x * blockDim.y + threadIdx.y;
-    if (row >= rows) return;
+    const int row_end = min(rows, (int)((blockIdx.x + 1) * blockDim.y * EXP_ROWS_PER_WARP));
+    for (int row = blockIdx.x * blockDim.y * EXP_ROWS_PER_WARP + threadIdx.y; row < row_end;
+         row += blockDim.y) {
     const int m = sel_matrix(sel);
     const int nb = cols / 256;
     const u8* q = qs + m * mat_q + (i64)row * nb * 64;
@@ -88,6 +93,7 @@ extern "C" __global__ void __launch_bounds__(256) matvec_iq2_xxs_q8(
     }
     acc = warp_sum(acc);
     if (threadIdx.x == 0) y[blockIdx.y * sel.y_stride + row] = acc;
+    }
 }
 
 // Q2_K × Q8: a lane takes 16 quant bytes (half h of chunk k): for each j the 16 values
@@ -100,8 +106,9 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q2_k_q8(
     float* sd = reinterpret_cast<float*>(smem);
     i8* sq = reinterpret_cast<i8*>(smem + (cols / 32) * 4);
     stage_x(sq, sd, xq + blockIdx.y * sel.x_stride, xd + blockIdx.y * (sel.x_stride / 32), cols);
-    const int row = blockIdx.x * blockDim.y + threadIdx.y;
-    if (row >= rows) return;
+    const int row_end = min(rows, (int)((blockIdx.x + 1) * blockDim.y * EXP_ROWS_PER_WARP));
+    for (int row = blockIdx.x * blockDim.y * EXP_ROWS_PER_WARP + threadIdx.y; row < row_end;
+         row += blockDim.y) {
     const int m = sel_matrix(sel);
     const int nb = cols / 256;
     const i64 b0 = m * mat_blocks + (i64)row * nb;
@@ -130,6 +137,7 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q2_k_q8(
     }
     acc = warp_sum(acc);
     if (threadIdx.x == 0) y[blockIdx.y * sel.y_stride + row] = acc;
+    }
 }
 
 // Q4_K × Q8 (GGUF layout): a lane takes 16 quant bytes of chunk ch, half h: low nibbles
@@ -142,8 +150,9 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q4_k_q8(
     float* sd = reinterpret_cast<float*>(smem);
     i8* sq = reinterpret_cast<i8*>(smem + (cols / 32) * 4);
     stage_x(sq, sd, xq + blockIdx.y * sel.x_stride, xd + blockIdx.y * (sel.x_stride / 32), cols);
-    const int row = blockIdx.x * blockDim.y + threadIdx.y;
-    if (row >= rows) return;
+    const int row_end = min(rows, (int)((blockIdx.x + 1) * blockDim.y * EXP_ROWS_PER_WARP));
+    for (int row = blockIdx.x * blockDim.y * EXP_ROWS_PER_WARP + threadIdx.y; row < row_end;
+         row += blockDim.y) {
     const int m = sel_matrix(sel);
     const int nb = cols / 256;
     const u8* base = w + (m * mat_blocks + (i64)row * nb) * 144;
@@ -176,6 +185,7 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q4_k_q8(
     }
     acc = warp_sum(acc);
     if (threadIdx.x == 0) y[blockIdx.y * sel.y_stride + row] = acc;
+    }
 }
 
 // Q8_K-style activation quantisation (llama.cpp quantize_row_q8_K_ref, as the CPU's
@@ -234,25 +244,39 @@ extern "C" __global__ void __launch_bounds__(256) quantize_q8_k32(const float* _
 extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8(
     const i8* __restrict__ qs, const u16* __restrict__ dw, i64 mat_q, i64 mat_d,
     const i8* __restrict__ xq, const float* __restrict__ xd, float* __restrict__ y, int rows,
-    int cols, MatSel sel) {
-    const int row = blockIdx.x * blockDim.y + threadIdx.y;
-    if (row >= rows) return;
+    int cols, MatSel sel, int ks) {
+    // `ks` warps share a row (split K) so short matrices still fill the GPU.
+    __shared__ float red[ROWS_PER_BLOCK];
+    const int row = blockIdx.x * (blockDim.y / ks) + threadIdx.y / ks;
+    const int split = threadIdx.y % ks;
     const int m = sel_matrix(sel);
     xq += blockIdx.y * sel.x_stride;
     xd += blockIdx.y * (sel.x_stride / 32);
-    const i8* q = qs + m * mat_q + (i64)row * cols;
-    const u16* dr = dw + m * mat_d + (i64)row * (cols / 32);
     float acc = 0.f;
+    if (row < rows) {
+        const i8* q = qs + m * mat_q + (i64)row * cols;
+        const u16* dr = dw + m * mat_d + (i64)row * (cols / 32);
 #pragma unroll 4
-    for (int c = threadIdx.x * 16; c < cols; c += WARP * 16) {
-        const W4 w = ld16(q + c);
-        const int4 xv = *reinterpret_cast<const int4*>(xq + c);
-        int s = __dp4a((int)w.a, xv.x, 0);
-        s = __dp4a((int)w.b, xv.y, s);
-        s = __dp4a((int)w.c, xv.z, s);
-        s = __dp4a((int)w.d, xv.w, s);
-        acc += (h2f(dr[c >> 5]) * xd[c >> 5]) * (float)s;
+        for (int c = (split * WARP + threadIdx.x) * 16; c < cols; c += ks * WARP * 16) {
+            const W4 w = ld16(q + c);
+            const int4 xv = *reinterpret_cast<const int4*>(xq + c);
+            int s = __dp4a((int)w.a, xv.x, 0);
+            s = __dp4a((int)w.b, xv.y, s);
+            s = __dp4a((int)w.c, xv.z, s);
+            s = __dp4a((int)w.d, xv.w, s);
+            acc += (h2f(dr[c >> 5]) * xd[c >> 5]) * (float)s;
+        }
     }
     acc = warp_sum(acc);
-    if (threadIdx.x == 0) y[blockIdx.y * sel.y_stride + row] = acc;
+    if (ks == 1) {
+        if (threadIdx.x == 0 && row < rows) y[blockIdx.y * sel.y_stride + row] = acc;
+        return;
+    }
+    if (threadIdx.x == 0) red[threadIdx.y] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0 && split == 0 && row < rows) {
+        float s = 0.f;
+        for (int i = 0; i < ks; ++i) s += red[threadIdx.y + i];
+        y[blockIdx.y * sel.y_stride + row] = s;
+    }
 }

@@ -23,6 +23,20 @@ pub struct MatSel {
 unsafe impl DeviceRepr for MatSel {}
 
 const ROWS_PER_BLOCK: u32 = 8;
+/// Rows per warp of the int8 expert kernels (EXP_ROWS_PER_WARP in matvec_q8act.cu).
+const EXP_ROWS_PER_WARP: u32 = 4;
+
+/// Warps per row (1, 2, 4 or 8: divides ROWS_PER_BLOCK) for a product of `rows` rows
+/// and `n_sel` selections: short matrices split their columns so that the GPU holds
+/// enough warps to stream the weights at full bandwidth.
+fn split_k(rows: usize, n_sel: usize) -> u32 {
+    match rows * n_sel {
+        n if n >= 16384 => 1,
+        n if n >= 4096 => 2,
+        n if n >= 1024 => 4,
+        _ => 8,
+    }
+}
 
 impl Gpu {
     /// `y[k][row] = W[ids[k]] · x[k]` for `n_sel` selections (`n_sel = 1`, `sel =
@@ -37,8 +51,17 @@ impl Gpu {
     ) -> Result<(), CudaError> {
         let rows = m.rows as i32;
         let cols = m.cols as i32;
+        let ks = if m.ty == GgmlType::F16 {
+            split_k(m.rows, n_sel)
+        } else {
+            1
+        };
         let cfg = LaunchConfig {
-            grid_dim: ((m.rows as u32).div_ceil(ROWS_PER_BLOCK), n_sel as u32, 1),
+            grid_dim: (
+                (m.rows as u32).div_ceil(ROWS_PER_BLOCK / ks),
+                n_sel as u32,
+                1,
+            ),
             block_dim: (32, ROWS_PER_BLOCK, 1),
             shared_mem_bytes: 0,
         };
@@ -77,6 +100,10 @@ impl Gpu {
             }
         }
         b.arg(&x).arg(&y).arg(&rows).arg(&cols).arg(&sel);
+        let ks_arg = ks as i32;
+        if m.ty == GgmlType::F16 {
+            b.arg(&ks_arg);
+        }
         // SAFETY: argument order and types match the kernel signatures in matvec.cu;
         // the caller passes buffers of at least n_sel × cols inputs and n_sel × rows
         // outputs (checked by the safe wrappers that use this).
@@ -280,8 +307,18 @@ impl Gpu {
             }
         };
         let f = self.func(name)?;
+        let ks = if m.ty == GgmlType::Q8_0 {
+            split_k(m.rows, n_sel)
+        } else {
+            1
+        };
+        let rows_per_block = if m.ty == GgmlType::Q8_0 {
+            ROWS_PER_BLOCK / ks
+        } else {
+            ROWS_PER_BLOCK * EXP_ROWS_PER_WARP
+        };
         let cfg = LaunchConfig {
-            grid_dim: ((m.rows as u32).div_ceil(ROWS_PER_BLOCK), n_sel as u32, 1),
+            grid_dim: ((m.rows as u32).div_ceil(rows_per_block), n_sel as u32, 1),
             block_dim: (32, ROWS_PER_BLOCK, 1),
             shared_mem_bytes: smem,
         };
@@ -309,6 +346,10 @@ impl Gpu {
             .arg(&rows)
             .arg(&cols)
             .arg(&sel);
+        let ks_arg = ks as i32;
+        if m.ty == GgmlType::Q8_0 {
+            b.arg(&ks_arg);
+        }
         // SAFETY: argument order matches matvec_q8act.cu; xq holds n_sel rows (or one
         // shared row) of m.cols values; y holds n_sel × m.rows floats (caller).
         self.timed(name, || {
