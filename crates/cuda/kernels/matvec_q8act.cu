@@ -6,19 +6,24 @@
 
 // x [n_rows][n] f32 → q [n_rows][n] int8 and d [n_rows][n/32] f32. One warp per 32
 // values: lane i quantises value i of its block.
-extern "C" __global__ void quantize_q8_32(const float* __restrict__ x, i8* __restrict__ q,
-                                          float* __restrict__ d, int n_blocks) {
-    const int b = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
-    if (b >= n_blocks) return;
+// The Q8_0 activation rule on one warp's block of 32 (lane i holds value i).
+__device__ __forceinline__ void quant_block32(float v, i8* q, float* d) {
     const int lane = threadIdx.x % WARP;
-    const float v = x[(i64)b * 32 + lane];
     const float amax = warp_max(fabsf(v));
     const float dd = amax / 127.0f;
     const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
     int qi = __float2int_rn(v * id);
     qi = max(-128, min(127, qi));
-    q[(i64)b * 32 + lane] = (i8)qi;
-    if (lane == 0) d[b] = dd;
+    q[lane] = (i8)qi;
+    if (lane == 0) *d = dd;
+}
+
+extern "C" __global__ void quantize_q8_32(const float* __restrict__ x, i8* __restrict__ q,
+                                          float* __restrict__ d, int n_blocks) {
+    const int b = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    if (b >= n_blocks) return;
+    const int lane = threadIdx.x % WARP;
+    quant_block32(x[(i64)b * 32 + lane], q + (i64)b * 32, d + b);
 }
 
 // Stages one activation row (cols int8 + cols/32 scales) into shared memory.
@@ -279,4 +284,98 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8(
         for (int i = 0; i < ks; ++i) s += red[threadIdx.y + i];
         y[blockIdx.y * sel.y_stride + row] = s;
     }
+}
+
+// ---- Fused producers of quantised activations (decode launch count): each writes the
+// f32 result and its Q8_0 (per 32) or Q8_K (per 256) form, bit-identical to running
+// the plain kernel and then quantize_q8_32 / quantize_q8_k32.
+
+// rmsnorm of one row per block (n a multiple of 32), then Q8_0.
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm_q8(const float* x, const void* w,
+        int w_type, int n, float eps, float* y, i8* q, float* d) {
+    __shared__ float red[32];
+    const float* xr = x + (i64)blockIdx.x * n;
+    float* yr = y + (i64)blockIdx.x * n;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = block_sum(ss, red);
+    const float sc = 1.0f / sqrtf(ss / (float)n + eps);
+    const int lane = threadIdx.x % WARP, nw = blockDim.x / WARP;
+    for (int b = threadIdx.x / WARP; b < n / 32; b += nw) {
+        const int i = b * 32 + lane;
+        float v = xr[i] * sc;
+        if (w) v = v * ldw(w, w_type, i);
+        yr[i] = v;
+        quant_block32(v, q + (i64)blockIdx.x * n + b * 32, d + (i64)blockIdx.x * (n / 32) + b);
+    }
+}
+
+__device__ __forceinline__ float swiglu_value(const float* gate, const float* up,
+        const float* weights, int n, float clamp, i64 i) {
+    const float g = fminf(gate[i], clamp);
+    const float u = fminf(fmaxf(up[i], -clamp), clamp);
+    const float wt = weights ? weights[i / n] : 1.f;
+    return g * sigmoidf_(g) * u * wt;
+}
+
+// swiglu (as `swiglu`) then Q8_0: one warp per 32 values of the n·n_sel.
+extern "C" __global__ void swiglu_q8(const float* gate, const float* up, const float* weights,
+        int n, int n_sel, float clamp, float* mid, i8* q, float* d) {
+    const i64 b = (i64)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    if (b >= (i64)n * n_sel / 32) return;
+    const i64 i = b * 32 + threadIdx.x % WARP;
+    const float v = swiglu_value(gate, up, weights, n, clamp, i);
+    mid[i] = v;
+    quant_block32(v, q + b * 32, d + b);
+}
+
+// swiglu then Q8_K (the quantize_q8_k32 rule): one block of 256 threads per 256 values.
+extern "C" __global__ void __launch_bounds__(256) swiglu_q8k(const float* gate,
+        const float* up, const float* weights, int n, float clamp, float* mid, i8* q,
+        float* d) {
+    __shared__ float vals[256];
+    __shared__ float s_abs[8];
+    __shared__ int s_idx[8];
+    __shared__ float s_max;
+    const i64 base = (i64)blockIdx.x * 256;
+    const float v = swiglu_value(gate, up, weights, n, clamp, base + threadIdx.x);
+    mid[base + threadIdx.x] = v;
+    vals[threadIdx.x] = v;
+    float a = fabsf(v);
+    int idx = threadIdx.x;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float a2 = __shfl_xor_sync(0xffffffffu, a, o);
+        const int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (a2 > a || (a2 == a && i2 < idx)) {
+            a = a2;
+            idx = i2;
+        }
+    }
+    if (threadIdx.x % WARP == 0) {
+        s_abs[threadIdx.x / WARP] = a;
+        s_idx[threadIdx.x / WARP] = idx;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float ba = s_abs[0];
+        int bi = s_idx[0];
+        for (int w = 1; w < 8; ++w)
+            if (s_abs[w] > ba || (s_abs[w] == ba && s_idx[w] < bi)) {
+                ba = s_abs[w];
+                bi = s_idx[w];
+            }
+        s_max = ba == 0.f ? 0.f : vals[bi];
+    }
+    __syncthreads();
+    const float mx = s_max;
+    if (mx == 0.f) {
+        q[base + threadIdx.x] = 0;
+        if (threadIdx.x < 8) d[blockIdx.x * 8 + threadIdx.x] = 0.f;
+        return;
+    }
+    const float iscale = -127.0f / mx;
+    int qi = __float2int_rn(iscale * v);
+    q[base + threadIdx.x] = (i8)max(-128, min(127, qi));
+    if (threadIdx.x < 8) d[blockIdx.x * 8 + threadIdx.x] = 1.0f / iscale;
 }

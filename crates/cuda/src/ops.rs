@@ -267,6 +267,120 @@ impl Gpu {
         Ok(())
     }
 
+    /// `rows` RMS norms of n values (weight `w`, 0 = none) written to `y` and quantised
+    /// into `qa` (Q8_0 rule), as `rmsnorm` + `quantize_act` in one launch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_q8(
+        &self,
+        x: u64,
+        w: u64,
+        w_type: i32,
+        n: usize,
+        rows: usize,
+        eps: f32,
+        y: u64,
+        qa: &mut QuantAct,
+    ) -> Result<(), CudaError> {
+        if qa.cols != n || rows > qa.rows {
+            return Err(CudaError::Invalid(format!(
+                "rmsnorm_q8: {rows}×{n} into activations of {}×{}",
+                qa.rows, qa.cols
+            )));
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (if n >= 1024 { 1024 } else { 256 }, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = self.func("rmsnorm_q8")?;
+        let (q, d, nn) = (self.ptr(&qa.q), self.ptr(&qa.d), n as i32);
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&x)
+            .arg(&w)
+            .arg(&w_type)
+            .arg(&nn)
+            .arg(&eps)
+            .arg(&y)
+            .arg(&q)
+            .arg(&d);
+        // SAFETY: matches rmsnorm_q8 in matvec_q8act.cu; x/y hold rows × n floats
+        // (caller), q/d are sized by alloc_quant_act (checked above).
+        self.timed("rmsnorm_q8", || {
+            unsafe { b.launch(cfg) }?;
+            Ok(())
+        })
+    }
+
+    /// `swiglu` of `n_sel` rows of n into `mid` and, quantised, into `qa`: Q8_0 per 32
+    /// (`k_rule = false`) or Q8_K per 256 (`k_rule = true`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn swiglu_quant(
+        &self,
+        gate: u64,
+        up: u64,
+        weights: u64,
+        n: usize,
+        n_sel: usize,
+        clamp: f32,
+        mid: u64,
+        qa: &mut QuantAct,
+        k_rule: bool,
+    ) -> Result<(), CudaError> {
+        let total = n * n_sel;
+        let unit = if k_rule { 256 } else { 32 };
+        if total > qa.rows * qa.cols || !n.is_multiple_of(unit) {
+            return Err(CudaError::Invalid(format!(
+                "swiglu_quant: {n_sel}×{n} into activations of {}×{}",
+                qa.rows, qa.cols
+            )));
+        }
+        let (q, d, nn, ns) = (self.ptr(&qa.q), self.ptr(&qa.d), n as i32, n_sel as i32);
+        if k_rule {
+            let cfg = LaunchConfig {
+                grid_dim: ((total / 256) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let f = self.func("swiglu_q8k")?;
+            let mut b = self.stream.launch_builder(&f);
+            b.arg(&gate)
+                .arg(&up)
+                .arg(&weights)
+                .arg(&nn)
+                .arg(&clamp)
+                .arg(&mid)
+                .arg(&q)
+                .arg(&d);
+            // SAFETY: matches swiglu_q8k; gate/up/mid hold n·n_sel floats (caller).
+            self.timed("swiglu_q8k", || {
+                unsafe { b.launch(cfg) }?;
+                Ok(())
+            })
+        } else {
+            let cfg = LaunchConfig {
+                grid_dim: (((total / 32) as u32).div_ceil(8).max(1), 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let f = self.func("swiglu_q8")?;
+            let mut b = self.stream.launch_builder(&f);
+            b.arg(&gate)
+                .arg(&up)
+                .arg(&weights)
+                .arg(&nn)
+                .arg(&ns)
+                .arg(&clamp)
+                .arg(&mid)
+                .arg(&q)
+                .arg(&d);
+            // SAFETY: matches swiglu_q8; gate/up/mid hold n·n_sel floats (caller).
+            self.timed("swiglu_q8", || {
+                unsafe { b.launch(cfg) }?;
+                Ok(())
+            })
+        }
+    }
+
     /// `y[k] = W[ids[k]] · xq[k]` with int8 activations (`sel.x_stride` counts int8
     /// values; 0 = shared input). Q8_0, IQ2_XXS, Q2_K and Q4_K weights.
     pub fn matvec_q8act(
@@ -307,6 +421,8 @@ impl Gpu {
             }
         };
         let f = self.func(name)?;
+        // Q8_0: warps per row (see matvec_q8_0_q8). Several rows per warp measured
+        // slower (H200 decode 74.6 -> 70.0 tok/s): fewer warps in flight.
         let ks = if m.ty == GgmlType::Q8_0 {
             split_k(m.rows, n_sel)
         } else {

@@ -585,26 +585,30 @@ impl KvView<'_> {
         let hd = c.head_dim;
 
         hc_pre(s, n, g, c, &l.hc_attn, p(&s.h))?;
-        g.rmsnorm(
+        let n_q8 = norm(
+            g,
             p(&s.y),
             p(&l.attn_norm),
-            f32t,
             c.n_embd,
             n,
             c.rms_eps,
             p(&s.n),
+            &mut qb.embd,
+            fast && l.q_a.ty == GgmlType::Q8_0,
         )?;
-        mv(g, &l.q_a, p(&s.n), &mut qb.embd, false, p(&s.qa), n, fast)?;
-        g.rmsnorm(
+        mv(g, &l.q_a, p(&s.n), &mut qb.embd, n_q8, p(&s.qa), n, fast)?;
+        let qr_q8 = norm(
+            g,
             p(&s.qa),
             p(&l.q_a_norm),
-            f32t,
             c.q_lora_rank,
             n,
             c.rms_eps,
             p(&s.qr),
+            &mut qb.qr,
+            fast && l.q_b.ty == GgmlType::Q8_0,
         )?;
-        mv(g, &l.q_b, p(&s.qr), &mut qb.qr, false, p(&s.q), n, fast)?;
+        mv(g, &l.q_b, p(&s.qr), &mut qb.qr, qr_q8, p(&s.q), n, fast)?;
         g.rmsnorm(p(&s.q), 0, f32t, hd, n * c.n_head, c.rms_eps, p(&s.q))?;
         g.rope_tail(n, step, p(&s.q), hd, c.n_head, 0, rope, false)?;
         // The same quantised `n` as attn_q_a.
@@ -768,14 +772,16 @@ impl KvView<'_> {
         hc_pre(s, n, g, c, &l.hc_ffn, g.ptr(&s.h2))?;
         let fast = numerics == Numerics::Fast;
         let p = |b: &DeviceBuf<f32>| g.ptr(b);
-        g.rmsnorm(
+        let n_q8 = norm(
+            g,
             p(&s.y),
             p(&l.ffn_norm),
-            ds4_cuda::WT_F32,
             e,
             n,
             c.rms_eps,
             p(&s.n),
+            &mut qb.embd,
+            fast && l.gate_sh.ty == GgmlType::Q8_0,
         )?;
         g.matvec(&l.gate_inp, p(&s.n), p(&s.rlog), n, rows(&l.gate_inp))?;
         g.router(
@@ -823,19 +829,29 @@ impl KvView<'_> {
             g.matvec(&l.gate_exps, x_in, p(&s.g), pairs, gate_up)?;
             g.matvec(&l.up_exps, x_in, p(&s.u), pairs, gate_up)?;
         }
-        g.swiglu(
-            p(&s.g),
-            p(&s.u),
-            p(&s.rw),
-            ff,
-            pairs,
-            c.swiglu_clamp[il],
-            p(&s.mid),
-        )?;
         if int8(&l.down_exps) {
-            g.quantize_act_k_rows(p(&s.mid), &mut qb.exp_mid, pairs)?;
+            g.swiglu_quant(
+                p(&s.g),
+                p(&s.u),
+                p(&s.rw),
+                ff,
+                pairs,
+                c.swiglu_clamp[il],
+                p(&s.mid),
+                &mut qb.exp_mid,
+                true,
+            )?;
             g.matvec_q8act(&l.down_exps, &qb.exp_mid, p(&s.dn), pairs, per_mid)?;
         } else {
+            g.swiglu(
+                p(&s.g),
+                p(&s.u),
+                p(&s.rw),
+                ff,
+                pairs,
+                c.swiglu_clamp[il],
+                p(&s.mid),
+            )?;
             g.matvec(&l.down_exps, p(&s.mid), p(&s.dn), pairs, per_mid)?;
         }
         let ffs = c.n_ff_exp * c.n_expert_shared;
@@ -844,7 +860,7 @@ impl KvView<'_> {
             &l.gate_sh,
             p(&s.n),
             &mut qb.embd,
-            false,
+            n_q8,
             p(&s.sg),
             n,
             fast,
@@ -859,21 +875,36 @@ impl KvView<'_> {
             n,
             fast,
         )?;
-        g.swiglu(
-            p(&s.sg),
-            p(&s.su),
-            0,
-            ffs,
-            n,
-            c.swiglu_clamp_shexp[il],
-            p(&s.smid),
-        )?;
+        let smid_q8 = fast && l.down_sh.ty == GgmlType::Q8_0;
+        if smid_q8 {
+            g.swiglu_quant(
+                p(&s.sg),
+                p(&s.su),
+                0,
+                ffs,
+                n,
+                c.swiglu_clamp_shexp[il],
+                p(&s.smid),
+                &mut qb.shared_mid,
+                false,
+            )?;
+        } else {
+            g.swiglu(
+                p(&s.sg),
+                p(&s.su),
+                0,
+                ffs,
+                n,
+                c.swiglu_clamp_shexp[il],
+                p(&s.smid),
+            )?;
+        }
         mv(
             g,
             &l.down_sh,
             p(&s.smid),
             &mut qb.shared_mid,
-            false,
+            smid_q8,
             p(&s.sh),
             n,
             fast,
@@ -1059,6 +1090,28 @@ impl DeviceState {
         d.import(w, &self.export(w)?)?;
         Ok(d)
     }
+}
+
+/// `rows` RMS norms into `y`; with `quantize` also into `xq` (Q8_0) in the same launch.
+/// Returns whether `xq` now holds `y`.
+#[allow(clippy::too_many_arguments)]
+fn norm(
+    g: &Gpu,
+    x: u64,
+    w: u64,
+    n: usize,
+    rows: usize,
+    eps: f32,
+    y: u64,
+    xq: &mut QuantAct,
+    quantize: bool,
+) -> Result<bool, CudaError> {
+    if quantize {
+        g.rmsnorm_q8(x, w, ds4_cuda::WT_F32, n, rows, eps, y, xq)?;
+    } else {
+        g.rmsnorm(x, w, ds4_cuda::WT_F32, n, rows, eps, y)?;
+    }
+    Ok(quantize)
 }
 
 /// One projection of `n` input rows: in the fast numerics a Q8_0 weight gets its input
