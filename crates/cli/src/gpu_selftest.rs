@@ -148,6 +148,7 @@ pub fn check_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
         let x = random_vec(4 * cols, &mut rng);
         checks.push(check_q8act(gpu, &m, &w, &[3, 1, 4, 1], &x)?);
     }
+    checks.extend(crate::gpu_matmul_check::check_matmul(gpu, seed)?);
     Ok(checks)
 }
 
@@ -401,5 +402,6 @@ pub fn bench_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
             });
         }
     }
+    out.extend(crate::gpu_matmul_check::bench_matmul(gpu, seed)?);
     Ok(out)
 }

@@ -22,6 +22,9 @@ pub struct Args {
     /// GPU against the official logits (empty string: skip).
     #[arg(long, default_value = "fixtures/tiny")]
     fixtures: String,
+    /// Only the batched (prefill) GEMM checks and, with --bench, their timings.
+    #[arg(long)]
+    only_matmul: bool,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -47,6 +50,9 @@ pub fn run(a: Args) -> Result<()> {
             .map_or(1, |d| d.as_nanos() as u64)
     });
     println!("seed {seed}");
+    if a.only_matmul {
+        return run_matmul(&gpu, seed, a.bench);
+    }
     let checks = check_kernels(&gpu, seed)?;
     let mut failed = 0;
     for c in &checks {
@@ -80,6 +86,48 @@ pub fn run(a: Args) -> Result<()> {
     }
     let total = checks.len() + if a.fixtures.is_empty() { 0 } else { 24 + 18 };
     println!("\n{} passed, {} failed", total - failed, failed);
+    if failed > 0 {
+        bail!("{failed} GPU checks failed");
+    }
+    Ok(())
+}
+
+fn print_checks(checks: &[ds4_cli::gpu_selftest::Check]) -> usize {
+    let mut failed = 0;
+    for c in checks {
+        let ok = c.passed();
+        failed += usize::from(!ok);
+        println!(
+            "{} {:<60} rel err {:.2e} (bound {:.0e})",
+            if ok { "PASS" } else { "FAIL" },
+            c.name,
+            c.rel_err,
+            c.bound
+        );
+    }
+    failed
+}
+
+/// `--only-matmul`: the prefill GEMM checks and bench alone.
+fn run_matmul(gpu: &Gpu, seed: u64, bench: bool) -> Result<()> {
+    let checks = ds4_cli::gpu_matmul_check::check_matmul(gpu, seed)?;
+    let failed = print_checks(&checks);
+    if bench {
+        println!(
+            "\n{:<64} {:>12} {:>10} {:>10}",
+            "prefill kernel (rate per op count)", "bytes", "us", "GB/s"
+        );
+        for t in ds4_cli::gpu_matmul_check::bench_matmul(gpu, seed)? {
+            println!(
+                "{:<64} {:>12.0} {:>10.1} {:>10.0}",
+                t.name,
+                t.bytes,
+                t.ms * 1e3,
+                t.gbps()
+            );
+        }
+    }
+    println!("\n{} passed, {} failed", checks.len() - failed, failed);
     if failed > 0 {
         bail!("{failed} GPU checks failed");
     }

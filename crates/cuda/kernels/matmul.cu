@@ -1,0 +1,742 @@
+// Batched (prefill) matrix-matrix products on tensor cores (issue #6).
+//
+// * mm_q8_0_*: Q8_0 weights × int8 activations (one scale per 32), mma.sync m16n8k32 s8:
+//   one k-step is one 32-block, so the int32 result of each mma is scaled by
+//   (weight scale × activation scale) and accumulated in f32.
+// * mm_exp_*: the same product for expert stacks (IQ2_XXS, Q2_K, Q4_K, Q8_0) over a
+//   device-built route plan: a block takes 128 rows of one expert and up to 32 of its
+//   (token, expert) pairs, so each expert's weights are streamed once per 32 pairs.
+//   The quantised weights are decoded in registers straight into the A fragments.
+//   K-quant minimums use a second mma whose A operand is the sub-block minimum
+//   broadcast over its values (Σ m·x exactly in int32).
+// * mm_f32_*: f32 activations × F32/F16/BF16/Q8_0 weights, SIMT tiles, f32 accumulation
+//   in k order (no tensor cores: keeps f32 numerics).
+// * route_plan_build: per-expert pair lists and the work items of the expert GEMM.
+//
+// Fragment layouts of mma.m16n8k32 (s8), g = lane / 4, t = lane % 4:
+//   A (16×32, row major): a0 = row g, k 4t..4t+3; a1 = row g+8, same k; a2 = row g,
+//   k 16+4t..; a3 = row g+8, k 16+4t..
+//   B (32×8, stored as [n][k]): b0 = column g, k 4t..4t+3; b1 = column g, k 16+4t..
+//   C (16×8): c0 = (g, 2t), c1 = (g, 2t+1), c2 = (g+8, 2t), c3 = (g+8, 2t+1).
+// int32 → f32 without I2F: the accumulator starts at the bit pattern of 1.5·2^23, so the
+// result read as a float is 1.5·2^23 + sum exactly for |sum| < 2^22 (every sum here is
+// ≤ 32·128·128 = 2^19) and one FADD recovers the sum.
+#include "common.cuh"
+
+#define MM_MAGIC 0x4B400000
+#define MM_MAGIC_F 12582912.0f
+
+__device__ __forceinline__ float mm_f(int c) { return __int_as_float(c) - MM_MAGIC_F; }
+
+__device__ __forceinline__ u32 mm_smem(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// cp.async with zero fill when !ok (the source is then not read).
+__device__ __forceinline__ void mm_cp16(u32 dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+                 "r"(ok ? 16 : 0));
+}
+__device__ __forceinline__ void mm_cp8(u32 dst, const void* src, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src),
+                 "r"(ok ? 8 : 0));
+}
+__device__ __forceinline__ void mm_cp4(u32 dst, const void* src, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src),
+                 "r"(ok ? 4 : 0));
+}
+__device__ __forceinline__ void mm_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void mm_wait1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
+__device__ __forceinline__ void mm_ldsm4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
+// c = MAGIC + A·B (int8, exact).
+__device__ __forceinline__ void mm_mma(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                       u32 b1) {
+    c[0] = c[1] = c[2] = c[3] = MM_MAGIC;
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// ---------------------------------------------------------------------------------------
+// Dense Q8_0 × int8: block tile BM rows × BN tokens, k-tiles of 128 (4 blocks of 32),
+// 8 warps as 4 (rows) × 2 (tokens), double-buffered cp.async. Shared memory per stage:
+// A quants [BM][144] (16 bytes of padding: ldmatrix rows land on distinct banks), B quants
+// [BN][144], A scales [BM][4] f16, B scales [4][BN] f32.
+// Grid: x = token tiles (fastest: blocks sharing a weight tile run together), y = row
+// tiles, z = groups.
+
+#define MM_BK 128
+#define MM_PITCH 144
+
+template <int BM, int BN>
+__device__ __forceinline__ void mm_q8_0_body(const i8* __restrict__ qs, const u16* __restrict__ dw,
+                                             i64 mat_q, i64 mat_d, const i8* __restrict__ xq,
+                                             const float* __restrict__ xd, float* __restrict__ y,
+                                             int rows, int cols, int n_tok, i64 x_tok, i64 x_grp,
+                                             i64 y_tok, i64 y_grp) {
+    constexpr int WM = BM / 4, WN = BN / 2, MT = WM / 16, NT = WN / 8;
+    constexpr int B_OFF = BM * MM_PITCH, SA_OFF = B_OFF + BN * MM_PITCH;
+    constexpr int SB_OFF = SA_OFF + BM * 8, STAGE = SB_OFF + 4 * BN * 4;
+    static_assert(NT % 2 == 0, "B fragments are loaded two n-tiles at a time");
+    extern __shared__ __align__(16) u8 smem[];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp & 3, wn = warp >> 2, gq = lane >> 2, tq = lane & 3;
+    const int grp = blockIdx.z;
+    const int n0 = blockIdx.x * BN, m0 = blockIdx.y * BM;
+    qs += grp * mat_q;
+    dw += grp * mat_d;
+    xq += grp * x_grp;
+    xd += grp * (x_grp / 32);
+    y += grp * y_grp;
+    const int nb32 = cols / 32;
+    const int nkt = (cols + MM_BK - 1) / MM_BK;
+    const bool fast_scales = (cols % MM_BK) == 0;
+    const u32 smem_s = mm_smem(smem);
+
+    auto load = [&](int kt, int s) {
+        const u32 st = smem_s + s * STAGE;
+        const int k0 = kt * MM_BK;
+        for (int i = tid; i < BM * 8; i += 256) {
+            const int r = i >> 3, c = i & 7, row = m0 + r, kc = k0 + 16 * c;
+            const bool ok = row < rows && kc < cols;
+            mm_cp16(st + r * MM_PITCH + 16 * c, ok ? qs + (i64)row * cols + kc : qs, ok);
+        }
+        for (int i = tid; i < BN * 8; i += 256) {
+            const int r = i >> 3, c = i & 7, t = n0 + r, kc = k0 + 16 * c;
+            const bool ok = t < n_tok && kc < cols;
+            mm_cp16(st + B_OFF + r * MM_PITCH + 16 * c, ok ? xq + (i64)t * x_tok + kc : xq, ok);
+        }
+        if (fast_scales) {
+            for (int r = tid; r < BM; r += 256) {
+                const int row = m0 + r;
+                const bool ok = row < rows;
+                mm_cp8(st + SA_OFF + r * 8, ok ? dw + (i64)row * nb32 + k0 / 32 : dw, ok);
+            }
+        } else {
+            u16* sa = reinterpret_cast<u16*>(smem + s * STAGE + SA_OFF);
+            for (int i = tid; i < BM * 4; i += 256) {
+                const int r = i >> 2, j = i & 3, row = m0 + r, kb = k0 / 32 + j;
+                sa[i] = (row < rows && kb < nb32) ? dw[(i64)row * nb32 + kb] : (u16)0;
+            }
+        }
+        for (int i = tid; i < BN * 4; i += 256) {
+            const int j = i / BN, r = i % BN, t = n0 + r, kb = k0 / 32 + j;
+            const bool ok = t < n_tok && kb < nb32;
+            mm_cp4(st + SB_OFF + i * 4, ok ? xd + (i64)t * (x_tok / 32) + kb : xd, ok);
+        }
+    };
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int a = 0; a < MT; ++a)
+#pragma unroll
+        for (int b = 0; b < NT; ++b)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[a][b][i] = 0.f;
+
+    load(0, 0);
+    mm_commit();
+    for (int kt = 0; kt < nkt; ++kt) {
+        if (kt + 1 < nkt) load(kt + 1, (kt + 1) & 1);
+        mm_commit();
+        mm_wait1();
+        __syncthreads();
+        const int s = kt & 1;
+        const u32 st = smem_s + s * STAGE;
+        const u16* sa = reinterpret_cast<const u16*>(smem + s * STAGE + SA_OFF);
+        const float* sb = reinterpret_cast<const float*>(smem + s * STAGE + SB_OFF);
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+            u32 a[MT][4], b[NT][2];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const int r = wm * WM + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                mm_ldsm4(st + r * MM_PITCH + ks * 32 + (lane >> 4) * 16, a[mt][0], a[mt][1],
+                         a[mt][2], a[mt][3]);
+            }
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                const int r = wn * WN + np * 16 + (lane & 7) + (lane >> 4) * 8;
+                mm_ldsm4(st + B_OFF + r * MM_PITCH + ks * 32 + ((lane >> 3) & 1) * 16,
+                         b[2 * np][0], b[2 * np][1], b[2 * np + 1][0], b[2 * np + 1][1]);
+            }
+            float wa[MT][2];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const int r = wm * WM + mt * 16 + gq;
+                wa[mt][0] = h2f(sa[r * 4 + ks]);
+                wa[mt][1] = h2f(sa[(r + 8) * 4 + ks]);
+            }
+            float2 xb[NT];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+                xb[nt] = *reinterpret_cast<const float2*>(sb + ks * BN + wn * WN + nt * 8 + 2 * tq);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    int c[4];
+                    mm_mma(c, a[mt][0], a[mt][1], a[mt][2], a[mt][3], b[nt][0], b[nt][1]);
+                    acc[mt][nt][0] += mm_f(c[0]) * (wa[mt][0] * xb[nt].x);
+                    acc[mt][nt][1] += mm_f(c[1]) * (wa[mt][0] * xb[nt].y);
+                    acc[mt][nt][2] += mm_f(c[2]) * (wa[mt][1] * xb[nt].x);
+                    acc[mt][nt][3] += mm_f(c[3]) * (wa[mt][1] * xb[nt].y);
+                }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const int r = m0 + wm * WM + mt * 16 + gq;
+            const int t = n0 + wn * WN + nt * 8 + 2 * tq;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int rr = r + (i >> 1) * 8, tt = t + (i & 1);
+                if (rr < rows && tt < n_tok) y[(i64)tt * y_tok + rr] = acc[mt][nt][i];
+            }
+        }
+}
+
+#define MM_Q8_0_KERNEL(BM, BN)                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) mm_q8_0_##BM##x##BN(                     \
+        const i8* __restrict__ qs, const u16* __restrict__ dw, i64 mat_q, i64 mat_d,            \
+        const i8* __restrict__ xq, const float* __restrict__ xd, float* __restrict__ y,         \
+        int rows, int cols, int n_tok, i64 x_tok, i64 x_grp, i64 y_tok, i64 y_grp) {            \
+        mm_q8_0_body<BM, BN>(qs, dw, mat_q, mat_d, xq, xd, y, rows, cols, n_tok, x_tok, x_grp,  \
+                             y_tok, y_grp);                                                     \
+    }
+MM_Q8_0_KERNEL(128, 128)
+MM_Q8_0_KERNEL(128, 64)
+MM_Q8_0_KERNEL(64, 64)
+
+// ---------------------------------------------------------------------------------------
+// Expert (and dense non-Q8_0) GEMM: block = 4 warps, 128 rows (32 per warp: two m-tiles)
+// × up to 32 pairs (four n-tiles, empty ones skipped), k-stages of one 256 super-block.
+// Shared memory per stage: the raw weight blocks of the 128 rows, then the activations
+// [32][272] int8 and their scales [8][32] f32.
+
+#define EXP_F_Q8_0 0
+#define EXP_F_IQ2 1
+#define EXP_F_Q2K 2
+#define EXP_F_Q4K 3
+#define EXP_XPITCH 272
+#define EXP_X_BYTES (32 * EXP_XPITCH + 8 * 32 * 4)
+
+template <int F>
+__host__ __device__ constexpr int exp_w_bytes() {
+    return F == EXP_F_Q8_0 ? 128 * 272 + 128 * 16
+         : F == EXP_F_IQ2  ? 128 * 80 + 128 * 4
+         : F == EXP_F_Q2K  ? 128 * 80 + 128 * 16 + 128 * 4
+                           : 128 * 144;
+}
+
+// Q4_K sub-block scale and min j (0..7) from the 12 scale bytes in words w0..w2.
+__device__ __forceinline__ u32 mm_q4k_byte(int i, u32 w0, u32 w1, u32 w2) {
+    const u32 w = i < 4 ? w0 : (i < 8 ? w1 : w2);
+    return (w >> (8 * (i & 3))) & 0xff;
+}
+__device__ __forceinline__ void mm_q4k_sm(int j, u32 w0, u32 w1, u32 w2, u32& sc, u32& mn) {
+    if (j < 4) {
+        sc = mm_q4k_byte(j, w0, w1, w2) & 63;
+        mn = mm_q4k_byte(j + 4, w0, w1, w2) & 63;
+    } else {
+        const u32 hi = mm_q4k_byte(j + 4, w0, w1, w2);
+        sc = (hi & 0xF) | ((mm_q4k_byte(j - 4, w0, w1, w2) >> 6) << 4);
+        mn = (hi >> 4) | ((mm_q4k_byte(j, w0, w1, w2) >> 6) << 4);
+    }
+}
+
+// Decodes k-step j (values 32j..32j+31 of the stage's super-block) of the m-tile whose
+// lane rows are r and r+8 (tile-local) into the A fragment `a`; for K-quants also the
+// minimum fragment `am`. s1 = scale of the main product per row, s2 = of the minimum.
+template <int F>
+__device__ __forceinline__ void exp_decode(const u8* wst, u32 wst_s, const u32* grid32, int r,
+                                           int j, int lane, u32 (&a)[4], u32 (&am)[4],
+                                           float (&s1)[2], float (&s2)[2]) {
+    const int tq = lane & 3;
+    if (F == EXP_F_Q8_0) {
+        const int rr = (r - (lane >> 2)) + (lane & 7) + ((lane >> 3) & 1) * 8;
+        mm_ldsm4(wst_s + rr * 272 + 32 * j + (lane >> 4) * 16, a[0], a[1], a[2], a[3]);
+        const u16* d = reinterpret_cast<const u16*>(wst + 128 * 272);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) s1[hh] = h2f(d[(r + 8 * hh) * 8 + j]);
+    } else if (F == EXP_F_IQ2) {
+        const float* d = reinterpret_cast<const float*>(wst + 128 * 80);
+        const int l0 = tq >> 1, h = tq & 1;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int row = r + 8 * hh;
+            const uint2 v = *reinterpret_cast<const uint2*>(wst + row * 80 + 8 * j);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int l = l0 + 2 * half;
+                const u32 gv = grid32[2 * ((v.x >> (8 * l)) & 255) + h];
+                u32 s = (v.y >> (7 * l)) & 127;
+                s |= (__popc(s) & 1) << 7;
+                const u32 bits = (((s >> (4 * h)) & 15) * 0x204081u) & 0x01010101u;
+                // Bytes of gv are 8, 25 or 43: (g ^ 0xff) + 1 = -g per byte, no carries.
+                a[hh + 2 * half] = (gv ^ (bits * 255u)) + bits;
+            }
+            s1[hh] = d[row] * (0.5f + (float)(v.y >> 28)) * 0.25f;
+        }
+    } else if (F == EXP_F_Q2K) {
+        const u8* sc = wst + 128 * 80;
+        const u32* dm = reinterpret_cast<const u32*>(wst + 128 * 80 + 128 * 16);
+        const int kk = j >> 2, jj = j & 3;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int row = r + 8 * hh;
+            const u32 w0 = *reinterpret_cast<const u32*>(wst + row * 80 + 32 * kk + 4 * tq);
+            const u32 w1 = *reinterpret_cast<const u32*>(wst + row * 80 + 32 * kk + 16 + 4 * tq);
+            const u32 scp = *reinterpret_cast<const u16*>(sc + row * 16 + 8 * kk + 2 * jj);
+            const u32 sa = scp & 0xff, sb = scp >> 8;
+            a[hh] = ((w0 >> (2 * jj)) & 0x03030303u) * (sa & 15);
+            a[hh + 2] = ((w1 >> (2 * jj)) & 0x03030303u) * (sb & 15);
+            am[hh] = (sa >> 4) * 0x01010101u;
+            am[hh + 2] = (sb >> 4) * 0x01010101u;
+            const u32 dmv = dm[row];
+            s1[hh] = h2f((u16)(dmv & 0xffff));
+            s2[hh] = h2f((u16)(dmv >> 16));
+        }
+    } else {
+        const int c = j >> 1, sh = 4 * (j & 1);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const u8* blk = wst + (r + 8 * hh) * 144;
+            const uint4 hdr = *reinterpret_cast<const uint4*>(blk);
+            const u32 w0 = *reinterpret_cast<const u32*>(blk + 16 + 32 * c + 4 * tq);
+            const u32 w1 = *reinterpret_cast<const u32*>(blk + 16 + 32 * c + 16 + 4 * tq);
+            a[hh] = (w0 >> sh) & 0x0f0f0f0fu;
+            a[hh + 2] = (w1 >> sh) & 0x0f0f0f0fu;
+            u32 scv, mn;
+            mm_q4k_sm(j, hdr.y, hdr.z, hdr.w, scv, mn);
+            am[hh] = am[hh + 2] = mn * 0x01010101u;
+            s1[hh] = h2f((u16)(hdr.x & 0xffff)) * (float)scv;
+            s2[hh] = h2f((u16)(hdr.x >> 16));
+        }
+    }
+}
+
+// Plan mode (items != null): block y = work item {expert, first pair, pairs}; pair p reads
+// input row p / k_div (x_tok int8 per row) and writes y[p·y_tok + row]. Dense mode: block
+// y = tokens 32y.., block z = group (matrix z), token t reads xq[t·x_tok + z·x_grp] and
+// writes y[t·y_tok + z·y_grp + row].
+template <int F>
+__device__ __forceinline__ void mm_exp_body(
+    const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2, i64 mat0,
+    i64 mat1, i64 mat2, const u64* __restrict__ grid_g, const i8* __restrict__ xq,
+    const float* __restrict__ xd, float* __restrict__ y, int rows, int cols,
+    const int4* __restrict__ items, const i32* __restrict__ n_items, const i32* __restrict__ pairs,
+    int k_div, int n_tok, i64 x_tok, i64 x_grp, i64 y_tok, i64 y_grp) {
+    constexpr int WB = exp_w_bytes<F>();
+    constexpr int STAGE = WB + EXP_X_BYTES;
+    constexpr bool KQ = F == EXP_F_Q2K || F == EXP_F_Q4K;
+    extern __shared__ __align__(16) u8 smem[];
+    __shared__ i64 s_xoff[32], s_yoff[32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int gq = lane >> 2, tq = lane & 3;
+    int e, len;
+    if (items) {
+        if ((int)blockIdx.y >= *n_items) return;
+        const int4 it = items[blockIdx.y];
+        e = it.x;
+        len = it.z;
+        if (tid < 32) {
+            i64 xo = -1, yo = -1;
+            if (tid < len) {
+                const int p = pairs[it.y + tid];
+                xo = (i64)(p / k_div) * x_tok;
+                yo = (i64)p * y_tok;
+            }
+            s_xoff[tid] = xo;
+            s_yoff[tid] = yo;
+        }
+    } else {
+        e = blockIdx.z;
+        const int t0 = blockIdx.y * 32;
+        len = min(32, n_tok - t0);
+        if (tid < 32) {
+            const bool ok = tid < len;
+            s_xoff[tid] = ok ? (i64)(t0 + tid) * x_tok + e * x_grp : -1;
+            s_yoff[tid] = ok ? (i64)(t0 + tid) * y_tok + e * y_grp : -1;
+        }
+    }
+    u32* grid32 = reinterpret_cast<u32*>(smem + 2 * STAGE);
+    if (F == EXP_F_IQ2)
+        for (int i = tid; i < 512; i += 128) grid32[i] = reinterpret_cast<const u32*>(grid_g)[i];
+    __syncthreads();
+
+    const int row0 = blockIdx.x * 128;
+    const int nb = cols / 256;
+    w0 += e * mat0;
+    w1 += e * mat1;
+    w2 += e * mat2;
+    const u32 smem_s = mm_smem(smem);
+    const int my_row = row0 + tid;  // the row whose per-row scales this thread fetches
+
+    // Stage s ← super-block b. IQ2_XXS scales are 2-byte values: fetched into `dnext` by
+    // a plain load and stored after the compute of the current stage.
+    auto load = [&](int b, int s, u16& dnext) {
+        const u32 st = smem_s + s * STAGE;
+        if (F == EXP_F_Q8_0) {
+#pragma unroll
+            for (int u = 0; u < 16; ++u) {
+                const int i = tid + 128 * u, r = i >> 4, c = i & 15;
+                const bool ok = row0 + r < rows;
+                mm_cp16(st + r * 272 + 16 * c, ok ? w0 + (i64)(row0 + r) * cols + b * 256 + 16 * c : w0, ok);
+            }
+            const bool ok = my_row < rows;
+            mm_cp16(st + 128 * 272 + tid * 16, ok ? w1 + ((i64)my_row * (cols / 32) + b * 8) * 2 : w1, ok);
+        } else if (F == EXP_F_Q4K) {
+#pragma unroll
+            for (int u = 0; u < 9; ++u) {
+                const int i = tid + 128 * u, r = i / 9, c = i % 9;
+                const bool ok = row0 + r < rows;
+                mm_cp16(st + r * 144 + 16 * c, ok ? w0 + ((i64)(row0 + r) * nb + b) * 144 + 16 * c : w0, ok);
+            }
+        } else {
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int i = tid + 128 * u, r = i >> 2, c = i & 3;
+                const bool ok = row0 + r < rows;
+                mm_cp16(st + r * 80 + 16 * c, ok ? w0 + ((i64)(row0 + r) * nb + b) * 64 + 16 * c : w0, ok);
+            }
+            const bool ok = my_row < rows;
+            const i64 blk = (i64)my_row * nb + b;
+            if (F == EXP_F_IQ2) {
+                dnext = ok ? reinterpret_cast<const u16*>(w1)[blk] : (u16)0;
+            } else {
+                mm_cp16(st + 128 * 80 + tid * 16, ok ? w1 + blk * 16 : w1, ok);
+                mm_cp4(st + 128 * 80 + 128 * 16 + tid * 4, ok ? w2 + blk * 4 : w2, ok);
+            }
+        }
+        const u32 xs = st + WB;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int i = tid + 128 * u, pr = i >> 4, c = i & 15;
+            const i64 xo = s_xoff[pr];
+            mm_cp16(xs + pr * EXP_XPITCH + 16 * c, xo >= 0 ? xq + xo + b * 256 + 16 * c : xq, xo >= 0);
+        }
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const int i = tid + 128 * u, j = i >> 5, pr = i & 31;
+            const i64 xo = s_xoff[pr];
+            mm_cp4(xs + 32 * EXP_XPITCH + i * 4, xo >= 0 ? xd + (xo >> 5) + b * 8 + j : xd, xo >= 0);
+        }
+    };
+    auto store_d = [&](int s, u16 d) {
+        if (F == EXP_F_IQ2) reinterpret_cast<float*>(smem + s * STAGE + 128 * 80)[tid] = h2f(d);
+    };
+
+    float acc[2][4][4];
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int b = 0; b < 4; ++b)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[a][b][i] = 0.f;
+    const int nnt = (len + 7) >> 3;
+
+    u16 dn = 0;
+    load(0, 0, dn);
+    store_d(0, dn);
+    mm_commit();
+    for (int b = 0; b < nb; ++b) {
+        if (b + 1 < nb) load(b + 1, (b + 1) & 1, dn);
+        mm_commit();
+        mm_wait1();
+        __syncthreads();
+        const int s = b & 1;
+        const u8* wst = smem + s * STAGE;
+        const u32 wst_s = smem_s + s * STAGE;
+        const u32 xs_s = wst_s + WB;
+        const float* xds = reinterpret_cast<const float*>(wst + WB + 32 * EXP_XPITCH);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            u32 bf[4][2];
+            {
+                const int r = (lane & 7) + (lane >> 4) * 8;
+                const u32 off = 32 * j + ((lane >> 3) & 1) * 16;
+                mm_ldsm4(xs_s + r * EXP_XPITCH + off, bf[0][0], bf[0][1], bf[1][0], bf[1][1]);
+                if (nnt > 2)
+                    mm_ldsm4(xs_s + (r + 16) * EXP_XPITCH + off, bf[2][0], bf[2][1], bf[3][0], bf[3][1]);
+                else
+                    bf[2][0] = bf[2][1] = bf[3][0] = bf[3][1] = 0;
+            }
+            float2 xv[4];
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt)
+                xv[nt] = *reinterpret_cast<const float2*>(xds + j * 32 + nt * 8 + 2 * tq);
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                u32 a[4], am[4];
+                float s1[2], s2[2];
+                exp_decode<F>(wst, wst_s, grid32, warp * 32 + mt * 16 + gq, j, lane, a, am, s1, s2);
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) {
+                    if (nt < nnt) {
+                        int c[4];
+                        mm_mma(c, a[0], a[1], a[2], a[3], bf[nt][0], bf[nt][1]);
+                        if (KQ) {
+                            int cm[4];
+                            mm_mma(cm, am[0], am[1], am[2], am[3], bf[nt][0], bf[nt][1]);
+                            acc[mt][nt][0] += xv[nt].x * (s1[0] * mm_f(c[0]) - s2[0] * mm_f(cm[0]));
+                            acc[mt][nt][1] += xv[nt].y * (s1[0] * mm_f(c[1]) - s2[0] * mm_f(cm[1]));
+                            acc[mt][nt][2] += xv[nt].x * (s1[1] * mm_f(c[2]) - s2[1] * mm_f(cm[2]));
+                            acc[mt][nt][3] += xv[nt].y * (s1[1] * mm_f(c[3]) - s2[1] * mm_f(cm[3]));
+                        } else {
+                            acc[mt][nt][0] += mm_f(c[0]) * (s1[0] * xv[nt].x);
+                            acc[mt][nt][1] += mm_f(c[1]) * (s1[0] * xv[nt].y);
+                            acc[mt][nt][2] += mm_f(c[2]) * (s1[1] * xv[nt].x);
+                            acc[mt][nt][3] += mm_f(c[3]) * (s1[1] * xv[nt].y);
+                        }
+                    }
+                }
+            }
+        }
+        if (b + 1 < nb) store_d((b + 1) & 1, dn);
+        __syncthreads();
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+            if (nt >= nnt) continue;
+            const int r = row0 + warp * 32 + mt * 16 + gq;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int rr = r + (i >> 1) * 8, n = nt * 8 + 2 * tq + (i & 1);
+                if (rr < rows && n < len) y[s_yoff[n] + rr] = acc[mt][nt][i];
+            }
+        }
+}
+
+#define MM_EXP_KERNEL(NAME, F)                                                                  \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                    \
+        const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2,        \
+        i64 mat0, i64 mat1, i64 mat2, const u64* __restrict__ grid_g, const i8* __restrict__ xq, \
+        const float* __restrict__ xd, float* __restrict__ y, int rows, int cols,                \
+        const int4* __restrict__ items, const i32* __restrict__ n_items,                        \
+        const i32* __restrict__ pairs, int k_div, int n_tok, i64 x_tok, i64 x_grp, i64 y_tok,   \
+        i64 y_grp) {                                                                            \
+        mm_exp_body<F>(w0, w1, w2, mat0, mat1, mat2, grid_g, xq, xd, y, rows, cols, items,      \
+                       n_items, pairs, k_div, n_tok, x_tok, x_grp, y_tok, y_grp);               \
+    }
+MM_EXP_KERNEL(mm_exp_q8_0, EXP_F_Q8_0)
+MM_EXP_KERNEL(mm_exp_iq2_xxs, EXP_F_IQ2)
+MM_EXP_KERNEL(mm_exp_q2_k, EXP_F_Q2K)
+MM_EXP_KERNEL(mm_exp_q4_k, EXP_F_Q4K)
+
+// ---------------------------------------------------------------------------------------
+// Route plan: one block of 1024 threads. offsets[e] = first slot of expert e in `pairs`
+// (offsets[n_expert] = valid pairs), pairs[] = pair indices grouped by expert (order
+// within an expert unspecified: every output column is computed independently, so the
+// results do not depend on it), items[i] = {expert, first slot, count ≤ tile, 0}.
+// Pairs with an id outside [0, n_expert) are dropped.
+extern "C" __global__ void __launch_bounds__(1024) route_plan_build(
+    const i32* __restrict__ ids, int n_pairs, int n_expert, int tile, i32* __restrict__ offsets,
+    i32* __restrict__ pairs, int4* __restrict__ items, i32* __restrict__ n_items) {
+    __shared__ int cnt[1024], cur[1024];
+    __shared__ int wsum[2][32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    cnt[tid] = 0;
+    __syncthreads();
+    for (int p = tid; p < n_pairs; p += 1024) {
+        const int e = ids[p];
+        if (e >= 0 && e < n_expert) atomicAdd(&cnt[e], 1);
+    }
+    __syncthreads();
+    const int c = tid < n_expert ? cnt[tid] : 0;
+    const int nt = (c + tile - 1) / tile;
+    // Block-wide exclusive scans of c and nt.
+    int ic = c, in = nt;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int vc = __shfl_up_sync(0xffffffffu, ic, o);
+        const int vn = __shfl_up_sync(0xffffffffu, in, o);
+        if (lane >= o) {
+            ic += vc;
+            in += vn;
+        }
+    }
+    if (lane == 31) {
+        wsum[0][warp] = ic;
+        wsum[1][warp] = in;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        int vc = wsum[0][lane], vn = wsum[1][lane];
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int uc = __shfl_up_sync(0xffffffffu, vc, o);
+            const int un = __shfl_up_sync(0xffffffffu, vn, o);
+            if (lane >= o) {
+                vc += uc;
+                vn += un;
+            }
+        }
+        wsum[0][lane] = vc;  // inclusive per warp
+        wsum[1][lane] = vn;
+    }
+    __syncthreads();
+    const int off = ic - c + (warp ? wsum[0][warp - 1] : 0);
+    const int toff = in - nt + (warp ? wsum[1][warp - 1] : 0);
+    if (tid < n_expert) {
+        offsets[tid] = off;
+        cur[tid] = off;
+        for (int j = 0; j < nt; ++j)
+            items[toff + j] = make_int4(tid, off + j * tile, min(tile, c - j * tile), 0);
+    }
+    if (tid == 0) {
+        offsets[n_expert] = wsum[0][31];
+        *n_items = wsum[1][31];
+    }
+    __syncthreads();
+    for (int p = tid; p < n_pairs; p += 1024) {
+        const int e = ids[p];
+        if (e >= 0 && e < n_expert) pairs[atomicAdd(&cur[e], 1)] = p;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// f32 activations × F32/F16/BF16/Q8_0 weights: 64 rows × 64 tokens per block, k-tiles of
+// 32, 256 threads with 4×4 outputs each, f32 FMAs in k order (exactly the numerics of a
+// sequential f32 dot product). Weights are converted to f32 on the way into shared
+// memory; the next tile is fetched into registers during the current one.
+
+#define MF_WT_F32 0
+#define MF_WT_F16 1
+#define MF_WT_BF16 2
+#define MF_WT_Q8_0 3
+
+__device__ __forceinline__ float mm_bf2f(u32 h) { return __int_as_float(h << 16); }
+
+template <int WT>
+__device__ __forceinline__ void mm_f32_body(const u8* __restrict__ w, const u16* __restrict__ wd,
+                                            i64 mat_w, i64 mat_d, const float* __restrict__ x,
+                                            float* __restrict__ y, int rows, int cols, int n_tok,
+                                            i64 x_tok, i64 x_grp, i64 y_tok, i64 y_grp) {
+    __shared__ __align__(16) float ws[2][32][68];
+    __shared__ __align__(16) float xs[2][32][68];
+    const int tid = threadIdx.x;
+    const int grp = blockIdx.z;
+    const int n0 = blockIdx.x * 64, m0 = blockIdx.y * 64;
+    w += grp * mat_w;
+    wd += grp * mat_d;
+    x += grp * x_grp;
+    y += grp * y_grp;
+    const int lr = tid >> 2, lk = (tid & 3) * 8;  // loader: row / token lr, k lk..lk+7
+    const int tr = tid & 15, tt = tid >> 4;       // compute: rows 4tr.., tokens 4tt..
+    const int nkt = (cols + 31) / 32;
+    float wv[8], xv[8];
+    auto fetch = [&](int kt) {
+        const int k = kt * 32 + lk, row = m0 + lr, t = n0 + lr;
+        const bool okw = row < rows && k < cols;
+        if (!okw) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) wv[i] = 0.f;
+        } else if (WT == MF_WT_F32) {
+            const float* p = reinterpret_cast<const float*>(w) + (i64)row * cols + k;
+            const float4 a = *reinterpret_cast<const float4*>(p);
+            const float4 b = *reinterpret_cast<const float4*>(p + 4);
+            wv[0] = a.x; wv[1] = a.y; wv[2] = a.z; wv[3] = a.w;
+            wv[4] = b.x; wv[5] = b.y; wv[6] = b.z; wv[7] = b.w;
+        } else if (WT == MF_WT_Q8_0) {
+            const uint2 q = *reinterpret_cast<const uint2*>(w + (i64)row * cols + k);
+            const float d = h2f(wd[((i64)row * cols + k) / 32]);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                wv[i] = d * (float)(i8)((q.x >> (8 * i)) & 0xff);
+                wv[4 + i] = d * (float)(i8)((q.y >> (8 * i)) & 0xff);
+            }
+        } else {
+            const uint4 h = *reinterpret_cast<const uint4*>(w + ((i64)row * cols + k) * 2);
+            const u32 hw[4] = {h.x, h.y, h.z, h.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                if (WT == MF_WT_F16) {
+                    wv[2 * i] = h2f((u16)(hw[i] & 0xffff));
+                    wv[2 * i + 1] = h2f((u16)(hw[i] >> 16));
+                } else {
+                    wv[2 * i] = mm_bf2f(hw[i] & 0xffff);
+                    wv[2 * i + 1] = mm_bf2f(hw[i] >> 16);
+                }
+            }
+        }
+        if (t < n_tok && k < cols) {
+            const float* p = x + (i64)t * x_tok + k;
+            const float4 a = *reinterpret_cast<const float4*>(p);
+            const float4 b = *reinterpret_cast<const float4*>(p + 4);
+            xv[0] = a.x; xv[1] = a.y; xv[2] = a.z; xv[3] = a.w;
+            xv[4] = b.x; xv[5] = b.y; xv[6] = b.z; xv[7] = b.w;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) xv[i] = 0.f;
+        }
+    };
+    auto put = [&](int s) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            ws[s][lk + i][lr] = wv[i];
+            xs[s][lk + i][lr] = xv[i];
+        }
+    };
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+    fetch(0);
+    put(0);
+    __syncthreads();
+    for (int kt = 0; kt < nkt; ++kt) {
+        const int s = kt & 1;
+        if (kt + 1 < nkt) fetch(kt + 1);
+#pragma unroll 8
+        for (int k = 0; k < 32; ++k) {
+            const float4 a = *reinterpret_cast<const float4*>(&ws[s][k][4 * tr]);
+            const float4 b = *reinterpret_cast<const float4*>(&xs[s][k][4 * tt]);
+            const float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+        }
+        if (kt + 1 < nkt) put(s ^ 1);
+        __syncthreads();
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int t = n0 + 4 * tt + j;
+        if (t >= n_tok) continue;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = m0 + 4 * tr + i;
+            if (r < rows) y[(i64)t * y_tok + r] = acc[i][j];
+        }
+    }
+}
+
+#define MM_F32_KERNEL(NAME, WT)                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) NAME(                                    \
+        const u8* __restrict__ w, const u16* __restrict__ wd, i64 mat_w, i64 mat_d,             \
+        const float* __restrict__ x, float* __restrict__ y, int rows, int cols, int n_tok,      \
+        i64 x_tok, i64 x_grp, i64 y_tok, i64 y_grp) {                                           \
+        mm_f32_body<WT>(w, wd, mat_w, mat_d, x, y, rows, cols, n_tok, x_tok, x_grp, y_tok,      \
+                        y_grp);                                                                 \
+    }
+MM_F32_KERNEL(mm_f32_f32, MF_WT_F32)
+MM_F32_KERNEL(mm_f32_f16, MF_WT_F16)
+MM_F32_KERNEL(mm_f32_bf16, MF_WT_BF16)
+MM_F32_KERNEL(mm_f32_q8_0, MF_WT_Q8_0)

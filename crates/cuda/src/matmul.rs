@@ -1,0 +1,598 @@
+//! Batched (prefill) matrix-matrix products: launchers of `kernels/matmul.cu`.
+//!
+//! Every launcher validates its sizes (returning [`CudaError::Invalid`]), enqueues on the
+//! GPU's stream without synchronising, and allocates nothing: the route plan is allocated
+//! once by [`Gpu::alloc_route_plan`].
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use ds4_gguf::GgmlType;
+
+use crate::device::Gpu;
+use crate::error::CudaError;
+use crate::ops::QuantAct;
+use crate::weights::DeviceMatrix;
+
+/// How the rows of a batched product are laid out (element strides).
+#[derive(Clone, Copy, Debug)]
+pub struct Batch {
+    pub n_tok: usize,
+    /// Input elements between consecutive tokens / output floats between consecutive tokens.
+    pub x_tok: usize,
+    pub y_tok: usize,
+    /// Grouped matrices (the attention output's o_groups matrices of m.rows rows each,
+    /// matrix g reads input columns at g·x_grp and writes at g·y_grp); 1 = plain.
+    pub n_groups: usize,
+    pub x_grp: usize,
+    pub y_grp: usize,
+}
+
+impl Batch {
+    /// `n_tok` tokens of one matrix, inputs `cols` and outputs `rows` apart (packed rows).
+    pub fn plain(n_tok: usize, cols: usize, rows: usize) -> Batch {
+        Batch {
+            n_tok,
+            x_tok: cols,
+            y_tok: rows,
+            n_groups: 1,
+            x_grp: 0,
+            y_grp: 0,
+        }
+    }
+}
+
+/// Pairs per work item of the expert GEMM (EXP tile N in matmul.cu).
+const EXP_TILE: usize = 32;
+/// Rows per block of the expert GEMM.
+const EXP_ROWS: usize = 128;
+/// Activation stage bytes of the expert GEMM (EXP_X_BYTES).
+const EXP_X_BYTES: usize = 32 * 272 + 8 * 32 * 4;
+
+/// A per-call plan of the routed-expert GEMM, built on the device by [`Gpu::route_plan`].
+pub struct RoutePlan {
+    pub n_expert: usize,
+    pub max_pairs: usize,
+    max_items: usize,
+    /// Pairs of the last [`Gpu::route_plan`] call.
+    n_pairs: usize,
+    /// `[n_expert + 1]`: first slot of each expert in `pairs`; the last entry is the
+    /// number of valid pairs.
+    pub offsets: CudaSlice<i32>,
+    /// `[max_pairs]`: pair indices grouped by expert (order within an expert unspecified).
+    pub pairs: CudaSlice<i32>,
+    /// `[max_items][4]`: {expert, first slot, pairs ≤ 32, 0}.
+    items: CudaSlice<i32>,
+    n_items: CudaSlice<i32>,
+}
+
+impl RoutePlan {
+    /// Pairs planned by the last [`Gpu::route_plan`] call.
+    pub fn n_pairs(&self) -> usize {
+        self.n_pairs
+    }
+}
+
+/// Upper bound on work items for `n_pairs` pairs over `n_expert` experts.
+fn max_items(n_pairs: usize, n_expert: usize) -> usize {
+    n_pairs / EXP_TILE + n_pairs.min(n_expert)
+}
+
+/// Tile shapes of the dense Q8_0 kernel (rows × tokens).
+const Q8_TILES: [(usize, usize, &str); 3] = [
+    (128, 128, "mm_q8_0_128x128"),
+    (128, 64, "mm_q8_0_128x64"),
+    (64, 64, "mm_q8_0_64x64"),
+];
+
+fn q8_stage_bytes(bm: usize, bn: usize) -> usize {
+    (bm + bn) * 144 + bm * 8 + 4 * bn * 4
+}
+
+fn exp_weight_bytes(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::Q8_0 => 128 * 272 + 128 * 16,
+        GgmlType::IQ2_XXS => 128 * 80 + 128 * 4,
+        GgmlType::Q2_K => 128 * 80 + 128 * 16 + 128 * 4,
+        _ => 128 * 144,
+    }
+}
+
+fn invalid(msg: String) -> CudaError {
+    CudaError::Invalid(msg)
+}
+
+impl DeviceMatrix {
+    /// Uploads raw BF16 matrices (`n_mats × rows × cols`, little-endian, no repacking).
+    pub fn upload_bf16(
+        gpu: &Gpu,
+        src: &[u8],
+        rows: usize,
+        cols: usize,
+        n_mats: usize,
+    ) -> Result<DeviceMatrix, CudaError> {
+        if src.len() != rows * cols * n_mats * 2 {
+            return Err(invalid(format!(
+                "BF16: {} bytes for {n_mats}×{rows}×{cols}",
+                src.len()
+            )));
+        }
+        Ok(DeviceMatrix {
+            ty: GgmlType::BF16,
+            rows,
+            cols,
+            n_mats,
+            parts: vec![gpu.upload(src)?],
+        })
+    }
+}
+
+impl Gpu {
+    /// Checks a batch layout against a matrix of `cols` inputs and `in_elems` input
+    /// elements; returns the elements read.
+    fn check_batch(
+        &self,
+        what: &str,
+        m: &DeviceMatrix,
+        b: &Batch,
+        in_elems: Option<usize>,
+    ) -> Result<(), CudaError> {
+        if b.n_groups == 0 || b.n_groups > m.n_mats || b.n_groups > 65535 {
+            return Err(invalid(format!(
+                "{what}: {} groups of a stack of {} matrices",
+                b.n_groups, m.n_mats
+            )));
+        }
+        if b.n_groups > 1 && (b.x_grp == 0 && b.y_grp == 0) {
+            return Err(invalid(format!("{what}: groups need x_grp/y_grp")));
+        }
+        if b.y_tok < m.rows && b.n_tok > 1 && b.n_groups == 1 {
+            return Err(invalid(format!(
+                "{what}: output rows of {} overlap ({} apart)",
+                m.rows, b.y_tok
+            )));
+        }
+        if m.rows.div_ceil(64) > 65535 || b.n_tok > i32::MAX as usize {
+            return Err(invalid(format!("{what}: {} rows is too many", m.rows)));
+        }
+        if let Some(have) = in_elems {
+            let need = (b.n_tok - 1) * b.x_tok + (b.n_groups - 1) * b.x_grp + m.cols;
+            if need > have {
+                return Err(invalid(format!(
+                    "{what}: the batch reads {need} input elements of {have}"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// `Y[t·y_tok + g·y_grp + r] = Σ_c W_g[r][c]·(xq.q·xq.d)[t·x_tok + g·x_grp + c]` with
+    /// int8 tensor cores (mma m16n8k32: one k-step per 32-block, int32 partials scaled by
+    /// weight × activation scale in f32). Q8_0 (any cols multiple of 32), IQ2_XXS, Q2_K,
+    /// Q4_K (cols multiple of 256). `y` must hold the addressed floats.
+    pub fn matmul_q8act(
+        &self,
+        m: &DeviceMatrix,
+        xq: &QuantAct,
+        y: u64,
+        b: Batch,
+    ) -> Result<(), CudaError> {
+        self.matmul_q8act_tiled(m, xq, y, b, None)
+    }
+
+    /// [`Gpu::matmul_q8act`] with a forced Q8_0 tile (index into 128×128, 128×64, 64×64;
+    /// `None` = chosen by size). For the checks.
+    #[doc(hidden)]
+    pub fn matmul_q8act_tiled(
+        &self,
+        m: &DeviceMatrix,
+        xq: &QuantAct,
+        y: u64,
+        b: Batch,
+        tile: Option<usize>,
+    ) -> Result<(), CudaError> {
+        if b.n_tok == 0 {
+            return Ok(());
+        }
+        let what = format!("matmul_q8act {} {}×{}", m.ty, m.rows, m.cols);
+        self.check_batch(&what, m, &b, Some(xq.rows * xq.cols))?;
+        if !b.x_tok.is_multiple_of(32) || !b.x_grp.is_multiple_of(32) {
+            return Err(invalid(format!(
+                "{what}: input strides {} / {} are not whole 32-blocks",
+                b.x_tok, b.x_grp
+            )));
+        }
+        if m.ty != GgmlType::Q8_0 {
+            return self.launch_exp(m, xq, y, None, 1, &b);
+        }
+        if !m.cols.is_multiple_of(32) {
+            return Err(invalid(format!("{what}: cols not whole blocks")));
+        }
+        let sms = self.info().multiprocessors.max(1) as usize;
+        let blocks = |bm: usize, bn: usize| m.rows.div_ceil(bm) * b.n_tok.div_ceil(bn) * b.n_groups;
+        let pick = match tile {
+            Some(t) if t < Q8_TILES.len() => t,
+            Some(t) => return Err(invalid(format!("{what}: no tile {t}"))),
+            None if blocks(128, 128) >= 2 * sms => 0,
+            None if blocks(128, 64) >= sms => 1,
+            None => 2,
+        };
+        let (bm, bn, name) = Q8_TILES[pick];
+        let smem = 2 * q8_stage_bytes(bm, bn);
+        self.allow_smem(name, smem)?;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                b.n_tok.div_ceil(bn) as u32,
+                m.rows.div_ceil(bm) as u32,
+                b.n_groups as u32,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let (qs, dw) = (self.ptr(&m.parts[0]), self.ptr(&m.parts[1]));
+        let mat_q = (m.rows * m.cols) as i64;
+        let mat_d = mat_q / 32;
+        let (xqp, xdp) = (self.ptr(&xq.q), self.ptr(&xq.d));
+        let (rows, cols, n_tok) = (m.rows as i32, m.cols as i32, b.n_tok as i32);
+        let (x_tok, x_grp, y_tok, y_grp) = (
+            b.x_tok as i64,
+            b.x_grp as i64,
+            b.y_tok as i64,
+            b.y_grp as i64,
+        );
+        let f = self.func(name)?;
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(&qs)
+            .arg(&dw)
+            .arg(&mat_q)
+            .arg(&mat_d)
+            .arg(&xqp)
+            .arg(&xdp)
+            .arg(&y)
+            .arg(&rows)
+            .arg(&cols)
+            .arg(&n_tok)
+            .arg(&x_tok)
+            .arg(&x_grp)
+            .arg(&y_tok)
+            .arg(&y_grp);
+        // SAFETY: argument order matches mm_q8_0_* in matmul.cu; the input extent was
+        // checked above, the output extent is the caller's contract.
+        self.timed(name, || {
+            unsafe { l.launch(cfg) }?;
+            Ok(())
+        })
+    }
+
+    /// The expert-layout GEMM (`mm_exp_*`): with `plan` over its work items, otherwise
+    /// dense over `b` (tokens in tiles of 32, groups in grid z).
+    fn launch_exp(
+        &self,
+        m: &DeviceMatrix,
+        xq: &QuantAct,
+        y: u64,
+        plan: Option<&RoutePlan>,
+        k_div: usize,
+        b: &Batch,
+    ) -> Result<(), CudaError> {
+        let name = match m.ty {
+            GgmlType::Q8_0 => "mm_exp_q8_0",
+            GgmlType::IQ2_XXS => "mm_exp_iq2_xxs",
+            GgmlType::Q2_K => "mm_exp_q2_k",
+            GgmlType::Q4_K => "mm_exp_q4_k",
+            other => {
+                return Err(invalid(format!(
+                    "no int8 tensor-core GEMM for {other} weights"
+                )))
+            }
+        };
+        if !m.cols.is_multiple_of(256) {
+            return Err(invalid(format!(
+                "{name}: {} columns are not whole 256-blocks",
+                m.cols
+            )));
+        }
+        let stage = exp_weight_bytes(m.ty) + EXP_X_BYTES;
+        let smem = 2 * stage + if m.ty == GgmlType::IQ2_XXS { 2048 } else { 0 };
+        self.allow_smem(name, smem)?;
+        let elems = m.rows * m.cols;
+        let nb = (elems / 256) as i64;
+        let p: Vec<u64> = m.parts.iter().map(|b| self.ptr(b)).collect();
+        // Bytes per matrix of each part (see weights.rs `repack`).
+        let (w, mats): ([u64; 3], [i64; 3]) = match m.ty {
+            GgmlType::Q8_0 => ([p[0], p[1], p[0]], [elems as i64, elems as i64 / 16, 0]),
+            GgmlType::IQ2_XXS => ([p[0], p[1], p[0]], [nb * 64, nb * 2, 0]),
+            GgmlType::Q2_K => ([p[0], p[1], p[2]], [nb * 64, nb * 16, nb * 4]),
+            _ => ([p[0], p[0], p[0]], [nb * 144, 0, 0]),
+        };
+        let grid_tab = self.ptr(&self.iq2_grid);
+        let (xqp, xdp) = (self.ptr(&xq.q), self.ptr(&xq.d));
+        let (rows, cols) = (m.rows as i32, m.cols as i32);
+        let (items, n_items, pairs, grid_y, grid_z) = match plan {
+            Some(pl) => (
+                self.ptr(&pl.items),
+                self.ptr(&pl.n_items),
+                self.ptr(&pl.pairs),
+                max_items(pl.n_pairs, pl.n_expert),
+                1,
+            ),
+            None => (0, 0, 0, b.n_tok.div_ceil(EXP_TILE), b.n_groups),
+        };
+        let k_div = k_div as i32;
+        let n_tok = b.n_tok as i32;
+        let (x_tok, x_grp, y_tok, y_grp) = (
+            b.x_tok as i64,
+            b.x_grp as i64,
+            b.y_tok as i64,
+            b.y_grp as i64,
+        );
+        let cfg = LaunchConfig {
+            grid_dim: (
+                m.rows.div_ceil(EXP_ROWS) as u32,
+                grid_y as u32,
+                grid_z as u32,
+            ),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let f = self.func(name)?;
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(&w[0])
+            .arg(&w[1])
+            .arg(&w[2])
+            .arg(&mats[0])
+            .arg(&mats[1])
+            .arg(&mats[2])
+            .arg(&grid_tab)
+            .arg(&xqp)
+            .arg(&xdp)
+            .arg(&y)
+            .arg(&rows)
+            .arg(&cols)
+            .arg(&items)
+            .arg(&n_items)
+            .arg(&pairs)
+            .arg(&k_div)
+            .arg(&n_tok)
+            .arg(&x_tok)
+            .arg(&x_grp)
+            .arg(&y_tok)
+            .arg(&y_grp);
+        // SAFETY: argument order matches mm_exp_* in matmul.cu; inputs were checked by
+        // the callers, the plan's items index pairs < n_pairs.
+        self.timed(name, || {
+            unsafe { l.launch(cfg) }?;
+            Ok(())
+        })
+    }
+
+    /// f32 activations × F32/F16/BF16/Q8_0 weights with f32 accumulation in k order
+    /// (the numerics of the decode matvecs up to summation order). `x` holds the
+    /// addressed floats (x_tok, x_grp multiples of 4), `y` the outputs.
+    pub fn matmul_f32(&self, m: &DeviceMatrix, x: u64, y: u64, b: Batch) -> Result<(), CudaError> {
+        if b.n_tok == 0 {
+            return Ok(());
+        }
+        let what = format!("matmul_f32 {} {}×{}", m.ty, m.rows, m.cols);
+        self.check_batch(&what, m, &b, None)?;
+        let name = match m.ty {
+            GgmlType::F32 => "mm_f32_f32",
+            GgmlType::F16 => "mm_f32_f16",
+            GgmlType::BF16 => "mm_f32_bf16",
+            GgmlType::Q8_0 => "mm_f32_q8_0",
+            other => return Err(invalid(format!("{what}: no kernel for {other}"))),
+        };
+        let unit = if m.ty == GgmlType::Q8_0 { 32 } else { 8 };
+        if !m.cols.is_multiple_of(unit)
+            || !b.x_tok.is_multiple_of(4)
+            || !b.x_grp.is_multiple_of(4)
+            || !x.is_multiple_of(16)
+        {
+            return Err(invalid(format!(
+                "{what}: cols must be a multiple of {unit}, input strides of 4 floats"
+            )));
+        }
+        let elems = (m.rows * m.cols) as i64;
+        let (w, wd, mat_w, mat_d) = match m.ty {
+            GgmlType::Q8_0 => (
+                self.ptr(&m.parts[0]),
+                self.ptr(&m.parts[1]),
+                elems,
+                elems / 32,
+            ),
+            GgmlType::F32 => (self.ptr(&m.parts[0]), 0, elems * 4, 0),
+            _ => (self.ptr(&m.parts[0]), 0, elems * 2, 0),
+        };
+        let (rows, cols, n_tok) = (m.rows as i32, m.cols as i32, b.n_tok as i32);
+        let (x_tok, x_grp, y_tok, y_grp) = (
+            b.x_tok as i64,
+            b.x_grp as i64,
+            b.y_tok as i64,
+            b.y_grp as i64,
+        );
+        let cfg = LaunchConfig {
+            grid_dim: (
+                b.n_tok.div_ceil(64) as u32,
+                m.rows.div_ceil(64) as u32,
+                b.n_groups as u32,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = self.func(name)?;
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(&w)
+            .arg(&wd)
+            .arg(&mat_w)
+            .arg(&mat_d)
+            .arg(&x)
+            .arg(&y)
+            .arg(&rows)
+            .arg(&cols)
+            .arg(&n_tok)
+            .arg(&x_tok)
+            .arg(&x_grp)
+            .arg(&y_tok)
+            .arg(&y_grp);
+        // SAFETY: argument order matches mm_f32_* in matmul.cu; x and y extents are the
+        // caller's contract (raw addresses).
+        self.timed(name, || {
+            unsafe { l.launch(cfg) }?;
+            Ok(())
+        })
+    }
+
+    /// A route plan for up to `max_pairs` (token, expert) pairs over `n_expert ≤ 1024`
+    /// experts.
+    pub fn alloc_route_plan(
+        &self,
+        max_pairs: usize,
+        n_expert: usize,
+    ) -> Result<RoutePlan, CudaError> {
+        if n_expert == 0 || n_expert > 1024 || max_pairs > i32::MAX as usize / 2 {
+            return Err(invalid(format!(
+                "route plan: {n_expert} experts (1..=1024), {max_pairs} pairs"
+            )));
+        }
+        let mi = max_items(max_pairs, n_expert).max(1);
+        Ok(RoutePlan {
+            n_expert,
+            max_pairs,
+            max_items: mi,
+            n_pairs: 0,
+            offsets: self.zeros(n_expert + 1)?,
+            pairs: self.zeros(max_pairs.max(1))?,
+            items: self.zeros(4 * mi)?,
+            n_items: self.zeros(1)?,
+        })
+    }
+
+    /// Builds on the device, without a host sync, the per-expert pair lists of `n_pairs`
+    /// pairs whose expert ids (device `i32 [n_pairs]`, pair p = t·k + j) are at `ids`.
+    /// Ids outside `0..n_expert` are dropped (their outputs are not written).
+    pub fn route_plan(
+        &self,
+        ids: u64,
+        n_pairs: usize,
+        n_expert: usize,
+        plan: &mut RoutePlan,
+    ) -> Result<(), CudaError> {
+        if n_expert != plan.n_expert || n_pairs > plan.max_pairs {
+            return Err(invalid(format!(
+                "route_plan: {n_pairs} pairs over {n_expert} experts into a plan for {} over {}",
+                plan.max_pairs, plan.n_expert
+            )));
+        }
+        debug_assert!(max_items(n_pairs, n_expert) <= plan.max_items);
+        plan.n_pairs = n_pairs;
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (np, ne, tile) = (n_pairs as i32, n_expert as i32, EXP_TILE as i32);
+        let (off, pairs, items, n_items) = (
+            self.ptr(&plan.offsets),
+            self.ptr(&plan.pairs),
+            self.ptr(&plan.items),
+            self.ptr(&plan.n_items),
+        );
+        let f = self.func("route_plan_build")?;
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(&ids)
+            .arg(&np)
+            .arg(&ne)
+            .arg(&tile)
+            .arg(&off)
+            .arg(&pairs)
+            .arg(&items)
+            .arg(&n_items);
+        // SAFETY: matches route_plan_build; the plan's buffers are sized for max_pairs ≥
+        // n_pairs and n_expert; ids holds n_pairs values (caller).
+        self.timed("route_plan_build", || {
+            unsafe { l.launch(cfg) }?;
+            Ok(())
+        })
+    }
+
+    /// Routed experts: `Y[p][r] = W_{ids[p]}·X[row(p)]` for the pairs of the last
+    /// [`Gpu::route_plan`], `row(p) = p / k` when `shared_input` (gate/up) else `p`
+    /// (down). Activation rows are `xq.cols` apart; `y` holds `n_pairs × m.rows` floats.
+    pub fn matmul_experts_q8act(
+        &self,
+        m: &DeviceMatrix,
+        xq: &QuantAct,
+        plan: &RoutePlan,
+        k: usize,
+        shared_input: bool,
+        y: u64,
+    ) -> Result<(), CudaError> {
+        let n = plan.n_pairs;
+        if n == 0 {
+            return Ok(());
+        }
+        let in_rows = if shared_input {
+            if k == 0 {
+                return Err(invalid("matmul_experts_q8act: k = 0".into()));
+            }
+            n.div_ceil(k)
+        } else {
+            n
+        };
+        if plan.n_expert > m.n_mats || xq.cols < m.cols || xq.rows < in_rows {
+            return Err(invalid(format!(
+                "matmul_experts_q8act: {} experts of a stack of {}, activations {}×{} for {in_rows}×{}",
+                plan.n_expert, m.n_mats, xq.rows, xq.cols, m.cols
+            )));
+        }
+        let b = Batch {
+            n_tok: 0,
+            x_tok: xq.cols,
+            y_tok: m.rows,
+            n_groups: 1,
+            x_grp: 0,
+            y_grp: 0,
+        };
+        self.launch_exp(m, xq, y, Some(plan), if shared_input { k } else { 1 }, &b)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn item_bound_covers_every_split() {
+        // Σ ceil(c_e / 32) ≤ n/32 + nonempty experts for any split of n pairs.
+        for (n, e) in [
+            (0usize, 4usize),
+            (1, 256),
+            (3072, 256),
+            (31, 1),
+            (33, 1),
+            (64, 2),
+        ] {
+            let nonempty = n.min(e);
+            let worst: usize = (0..nonempty)
+                .map(|i| {
+                    let c = n / nonempty.max(1) + usize::from(i < n % nonempty.max(1));
+                    c.div_ceil(EXP_TILE)
+                })
+                .sum();
+            assert!(worst <= max_items(n, e), "{n} pairs, {e} experts");
+        }
+    }
+
+    #[test]
+    fn stage_sizes_match_the_kernels() {
+        assert_eq!(q8_stage_bytes(128, 128) % 16, 0);
+        assert_eq!(EXP_X_BYTES % 16, 0);
+        for ty in [
+            GgmlType::Q8_0,
+            GgmlType::IQ2_XXS,
+            GgmlType::Q2_K,
+            GgmlType::Q4_K,
+        ] {
+            assert_eq!(exp_weight_bytes(ty) % 16, 0);
+            assert!(2 * (exp_weight_bytes(ty) + EXP_X_BYTES) + 2048 <= 227 << 10);
+        }
+    }
+}
