@@ -185,22 +185,28 @@ pub fn check_matmul(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
         GgmlType::Q8_0,
     ] {
         for &(n_tok, shared) in &[(1usize, true), (7, false), (64, true), (512, false)] {
-            out.extend(check_experts(
-                gpu, &mut rng, ty, 16, 160, 1024, n_tok, shared, true,
-            )?);
+            let shape = (16, 160, 1024, n_tok);
+            out.extend(check_experts(gpu, &mut rng, ty, shape, shared, true, None)?);
         }
+        // Every occupancy variant of the kernel.
+        for v in 0..3 {
+            for &(n_tok, shared) in &[(64usize, true), (512, false)] {
+                let shape = (16, 160, 1024, n_tok);
+                out.extend(check_experts(
+                    gpu,
+                    &mut rng,
+                    ty,
+                    shape,
+                    shared,
+                    true,
+                    Some(v),
+                )?);
+            }
+        }
+        // Q8_0-rule activations (scales vary within 256 values: the per-k-step path).
+        let shape = (8, 128, 512, 64);
+        out.extend(check_experts(gpu, &mut rng, ty, shape, true, false, None)?);
     }
-    out.extend(check_experts(
-        gpu,
-        &mut rng,
-        GgmlType::Q2_K,
-        8,
-        128,
-        512,
-        64,
-        true,
-        false,
-    )?);
     out.push(check_plan(gpu, &mut rng)?);
     // f32 activations.
     for ty in [GgmlType::F16, GgmlType::F32, GgmlType::BF16, GgmlType::Q8_0] {
@@ -314,17 +320,14 @@ fn route(rng: &mut Rng, n_tok: usize, k: usize, n_expert: usize) -> Vec<i32> {
     ids
 }
 
-#[allow(clippy::too_many_arguments)]
 fn check_experts(
     gpu: &Gpu,
     rng: &mut Rng,
     ty: GgmlType,
-    n_expert: usize,
-    rows: usize,
-    cols: usize,
-    n_tok: usize,
+    (n_expert, rows, cols, n_tok): (usize, usize, usize, usize),
     shared: bool,
     k_rule: bool,
+    variant: Option<usize>,
 ) -> Result<Vec<Check>> {
     let k = 6;
     let n_pairs = n_tok * k;
@@ -344,7 +347,7 @@ fn check_experts(
     let mut plan = gpu.alloc_route_plan(n_pairs + 5, n_expert)?;
     gpu.route_plan(gpu.ptr(&idd), n_pairs, n_expert, &mut plan)?;
     let yd = gpu.upload(&vec![f32::NAN; n_pairs * rows])?;
-    gpu.matmul_experts_q8act(&m, &qa, &plan, k, shared, gpu.ptr(&yd))?;
+    gpu.matmul_experts_q8act_variant(&m, &qa, &plan, k, shared, gpu.ptr(&yd), variant)?;
     let got = gpu.download(&yd)?;
     let xv = act_values(gpu, &qa)?;
     let wd = dequant_stack(ty, &w, rows, cols, n_expert);
@@ -358,9 +361,10 @@ fn check_experts(
         })
         .collect();
     let name = format!(
-        "matmul_experts {ty} {n_expert}x{rows}x{cols} n{n_tok} k{k} {}{}",
+        "matmul_experts {ty} {n_expert}x{rows}x{cols} n{n_tok} k{k} {}{}{}",
         if shared { "shared" } else { "per-pair" },
-        if k_rule { "" } else { " q8_0-act" }
+        if k_rule { "" } else { " q8_0-act" },
+        variant.map_or(String::new(), |v| format!(" v{v}"))
     );
     let mut out = vec![check(format!("{name} vs f64"), rel_err(&got, &want))];
     // The decode kernel over the same int8 rows, expanded to one row per pair.

@@ -223,22 +223,41 @@ MM_Q8_0_KERNEL(64, 64)
 // ---------------------------------------------------------------------------------------
 // Expert (and dense non-Q8_0) GEMM: block = 4 warps, 128 rows (32 per warp: two m-tiles)
 // × up to 32 pairs (four n-tiles, empty ones skipped), k-stages of one 256 super-block.
-// Shared memory per stage: the raw weight blocks of the 128 rows, then the activations
-// [32][272] int8 and their scales [8][32] f32.
+// Shared memory per stage: the raw weight blocks of the 128 rows (row pitches padded so
+// the fragment loads hit distinct banks), then the activations [32][XP] int8 and their
+// scales [8][32] f32.
+//
+// k order: for IQ2_XXS, Q2_K and Q4_K the 32 values of a k-step are permuted (the same
+// permutation for A and B leaves the product unchanged): lane t of a quad owns values
+// 8t..8t+7, a0/a1 = values 8t..8t+3 and a2/a3 = 8t+4..8t+7. A lane then decodes one whole
+// IQ2 grid entry (or 8 consecutive 2-/4-bit quants of one sub-block) and reads its
+// activations with one 8-byte load. Q8_0 keeps the natural order (ldmatrix).
+//
+// Fast stages: when every pair's activation scale is the same over the stage's 256 values
+// (the Q8_K rule; checked per stage by a warp vote) the int32 products of the 8 k-steps
+// are summed exactly in int32 (Q2_K: in the mma accumulator; IQ2_XXS/Q4_K: × the
+// integer sub-block scale 2·ls+1 / sc), and the float scales are applied once per stage.
 
 #define EXP_F_Q8_0 0
 #define EXP_F_IQ2 1
 #define EXP_F_Q2K 2
 #define EXP_F_Q4K 3
-#define EXP_XPITCH 272
-#define EXP_X_BYTES (32 * EXP_XPITCH + 8 * 32 * 4)
 
+template <int F>
+__host__ __device__ constexpr int exp_xpitch() { return F == EXP_F_Q8_0 ? 272 : 288; }
+template <int F>
+__host__ __device__ constexpr int exp_x_bytes() { return 32 * exp_xpitch<F>() + 8 * 32 * 4; }
+// Weight row pitch in the stage (quant bytes).
+template <int F>
+__host__ __device__ constexpr int exp_wpitch() {
+    return F == EXP_F_Q8_0 ? 272 : F == EXP_F_Q4K ? 160 : 96;
+}
 template <int F>
 __host__ __device__ constexpr int exp_w_bytes() {
     return F == EXP_F_Q8_0 ? 128 * 272 + 128 * 16
-         : F == EXP_F_IQ2  ? 128 * 80 + 128 * 4
-         : F == EXP_F_Q2K  ? 128 * 80 + 128 * 16 + 128 * 4
-                           : 128 * 144;
+         : F == EXP_F_IQ2  ? 128 * 96 + 128 * 4
+         : F == EXP_F_Q2K  ? 128 * 96 + 128 * 16 + 128 * 4
+                           : 128 * 160;
 }
 
 // Q4_K sub-block scale and min j (0..7) from the 12 scale bytes in words w0..w2.
@@ -257,73 +276,219 @@ __device__ __forceinline__ void mm_q4k_sm(int j, u32 w0, u32 w1, u32 w2, u32& sc
     }
 }
 
-// Decodes k-step j (values 32j..32j+31 of the stage's super-block) of the m-tile whose
-// lane rows are r and r+8 (tile-local) into the A fragment `a`; for K-quants also the
-// minimum fragment `am`. s1 = scale of the main product per row, s2 = of the minimum.
+// c = A·B (exact int32); the accumulating form adds to c.
+__device__ __forceinline__ void mm_mma0(int (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%10,%10,%10,%10};"
+        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
+}
+__device__ __forceinline__ void mm_mma_acc(int (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The decoded m-tile of one k-step: A fragment, minimum fragment (K-quants), per lane
+// row (g, g+8): float scales s1/s2 of a per-k-step product, integer sub-block factor fi
+// (fast stages: IQ2 2·ls+1, Q4_K sc; 1 otherwise).
+struct ExpTile {
+    u32 a[4], am[4];
+    float s1[2], s2[2];
+    int fi[2];
+};
+
+// Decodes k-step j of the m-tile whose lane rows are r and r + 8 (tile-local).
 template <int F>
-__device__ __forceinline__ void exp_decode(const u8* wst, u32 wst_s, const u32* grid32, int r,
-                                           int j, int lane, u32 (&a)[4], u32 (&am)[4],
-                                           float (&s1)[2], float (&s2)[2]) {
+__device__ __forceinline__ void exp_decode(const u8* wst, u32 wst_s, const u64* grid64, int r,
+                                           int j, int lane, ExpTile& o) {
+    constexpr int WP = exp_wpitch<F>();
     const int tq = lane & 3;
     if (F == EXP_F_Q8_0) {
         const int rr = (r - (lane >> 2)) + (lane & 7) + ((lane >> 3) & 1) * 8;
-        mm_ldsm4(wst_s + rr * 272 + 32 * j + (lane >> 4) * 16, a[0], a[1], a[2], a[3]);
-        const u16* d = reinterpret_cast<const u16*>(wst + 128 * 272);
+        mm_ldsm4(wst_s + rr * WP + 32 * j + (lane >> 4) * 16, o.a[0], o.a[1], o.a[2], o.a[3]);
+        const u16* d = reinterpret_cast<const u16*>(wst + 128 * WP);
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) s1[hh] = h2f(d[(r + 8 * hh) * 8 + j]);
+        for (int hh = 0; hh < 2; ++hh) o.s1[hh] = h2f(d[(r + 8 * hh) * 8 + j]);
     } else if (F == EXP_F_IQ2) {
-        const float* d = reinterpret_cast<const float*>(wst + 128 * 80);
-        const int l0 = tq >> 1, h = tq & 1;
+        const float* d = reinterpret_cast<const float*>(wst + 128 * WP);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int row = r + 8 * hh;
-            const uint2 v = *reinterpret_cast<const uint2*>(wst + row * 80 + 8 * j);
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int l = l0 + 2 * half;
-                const u32 gv = grid32[2 * ((v.x >> (8 * l)) & 255) + h];
-                u32 s = (v.y >> (7 * l)) & 127;
-                s |= (__popc(s) & 1) << 7;
-                const u32 bits = (((s >> (4 * h)) & 15) * 0x204081u) & 0x01010101u;
-                // Bytes of gv are 8, 25 or 43: (g ^ 0xff) + 1 = -g per byte, no carries.
-                a[hh + 2 * half] = (gv ^ (bits * 255u)) + bits;
-            }
-            s1[hh] = d[row] * (0.5f + (float)(v.y >> 28)) * 0.25f;
+            const uint2 v = *reinterpret_cast<const uint2*>(wst + row * WP + 8 * j);
+            const u64 gv = grid64[(v.x >> (8 * tq)) & 255];
+            u32 s = (v.y >> (7 * tq)) & 127;
+            s |= (__popc(s) & 1) << 7;
+            const u32 bl = ((s & 15) * 0x204081u) & 0x01010101u;
+            const u32 bh = ((s >> 4) * 0x204081u) & 0x01010101u;
+            // Grid bytes are 8, 25 or 43: (g ^ 0xff) + 1 = -g per byte, no carries.
+            o.a[hh] = ((u32)gv ^ (bl * 255u)) + bl;
+            o.a[hh + 2] = ((u32)(gv >> 32) ^ (bh * 255u)) + bh;
+            const u32 ls = v.y >> 28;
+            o.fi[hh] = 2 * (int)ls + 1;
+            o.s1[hh] = d[row] * (0.5f + (float)ls) * 0.25f;
         }
     } else if (F == EXP_F_Q2K) {
-        const u8* sc = wst + 128 * 80;
-        const u32* dm = reinterpret_cast<const u32*>(wst + 128 * 80 + 128 * 16);
+        const u8* sc = wst + 128 * WP;
+        const u32* dm = reinterpret_cast<const u32*>(wst + 128 * WP + 128 * 16);
         const int kk = j >> 2, jj = j & 3;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int row = r + 8 * hh;
-            const u32 w0 = *reinterpret_cast<const u32*>(wst + row * 80 + 32 * kk + 4 * tq);
-            const u32 w1 = *reinterpret_cast<const u32*>(wst + row * 80 + 32 * kk + 16 + 4 * tq);
-            const u32 scp = *reinterpret_cast<const u16*>(sc + row * 16 + 8 * kk + 2 * jj);
-            const u32 sa = scp & 0xff, sb = scp >> 8;
-            a[hh] = ((w0 >> (2 * jj)) & 0x03030303u) * (sa & 15);
-            a[hh + 2] = ((w1 >> (2 * jj)) & 0x03030303u) * (sb & 15);
-            am[hh] = (sa >> 4) * 0x01010101u;
-            am[hh + 2] = (sb >> 4) * 0x01010101u;
+            const uint2 w = *reinterpret_cast<const uint2*>(wst + row * WP + 32 * kk + 8 * tq);
+            const u32 s = sc[row * 16 + 8 * kk + 2 * jj + (tq >> 1)];
+            o.a[hh] = ((w.x >> (2 * jj)) & 0x03030303u) * (s & 15);
+            o.a[hh + 2] = ((w.y >> (2 * jj)) & 0x03030303u) * (s & 15);
+            o.am[hh] = o.am[hh + 2] = (s >> 4) * 0x01010101u;
             const u32 dmv = dm[row];
-            s1[hh] = h2f((u16)(dmv & 0xffff));
-            s2[hh] = h2f((u16)(dmv >> 16));
+            o.s1[hh] = h2f((u16)(dmv & 0xffff));
+            o.s2[hh] = h2f((u16)(dmv >> 16));
+            o.fi[hh] = 1;
         }
     } else {
         const int c = j >> 1, sh = 4 * (j & 1);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            const u8* blk = wst + (r + 8 * hh) * 144;
+            const u8* blk = wst + (r + 8 * hh) * WP;
             const uint4 hdr = *reinterpret_cast<const uint4*>(blk);
-            const u32 w0 = *reinterpret_cast<const u32*>(blk + 16 + 32 * c + 4 * tq);
-            const u32 w1 = *reinterpret_cast<const u32*>(blk + 16 + 32 * c + 16 + 4 * tq);
-            a[hh] = (w0 >> sh) & 0x0f0f0f0fu;
-            a[hh + 2] = (w1 >> sh) & 0x0f0f0f0fu;
+            const uint2 w = *reinterpret_cast<const uint2*>(blk + 16 + 32 * c + 8 * tq);
+            o.a[hh] = (w.x >> sh) & 0x0f0f0f0fu;
+            o.a[hh + 2] = (w.y >> sh) & 0x0f0f0f0fu;
             u32 scv, mn;
             mm_q4k_sm(j, hdr.y, hdr.z, hdr.w, scv, mn);
-            am[hh] = am[hh + 2] = mn * 0x01010101u;
-            s1[hh] = h2f((u16)(hdr.x & 0xffff)) * (float)scv;
-            s2[hh] = h2f((u16)(hdr.x >> 16));
+            o.am[hh] = o.am[hh + 2] = mn * 0x01010101u;
+            o.fi[hh] = (int)scv;
+            o.s1[hh] = h2f((u16)(hdr.x & 0xffff)) * (float)scv;
+            o.s2[hh] = h2f((u16)(hdr.x >> 16));
+        }
+    }
+}
+
+// Per-row scales of a fast stage (applied to the int32 sums of the whole stage).
+template <int F>
+__device__ __forceinline__ void exp_stage_scales(const u8* wst, int row, float& d1, float& d2) {
+    constexpr int WP = exp_wpitch<F>();
+    if (F == EXP_F_IQ2) {
+        d1 = reinterpret_cast<const float*>(wst + 128 * WP)[row] * 0.125f;
+        d2 = 0.f;
+    } else if (F == EXP_F_Q2K) {
+        const u32 dmv = reinterpret_cast<const u32*>(wst + 128 * WP + 128 * 16)[row];
+        d1 = h2f((u16)(dmv & 0xffff));
+        d2 = h2f((u16)(dmv >> 16));
+    } else {
+        const u32 h = *reinterpret_cast<const u32*>(wst + row * WP);
+        d1 = h2f((u16)(h & 0xffff));
+        d2 = h2f((u16)(h >> 16));
+    }
+}
+
+// One stage (256 values) of a warp's 32 rows × nnt n-tiles.
+template <int F, bool FAST>
+__device__ __forceinline__ void exp_stage(const u8* wst, u32 wst_s, const u8* xst, u32 xst_s,
+                                          const u64* grid64, int lane, int warp, int nnt,
+                                          float (&acc)[2][4][4]) {
+    constexpr int XP = exp_xpitch<F>();
+    constexpr bool KQ = F == EXP_F_Q2K || F == EXP_F_Q4K;
+    const int gq = lane >> 2, tq = lane & 3;
+    const float* xds = reinterpret_cast<const float*>(xst + 32 * XP);
+    int ci[2][4][4], cm[2][4][4];
+    if (FAST) {
+#pragma unroll
+        for (int a = 0; a < 2; ++a)
+#pragma unroll
+            for (int b = 0; b < 4; ++b)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) ci[a][b][i] = cm[a][b][i] = 0;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        u32 bf[4][2];
+        if (F == EXP_F_Q8_0) {
+            const int r = (lane & 7) + (lane >> 4) * 8;
+            const u32 off = 32 * j + ((lane >> 3) & 1) * 16;
+            mm_ldsm4(xst_s + r * XP + off, bf[0][0], bf[0][1], bf[1][0], bf[1][1]);
+            if (nnt > 2)
+                mm_ldsm4(xst_s + (r + 16) * XP + off, bf[2][0], bf[2][1], bf[3][0], bf[3][1]);
+            else
+                bf[2][0] = bf[2][1] = bf[3][0] = bf[3][1] = 0;
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+                if (nt < nnt) {
+                    const uint2 v = *reinterpret_cast<const uint2*>(
+                        xst + (nt * 8 + gq) * XP + 32 * j + 8 * tq);
+                    bf[nt][0] = v.x;
+                    bf[nt][1] = v.y;
+                } else {
+                    bf[nt][0] = bf[nt][1] = 0;
+                }
+            }
+        }
+        float2 xv[4];
+        if (!FAST) {
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt)
+                xv[nt] = *reinterpret_cast<const float2*>(xds + j * 32 + nt * 8 + 2 * tq);
+        }
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+            ExpTile t;
+            exp_decode<F>(wst, wst_s, grid64, warp * 32 + mt * 16 + gq, j, lane, t);
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+                if (nt >= nnt) continue;
+                if (FAST) {
+                    if (F == EXP_F_Q2K) {
+                        mm_mma_acc(ci[mt][nt], t.a, bf[nt][0], bf[nt][1]);
+                    } else {
+                        int c[4];
+                        mm_mma0(c, t.a, bf[nt][0], bf[nt][1]);
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) ci[mt][nt][i] += c[i] * t.fi[i >> 1];
+                    }
+                    if (KQ) mm_mma_acc(cm[mt][nt], t.am, bf[nt][0], bf[nt][1]);
+                } else {
+                    int c[4];
+                    mm_mma(c, t.a[0], t.a[1], t.a[2], t.a[3], bf[nt][0], bf[nt][1]);
+                    if (KQ) {
+                        int c2[4];
+                        mm_mma(c2, t.am[0], t.am[1], t.am[2], t.am[3], bf[nt][0], bf[nt][1]);
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            const float x = (i & 1) ? xv[nt].y : xv[nt].x;
+                            acc[mt][nt][i] += x * (t.s1[i >> 1] * mm_f(c[i]) - t.s2[i >> 1] * mm_f(c2[i]));
+                        }
+                    } else {
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            const float x = (i & 1) ? xv[nt].y : xv[nt].x;
+                            acc[mt][nt][i] += mm_f(c[i]) * (t.s1[i >> 1] * x);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if (FAST) {
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+            float d1[2], d2[2];
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+                exp_stage_scales<F>(wst, warp * 32 + mt * 16 + gq + 8 * hh, d1[hh], d2[hh]);
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+                if (nt >= nnt) continue;
+                const float2 xu = *reinterpret_cast<const float2*>(xds + nt * 8 + 2 * tq);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float x = (i & 1) ? xu.y : xu.x;
+                    float v = d1[i >> 1] * (float)ci[mt][nt][i];
+                    if (KQ) v -= d2[i >> 1] * (float)cm[mt][nt][i];
+                    acc[mt][nt][i] += x * v;
+                }
+            }
         }
     }
 }
@@ -339,9 +504,8 @@ __device__ __forceinline__ void mm_exp_body(
     const float* __restrict__ xd, float* __restrict__ y, int rows, int cols,
     const int4* __restrict__ items, const i32* __restrict__ n_items, const i32* __restrict__ pairs,
     int k_div, int n_tok, i64 x_tok, i64 x_grp, i64 y_tok, i64 y_grp) {
-    constexpr int WB = exp_w_bytes<F>();
-    constexpr int STAGE = WB + EXP_X_BYTES;
-    constexpr bool KQ = F == EXP_F_Q2K || F == EXP_F_Q4K;
+    constexpr int WB = exp_w_bytes<F>(), WP = exp_wpitch<F>(), XP = exp_xpitch<F>();
+    constexpr int STAGE = WB + exp_x_bytes<F>();
     extern __shared__ __align__(16) u8 smem[];
     __shared__ i64 s_xoff[32], s_yoff[32];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -372,9 +536,9 @@ __device__ __forceinline__ void mm_exp_body(
             s_yoff[tid] = ok ? (i64)(t0 + tid) * y_tok + e * y_grp : -1;
         }
     }
-    u32* grid32 = reinterpret_cast<u32*>(smem + 2 * STAGE);
+    u64* grid64 = reinterpret_cast<u64*>(smem + 2 * STAGE);
     if (F == EXP_F_IQ2)
-        for (int i = tid; i < 512; i += 128) grid32[i] = reinterpret_cast<const u32*>(grid_g)[i];
+        for (int i = tid; i < 256; i += 128) grid64[i] = grid_g[i];
     __syncthreads();
 
     const int row0 = blockIdx.x * 128;
@@ -394,31 +558,31 @@ __device__ __forceinline__ void mm_exp_body(
             for (int u = 0; u < 16; ++u) {
                 const int i = tid + 128 * u, r = i >> 4, c = i & 15;
                 const bool ok = row0 + r < rows;
-                mm_cp16(st + r * 272 + 16 * c, ok ? w0 + (i64)(row0 + r) * cols + b * 256 + 16 * c : w0, ok);
+                mm_cp16(st + r * WP + 16 * c, ok ? w0 + (i64)(row0 + r) * cols + b * 256 + 16 * c : w0, ok);
             }
             const bool ok = my_row < rows;
-            mm_cp16(st + 128 * 272 + tid * 16, ok ? w1 + ((i64)my_row * (cols / 32) + b * 8) * 2 : w1, ok);
+            mm_cp16(st + 128 * WP + tid * 16, ok ? w1 + ((i64)my_row * (cols / 32) + b * 8) * 2 : w1, ok);
         } else if (F == EXP_F_Q4K) {
 #pragma unroll
             for (int u = 0; u < 9; ++u) {
                 const int i = tid + 128 * u, r = i / 9, c = i % 9;
                 const bool ok = row0 + r < rows;
-                mm_cp16(st + r * 144 + 16 * c, ok ? w0 + ((i64)(row0 + r) * nb + b) * 144 + 16 * c : w0, ok);
+                mm_cp16(st + r * WP + 16 * c, ok ? w0 + ((i64)(row0 + r) * nb + b) * 144 + 16 * c : w0, ok);
             }
         } else {
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
                 const int i = tid + 128 * u, r = i >> 2, c = i & 3;
                 const bool ok = row0 + r < rows;
-                mm_cp16(st + r * 80 + 16 * c, ok ? w0 + ((i64)(row0 + r) * nb + b) * 64 + 16 * c : w0, ok);
+                mm_cp16(st + r * WP + 16 * c, ok ? w0 + ((i64)(row0 + r) * nb + b) * 64 + 16 * c : w0, ok);
             }
             const bool ok = my_row < rows;
             const i64 blk = (i64)my_row * nb + b;
             if (F == EXP_F_IQ2) {
                 dnext = ok ? reinterpret_cast<const u16*>(w1)[blk] : (u16)0;
             } else {
-                mm_cp16(st + 128 * 80 + tid * 16, ok ? w1 + blk * 16 : w1, ok);
-                mm_cp4(st + 128 * 80 + 128 * 16 + tid * 4, ok ? w2 + blk * 4 : w2, ok);
+                mm_cp16(st + 128 * WP + tid * 16, ok ? w1 + blk * 16 : w1, ok);
+                mm_cp4(st + 128 * WP + 128 * 16 + tid * 4, ok ? w2 + blk * 4 : w2, ok);
             }
         }
         const u32 xs = st + WB;
@@ -426,17 +590,17 @@ __device__ __forceinline__ void mm_exp_body(
         for (int u = 0; u < 4; ++u) {
             const int i = tid + 128 * u, pr = i >> 4, c = i & 15;
             const i64 xo = s_xoff[pr];
-            mm_cp16(xs + pr * EXP_XPITCH + 16 * c, xo >= 0 ? xq + xo + b * 256 + 16 * c : xq, xo >= 0);
+            mm_cp16(xs + pr * XP + 16 * c, xo >= 0 ? xq + xo + b * 256 + 16 * c : xq, xo >= 0);
         }
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
             const int i = tid + 128 * u, j = i >> 5, pr = i & 31;
             const i64 xo = s_xoff[pr];
-            mm_cp4(xs + 32 * EXP_XPITCH + i * 4, xo >= 0 ? xd + (xo >> 5) + b * 8 + j : xd, xo >= 0);
+            mm_cp4(xs + 32 * XP + i * 4, xo >= 0 ? xd + (xo >> 5) + b * 8 + j : xd, xo >= 0);
         }
     };
     auto store_d = [&](int s, u16 d) {
-        if (F == EXP_F_IQ2) reinterpret_cast<float*>(smem + s * STAGE + 128 * 80)[tid] = h2f(d);
+        if (F == EXP_F_IQ2) reinterpret_cast<float*>(smem + s * STAGE + 128 * WP)[tid] = h2f(d);
     };
 
     float acc[2][4][4];
@@ -460,50 +624,19 @@ __device__ __forceinline__ void mm_exp_body(
         const int s = b & 1;
         const u8* wst = smem + s * STAGE;
         const u32 wst_s = smem_s + s * STAGE;
-        const u32 xs_s = wst_s + WB;
-        const float* xds = reinterpret_cast<const float*>(wst + WB + 32 * EXP_XPITCH);
+        if (F == EXP_F_Q8_0) {
+            exp_stage<F, false>(wst, wst_s, wst + WB, wst_s + WB, grid64, lane, warp, nnt, acc);
+        } else {
+            // Fast stage when every pair slot has one activation scale over the stage.
+            const float* xds = reinterpret_cast<const float*>(wst + WB + 32 * XP);
+            const float x0 = xds[lane];
+            bool same = true;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            u32 bf[4][2];
-            {
-                const int r = (lane & 7) + (lane >> 4) * 8;
-                const u32 off = 32 * j + ((lane >> 3) & 1) * 16;
-                mm_ldsm4(xs_s + r * EXP_XPITCH + off, bf[0][0], bf[0][1], bf[1][0], bf[1][1]);
-                if (nnt > 2)
-                    mm_ldsm4(xs_s + (r + 16) * EXP_XPITCH + off, bf[2][0], bf[2][1], bf[3][0], bf[3][1]);
-                else
-                    bf[2][0] = bf[2][1] = bf[3][0] = bf[3][1] = 0;
-            }
-            float2 xv[4];
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt)
-                xv[nt] = *reinterpret_cast<const float2*>(xds + j * 32 + nt * 8 + 2 * tq);
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
-                u32 a[4], am[4];
-                float s1[2], s2[2];
-                exp_decode<F>(wst, wst_s, grid32, warp * 32 + mt * 16 + gq, j, lane, a, am, s1, s2);
-#pragma unroll
-                for (int nt = 0; nt < 4; ++nt) {
-                    if (nt < nnt) {
-                        int c[4];
-                        mm_mma(c, a[0], a[1], a[2], a[3], bf[nt][0], bf[nt][1]);
-                        if (KQ) {
-                            int cm[4];
-                            mm_mma(cm, am[0], am[1], am[2], am[3], bf[nt][0], bf[nt][1]);
-                            acc[mt][nt][0] += xv[nt].x * (s1[0] * mm_f(c[0]) - s2[0] * mm_f(cm[0]));
-                            acc[mt][nt][1] += xv[nt].y * (s1[0] * mm_f(c[1]) - s2[0] * mm_f(cm[1]));
-                            acc[mt][nt][2] += xv[nt].x * (s1[1] * mm_f(c[2]) - s2[1] * mm_f(cm[2]));
-                            acc[mt][nt][3] += xv[nt].y * (s1[1] * mm_f(c[3]) - s2[1] * mm_f(cm[3]));
-                        } else {
-                            acc[mt][nt][0] += mm_f(c[0]) * (s1[0] * xv[nt].x);
-                            acc[mt][nt][1] += mm_f(c[1]) * (s1[0] * xv[nt].y);
-                            acc[mt][nt][2] += mm_f(c[2]) * (s1[1] * xv[nt].x);
-                            acc[mt][nt][3] += mm_f(c[3]) * (s1[1] * xv[nt].y);
-                        }
-                    }
-                }
-            }
+            for (int j = 1; j < 8; ++j) same &= xds[j * 32 + lane] == x0;
+            if (__all_sync(0xffffffffu, same))
+                exp_stage<F, true>(wst, wst_s, wst + WB, wst_s + WB, grid64, lane, warp, nnt, acc);
+            else
+                exp_stage<F, false>(wst, wst_s, wst + WB, wst_s + WB, grid64, lane, warp, nnt, acc);
         }
         if (b + 1 < nb) store_d((b + 1) & 1, dn);
         __syncthreads();
@@ -522,8 +655,10 @@ __device__ __forceinline__ void mm_exp_body(
         }
 }
 
-#define MM_EXP_KERNEL(NAME, F)                                                                  \
-    extern "C" __global__ void __launch_bounds__(128) NAME(                                    \
+// Each format in three occupancy targets (minimum blocks per SM 2, 3, 4: the register
+// cap trades spills against warps in flight); the launcher picks one.
+#define MM_EXP_KERNEL(NAME, F, MB)                                                              \
+    extern "C" __global__ void __launch_bounds__(128, MB) NAME(                                \
         const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2,        \
         i64 mat0, i64 mat1, i64 mat2, const u64* __restrict__ grid_g, const i8* __restrict__ xq, \
         const float* __restrict__ xd, float* __restrict__ y, int rows, int cols,                \
@@ -533,10 +668,18 @@ __device__ __forceinline__ void mm_exp_body(
         mm_exp_body<F>(w0, w1, w2, mat0, mat1, mat2, grid_g, xq, xd, y, rows, cols, items,      \
                        n_items, pairs, k_div, n_tok, x_tok, x_grp, y_tok, y_grp);               \
     }
-MM_EXP_KERNEL(mm_exp_q8_0, EXP_F_Q8_0)
-MM_EXP_KERNEL(mm_exp_iq2_xxs, EXP_F_IQ2)
-MM_EXP_KERNEL(mm_exp_q2_k, EXP_F_Q2K)
-MM_EXP_KERNEL(mm_exp_q4_k, EXP_F_Q4K)
+MM_EXP_KERNEL(mm_exp_q8_0_b2, EXP_F_Q8_0, 2)
+MM_EXP_KERNEL(mm_exp_q8_0_b3, EXP_F_Q8_0, 3)
+MM_EXP_KERNEL(mm_exp_q8_0_b4, EXP_F_Q8_0, 4)
+MM_EXP_KERNEL(mm_exp_iq2_xxs_b2, EXP_F_IQ2, 2)
+MM_EXP_KERNEL(mm_exp_iq2_xxs_b3, EXP_F_IQ2, 3)
+MM_EXP_KERNEL(mm_exp_iq2_xxs_b4, EXP_F_IQ2, 4)
+MM_EXP_KERNEL(mm_exp_q2_k_b2, EXP_F_Q2K, 2)
+MM_EXP_KERNEL(mm_exp_q2_k_b3, EXP_F_Q2K, 3)
+MM_EXP_KERNEL(mm_exp_q2_k_b4, EXP_F_Q2K, 4)
+MM_EXP_KERNEL(mm_exp_q4_k_b2, EXP_F_Q4K, 2)
+MM_EXP_KERNEL(mm_exp_q4_k_b3, EXP_F_Q4K, 3)
+MM_EXP_KERNEL(mm_exp_q4_k_b4, EXP_F_Q4K, 4)
 
 // ---------------------------------------------------------------------------------------
 // Route plan: one block of 1024 threads. offsets[e] = first slot of expert e in `pairs`

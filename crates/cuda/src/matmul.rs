@@ -44,8 +44,6 @@ impl Batch {
 const EXP_TILE: usize = 32;
 /// Rows per block of the expert GEMM.
 const EXP_ROWS: usize = 128;
-/// Activation stage bytes of the expert GEMM (EXP_X_BYTES).
-const EXP_X_BYTES: usize = 32 * 272 + 8 * 32 * 4;
 
 /// A per-call plan of the routed-expert GEMM, built on the device by [`Gpu::route_plan`].
 pub struct RoutePlan {
@@ -87,13 +85,17 @@ fn q8_stage_bytes(bm: usize, bn: usize) -> usize {
     (bm + bn) * 144 + bm * 8 + 4 * bn * 4
 }
 
-fn exp_weight_bytes(ty: GgmlType) -> usize {
-    match ty {
+/// Stage bytes of the expert GEMM: weights (`exp_w_bytes`) + activations
+/// (`exp_x_bytes`) in matmul.cu.
+fn exp_stage_bytes(ty: GgmlType) -> usize {
+    let w = match ty {
         GgmlType::Q8_0 => 128 * 272 + 128 * 16,
-        GgmlType::IQ2_XXS => 128 * 80 + 128 * 4,
-        GgmlType::Q2_K => 128 * 80 + 128 * 16 + 128 * 4,
-        _ => 128 * 144,
-    }
+        GgmlType::IQ2_XXS => 128 * 96 + 128 * 4,
+        GgmlType::Q2_K => 128 * 96 + 128 * 16 + 128 * 4,
+        _ => 128 * 160,
+    };
+    let x_pitch = if ty == GgmlType::Q8_0 { 272 } else { 288 };
+    w + 32 * x_pitch + 8 * 32 * 4
 }
 
 fn invalid(msg: String) -> CudaError {
@@ -201,7 +203,7 @@ impl Gpu {
             )));
         }
         if m.ty != GgmlType::Q8_0 {
-            return self.launch_exp(m, xq, y, None, 1, &b);
+            return self.launch_exp(m, xq, y, None, 1, &b, None);
         }
         if !m.cols.is_multiple_of(32) {
             return Err(invalid(format!("{what}: cols not whole blocks")));
@@ -264,6 +266,7 @@ impl Gpu {
 
     /// The expert-layout GEMM (`mm_exp_*`): with `plan` over its work items, otherwise
     /// dense over `b` (tokens in tiles of 32, groups in grid z).
+    #[allow(clippy::too_many_arguments)]
     fn launch_exp(
         &self,
         m: &DeviceMatrix,
@@ -272,17 +275,31 @@ impl Gpu {
         plan: Option<&RoutePlan>,
         k_div: usize,
         b: &Batch,
+        variant: Option<usize>,
     ) -> Result<(), CudaError> {
-        let name = match m.ty {
-            GgmlType::Q8_0 => "mm_exp_q8_0",
-            GgmlType::IQ2_XXS => "mm_exp_iq2_xxs",
-            GgmlType::Q2_K => "mm_exp_q2_k",
-            GgmlType::Q4_K => "mm_exp_q4_k",
+        // Kernels per format with minimum 2, 3, 4 blocks per SM (register caps).
+        let (names, default) = match m.ty {
+            GgmlType::Q8_0 => (["mm_exp_q8_0_b2", "mm_exp_q8_0_b3", "mm_exp_q8_0_b4"], 2),
+            GgmlType::IQ2_XXS => (
+                [
+                    "mm_exp_iq2_xxs_b2",
+                    "mm_exp_iq2_xxs_b3",
+                    "mm_exp_iq2_xxs_b4",
+                ],
+                2,
+            ),
+            GgmlType::Q2_K => (["mm_exp_q2_k_b2", "mm_exp_q2_k_b3", "mm_exp_q2_k_b4"], 1),
+            GgmlType::Q4_K => (["mm_exp_q4_k_b2", "mm_exp_q4_k_b3", "mm_exp_q4_k_b4"], 0),
             other => {
                 return Err(invalid(format!(
                     "no int8 tensor-core GEMM for {other} weights"
                 )))
             }
+        };
+        let name = match variant {
+            None => names[default],
+            Some(v) if v < names.len() => names[v],
+            Some(v) => return Err(invalid(format!("no expert GEMM variant {v}"))),
         };
         if !m.cols.is_multiple_of(256) {
             return Err(invalid(format!(
@@ -290,7 +307,7 @@ impl Gpu {
                 m.cols
             )));
         }
-        let stage = exp_weight_bytes(m.ty) + EXP_X_BYTES;
+        let stage = exp_stage_bytes(m.ty);
         let smem = 2 * stage + if m.ty == GgmlType::IQ2_XXS { 2048 } else { 0 };
         self.allow_smem(name, smem)?;
         let elems = m.rows * m.cols;
@@ -525,6 +542,23 @@ impl Gpu {
         shared_input: bool,
         y: u64,
     ) -> Result<(), CudaError> {
+        self.matmul_experts_q8act_variant(m, xq, plan, k, shared_input, y, None)
+    }
+
+    /// [`Gpu::matmul_experts_q8act`] with a forced kernel variant (minimum 2, 3 or 4
+    /// blocks per SM for 0, 1, 2; `None` = the default per format). For the checks.
+    #[doc(hidden)]
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_experts_q8act_variant(
+        &self,
+        m: &DeviceMatrix,
+        xq: &QuantAct,
+        plan: &RoutePlan,
+        k: usize,
+        shared_input: bool,
+        y: u64,
+        variant: Option<usize>,
+    ) -> Result<(), CudaError> {
         let n = plan.n_pairs;
         if n == 0 {
             return Ok(());
@@ -551,7 +585,8 @@ impl Gpu {
             x_grp: 0,
             y_grp: 0,
         };
-        self.launch_exp(m, xq, y, Some(plan), if shared_input { k } else { 1 }, &b)
+        let k_div = if shared_input { k } else { 1 };
+        self.launch_exp(m, xq, y, Some(plan), k_div, &b, variant)
     }
 }
 
@@ -584,15 +619,14 @@ mod tests {
     #[test]
     fn stage_sizes_match_the_kernels() {
         assert_eq!(q8_stage_bytes(128, 128) % 16, 0);
-        assert_eq!(EXP_X_BYTES % 16, 0);
         for ty in [
             GgmlType::Q8_0,
             GgmlType::IQ2_XXS,
             GgmlType::Q2_K,
             GgmlType::Q4_K,
         ] {
-            assert_eq!(exp_weight_bytes(ty) % 16, 0);
-            assert!(2 * (exp_weight_bytes(ty) + EXP_X_BYTES) + 2048 <= 227 << 10);
+            assert_eq!(exp_stage_bytes(ty) % 16, 0);
+            assert!(2 * exp_stage_bytes(ty) + 2048 <= 227 << 10);
         }
     }
 }
