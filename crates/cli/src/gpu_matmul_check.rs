@@ -225,6 +225,11 @@ pub fn check_matmul(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
             )?);
         }
     }
+    for ty in [GgmlType::F16, GgmlType::Q8_0] {
+        for sk in [1usize, 2, 4, 8] {
+            out.extend(check_f32_split(gpu, &mut rng, ty, sk)?);
+        }
+    }
     out.push(check_invalid(gpu)?);
     Ok(out)
 }
@@ -473,6 +478,36 @@ fn check_f32(
     Ok(out)
 }
 
+/// matmul_f32 with a forced split-K factor (cluster reduction) on a 2-group padded batch.
+fn check_f32_split(gpu: &Gpu, rng: &mut Rng, ty: GgmlType, sk: usize) -> Result<Vec<Check>> {
+    let (rows, cols, n_tok, groups) = (100, 2048, 70, 2);
+    let w = random_matrix(ty, rows, cols, groups, rng);
+    let m = upload(gpu, ty, &w, rows, cols, groups)?;
+    let b = layout(rows, cols, n_tok, groups, true);
+    let x = random_vec(n_tok * b.x_tok, rng);
+    let xd = gpu.upload(&x)?;
+    let yd = gpu.upload(&vec![f32::NAN; n_tok * b.y_tok])?;
+    gpu.matmul_f32_split(&m, gpu.ptr(&xd), gpu.ptr(&yd), b, Some(sk))?;
+    let (got, canaries) = gather(&gpu.download(&yd)?, &b, rows);
+    let xv: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+    let want = reference_batch(
+        &dequant_stack(ty, &w, rows, cols, groups),
+        &xv,
+        &b,
+        rows,
+        cols,
+    );
+    let e = if canaries {
+        rel_err(&got, &want)
+    } else {
+        f64::NAN
+    };
+    Ok(vec![check(
+        format!("matmul_f32 {ty} {groups}x{rows}x{cols} n{n_tok} padded split-K {sk} vs f64"),
+        e,
+    )])
+}
+
 /// Bad sizes are errors, never launches.
 fn check_invalid(gpu: &Gpu) -> Result<Check> {
     let mut rng = Rng::stream(1, 2, 3);
@@ -558,6 +593,18 @@ pub fn bench_matmul(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
             ms,
             "TOPS",
         ));
+        for (t, tname) in ["128x128", "128x64", "64x64"].iter().enumerate() {
+            let ms = gpu.time_ms(warm, reps, |_| {
+                gpu.matmul_q8act_tiled(&m, &qa, yp, b, Some(t))
+            })?;
+            out.push(timing(
+                format!("  tile {tname}"),
+                m.bytes(),
+                ops,
+                ms,
+                "TOPS",
+            ));
+        }
         if name.starts_with("attn_q_b") {
             // Today's batched path: one decode matvec per token.
             let sel = MatSel {
@@ -598,6 +645,18 @@ pub fn bench_matmul(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
             ms,
             "TFLOPS",
         ));
+        for sk in [1usize, 2, 4, 8] {
+            let ms = gpu.time_ms(warm, reps, |_| {
+                gpu.matmul_f32_split(&m, xp, yp, b, Some(sk))
+            })?;
+            out.push(timing(
+                format!("  split-K {sk}"),
+                m.bytes(),
+                ops,
+                ms,
+                "TFLOPS",
+            ));
+        }
     }
     // Routed experts: 256 experts, 6 distinct per token, uniform.
     let (n_expert, k) = (256usize, 6usize);
@@ -664,6 +723,13 @@ pub fn bench_matmul(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
             ms,
             "TOPS",
         ));
+        for v in 0..3 {
+            let ms = gpu.time_ms(warm, reps, |_| {
+                gpu.matmul_experts_q8act_variant(&m, &qa, &plan, k, shared, yp, Some(v))
+            })?;
+            let label = format!("  variant min {} blocks/SM", v + 2);
+            out.push(timing(label, bytes, ops, ms, "TOPS"));
+        }
         if ty == GgmlType::IQ2_XXS {
             // Today's batched path: the decode kernel with one selection per pair.
             let qe = if shared {

@@ -765,7 +765,7 @@ extern "C" __global__ void __launch_bounds__(1024) route_plan_build(
 
 __device__ __forceinline__ float mm_bf2f(u32 h) { return __int_as_float(h << 16); }
 
-template <int WT>
+template <int WT, int S>
 __device__ __forceinline__ void mm_f32_body(const u8* __restrict__ w, const u16* __restrict__ wd,
                                             i64 mat_w, i64 mat_d, const float* __restrict__ x,
                                             float* __restrict__ y, int rows, int cols, int n_tok,
@@ -773,7 +773,10 @@ __device__ __forceinline__ void mm_f32_body(const u8* __restrict__ w, const u16*
     __shared__ __align__(16) float ws[2][32][68];
     __shared__ __align__(16) float xs[2][32][68];
     const int tid = threadIdx.x;
-    const int grp = blockIdx.z;
+    // Split K over the S blocks of a cluster (z = group·S + split): split s takes k-tiles
+    // [s·nkt/S, (s+1)·nkt/S); the partial tiles are summed in split order through
+    // distributed shared memory (deterministic, no scratch buffer).
+    const int grp = blockIdx.z / S, split = blockIdx.z % S;
     const int n0 = blockIdx.x * 64, m0 = blockIdx.y * 64;
     w += grp * mat_w;
     wd += grp * mat_d;
@@ -781,10 +784,11 @@ __device__ __forceinline__ void mm_f32_body(const u8* __restrict__ w, const u16*
     y += grp * y_grp;
     const int lr = tid >> 2, lk = (tid & 3) * 8;  // loader: row / token lr, k lk..lk+7
     const int tr = tid & 15, tt = tid >> 4;       // compute: rows 4tr.., tokens 4tt..
-    const int nkt = (cols + 31) / 32;
+    const int nkt_all = (cols + 31) / 32;
+    const int kt0 = split * nkt_all / S, nkt = (split + 1) * nkt_all / S - kt0;
     float wv[8], xv[8];
     auto fetch = [&](int kt) {
-        const int k = kt * 32 + lk, row = m0 + lr, t = n0 + lr;
+        const int k = (kt0 + kt) * 32 + lk, row = m0 + lr, t = n0 + lr;
         const bool okw = row < rows && k < cols;
         if (!okw) {
 #pragma unroll
@@ -840,7 +844,11 @@ __device__ __forceinline__ void mm_f32_body(const u8* __restrict__ w, const u16*
     for (int i = 0; i < 4; ++i)
 #pragma unroll
         for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
-    fetch(0);
+    if (nkt > 0) fetch(0);
+    else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) wv[i] = xv[i] = 0.f;
+    }
     put(0);
     __syncthreads();
     for (int kt = 0; kt < nkt; ++kt) {
@@ -859,27 +867,60 @@ __device__ __forceinline__ void mm_f32_body(const u8* __restrict__ w, const u16*
         if (kt + 1 < nkt) put(s ^ 1);
         __syncthreads();
     }
+    if (S == 1) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const int t = n0 + 4 * tt + j;
-        if (t >= n_tok) continue;
+        for (int j = 0; j < 4; ++j) {
+            const int t = n0 + 4 * tt + j;
+            if (t >= n_tok) continue;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int r = m0 + 4 * tr + i;
-            if (r < rows) y[(i64)t * y_tok + r] = acc[i][j];
+            for (int i = 0; i < 4; ++i) {
+                const int r = m0 + 4 * tr + i;
+                if (r < rows) y[(i64)t * y_tok + r] = acc[i][j];
+            }
         }
+        return;
     }
+    // Partial tile [token][row] into this block's shared memory (the k-tile buffers are
+    // free after the loop's last barrier), then each block sums 4096/S entries over the
+    // cluster in split order.
+    float* red = &ws[0][0][0];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) red[(4 * tt + j) * 64 + 4 * tr + i] = acc[i][j];
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+    const u32 red_s = mm_smem(red);
+    for (int idx = split * (4096 / S) + tid; idx < (split + 1) * (4096 / S); idx += 256) {
+        float v = 0.f;
+#pragma unroll
+        for (int q = 0; q < S; ++q) {
+            u32 ra;
+            float pv;
+            asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(red_s + idx * 4), "r"(q));
+            asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(pv) : "r"(ra) : "memory");
+            v += pv;
+        }
+        const int t = n0 + idx / 64, r = m0 + idx % 64;
+        if (t < n_tok && r < rows) y[(i64)t * y_tok + r] = v;
+    }
+    // No block leaves while others may still read its shared memory.
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
-#define MM_F32_KERNEL(NAME, WT)                                                                 \
-    extern "C" __global__ void __launch_bounds__(256) NAME(                                    \
+#define MM_F32_KERNEL(NAME, WT, S)                                                              \
+    extern "C" __global__ void __launch_bounds__(256) __cluster_dims__(1, 1, S) NAME(          \
         const u8* __restrict__ w, const u16* __restrict__ wd, i64 mat_w, i64 mat_d,             \
         const float* __restrict__ x, float* __restrict__ y, int rows, int cols, int n_tok,      \
         i64 x_tok, i64 x_grp, i64 y_tok, i64 y_grp) {                                           \
-        mm_f32_body<WT>(w, wd, mat_w, mat_d, x, y, rows, cols, n_tok, x_tok, x_grp, y_tok,      \
-                        y_grp);                                                                 \
+        mm_f32_body<WT, S>(w, wd, mat_w, mat_d, x, y, rows, cols, n_tok, x_tok, x_grp, y_tok,   \
+                           y_grp);                                                              \
     }
-MM_F32_KERNEL(mm_f32_f32, MF_WT_F32)
-MM_F32_KERNEL(mm_f32_f16, MF_WT_F16)
-MM_F32_KERNEL(mm_f32_bf16, MF_WT_BF16)
-MM_F32_KERNEL(mm_f32_q8_0, MF_WT_Q8_0)
+#define MM_F32_KERNELS(NAME, WT)                                                                \
+    MM_F32_KERNEL(NAME##_s1, WT, 1)                                                             \
+    MM_F32_KERNEL(NAME##_s2, WT, 2)                                                             \
+    MM_F32_KERNEL(NAME##_s4, WT, 4)                                                             \
+    MM_F32_KERNEL(NAME##_s8, WT, 8)
+MM_F32_KERNELS(mm_f32_f32, MF_WT_F32)
+MM_F32_KERNELS(mm_f32_f16, MF_WT_F16)
+MM_F32_KERNELS(mm_f32_bf16, MF_WT_BF16)
+MM_F32_KERNELS(mm_f32_q8_0, MF_WT_Q8_0)

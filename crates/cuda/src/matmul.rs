@@ -213,8 +213,10 @@ impl Gpu {
         let pick = match tile {
             Some(t) if t < Q8_TILES.len() => t,
             Some(t) => return Err(invalid(format!("{what}: no tile {t}"))),
+            // Measured on the H200 at 512 tokens (NOTES.md): the large tiles win once the
+            // grid fills the GPU, 64×64 below that.
             None if blocks(128, 128) >= 2 * sms => 0,
-            None if blocks(128, 64) >= sms => 1,
+            None if 10 * blocks(128, 64) >= 9 * sms => 1,
             None => 2,
         };
         let (bm, bn, name) = Q8_TILES[pick];
@@ -385,18 +387,72 @@ impl Gpu {
     /// (the numerics of the decode matvecs up to summation order). `x` holds the
     /// addressed floats (x_tok, x_grp multiples of 4), `y` the outputs.
     pub fn matmul_f32(&self, m: &DeviceMatrix, x: u64, y: u64, b: Batch) -> Result<(), CudaError> {
+        self.matmul_f32_split(m, x, y, b, None)
+    }
+
+    /// [`Gpu::matmul_f32`] with a forced split-K factor (1, 2, 4 or 8 blocks of a
+    /// cluster share an output tile; `None` = chosen by size). For the checks.
+    #[doc(hidden)]
+    pub fn matmul_f32_split(
+        &self,
+        m: &DeviceMatrix,
+        x: u64,
+        y: u64,
+        b: Batch,
+        split: Option<usize>,
+    ) -> Result<(), CudaError> {
         if b.n_tok == 0 {
             return Ok(());
         }
         let what = format!("matmul_f32 {} {}×{}", m.ty, m.rows, m.cols);
         self.check_batch(&what, m, &b, None)?;
-        let name = match m.ty {
-            GgmlType::F32 => "mm_f32_f32",
-            GgmlType::F16 => "mm_f32_f16",
-            GgmlType::BF16 => "mm_f32_bf16",
-            GgmlType::Q8_0 => "mm_f32_q8_0",
+        let names = match m.ty {
+            GgmlType::F32 => [
+                "mm_f32_f32_s1",
+                "mm_f32_f32_s2",
+                "mm_f32_f32_s4",
+                "mm_f32_f32_s8",
+            ],
+            GgmlType::F16 => [
+                "mm_f32_f16_s1",
+                "mm_f32_f16_s2",
+                "mm_f32_f16_s4",
+                "mm_f32_f16_s8",
+            ],
+            GgmlType::BF16 => [
+                "mm_f32_bf16_s1",
+                "mm_f32_bf16_s2",
+                "mm_f32_bf16_s4",
+                "mm_f32_bf16_s8",
+            ],
+            GgmlType::Q8_0 => [
+                "mm_f32_q8_0_s1",
+                "mm_f32_q8_0_s2",
+                "mm_f32_q8_0_s4",
+                "mm_f32_q8_0_s8",
+            ],
             other => return Err(invalid(format!("{what}: no kernel for {other}"))),
         };
+        // Split K until the grid covers the GPU once (at least 4 k-tiles per split):
+        // measured best on the H200 for 8, 32 and 128 tiles of 64×64 (NOTES.md).
+        let blocks = b.n_tok.div_ceil(64) * m.rows.div_ceil(64) * b.n_groups;
+        let sms = self.info().multiprocessors.max(1) as usize;
+        let nkt = m.cols.div_ceil(32);
+        let sk = match split {
+            Some(s @ (1 | 2 | 4 | 8)) => s,
+            Some(s) => return Err(invalid(format!("{what}: split-K {s}"))),
+            None => {
+                let mut s = 1;
+                while s < 8 && blocks * s < sms && nkt >= 8 * s {
+                    s *= 2;
+                }
+                s
+            }
+        };
+        if b.n_groups * sk > 65535 {
+            return Err(invalid(format!("{what}: too many groups")));
+        }
+        let name = names[sk.trailing_zeros() as usize];
         let unit = if m.ty == GgmlType::Q8_0 { 32 } else { 8 };
         if !m.cols.is_multiple_of(unit)
             || !b.x_tok.is_multiple_of(4)
@@ -429,7 +485,7 @@ impl Gpu {
             grid_dim: (
                 b.n_tok.div_ceil(64) as u32,
                 m.rows.div_ceil(64) as u32,
-                b.n_groups as u32,
+                (b.n_groups * sk) as u32,
             ),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
