@@ -153,7 +153,9 @@ async fn chat(State(app): State<App>, req: Request) -> Response {
                     include_usage: p.include_usage,
                     created: api::unix_now(),
                 };
-                return Ok(sse::response(rx, Box::new(fmt), app.cfg.keepalive));
+                return Ok(
+                    sse::respond(rx, Box::new(fmt), app.cfg.keepalive, ApiFlavor::OpenAi).await,
+                );
             }
             let r = api::collect(rx).await?;
             Ok(json_response(
@@ -183,7 +185,9 @@ async fn completions(State(app): State<App>, req: Request) -> Response {
                     include_usage: p.include_usage,
                     created: api::unix_now(),
                 };
-                return Ok(sse::response(rx, Box::new(fmt), app.cfg.keepalive));
+                return Ok(
+                    sse::respond(rx, Box::new(fmt), app.cfg.keepalive, ApiFlavor::OpenAi).await,
+                );
             }
             let r = api::collect(rx).await?;
             Ok(json_response(
@@ -208,7 +212,9 @@ async fn responses_handler(State(app): State<App>, req: Request) -> Response {
             let ids = responses::Ids::new();
             if p.stream {
                 let fmt = responses::ResponseStream::new(ids, p.model.clone(), extra);
-                return Ok(sse::response(rx, Box::new(fmt), app.cfg.keepalive));
+                return Ok(
+                    sse::respond(rx, Box::new(fmt), app.cfg.keepalive, ApiFlavor::OpenAi).await,
+                );
             }
             let r = api::collect(rx).await?;
             Ok(json_response(
@@ -233,7 +239,13 @@ async fn messages(State(app): State<App>, req: Request) -> Response {
             let rx = api::submit(&app, &p)?;
             if p.stream {
                 let fmt = anthropic::MessageStream::new(id, p.model.clone());
-                return Ok(sse::response(rx, Box::new(fmt), app.cfg.keepalive));
+                return Ok(sse::respond(
+                    rx,
+                    Box::new(fmt),
+                    app.cfg.keepalive,
+                    ApiFlavor::Anthropic,
+                )
+                .await);
             }
             let r = api::collect(rx).await?;
             Ok(json_response(

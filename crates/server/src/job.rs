@@ -1,10 +1,12 @@
 //! A generation job as the worker sees it, and the events it sends back.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::render::ThinkMode;
+use crate::bindings::LiveRequest;
+use crate::render::{Conversation, ThinkMode};
 
 /// Which endpoint a job came from (logs, metrics, tool-id prefixes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -87,6 +89,14 @@ pub struct GenJob {
     pub enqueued: Instant,
     /// Raw request JSON for `--trace`.
     pub trace_request: Option<String>,
+    /// The parsed conversation (chat endpoints): the worker renders the visible
+    /// transcript of the turn from it (bindings, canonical rebuild).
+    pub conv: Option<Arc<Conversation>>,
+    /// Responses: the client opted into reasoning summaries (it replays reasoning on
+    /// tool turns).
+    pub summary: bool,
+    /// The request side of a live continuation (§4.2).
+    pub live: LiveRequest,
 }
 
 /// Why generation ended (internal; each API maps it, §2.2).
@@ -149,6 +159,8 @@ pub struct GenResult {
     pub streamed_calls: usize,
     /// The stop sequence that ended generation.
     pub stop_sequence: Option<String>,
+    /// A complete tool block failed to parse and came back as text.
+    pub malformed: bool,
     pub usage: Usage,
 }
 

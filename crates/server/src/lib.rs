@@ -6,6 +6,7 @@
 //! which [`sse`] formatters or the non-streaming bodies turn into each API's shape.
 
 pub mod api;
+pub mod bindings;
 pub mod config;
 pub mod engine;
 pub mod error;
@@ -13,6 +14,7 @@ pub mod gen;
 pub mod http;
 pub mod job;
 pub mod kvcache;
+pub mod lock;
 pub mod metrics;
 pub mod render;
 pub mod server;

@@ -49,9 +49,11 @@ pub struct Metrics {
     /// Last request's throughputs, in milli-tokens per second.
     pub last_prefill_mtps: AtomicU64,
     pub last_decode_mtps: AtomicU64,
-    /// Cache hits by kind: memory-token, memory-text, snapshot, disk; then misses.
-    pub cache: [AtomicU64; 5],
+    /// Cache hits by kind (`CACHE_KINDS`), then misses.
+    pub cache: [AtomicU64; CACHE_KINDS.len() + 1],
     pub disk_saves: AtomicU64,
+    /// Turns whose live KV was rebuilt to the canonical rendering (§4.3).
+    pub canonical_rebuilds: AtomicU64,
 }
 
 pub const ENDPOINTS: [&str; 5] = [
@@ -61,7 +63,17 @@ pub const ENDPOINTS: [&str; 5] = [
     "messages",
     "count_tokens",
 ];
-pub const CACHE_KINDS: [&str; 4] = ["memory-token", "memory-text", "snapshot", "disk"];
+pub const CACHE_KINDS: [&str; 8] = [
+    "memory-token",
+    "memory-text",
+    "snapshot",
+    "disk",
+    "responses-visible",
+    "responses-tool-output",
+    "anthropic-tool-output",
+    "thinking-visible",
+];
+const MISS: usize = CACHE_KINDS.len();
 
 impl Metrics {
     pub fn endpoint(&self, name: &str) {
@@ -73,7 +85,7 @@ impl Metrics {
     pub fn cache_hit(&self, kind: &str) {
         match CACHE_KINDS.iter().position(|k| *k == kind) {
             Some(i) => self.cache[i].fetch_add(1, Relaxed),
-            None => self.cache[4].fetch_add(1, Relaxed),
+            None => self.cache[MISS].fetch_add(1, Relaxed),
         };
     }
 
@@ -187,7 +199,7 @@ impl Metrics {
             .zip(&self.cache)
             .map(|(k, a)| (format!("{{kind=\"{k}\"}}"), g(a)))
             .collect();
-        cache.push(("{kind=\"miss\"}".into(), g(&self.cache[4])));
+        cache.push(("{kind=\"miss\"}".into(), g(&self.cache[MISS])));
         metric(
             "ds4_cache_hits_total",
             "counter",
@@ -199,6 +211,12 @@ impl Metrics {
             "counter",
             "Checkpoints written to the disk cache.",
             vec![(String::new(), g(&self.disk_saves))],
+        );
+        metric(
+            "ds4_canonical_rebuilds_total",
+            "counter",
+            "Turns whose live KV was rebuilt to the canonical rendering.",
+            vec![(String::new(), g(&self.canonical_rebuilds))],
         );
         s
     }

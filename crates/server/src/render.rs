@@ -5,7 +5,7 @@ use ds4_tokenizer::chat::{
     encode_messages, Content, EncodeOptions, Message, ReasoningEffort, ThinkingMode,
     REASONING_EFFORT_MAX, THINK_MAX_MIN_CONTEXT,
 };
-use ds4_tokenizer::markers::{ASSISTANT, BOS, THINK_END, THINK_START, USER};
+use ds4_tokenizer::markers::{ASSISTANT, BOS, EOS, THINK_END, THINK_START, USER};
 use serde_json::Value;
 
 use crate::error::ApiError;
@@ -140,6 +140,84 @@ pub fn render_chat(
     memory: Option<&ToolMemory>,
 ) -> Result<(String, ReplayStats), ApiError> {
     let mut stats = ReplayStats::default();
+    let msgs = encoder_messages(conv, memory, &mut stats);
+    let text = encode_messages(&msgs, &[], &encode_options(mode))
+        .map_err(|e| ApiError::bad_request(format!("cannot render messages: {e}")))?;
+    Ok((text, stats))
+}
+
+/// The rendering of `conv.messages[from..]` as a continuation of the messages before it
+/// (no BOS, no system block): what a live tool tail appends after the turn's EOS
+/// (server.md §1.4). Uses the encoder's own continuation mode, so it is byte-identical
+/// to the corresponding part of a full rendering.
+pub fn render_continuation(
+    conv: &Conversation,
+    mode: ThinkMode,
+    memory: Option<&ToolMemory>,
+    from: usize,
+) -> Result<String, ApiError> {
+    let msgs = encoder_messages(conv, memory, &mut ReplayStats::default());
+    let split = msgs.len() - conv.messages.len() + from.min(conv.messages.len());
+    let mut opts = encode_options(mode);
+    if split == 0 {
+        opts.add_default_bos_token = false;
+    }
+    encode_messages(&msgs[split..], &msgs[..split], &opts)
+        .map_err(|e| ApiError::bad_request(format!("cannot render messages: {e}")))
+}
+
+/// The user text of the probe turn used by [`render_visible`]; it only has to be
+/// something no client sends.
+const PROBE: &str = "\u{1}ds4-visible-probe\u{1}";
+
+/// The text a client's next request renders for this conversation followed by `reply`
+/// (the assistant turn as the client replays it), up to and excluding the EOS that ends
+/// `reply`: the "visible transcript" of the live session (server.md §4.2). It is found
+/// by rendering the conversation plus `reply` plus a probe user turn and cutting the
+/// probe off, so reasoning retention and DSML replay follow the encoder exactly.
+/// None when the rendering does not end the reply with EOS (nothing to bind).
+pub fn render_visible(
+    conv: &Conversation,
+    mode: ThinkMode,
+    memory: Option<&ToolMemory>,
+    reply: Message,
+) -> Option<String> {
+    let mut c = conv.clone();
+    c.messages.push(reply);
+    c.messages.push(Message::new("user", PROBE));
+    let (text, _) = render_chat(&c, mode, memory).ok()?;
+    let probe = format!(
+        "{USER}{PROBE}{ASSISTANT}{}",
+        if mode.thinking() {
+            THINK_START
+        } else {
+            THINK_END
+        }
+    );
+    let text = text.strip_suffix(probe.as_str())?.strip_suffix(EOS)?;
+    Some(text.to_string())
+}
+
+fn encode_options(mode: ThinkMode) -> EncodeOptions {
+    EncodeOptions {
+        thinking_mode: if mode.thinking() {
+            ThinkingMode::Thinking
+        } else {
+            ThinkingMode::Chat
+        },
+        reasoning_effort: (mode == ThinkMode::Max).then_some(ReasoningEffort::Max),
+        drop_thinking: true,
+        add_default_bos_token: true,
+    }
+}
+
+/// The encoder's message list: the system block (system texts and tools) first, then
+/// the conversation with exact DSML blocks substituted where the memory has them.
+fn encoder_messages(
+    conv: &Conversation,
+    memory: Option<&ToolMemory>,
+    stats: &mut ReplayStats,
+) -> Vec<Message> {
     let mut msgs: Vec<Message> = Vec::with_capacity(conv.messages.len() + 1);
     let tools = conv.tools_active();
     if !conv.system.is_empty() || tools {
@@ -178,19 +256,7 @@ pub fn render_chat(
         }
         msgs.push(m);
     }
-    let opts = EncodeOptions {
-        thinking_mode: if mode.thinking() {
-            ThinkingMode::Thinking
-        } else {
-            ThinkingMode::Chat
-        },
-        reasoning_effort: (mode == ThinkMode::Max).then_some(ReasoningEffort::Max),
-        drop_thinking: true,
-        add_default_bos_token: true,
-    };
-    let text = encode_messages(&msgs, &[], &opts)
-        .map_err(|e| ApiError::bad_request(format!("cannot render messages: {e}")))?;
-    Ok((text, stats))
+    msgs
 }
 
 /// The encoder reads OpenAI `{"type":"function","function":{…}}` items (and any other

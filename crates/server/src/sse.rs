@@ -12,6 +12,8 @@ use bytes::Bytes;
 use serde_json::Value;
 use tokio::sync::mpsc::UnboundedReceiver;
 
+use crate::error::{ApiError, ApiFlavor};
+use crate::http::error_response;
 use crate::job::GenEvent;
 
 /// Shapes one API's stream.
@@ -42,19 +44,57 @@ struct State {
     keepalive: Duration,
 }
 
+/// The streaming response, or an error response when the job fails before the worker
+/// reports anything else (a 409 for vanished live tool state, a context error after a
+/// live continuation, 503 at shutdown). The status line waits for the worker's first
+/// event, but at most one keepalive interval; after that the stream starts and later
+/// failures arrive as SSE error events (§2.7).
+pub async fn respond(
+    mut rx: UnboundedReceiver<GenEvent>,
+    fmt: Box<dyn SseFormatter>,
+    keepalive: Duration,
+    flavor: ApiFlavor,
+) -> Response {
+    let first = match tokio::time::timeout(keepalive, rx.recv()).await {
+        Ok(Some(GenEvent::Failed { status, message })) => {
+            let kind = if (400..500).contains(&status) {
+                "invalid_request_error"
+            } else {
+                "server_error"
+            };
+            return error_response(&ApiError::new(status, kind, message), flavor);
+        }
+        Ok(Some(ev)) => Some(ev),
+        Ok(None) => {
+            return error_response(
+                &ApiError::internal("the engine stopped before answering"),
+                flavor,
+            )
+        }
+        Err(_) => None,
+    };
+    response(rx, fmt, keepalive, first)
+}
+
 /// The streaming response. Dropping the body (client gone) drops the receiver, which the
 /// worker notices and cancels the generation.
 pub fn response(
     rx: UnboundedReceiver<GenEvent>,
     mut fmt: Box<dyn SseFormatter>,
     keepalive: Duration,
+    first: Option<GenEvent>,
 ) -> Response {
-    let queue: VecDeque<String> = fmt.open().into();
+    let mut queue: VecDeque<String> = fmt.open().into();
+    let mut done = false;
+    if let Some(ev) = first {
+        done = matches!(ev, GenEvent::Done(_) | GenEvent::Failed { .. });
+        queue.extend(fmt.event(ev));
+    }
     let st = State {
         rx,
         fmt,
         queue,
-        done: false,
+        done,
         keepalive,
     };
     let stream = futures_util::stream::unfold(st, |mut s| async move {

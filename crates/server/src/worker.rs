@@ -13,15 +13,18 @@ use std::time::Instant;
 use ds4_engine::{argmax, Sampler, SamplerConfig};
 use ds4_tokenizer::Tokenizer;
 
+use crate::bindings::{same_ids, Bindings};
 use crate::config::ServerConfig;
 use crate::engine::EngineBackend;
 use crate::error::ApiError;
 use crate::gen::Pipeline;
-use crate::job::{Finish, GenEvent, GenJob, GenResult, Usage};
+use crate::job::{ApiKind, Finish, GenEvent, GenJob, GenResult, Usage};
 use crate::kvcache::{DiskCache, SaveReason};
 use crate::log;
 use crate::metrics::Metrics;
 use crate::toolmem::ToolMemory;
+
+mod turn;
 
 /// Tokens per prefill call: small enough to notice a disconnect and report progress.
 const PREFILL_CHUNK: usize = 512;
@@ -37,6 +40,9 @@ pub struct Shared {
     pub tok: Arc<Tokenizer>,
     pub metrics: Metrics,
     pub tools: Mutex<ToolMemory>,
+    /// Live protocol bindings (§4.2): written by the worker, read by the handlers to
+    /// validate tool outputs.
+    pub bindings: Mutex<Bindings>,
     queue: Mutex<Queue>,
     cv: Condvar,
     next_id: AtomicU64,
@@ -58,6 +64,7 @@ impl Shared {
             tok,
             metrics: Metrics::default(),
             tools: Mutex::new(ToolMemory::new(max_ids)),
+            bindings: Mutex::new(Bindings::default()),
             queue: Mutex::new(Queue {
                 jobs: VecDeque::new(),
                 shutdown: false,
@@ -76,6 +83,10 @@ impl Shared {
 
     pub fn tool_memory(&self) -> MutexGuard<'_, ToolMemory> {
         lock(&self.tools)
+    }
+
+    pub fn bindings(&self) -> MutexGuard<'_, Bindings> {
+        lock(&self.bindings)
     }
 
     /// Queues a job; 503 when the queue is full or the server is shutting down.
@@ -149,6 +160,32 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 }
 
 type Fail = (u16, String);
+
+/// A request brought onto the session: the effective prompt, how much of it was
+/// reused, and from where.
+struct Synced {
+    eff: Vec<u32>,
+    cached: usize,
+    source: &'static str,
+    /// A disk hit's key kind (`token-text`, `responses-visible`, `thinking-visible`).
+    disk_kind: Option<&'static str>,
+}
+
+impl Synced {
+    fn new(eff: Vec<u32>, cached: usize, source: &'static str) -> Synced {
+        Synced {
+            eff,
+            cached,
+            source,
+            disk_kind: None,
+        }
+    }
+}
+
+/// The rest of `text` after `prefix`, when `prefix` is a proper prefix of it.
+fn proper_rest<'a>(text: &'a str, prefix: &str) -> Option<&'a str> {
+    (text.len() > prefix.len() && text.starts_with(prefix)).then(|| &text[prefix.len()..])
+}
 
 impl Worker {
     pub fn new(shared: Arc<Shared>, engine: Box<dyn EngineBackend>) -> Worker {
@@ -250,9 +287,19 @@ impl Worker {
         if toks.len() < disk.cfg.min_tokens {
             return;
         }
-        let key = self.shared.tok.decode(toks, false);
+        // evict/shutdown: the visible transcript of a live binding is the key, so the
+        // client's next request (which renders that text) finds it (§4.4).
+        let visible = matches!(reason, SaveReason::Evict | SaveReason::Shutdown)
+            .then(|| {
+                self.shared
+                    .bindings()
+                    .visible_key(toks.len())
+                    .map(|(k, e)| (k.to_string(), e))
+            })
+            .flatten();
+        let (key, ext) = visible.unwrap_or_else(|| (self.shared.tok.decode(toks, false), 0));
         let map = self.tool_map_for(&key);
-        match disk.store(self.engine.as_ref(), &key, reason, &map) {
+        match disk.store(self.engine.as_ref(), &key, reason, &map, ext) {
             Ok(_) => {
                 self.shared.metrics.disk_saves.fetch_add(1, Relaxed);
             }
@@ -267,45 +314,103 @@ impl Worker {
         self.shared.tool_memory().entries_in(key)
     }
 
-    /// Finds how much of `job`'s prompt `engine` already holds: the token prefix, or the
-    /// decoded text as a byte prefix of the rendered prompt (BPE may tokenize the same
-    /// text differently than it was sampled). Returns the effective prompt.
+    /// The live protocol bindings (§4.1 steps 1–3): the visible transcript of the last
+    /// Responses turn, or trailing tool outputs answering exactly the live calls.
+    fn match_binding(&self, job: &GenJob) -> Option<Synced> {
+        let live = self.engine.tokens();
+        let pos = live.len();
+        if pos == 0 {
+            return None;
+        }
+        let extend = |text: &str, source: &'static str| {
+            let mut eff = live.to_vec();
+            self.shared.tok.encode_into(text, &mut eff);
+            Synced::new(eff, pos, source)
+        };
+        let b = self.shared.bindings();
+        match job.kind {
+            ApiKind::Responses => {
+                let rb = b.responses.as_ref().filter(|b| b.pos == pos)?;
+                if let Some(rest) = proper_rest(&job.prompt_text, &rb.visible) {
+                    return Some(extend(rest, "responses-visible"));
+                }
+                let tail = job.live.tail.as_deref()?;
+                same_ids(&job.live.ids, &rb.ids).then(|| extend(tail, "responses-tool-output"))
+            }
+            ApiKind::Anthropic => {
+                let ab = b.anthropic.as_ref().filter(|b| b.pos == pos)?;
+                let tail = job.live.tail.as_deref()?;
+                same_ids(&job.live.ids, &ab.ids).then(|| extend(tail, "anthropic-tool-output"))
+            }
+            _ => None,
+        }
+    }
+
+    /// Finds how much of `job`'s prompt `engine` already holds: the token prefix, the
+    /// thinking binding's visible transcript (live session only), or the decoded text as
+    /// a byte prefix of the rendered prompt (BPE may tokenize the same text differently
+    /// than it was sampled). The suffix is always tokenized from text, never sliced.
     fn match_session(
         &self,
         engine: &dyn EngineBackend,
         job: &GenJob,
-    ) -> Option<(Vec<u32>, usize, &'static str)> {
+        is_live: bool,
+    ) -> Option<Synced> {
         let live = engine.tokens();
         if live.is_empty() {
             return None;
         }
         let prompt = &job.prompt_tokens;
         if prompt.len() >= live.len() && common_prefix(live, prompt) == live.len() {
-            return Some((prompt.clone(), live.len(), "memory-token"));
+            return Some(Synced::new(prompt.clone(), live.len(), "memory-token"));
+        }
+        let extend = |rest: &str, source: &'static str| {
+            let mut eff = live.to_vec();
+            self.shared.tok.encode_into(rest, &mut eff);
+            Synced::new(eff, live.len(), source)
+        };
+        if is_live && matches!(job.kind, ApiKind::Chat | ApiKind::Anthropic) {
+            let b = self.shared.bindings();
+            if let Some(tb) = b.thinking.as_ref().filter(|b| b.pos == live.len()) {
+                if let Some(rest) = proper_rest(&job.prompt_text, &tb.visible) {
+                    return Some(extend(rest, "thinking-visible"));
+                }
+            }
         }
         let text = self.shared.tok.decode(live, false);
         if job.prompt_text.len() >= text.len()
             && job.prompt_text.as_bytes().starts_with(text.as_bytes())
             && job.prompt_text.is_char_boundary(text.len())
         {
-            let mut eff = live.to_vec();
-            self.shared
-                .tok
-                .encode_into(&job.prompt_text[text.len()..], &mut eff);
-            return Some((eff, live.len(), "memory-text"));
+            return Some(extend(&job.prompt_text[text.len()..], "memory-text"));
         }
         None
     }
 
-    /// §4.1: live session, then the snapshot, then the disk cache, then a cold prefill.
-    fn sync(&mut self, job: &GenJob) -> Result<(Vec<u32>, usize, &'static str), Fail> {
-        if let Some(m) = self.match_session(self.engine.as_ref(), job) {
+    /// §4.1: live bindings, the live session, the snapshot, the disk cache, a cold
+    /// prefill. A request whose tool outputs only the (now gone) live session can serve
+    /// fails with 409.
+    fn sync(&mut self, job: &GenJob) -> Result<Synced, Fail> {
+        if let Some(m) = self.match_binding(job) {
+            return Ok(m);
+        }
+        if job.live.requires_live {
+            let what = match job.kind {
+                ApiKind::Anthropic => "Anthropic continuation state is not available; retry by replaying the full messages history",
+                _ => "Responses continuation state is not available; retry by replaying the full input history",
+            };
+            return Err((409, what.into()));
+        }
+        if let Some(m) = self.match_session(self.engine.as_ref(), job, true) {
             return Ok(m);
         }
         if let Some(snap) = &self.snap {
-            if let Some((eff, cached, _)) = self.match_session(snap.as_ref(), job) {
+            if let Some(m) = self.match_session(snap.as_ref(), job, false) {
                 self.engine = snap.snapshot();
-                return Ok((eff, cached, "snapshot"));
+                return Ok(Synced {
+                    source: "snapshot",
+                    ..m
+                });
             }
         }
         let live = self.engine.tokens().len();
@@ -329,15 +434,19 @@ impl Worker {
                     .encode_into(&job.prompt_text[hit.key_len..], &mut eff);
                 self.frontier = hit.tokens;
                 log!(
-                    "kv cache: disk hit {} tokens from {}",
+                    "kv cache: disk hit {} tokens ({} key) from {}",
                     hit.tokens,
+                    hit.key_kind(),
                     hit.path.display()
                 );
-                return Ok((eff, hit.tokens, "disk"));
+                return Ok(Synced {
+                    disk_kind: Some(hit.key_kind()),
+                    ..Synced::new(eff, hit.tokens, "disk")
+                });
             }
         }
         self.engine.reset();
-        Ok((job.prompt_tokens.clone(), 0, "none"))
+        Ok(Synced::new(job.prompt_tokens.clone(), 0, "none"))
     }
 
     /// Cold-save cut (§4.4): the last `<｜User｜>` before the first `<｜Assistant｜>` keeps
@@ -427,10 +536,18 @@ impl Worker {
 
     fn run_job(&mut self, job: &GenJob) {
         let started = Instant::now();
-        let (eff, cached, source) = match self.sync(job) {
+        let Synced {
+            eff,
+            cached,
+            source,
+            disk_kind,
+        } = match self.sync(job) {
             Ok(x) => x,
             Err((status, message)) => return self.fail(job, status, message),
         };
+        // The session now belongs to this request: earlier bindings describe a state
+        // that is about to change (§4.1, "cleared once the sync succeeds").
+        self.shared.bindings().clear();
         let ctx = self.engine.ctx();
         if eff.len() >= ctx {
             self.engine.reset();
@@ -441,6 +558,16 @@ impl Worker {
                     "Prompt has {} tokens, but the configured context size is {ctx} tokens",
                     eff.len()
                 ),
+            );
+        }
+        if job.live.requires_live_reasoning
+            && !source.ends_with("-tool-output")
+            && source != "responses-visible"
+            && disk_kind != Some("responses-visible")
+        {
+            log!(
+                "request {}: the replayed tool call has no reasoning and no live checkpoint holds it; continuing from the visible history",
+                job.id
             );
         }
         let cold = if cached == 0 {
@@ -495,7 +622,16 @@ impl Worker {
             result.usage.completion,
             started.elapsed().as_secs_f64()
         );
+        // Bindings go up before the client sees the answer: its next request may be
+        // validated against them right away.
+        self.bind_turn(job, &result);
+        let canon = self.needs_canonical(job, &result);
         let _ = job.tx.send(GenEvent::Done(Box::new(result)));
+        // The client is now running its tools; bring the live KV to what its next
+        // request renders meanwhile (§4.3; the reference does this before answering).
+        if let Some(text) = canon {
+            self.canonicalize(job, &eff, &text);
+        }
     }
 
     fn fail(&mut self, job: &GenJob, status: u16, message: String) {
@@ -638,6 +774,7 @@ impl Worker {
             tool_calls: out.calls,
             streamed_calls: out.streamed_calls,
             stop_sequence,
+            malformed: out.malformed,
             usage: Usage {
                 prompt: eff.len(),
                 completion: n,

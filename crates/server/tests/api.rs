@@ -203,15 +203,20 @@ fn second_turn_prefills_only_the_suffix() {
     ];
     let r1 = post(s.addr, "/v1/chat/completions", &json!({"messages": msgs})).json();
     let p1 = r1["usage"]["prompt_tokens"].as_u64().unwrap();
+    let c1 = r1["usage"]["completion_tokens"].as_u64().unwrap();
     msgs.push(json!({"role": "assistant", "content": r1["choices"][0]["message"]["content"]}));
     msgs.push(json!({"role": "user", "content": "and again"}));
     let r2 = post(s.addr, "/v1/chat/completions", &json!({"messages": msgs})).json();
     let cached = r2["usage"]["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
         .unwrap();
-    // Old reasoning is dropped from the history, so the session rewinds to the
-    // snapshot after `<｜Assistant｜>` and prefills only the rest.
-    assert_eq!(cached, p1 - 1, "{r2}");
+    // Old reasoning is dropped from the history, yet the thinking binding maps the
+    // visible transcript onto the live session: the whole first turn is reused
+    // (reasoning included) and only the EOS and the new user turn are evaluated.
+    assert_eq!(cached, p1 + c1, "{r2}");
+    assert!(get(s.addr, "/metrics")
+        .text()
+        .contains("ds4_cache_hits_total{kind=\"thinking-visible\"} 1"));
     assert_eq!(
         r2["usage"]["prompt_tokens_details"]["cache_write_tokens"]
             .as_u64()

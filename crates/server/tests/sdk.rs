@@ -20,7 +20,15 @@ fn skip() -> bool {
 
 /// Starts the binary on an ephemeral port and returns it with its base URL.
 fn start(args: &[&str]) -> (Child, String) {
+    // Each instance gets its own process lock (the default /tmp/ds4.lock admits one).
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let lock = std::env::temp_dir().join(format!(
+        "ds4-sdk-{}-{}.lock",
+        std::process::id(),
+        N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
     let mut child = Command::new(env!("CARGO_BIN_EXE_ds4-server"))
+        .env("DS4_LOCK_FILE", &lock)
         .args(["--port", "0"])
         .args(args)
         .stderr(Stdio::piped())

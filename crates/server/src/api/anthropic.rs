@@ -4,6 +4,7 @@ use ds4_tokenizer::chat::{FunctionCall, Message, ToolCall};
 use serde_json::{json, Map, Value};
 
 use super::*;
+use crate::bindings::{anthropic_live, AnthropicTurn, LiveRequest};
 use crate::job::{Finish, Usage};
 use crate::render::{self, resolve_think, thinking_flag, Conversation, ThinkControls};
 use crate::sse::{named, SseFormatter};
@@ -57,13 +58,18 @@ fn parse_system(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
     })
 }
 
-pub fn parse_conversation(o: &Map<String, Value>) -> Result<Conversation, ApiError> {
+/// The conversation, and per Anthropic message where it starts in it and which
+/// `tool_result` ids it carries (for the live frontier, §4.2).
+pub fn parse_conversation(
+    o: &Map<String, Value>,
+) -> Result<(Conversation, Vec<AnthropicTurn>), ApiError> {
     let msgs =
         get_array(o, "messages")?.ok_or_else(|| ApiError::bad_request("missing messages"))?;
     let mut conv = Conversation {
         system: parse_system(o.get("system"))?,
         ..Default::default()
     };
+    let mut turns = Vec::with_capacity(msgs.len());
     for m in msgs {
         let m = m.as_object().ok_or_else(|| {
             ApiError::bad_request("invalid JSON request: each message must be an object")
@@ -79,6 +85,11 @@ pub fn parse_conversation(o: &Map<String, Value>) -> Result<Conversation, ApiErr
                 ))
             }
         };
+        turns.push(AnthropicTurn {
+            first: conv.messages.len(),
+            assistant: role == "assistant",
+            results: Vec::new(),
+        });
         if role == "assistant" {
             let mut content = String::new();
             let mut reasoning = String::new();
@@ -134,6 +145,9 @@ pub fn parse_conversation(o: &Map<String, Value>) -> Result<Conversation, ApiErr
                             .get("tool_use_id")
                             .and_then(Value::as_str)
                             .map(str::to_string);
+                        if let (Some(id), Some(turn)) = (&t.tool_call_id, turns.last_mut()) {
+                            turn.results.push(id.clone());
+                        }
                         conv.messages.push(t);
                     }
                     _ => {}
@@ -156,7 +170,7 @@ pub fn parse_conversation(o: &Map<String, Value>) -> Result<Conversation, ApiErr
         .and_then(|t| t.get("type"))
         .and_then(Value::as_str)
         == Some("none");
-    Ok(conv)
+    Ok((conv, turns))
 }
 
 fn think_controls(o: &Map<String, Value>) -> Result<ThinkControls, ApiError> {
@@ -173,25 +187,52 @@ fn think_controls(o: &Map<String, Value>) -> Result<ThinkControls, ApiError> {
     Ok(c)
 }
 
+struct Rendered {
+    conv: Conversation,
+    text: String,
+    mode: crate::render::ThinkMode,
+    model: String,
+    live: LiveRequest,
+}
+
+/// Parses, validates tool results against the live frontier, and renders.
 fn render_request(
     shared: &Shared,
     o: &Map<String, Value>,
-) -> Result<(Conversation, String, crate::render::ThinkMode, String), ApiError> {
-    let conv = parse_conversation(o)?;
+    validate: bool,
+) -> Result<Rendered, ApiError> {
+    let (conv, turns) = parse_conversation(o)?;
     let model = get_str(o, "model")?
         .unwrap_or("deepseek-v4-flash")
         .to_string();
     let mode = resolve_think(&think_controls(o)?, &model, shared.cfg.ctx)?;
-    let (text, _) = {
-        let mem = shared.cfg.exact_dsml_replay.then(|| shared.tool_memory());
-        render::render_chat(&conv, mode, mem.as_deref())?
+    let live_ids = shared.bindings().anthropic.as_ref().map(|b| b.ids.clone());
+    let mem = shared.cfg.exact_dsml_replay.then(|| shared.tool_memory());
+    let live = if validate {
+        anthropic_live(&conv, &turns, mode, mem.as_deref(), live_ids.as_deref())?
+    } else {
+        LiveRequest::default()
     };
-    Ok((conv, text, mode, model))
+    let (text, _) = render::render_chat(&conv, mode, mem.as_deref())?;
+    drop(mem);
+    Ok(Rendered {
+        conv,
+        text,
+        mode,
+        model,
+        live,
+    })
 }
 
 pub fn prepare(shared: &Shared, body: &[u8]) -> Result<Prepared, ApiError> {
     let o = parse_body(body)?;
-    let (conv, text, mode, model) = render_request(shared, &o)?;
+    let Rendered {
+        conv,
+        text,
+        mode,
+        model,
+        live,
+    } = render_request(shared, &o, true)?;
     let prompt_tokens = tokenize_checked(shared, &text, "messages")?;
     let max_tokens = get_usize(&o, "max_tokens")?
         .unwrap_or(shared.cfg.max_tokens)
@@ -214,13 +255,17 @@ pub fn prepare(shared: &Shared, body: &[u8]) -> Result<Prepared, ApiError> {
             .trace
             .is_some()
             .then(|| String::from_utf8_lossy(body).into_owned()),
+        conv: Some(std::sync::Arc::new(conv)),
+        summary: false,
+        live,
     })
 }
 
 /// `/v1/messages/count_tokens`: the rendered prompt's token count.
 pub fn count_tokens(shared: &Shared, body: &[u8]) -> Result<Value, ApiError> {
     let o = parse_body(body)?;
-    let (_, text, _, _) = render_request(shared, &o)?;
+    // Counting needs no live state: unknown tool ids are not an error here.
+    let text = render_request(shared, &o, false)?.text;
     Ok(json!({"input_tokens": shared.tok.encode(&text).len()}))
 }
 

@@ -191,6 +191,9 @@ pub struct Prepared {
     pub sampling: Sampling,
     pub stops: Vec<String>,
     pub raw: Option<String>,
+    pub conv: Option<std::sync::Arc<crate::render::Conversation>>,
+    pub summary: bool,
+    pub live: crate::bindings::LiveRequest,
 }
 
 /// Tokenizes the rendered prompt and enforces the context limit (§2.2 errors).
@@ -227,6 +230,9 @@ pub fn submit(shared: &Shared, p: &Prepared) -> Result<UnboundedReceiver<GenEven
         tx,
         enqueued: Instant::now(),
         trace_request: p.raw.clone(),
+        conv: p.conv.clone(),
+        summary: p.summary,
+        live: p.live.clone(),
     };
     shared.submit(job)?;
     Ok(rx)
@@ -238,7 +244,7 @@ pub async fn collect(mut rx: UnboundedReceiver<GenEvent>) -> Result<GenResult, A
         match ev {
             GenEvent::Done(r) => return Ok(*r),
             GenEvent::Failed { status, message } => {
-                let kind = if status == 400 {
+                let kind = if (400..500).contains(&status) {
                     "invalid_request_error"
                 } else {
                     "server_error"

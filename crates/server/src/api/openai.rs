@@ -157,6 +157,9 @@ pub fn prepare_chat(shared: &Shared, body: &[u8]) -> Result<Prepared, ApiError> 
             .trace
             .is_some()
             .then(|| String::from_utf8_lossy(body).into_owned()),
+        conv: Some(std::sync::Arc::new(conv)),
+        summary: false,
+        live: Default::default(),
     })
 }
 
@@ -197,6 +200,9 @@ pub fn prepare_completion(shared: &Shared, body: &[u8]) -> Result<Prepared, ApiE
             .trace
             .is_some()
             .then(|| String::from_utf8_lossy(body).into_owned()),
+        conv: None,
+        summary: false,
+        live: Default::default(),
     })
 }
 

@@ -339,9 +339,12 @@ pub fn prepare(shared: &Shared, body: &[u8]) -> Result<(Prepared, ResponsesExtra
         );
     }
     let mode = resolve_think(&tc, &model, shared.cfg.ctx)?;
-    let (text, _) = {
+    let live_ids = shared.bindings().responses.as_ref().map(|b| b.ids.clone());
+    let (text, live) = {
         let mem = shared.cfg.exact_dsml_replay.then(|| shared.tool_memory());
-        render::render_chat(&conv, mode, mem.as_deref())?
+        let live =
+            crate::bindings::responses_live(&conv, mode, mem.as_deref(), live_ids.as_deref())?;
+        (render::render_chat(&conv, mode, mem.as_deref())?.0, live)
     };
     let prompt_tokens = tokenize_checked(shared, &text, "input")?;
     let max_tokens = get_usize(&o, "max_output_tokens")?
@@ -373,6 +376,9 @@ pub fn prepare(shared: &Shared, body: &[u8]) -> Result<(Prepared, ResponsesExtra
             .trace
             .is_some()
             .then(|| String::from_utf8_lossy(body).into_owned()),
+        conv: Some(std::sync::Arc::new(conv)),
+        summary,
+        live,
     };
     Ok((p, ResponsesExtra { names, summary }))
 }

@@ -8,7 +8,7 @@ use ds4_engine::cuda::{driver_present, CudaBackend};
 use ds4_engine::{LoadOptions, Model, Numerics, Session, SessionOptions};
 use ds4_server::engine::{default_script, FakeEngine, RealEngine};
 use ds4_server::worker::spawn_worker;
-use ds4_server::{log, Args, EngineBackend, Shared};
+use ds4_server::{lock, log, Args, EngineBackend, Shared};
 use ds4_tokenizer::Tokenizer;
 
 fn load_engine(args: &Args) -> Result<(Arc<Tokenizer>, Box<dyn EngineBackend>)> {
@@ -97,11 +97,29 @@ fn run(mut args: Args) -> Result<()> {
     if args.api_key.is_none() {
         args.api_key = std::env::var("DS4_API_KEY").ok();
     }
-    if args.mtp.is_some() || args.dir_steering_file.is_some() {
-        log!("--mtp and --dir-steering-* are accepted for compatibility but not implemented; ignoring");
+    if let Some(f) = &args.dir_steering_file {
+        // Steering changes what the model says; serving without it would quietly give
+        // different answers than asked for, so refuse instead of ignoring it.
+        eprintln!(
+            "ds4-server: --dir-steering-file {}: directional steering is not implemented by this engine",
+            f.display()
+        );
+        std::process::exit(2);
+    }
+    for w in compat_warnings(&args) {
+        log!("warning: {w}");
     }
     let cfg = match args.to_config() {
         Ok(c) => c,
+        Err(e) => {
+            eprintln!("ds4-server: {e}");
+            std::process::exit(2);
+        }
+    };
+    // One ds4 process per lock file (reference §3) and one server per KV directory;
+    // both are held until exit.
+    let _locks = match take_locks(&cfg) {
+        Ok(l) => l,
         Err(e) => {
             eprintln!("ds4-server: {e}");
             std::process::exit(2);
@@ -113,6 +131,9 @@ fn run(mut args: Args) -> Result<()> {
             .build_global();
     }
     let (tok, engine) = load_engine(&args)?;
+    if args.warm_weights {
+        warm_weights(&args);
+    }
     if let Some(d) = &cfg.kv_disk {
         log!(
             "kv disk cache: {} budget={} MiB min={} cold_max={} continued={} trim={} align={}",
@@ -151,6 +172,75 @@ fn run(mut args: Args) -> Result<()> {
     let _ = worker.join();
     log!("bye");
     Ok(())
+}
+
+/// Startup warnings for reference flags that have no effect here (docs/server.md).
+fn compat_warnings(args: &Args) -> Vec<String> {
+    let mut w = Vec::new();
+    if let Some(f) = &args.mtp {
+        w.push(format!(
+            "--mtp {}: MTP speculative decoding is not implemented by this engine; decoding without a draft (same output, no speed-up)",
+            f.display()
+        ));
+    }
+    if args.mtp.is_none() && (args.mtp_draft.is_some() || args.mtp_margin.is_some()) {
+        w.push("--mtp-draft/--mtp-margin have no effect without --mtp".into());
+    } else if args.mtp_draft.is_some() || args.mtp_margin.is_some() {
+        w.push("--mtp-draft/--mtp-margin are ignored (no MTP support)".into());
+    }
+    if args.dir_steering_ffn.is_some() || args.dir_steering_attn.is_some() {
+        w.push(
+            "--dir-steering-ffn/--dir-steering-attn have no effect without --dir-steering-file"
+                .into(),
+        );
+    }
+    if args.warm_weights && args.fake_engine.is_some() {
+        w.push("--warm-weights: nothing to warm with the fake engine".into());
+    }
+    w
+}
+
+fn take_locks(cfg: &ds4_server::ServerConfig) -> Result<Vec<lock::ProcessLock>> {
+    let mut locks = vec![lock::acquire(&lock::lock_file_path())
+        .map_err(|e| anyhow::anyhow!("{e}; set DS4_LOCK_FILE to another file to run several"))?];
+    if let Some(d) = &cfg.kv_disk {
+        // The cache itself creates the directory too; creating it here lets the lock
+        // live inside it. A failure disables the cache later, with its own log line.
+        if std::fs::create_dir_all(&d.dir).is_ok() {
+            let path = d.dir.join(lock::KV_DIR_LOCK);
+            locks.push(lock::acquire(&path).map_err(|e| {
+                anyhow::anyhow!("the KV cache directory {} is in use: {e}", d.dir.display())
+            })?);
+        }
+    }
+    Ok(locks)
+}
+
+/// `--warm-weights`: reads the model file once so the page cache holds the mmap'd
+/// weights before the first request (the CPU backend faults them in lazily otherwise).
+fn warm_weights(args: &Args) {
+    use std::io::Read;
+    if args.fake_engine.is_some() {
+        return;
+    }
+    let t0 = std::time::Instant::now();
+    let mut buf = vec![0u8; 16 << 20];
+    let mut total = 0u64;
+    let res = std::fs::File::open(&args.model).and_then(|mut f| loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            return Ok(());
+        }
+        total += n as u64;
+    });
+    match res {
+        Ok(()) => log!(
+            "warm weights: read {:.1} GiB in {:.1} s",
+            total as f64 / (1u64 << 30) as f64,
+            t0.elapsed().as_secs_f64()
+        ),
+        Err(e) => log!("warning: --warm-weights: {e}"),
+    }
 }
 
 /// The first SIGINT/SIGTERM starts a clean shutdown; a second one exits at once.

@@ -176,6 +176,26 @@ pub struct Hit {
     pub key_len: usize,
     pub tokens: usize,
     pub path: PathBuf,
+    /// The file's ext flags (bit1: Responses visible key, bit2: thinking visible key).
+    pub ext: u8,
+}
+
+impl Hit {
+    /// What the key text is (log lines and the trace).
+    pub fn key_kind(&self) -> &'static str {
+        key_kind(self.ext)
+    }
+}
+
+/// `token-text`, `responses-visible` or `thinking-visible` from the ext flags.
+pub fn key_kind(ext: u8) -> &'static str {
+    if ext & crate::bindings::EXT_RESPONSES_VISIBLE != 0 {
+        "responses-visible"
+    } else if ext & crate::bindings::EXT_THINKING_VISIBLE != 0 {
+        "thinking-visible"
+    } else {
+        "token-text"
+    }
 }
 
 pub struct DiskCache {
@@ -354,16 +374,19 @@ impl DiskCache {
             key_len: kl,
             tokens: h.tokens as usize,
             path: e.path.clone(),
+            ext: h.ext,
         })
     }
 
-    /// Saves the engine's session under `key` (its decoded text). Returns the path.
+    /// Saves the engine's session under `key`: its decoded text, or (`key_ext` bit1 or
+    /// bit2) the visible transcript of a live binding. Returns the path.
     pub fn store(
         &self,
         engine: &dyn EngineBackend,
         key: &str,
         reason: SaveReason,
         tool_map: &[(String, Arc<str>)],
+        key_ext: u8,
     ) -> Result<PathBuf, String> {
         let n = engine.tokens().len();
         if n < self.cfg.min_tokens {
@@ -391,7 +414,7 @@ impl DiskCache {
         let h = Header {
             quant: engine.quant_bits(),
             reason: reason as u8,
-            ext: if map.is_empty() { 0 } else { EXT_TOOL_MAP },
+            ext: (key_ext & !EXT_TOOL_MAP) | if map.is_empty() { 0 } else { EXT_TOOL_MAP },
             tokens: n as u32,
             hits: 0,
             ctx: self.ctx as u32,
@@ -425,8 +448,9 @@ impl DiskCache {
             return Err(e.to_string());
         }
         log!(
-            "kv cache: stored {name}.kv reason={} tokens={n} bytes={size}",
-            reason.as_str()
+            "kv cache: stored {name}.kv reason={} key={} tokens={n} bytes={size}",
+            reason.as_str(),
+            key_kind(key_ext)
         );
         self.evict(Some(&path));
         Ok(path)
