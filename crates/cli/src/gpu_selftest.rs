@@ -148,8 +148,49 @@ pub fn check_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
         let x = random_vec(4 * cols, &mut rng);
         checks.push(check_q8act(gpu, &m, &w, &[3, 1, 4, 1], &x)?);
     }
+    for ty in [GgmlType::F16, GgmlType::F32] {
+        for n_tok in [1usize, 7, 130] {
+            checks.push(check_hc_mix(gpu, &mut rng, ty, n_tok)?);
+        }
+    }
     checks.extend(crate::gpu_matmul_check::check_matmul(gpu, seed)?);
     Ok(checks)
+}
+
+/// The hyper-connection mix `mix[t][k] = (fn_k · h_t) / rms(h_t)` (the batched GEMM +
+/// scale path for n_tok > 1, the fused kernel for one token) against f64.
+fn check_hc_mix(gpu: &Gpu, rng: &mut Rng, ty: GgmlType, n_tok: usize) -> Result<Check> {
+    let (rows, cols, eps) = (24usize, 16384usize, 1e-6f32);
+    let w = random_matrix(ty, rows, cols, 1, rng);
+    let m = DeviceMatrix::upload(gpu, ty, &w, rows, cols, 1)?;
+    let h: Vec<f32> = random_vec(n_tok * cols, rng)
+        .into_iter()
+        .map(|v| 3.0 * v)
+        .collect();
+    let hd = gpu.upload(&h)?;
+    let yd = gpu.upload(&vec![f32::NAN; n_tok * rows])?;
+    gpu.hc_mix_mat(n_tok, gpu.ptr(&hd), &m, eps, gpu.ptr(&yd))?;
+    let y = gpu.download(&yd)?;
+    let dq = dequantize_to_vec(ty, &w, rows * cols)?;
+    let mut want = Vec::with_capacity(n_tok * rows);
+    for t in 0..n_tok {
+        let ht = &h[t * cols..(t + 1) * cols];
+        let ss: f64 = ht.iter().map(|&v| v as f64 * v as f64).sum();
+        let f = 1.0 / (ss / cols as f64 + eps as f64).sqrt();
+        for r in 0..rows {
+            let dot: f64 = dq[r * cols..(r + 1) * cols]
+                .iter()
+                .zip(ht)
+                .map(|(&a, &b)| a as f64 * b as f64)
+                .sum();
+            want.push(dot * f);
+        }
+    }
+    Ok(Check {
+        name: format!("hc_mix {ty} {rows}x{cols} n{n_tok}"),
+        rel_err: rel_err(&y, &want),
+        bound: 2e-5,
+    })
 }
 
 /// The GPU activation quantiser must reproduce `quantize_q8_0` bit for bit.

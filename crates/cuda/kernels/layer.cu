@@ -96,6 +96,20 @@ extern "C" __global__ void __launch_bounds__(1024) hc_mix(const float* h, int n,
     if (threadIdx.x == 0) mix[k] = dot * (1.0f / sqrtf(ss / (float)n + eps));
 }
 
+// ---- HC mix of a batch, second half: `mix` holds the raw dots fn_k · h_t (a GEMM);
+// block t scales its n_out values by the RMS factor of h_t.
+extern "C" __global__ void __launch_bounds__(256) hc_mix_scale(const float* h, int n,
+                                                               float eps, float* mix, int n_out) {
+    __shared__ float red[32];
+    h += (i64)blockIdx.x * n;
+    mix += (i64)blockIdx.x * n_out;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += h[i] * h[i];
+    ss = block_sum(ss, red);
+    const float f = 1.0f / sqrtf(ss / (float)n + eps);
+    if (threadIdx.x < n_out) mix[threadIdx.x] *= f;
+}
+
 // ---- HC pre: pre/post/comb from the mix (Sinkhorn on the n_hc × n_hc comb matrix),
 // then the sublayer input y = Σ_i pre_i·H_i. hcp receives post (n_hc) then comb (n_hc²).
 extern "C" __global__ void __launch_bounds__(1024) hc_pre(const float* h, const float* mix,

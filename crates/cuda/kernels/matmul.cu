@@ -10,7 +10,7 @@
 //   K-quant minimums use a second mma whose A operand is the sub-block minimum
 //   broadcast over its values (Σ m·x exactly in int32).
 // * mm_f32_*: f32 activations × F32/F16/BF16/Q8_0 weights, SIMT tiles, f32 accumulation
-//   in k order (no tensor cores: keeps f32 numerics).
+//   per 32-wide k-tile, then across tiles (no tensor cores: keeps f32 numerics).
 // * route_plan_build: per-expert pair lists and the work items of the expert GEMM.
 //
 // Fragment layouts of mma.m16n8k32 (s8), g = lane / 4, t = lane % 4:
@@ -754,8 +754,8 @@ extern "C" __global__ void __launch_bounds__(1024) route_plan_build(
 
 // ---------------------------------------------------------------------------------------
 // f32 activations × F32/F16/BF16/Q8_0 weights: 64 rows × 64 tokens per block, k-tiles of
-// 32, 256 threads with 4×4 outputs each, f32 FMAs in k order (exactly the numerics of a
-// sequential f32 dot product). Weights are converted to f32 on the way into shared
+// 32, 256 threads with 4×4 outputs each, f32 FMAs in k order within a k-tile, tile
+// partials summed in order (a two-level f32 dot product). Weights are converted to f32 on the way into shared
 // memory; the next tile is fetched into registers during the current one.
 
 #define MF_WT_F32 0
@@ -854,6 +854,14 @@ __device__ __forceinline__ void mm_f32_body(const u8* __restrict__ w, const u16*
     for (int kt = 0; kt < nkt; ++kt) {
         const int s = kt & 1;
         if (kt + 1 < nkt) fetch(kt + 1);
+        // Two-level sum: each 32-wide k-tile in its own partial, then into acc, so the
+        // rounding error grows with 32 + K/32 terms rather than K (the decode matvecs'
+        // lane partials and warp tree behave alike).
+        float part[4][4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) part[i][j] = 0.f;
 #pragma unroll 8
         for (int k = 0; k < 32; ++k) {
             const float4 a = *reinterpret_cast<const float4*>(&ws[s][k][4 * tr]);
@@ -862,8 +870,12 @@ __device__ __forceinline__ void mm_f32_body(const u8* __restrict__ w, const u16*
 #pragma unroll
             for (int i = 0; i < 4; ++i)
 #pragma unroll
-                for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+                for (int j = 0; j < 4; ++j) part[i][j] = fmaf(av[i], bv[j], part[i][j]);
         }
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[i][j] += part[i][j];
         if (kt + 1 < nkt) put(s ^ 1);
         __syncthreads();
     }

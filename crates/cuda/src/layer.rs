@@ -10,6 +10,8 @@ use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 
 use crate::device::Gpu;
 use crate::error::CudaError;
+use crate::weights::DeviceMatrix;
+use ds4_gguf::GgmlType;
 
 /// Storage type codes of small dense tensors passed to the layer kernels.
 pub const WT_F32: i32 = 0;
@@ -109,6 +111,59 @@ impl Gpu {
             fn_type,
             eps,
             mix
+        )
+    }
+
+    /// [`Gpu::hc_mix`] with the weights as a matrix (`n_out` rows of `n` = m.cols, F32 /
+    /// F16 / BF16): a batch runs the dots as one GEMM (each weight row read once per
+    /// tile of tokens instead of once per token) and then scales them per token.
+    pub fn hc_mix_mat(
+        &self,
+        n_tok: usize,
+        h: u64,
+        m: &DeviceMatrix,
+        eps: f32,
+        mix: u64,
+    ) -> Result<(), CudaError> {
+        let code = match m.ty {
+            GgmlType::F32 => WT_F32,
+            GgmlType::F16 => WT_F16,
+            GgmlType::BF16 => WT_BF16,
+            other => {
+                return Err(CudaError::Invalid(format!(
+                    "hyper-connection mix weights of type {other}"
+                )))
+            }
+        };
+        if m.rows > 256 || m.n_mats != 1 {
+            return Err(CudaError::Invalid(format!(
+                "hyper-connection mix of {} outputs × {} matrices",
+                m.rows, m.n_mats
+            )));
+        }
+        if n_tok <= 1 || !h.is_multiple_of(16) || !m.cols.is_multiple_of(8) {
+            return self.hc_mix(
+                n_tok,
+                h,
+                m.cols,
+                self.ptr(&m.parts[0]),
+                code,
+                eps,
+                mix,
+                m.rows,
+            );
+        }
+        self.matmul_f32(m, h, mix, crate::Batch::plain(n_tok, m.cols, m.rows))?;
+        let (n, n_out) = (m.cols as i32, m.rows as i32);
+        launch!(
+            self,
+            "hc_mix_scale",
+            cfg2(n_tok as u32, 1, 256),
+            h,
+            n,
+            eps,
+            mix,
+            n_out
         )
     }
 

@@ -383,8 +383,8 @@ impl Gpu {
         })
     }
 
-    /// f32 activations × F32/F16/BF16/Q8_0 weights with f32 accumulation in k order
-    /// (the numerics of the decode matvecs up to summation order). `x` holds the
+    /// f32 activations × F32/F16/BF16/Q8_0 weights with f32 accumulation per 32-wide
+    /// k-tile, then across tiles (the numerics of the decode matvecs up to summation order). `x` holds the
     /// addressed floats (x_tok, x_grp multiples of 4), `y` the outputs.
     pub fn matmul_f32(&self, m: &DeviceMatrix, x: u64, y: u64, b: Batch) -> Result<(), CudaError> {
         self.matmul_f32_split(m, x, y, b, None)

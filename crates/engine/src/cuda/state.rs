@@ -1,7 +1,7 @@
 //! Per-session device state (KV rows, compressor frontiers, scratch) and the decode
 //! of one token.
 
-use ds4_cuda::{CudaError, DeviceBuf, Gpu, MatSel, QuantAct, TokenGraph};
+use ds4_cuda::{Batch, CudaError, DeviceBuf, Gpu, MatSel, QuantAct, RoutePlan, TokenGraph};
 use ds4_gguf::GgmlType;
 
 use super::weights::{CudaWeights, LayerDev};
@@ -109,14 +109,75 @@ struct Scratch {
 struct Work {
     s: Scratch,
     q8: QuantBufs,
+    /// Per-expert pair lists of a batch's routed-expert GEMMs (batches only).
+    plan: Option<RoutePlan>,
 }
 
 impl Work {
     fn new(g: &Gpu, c: &Config, ctx: usize, cap: usize, att_stride: usize) -> Result<Work> {
+        let plan = if cap > 1 && gemm(Gemm::Experts) {
+            Some(g.alloc_route_plan(cap * c.n_expert_used, c.n_expert)?)
+        } else {
+            None
+        };
         Ok(Work {
             s: Scratch::new(g, c, ctx, cap, att_stride)?,
             q8: QuantBufs::new(g, c, cap)?,
+            plan,
         })
+    }
+}
+
+/// Which products a batch of more than one token runs as tensor-core / tiled GEMMs
+/// instead of per-token matvecs: `DS4_CUDA_GEMM` = `0` (none, for comparison) or a comma
+/// list of `q8` (Q8_0 × int8), `f32` (f32 activations), `group` (the grouped output
+/// projection), `experts`; all by default.
+#[derive(Clone, Copy)]
+enum Gemm {
+    Q8,
+    F32,
+    Group,
+    Experts,
+}
+
+fn gemm(kind: Gemm) -> bool {
+    static ON: std::sync::OnceLock<[bool; 4]> = std::sync::OnceLock::new();
+    ON.get_or_init(|| match std::env::var("DS4_CUDA_GEMM") {
+        Err(_) => [true; 4],
+        Ok(v) if v == "0" => [false; 4],
+        Ok(v) => {
+            let on = |k: &str| v.split(',').any(|p| p.trim() == k);
+            [on("q8"), on("f32"), on("group"), on("experts")]
+        }
+    })[kind as usize]
+}
+
+/// Whether `matmul_f32` takes this weight format.
+fn f32_gemm_format(ty: GgmlType) -> bool {
+    matches!(
+        ty,
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::Q8_0
+    )
+}
+
+/// f32 activations × `m` for `n` tokens laid out by `b`: a GEMM for batches, the
+/// matvec otherwise.
+fn dense_f32(
+    g: &Gpu,
+    m: &ds4_cuda::DeviceMatrix,
+    x: u64,
+    y: u64,
+    b: Batch,
+) -> Result<(), CudaError> {
+    if b.n_tok > 1 && gemm(Gemm::F32) && f32_gemm_format(m.ty) && b.n_groups == 1 {
+        g.matmul_f32(m, x, y, b)
+    } else {
+        let sel = MatSel {
+            ids: 0,
+            x_stride: b.x_tok as i64,
+            y_stride: b.y_tok as i64,
+        };
+        g.matvec(m, x, y, b.n_tok, sel)
     }
 }
 
@@ -457,16 +518,7 @@ fn head_logits(w: &CudaWeights, numerics: Numerics, b: &mut Work, h: u64) -> Res
     let g = &*w.gpu;
     let c = &w.config;
     let p = |b: &DeviceBuf<f32>| g.ptr(b);
-    g.hc_mix(
-        1,
-        h,
-        c.n_hc * c.n_embd,
-        g.ptr(&w.head_hc.fn_.buf),
-        w.head_hc.fn_.ty,
-        c.rms_eps,
-        p(&s.mix),
-        c.n_hc,
-    )?;
+    g.hc_mix_mat(1, h, &w.head_hc.fn_, c.rms_eps, p(&s.mix))?;
     g.head_collapse(
         h,
         p(&s.mix),
@@ -511,16 +563,7 @@ fn hc_pre(
     hc: &super::weights::HcDev,
     h: u64,
 ) -> Result<(), CudaError> {
-    g.hc_mix(
-        n_tok,
-        h,
-        c.n_hc * c.n_embd,
-        g.ptr(&hc.fn_.buf),
-        hc.fn_.ty,
-        c.rms_eps,
-        g.ptr(&s.mix),
-        c.hc_mix(),
-    )?;
+    g.hc_mix_mat(n_tok, h, &hc.fn_, c.rms_eps, g.ptr(&s.mix))?;
     g.hc_pre(
         n_tok,
         h,
@@ -675,9 +718,9 @@ impl KvView<'_> {
                 // The indexer runs every token so one captured graph serves every
                 // position: below top_k rows the kernels themselves select every row.
                 let max_rows = comp_cap(self.ctx, cw.ratio);
-                g.matvec(&ix.q_b, p(&s.qr), p(&s.qi), n, rows(&ix.q_b))?;
+                dense_f32(g, &ix.q_b, p(&s.qr), p(&s.qi), plain(&ix.q_b, n))?;
                 g.indexer_q(n, step, p(&s.qi), c.idx_heads, c.idx_head_dim, rope)?;
-                g.matvec(&ix.proj, p(&s.n), p(&s.wt), n, rows(&ix.proj))?;
+                dense_f32(g, &ix.proj, p(&s.n), p(&s.wt), plain(&ix.proj, n))?;
                 let wscale =
                     ((c.idx_head_dim as f64).powf(-0.5) * (c.idx_heads as f64).powf(-0.5)) as f32;
                 debug_assert!(max_rows <= s.iscores_stride);
@@ -740,16 +783,32 @@ impl KvView<'_> {
             x_stride: (c.q_dim() / c.o_groups) as i64,
             y_stride: c.o_lora_rank as i64,
         };
-        mv_sel(
-            g,
-            &l.out_a,
-            p(&s.heads),
-            &mut qb.heads,
-            p(&s.low),
-            n * c.o_groups,
-            groups,
-            fast,
-        )?;
+        let og = c.o_groups;
+        let grouped = Batch {
+            n_tok: n,
+            x_tok: c.q_dim(),
+            y_tok: og * c.o_lora_rank,
+            n_groups: og,
+            x_grp: c.q_dim() / og,
+            y_grp: c.o_lora_rank,
+        };
+        if n > 1 && gemm(Gemm::Group) && fast && l.out_a.ty == GgmlType::Q8_0 {
+            g.quantize_act_rows(p(&s.heads), &mut qb.heads, n)?;
+            g.matmul_q8act(&l.out_a, &qb.heads, p(&s.low), grouped)?;
+        } else if n > 1 && gemm(Gemm::Group) && !fast && f32_gemm_format(l.out_a.ty) {
+            g.matmul_f32(&l.out_a, p(&s.heads), p(&s.low), grouped)?;
+        } else {
+            mv_sel(
+                g,
+                &l.out_a,
+                p(&s.heads),
+                &mut qb.heads,
+                p(&s.low),
+                n * og,
+                groups,
+                fast,
+            )?;
+        }
         mv(g, &l.out_b, p(&s.low), &mut qb.low, false, p(&s.o), n, fast)?;
         g.hc_post(n, p(&s.h), p(&s.o), p(&s.hcp), c.n_hc, c.n_embd, p(&s.h2))?;
         Ok(())
@@ -783,7 +842,7 @@ impl KvView<'_> {
             &mut qb.embd,
             fast && l.gate_sh.ty == GgmlType::Q8_0,
         )?;
-        g.matvec(&l.gate_inp, p(&s.n), p(&s.rlog), n, rows(&l.gate_inp))?;
+        dense_f32(g, &l.gate_inp, p(&s.n), p(&s.rlog), plain(&l.gate_inp, n))?;
         g.router(
             n,
             step,
@@ -797,9 +856,18 @@ impl KvView<'_> {
             p(&s.rw),
         )?;
         let ids = g.ptr(&s.ids);
-        // The experts' input: one shared row for a single token, otherwise one row per
+        let int8 = |m: &ds4_cuda::DeviceMatrix| {
+            numerics == Numerics::Fast
+                && matches!(m.ty, GgmlType::IQ2_XXS | GgmlType::Q2_K | GgmlType::Q4_K)
+        };
+        let expert_gemm = n > 1
+            && b.plan.is_some()
+            && int8(&l.gate_exps)
+            && int8(&l.up_exps)
+            && int8(&l.down_exps);
+        // The matvecs' input: one shared row for a single token, otherwise one row per
         // (token, expert) pair.
-        let (x_in, in_stride) = if n == 1 {
+        let (x_in, in_stride) = if n == 1 || expert_gemm {
             (p(&s.n), 0)
         } else {
             g.repeat_rows(p(&s.n), n, e, k, p(&s.rep))?;
@@ -815,21 +883,14 @@ impl KvView<'_> {
             x_stride: ff as i64,
             y_stride: e as i64,
         };
-        let int8 = |m: &ds4_cuda::DeviceMatrix| {
-            numerics == Numerics::Fast
-                && matches!(m.ty, GgmlType::IQ2_XXS | GgmlType::Q2_K | GgmlType::Q4_K)
-        };
         let pairs = n * k;
-        if int8(&l.gate_exps) && int8(&l.up_exps) {
-            let in_rows = if n == 1 { 1 } else { pairs };
-            g.quantize_act_k_rows(x_in, &mut qb.exp_in, in_rows)?;
-            g.matvec_q8act(&l.gate_exps, &qb.exp_in, p(&s.g), pairs, gate_up)?;
-            g.matvec_q8act(&l.up_exps, &qb.exp_in, p(&s.u), pairs, gate_up)?;
-        } else {
-            g.matvec(&l.gate_exps, x_in, p(&s.g), pairs, gate_up)?;
-            g.matvec(&l.up_exps, x_in, p(&s.u), pairs, gate_up)?;
-        }
-        if int8(&l.down_exps) {
+        if let (true, Some(plan)) = (expert_gemm, b.plan.as_mut()) {
+            // Batches: grouped expert GEMMs over per-expert pair lists; gate/up read each
+            // token's Q8_K row once for its k pairs.
+            g.route_plan(ids, pairs, c.n_expert, plan)?;
+            g.quantize_act_k_rows(p(&s.n), &mut qb.exp_in, n)?;
+            g.matmul_experts_q8act(&l.gate_exps, &qb.exp_in, plan, k, true, p(&s.g))?;
+            g.matmul_experts_q8act(&l.up_exps, &qb.exp_in, plan, k, true, p(&s.u))?;
             g.swiglu_quant(
                 p(&s.g),
                 p(&s.u),
@@ -841,18 +902,42 @@ impl KvView<'_> {
                 &mut qb.exp_mid,
                 true,
             )?;
-            g.matvec_q8act(&l.down_exps, &qb.exp_mid, p(&s.dn), pairs, per_mid)?;
+            g.matmul_experts_q8act(&l.down_exps, &qb.exp_mid, plan, k, false, p(&s.dn))?;
         } else {
-            g.swiglu(
-                p(&s.g),
-                p(&s.u),
-                p(&s.rw),
-                ff,
-                pairs,
-                c.swiglu_clamp[il],
-                p(&s.mid),
-            )?;
-            g.matvec(&l.down_exps, p(&s.mid), p(&s.dn), pairs, per_mid)?;
+            if int8(&l.gate_exps) && int8(&l.up_exps) {
+                let in_rows = if n == 1 { 1 } else { pairs };
+                g.quantize_act_k_rows(x_in, &mut qb.exp_in, in_rows)?;
+                g.matvec_q8act(&l.gate_exps, &qb.exp_in, p(&s.g), pairs, gate_up)?;
+                g.matvec_q8act(&l.up_exps, &qb.exp_in, p(&s.u), pairs, gate_up)?;
+            } else {
+                g.matvec(&l.gate_exps, x_in, p(&s.g), pairs, gate_up)?;
+                g.matvec(&l.up_exps, x_in, p(&s.u), pairs, gate_up)?;
+            }
+            if int8(&l.down_exps) {
+                g.swiglu_quant(
+                    p(&s.g),
+                    p(&s.u),
+                    p(&s.rw),
+                    ff,
+                    pairs,
+                    c.swiglu_clamp[il],
+                    p(&s.mid),
+                    &mut qb.exp_mid,
+                    true,
+                )?;
+                g.matvec_q8act(&l.down_exps, &qb.exp_mid, p(&s.dn), pairs, per_mid)?;
+            } else {
+                g.swiglu(
+                    p(&s.g),
+                    p(&s.u),
+                    p(&s.rw),
+                    ff,
+                    pairs,
+                    c.swiglu_clamp[il],
+                    p(&s.mid),
+                )?;
+                g.matvec(&l.down_exps, p(&s.mid), p(&s.dn), pairs, per_mid)?;
+            }
         }
         let ffs = c.n_ff_exp * c.n_expert_shared;
         mv(
@@ -925,13 +1010,12 @@ fn compressor_inputs(
     n: usize,
 ) -> Result<(), CudaError> {
     let width = cw.lanes * cw.dim;
-    let sel = MatSel {
-        ids: 0,
-        x_stride: cw.kv.cols as i64,
-        y_stride: 2 * width as i64,
+    let b = Batch {
+        y_tok: 2 * width,
+        ..Batch::plain(n, cw.kv.cols, 0)
     };
-    g.matvec(&cw.kv, x, out, n, sel)?;
-    g.matvec(&cw.gate, x, out + 4 * width as u64, n, sel)
+    dense_f32(g, &cw.kv, x, out, b)?;
+    dense_f32(g, &cw.gate, x, out + 4 * width as u64, b)
 }
 
 /// Advances a compressor by `n` tokens (one: the graph-captured decode step).
@@ -993,6 +1077,11 @@ fn compress(
             rows_out,
         )
     }
+}
+
+/// `n` packed input rows of `m` to `n` packed output rows.
+fn plain(m: &ds4_cuda::DeviceMatrix, n: usize) -> Batch {
+    Batch::plain(n, m.cols, m.rows)
 }
 
 /// A plain matrix applied to `n` consecutive input rows.
@@ -1132,9 +1221,13 @@ fn mv(
         if !quantized {
             g.quantize_act_rows(x, xq, n)?;
         }
-        g.matvec_q8act(m, xq, y, n, rows(m))
+        if n > 1 && gemm(Gemm::Q8) {
+            g.matmul_q8act(m, xq, y, Batch::plain(n, xq.cols, m.rows))
+        } else {
+            g.matvec_q8act(m, xq, y, n, rows(m))
+        }
     } else {
-        g.matvec(m, x, y, n, rows(m))
+        dense_f32(g, m, x, y, plain(m, n))
     }
 }
 

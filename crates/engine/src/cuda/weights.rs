@@ -16,7 +16,8 @@ pub struct DenseTensor {
 }
 
 pub struct HcDev {
-    pub fn_: DenseTensor,
+    /// The mix weights: hc_mix() rows of n_hc · n_embd.
+    pub fn_: DeviceMatrix,
     pub scale: DeviceBuf<f32>,
     pub base: DeviceBuf<f32>,
 }
@@ -112,8 +113,12 @@ impl Uploader<'_> {
         } else {
             (m.n_out, m.n_mat)
         };
-        let d = DeviceMatrix::upload(self.gpu, m.ty, m.data(), rows, m.n_in, mats)
-            .map_err(|e| CudaError::Invalid(format!("{}: {e}", m.name)))?;
+        let d = if m.ty == GgmlType::BF16 {
+            DeviceMatrix::upload_bf16(self.gpu, m.data(), rows, m.n_in, mats)
+        } else {
+            DeviceMatrix::upload(self.gpu, m.ty, m.data(), rows, m.n_in, mats)
+        }
+        .map_err(|e| CudaError::Invalid(format!("{}: {e}", m.name)))?;
         self.bytes += d.bytes();
         (self.progress)(m.data().len());
         Ok(d)
@@ -136,7 +141,7 @@ impl Uploader<'_> {
 
     fn hc(&mut self, h: &HcWeights) -> Result<HcDev, CudaError> {
         Ok(HcDev {
-            fn_: self.dense(&h.fn_)?,
+            fn_: self.mat(&h.fn_)?,
             scale: self.vec(&h.scale)?,
             base: self.vec(&h.base)?,
         })
