@@ -86,10 +86,43 @@ extern "C" __global__ void __launch_bounds__(1024) hc_mix(const float* h, int n,
     h += (i64)blockIdx.y * n;
     mix += (i64)blockIdx.y * gridDim.x;
     float ss = 0.f, dot = 0.f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const float v = h[i];
-        ss += v * v;
-        dot += ldw(fn, fn_type, (i64)k * n + i) * v;
+    if ((fn_type == WT_F16 || fn_type == WT_F32) && n % 8 == 0 &&
+        (reinterpret_cast<size_t>(h) & 15) == 0 && (reinterpret_cast<size_t>(fn) & 15) == 0) {
+        // 8 values per thread and step with 16-byte loads: the loop is a chain of
+        // dependent L2 round trips, so fewer, wider steps (decode latency).
+        for (int i = threadIdx.x * 8; i < n; i += blockDim.x * 8) {
+            const float4 a = *reinterpret_cast<const float4*>(h + i);
+            const float4 b = *reinterpret_cast<const float4*>(h + i + 4);
+            const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+            float wv[8];
+            if (fn_type == WT_F16) {
+                const uint4 w = *reinterpret_cast<const uint4*>(
+                    reinterpret_cast<const u16*>(fn) + (i64)k * n + i);
+                const u32 ww[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    wv[2 * j] = h2f((u16)(ww[j] & 0xffff));
+                    wv[2 * j + 1] = h2f((u16)(ww[j] >> 16));
+                }
+            } else {
+                const float* wr = reinterpret_cast<const float*>(fn) + (i64)k * n + i;
+                const float4 c = *reinterpret_cast<const float4*>(wr);
+                const float4 d = *reinterpret_cast<const float4*>(wr + 4);
+                wv[0] = c.x; wv[1] = c.y; wv[2] = c.z; wv[3] = c.w;
+                wv[4] = d.x; wv[5] = d.y; wv[6] = d.z; wv[7] = d.w;
+            }
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                ss += v[j] * v[j];
+                dot += wv[j] * v[j];
+            }
+        }
+    } else {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            const float v = h[i];
+            ss += v * v;
+            dot += ldw(fn, fn_type, (i64)k * n + i) * v;
+        }
     }
     ss = block_sum(ss, red);
     dot = block_sum(dot, red);
@@ -117,7 +150,9 @@ extern "C" __global__ void __launch_bounds__(1024) hc_pre(const float* h, const 
         float* y, float* hcp) {
     // Sinkhorn runs in the first warp, one lane per element of the n_hc × n_hc comb
     // matrix (n_hc ≤ 5), in registers: row and column sums gather the other lanes'
-    // values with shuffles, in the same order as the CPU.
+    // values with shuffles, in the same order as the CPU. The sublayer input needs only
+    // `pre`, so the other warps compute it meanwhile (Sinkhorn's serial chain is most
+    // of a token's hc_pre time).
     __shared__ float pre[8];
     const int t = threadIdx.x;
     const int nn = n_hc * n_hc;
@@ -125,12 +160,11 @@ extern "C" __global__ void __launch_bounds__(1024) hc_pre(const float* h, const 
     mix += (i64)blockIdx.y * (2 + n_hc) * n_hc;
     y += (i64)blockIdx.y * n_embd;
     hcp += (i64)blockIdx.y * (n_hc + nn);
+    if (t < n_hc) pre[t] = sigmoidf_(mix[t] * scale[0] + base[t]) + eps;
+    __syncthreads();
     if (t < WARP) {
         const int i = t < nn ? t / n_hc : 0, j = t < nn ? t % n_hc : 0;
-        if (t < n_hc) {
-            pre[t] = sigmoidf_(mix[t] * scale[0] + base[t]) + eps;
-            hcp[t] = 2.f * sigmoidf_(mix[n_hc + t] * scale[1] + base[n_hc + t]);
-        }
+        if (t < n_hc) hcp[t] = 2.f * sigmoidf_(mix[n_hc + t] * scale[1] + base[n_hc + t]);
         float c = t < nn ? mix[2 * n_hc + t] * scale[2] + base[2 * n_hc + t] : 0.f;
         float mx = __shfl_sync(0xffffffffu, c, i * n_hc);
         for (int k = 1; k < n_hc; ++k) mx = fmaxf(mx, __shfl_sync(0xffffffffu, c, i * n_hc + k));
@@ -149,12 +183,13 @@ extern "C" __global__ void __launch_bounds__(1024) hc_pre(const float* h, const 
             c = c * (1.f / (sum + eps));
         }
         if (t < nn) hcp[n_hc + t] = c;
-    }
-    __syncthreads();
-    for (int d = threadIdx.x; d < n_embd; d += blockDim.x) {
-        float acc = 0.f;
-        for (int i = 0; i < n_hc; ++i) acc += pre[i] * h[(i64)i * n_embd + d];
-        y[d] = acc;
+    } else {
+        const int stride = blockDim.x - WARP;
+        for (int d = t - WARP; d < n_embd; d += stride) {
+            float acc = 0.f;
+            for (int i = 0; i < n_hc; ++i) acc += pre[i] * h[(i64)i * n_embd + d];
+            y[d] = acc;
+        }
     }
 }
 
@@ -725,7 +760,7 @@ extern "C" __global__ void __launch_bounds__(1024) topk_select(const Step* step,
 // the token's row list (raw window oldest first, then the compressed rows or their
 // top-k selection) once with an online softmax; warp w owns head group·8 + w and a lane
 // holds dims {4l..4l+3} + 128·j, so each row is loaded once per warp and used for both
-// the score and the weighted sum. Partials: acc [t][h][c][hd], (max, sum) [t][h][c].
+// the score and the weighted sum. rows_per_chunk = 0 divides the rows evenly. Partials: acc [t][h][c][hd], (max, sum) [t][h][c].
 // With a single chunk the block finishes the softmax itself (sink included) and
 // writes the output directly. hd must be a multiple of 4 (≤ 512).
 #define ATT_HEADS_PER_BLOCK 8
@@ -746,7 +781,11 @@ extern "C" __global__ void __launch_bounds__(256) attention_split(const Step* st
     const int n_comp = masked ? top_k : n_comp_all;
     const i32* st = sel + (i64)t * top_k;
     const int total = n_raw + n_comp;
-    const int r0 = c * rows_per_chunk, r1 = min(total, r0 + rows_per_chunk);
+    // rows_per_chunk 0: split this token's rows evenly over the chunks (decode: every
+    // chunk gets a few rows whatever the context, so no block walks a long dependent
+    // chain of row loads).
+    const int rpc = rows_per_chunk > 0 ? rows_per_chunk : (total + n_chunks - 1) / n_chunks;
+    const int r0 = min(total, c * rpc), r1 = min(total, r0 + rpc);
     if (h >= heads) return;
     // Lane part j holds dims 128·j + 4·lane … + 3 when they exist (hd ≤ 512).
     const int njl = (hd - 4 * lane + 127) / 128;
@@ -866,26 +905,40 @@ extern "C" __global__ void __launch_bounds__(256) attention_split(const Step* st
 }
 
 // Combines the chunks of attention_split: block (h, t), the sink in the denominator.
+// The first warp turns the chunks' (max, sum) into one weight per chunk (in shared
+// memory, n_chunks ≤ ATT_MAX_CHUNKS), then every thread sums its dims over the chunks.
+#define ATT_MAX_CHUNKS 128
 extern "C" __global__ void __launch_bounds__(128) attention_combine(const float* part_acc,
         const float* part_ml, const float* sinks, int heads, int hd, int n_chunks, float* out) {
+    __shared__ float wc[ATT_MAX_CHUNKS];
     const int h = blockIdx.x, t = blockIdx.y;
     const i64 base = ((i64)t * heads + h) * n_chunks;
-    float mm = sinks[h];
-    for (int c = 0; c < n_chunks; ++c) mm = fmaxf(mm, part_ml[2 * (base + c)]);
-    float den = expf(sinks[h] - mm);
-    for (int c = 0; c < n_chunks; ++c) {
-        const float l = part_ml[2 * (base + c) + 1];
-        if (l > 0.f) den += l * expf(part_ml[2 * (base + c)] - mm);
+    if (threadIdx.x < WARP) {
+        const int lane = threadIdx.x;
+        const float sk = sinks[h];
+        float mm = sk;
+        for (int c = lane; c < n_chunks; c += WARP) mm = fmaxf(mm, part_ml[2 * (base + c)]);
+        mm = warp_max(mm);
+        float den = 0.f;
+        for (int c = lane; c < n_chunks; c += WARP) {
+            const float l = part_ml[2 * (base + c) + 1];
+            const float e = l > 0.f ? expf(part_ml[2 * (base + c)] - mm) : 0.f;
+            wc[c] = e;
+            den += l * e;
+        }
+        den = warp_sum(den) + expf(sk - mm);
+        const float inv = 1.f / den;
+        for (int c = lane; c < n_chunks; c += WARP) wc[c] *= inv;
     }
-    const float inv = 1.f / den;
+    __syncthreads();
     float* o = out + ((i64)t * heads + h) * hd;
     for (int i = threadIdx.x; i < hd; i += blockDim.x) {
         float s = 0.f;
         for (int c = 0; c < n_chunks; ++c) {
-            const float l = part_ml[2 * (base + c) + 1];
-            if (l > 0.f) s += part_acc[(base + c) * hd + i] * expf(part_ml[2 * (base + c)] - mm);
+            const float w = wc[c];
+            if (w != 0.f) s += part_acc[(base + c) * hd + i] * w;
         }
-        o[i] = s * inv;
+        o[i] = s;
     }
 }
 

@@ -552,7 +552,8 @@ impl Gpu {
     /// Sink attention of every head of each token over its raw window (the last
     /// `window` positions, stored at pos % raw_cap) and its compressed rows (those of
     /// `sel[t]` when `sel` ≠ 0 and the count exceeds top_k), split into `n_chunks`
-    /// chunks of `rows_per_chunk` rows; with more than one chunk the partials go to
+    /// chunks of `rows_per_chunk` rows (0: the token's rows divided evenly, computed on
+    /// the device from its position); with more than one chunk the partials go to
     /// `part_acc` (n_tok·heads·n_chunks·hd floats) and `part_ml` (twice n_tok·heads·n_chunks)
     /// and a combine pass writes `out`.
     pub fn attention(
@@ -582,7 +583,7 @@ impl Gpu {
                 "attention head dim {hd}: must be a multiple of 4, at most 512"
             )));
         }
-        if window > raw_cap || n_chunks == 0 || rows_per_chunk == 0 {
+        if window > raw_cap || n_chunks == 0 || n_chunks > 128 {
             return Err(CudaError::Invalid(format!(
                 "attention window {window} / ring {raw_cap} / {n_chunks} chunks of {rows_per_chunk}"
             )));

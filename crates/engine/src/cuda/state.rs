@@ -80,7 +80,7 @@ struct Scratch {
     iscores: DeviceBuf<f32>,
     iscores_stride: usize,
     sel: DeviceBuf<i32>,
-    /// Split-attention partials (decode: chunks of ATT_CHUNK rows).
+    /// Split-attention partials (decode: the rows split evenly over ATT_SPLITS chunks).
     att_acc: DeviceBuf<f32>,
     att_ml: DeviceBuf<f32>,
     /// Rows a token can attend to at most (window + compressed rows).
@@ -217,12 +217,12 @@ impl Scratch {
             iscores_stride: icap,
             sel: g.zeros::<i32>((cap * c.idx_topk).max(1))?,
             att_acc: z(if cap == 1 {
-                c.n_head * att_stride.div_ceil(ATT_CHUNK) * hd
+                c.n_head * att_splits(att_stride) * hd
             } else {
                 1
             })?,
             att_ml: z(if cap == 1 {
-                2 * c.n_head * att_stride.div_ceil(ATT_CHUNK)
+                2 * c.n_head * att_splits(att_stride)
             } else {
                 1
             })?,
@@ -278,9 +278,14 @@ fn comp_cap(ctx: usize, ratio: usize) -> usize {
 /// scores and indexer scores); chunks are sized so these stay within 512 MiB.
 const CHUNK_SCORE_BUDGET: usize = 512 << 20;
 const MAX_CHUNK: usize = 512;
-/// Rows per split-attention chunk in decode (a prefill batch uses one chunk per token:
-/// its tokens already fill the GPU).
-const ATT_CHUNK: usize = 64;
+/// Chunks of a decode token's attention rows (split evenly on the device by the row
+/// count at that position): 8 head groups × 32 chunks fill the GPU with blocks of a
+/// few rows each. A prefill batch uses one chunk per token: its tokens fill the GPU.
+const ATT_SPLITS: usize = 32;
+
+fn att_splits(att_stride: usize) -> usize {
+    ATT_SPLITS.min(att_stride.max(1))
+}
 
 impl DeviceState {
     pub fn new(w: &CudaWeights, ctx: usize) -> Result<DeviceState> {
@@ -752,7 +757,7 @@ impl KvView<'_> {
         }
         let scale = (hd as f64).powf(-0.5) as f32;
         let (rows_per_chunk, n_chunks) = if n == 1 {
-            (ATT_CHUNK, s.att_stride.div_ceil(ATT_CHUNK))
+            (0, att_splits(s.att_stride))
         } else {
             (s.att_stride, 1)
         };

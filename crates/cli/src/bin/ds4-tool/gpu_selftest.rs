@@ -185,7 +185,8 @@ fn batch_consistency(
         // indexer top-k sits on a near-tie may flip its selection and move further, as
         // the CPU backend's positions do; a bug moves every position.
         // Typical positions must sit at the noise floor (a systematic error moves the
-        // median); the tail may reach the numeric mode's fixture tier (exact: 1e-3).
+        // median); the tail may reach the numeric mode's fixture tier (exact: 1e-3);
+        // argmax agreement within 1% of 99% or of the CPU's own agreement, if lower.
         let tail = if numerics == Numerics::Exact {
             1e-3
         } else {
@@ -194,7 +195,7 @@ fn batch_consistency(
         let ok = got.len() == want.len()
             && d.median <= (bound / 10.0).max(4.0 * floor.median)
             && d.p95 <= tail.max(4.0 * floor.p95)
-            && d.agree * 100 >= n * 99;
+            && d.agree + n / 100 >= (n * 99 / 100).min(floor.agree);
         failed += usize::from(!ok);
         println!(
             "{} {variant:<6} batch {:<6} chunk {chunk:>3}: |Δ| vs token-by-token median {:.1e} p95 {:.1e} max {:.1e}; {}/{n} positions over {bound:.0e} (first {}); argmax {}/{n}",
