@@ -82,14 +82,14 @@ extern "C" __global__ void __launch_bounds__(256) matvec_iq2_xxs_q8(
                 const u64 gv = grid[(idx >> (8 * l)) & 0xff];
                 u32 s = (sg >> (7 * l)) & 127;
                 s |= (__popc(s) & 1) << 7;
-                // Expand 8 sign bits to 8 byte masks.
-                const u32 mlo = ((s & 1) ? 0xffu : 0) | ((s & 2) ? 0xff00u : 0) |
-                                ((s & 4) ? 0xff0000u : 0) | ((s & 8) ? 0xff000000u : 0);
-                const u32 mhi = ((s & 16) ? 0xffu : 0) | ((s & 32) ? 0xff00u : 0) |
-                                ((s & 64) ? 0xff0000u : 0) | ((s & 128) ? 0xff000000u : 0);
+                // 4 sign bits → bytes of 0/1 (one multiply spreads bit i to byte i), then
+                // (g ^ 0xff) + 1 = −g per byte: grid bytes are never 0, so no carry
+                // crosses a byte.
+                const u32 blo = ((s & 15u) * 0x00204081u) & 0x01010101u;
+                const u32 bhi = ((s >> 4) * 0x00204081u) & 0x01010101u;
                 const u32 glo = (u32)gv, ghi = (u32)(gv >> 32);
-                const int vlo = (int)__vsub4(glo ^ mlo, mlo);
-                const int vhi = (int)__vsub4(ghi ^ mhi, mhi);
+                const int vlo = (int)((glo ^ (blo * 0xffu)) + blo);
+                const int vhi = (int)((ghi ^ (bhi * 0xffu)) + bhi);
                 sumi = __dp4a(vlo, xs[2 * l], sumi);
                 sumi = __dp4a(vhi, xs[2 * l + 1], sumi);
             }
