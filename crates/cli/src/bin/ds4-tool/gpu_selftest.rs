@@ -84,7 +84,12 @@ pub fn run(a: Args) -> Result<()> {
             );
         }
     }
-    let total = checks.len() + if a.fixtures.is_empty() { 0 } else { 24 + 18 };
+    let total = checks.len()
+        + if a.fixtures.is_empty() {
+            0
+        } else {
+            24 + 18 + 18
+        };
     println!("\n{} passed, {} failed", total - failed, failed);
     if failed > 0 {
         bail!("{failed} GPU checks failed");
@@ -172,11 +177,7 @@ fn batch_consistency(
         floor.max,
         floor.agree
     );
-    let bound = if numerics == Numerics::Exact {
-        1e-4
-    } else {
-        0.05
-    };
+    let bound = delta_bound(numerics);
     let mut failed = 0;
     for chunk in [7, 64, 512] {
         let got = run(true, chunk)?;
@@ -184,18 +185,7 @@ fn batch_consistency(
         // The batched path sums in other orders (GEMMs), so a position whose routing or
         // indexer top-k sits on a near-tie may flip its selection and move further, as
         // the CPU backend's positions do; a bug moves every position.
-        // Typical positions must sit at the noise floor (a systematic error moves the
-        // median); the tail may reach the numeric mode's fixture tier (exact: 1e-3);
-        // argmax agreement within 1% of 99% or of the CPU's own agreement, if lower.
-        let tail = if numerics == Numerics::Exact {
-            1e-3
-        } else {
-            bound
-        };
-        let ok = got.len() == want.len()
-            && d.median <= (bound / 10.0).max(4.0 * floor.median)
-            && d.p95 <= tail.max(4.0 * floor.p95)
-            && d.agree + n / 100 >= (n * 99 / 100).min(floor.agree);
+        let ok = got.len() == want.len() && d.within_floor(&floor, numerics, n);
         failed += usize::from(!ok);
         println!(
             "{} {variant:<6} batch {:<6} chunk {chunk:>3}: |Δ| vs token-by-token median {:.1e} p95 {:.1e} max {:.1e}; {}/{n} positions over {bound:.0e} (first {}); argmax {}/{n}",
@@ -209,6 +199,77 @@ fn batch_consistency(
             d.agree,
         );
     }
+    Ok(failed)
+}
+
+/// The per-position |Δlogit| a position may show between two runs of one numeric mode.
+fn delta_bound(numerics: Numerics) -> f32 {
+    if numerics == Numerics::Exact {
+        1e-4
+    } else {
+        0.05
+    }
+}
+
+/// Session snapshots: a CUDA clone continues bit-identically to its source, and a
+/// state exported by one backend continues on the other like that backend's own run,
+/// within the CPU/GPU noise floor. Returns the failures.
+fn snapshot_interchange(
+    model: &Model,
+    weights: &Arc<CudaWeights>,
+    variant: &str,
+    numerics: Numerics,
+) -> Result<usize> {
+    let vocab = weights.config.vocab;
+    let (n, split) = (160usize, 97usize);
+    let tokens: Vec<u32> = (0..n as u64)
+        .map(|i| ((i * 40503 + 977) % vocab as u64) as u32)
+        .collect();
+    let cuda = || CudaBackend::new(weights, 4096, numerics);
+    let cpu = || ds4_engine::CpuBackend::new(model, 4096, numerics);
+    let gpu_tail = cuda()?.forward(&tokens, LogitRows::All)?[split * vocab..].to_vec();
+    let cpu_tail = cpu().forward(&tokens, LogitRows::All)?[split * vocab..].to_vec();
+    let m = n - split;
+    let floor = DeltaStats::new(&cpu_tail, &gpu_tail, vocab, f32::INFINITY);
+    let mut failed = 0;
+    let mut report = |what: &str, ok: bool, d: &DeltaStats| {
+        failed += usize::from(!ok);
+        println!(
+            "{} {variant:<6} snap  {:<6} {what:<14}: |Δ| median {:.1e} p95 {:.1e} max {:.1e}; argmax {}/{m} (CPU/GPU floor: median {:.1e}, argmax {}/{m})",
+            if ok { "PASS" } else { "FAIL" },
+            format!("{numerics:?}"),
+            d.median,
+            d.p95,
+            d.max,
+            d.agree,
+            floor.median,
+            floor.agree,
+        );
+    };
+    // A clone of a CUDA session continues exactly like the original.
+    let mut a = cuda()?;
+    a.forward(&tokens[..split], LogitRows::Last)?;
+    let mut b = a.clone_box();
+    let ya = a.forward(&tokens[split..], LogitRows::All)?;
+    let yb = b.forward(&tokens[split..], LogitRows::All)?;
+    let d = DeltaStats::new(&yb, &ya, vocab, 0.0);
+    report("clone", ya.len() == yb.len() && d.max == 0.0, &d);
+    // CPU state → CUDA, compared with the CUDA run of the whole sequence.
+    let mut c = cpu();
+    c.forward(&tokens[..split], LogitRows::Last)?;
+    let mut g = cuda()?;
+    g.import_state(c.export_state())?;
+    let y = g.forward(&tokens[split..], LogitRows::All)?;
+    let d = DeltaStats::new(&y, &gpu_tail, vocab, delta_bound(numerics));
+    report("cpu -> cuda", d.within_floor(&floor, numerics, m), &d);
+    // CUDA state → CPU, compared with the CPU run of the whole sequence.
+    let mut g = cuda()?;
+    g.forward(&tokens[..split], LogitRows::Last)?;
+    let mut c = cpu();
+    c.import_state(g.export_state())?;
+    let y = c.forward(&tokens[split..], LogitRows::All)?;
+    let d = DeltaStats::new(&y, &cpu_tail, vocab, delta_bound(numerics));
+    report("cuda -> cpu", d.within_floor(&floor, numerics, m), &d);
     Ok(failed)
 }
 
@@ -259,6 +320,22 @@ impl DeltaStats {
             agree,
         }
     }
+
+    /// Whether these `n` positions sit at the noise floor of `floor` (another summation
+    /// order in the same numerics): typical positions within 4× its median (a systematic
+    /// error moves the median), the tail within the fixture tier (exact: 1e-3) or 4×
+    /// the floor's, argmax agreement within 1% of 99% or of the floor's own if lower.
+    fn within_floor(&self, floor: &DeltaStats, numerics: Numerics, n: usize) -> bool {
+        let bound = delta_bound(numerics);
+        let tail = if numerics == Numerics::Exact {
+            1e-3
+        } else {
+            bound
+        };
+        self.median <= (bound / 10.0).max(4.0 * floor.median)
+            && self.p95 <= tail.max(4.0 * floor.p95)
+            && self.agree + n / 100 >= (n * 99 / 100).min(floor.agree)
+    }
 }
 
 /// The tiny fixtures on the CUDA backend; returns the number of failures.
@@ -294,6 +371,7 @@ fn run_fixtures(gpu: &Arc<Gpu>, dir: &std::path::Path) -> Result<usize> {
                 results.push(r);
             }
             failed += batch_consistency(&model, &weights, variant, numerics)?;
+            failed += snapshot_interchange(&model, &weights, variant, numerics)?;
             let (frac, ok) = pooled_agreement(&results);
             failed += usize::from(!ok);
             let n: usize = results.iter().map(|r| r.positions).sum();
