@@ -889,13 +889,31 @@ impl KvView<'_> {
             y_stride: e as i64,
         };
         let pairs = n * k;
-        if let (true, Some(plan)) = (expert_gemm, b.plan.as_mut()) {
-            // Batches: grouped expert GEMMs over per-expert pair lists; gate/up read each
-            // token's Q8_K row once for its k pairs.
-            g.route_plan(ids, pairs, c.n_expert, plan)?;
-            g.quantize_act_k_rows(p(&s.n), &mut qb.exp_in, n)?;
-            g.matmul_experts_q8act(&l.gate_exps, &qb.exp_in, plan, k, true, p(&s.g))?;
-            g.matmul_experts_q8act(&l.up_exps, &qb.exp_in, plan, k, true, p(&s.u))?;
+        // Batches with int8 experts: grouped expert GEMMs over per-expert pair lists
+        // (gate/up read each token's Q8_K row once for its k pairs); otherwise matvecs
+        // over the (token, expert) pairs.
+        let plan = match b.plan.as_mut().filter(|_| expert_gemm) {
+            Some(plan) => {
+                g.route_plan(ids, pairs, c.n_expert, plan)?;
+                g.quantize_act_k_rows(p(&s.n), &mut qb.exp_in, n)?;
+                g.matmul_experts_q8act(&l.gate_exps, &qb.exp_in, plan, k, true, p(&s.g))?;
+                g.matmul_experts_q8act(&l.up_exps, &qb.exp_in, plan, k, true, p(&s.u))?;
+                Some(&*plan)
+            }
+            None if int8(&l.gate_exps) && int8(&l.up_exps) => {
+                let in_rows = if n == 1 { 1 } else { pairs };
+                g.quantize_act_k_rows(x_in, &mut qb.exp_in, in_rows)?;
+                g.matvec_q8act(&l.gate_exps, &qb.exp_in, p(&s.g), pairs, gate_up)?;
+                g.matvec_q8act(&l.up_exps, &qb.exp_in, p(&s.u), pairs, gate_up)?;
+                None
+            }
+            None => {
+                g.matvec(&l.gate_exps, x_in, p(&s.g), pairs, gate_up)?;
+                g.matvec(&l.up_exps, x_in, p(&s.u), pairs, gate_up)?;
+                None
+            }
+        };
+        if int8(&l.down_exps) {
             g.swiglu_quant(
                 p(&s.g),
                 p(&s.u),
@@ -907,42 +925,23 @@ impl KvView<'_> {
                 &mut qb.exp_mid,
                 true,
             )?;
-            g.matmul_experts_q8act(&l.down_exps, &qb.exp_mid, plan, k, false, p(&s.dn))?;
+            match plan {
+                Some(plan) => {
+                    g.matmul_experts_q8act(&l.down_exps, &qb.exp_mid, plan, k, false, p(&s.dn))?
+                }
+                None => g.matvec_q8act(&l.down_exps, &qb.exp_mid, p(&s.dn), pairs, per_mid)?,
+            }
         } else {
-            if int8(&l.gate_exps) && int8(&l.up_exps) {
-                let in_rows = if n == 1 { 1 } else { pairs };
-                g.quantize_act_k_rows(x_in, &mut qb.exp_in, in_rows)?;
-                g.matvec_q8act(&l.gate_exps, &qb.exp_in, p(&s.g), pairs, gate_up)?;
-                g.matvec_q8act(&l.up_exps, &qb.exp_in, p(&s.u), pairs, gate_up)?;
-            } else {
-                g.matvec(&l.gate_exps, x_in, p(&s.g), pairs, gate_up)?;
-                g.matvec(&l.up_exps, x_in, p(&s.u), pairs, gate_up)?;
-            }
-            if int8(&l.down_exps) {
-                g.swiglu_quant(
-                    p(&s.g),
-                    p(&s.u),
-                    p(&s.rw),
-                    ff,
-                    pairs,
-                    c.swiglu_clamp[il],
-                    p(&s.mid),
-                    &mut qb.exp_mid,
-                    true,
-                )?;
-                g.matvec_q8act(&l.down_exps, &qb.exp_mid, p(&s.dn), pairs, per_mid)?;
-            } else {
-                g.swiglu(
-                    p(&s.g),
-                    p(&s.u),
-                    p(&s.rw),
-                    ff,
-                    pairs,
-                    c.swiglu_clamp[il],
-                    p(&s.mid),
-                )?;
-                g.matvec(&l.down_exps, p(&s.mid), p(&s.dn), pairs, per_mid)?;
-            }
+            g.swiglu(
+                p(&s.g),
+                p(&s.u),
+                p(&s.rw),
+                ff,
+                pairs,
+                c.swiglu_clamp[il],
+                p(&s.mid),
+            )?;
+            g.matvec(&l.down_exps, p(&s.mid), p(&s.dn), pairs, per_mid)?;
         }
         let ffs = c.n_ff_exp * c.n_expert_shared;
         mv(

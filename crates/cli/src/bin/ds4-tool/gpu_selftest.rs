@@ -139,6 +139,13 @@ fn run_matmul(gpu: &Gpu, seed: u64, bench: bool) -> Result<()> {
     Ok(())
 }
 
+/// `n` token ids spread over the vocabulary: (i·mul + add) mod vocab.
+fn spread_tokens(n: usize, vocab: usize, mul: u64, add: u64) -> Vec<u32> {
+    (0..n as u64)
+        .map(|i| ((i * mul + add) % vocab as u64) as u32)
+        .collect()
+}
+
 /// Batched prefill against token-by-token decode on one long sequence (every chunk
 /// boundary, the raw ring wrapping, compressor windows split across chunks, indexer
 /// selections past top-k): per-position max |Δlogit| judged against the noise floor
@@ -151,9 +158,7 @@ fn batch_consistency(
 ) -> Result<usize> {
     let vocab = weights.config.vocab;
     let n = 300;
-    let tokens: Vec<u32> = (0..n as u64)
-        .map(|i| ((i * 2654435761 + 12345) % vocab as u64) as u32)
-        .collect();
+    let tokens = spread_tokens(n, vocab, 2654435761, 12345);
     let run = |batched: bool, chunk: usize| -> Result<Vec<f32>> {
         let mut b = CudaBackend::new(weights, 4096, numerics)?;
         b.set_batched(batched);
@@ -222,9 +227,7 @@ fn snapshot_interchange(
 ) -> Result<usize> {
     let vocab = weights.config.vocab;
     let (n, split) = (160usize, 97usize);
-    let tokens: Vec<u32> = (0..n as u64)
-        .map(|i| ((i * 40503 + 977) % vocab as u64) as u32)
-        .collect();
+    let tokens = spread_tokens(n, vocab, 40503, 977);
     let cuda = || CudaBackend::new(weights, 4096, numerics);
     let cpu = || ds4_engine::CpuBackend::new(model, 4096, numerics);
     let gpu_tail = cuda()?.forward(&tokens, LogitRows::All)?[split * vocab..].to_vec();
