@@ -446,3 +446,91 @@ pub fn bench_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
     out.extend(crate::gpu_matmul_check::bench_matmul(gpu, seed)?);
     Ok(out)
 }
+
+/// The GPU's read-bandwidth ceiling, then the Q8_0 decode matvec at the Flash shapes
+/// with its default and with every forced split (warps per row). Each forced split's
+/// name carries its largest difference from the default's output, relative to the
+/// output's largest magnitude.
+pub fn probe_q8_splits(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
+    let mut rng = Rng::stream(seed, 0xbe4e, 0);
+    let mut out = Vec::new();
+    let l2 = gpu.info().l2_bytes.max(1) as usize;
+    let probe_bytes = 1usize << 30;
+    let buf = gpu.upload(&vec![0x5au8; probe_bytes])?;
+    let sink = gpu.zeros::<u32>(1)?;
+    let ms = gpu.time_ms(3, 20, |_| gpu.probe_stream_read(&buf, &sink))?;
+    out.push(Timing {
+        name: "read probe 1 GiB".into(),
+        bytes: probe_bytes as f64,
+        ms,
+    });
+    drop(buf);
+    for blocks in [1u32, 132, 1024] {
+        let us = gpu.probe_graph_node_us(1000, blocks, 20)?;
+        out.push(Timing {
+            name: format!("graph node, empty kernel x {blocks} blocks"),
+            bytes: 0.0,
+            ms: us / 1e3,
+        });
+    }
+    // (name, rows, cols, selections sharing one matrix stack row count)
+    let shapes: &[(&str, usize, usize, usize)] = &[
+        ("attn_q_b 1024->32768", 32768, 1024, 1),
+        ("attn_output_a 8x(4096->1024)", 1024, 4096, 8),
+        ("attn_output_b 8192->4096", 4096, 8192, 1),
+        ("attn_q_a 4096->1024", 1024, 4096, 1),
+        ("attn_kv 4096->512", 512, 4096, 1),
+        ("shexp gate 4096->2048", 2048, 4096, 1),
+        ("shexp down 2048->4096", 4096, 2048, 1),
+        ("output 4096->129280", 129_280, 4096, 1),
+    ];
+    for &(name, rows, cols, n_sel) in shapes {
+        let w = random_matrix(GgmlType::Q8_0, rows, cols, n_sel, &mut rng);
+        let upload = || DeviceMatrix::upload(gpu, GgmlType::Q8_0, &w, rows, cols, n_sel);
+        let first = upload()?;
+        let copies = (4 * l2 / first.bytes()).clamp(1, 16);
+        let mut mats = vec![first];
+        for _ in 1..copies {
+            mats.push(upload()?);
+        }
+        let x = gpu.upload(&random_vec(cols * n_sel, &mut rng))?;
+        let mut qa = gpu.alloc_quant_act(n_sel, cols)?;
+        gpu.quantize_act(gpu.ptr(&x), &mut qa)?;
+        let y = gpu.zeros::<f32>(rows * n_sel)?;
+        let yp = gpu.ptr(&y);
+        let ids = gpu.upload(&(0..n_sel as i32).collect::<Vec<_>>())?;
+        let sel = MatSel {
+            ids: if n_sel > 1 { gpu.ptr(&ids) } else { 0 },
+            x_stride: if n_sel > 1 { cols as i64 } else { 0 },
+            y_stride: rows as i64,
+        };
+        let bytes = mats[0].bytes() as f64;
+        let run = |ks: Option<u32>| -> Result<(f64, Vec<f32>)> {
+            let ms = gpu.time_ms(3, 50, |i| {
+                gpu.matvec_q8act_split(&mats[i % copies], &qa, yp, n_sel, sel, ks)
+            })?;
+            Ok((ms, gpu.download(&y)?))
+        };
+        let (ms, want) = run(None)?;
+        out.push(Timing {
+            name: format!("{name} default"),
+            bytes,
+            ms,
+        });
+        let scale = want.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-30);
+        for ks in [1u32, 2, 4, 8] {
+            let (ms, got) = run(Some(ks))?;
+            let diff = got
+                .iter()
+                .zip(&want)
+                .fold(0f32, |a, (g, w)| a.max((g - w).abs()))
+                / scale;
+            out.push(Timing {
+                name: format!("{name} ks{ks} (Δ {diff:.0e})"),
+                bytes,
+                ms,
+            });
+        }
+    }
+    Ok(out)
+}

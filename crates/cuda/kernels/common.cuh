@@ -46,6 +46,15 @@ __device__ __forceinline__ W4 ld16(const void* p) {
     return w;
 }
 
+// 16 weight bytes read once per token: no L1 allocation, 256-byte L2 lines.
+__device__ __forceinline__ uint4 ld_stream16(const void* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
 __device__ __forceinline__ float4 ldx4(const float* p) {
     return *reinterpret_cast<const float4*>(p);
 }

@@ -40,10 +40,17 @@ pub struct GpuInfo {
     pub kernels: KernelSource,
 }
 
-/// One GPU with one stream and the ds4 kernel module loaded.
+/// One GPU with its main stream, side streams for parallel branches of a token's work
+/// (see [`Gpu::fork`]) and the ds4 kernel module loaded.
 pub struct Gpu {
     pub(crate) ctx: Arc<CudaContext>,
     pub(crate) stream: Arc<CudaStream>,
+    /// Side streams; lane i ≥ 1 launches on `side[i - 1]`.
+    side: Vec<Arc<CudaStream>>,
+    /// The lane kernels launch on now (0: the main stream).
+    lane: std::sync::atomic::AtomicUsize,
+    /// `DS4_CUDA_BRANCHES=0`: every lane is the main stream (branches run in order).
+    branches: bool,
     module: Arc<CudaModule>,
     funcs: Mutex<HashMap<&'static str, CudaFunction>>,
     pub(crate) iq2_grid: CudaSlice<u64>,
@@ -76,11 +83,15 @@ impl Gpu {
             return Err(CudaError::NoDevice(ordinal, count));
         }
         let ctx = CudaContext::new(ordinal)?;
-        // One stream, ordered work: cudarc's per-argument event tracking only adds
+        // Work is ordered explicitly (one main stream; side branches fork from it and
+        // join back through events): cudarc's per-argument event tracking only adds
         // launch overhead here (and gets in the way of graph capture).
-        // SAFETY: every buffer is used on the single stream created below.
+        // SAFETY: buffers shared between lanes are ordered by fork/join (Gpu::fork).
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
+        let side = (0..SIDE_LANES)
+            .map(|_| ctx.new_stream())
+            .collect::<Result<Vec<_>, _>>()?;
         let cc = ctx.compute_capability()?;
         use cudarc::driver::sys::CUdevice_attribute as A;
         let multiprocessors = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
@@ -98,6 +109,9 @@ impl Gpu {
         Ok(Gpu {
             ctx,
             stream,
+            side,
+            lane: std::sync::atomic::AtomicUsize::new(0),
+            branches: std::env::var("DS4_CUDA_BRANCHES").map_or(true, |v| v != "0"),
             module,
             iq2_grid,
             funcs: Mutex::new(HashMap::new()),
@@ -137,9 +151,9 @@ impl Gpu {
         };
         let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         let (a, b) = (self.ctx.new_event(timing)?, self.ctx.new_event(timing)?);
-        a.record(&self.stream)?;
+        a.record(self.launch_stream())?;
         launch()?;
-        b.record(&self.stream)?;
+        b.record(self.launch_stream())?;
         let mut p = p.lock().expect("profile lock");
         p.pending.push((name, a, b));
         if p.pending.len() >= 4096 {
@@ -304,6 +318,64 @@ fn fnv1a(b: &[u8]) -> u64 {
     b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
         (h ^ x as u64).wrapping_mul(0x100_0000_01b3)
     })
+}
+
+/// Side lanes for parallel branches (lanes 1..=SIDE_LANES).
+pub const SIDE_LANES: usize = 2;
+
+impl Gpu {
+    /// The stream kernels launch on now: the main stream, or the side stream of the
+    /// lane entered with [`Gpu::branch`].
+    pub(crate) fn launch_stream(&self) -> &Arc<CudaStream> {
+        match self.lane.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => &self.stream,
+            i => &self.side[i - 1],
+        }
+    }
+
+    /// Makes side lane `lane` (1..=SIDE_LANES) wait for everything queued on the main
+    /// stream so far. Under graph capture this forks the graph.
+    pub fn fork(&self, lane: usize) -> Result<(), CudaError> {
+        if !self.branches {
+            return Ok(());
+        }
+        let side = self.side_stream(lane)?;
+        Ok(side.join(&self.stream)?)
+    }
+
+    /// Makes the main stream wait for everything queued on side lane `lane`. Every
+    /// branch must be joined before its results are used and before a capture ends.
+    pub fn join(&self, lane: usize) -> Result<(), CudaError> {
+        if !self.branches {
+            return Ok(());
+        }
+        let side = self.side_stream(lane)?;
+        Ok(self.stream.join(side)?)
+    }
+
+    /// Runs `f` with its launches on side lane `lane`, after everything queued on the
+    /// main stream so far ([`Gpu::fork`]); [`Gpu::join`] before using what it wrote.
+    pub fn branch<T>(
+        &self,
+        lane: usize,
+        f: impl FnOnce() -> Result<T, CudaError>,
+    ) -> Result<T, CudaError> {
+        use std::sync::atomic::Ordering;
+        if !self.branches {
+            return f();
+        }
+        self.fork(lane)?;
+        let prev = self.lane.swap(lane, Ordering::Relaxed);
+        let r = f();
+        self.lane.store(prev, Ordering::Relaxed);
+        r
+    }
+
+    fn side_stream(&self, lane: usize) -> Result<&Arc<CudaStream>, CudaError> {
+        lane.checked_sub(1)
+            .and_then(|i| self.side.get(i))
+            .ok_or_else(|| CudaError::Invalid(format!("no side lane {lane}")))
+    }
 }
 
 impl Gpu {

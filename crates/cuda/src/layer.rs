@@ -50,7 +50,7 @@ macro_rules! launch {
     ($gpu:expr, $name:expr, $cfg:expr, $($arg:expr),* $(,)?) => {{
         let f = $gpu.func($name)?;
         $gpu.timed($name, || {
-            let mut b = $gpu.stream.launch_builder(&f);
+            let mut b = $gpu.launch_stream().launch_builder(&f);
             $( b.arg(&$arg); )*
             // SAFETY: each launcher passes exactly the parameters of the kernel of the
             // same name in layer.cu, in order and with the same types; buffer sizes are

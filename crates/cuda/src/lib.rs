@@ -13,9 +13,10 @@ mod error;
 mod layer;
 mod matmul;
 mod ops;
+mod probe;
 mod weights;
 
-pub use device::{driver_present, DeviceBuf, Gpu, GpuInfo, KernelSource, TokenGraph};
+pub use device::{driver_present, DeviceBuf, Gpu, GpuInfo, KernelSource, TokenGraph, SIDE_LANES};
 pub use error::CudaError;
 pub use layer::{RopeP, WT_BF16, WT_F16, WT_F32, WT_Q8_0};
 pub use matmul::{Batch, RoutePlan};

@@ -243,7 +243,7 @@ impl Gpu {
             b.y_grp as i64,
         );
         let f = self.func(name)?;
-        let mut l = self.stream.launch_builder(&f);
+        let mut l = self.launch_stream().launch_builder(&f);
         l.arg(&qs)
             .arg(&dw)
             .arg(&mat_q)
@@ -353,7 +353,7 @@ impl Gpu {
             shared_mem_bytes: smem as u32,
         };
         let f = self.func(name)?;
-        let mut l = self.stream.launch_builder(&f);
+        let mut l = self.launch_stream().launch_builder(&f);
         l.arg(&w[0])
             .arg(&w[1])
             .arg(&w[2])
@@ -491,7 +491,7 @@ impl Gpu {
             shared_mem_bytes: 0,
         };
         let f = self.func(name)?;
-        let mut l = self.stream.launch_builder(&f);
+        let mut l = self.launch_stream().launch_builder(&f);
         l.arg(&w)
             .arg(&wd)
             .arg(&mat_w)
@@ -569,7 +569,7 @@ impl Gpu {
             self.ptr(&plan.n_items),
         );
         let f = self.func("route_plan_build")?;
-        let mut l = self.stream.launch_builder(&f);
+        let mut l = self.launch_stream().launch_builder(&f);
         l.arg(&ids)
             .arg(&np)
             .arg(&ne)

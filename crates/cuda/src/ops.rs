@@ -38,6 +38,18 @@ fn split_k(rows: usize, n_sel: usize) -> u32 {
     }
 }
 
+/// Warps per row of the Q8_0 int8 matvec (block-of-32 lanes, 1 KiB per warp step):
+/// measured on the H200 at the Flash shapes (`gpu-selftest --probe-q8`): one warp per
+/// row from 4,096 rows, two for the 2,048-row shared expert, four below.
+fn split_k_q8(rows: usize, n_sel: usize) -> u32 {
+    match rows * n_sel {
+        n if n >= 4096 => 1,
+        n if n >= 2048 => 2,
+        n if n >= 512 => 4,
+        _ => 8,
+    }
+}
+
 impl Gpu {
     /// `y[k][row] = W[ids[k]] · x[k]` for `n_sel` selections (`n_sel = 1`, `sel =
     /// MatSel::default()` for a plain matrix-vector product).
@@ -77,7 +89,7 @@ impl Gpu {
             other => return Err(CudaError::Invalid(format!("no matvec kernel for {other}"))),
         };
         let f = self.func(kname)?;
-        let mut b = self.stream.launch_builder(&f);
+        let mut b = self.launch_stream().launch_builder(&f);
         let (mat_a, mat_b) = match m.ty {
             GgmlType::Q8_0 => (elems, elems / 32),
             GgmlType::IQ2_XXS => (elems / 256 * 64, elems / 256),
@@ -220,7 +232,7 @@ impl Gpu {
         };
         let f = self.func("quantize_q8_k32")?;
         let (q, d) = (self.ptr(&qa.q), self.ptr(&qa.d));
-        let mut b = self.stream.launch_builder(&f);
+        let mut b = self.launch_stream().launch_builder(&f);
         b.arg(&x).arg(&q).arg(&d);
         // SAFETY: x holds rows × cols floats (caller), q/d are sized by alloc_quant_act.
         self.timed("quantize_q8_k32", || {
@@ -257,7 +269,7 @@ impl Gpu {
         };
         let f = self.func("quantize_q8_32")?;
         let (q, d) = (self.ptr(&qa.q), self.ptr(&qa.d));
-        let mut b = self.stream.launch_builder(&f);
+        let mut b = self.launch_stream().launch_builder(&f);
         b.arg(&x).arg(&q).arg(&d).arg(&blocks);
         // SAFETY: x holds rows × cols floats (caller), q/d are sized by alloc_quant_act.
         self.timed("quantize_q8_32", || {
@@ -294,7 +306,7 @@ impl Gpu {
         };
         let f = self.func("rmsnorm_q8")?;
         let (q, d, nn) = (self.ptr(&qa.q), self.ptr(&qa.d), n as i32);
-        let mut b = self.stream.launch_builder(&f);
+        let mut b = self.launch_stream().launch_builder(&f);
         b.arg(&x)
             .arg(&w)
             .arg(&w_type)
@@ -342,7 +354,7 @@ impl Gpu {
                 shared_mem_bytes: 0,
             };
             let f = self.func("swiglu_q8k")?;
-            let mut b = self.stream.launch_builder(&f);
+            let mut b = self.launch_stream().launch_builder(&f);
             b.arg(&gate)
                 .arg(&up)
                 .arg(&weights)
@@ -363,7 +375,7 @@ impl Gpu {
                 shared_mem_bytes: 0,
             };
             let f = self.func("swiglu_q8")?;
-            let mut b = self.stream.launch_builder(&f);
+            let mut b = self.launch_stream().launch_builder(&f);
             b.arg(&gate)
                 .arg(&up)
                 .arg(&weights)
@@ -391,6 +403,25 @@ impl Gpu {
         n_sel: usize,
         sel: MatSel,
     ) -> Result<(), CudaError> {
+        self.matvec_q8act_split(m, xq, y, n_sel, sel, None)
+    }
+
+    /// [`Gpu::matvec_q8act`] with `ks` (1, 2, 4 or 8) warps per row of a Q8_0 matrix
+    /// instead of the measured default (for tuning).
+    pub fn matvec_q8act_split(
+        &self,
+        m: &DeviceMatrix,
+        xq: &QuantAct,
+        y: u64,
+        n_sel: usize,
+        sel: MatSel,
+        ks: Option<u32>,
+    ) -> Result<(), CudaError> {
+        if ks.is_some_and(|k| !matches!(k, 1 | 2 | 4 | 8)) {
+            return Err(CudaError::Invalid(
+                "warps per row must be 1, 2, 4 or 8".into(),
+            ));
+        }
         // Each selection reads m.cols values at k·x_stride (one shared row when 0).
         let stride = sel.x_stride.max(0) as usize;
         let need = stride * n_sel.saturating_sub(1) + m.cols;
@@ -424,7 +455,7 @@ impl Gpu {
         // Q8_0: warps per row (see matvec_q8_0_q8). Several rows per warp measured
         // slower (H200 decode 74.6 -> 70.0 tok/s): fewer warps in flight.
         let ks = if m.ty == GgmlType::Q8_0 {
-            split_k(m.rows, n_sel)
+            ks.unwrap_or_else(|| split_k_q8(m.rows, n_sel))
         } else {
             1
         };
@@ -438,7 +469,7 @@ impl Gpu {
             block_dim: (32, ROWS_PER_BLOCK, 1),
             shared_mem_bytes: smem,
         };
-        let mut b = self.stream.launch_builder(&f);
+        let mut b = self.launch_stream().launch_builder(&f);
         let grid = self.ptr(&self.iq2_grid);
         let (mat_q, mat_d, mat_blocks) = (elems / 256 * 64, elems / 256, elems / 256);
         let (q8_q, q8_d) = (elems, elems / 32);

@@ -644,65 +644,62 @@ impl KvView<'_> {
             &mut qb.embd,
             fast && l.q_a.ty == GgmlType::Q8_0,
         )?;
-        mv(g, &l.q_a, p(&s.n), &mut qb.embd, n_q8, p(&s.qa), n, fast)?;
-        let qr_q8 = norm(
-            g,
-            p(&s.qa),
-            p(&l.q_a_norm),
-            c.q_lora_rank,
-            n,
-            c.rms_eps,
-            p(&s.qr),
-            &mut qb.qr,
-            fast && l.q_b.ty == GgmlType::Q8_0,
-        )?;
-        mv(g, &l.q_b, p(&s.qr), &mut qb.qr, qr_q8, p(&s.q), n, fast)?;
-        g.rmsnorm(p(&s.q), 0, f32t, hd, n * c.n_head, c.rms_eps, p(&s.q))?;
-        g.rope_tail(n, step, p(&s.q), hd, c.n_head, 0, rope, false)?;
-        // The same quantised `n` as attn_q_a.
-        mv(
-            g,
-            &l.kv,
-            p(&s.n),
-            &mut qb.embd,
-            l.q_a.ty == GgmlType::Q8_0,
-            p(&s.kv),
-            n,
-            fast,
-        )?;
-        g.kv_finish(
-            n,
-            step,
-            p(&s.kv),
-            p(&l.kv_norm),
-            f32t,
-            hd,
-            c.rms_eps,
-            rope,
-            fast,
-            p(&st.ring),
-            self.raw_cap,
-        )?;
-
-        let mut sel = 0u64;
-        if let (Some(cw), Some(comp)) = (&l.compressor, &st.comp) {
-            let ckv = p(&s.ckv);
-            compressor_inputs(g, cw, p(&s.n), ckv, n)?;
-            compress(
+        // Three branches from the normed input, joined before attention: side lane 1
+        // writes this token's raw row and compressed rows, side lane 2 the indexer's
+        // compressed rows and then (once the main lane has q_r) the top-k selection,
+        // and the main lane builds the queries. Each is a chain of small kernels that
+        // cannot fill the GPU alone.
+        g.branch(1, || {
+            // The same quantised `n` as attn_q_a (quantised by the norm when Q8_0).
+            mv(
                 g,
-                c,
+                &l.kv,
+                p(&s.n),
+                &mut qb.embd,
+                l.q_a.ty == GgmlType::Q8_0,
+                p(&s.kv),
+                n,
+                fast,
+            )?;
+            g.kv_finish(
                 n,
                 step,
-                ckv,
-                cw,
-                st.skv.as_ref(),
-                st.ssc.as_ref(),
+                p(&s.kv),
+                p(&l.kv_norm),
+                f32t,
+                hd,
+                c.rms_eps,
                 rope,
-                false,
                 fast,
-                p(comp),
+                p(&st.ring),
+                self.raw_cap,
             )?;
-            if let (Some(ix), Some(index)) = (&l.indexer, &st.index) {
+            if let (Some(cw), Some(comp)) = (&l.compressor, &st.comp) {
+                let ckv = p(&s.ckv);
+                compressor_inputs(g, cw, p(&s.n), ckv, n)?;
+                compress(
+                    g,
+                    c,
+                    n,
+                    step,
+                    ckv,
+                    cw,
+                    st.skv.as_ref(),
+                    st.ssc.as_ref(),
+                    rope,
+                    false,
+                    fast,
+                    p(comp),
+                )?;
+            }
+            Ok(())
+        })?;
+        let indexer = match (&l.compressor, &l.indexer, &st.index) {
+            (Some(cw), Some(ix), Some(index)) => Some((cw, ix, index)),
+            _ => None,
+        };
+        if let Some((_, ix, index)) = indexer {
+            g.branch(2, || {
                 let icw = &ix.compressor;
                 let icv = p(&s.icv);
                 compressor_inputs(g, icw, p(&s.n), icv, n)?;
@@ -720,12 +717,41 @@ impl KvView<'_> {
                     fast,
                     p(index),
                 )?;
+                dense_f32(g, &ix.proj, p(&s.n), p(&s.wt), plain(&ix.proj, n))
+            })?;
+        }
+        // attn_q_a reads `n` as quantised by the norm: the kv branch only quantises
+        // its own copy when q_a is not Q8_0 (then q_a does not read it).
+        let q_a_xq_ready = n_q8;
+        mv(
+            g,
+            &l.q_a,
+            p(&s.n),
+            &mut qb.embd,
+            q_a_xq_ready,
+            p(&s.qa),
+            n,
+            fast,
+        )?;
+        let qr_q8 = norm(
+            g,
+            p(&s.qa),
+            p(&l.q_a_norm),
+            c.q_lora_rank,
+            n,
+            c.rms_eps,
+            p(&s.qr),
+            &mut qb.qr,
+            fast && l.q_b.ty == GgmlType::Q8_0,
+        )?;
+        let mut sel = 0u64;
+        if let Some((cw, ix, index)) = indexer {
+            g.branch(2, || {
                 // The indexer runs every token so one captured graph serves every
                 // position: below top_k rows the kernels themselves select every row.
                 let max_rows = comp_cap(self.ctx, cw.ratio);
                 dense_f32(g, &ix.q_b, p(&s.qr), p(&s.qi), plain(&ix.q_b, n))?;
                 g.indexer_q(n, step, p(&s.qi), c.idx_heads, c.idx_head_dim, rope)?;
-                dense_f32(g, &ix.proj, p(&s.n), p(&s.wt), plain(&ix.proj, n))?;
                 let wscale =
                     ((c.idx_head_dim as f64).powf(-0.5) * (c.idx_heads as f64).powf(-0.5)) as f32;
                 debug_assert!(max_rows <= s.iscores_stride);
@@ -751,9 +777,16 @@ impl KvView<'_> {
                     cw.ratio,
                     c.idx_topk,
                     g.ptr(&s.sel),
-                )?;
-                sel = g.ptr(&s.sel);
-            }
+                )
+            })?;
+            sel = g.ptr(&s.sel);
+        }
+        mv(g, &l.q_b, p(&s.qr), &mut qb.qr, qr_q8, p(&s.q), n, fast)?;
+        g.rmsnorm(p(&s.q), 0, f32t, hd, n * c.n_head, c.rms_eps, p(&s.q))?;
+        g.rope_tail(n, step, p(&s.q), hd, c.n_head, 0, rope, false)?;
+        g.join(1)?;
+        if indexer.is_some() {
+            g.join(2)?;
         }
         let scale = (hd as f64).powf(-0.5) as f32;
         let (rows_per_chunk, n_chunks) = if n == 1 {
@@ -847,6 +880,65 @@ impl KvView<'_> {
             &mut qb.embd,
             fast && l.gate_sh.ty == GgmlType::Q8_0,
         )?;
+        // The shared expert needs only the normed input: it runs on side lane 1 while
+        // the router and the routed experts run on the main lane.
+        g.branch(1, || {
+            let ffs = c.n_ff_exp * c.n_expert_shared;
+            mv(
+                g,
+                &l.gate_sh,
+                p(&s.n),
+                &mut qb.embd,
+                n_q8,
+                p(&s.sg),
+                n,
+                fast,
+            )?;
+            mv(
+                g,
+                &l.up_sh,
+                p(&s.n),
+                &mut qb.embd,
+                l.gate_sh.ty == GgmlType::Q8_0,
+                p(&s.su),
+                n,
+                fast,
+            )?;
+            let smid_q8 = fast && l.down_sh.ty == GgmlType::Q8_0;
+            if smid_q8 {
+                g.swiglu_quant(
+                    p(&s.sg),
+                    p(&s.su),
+                    0,
+                    ffs,
+                    n,
+                    c.swiglu_clamp_shexp[il],
+                    p(&s.smid),
+                    &mut qb.shared_mid,
+                    false,
+                )?;
+            } else {
+                g.swiglu(
+                    p(&s.sg),
+                    p(&s.su),
+                    0,
+                    ffs,
+                    n,
+                    c.swiglu_clamp_shexp[il],
+                    p(&s.smid),
+                )?;
+            }
+            mv(
+                g,
+                &l.down_sh,
+                p(&s.smid),
+                &mut qb.shared_mid,
+                smid_q8,
+                p(&s.sh),
+                n,
+                fast,
+            )
+        })?;
         dense_f32(g, &l.gate_inp, p(&s.n), p(&s.rlog), plain(&l.gate_inp, n))?;
         g.router(
             n,
@@ -943,61 +1035,7 @@ impl KvView<'_> {
             )?;
             g.matvec(&l.down_exps, p(&s.mid), p(&s.dn), pairs, per_mid)?;
         }
-        let ffs = c.n_ff_exp * c.n_expert_shared;
-        mv(
-            g,
-            &l.gate_sh,
-            p(&s.n),
-            &mut qb.embd,
-            n_q8,
-            p(&s.sg),
-            n,
-            fast,
-        )?;
-        mv(
-            g,
-            &l.up_sh,
-            p(&s.n),
-            &mut qb.embd,
-            l.gate_sh.ty == GgmlType::Q8_0,
-            p(&s.su),
-            n,
-            fast,
-        )?;
-        let smid_q8 = fast && l.down_sh.ty == GgmlType::Q8_0;
-        if smid_q8 {
-            g.swiglu_quant(
-                p(&s.sg),
-                p(&s.su),
-                0,
-                ffs,
-                n,
-                c.swiglu_clamp_shexp[il],
-                p(&s.smid),
-                &mut qb.shared_mid,
-                false,
-            )?;
-        } else {
-            g.swiglu(
-                p(&s.sg),
-                p(&s.su),
-                0,
-                ffs,
-                n,
-                c.swiglu_clamp_shexp[il],
-                p(&s.smid),
-            )?;
-        }
-        mv(
-            g,
-            &l.down_sh,
-            p(&s.smid),
-            &mut qb.shared_mid,
-            smid_q8,
-            p(&s.sh),
-            n,
-            fast,
-        )?;
+        g.join(1)?;
         g.sum_rows(n, p(&s.dn), k, e, p(&s.sh), p(&s.o))?;
         g.hc_post(n, p(&s.h2), p(&s.o), p(&s.hcp), c.n_hc, c.n_embd, p(&s.h))?;
         Ok(())
@@ -1177,10 +1215,48 @@ impl DeviceState {
         Ok(())
     }
 
-    /// An independent copy (a snapshot of the session).
+    /// An independent copy (a snapshot of the session), copied on the device: only the
+    /// compressed rows in use move, so a long session snapshots in milliseconds instead
+    /// of a host round trip.
     pub fn duplicate(&self, w: &CudaWeights) -> Result<DeviceState> {
         let mut d = DeviceState::new(w, self.ctx)?;
-        d.import(w, &self.export(w)?)?;
+        if d.raw_cap != self.raw_cap || d.layers.len() != self.layers.len() {
+            // The ring geometry changed (DS4_CUDA_PREFILL_CHUNK differs): go through the
+            // host form, which is independent of it.
+            d.import(w, &self.export(w)?)?;
+            return Ok(d);
+        }
+        let g = &*w.gpu;
+        let c = &w.config;
+        let copy = |src: &DeviceBuf<f32>, dst: &mut DeviceBuf<f32>, n: usize| {
+            let n = n.min(src.len()).min(dst.len());
+            if n == 0 {
+                return Ok::<(), CudaError>(());
+            }
+            Ok(g.stream()
+                .memcpy_dtod(&src.slice(0..n), &mut dst.slice_mut(0..n))?)
+        };
+        for (il, (src, dst)) in self.layers.iter().zip(d.layers.iter_mut()).enumerate() {
+            copy(&src.ring, &mut dst.ring, src.ring.len())?;
+            let r = c.compress_ratios[il].max(1);
+            let n_comp = self.n_tokens / r;
+            let pairs = [
+                (&src.comp, &mut dst.comp, n_comp * c.head_dim),
+                (&src.skv, &mut dst.skv, usize::MAX),
+                (&src.ssc, &mut dst.ssc, usize::MAX),
+                (&src.index, &mut dst.index, n_comp * c.idx_head_dim),
+                (&src.iskv, &mut dst.iskv, usize::MAX),
+                (&src.issc, &mut dst.issc, usize::MAX),
+            ];
+            for (s, t, n) in pairs {
+                if let (Some(s), Some(t)) = (s, t) {
+                    copy(s, t, n)?;
+                }
+            }
+        }
+        d.n_tokens = self.n_tokens;
+        d.chunk = self.chunk;
+        g.synchronize()?;
         Ok(d)
     }
 }

@@ -25,6 +25,9 @@ pub struct Args {
     /// Only the batched (prefill) GEMM checks and, with --bench, their timings.
     #[arg(long)]
     only_matmul: bool,
+    /// Only the read-bandwidth probe and the Q8_0 decode matvec at every split.
+    #[arg(long)]
+    probe_q8: bool,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -50,6 +53,22 @@ pub fn run(a: Args) -> Result<()> {
             .map_or(1, |d| d.as_nanos() as u64)
     });
     println!("seed {seed}");
+    if a.probe_q8 {
+        println!(
+            "\n{:<56} {:>12} {:>10} {:>10}",
+            "kernel", "bytes", "us", "GB/s"
+        );
+        for t in ds4_cli::gpu_selftest::probe_q8_splits(&gpu, seed)? {
+            println!(
+                "{:<56} {:>12.0} {:>10.1} {:>10.0}",
+                t.name,
+                t.bytes,
+                t.ms * 1e3,
+                t.gbps()
+            );
+        }
+        return Ok(());
+    }
     if a.only_matmul {
         return run_matmul(&gpu, seed, a.bench);
     }
@@ -327,17 +346,22 @@ impl DeltaStats {
     /// Whether these `n` positions sit at the noise floor of `floor` (another summation
     /// order in the same numerics): typical positions within 4× its median (a systematic
     /// error moves the median), the tail within the fixture tier (exact: 1e-3) or 4×
-    /// the floor's, argmax agreement within 1% of 99% or of the floor's own if lower.
+    /// the floor's, and argmax disagreements within three standard deviations of a
+    /// binomial count at the floor's disagreement rate (at least 1% exact, 2% fast: on
+    /// random-token sequences near-tied top logits flip between summation orders).
     fn within_floor(&self, floor: &DeltaStats, numerics: Numerics, n: usize) -> bool {
         let bound = delta_bound(numerics);
-        let tail = if numerics == Numerics::Exact {
-            1e-3
+        let (tail, min_rate) = if numerics == Numerics::Exact {
+            (1e-3, 0.01)
         } else {
-            bound
+            (bound, 0.02)
         };
+        let nf = n.max(1) as f64;
+        let p = (n.saturating_sub(floor.agree) as f64 / nf).max(min_rate);
+        let allowed = (nf * p + 3.0 * (nf * p * (1.0 - p)).sqrt()).floor() as usize;
         self.median <= (bound / 10.0).max(4.0 * floor.median)
             && self.p95 <= tail.max(4.0 * floor.p95)
-            && self.agree + n / 100 >= (n * 99 / 100).min(floor.agree)
+            && self.agree + allowed >= n
     }
 }
 

@@ -1,0 +1,65 @@
+//! The read-bandwidth probe (`kernels/probe.cu`): the ceiling that the decode matvecs
+//! are measured against by `gpu-selftest --probe-q8`.
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use crate::device::Gpu;
+use crate::error::CudaError;
+
+impl Gpu {
+    /// Reads every byte of `buf` once (16-byte loads, grid-stride); time it for the
+    /// GPU's read-bandwidth ceiling.
+    pub fn probe_stream_read(
+        &self,
+        buf: &cudarc::driver::CudaSlice<u8>,
+        sink: &cudarc::driver::CudaSlice<u32>,
+    ) -> Result<(), CudaError> {
+        let n16 = (buf.len() / 16) as i64;
+        let f = self.func("probe_stream_read")?;
+        let sms = self.info().multiprocessors.max(1) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (sms * 8, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (p, out) = (self.ptr(buf), self.ptr(sink));
+        let mut b = self.launch_stream().launch_builder(&f);
+        b.arg(&p).arg(&n16).arg(&out);
+        // SAFETY: p holds n16 16-byte words; out holds one u32.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Mean µs per node of a captured graph of `n` empty kernels of `blocks` × 256
+    /// threads, replayed `reps` times: the launch cost each decode kernel pays.
+    pub fn probe_graph_node_us(
+        &self,
+        n: usize,
+        blocks: u32,
+        reps: usize,
+    ) -> Result<f64, CudaError> {
+        let f = self.func("probe_empty")?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let zero = 0i32;
+        self.begin_capture()?;
+        let launch_all = || -> Result<(), CudaError> {
+            for _ in 0..n {
+                let mut b = self.launch_stream().launch_builder(&f);
+                b.arg(&zero);
+                // SAFETY: probe_empty reads nothing.
+                unsafe { b.launch(cfg) }?;
+            }
+            Ok(())
+        };
+        let captured = launch_all();
+        let graph = self.end_capture();
+        captured?;
+        let graph = graph?;
+        let ms = self.time_ms(2, reps, |_| graph.launch())?;
+        Ok(ms * 1e3 / n.max(1) as f64)
+    }
+}
