@@ -473,6 +473,39 @@ pub fn probe_q8_splits(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
             ms: us / 1e3,
         });
     }
+    // The routed experts' int8 matvecs (6 of 256 experts, as in decode).
+    for (name, ty, rows, cols, shared) in [
+        ("6 experts gate IQ2_XXS 4096->2048", GgmlType::IQ2_XXS, 2048, 4096, true),
+        ("6 experts down Q2_K 2048->4096", GgmlType::Q2_K, 4096, 2048, false),
+    ] {
+        let (mats, used) = (256usize, 6usize);
+        let w = random_matrix(ty, rows, cols, mats, &mut rng);
+        let m = DeviceMatrix::upload(gpu, ty, &w, rows, cols, mats)?;
+        let x = gpu.upload(&random_vec(used * cols, &mut rng))?;
+        let y = gpu.zeros::<f32>(used * rows)?;
+        let mut qa = gpu.alloc_quant_act(if shared { 1 } else { used }, cols)?;
+        gpu.quantize_act(gpu.ptr(&x), &mut qa)?;
+        let id_sets: Vec<_> = (0..8)
+            .map(|s| {
+                let ids: Vec<i32> = (0..used as i32).map(|k| (k * 41 + s * 29) % 256).collect();
+                gpu.upload(&ids)
+            })
+            .collect::<Result<_, _>>()?;
+        let yp = gpu.ptr(&y);
+        let ms = gpu.time_ms(3, 50, |i| {
+            let sel = MatSel {
+                ids: gpu.ptr(&id_sets[i % id_sets.len()]),
+                x_stride: if shared { 0 } else { cols as i64 },
+                y_stride: rows as i64,
+            };
+            gpu.matvec_q8act(&m, &qa, yp, used, sel)
+        })?;
+        out.push(Timing {
+            name: name.into(),
+            bytes: (m.bytes_per_matrix() * used) as f64,
+            ms,
+        });
+    }
     // (name, rows, cols, selections sharing one matrix stack row count)
     let shapes: &[(&str, usize, usize, usize)] = &[
         ("attn_q_b 1024->32768", 32768, 1024, 1),
