@@ -37,6 +37,10 @@ fn cfg(grid: u32, block: u32) -> LaunchConfig {
 }
 
 /// `tokens` blocks in y: the token of a batch (per-token kernels).
+/// The attention shape of `attention_prefill_mma` (AMMA_HEADS / AMMA_HD).
+const ATT_MMA_HEADS: usize = 64;
+const ATT_MMA_HD: usize = 512;
+
 fn cfg2(grid: u32, tokens: usize, block: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (grid.max(1), (tokens as u32).max(1), 1),
@@ -641,6 +645,51 @@ impl Gpu {
             )?;
         }
         Ok(())
+    }
+
+    /// Whether [`Gpu::attention_prefill_mma`] takes this attention shape.
+    pub fn attention_mma_shape(heads: usize, hd: usize) -> bool {
+        heads == ATT_MMA_HEADS && hd == ATT_MMA_HD
+    }
+
+    /// Sink attention of `n_tok` tokens on tensor cores (fp16 operands, f32 sums; the
+    /// fast numerics): one block per token over all its rows, output as `attention`
+    /// with one chunk. Only the DeepSeek V4 Flash shape (64 heads of 512).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_prefill_mma(
+        &self,
+        n_tok: usize,
+        step: u64,
+        q: u64,
+        ring: u64,
+        raw_cap: usize,
+        window: usize,
+        comp: u64,
+        ratio: usize,
+        sel: u64,
+        top_k: usize,
+        sinks: u64,
+        heads: usize,
+        hd: usize,
+        scale: f32,
+        out: u64,
+    ) -> Result<(), CudaError> {
+        if !Self::attention_mma_shape(heads, hd) || window > raw_cap || n_tok == 0 {
+            return Err(CudaError::Invalid(format!(
+                "tensor-core attention takes {ATT_MMA_HEADS} heads of {ATT_MMA_HD} (got {heads} of {hd}), window {window} <= ring {raw_cap}"
+            )));
+        }
+        const NAME: &str = "attention_prefill_mma";
+        // Q + the fp16 row tile (rows padded by 8 halves) + the f32 tile in flight.
+        let smem = (ATT_MMA_HEADS + 32) * (ATT_MMA_HD + 8) * 2 + 32 * ATT_MMA_HD * 4;
+        self.allow_smem(NAME, smem)?;
+        let cfg = LaunchConfig {
+            grid_dim: (n_tok as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let (rc, win, r, tk) = (raw_cap as i32, window as i32, ratio as i32, top_k as i32);
+        launch!(self, NAME, cfg, step, q, ring, rc, win, comp, r, sel, tk, sinks, scale, out)
     }
 
     /// Expert selection and weights of each token (`tid2eid = 0`: top-k routing,

@@ -131,23 +131,25 @@ impl Work {
 /// Which products a batch of more than one token runs as tensor-core / tiled GEMMs
 /// instead of per-token matvecs: `DS4_CUDA_GEMM` = `0` (none, for comparison) or a comma
 /// list of `q8` (Q8_0 × int8), `f32` (f32 activations), `group` (the grouped output
-/// projection), `experts`; all by default.
+/// projection), `experts`, `attn` (tensor-core attention, fast numerics); all by
+/// default.
 #[derive(Clone, Copy)]
 enum Gemm {
     Q8,
     F32,
     Group,
     Experts,
+    Attn,
 }
 
 fn gemm(kind: Gemm) -> bool {
-    static ON: std::sync::OnceLock<[bool; 4]> = std::sync::OnceLock::new();
+    static ON: std::sync::OnceLock<[bool; 5]> = std::sync::OnceLock::new();
     ON.get_or_init(|| match std::env::var("DS4_CUDA_GEMM") {
-        Err(_) => [true; 4],
-        Ok(v) if v == "0" => [false; 4],
+        Err(_) => [true; 5],
+        Ok(v) if v == "0" => [false; 5],
         Ok(v) => {
             let on = |k: &str| v.split(',').any(|p| p.trim() == k);
-            [on("q8"), on("f32"), on("group"), on("experts")]
+            [on("q8"), on("f32"), on("group"), on("experts"), on("attn")]
         }
     })[kind as usize]
 }
@@ -789,32 +791,52 @@ impl KvView<'_> {
             g.join(2)?;
         }
         let scale = (hd as f64).powf(-0.5) as f32;
-        let (rows_per_chunk, n_chunks) = if n == 1 {
-            (0, att_splits(s.att_stride))
+        if n > 1 && fast && gemm(Gemm::Attn) && Gpu::attention_mma_shape(c.n_head, hd) {
+            g.attention_prefill_mma(
+                n,
+                step,
+                p(&s.q),
+                p(&st.ring),
+                self.raw_cap,
+                self.window,
+                st.comp.as_ref().map_or(0, p),
+                l.ratio,
+                sel,
+                c.idx_topk,
+                p(&l.sinks),
+                c.n_head,
+                hd,
+                scale,
+                p(&s.heads),
+            )?;
         } else {
-            (s.att_stride, 1)
-        };
-        g.attention(
-            n,
-            step,
-            p(&s.q),
-            p(&st.ring),
-            self.raw_cap,
-            self.window,
-            st.comp.as_ref().map_or(0, p),
-            l.ratio,
-            sel,
-            c.idx_topk,
-            p(&l.sinks),
-            c.n_head,
-            hd,
-            scale,
-            rows_per_chunk,
-            n_chunks,
-            p(&s.att_acc),
-            p(&s.att_ml),
-            p(&s.heads),
-        )?;
+            let (rows_per_chunk, n_chunks) = if n == 1 {
+                (0, att_splits(s.att_stride))
+            } else {
+                (s.att_stride, 1)
+            };
+            g.attention(
+                n,
+                step,
+                p(&s.q),
+                p(&st.ring),
+                self.raw_cap,
+                self.window,
+                st.comp.as_ref().map_or(0, p),
+                l.ratio,
+                sel,
+                c.idx_topk,
+                p(&l.sinks),
+                c.n_head,
+                hd,
+                scale,
+                rows_per_chunk,
+                n_chunks,
+                p(&s.att_acc),
+                p(&s.att_ml),
+                p(&s.heads),
+            )?;
+        }
         g.rope_tail(n, step, p(&s.heads), hd, c.n_head, 0, rope, true)?;
         let groups = MatSel {
             ids: g.ptr(&s.group_ids),

@@ -25,7 +25,8 @@ pub struct Args {
     /// Only the batched (prefill) GEMM checks and, with --bench, their timings.
     #[arg(long)]
     only_matmul: bool,
-    /// Only the read-bandwidth probe and the Q8_0 decode matvec at every split.
+    /// Only the read-bandwidth probe, the Q8_0 decode matvec at every split, the
+    /// expert matvecs and the prefill attention kernels.
     #[arg(long)]
     probe_q8: bool,
 }
@@ -67,12 +68,18 @@ pub fn run(a: Args) -> Result<()> {
                 t.gbps()
             );
         }
+        for (name, ms) in ds4_cli::gpu_attention_check::bench_attention(&gpu, seed)? {
+            println!("{name:<56} {:>12} {:>10.1}", "", ms * 1e3);
+        }
         return Ok(());
     }
     if a.only_matmul {
         return run_matmul(&gpu, seed, a.bench);
     }
-    let checks = check_kernels(&gpu, seed)?;
+    let mut checks = check_kernels(&gpu, seed)?;
+    checks.extend(ds4_cli::gpu_attention_check::check_attention_mma(
+        &gpu, seed,
+    )?);
     let mut failed = 0;
     for c in &checks {
         let ok = c.passed();

@@ -1,0 +1,290 @@
+//! Checks of the tensor-core prefill attention (`attention_prefill_mma`) at the Flash
+//! shape (64 heads of 512) against an f64 reference of sink attention over the same
+//! rows, next to the f32 `attention` kernel on the same inputs.
+
+use anyhow::Result;
+use ds4_cuda::Gpu;
+
+use crate::gpu_selftest::Check;
+use crate::rng::Rng;
+
+const HEADS: usize = 64;
+const HD: usize = 512;
+
+/// One layer kind: compression ratio, whether an indexer selects the compressed rows,
+/// and the token positions of the batch.
+struct Case {
+    name: &'static str,
+    ratio: usize,
+    indexed: bool,
+    positions: &'static [usize],
+}
+
+const WINDOW: usize = 128;
+const RAW_CAP: usize = WINDOW + 64;
+const TOP_K: usize = 512;
+
+/// The rows token `pos` attends (ring slots, then compressed row indices), as the
+/// kernels list them.
+fn rows_of(pos: usize, ratio: usize, sel: Option<&[i32]>) -> (Vec<usize>, Vec<usize>) {
+    let n_raw = (pos + 1).min(WINDOW);
+    let raw = (0..n_raw)
+        .map(|r| (pos + 1 - n_raw + r) % RAW_CAP)
+        .collect();
+    let n_all = (pos + 1).checked_div(ratio).unwrap_or(0);
+    let comp = match sel {
+        Some(s) if n_all > TOP_K => s.iter().map(|&i| i as usize).collect(),
+        _ => (0..n_all).collect(),
+    };
+    (raw, comp)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn reference(
+    q: &[f32],
+    ring: &[f32],
+    comp: &[f32],
+    sinks: &[f32],
+    positions: &[usize],
+    ratio: usize,
+    sel: Option<&[i32]>,
+    scale: f64,
+) -> Vec<f64> {
+    let mut out = vec![0f64; positions.len() * HEADS * HD];
+    for (t, &pos) in positions.iter().enumerate() {
+        let (raw, cmp) = rows_of(pos, ratio, sel.map(|s| &s[t * TOP_K..(t + 1) * TOP_K]));
+        let rows: Vec<&[f32]> = raw
+            .iter()
+            .map(|&slot| &ring[slot * HD..(slot + 1) * HD])
+            .chain(cmp.iter().map(|&i| &comp[i * HD..(i + 1) * HD]))
+            .collect();
+        for h in 0..HEADS {
+            let qh = &q[(t * HEADS + h) * HD..(t * HEADS + h + 1) * HD];
+            let scores: Vec<f64> = rows
+                .iter()
+                .map(|r| {
+                    scale
+                        * qh.iter()
+                            .zip(*r)
+                            .map(|(&a, &b)| a as f64 * b as f64)
+                            .sum::<f64>()
+                })
+                .collect();
+            let sink = sinks[h] as f64;
+            let m = scores.iter().copied().fold(sink, f64::max);
+            let den: f64 = scores.iter().map(|s| (s - m).exp()).sum::<f64>() + (sink - m).exp();
+            let o = &mut out[(t * HEADS + h) * HD..(t * HEADS + h + 1) * HD];
+            for (s, r) in scores.iter().zip(&rows) {
+                let p = (s - m).exp() / den;
+                for (od, &v) in o.iter_mut().zip(*r) {
+                    *od += p * v as f64;
+                }
+            }
+        }
+    }
+    out
+}
+
+fn rel_err(got: &[f32], want: &[f64]) -> f64 {
+    if got.iter().any(|g| !g.is_finite()) || got.len() != want.len() {
+        return f64::NAN;
+    }
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(&g, &w)| (g as f64 - w).powi(2))
+        .sum();
+    let den: f64 = want.iter().map(|w| w * w).sum();
+    (num / den.max(1e-300)).sqrt()
+}
+
+/// The tensor-core kernel (bound 2e-3: fp16 operands) and the f32 kernel (bound 1e-5)
+/// against the f64 reference, for a compressed + indexed layer (top-k selections past
+/// 512 rows), a ratio-128 layer and a window-only layer.
+pub fn check_attention_mma(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+    let mut rng = Rng::stream(seed, 0xa77e, 0);
+    let cases = [
+        Case {
+            name: "indexed ratio 4",
+            ratio: 4,
+            indexed: true,
+            positions: &[0, 1, 31, 127, 128, 200, 640, 2047, 2052, 3001, 5199],
+        },
+        Case {
+            name: "ratio 128",
+            ratio: 128,
+            indexed: false,
+            positions: &[3, 130, 1000, 4095, 5000],
+        },
+        Case {
+            name: "window only",
+            ratio: 0,
+            indexed: false,
+            positions: &[0, 5, 127, 128, 4000],
+        },
+    ];
+    let n_comp_rows = 1300;
+    let scale = (HD as f64).powf(-0.5);
+    let mut checks = Vec::new();
+    for case in &cases {
+        let n = case.positions.len();
+        let normal = |rng: &mut Rng, len: usize, s: f32| -> Vec<f32> {
+            (0..len).map(|_| rng.normal() * s).collect()
+        };
+        let q = normal(&mut rng, n * HEADS * HD, 2.0);
+        let ring = normal(&mut rng, RAW_CAP * HD, 1.0);
+        let comp = normal(&mut rng, n_comp_rows * HD, 1.0);
+        let sinks = normal(&mut rng, HEADS, 1.0);
+        let sel: Option<Vec<i32>> = case.indexed.then(|| {
+            let mut s = Vec::with_capacity(n * TOP_K);
+            for &pos in case.positions {
+                let n_all = ((pos + 1) / case.ratio).min(n_comp_rows);
+                // Distinct indices below n_all (a partial shuffle), any when unmasked.
+                let mut pool: Vec<i32> = (0..n_all.max(TOP_K) as i32).collect();
+                for i in 0..TOP_K {
+                    let j = i + rng.below((pool.len() - i) as u64) as usize;
+                    pool.swap(i, j);
+                }
+                s.extend(pool[..TOP_K].iter().map(|&v| v % n_all.max(1) as i32));
+            }
+            s
+        });
+        let want = reference(
+            &q,
+            &ring,
+            &comp,
+            &sinks,
+            case.positions,
+            case.ratio,
+            sel.as_deref(),
+            scale,
+        );
+        let steps: Vec<i32> = case.positions.iter().flat_map(|&p| [p as i32, 0]).collect();
+        let d_step = gpu.upload(&steps)?;
+        let d_q = gpu.upload(&q)?;
+        let d_ring = gpu.upload(&ring)?;
+        let d_comp = gpu.upload(&comp)?;
+        let d_sinks = gpu.upload(&sinks)?;
+        let d_sel = gpu.upload(sel.as_deref().unwrap_or(&[0]))?;
+        let sel_p = if case.indexed { gpu.ptr(&d_sel) } else { 0 };
+        let comp_p = if case.ratio > 0 { gpu.ptr(&d_comp) } else { 0 };
+        let out = gpu.upload(&vec![f32::NAN; n * HEADS * HD])?;
+        gpu.attention_prefill_mma(
+            n,
+            gpu.ptr(&d_step),
+            gpu.ptr(&d_q),
+            gpu.ptr(&d_ring),
+            RAW_CAP,
+            WINDOW,
+            comp_p,
+            case.ratio,
+            sel_p,
+            TOP_K,
+            gpu.ptr(&d_sinks),
+            HEADS,
+            HD,
+            scale as f32,
+            gpu.ptr(&out),
+        )?;
+        checks.push(Check {
+            name: format!("attention mma {}", case.name),
+            rel_err: rel_err(&gpu.download(&out)?, &want),
+            bound: 2e-3,
+        });
+        let stride = WINDOW + TOP_K.max(n_comp_rows);
+        let split = gpu.upload(&vec![f32::NAN; n * HEADS * HD])?;
+        gpu.attention(
+            n,
+            gpu.ptr(&d_step),
+            gpu.ptr(&d_q),
+            gpu.ptr(&d_ring),
+            RAW_CAP,
+            WINDOW,
+            comp_p,
+            case.ratio,
+            sel_p,
+            TOP_K,
+            gpu.ptr(&d_sinks),
+            HEADS,
+            HD,
+            scale as f32,
+            stride,
+            1,
+            0,
+            0,
+            gpu.ptr(&split),
+        )?;
+        checks.push(Check {
+            name: format!("attention f32 {}", case.name),
+            rel_err: rel_err(&gpu.download(&split)?, &want),
+            bound: 1e-5,
+        });
+    }
+    Ok(checks)
+}
+
+/// Milliseconds of the tensor-core and f32 prefill attention for 512 tokens of an
+/// indexed layer at 640 rows each (window 128 + top-k 512).
+pub fn bench_attention(gpu: &Gpu, seed: u64) -> Result<Vec<(String, f64)>> {
+    let mut rng = Rng::stream(seed, 0xa77f, 0);
+    let n = 512;
+    let n_comp_rows = 4096;
+    let q: Vec<f32> = (0..n * HEADS * HD).map(|_| rng.normal()).collect();
+    let ring: Vec<f32> = (0..RAW_CAP * HD).map(|_| rng.normal()).collect();
+    let comp: Vec<f32> = (0..n_comp_rows * HD).map(|_| rng.normal()).collect();
+    let sel: Vec<i32> = (0..n * TOP_K)
+        .map(|_| rng.below(n_comp_rows as u64) as i32)
+        .collect();
+    let steps: Vec<i32> = (0..n).flat_map(|t| [(8192 + t) as i32, 0]).collect();
+    let (d_step, d_q, d_ring) = (gpu.upload(&steps)?, gpu.upload(&q)?, gpu.upload(&ring)?);
+    let (d_comp, d_sel) = (gpu.upload(&comp)?, gpu.upload(&sel)?);
+    let d_sinks = gpu.upload(&vec![0.5f32; HEADS])?;
+    let out = gpu.zeros::<f32>(n * HEADS * HD)?;
+    let scale = (HD as f32).powf(-0.5);
+    let mma = gpu.time_ms(2, 10, |_| {
+        gpu.attention_prefill_mma(
+            n,
+            gpu.ptr(&d_step),
+            gpu.ptr(&d_q),
+            gpu.ptr(&d_ring),
+            RAW_CAP,
+            WINDOW,
+            gpu.ptr(&d_comp),
+            4,
+            gpu.ptr(&d_sel),
+            TOP_K,
+            gpu.ptr(&d_sinks),
+            HEADS,
+            HD,
+            scale,
+            gpu.ptr(&out),
+        )
+    })?;
+    let split = gpu.time_ms(2, 10, |_| {
+        gpu.attention(
+            n,
+            gpu.ptr(&d_step),
+            gpu.ptr(&d_q),
+            gpu.ptr(&d_ring),
+            RAW_CAP,
+            WINDOW,
+            gpu.ptr(&d_comp),
+            4,
+            gpu.ptr(&d_sel),
+            TOP_K,
+            gpu.ptr(&d_sinks),
+            HEADS,
+            HD,
+            scale,
+            WINDOW + TOP_K,
+            1,
+            0,
+            0,
+            gpu.ptr(&out),
+        )
+    })?;
+    Ok(vec![
+        ("attention mma 512 tok x 640 rows".into(), mma),
+        ("attention f32 512 tok x 640 rows".into(), split),
+    ])
+}

@@ -1,0 +1,218 @@
+// Prefill attention on tensor cores (fast numerics): one block per token computes
+// S = Q·Kᵀ for all 64 heads over 32-row tiles of the token's rows (raw window oldest
+// first, then the compressed rows or their top-k selection, as attention_split), an
+// online softmax, and O += P·V, with K = V = the stored row (MQA). Q, the row tile and P
+// are fp16 (rows are RMS-normed and q heads too, so values are O(1)); products and the
+// softmax accumulate in f32. Uses the cp.async / ldmatrix helpers of matmul.cu (kernel
+// files are concatenated in name order).
+//
+// Why: attention_split reads every row once per head group of 8 (8 re-reads per token)
+// and runs on the FMA pipes; here a token's rows are read once and its 4·64·512 FLOPs
+// per row run as mma.sync m16n8k16.
+//
+// Layout: 8 warps; warp w owns heads 16·(w & 3) … +15 and output dims 256·(w >> 2) …
+// +255 (so warps w and w + 4 compute the same scores: 1.5× the score FLOPs, no shared
+// memory exchange). Shared memory: Q [64][AMMA_LD] fp16, the row tile [32][AMMA_LD]
+// fp16, and the next tile's f32 rows [32][512] arriving by cp.async while this tile
+// computes. Rows are padded to AMMA_LD halves so ldmatrix rows land on distinct banks.
+#include "common.cuh"
+
+#define AMMA_HEADS 64
+#define AMMA_HD 512
+#define AMMA_ROWS 32
+#define AMMA_LD (AMMA_HD + 8)
+
+__device__ __forceinline__ u32 amma_pack(float lo, float hi) {
+    u32 r;
+    asm("{ .reg .b16 l, h; cvt.rn.f16.f32 l, %1; cvt.rn.f16.f32 h, %2; mov.b32 %0, {l, h}; }"
+        : "=r"(r)
+        : "f"(lo), "f"(hi));
+    return r;
+}
+
+__device__ __forceinline__ void amma_ldsm4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
+// c += A·B, fp16 inputs, f32 accumulators.
+__device__ __forceinline__ void amma_mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3,
+                                         u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void amma_wait_all() {
+    asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) attention_prefill_mma(const Step* step,
+        const float* q, const float* ring, int raw_cap, int window, const float* comp,
+        int ratio, const i32* sel, int top_k, const float* sinks, float scale, float* out) {
+    extern __shared__ __align__(16) u8 smem[];
+    u16* sQ = reinterpret_cast<u16*>(smem);
+    u16* sK = sQ + AMMA_HEADS * AMMA_LD;
+    float* sF = reinterpret_cast<float*>(sK + AMMA_ROWS * AMMA_LD);
+    const int t = blockIdx.x;
+    const int tid = threadIdx.x, lane = tid % WARP, w = tid / WARP;
+    const int g = lane >> 2, cq = lane & 3;
+    const int pos = step[t].pos;
+    const int n_raw = min(pos + 1, window);
+    const int n_comp_all = ratio > 0 ? (pos + 1) / ratio : 0;
+    const bool masked = sel != nullptr && n_comp_all > top_k;
+    const int n_comp = masked ? top_k : n_comp_all;
+    const i32* st = sel + (i64)t * top_k;
+    const int total = n_raw + n_comp;
+    const int n_tiles = (total + AMMA_ROWS - 1) / AMMA_ROWS;
+
+    // The f32 rows of tile `tile` into sF: 32 rows × 128 chunks of 16 bytes; thread
+    // tid copies chunk tid % 128 of rows tid / 128 + 2i (rows past the end are zeros).
+    auto issue = [&](int tile) {
+        const int cc = tid & 127;
+#pragma unroll 4
+        for (int i = 0; i < AMMA_ROWS / 2; ++i) {
+            const int rr = (tid >> 7) + 2 * i;
+            const int r = tile * AMMA_ROWS + rr;
+            const float* src = ring;
+            const bool ok = r < total;
+            if (ok) {
+                if (r < n_raw) {
+                    src = ring + (i64)((pos - n_raw + 1 + r) % raw_cap) * AMMA_HD;
+                } else {
+                    const int ci = masked ? st[r - n_raw] : r - n_raw;
+                    src = comp + (i64)ci * AMMA_HD;
+                }
+                src += cc * 4;
+            }
+            mm_cp16(mm_smem(sF + rr * AMMA_HD + cc * 4), src, ok);
+        }
+        mm_commit();
+    };
+    issue(0);
+
+    // Q (scaled) to fp16.
+    const float* qt = q + (i64)t * AMMA_HEADS * AMMA_HD;
+#pragma unroll 4
+    for (int i = tid; i < AMMA_HEADS * AMMA_HD / 4; i += 256) {
+        const float4 v = *reinterpret_cast<const float4*>(qt + 4 * i);
+        const int h = (4 * i) / AMMA_HD, d = (4 * i) % AMMA_HD;
+        u32* dst = reinterpret_cast<u32*>(sQ + h * AMMA_LD + d);
+        dst[0] = amma_pack(v.x * scale, v.y * scale);
+        dst[1] = amma_pack(v.z * scale, v.w * scale);
+    }
+
+    const int h0 = 16 * (w & 3), d0 = 256 * (w >> 2);
+    float o[32][4];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    // Running max and (this thread's partial) sum of heads h0 + g and h0 + g + 8.
+    float m0 = -3.0e38f, m1 = -3.0e38f, l0 = 0.f, l1 = 0.f;
+    const u32 sQ_a = mm_smem(sQ + (h0 + (lane & 15)) * AMMA_LD + 8 * (lane >> 4));
+    const u32 sK_s = mm_smem(sK + ((lane & 7) + 8 * (lane >> 4)) * AMMA_LD + 8 * ((lane >> 3) & 1));
+    const u32 sK_v = mm_smem(sK + ((lane & 7) + 8 * ((lane >> 3) & 1)) * AMMA_LD + d0 + 8 * (lane >> 4));
+
+    for (int tile = 0; tile < n_tiles; ++tile) {
+        amma_wait_all();
+        __syncthreads();  // sF holds this tile; every warp is done with the last sK
+#pragma unroll 4
+        for (int i = tid; i < AMMA_ROWS * AMMA_HD / 4; i += 256) {
+            const int r = (4 * i) / AMMA_HD, d = (4 * i) % AMMA_HD;
+            const float4 v = *reinterpret_cast<const float4*>(sF + 4 * i);
+            u32* dst = reinterpret_cast<u32*>(sK + r * AMMA_LD + d);
+            dst[0] = amma_pack(v.x, v.y);
+            dst[1] = amma_pack(v.z, v.w);
+        }
+        __syncthreads();  // sK ready; sF free for the next tile
+        if (tile + 1 < n_tiles) issue(tile + 1);
+
+        // Scores of 16 heads × 32 rows.
+        float s[4][4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll 8
+        for (int ks = 0; ks < AMMA_HD / 16; ++ks) {
+            u32 a0, a1, a2, a3;
+            mm_ldsm4(sQ_a + ks * 32, a0, a1, a2, a3);
+#pragma unroll
+            for (int np = 0; np < 2; ++np) {
+                u32 b0, b1, b2, b3;
+                mm_ldsm4(sK_s + np * 16 * AMMA_LD * 2 + ks * 32, b0, b1, b2, b3);
+                amma_mma(s[2 * np], a0, a1, a2, a3, b0, b1);
+                amma_mma(s[2 * np + 1], a0, a1, a2, a3, b2, b3);
+            }
+        }
+        // Rows past the end score −∞; online softmax per head row.
+        float mx0 = m0, mx1 = m1;
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int col = tile * AMMA_ROWS + nt * 8 + 2 * cq + (j & 1);
+                if (col >= total) s[nt][j] = __int_as_float(0xff800000u);
+            }
+            mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+            mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float c0 = expf(m0 - mx0), c1 = expf(m1 - mx1);
+        m0 = mx0;
+        m1 = mx1;
+        l0 *= c0;
+        l1 *= c1;
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+            s[nt][0] = expf(s[nt][0] - m0);
+            s[nt][1] = expf(s[nt][1] - m0);
+            s[nt][2] = expf(s[nt][2] - m1);
+            s[nt][3] = expf(s[nt][3] - m1);
+            l0 += s[nt][0] + s[nt][1];
+            l1 += s[nt][2] + s[nt][3];
+        }
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            o[i][0] *= c0;
+            o[i][1] *= c0;
+            o[i][2] *= c1;
+            o[i][3] *= c1;
+        }
+        // O += P·V over the tile's 32 rows (two k-steps of 16).
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+            const u32 a0 = amma_pack(s[2 * kk][0], s[2 * kk][1]);
+            const u32 a1 = amma_pack(s[2 * kk][2], s[2 * kk][3]);
+            const u32 a2 = amma_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            const u32 a3 = amma_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int np = 0; np < 16; ++np) {
+                u32 b0, b1, b2, b3;
+                amma_ldsm4_t(sK_v + kk * 16 * AMMA_LD * 2 + np * 32, b0, b1, b2, b3);
+                amma_mma(o[2 * np], a0, a1, a2, a3, b0, b1);
+                amma_mma(o[2 * np + 1], a0, a1, a2, a3, b2, b3);
+            }
+        }
+    }
+
+    // The sink joins the denominator only.
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const int ha = h0 + g, hb = h0 + g + 8;
+    const float ska = sinks[ha], skb = sinks[hb];
+    const float ma = fmaxf(m0, ska), mb = fmaxf(m1, skb);
+    const float fa = expf(m0 - ma) / (l0 * expf(m0 - ma) + expf(ska - ma));
+    const float fb = expf(m1 - mb) / (l1 * expf(m1 - mb) + expf(skb - mb));
+    float* oa = out + ((i64)t * AMMA_HEADS + ha) * AMMA_HD + d0 + 2 * cq;
+    float* ob = out + ((i64)t * AMMA_HEADS + hb) * AMMA_HD + d0 + 2 * cq;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+        *reinterpret_cast<float2*>(oa + 8 * i) = make_float2(o[i][0] * fa, o[i][1] * fa);
+        *reinterpret_cast<float2*>(ob + 8 * i) = make_float2(o[i][2] * fb, o[i][3] * fb);
+    }
+}
