@@ -216,18 +216,28 @@ pub fn check_matmul(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
             (96, 1024, 130, 1, false),
             (64, 256, 33, 3, true),
         ] {
-            out.extend(check_f32(
-                gpu,
-                &mut rng,
-                ty,
-                (rows, cols, n_tok, groups),
-                pad,
-            )?);
+            // F16 / BF16 run on tensor cores by default; check both kernels.
+            let tc_too = matches!(ty, GgmlType::F16 | GgmlType::BF16);
+            for tc in [false, true].into_iter().filter(|&tc| !tc || tc_too) {
+                out.extend(check_f32(
+                    gpu,
+                    &mut rng,
+                    ty,
+                    (rows, cols, n_tok, groups),
+                    pad,
+                    tc,
+                )?);
+            }
         }
     }
     for ty in [GgmlType::F16, GgmlType::Q8_0] {
         for sk in [1usize, 2, 4, 8] {
-            out.extend(check_f32_split(gpu, &mut rng, ty, sk)?);
+            for tc in [false, true]
+                .into_iter()
+                .filter(|&tc| !tc || ty == GgmlType::F16)
+            {
+                out.extend(check_f32_split(gpu, &mut rng, ty, sk, tc)?);
+            }
         }
     }
     out.push(check_invalid(gpu)?);
@@ -436,6 +446,7 @@ fn check_f32(
     ty: GgmlType,
     (rows, cols, n_tok, groups): (usize, usize, usize, usize),
     pad: bool,
+    tensor_cores: bool,
 ) -> Result<Vec<Check>> {
     let w = random_matrix(ty, rows, cols, groups, rng);
     let m = upload(gpu, ty, &w, rows, cols, groups)?;
@@ -444,7 +455,7 @@ fn check_f32(
     let xd = gpu.upload(&x)?;
     let ylen = n_tok * b.y_tok;
     let yd = gpu.upload(&vec![f32::NAN; ylen])?;
-    gpu.matmul_f32(&m, gpu.ptr(&xd), gpu.ptr(&yd), b)?;
+    gpu.matmul_f32_opts(&m, gpu.ptr(&xd), gpu.ptr(&yd), b, None, Some(tensor_cores))?;
     let (got, canaries) = gather(&gpu.download(&yd)?, &b, rows);
     let xv: Vec<f64> = x.iter().map(|&v| v as f64).collect();
     let want = reference_batch(
@@ -455,7 +466,8 @@ fn check_f32(
         cols,
     );
     let name = format!(
-        "matmul_f32 {ty} {groups}x{rows}x{cols} n{n_tok}{}",
+        "matmul_{} {ty} {groups}x{rows}x{cols} n{n_tok}{}",
+        if tensor_cores { "tc" } else { "f32" },
         if pad { " padded" } else { "" }
     );
     let e = if canaries {
@@ -479,7 +491,13 @@ fn check_f32(
 }
 
 /// matmul_f32 with a forced split-K factor (cluster reduction) on a 2-group padded batch.
-fn check_f32_split(gpu: &Gpu, rng: &mut Rng, ty: GgmlType, sk: usize) -> Result<Vec<Check>> {
+fn check_f32_split(
+    gpu: &Gpu,
+    rng: &mut Rng,
+    ty: GgmlType,
+    sk: usize,
+    tensor_cores: bool,
+) -> Result<Vec<Check>> {
     let (rows, cols, n_tok, groups) = (100, 2048, 70, 2);
     let w = random_matrix(ty, rows, cols, groups, rng);
     let m = upload(gpu, ty, &w, rows, cols, groups)?;
@@ -487,7 +505,14 @@ fn check_f32_split(gpu: &Gpu, rng: &mut Rng, ty: GgmlType, sk: usize) -> Result<
     let x = random_vec(n_tok * b.x_tok, rng);
     let xd = gpu.upload(&x)?;
     let yd = gpu.upload(&vec![f32::NAN; n_tok * b.y_tok])?;
-    gpu.matmul_f32_split(&m, gpu.ptr(&xd), gpu.ptr(&yd), b, Some(sk))?;
+    gpu.matmul_f32_opts(
+        &m,
+        gpu.ptr(&xd),
+        gpu.ptr(&yd),
+        b,
+        Some(sk),
+        Some(tensor_cores),
+    )?;
     let (got, canaries) = gather(&gpu.download(&yd)?, &b, rows);
     let xv: Vec<f64> = x.iter().map(|&v| v as f64).collect();
     let want = reference_batch(
@@ -503,7 +528,10 @@ fn check_f32_split(gpu: &Gpu, rng: &mut Rng, ty: GgmlType, sk: usize) -> Result<
         f64::NAN
     };
     Ok(vec![check(
-        format!("matmul_f32 {ty} {groups}x{rows}x{cols} n{n_tok} padded split-K {sk} vs f64"),
+        format!(
+            "matmul_{} {ty} {groups}x{rows}x{cols} n{n_tok} padded split-K {sk} vs f64",
+            if tensor_cores { "tc" } else { "f32" }
+        ),
         e,
     )])
 }
@@ -636,15 +664,19 @@ pub fn bench_matmul(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
         let x = gpu.upload(&random_vec(n_tok * cols, &mut rng))?;
         let y = gpu.zeros::<f32>(n_tok * rows)?;
         let (xp, yp) = (gpu.ptr(&x), gpu.ptr(&y));
-        let ms = gpu.time_ms(warm, reps, |_| gpu.matmul_f32(&m, xp, yp, b))?;
         let ops = 2.0 * (rows * cols * n_tok) as f64;
-        out.push(timing(
-            format!("mm_f32 F16 {name} n{n_tok}"),
-            m.bytes(),
-            ops,
-            ms,
-            "TFLOPS",
-        ));
+        for tc in [false, true] {
+            let ms = gpu.time_ms(warm, reps, |_| {
+                gpu.matmul_f32_opts(&m, xp, yp, b, None, Some(tc))
+            })?;
+            out.push(timing(
+                format!("mm_{} F16 {name} n{n_tok}", if tc { "tc" } else { "f32" }),
+                m.bytes(),
+                ops,
+                ms,
+                "TFLOPS",
+            ));
+        }
         for sk in [1usize, 2, 4, 8] {
             let ms = gpu.time_ms(warm, reps, |_| {
                 gpu.matmul_f32_split(&m, xp, yp, b, Some(sk))

@@ -765,13 +765,36 @@ extern "C" __global__ void __launch_bounds__(1024) route_plan_build(
 
 __device__ __forceinline__ float mm_bf2f(u32 h) { return __int_as_float(h << 16); }
 
-template <int WT, int S>
+// tf32 with round-to-nearest (the hi part of a split operand).
+__device__ __forceinline__ float mm_tf32(float v) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
+    return __uint_as_float(r);
+}
+
+// c += A·B, m16n8k8 tf32 with f32 accumulators.
+__device__ __forceinline__ void mm_mma_tf32(float (&c)[4], float a0, float a1, float a2,
+                                            float a3, float b0, float b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(__float_as_uint(a0)), "r"(__float_as_uint(a1)), "r"(__float_as_uint(a2)),
+          "r"(__float_as_uint(a3)), "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
+}
+
+// TC: tensor cores for F16 / BF16 weights, which tf32 holds exactly; the activation is
+// split into a tf32 part and its f32 remainder (two mma per product), so products
+// carry ~22 bits of the activation: the f32 result to ~1e-6 instead of tf32's 1e-3.
+// Warp w takes rows 32·(w & 1) … +31 and tokens 16·(w >> 1) … +15 of the 64×64 tile.
+template <int WT, int S, bool TC>
 __device__ __forceinline__ void mm_f32_body(const u8* __restrict__ w, const u16* __restrict__ wd,
                                             i64 mat_w, i64 mat_d, const float* __restrict__ x,
                                             float* __restrict__ y, int rows, int cols, int n_tok,
                                             i64 x_tok, i64 x_grp, i64 y_tok, i64 y_grp) {
-    __shared__ __align__(16) float ws[2][32][68];
-    __shared__ __align__(16) float xs[2][32][68];
+    // Row stride 72 (≡ 8 mod 32 banks): the tf32 fragments (k = lane & 3 (+4), row or
+    // token = lane >> 2) read 32 distinct banks.
+    __shared__ __align__(16) float ws[2][32][72];
+    __shared__ __align__(16) float xs[2][32][72];
     const int tid = threadIdx.x;
     // Split K over the S blocks of a cluster (z = group·S + split): split s takes k-tiles
     // [s·nkt/S, (s+1)·nkt/S); the partial tiles are summed in split order through
@@ -862,6 +885,42 @@ __device__ __forceinline__ void mm_f32_body(const u8* __restrict__ w, const u16*
         for (int i = 0; i < 4; ++i)
 #pragma unroll
             for (int j = 0; j < 4; ++j) part[i][j] = 0.f;
+        if (TC) {
+            // part[2·mi + ni]: the m16n8 fragment of rows 32·wr + 16·mi, tokens
+            // 16·wt + 8·ni.
+            const int lane = tid % WARP, wid = tid / WARP;
+            const int g = lane >> 2, c = lane & 3;
+            const int rb = 32 * (wid & 1), tb = 16 * (wid >> 1);
+#pragma unroll
+            for (int k8 = 0; k8 < 32; k8 += 8) {
+                float a[2][4], bh[2][2], bl[2][2];
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi) {
+                    a[mi][0] = ws[s][k8 + c][rb + 16 * mi + g];
+                    a[mi][1] = ws[s][k8 + c][rb + 16 * mi + g + 8];
+                    a[mi][2] = ws[s][k8 + c + 4][rb + 16 * mi + g];
+                    a[mi][3] = ws[s][k8 + c + 4][rb + 16 * mi + g + 8];
+                }
+#pragma unroll
+                for (int ni = 0; ni < 2; ++ni) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const float v = xs[s][k8 + c + 4 * h][tb + 8 * ni + g];
+                        bh[ni][h] = mm_tf32(v);
+                        bl[ni][h] = mm_tf32(v - bh[ni][h]);
+                    }
+                }
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                    for (int ni = 0; ni < 2; ++ni) {
+                        mm_mma_tf32(part[2 * mi + ni], a[mi][0], a[mi][1], a[mi][2], a[mi][3],
+                                    bl[ni][0], bl[ni][1]);
+                        mm_mma_tf32(part[2 * mi + ni], a[mi][0], a[mi][1], a[mi][2], a[mi][3],
+                                    bh[ni][0], bh[ni][1]);
+                    }
+            }
+        } else {
 #pragma unroll 8
         for (int k = 0; k < 32; ++k) {
             const float4 a = *reinterpret_cast<const float4*>(&ws[s][k][4 * tr]);
@@ -872,6 +931,7 @@ __device__ __forceinline__ void mm_f32_body(const u8* __restrict__ w, const u16*
 #pragma unroll
                 for (int j = 0; j < 4; ++j) part[i][j] = fmaf(av[i], bv[j], part[i][j]);
         }
+        }
 #pragma unroll
         for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -879,15 +939,25 @@ __device__ __forceinline__ void mm_f32_body(const u8* __restrict__ w, const u16*
         if (kt + 1 < nkt) put(s ^ 1);
         __syncthreads();
     }
+    // Tile row and token of acc[i][j]: a 4×4 register tile, or (TC) element j of
+    // fragment i = 2·mi + ni.
+    auto row_of = [&](int i, int j) {
+        if (!TC) return 4 * tr + i;
+        const int lane = tid % WARP;
+        return 32 * ((tid / WARP) & 1) + 16 * (i >> 1) + (lane >> 2) + 8 * (j >> 1);
+    };
+    auto tok_of = [&](int i, int j) {
+        if (!TC) return 4 * tt + j;
+        const int lane = tid % WARP;
+        return 16 * (tid / WARP >> 1) + 8 * (i & 1) + 2 * (lane & 3) + (j & 1);
+    };
     if (S == 1) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const int t = n0 + 4 * tt + j;
-            if (t >= n_tok) continue;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const int r = m0 + 4 * tr + i;
-                if (r < rows) y[(i64)t * y_tok + r] = acc[i][j];
+                const int t = n0 + tok_of(i, j), r = m0 + row_of(i, j);
+                if (t < n_tok && r < rows) y[(i64)t * y_tok + r] = acc[i][j];
             }
         }
         return;
@@ -899,7 +969,7 @@ __device__ __forceinline__ void mm_f32_body(const u8* __restrict__ w, const u16*
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) red[(4 * tt + j) * 64 + 4 * tr + i] = acc[i][j];
+        for (int i = 0; i < 4; ++i) red[tok_of(i, j) * 64 + row_of(i, j)] = acc[i][j];
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
     const u32 red_s = mm_smem(red);
     for (int idx = split * (4096 / S) + tid; idx < (split + 1) * (4096 / S); idx += 256) {
@@ -919,20 +989,22 @@ __device__ __forceinline__ void mm_f32_body(const u8* __restrict__ w, const u16*
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
-#define MM_F32_KERNEL(NAME, WT, S)                                                              \
+#define MM_F32_KERNEL(NAME, WT, S, TC)                                                          \
     extern "C" __global__ void __launch_bounds__(256) __cluster_dims__(1, 1, S) NAME(          \
         const u8* __restrict__ w, const u16* __restrict__ wd, i64 mat_w, i64 mat_d,             \
         const float* __restrict__ x, float* __restrict__ y, int rows, int cols, int n_tok,      \
         i64 x_tok, i64 x_grp, i64 y_tok, i64 y_grp) {                                           \
-        mm_f32_body<WT, S>(w, wd, mat_w, mat_d, x, y, rows, cols, n_tok, x_tok, x_grp, y_tok,   \
-                           y_grp);                                                              \
+        mm_f32_body<WT, S, TC>(w, wd, mat_w, mat_d, x, y, rows, cols, n_tok, x_tok, x_grp,      \
+                               y_tok, y_grp);                                                   \
     }
-#define MM_F32_KERNELS(NAME, WT)                                                                \
-    MM_F32_KERNEL(NAME##_s1, WT, 1)                                                             \
-    MM_F32_KERNEL(NAME##_s2, WT, 2)                                                             \
-    MM_F32_KERNEL(NAME##_s4, WT, 4)                                                             \
-    MM_F32_KERNEL(NAME##_s8, WT, 8)
-MM_F32_KERNELS(mm_f32_f32, MF_WT_F32)
-MM_F32_KERNELS(mm_f32_f16, MF_WT_F16)
-MM_F32_KERNELS(mm_f32_bf16, MF_WT_BF16)
-MM_F32_KERNELS(mm_f32_q8_0, MF_WT_Q8_0)
+#define MM_F32_KERNELS(NAME, WT, TC)                                                            \
+    MM_F32_KERNEL(NAME##_s1, WT, 1, TC)                                                         \
+    MM_F32_KERNEL(NAME##_s2, WT, 2, TC)                                                         \
+    MM_F32_KERNEL(NAME##_s4, WT, 4, TC)                                                         \
+    MM_F32_KERNEL(NAME##_s8, WT, 8, TC)
+MM_F32_KERNELS(mm_f32_f32, MF_WT_F32, false)
+MM_F32_KERNELS(mm_f32_f16, MF_WT_F16, false)
+MM_F32_KERNELS(mm_f32_bf16, MF_WT_BF16, false)
+MM_F32_KERNELS(mm_f32_q8_0, MF_WT_Q8_0, false)
+MM_F32_KERNELS(mm_tc_f16, MF_WT_F16, true)
+MM_F32_KERNELS(mm_tc_bf16, MF_WT_BF16, true)

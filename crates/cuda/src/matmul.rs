@@ -401,12 +401,44 @@ impl Gpu {
         b: Batch,
         split: Option<usize>,
     ) -> Result<(), CudaError> {
+        self.matmul_f32_opts(m, x, y, b, split, None)
+    }
+
+    /// [`Gpu::matmul_f32_split`] choosing the tensor-core kernels (F16 / BF16 weights:
+    /// tf32 products of the weight with the activation's tf32 part and remainder) or
+    /// the f32 SIMT ones; `None` = tensor cores unless `DS4_CUDA_TF32=0`.
+    #[doc(hidden)]
+    pub fn matmul_f32_opts(
+        &self,
+        m: &DeviceMatrix,
+        x: u64,
+        y: u64,
+        b: Batch,
+        split: Option<usize>,
+        tensor_cores: Option<bool>,
+    ) -> Result<(), CudaError> {
         if b.n_tok == 0 {
             return Ok(());
         }
         let what = format!("matmul_f32 {} {}×{}", m.ty, m.rows, m.cols);
         self.check_batch(&what, m, &b, None)?;
+        static TF32: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let tc = tensor_cores.unwrap_or_else(|| {
+            *TF32.get_or_init(|| std::env::var("DS4_CUDA_TF32").map_or(true, |v| v != "0"))
+        });
         let names = match m.ty {
+            GgmlType::F16 if tc => [
+                "mm_tc_f16_s1",
+                "mm_tc_f16_s2",
+                "mm_tc_f16_s4",
+                "mm_tc_f16_s8",
+            ],
+            GgmlType::BF16 if tc => [
+                "mm_tc_bf16_s1",
+                "mm_tc_bf16_s2",
+                "mm_tc_bf16_s4",
+                "mm_tc_bf16_s8",
+            ],
             GgmlType::F32 => [
                 "mm_f32_f32_s1",
                 "mm_f32_f32_s2",
