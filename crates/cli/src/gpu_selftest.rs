@@ -475,8 +475,20 @@ pub fn probe_q8_splits(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
     }
     // The routed experts' int8 matvecs (6 of 256 experts, as in decode).
     for (name, ty, rows, cols, shared) in [
-        ("6 experts gate IQ2_XXS 4096->2048", GgmlType::IQ2_XXS, 2048, 4096, true),
-        ("6 experts down Q2_K 2048->4096", GgmlType::Q2_K, 4096, 2048, false),
+        (
+            "6 experts gate IQ2_XXS 4096->2048",
+            GgmlType::IQ2_XXS,
+            2048,
+            4096,
+            true,
+        ),
+        (
+            "6 experts down Q2_K 2048->4096",
+            GgmlType::Q2_K,
+            4096,
+            2048,
+            false,
+        ),
     ] {
         let (mats, used) = (256usize, 6usize);
         let w = random_matrix(ty, rows, cols, mats, &mut rng);
