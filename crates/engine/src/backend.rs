@@ -41,4 +41,10 @@ pub trait Backend: Send {
     fn reset(&mut self);
 
     fn clone_box(&self) -> Box<dyn Backend>;
+
+    /// Tokens per `forward` call that keep this backend efficient: callers that split
+    /// a prompt (for progress or cancellation) should not pass fewer.
+    fn preferred_batch(&self) -> usize {
+        512
+    }
 }

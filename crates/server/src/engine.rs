@@ -31,6 +31,10 @@ pub trait EngineBackend: Send {
     fn save_payload(&self, w: &mut dyn Write) -> Result<(), ServerError>;
     /// Replaces the state with a payload written by `save_payload`.
     fn load_payload(&mut self, r: &mut dyn Read) -> Result<(), ServerError>;
+    /// Tokens per prefill call that keep the engine efficient.
+    fn preferred_batch(&self) -> usize {
+        512
+    }
 }
 
 /// The real engine: a `ds4_engine::Session` on the CPU or CUDA backend.
@@ -58,6 +62,9 @@ pub fn quant_bits_of(gguf: &ds4_gguf::GgufFile) -> u8 {
 }
 
 impl EngineBackend for RealEngine {
+    fn preferred_batch(&self) -> usize {
+        self.session.backend().preferred_batch()
+    }
     fn ctx(&self) -> usize {
         self.session.ctx()
     }

@@ -26,7 +26,8 @@ use crate::toolmem::ToolMemory;
 
 mod turn;
 
-/// Tokens per prefill call: small enough to notice a disconnect and report progress.
+/// Tokens per prefill call at least: small enough to notice a disconnect and report
+/// progress; the engine's preferred batch when larger (the CUDA prefill chunk).
 const PREFILL_CHUNK: usize = 512;
 
 struct Queue {
@@ -188,6 +189,11 @@ fn proper_rest<'a>(text: &'a str, prefix: &str) -> Option<&'a str> {
 }
 
 impl Worker {
+    /// Tokens per prefill call.
+    fn prefill_step(&self) -> usize {
+        PREFILL_CHUNK.max(self.engine.preferred_batch())
+    }
+
     pub fn new(shared: Arc<Shared>, engine: Box<dyn EngineBackend>) -> Worker {
         let sp = shared.tok.special_ids().ok().cloned();
         let disk = shared.cfg.kv_disk.clone().and_then(|c| {
@@ -503,7 +509,7 @@ impl Worker {
             if pos >= eff.len() {
                 break;
             }
-            let mut end = eff.len().min(pos + PREFILL_CHUNK);
+            let mut end = eff.len().min(pos + self.prefill_step());
             for p in [cold, snap_at].into_iter().flatten() {
                 if p > pos {
                     end = end.min(p);

@@ -59,8 +59,8 @@ impl CudaBackend {
     }
 
     /// Lowers the batched prefill chunk (tokens per batch) to at most `chunk`; the
-    /// session's initial chunk (`DS4_CUDA_PREFILL_CHUNK`, ≤ 512, bounded by the context's
-    /// score buffers) is the maximum.
+    /// session's initial chunk (`DS4_CUDA_PREFILL_CHUNK`, else 2,048, bounded by the
+    /// context's score buffers and the free device memory) is the maximum.
     pub fn set_prefill_chunk(&mut self, chunk: usize) {
         self.state.set_chunk(chunk);
     }
@@ -84,6 +84,11 @@ impl CudaBackend {
 impl Backend for CudaBackend {
     fn name(&self) -> &str {
         "cuda"
+    }
+
+    /// One batched prefill chunk: each chunk streams every routed expert's weights.
+    fn preferred_batch(&self) -> usize {
+        self.state.chunk()
     }
 
     fn n_tokens(&self) -> usize {

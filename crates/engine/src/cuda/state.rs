@@ -55,6 +55,35 @@ impl QuantBufs {
     }
 }
 
+/// Device bytes per token of a batch's `Work` (the `cap`-proportional buffers of
+/// `Scratch` and `QuantBufs`), for sizing prefill chunks to the free memory.
+fn work_bytes_per_token(c: &Config, ctx: usize) -> usize {
+    let (k, ff, e) = (c.n_expert_used, c.n_ff_exp, c.n_embd);
+    let ffs = c.n_ff_exp * c.n_expert_shared;
+    let (hd, og) = (c.head_dim, c.o_groups * c.o_lora_rank);
+    let floats = 2 * c.n_hc * e
+        + c.hc_mix()
+        + c.n_hc * (c.n_hc + 1)
+        + 4 * e
+        + 2 * c.q_lora_rank
+        + 2 * c.q_dim()
+        + hd
+        + og
+        + 4 * hd
+        + 4 * c.idx_head_dim
+        + c.idx_heads * (c.idx_head_dim + 1)
+        + comp_cap(ctx, 4)
+        + c.n_expert
+        + k
+        + 2 * k * e
+        + 3 * k * ff
+        + 3 * ffs;
+    let ints = 2 + c.idx_topk + k + c.o_groups;
+    // int8 values plus one f32 scale per 32.
+    let q8 = e + c.q_lora_rank + c.q_dim() + og + ffs + k * e + k * ff;
+    4 * (floats + ints) + q8 + q8 / 8
+}
+
 /// Scratch activations of up to `cap` tokens (rows of token t at t × width).
 struct Scratch {
     cap: usize,
@@ -279,7 +308,14 @@ fn comp_cap(ctx: usize, ratio: usize) -> usize {
 /// Device bytes per token of the batch buffers that grow with the context (attention
 /// scores and indexer scores); chunks are sized so these stay within 512 MiB.
 const CHUNK_SCORE_BUDGET: usize = 512 << 20;
-const MAX_CHUNK: usize = 512;
+/// Tokens per prefill chunk at most. Each chunk streams every routed expert's weights
+/// once (a chunk of 512 gives each expert ~12 tokens), so longer chunks amortise the
+/// weight decoding: H200 q2 prefill at 2k / 16k 3,179 / 2,552 tok/s with 512,
+/// 3,927 / 2,979 with 1,024, 4,378 / 3,219 with 2,048 (bench/RESULTS.md, v10f).
+const MAX_CHUNK: usize = 2048;
+/// A chunk's buffers (~1 MB per token at the Flash shape) take at most this fraction
+/// of the device memory free when the session is created.
+const CHUNK_MEM_FRACTION: usize = 4;
 /// Chunks of a decode token's attention rows (split evenly on the device by the row
 /// count at that position): 8 head groups × 32 chunks fill the GPU with blocks of a
 /// few rows each. A prefill batch uses one chunk per token: its tokens fill the GPU.
@@ -307,11 +343,14 @@ impl DeviceState {
             .unwrap_or(0);
         let att_stride = window + max_comp;
         let per_token = 4 * comp_cap(ctx, 4);
+        let free = g.mem_info().map_or(usize::MAX, |(free, _)| free);
+        let mem_chunk = free / CHUNK_MEM_FRACTION / work_bytes_per_token(c, ctx).max(1);
         let chunk = std::env::var("DS4_CUDA_PREFILL_CHUNK")
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
             .unwrap_or(MAX_CHUNK)
             .min(CHUNK_SCORE_BUDGET / per_token)
+            .min(mem_chunk)
             .clamp(1, ctx.max(1));
         let raw_cap = window + chunk;
         let mut layers = Vec::with_capacity(c.n_layer);

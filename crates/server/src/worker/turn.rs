@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering::Relaxed;
 
 use ds4_tokenizer::chat::{Message, ToolCall};
 
-use super::{common_prefix, Worker, PREFILL_CHUNK};
+use super::{common_prefix, Worker};
 use crate::bindings::{AnthropicBinding, Bindings, ResponsesBinding, ThinkingBinding};
 use crate::error::ServerError;
 use crate::job::{ApiKind, Finish, GenJob, GenResult};
@@ -193,7 +193,7 @@ impl Worker {
 
     /// Prefill with no client attached (rebuilds); stops early at shutdown.
     fn prefill_plain(&mut self, toks: &[u32]) -> Result<(), ServerError> {
-        for c in toks.chunks(PREFILL_CHUNK) {
+        for c in toks.chunks(self.prefill_step()) {
             if self.shared.stop_now.load(Relaxed) {
                 return Err(ServerError::Engine("shutdown requested".into()));
             }

@@ -36,7 +36,12 @@ pub fn prefill(session: &mut Session, tokens: &[u32], stop: Option<&AtomicBool>)
         )
         .expect("valid template"),
     );
-    let step = PROGRESS_STEP.min(session.prefill_chunk()).max(1);
+    // Progress steps no shorter than the backend's efficient batch (the CUDA prefill
+    // chunk streams every routed expert once).
+    let step = PROGRESS_STEP
+        .max(session.backend().preferred_batch())
+        .min(session.prefill_chunk())
+        .max(1);
     for chunk in tokens.chunks(step) {
         if stop.is_some_and(|s| s.load(Ordering::SeqCst)) {
             bar.abandon();
