@@ -137,6 +137,7 @@ pub fn check_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
             });
             if matches!(ty, GgmlType::IQ2_XXS | GgmlType::Q2_K | GgmlType::Q4_K) {
                 checks.push(check_q8act(gpu, &m, &w, &ids, &x)?);
+                checks.push(check_q8act_pair(gpu, &mut rng, &m, &ids)?);
             }
         }
     }
@@ -270,6 +271,44 @@ fn check_q8act(gpu: &Gpu, m: &DeviceMatrix, w: &[u8], ids: &[i32], x: &[f32]) ->
         name: format!("matvec_q8act {ty} {rows}x{cols}"),
         rel_err: rel_err(&y, &reference(ty, w, rows, cols, ids, &xq, false)),
         bound: 2e-5,
+    })
+}
+
+/// Two stacks in one launch (the routed experts' gate and up) against two separate
+/// launches: the same arithmetic, so the outputs must be identical.
+fn check_q8act_pair(gpu: &Gpu, rng: &mut Rng, m: &DeviceMatrix, ids: &[i32]) -> Result<Check> {
+    let (rows, cols, ty) = (m.rows, m.cols, m.ty);
+    let w2 = random_matrix(ty, rows, cols, m.n_mats, rng);
+    let m2 = DeviceMatrix::upload(gpu, ty, &w2, rows, cols, m.n_mats)?;
+    let xd = gpu.upload(&random_vec(cols, rng))?;
+    let mut qa = gpu.alloc_quant_act(1, cols)?;
+    gpu.quantize_act(gpu.ptr(&xd), &mut qa)?;
+    let idd = gpu.upload(ids)?;
+    let sel = MatSel {
+        ids: gpu.ptr(&idd),
+        x_stride: 0,
+        y_stride: rows as i64,
+    };
+    let n = ids.len() * rows;
+    let bufs: Vec<_> = (0..4)
+        .map(|_| gpu.upload(&vec![f32::NAN; n]))
+        .collect::<Result<_, _>>()?;
+    let p = |i: usize| gpu.ptr(&bufs[i]);
+    gpu.matvec_q8act_pair(m, &m2, &qa, p(0), p(1), ids.len(), sel)?;
+    gpu.matvec_q8act(m, &qa, p(2), ids.len(), sel)?;
+    gpu.matvec_q8act(&m2, &qa, p(3), ids.len(), sel)?;
+    let mut got = gpu.download(&bufs[0])?;
+    got.extend(gpu.download(&bufs[1])?);
+    let mut want = gpu.download(&bufs[2])?;
+    want.extend(gpu.download(&bufs[3])?);
+    let same = got
+        .iter()
+        .zip(&want)
+        .all(|(a, b)| a.to_bits() == b.to_bits());
+    Ok(Check {
+        name: format!("matvec_q8act_pair {ty} {rows}x{cols} (bit-identical)"),
+        rel_err: if same { 0.0 } else { f64::INFINITY },
+        bound: 0.0,
     })
 }
 

@@ -194,14 +194,23 @@ extern "C" __global__ void __launch_bounds__(1024) hc_pre(const float* h, const 
 }
 
 // ---- HC post: H'_j = out·post_j + Σ_i comb[i][j]·H_i.
-extern "C" __global__ void hc_post(const float* h, const float* out, const float* hcp, int n_hc,
-                                   int n_embd, float* h_out) {
+// With `parts` (n_parts rows of n_embd per token), the sublayer output is their sum
+// plus `out` (the routed experts in order k, then the shared expert).
+extern "C" __global__ void hc_post(const float* h, const float* out, const float* parts,
+                                   int n_parts, const float* hcp, int n_hc, int n_embd,
+                                   float* h_out) {
     h += (i64)blockIdx.y * n_hc * n_embd;
     h_out += (i64)blockIdx.y * n_hc * n_embd;
     out += (i64)blockIdx.y * n_embd;
+    if (parts) parts += (i64)blockIdx.y * n_parts * n_embd;
     hcp += (i64)blockIdx.y * (n_hc + n_hc * n_hc);
     for (int d = threadIdx.x + blockIdx.x * blockDim.x; d < n_embd; d += blockDim.x * gridDim.x) {
-        const float o = out[d];
+        float o = out[d];
+        if (parts) {
+            float acc = 0.f;
+            for (int k = 0; k < n_parts; ++k) acc += parts[(i64)k * n_embd + d];
+            o = acc + o;
+        }
         for (int j = 0; j < n_hc; ++j) {
             float acc = o * hcp[j];
             for (int i = 0; i < n_hc; ++i) acc += hcp[n_hc + i * n_hc + j] * h[(i64)i * n_embd + d];
@@ -250,6 +259,25 @@ extern "C" __global__ void rope_tail(const Step* step, float* x, int stride, int
     const float pos = (float)(step[blockIdx.y].pos + pos_offset);
     for (int k = threadIdx.x; k < p.rope_dim / 2; k += blockDim.x)
         rope_pair(v[2 * k], v[2 * k + 1], k, pos, p, inverse != 0);
+}
+
+// Unweighted RMS norm of each head row (stride floats; block (head, token)), then RoPE
+// on its tail: rmsnorm + rope_tail in one launch, with the same arithmetic in the same
+// order (launch with 256 threads, as rmsnorm uses for rows under 1024).
+extern "C" __global__ void __launch_bounds__(256) head_norm_rope(const Step* step, float* x,
+        int stride, float eps, RopeP p) {
+    __shared__ float red[32];
+    float* xr = x + ((i64)blockIdx.y * gridDim.x + blockIdx.x) * stride;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < stride; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = block_sum(ss, red);
+    const float sc = 1.0f / sqrtf(ss / (float)stride + eps);
+    for (int i = threadIdx.x; i < stride; i += blockDim.x) xr[i] = xr[i] * sc;
+    __syncthreads();
+    float* v = xr + (stride - p.rope_dim);
+    const float pos = (float)step[blockIdx.y].pos;
+    for (int k = threadIdx.x; k < p.rope_dim / 2; k += blockDim.x)
+        rope_pair(v[2 * k], v[2 * k + 1], k, pos, p, false);
 }
 
 // ---- QAT simulations.
@@ -1021,19 +1049,6 @@ extern "C" __global__ void repeat_rows(const float* src, int width, int k, float
     float* d = dst + (i64)blockIdx.y * width;
     for (int i = threadIdx.x + blockIdx.x * blockDim.x; i < width; i += blockDim.x * gridDim.x)
         d[i] = s[i];
-}
-
-// ---- out = Σ_k parts[k] (k ascending) + extra.
-extern "C" __global__ void sum_rows(const float* parts, int n_parts, int n, const float* extra,
-                                    float* out) {
-    parts += (i64)blockIdx.y * n_parts * n;
-    out += (i64)blockIdx.y * n;
-    if (extra) extra += (i64)blockIdx.y * n;
-    for (int i = threadIdx.x + blockIdx.x * blockDim.x; i < n; i += blockDim.x * gridDim.x) {
-        float acc = 0.f;
-        for (int k = 0; k < n_parts; ++k) acc += parts[(i64)k * n + i];
-        out[i] = acc + (extra ? extra[i] : 0.f);
-    }
 }
 
 // ---- Output head collapse: w_i = sigmoid(mix_i·scale + base_i) + eps, e = Σ w_i·H_i,

@@ -82,16 +82,26 @@ __device__ __forceinline__ float iq2_xxs_step(const W4 w, u16 d, int c, const u6
     return acc;
 }
 
+// With qs2 set, grid rows n_pair… use the second stack (qs2, dw2 → y2) with the same
+// selections and input: the routed experts' gate and up in one launch.
 extern "C" __global__ void __launch_bounds__(256, 3) matvec_iq2_xxs_q8(
     const u8* __restrict__ qs, const u16* __restrict__ dw, i64 mat_q, i64 mat_d,
     const u64* __restrict__ grid_g, const i8* __restrict__ xq, const float* __restrict__ xd,
-    float* __restrict__ y, int rows, int cols, MatSel sel) {
+    float* __restrict__ y, int rows, int cols, MatSel sel, const u8* __restrict__ qs2,
+    const u16* __restrict__ dw2, float* __restrict__ y2, int n_pair) {
     constexpr int R = EXP_ROWS_PER_WARP;
     extern __shared__ __align__(16) u8 smem[];
     u64* grid = reinterpret_cast<u64*>(smem);
     float* sd = reinterpret_cast<float*>(smem + 2048);
     i8* sq = reinterpret_cast<i8*>(smem + 2048 + (cols / 32) * 4);
-    const int m = sel_matrix(sel);
+    int yi = blockIdx.y;
+    if (qs2 != nullptr && yi >= n_pair) {
+        yi -= n_pair;
+        qs = qs2;
+        dw = dw2;
+        y = y2;
+    }
+    const int m = sel.ids ? sel.ids[yi] : 0;
     const int nc = cols / 256 * 4;  // 16-byte steps per row
     const int row0 = blockIdx.x * blockDim.y * R + threadIdx.y;
     const u8* q[R];
@@ -119,7 +129,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) matvec_iq2_xxs_q8(
     load(threadIdx.x);
     const int tid = threadIdx.y * WARP + threadIdx.x;
     for (int i = tid; i < 256; i += WARP * blockDim.y) grid[i] = grid_g[i];
-    stage_x(sq, sd, xq + blockIdx.y * sel.x_stride, xd + blockIdx.y * (sel.x_stride / 32), cols);
+    stage_x(sq, sd, xq + yi * sel.x_stride, xd + yi * (sel.x_stride / 32), cols);
     float acc[R] = {};
     for (int c = threadIdx.x; c < nc; c += WARP) {
         W4 cw[R];
@@ -137,7 +147,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) matvec_iq2_xxs_q8(
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const float v = warp_sum(acc[r]);
-        if (threadIdx.x == 0 && ok[r]) y[blockIdx.y * sel.y_stride + row0 + r * blockDim.y] = v;
+        if (threadIdx.x == 0 && ok[r]) y[yi * sel.y_stride + row0 + r * blockDim.y] = v;
     }
 }
 

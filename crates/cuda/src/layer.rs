@@ -209,23 +209,31 @@ impl Gpu {
         )
     }
 
+    ///
+    /// With `parts` ≠ 0 the sublayer output is the sum of the token's `n_parts` rows
+    /// there (k ascending) plus `out`: the routed experts and the shared expert.
+    #[allow(clippy::too_many_arguments)]
     pub fn hc_post(
         &self,
         n_tok: usize,
         h: u64,
         out: u64,
+        parts: u64,
+        n_parts: usize,
         hcp: u64,
         n_hc: usize,
         n_embd: usize,
         h_out: u64,
     ) -> Result<(), CudaError> {
-        let (nh, ne) = (n_hc as i32, n_embd as i32);
+        let (nh, ne, np) = (n_hc as i32, n_embd as i32, n_parts as i32);
         launch!(
             self,
             "hc_post",
             cfg2((n_embd as u32).div_ceil(256), n_tok, 256),
             h,
             out,
+            parts,
+            np,
             hcp,
             nh,
             ne,
@@ -283,6 +291,32 @@ impl Gpu {
             pos_offset,
             rope,
             inv
+        )
+    }
+
+    /// Unweighted RMS norm of each of `rows` head rows of `stride` floats per token,
+    /// then RoPE on their tails at the token's position (rmsnorm + rope_tail fused).
+    #[allow(clippy::too_many_arguments)]
+    pub fn head_norm_rope(
+        &self,
+        n_tok: usize,
+        step: u64,
+        x: u64,
+        stride: usize,
+        rows: usize,
+        eps: f32,
+        rope: RopeP,
+    ) -> Result<(), CudaError> {
+        let st = stride as i32;
+        launch!(
+            self,
+            "head_norm_rope",
+            cfg2(rows as u32, n_tok, 256),
+            step,
+            x,
+            st,
+            eps,
+            rope
         )
     }
 
@@ -752,29 +786,6 @@ impl Gpu {
             ns,
             clamp,
             mid
-        )
-    }
-
-    /// out[t] = Σ_k parts[t][k] + extra[t] (`extra = 0`: none).
-    pub fn sum_rows(
-        &self,
-        n_tok: usize,
-        parts: u64,
-        n_parts: usize,
-        n: usize,
-        extra: u64,
-        out: u64,
-    ) -> Result<(), CudaError> {
-        let (np, nn) = (n_parts as i32, n as i32);
-        launch!(
-            self,
-            "sum_rows",
-            cfg2((n as u32).div_ceil(256), n_tok, 256),
-            parts,
-            np,
-            nn,
-            extra,
-            out
         )
     }
 

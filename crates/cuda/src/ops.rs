@@ -406,11 +406,49 @@ impl Gpu {
         self.matvec_q8act_split(m, xq, y, n_sel, sel, None)
     }
 
+    /// `y[k] = W[ids[k]] · xq[k]` and `y2[k] = W2[ids[k]] · xq[k]`: two stacks with the
+    /// same selections and inputs (the routed experts' gate and up) in one launch when
+    /// both are IQ2_XXS of one shape, else as two launches.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matvec_q8act_pair(
+        &self,
+        m: &DeviceMatrix,
+        m2: &DeviceMatrix,
+        xq: &QuantAct,
+        y: u64,
+        y2: u64,
+        n_sel: usize,
+        sel: MatSel,
+    ) -> Result<(), CudaError> {
+        let same = m.ty == GgmlType::IQ2_XXS
+            && m2.ty == m.ty
+            && (m2.rows, m2.cols, m2.n_mats) == (m.rows, m.cols, m.n_mats);
+        if !same {
+            self.matvec_q8act(m, xq, y, n_sel, sel)?;
+            return self.matvec_q8act(m2, xq, y2, n_sel, sel);
+        }
+        self.matvec_q8act_launch(m, Some((m2, y2)), xq, y, n_sel, sel, None)
+    }
+
     /// [`Gpu::matvec_q8act`] with `ks` (1, 2, 4 or 8) warps per row of a Q8_0 matrix
     /// instead of the measured default (for tuning).
     pub fn matvec_q8act_split(
         &self,
         m: &DeviceMatrix,
+        xq: &QuantAct,
+        y: u64,
+        n_sel: usize,
+        sel: MatSel,
+        ks: Option<u32>,
+    ) -> Result<(), CudaError> {
+        self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, ks)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn matvec_q8act_launch(
+        &self,
+        m: &DeviceMatrix,
+        pair: Option<(&DeviceMatrix, u64)>,
         xq: &QuantAct,
         y: u64,
         n_sel: usize,
@@ -464,8 +502,9 @@ impl Gpu {
         } else {
             ROWS_PER_BLOCK * EXP_ROWS_PER_WARP
         };
+        let n_grid = if pair.is_some() { 2 * n_sel } else { n_sel };
         let cfg = LaunchConfig {
-            grid_dim: ((m.rows as u32).div_ceil(rows_per_block), n_sel as u32, 1),
+            grid_dim: ((m.rows as u32).div_ceil(rows_per_block), n_grid as u32, 1),
             block_dim: (32, ROWS_PER_BLOCK, 1),
             shared_mem_bytes: smem,
         };
@@ -496,6 +535,15 @@ impl Gpu {
         let ks_arg = ks as i32;
         if m.ty == GgmlType::Q8_0 {
             b.arg(&ks_arg);
+        }
+        // IQ2_XXS: the optional second stack (same selections, input and shape).
+        let (qs2, dw2, y2) = match pair {
+            Some((m2, y2)) => (self.ptr(&m2.parts[0]), self.ptr(&m2.parts[1]), y2),
+            None => (0, 0, 0),
+        };
+        let n_pair = n_sel as i32;
+        if m.ty == GgmlType::IQ2_XXS {
+            b.arg(&qs2).arg(&dw2).arg(&y2).arg(&n_pair);
         }
         // SAFETY: argument order matches matvec_q8act.cu; xq holds n_sel rows (or one
         // shared row) of m.cols values; y holds n_sel × m.rows floats (caller).

@@ -823,8 +823,7 @@ impl KvView<'_> {
             sel = g.ptr(&s.sel);
         }
         mv(g, &l.q_b, p(&s.qr), &mut qb.qr, qr_q8, p(&s.q), n, fast)?;
-        g.rmsnorm(p(&s.q), 0, f32t, hd, n * c.n_head, c.rms_eps, p(&s.q))?;
-        g.rope_tail(n, step, p(&s.q), hd, c.n_head, 0, rope, false)?;
+        g.head_norm_rope(n, step, p(&s.q), hd, c.n_head, c.rms_eps, rope)?;
         g.join(1)?;
         if indexer.is_some() {
             g.join(2)?;
@@ -909,7 +908,17 @@ impl KvView<'_> {
             )?;
         }
         mv(g, &l.out_b, p(&s.low), &mut qb.low, false, p(&s.o), n, fast)?;
-        g.hc_post(n, p(&s.h), p(&s.o), p(&s.hcp), c.n_hc, c.n_embd, p(&s.h2))?;
+        g.hc_post(
+            n,
+            p(&s.h),
+            p(&s.o),
+            0,
+            0,
+            p(&s.hcp),
+            c.n_hc,
+            c.n_embd,
+            p(&s.h2),
+        )?;
         Ok(())
     }
 
@@ -1056,8 +1065,15 @@ impl KvView<'_> {
             None if int8(&l.gate_exps) && int8(&l.up_exps) => {
                 let in_rows = if n == 1 { 1 } else { pairs };
                 g.quantize_act_k_rows(x_in, &mut qb.exp_in, in_rows)?;
-                g.matvec_q8act(&l.gate_exps, &qb.exp_in, p(&s.g), pairs, gate_up)?;
-                g.matvec_q8act(&l.up_exps, &qb.exp_in, p(&s.u), pairs, gate_up)?;
+                g.matvec_q8act_pair(
+                    &l.gate_exps,
+                    &l.up_exps,
+                    &qb.exp_in,
+                    p(&s.g),
+                    p(&s.u),
+                    pairs,
+                    gate_up,
+                )?;
                 None
             }
             None => {
@@ -1097,8 +1113,18 @@ impl KvView<'_> {
             g.matvec(&l.down_exps, p(&s.mid), p(&s.dn), pairs, per_mid)?;
         }
         g.join(1)?;
-        g.sum_rows(n, p(&s.dn), k, e, p(&s.sh), p(&s.o))?;
-        g.hc_post(n, p(&s.h2), p(&s.o), p(&s.hcp), c.n_hc, c.n_embd, p(&s.h))?;
+        // The routed experts' rows summed plus the shared expert, inside hc_post.
+        g.hc_post(
+            n,
+            p(&s.h2),
+            p(&s.sh),
+            p(&s.dn),
+            k,
+            p(&s.hcp),
+            c.n_hc,
+            c.n_embd,
+            p(&s.h),
+        )?;
         Ok(())
     }
 }
