@@ -13,6 +13,14 @@ typedef unsigned long long u64;
 
 #define WARP 32
 
+// Programmatic dependent launch (decode graphs, see Gpu::end_capture): every kernel
+// starts by waiting for its upstream grids to complete and their writes to be
+// visible; without a programmatic edge this is a no-op.
+#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+// Lets the next grid launch (its blocks then wait in PDL_WAIT) once every block of this
+// one has passed here or exited: called after a block's last load of weights.
+#define PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+
 __device__ __forceinline__ float h2f(u16 h) {
     float f;
     asm("{ .reg .b16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));

@@ -64,6 +64,7 @@ __device__ __forceinline__ float sigmoidf_(float x) {
 // ---- embedding: every HC stream starts as the token's embedding row.
 extern "C" __global__ void embed(const Step* step, const void* table, int type, int n_embd,
                                  int n_hc, float* h) {
+    PDL_WAIT();
     const i64 row = (i64)step[blockIdx.y].token * n_embd;
     h += (i64)blockIdx.y * n_hc * n_embd;
     for (int i = threadIdx.x + blockIdx.x * blockDim.x; i < n_embd; i += blockDim.x * gridDim.x) {
@@ -81,6 +82,7 @@ extern "C" __global__ void embed(const Step* step, const void* table, int type, 
 // ---- hyper-connection mixer: mix[k] = rms_scale(H) · (fn_k · H), one block per k.
 extern "C" __global__ void __launch_bounds__(1024) hc_mix(const float* h, int n, const void* fn,
                                                           int fn_type, float eps, float* mix) {
+    PDL_WAIT();
     __shared__ float red[32];
     const int k = blockIdx.x;
     h += (i64)blockIdx.y * n;
@@ -133,6 +135,7 @@ extern "C" __global__ void __launch_bounds__(1024) hc_mix(const float* h, int n,
 // block t scales its n_out values by the RMS factor of h_t.
 extern "C" __global__ void __launch_bounds__(256) hc_mix_scale(const float* h, int n,
                                                                float eps, float* mix, int n_out) {
+    PDL_WAIT();
     __shared__ float red[32];
     h += (i64)blockIdx.x * n;
     mix += (i64)blockIdx.x * n_out;
@@ -148,6 +151,7 @@ extern "C" __global__ void __launch_bounds__(256) hc_mix_scale(const float* h, i
 extern "C" __global__ void __launch_bounds__(1024) hc_pre(const float* h, const float* mix,
         const float* scale, const float* base, int n_hc, int n_embd, int iters, float eps,
         float* y, float* hcp) {
+    PDL_WAIT();
     // Sinkhorn runs in the first warp, one lane per element of the n_hc × n_hc comb
     // matrix (n_hc ≤ 5), in registers: row and column sums gather the other lanes'
     // values with shuffles, in the same order as the CPU. The sublayer input needs only
@@ -199,6 +203,7 @@ extern "C" __global__ void __launch_bounds__(1024) hc_pre(const float* h, const 
 extern "C" __global__ void hc_post(const float* h, const float* out, const float* parts,
                                    int n_parts, const float* hcp, int n_hc, int n_embd,
                                    float* h_out) {
+    PDL_WAIT();
     h += (i64)blockIdx.y * n_hc * n_embd;
     h_out += (i64)blockIdx.y * n_hc * n_embd;
     out += (i64)blockIdx.y * n_embd;
@@ -222,6 +227,7 @@ extern "C" __global__ void hc_post(const float* h, const float* out, const float
 // ---- RMS norm of `rows` vectors of n (one block each); w may be null (unweighted).
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm(const float* x, const void* w, int w_type,
                                                            int n, float eps, float* y) {
+    PDL_WAIT();
     __shared__ float red[32];
     const float* xr = x + (i64)blockIdx.x * n;
     float* yr = y + (i64)blockIdx.x * n;
@@ -255,6 +261,7 @@ __device__ __forceinline__ void rope_pair(float& x0, float& x1, int k, float pos
 
 extern "C" __global__ void rope_tail(const Step* step, float* x, int stride, int pos_offset,
                                      RopeP p, int inverse) {
+    PDL_WAIT();
     float* v = x + ((i64)blockIdx.y * gridDim.x + blockIdx.x) * stride + (stride - p.rope_dim);
     const float pos = (float)(step[blockIdx.y].pos + pos_offset);
     for (int k = threadIdx.x; k < p.rope_dim / 2; k += blockDim.x)
@@ -266,6 +273,7 @@ extern "C" __global__ void rope_tail(const Step* step, float* x, int stride, int
 // order (launch with 256 threads, as rmsnorm uses for rows under 1024).
 extern "C" __global__ void __launch_bounds__(256) head_norm_rope(const Step* step, float* x,
         int stride, float eps, RopeP p) {
+    PDL_WAIT();
     __shared__ float red[32];
     float* xr = x + ((i64)blockIdx.y * gridDim.x + blockIdx.x) * stride;
     float ss = 0.f;
@@ -357,6 +365,7 @@ __device__ __forceinline__ float f16r(float x) { return h2f(f2h(x)); }
 extern "C" __global__ void __launch_bounds__(512) kv_finish(const Step* step, const float* kv,
         const void* norm_w, int norm_type, int hd, float eps, RopeP p, int f16_round,
         float* ring, int raw_cap) {
+    PDL_WAIT();
     __shared__ float v[1024];
     __shared__ float red[32];
     step += blockIdx.y;
@@ -388,6 +397,7 @@ extern "C" __global__ void __launch_bounds__(1024) compressor_step(const Step* s
         const float* kvs, const void* ape, int ape_type, float* skv, float* ssc, int ratio,
         int lanes, int d, const void* norm_w, int norm_type, float eps, RopeP p, int mode,
         int f16_round, float* rows) {
+    PDL_WAIT();
     __shared__ float v[1024];
     __shared__ float red[32];
     const int w = lanes * d;
@@ -500,6 +510,7 @@ extern "C" __global__ void __launch_bounds__(1024) compressor_emit(const Step* s
         const float* kvs, const void* ape, int ape_type, const float* skv, const float* ssc,
         int ratio, int lanes, int d, const void* norm_w, int norm_type, float eps, RopeP p,
         int mode, int f16_round, float* rows) {
+    PDL_WAIT();
     __shared__ float v[1024];
     __shared__ float red[32];
     const int w = lanes * d;
@@ -574,6 +585,7 @@ extern "C" __global__ void __launch_bounds__(1024) compressor_emit(const Step* s
 // gets position R·r + j of the last row R completed in the batch, if any.
 extern "C" __global__ void compressor_state(const Step* step, int n_tok, const float* kvs,
         const void* ape, int ape_type, float* skv, float* ssc, int ratio, int lanes, int d) {
+    PDL_WAIT();
     const int w = lanes * d;
     const int p0 = step[0].pos;
     const int last = p0 + n_tok - 1;
@@ -606,6 +618,7 @@ extern "C" __global__ void compressor_state(const Step* step, int n_tok, const f
 // ---- Indexer query: per head (one block each) RoPE on the tail, Hadamard, FP4.
 extern "C" __global__ void __launch_bounds__(256) indexer_q(const Step* step, float* q, int dim,
                                                             RopeP p) {
+    PDL_WAIT();
     __shared__ float v[1024];
     step += blockIdx.y;
     float* qh = q + ((i64)blockIdx.y * gridDim.x + blockIdx.x) * dim;
@@ -633,6 +646,7 @@ extern "C" __global__ void __launch_bounds__(256) indexer_q(const Step* step, fl
 extern "C" __global__ void __launch_bounds__(256) indexer_scores(const Step* step,
         const float* index_rows, const float* q, const float* wt, int heads, int dim,
         float wscale, int ratio, int top_k, float* scores, int scores_stride) {
+    PDL_WAIT();
     extern __shared__ __align__(16) float ism[];
     float* qs = ism;                  // [dim][IDX_S]: qs[k][h]
     float* ks = ism + dim * IDX_S;    // [dim][IDX_S]: ks[k][row]
@@ -728,6 +742,7 @@ __device__ int block_exclusive_scan(int v, int* red, int* total) {
 // attention then uses every row. One block per token (blockIdx.y), 1024 threads.
 extern "C" __global__ void __launch_bounds__(1024) topk_select(const Step* step,
         const float* scores, int scores_stride, int ratio, int k, i32* sel) {
+    PDL_WAIT();
     __shared__ u32 hist[256];
     __shared__ u32 sel_prefix, sel_need;
     __shared__ int red[32];
@@ -797,6 +812,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_split(const Step* st
         const float* q, const float* ring, int raw_cap, int window, const float* comp,
         int ratio, const i32* sel, int top_k, const float* sinks, int heads, int hd, float scale,
         int rows_per_chunk, float* part_acc, float* part_ml, float* out) {
+    PDL_WAIT();
     const int c = blockIdx.x;
     const int n_chunks = gridDim.x;
     const int t = blockIdx.z;
@@ -893,6 +909,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_split(const Step* st
         }
         m = mn;
     }
+    PDL_TRIGGER();
     if (n_chunks == 1) {
         // Finish here: the sink joins the denominator only.
         const float sk = sinks[h];
@@ -938,6 +955,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_split(const Step* st
 #define ATT_MAX_CHUNKS 128
 extern "C" __global__ void __launch_bounds__(128) attention_combine(const float* part_acc,
         const float* part_ml, const float* sinks, int heads, int hd, int n_chunks, float* out) {
+    PDL_WAIT();
     __shared__ float wc[ATT_MAX_CHUNKS];
     const int h = blockIdx.x, t = blockIdx.y;
     const i64 base = ((i64)t * heads + h) * n_chunks;
@@ -977,6 +995,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_combine(const float*
 extern "C" __global__ void __launch_bounds__(512) router(const Step* step, const float* logits,
         int n_expert, int k, const float* bias, const i32* tid2eid, float wscale, i32* ids,
         float* weights) {
+    PDL_WAIT();
     __shared__ float probs[512];
     __shared__ float key[512];
     __shared__ float wv[32];
@@ -1035,6 +1054,7 @@ extern "C" __global__ void __launch_bounds__(512) router(const Step* step, const
 // gu holds gate rows then up rows: [2][n_sel][n].
 extern "C" __global__ void swiglu(const float* gate, const float* up, const float* weights,
                                   int n, int n_sel, float clamp, float* mid) {
+    PDL_WAIT();
     for (int i = threadIdx.x + blockIdx.x * blockDim.x; i < n * n_sel; i += blockDim.x * gridDim.x) {
         const float g = fminf(gate[i], clamp);
         const float u = fminf(fmaxf(up[i], -clamp), clamp);
@@ -1045,6 +1065,7 @@ extern "C" __global__ void swiglu(const float* gate, const float* up, const floa
 
 // ---- dst row blockIdx.y = src row blockIdx.y / k.
 extern "C" __global__ void repeat_rows(const float* src, int width, int k, float* dst) {
+    PDL_WAIT();
     const float* s = src + (i64)(blockIdx.y / k) * width;
     float* d = dst + (i64)blockIdx.y * width;
     for (int i = threadIdx.x + blockIdx.x * blockDim.x; i < width; i += blockDim.x * gridDim.x)
@@ -1056,6 +1077,7 @@ extern "C" __global__ void repeat_rows(const float* src, int width, int k, float
 extern "C" __global__ void __launch_bounds__(1024) head_collapse(const float* h, const float* mix,
         const float* scale, const float* base, int n_hc, int n_embd, float hc_eps,
         const void* norm_w, int norm_type, float eps, float* tmp, float* x) {
+    PDL_WAIT();
     __shared__ float red[32];
     __shared__ float wgt[8];
     if (threadIdx.x < n_hc) wgt[threadIdx.x] = sigmoidf_(mix[threadIdx.x] * scale[0] + base[threadIdx.x]) + hc_eps;

@@ -212,7 +212,7 @@ __device__ __forceinline__ void mm_q8_0_body(const i8* __restrict__ qs, const u1
     extern "C" __global__ void __launch_bounds__(256) mm_q8_0_##BM##x##BN(                     \
         const i8* __restrict__ qs, const u16* __restrict__ dw, i64 mat_q, i64 mat_d,            \
         const i8* __restrict__ xq, const float* __restrict__ xd, float* __restrict__ y,         \
-        int rows, int cols, int n_tok, i64 x_tok, i64 x_grp, i64 y_tok, i64 y_grp) {            \
+        int rows, int cols, int n_tok, i64 x_tok, i64 x_grp, i64 y_tok, i64 y_grp) { PDL_WAIT();            \
         mm_q8_0_body<BM, BN>(qs, dw, mat_q, mat_d, xq, xd, y, rows, cols, n_tok, x_tok, x_grp,  \
                              y_tok, y_grp);                                                     \
     }
@@ -664,7 +664,7 @@ __device__ __forceinline__ void mm_exp_body(
         const float* __restrict__ xd, float* __restrict__ y, int rows, int cols,                \
         const int4* __restrict__ items, const i32* __restrict__ n_items,                        \
         const i32* __restrict__ pairs, int k_div, int n_tok, i64 x_tok, i64 x_grp, i64 y_tok,   \
-        i64 y_grp) {                                                                            \
+        i64 y_grp) { PDL_WAIT();                                                                            \
         mm_exp_body<F>(w0, w1, w2, mat0, mat1, mat2, grid_g, xq, xd, y, rows, cols, items,      \
                        n_items, pairs, k_div, n_tok, x_tok, x_grp, y_tok, y_grp);               \
     }
@@ -690,6 +690,7 @@ MM_EXP_KERNEL(mm_exp_q4_k_b4, EXP_F_Q4K, 4)
 extern "C" __global__ void __launch_bounds__(1024) route_plan_build(
     const i32* __restrict__ ids, int n_pairs, int n_expert, int tile, i32* __restrict__ offsets,
     i32* __restrict__ pairs, int4* __restrict__ items, i32* __restrict__ n_items) {
+    PDL_WAIT();
     __shared__ int cnt[1024], cur[1024];
     __shared__ int wsum[2][32];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -993,7 +994,7 @@ __device__ __forceinline__ void mm_f32_body(const u8* __restrict__ w, const u16*
     extern "C" __global__ void __launch_bounds__(256) __cluster_dims__(1, 1, S) NAME(          \
         const u8* __restrict__ w, const u16* __restrict__ wd, i64 mat_w, i64 mat_d,             \
         const float* __restrict__ x, float* __restrict__ y, int rows, int cols, int n_tok,      \
-        i64 x_tok, i64 x_grp, i64 y_tok, i64 y_grp) {                                           \
+        i64 x_tok, i64 x_grp, i64 y_tok, i64 y_grp) { PDL_WAIT();                                           \
         mm_f32_body<WT, S, TC>(w, wd, mat_w, mat_d, x, y, rows, cols, n_tok, x_tok, x_grp,      \
                                y_tok, y_grp);                                                   \
     }

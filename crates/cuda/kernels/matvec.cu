@@ -8,6 +8,7 @@
 extern "C" __global__ void __launch_bounds__(256) matvec_q8_0(
     const i8* __restrict__ qs, const u16* __restrict__ d, i64 mat_q, i64 mat_d,
     const float* __restrict__ x, float* __restrict__ y, int rows, int cols, MatSel sel) {
+    PDL_WAIT();
     const int row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.y;
     if (row >= rows) return;
     const int m = sel_matrix(sel);
@@ -34,6 +35,7 @@ __device__ __forceinline__ float dot2_h(u32 h, float a, float b) {
 extern "C" __global__ void __launch_bounds__(256) matvec_f16(
     const u16* __restrict__ w, i64 mat_w, const float* __restrict__ x, float* __restrict__ y,
     int rows, int cols, MatSel sel, int ks) {
+    PDL_WAIT();
     // `ks` warps share a row (split K) so short matrices still fill the GPU.
     __shared__ float red[ROWS_PER_BLOCK];
     const int row = blockIdx.x * (blockDim.y / ks) + threadIdx.y / ks;
@@ -56,6 +58,7 @@ extern "C" __global__ void __launch_bounds__(256) matvec_f16(
                 acc += h2f(r[c]) * x[c];
         }
     }
+    PDL_TRIGGER();
     acc = warp_sum(acc);
     if (ks == 1) {
         if (threadIdx.x == 0 && row < rows) y[blockIdx.y * sel.y_stride + row] = acc;
@@ -74,6 +77,7 @@ extern "C" __global__ void __launch_bounds__(256) matvec_f16(
 extern "C" __global__ void __launch_bounds__(256) matvec_f32(
     const float* __restrict__ w, i64 mat_w, const float* __restrict__ x, float* __restrict__ y,
     int rows, int cols, MatSel sel) {
+    PDL_WAIT();
     const int row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.y;
     if (row >= rows) return;
     const int m = sel_matrix(sel);
@@ -100,6 +104,7 @@ extern "C" __global__ void __launch_bounds__(256) matvec_iq2_xxs(
     const u8* __restrict__ qs, const u16* __restrict__ d, i64 mat_q, i64 mat_d,
     const u64* __restrict__ grid_g, const float* __restrict__ x, float* __restrict__ y,
     int rows, int cols, MatSel sel) {
+    PDL_WAIT();
     __shared__ u64 grid[256];
     const int tid = threadIdx.y * WARP + threadIdx.x;
     for (int i = tid; i < 256; i += WARP * ROWS_PER_BLOCK) grid[i] = grid_g[i];
@@ -148,6 +153,7 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q2_k(
     const u8* __restrict__ qs, const u8* __restrict__ sc, const u32* __restrict__ dm,
     i64 mat_blocks, const float* __restrict__ x, float* __restrict__ y, int rows, int cols,
     MatSel sel) {
+    PDL_WAIT();
     const int row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.y;
     if (row >= rows) return;
     const int m = sel_matrix(sel);
@@ -204,6 +210,7 @@ __device__ __forceinline__ void q4k_scale_min(int j, u32 w0, u32 w1, u32 w2, flo
 extern "C" __global__ void __launch_bounds__(256) matvec_q4_k(
     const u8* __restrict__ w, i64 mat_blocks, const float* __restrict__ x,
     float* __restrict__ y, int rows, int cols, MatSel sel) {
+    PDL_WAIT();
     const int row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.y;
     if (row >= rows) return;
     const int m = sel_matrix(sel);

@@ -20,6 +20,7 @@ __device__ __forceinline__ void quant_block32(float v, i8* q, float* d) {
 
 extern "C" __global__ void quantize_q8_32(const float* __restrict__ x, i8* __restrict__ q,
                                           float* __restrict__ d, int n_blocks) {
+    PDL_WAIT();
     const int b = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     if (b >= n_blocks) return;
     const int lane = threadIdx.x % WARP;
@@ -89,6 +90,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) matvec_iq2_xxs_q8(
     const u64* __restrict__ grid_g, const i8* __restrict__ xq, const float* __restrict__ xd,
     float* __restrict__ y, int rows, int cols, MatSel sel, const u8* __restrict__ qs2,
     const u16* __restrict__ dw2, float* __restrict__ y2, int n_pair) {
+    PDL_WAIT();
     constexpr int R = EXP_ROWS_PER_WARP;
     extern __shared__ __align__(16) u8 smem[];
     u64* grid = reinterpret_cast<u64*>(smem);
@@ -144,6 +146,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) matvec_iq2_xxs_q8(
         for (int r = 0; r < R; ++r)
             if (ok[r]) acc[r] += iq2_xxs_step(cw[r], cd[r], c, grid, sq, sd);
     }
+    PDL_TRIGGER();
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const float v = warp_sum(acc[r]);
@@ -159,6 +162,7 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q2_k_q8(
     const u8* __restrict__ qs, const u8* __restrict__ sc, const u32* __restrict__ dm,
     i64 mat_blocks, const i8* __restrict__ xq, const float* __restrict__ xd,
     float* __restrict__ y, int rows, int cols, MatSel sel) {
+    PDL_WAIT();
     extern __shared__ __align__(16) u8 smem[];
     float* sd = reinterpret_cast<float*>(smem);
     i8* sq = reinterpret_cast<i8*>(smem + (cols / 32) * 4);
@@ -203,6 +207,7 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q2_k_q8(
 extern "C" __global__ void __launch_bounds__(256) matvec_q4_k_q8(
     const u8* __restrict__ w, i64 mat_blocks, const i8* __restrict__ xq,
     const float* __restrict__ xd, float* __restrict__ y, int rows, int cols, MatSel sel) {
+    PDL_WAIT();
     extern __shared__ __align__(16) u8 smem[];
     float* sd = reinterpret_cast<float*>(smem);
     i8* sq = reinterpret_cast<i8*>(smem + (cols / 32) * 4);
@@ -252,6 +257,7 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q4_k_q8(
 // One block of 256 threads per 256 values.
 extern "C" __global__ void __launch_bounds__(256) quantize_q8_k32(const float* __restrict__ x,
         i8* __restrict__ q, float* __restrict__ d) {
+    PDL_WAIT();
     __shared__ float s_abs[8];
     __shared__ int s_idx[8];
     __shared__ float s_max;
@@ -305,6 +311,7 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8(
     const i8* __restrict__ qs, const u16* __restrict__ dw, i64 mat_q, i64 mat_d,
     const i8* __restrict__ xq, const float* __restrict__ xd, float* __restrict__ y, int rows,
     int cols, MatSel sel, int ks) {
+    PDL_WAIT();
     // `ks` warps share a row (split K) so short matrices still fill the GPU.
     __shared__ float red[ROWS_PER_BLOCK];
     const int row = blockIdx.x * (blockDim.y / ks) + threadIdx.y / ks;
@@ -334,6 +341,7 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8(
             acc += (h2f(dr[b]) * xd[b]) * (float)s;
         }
     }
+    PDL_TRIGGER();
     acc = warp_sum(acc);
     if (ks == 1) {
         if (threadIdx.x == 0 && row < rows) y[blockIdx.y * sel.y_stride + row] = acc;
@@ -355,6 +363,7 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8(
 // rmsnorm of one row per block (n a multiple of 32), then Q8_0.
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm_q8(const float* x, const void* w,
         int w_type, int n, float eps, float* y, i8* q, float* d) {
+    PDL_WAIT();
     __shared__ float red[32];
     const float* xr = x + (i64)blockIdx.x * n;
     float* yr = y + (i64)blockIdx.x * n;
@@ -383,6 +392,7 @@ __device__ __forceinline__ float swiglu_value(const float* gate, const float* up
 // swiglu (as `swiglu`) then Q8_0: one warp per 32 values of the n·n_sel.
 extern "C" __global__ void swiglu_q8(const float* gate, const float* up, const float* weights,
         int n, int n_sel, float clamp, float* mid, i8* q, float* d) {
+    PDL_WAIT();
     const i64 b = (i64)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     if (b >= (i64)n * n_sel / 32) return;
     const i64 i = b * 32 + threadIdx.x % WARP;
@@ -395,6 +405,7 @@ extern "C" __global__ void swiglu_q8(const float* gate, const float* up, const f
 extern "C" __global__ void __launch_bounds__(256) swiglu_q8k(const float* gate,
         const float* up, const float* weights, int n, float clamp, float* mid, i8* q,
         float* d) {
+    PDL_WAIT();
     __shared__ float vals[256];
     __shared__ float s_abs[8];
     __shared__ int s_idx[8];

@@ -52,6 +52,7 @@ __device__ __forceinline__ void amma_wait_all() {
 extern "C" __global__ void __launch_bounds__(256, 1) attention_prefill_mma(const Step* step,
         const float* q, const float* ring, int raw_cap, int window, const float* comp,
         int ratio, const i32* sel, int top_k, const float* sinks, float scale, float* out) {
+    PDL_WAIT();
     extern __shared__ __align__(16) u8 smem[];
     u16* sQ = reinterpret_cast<u16*>(smem);
     u16* sK = sQ + AMMA_HEADS * AMMA_LD;

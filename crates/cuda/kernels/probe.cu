@@ -6,6 +6,7 @@
 extern "C" __global__ void __launch_bounds__(256) probe_stream_read(const uint4* __restrict__ p,
                                                                     i64 n16,
                                                                     u32* __restrict__ out) {
+    PDL_WAIT();
     const i64 stride = (i64)gridDim.x * blockDim.x;
     u32 acc = 0;
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -25,4 +26,5 @@ extern "C" __global__ void __launch_bounds__(256) probe_stream_read(const uint4*
 }
 
 // Does nothing: a graph of these measures the per-node launch cost of a decode token.
-extern "C" __global__ void probe_empty(int unused) { (void)unused; }
+extern "C" __global__ void probe_empty(int unused) {
+    PDL_WAIT(); (void)unused; }

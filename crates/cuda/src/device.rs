@@ -2,6 +2,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
+use cudarc::driver::sys;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
     ValidAsZeroBits,
@@ -51,6 +52,8 @@ pub struct Gpu {
     lane: std::sync::atomic::AtomicUsize,
     /// `DS4_CUDA_BRANCHES=0`: every lane is the main stream (branches run in order).
     branches: bool,
+    /// `DS4_CUDA_PDL=0`: captured graphs keep full (completion) dependencies.
+    pdl: bool,
     module: Arc<CudaModule>,
     funcs: Mutex<HashMap<&'static str, CudaFunction>>,
     pub(crate) iq2_grid: CudaSlice<u64>,
@@ -112,6 +115,7 @@ impl Gpu {
             side,
             lane: std::sync::atomic::AtomicUsize::new(0),
             branches: std::env::var("DS4_CUDA_BRANCHES").map_or(true, |v| v != "0"),
+            pdl: std::env::var("DS4_CUDA_PDL").map_or(true, |v| v != "0"),
             module,
             iq2_grid,
             funcs: Mutex::new(HashMap::new()),
@@ -403,8 +407,29 @@ impl Gpu {
     }
 }
 
-/// A captured sequence of launches (one decoded token), replayed with one call.
-pub struct TokenGraph(cudarc::driver::CudaGraph);
+/// A captured sequence of launches (one decoded token), replayed with one call. With
+/// programmatic dependencies (see [`Gpu::end_capture`]) it replays its own instance of
+/// the rewritten graph.
+pub struct TokenGraph {
+    graph: cudarc::driver::CudaGraph,
+    pdl: Option<PdlExec>,
+}
+
+/// A graph instance owned by a [`TokenGraph`].
+struct PdlExec {
+    exec: sys::CUgraphExec,
+    stream: Arc<CudaStream>,
+}
+
+impl Drop for PdlExec {
+    fn drop(&mut self) {
+        // SAFETY: the instance was created by cuGraphInstantiateWithFlags and is
+        // destroyed once; errors at teardown have nowhere to go.
+        unsafe {
+            sys::cuGraphExecDestroy(self.exec);
+        }
+    }
+}
 
 // SAFETY: the graph is owned by one session at a time (not Sync); launching binds the
 // CUDA context on the calling thread first, so moving it between threads is sound.
@@ -412,8 +437,79 @@ unsafe impl Send for TokenGraph {}
 
 impl TokenGraph {
     pub fn launch(&self) -> Result<(), CudaError> {
-        Ok(self.0.launch()?)
+        match &self.pdl {
+            Some(p) => {
+                p.stream.context().bind_to_thread()?;
+                // SAFETY: exec is a live instance; the stream belongs to its context.
+                check(unsafe { sys::cuGraphLaunch(p.exec, p.stream.cu_stream()) })
+            }
+            None => Ok(self.graph.launch()?),
+        }
     }
+
+    /// Whether the kernel-to-kernel edges are programmatic dependencies.
+    pub fn programmatic(&self) -> bool {
+        self.pdl.is_some()
+    }
+}
+
+fn check(r: sys::CUresult) -> Result<(), CudaError> {
+    match r {
+        sys::CUresult::CUDA_SUCCESS => Ok(()),
+        e => Err(CudaError::Driver(cudarc::driver::DriverError(e))),
+    }
+}
+
+/// Turns every kernel → kernel edge of `graph` into a programmatic dependency (the
+/// downstream grid may launch once the upstream grid's blocks have triggered or
+/// exited; every kernel starts with `griddepcontrol.wait`, which returns once its
+/// upstream grids have completed and their writes are visible). Hides the launch and
+/// ramp of each small decode kernel behind its predecessor's tail. Returns the number
+/// of edges rewritten.
+///
+/// # Safety
+/// `graph` must be a valid graph that is not being instantiated or launched meanwhile.
+unsafe fn make_edges_programmatic(graph: sys::CUgraph) -> Result<usize, CudaError> {
+    let mut n = 0usize;
+    check(sys::cuGraphGetEdges_v2(
+        graph,
+        std::ptr::null_mut(),
+        std::ptr::null_mut(),
+        std::ptr::null_mut(),
+        &mut n,
+    ))?;
+    let mut from = vec![std::ptr::null_mut(); n];
+    let mut to = vec![std::ptr::null_mut(); n];
+    let mut data: Vec<sys::CUgraphEdgeData> = vec![std::mem::zeroed(); n];
+    check(sys::cuGraphGetEdges_v2(
+        graph,
+        from.as_mut_ptr(),
+        to.as_mut_ptr(),
+        data.as_mut_ptr(),
+        &mut n,
+    ))?;
+    let is_kernel = |node: sys::CUgraphNode| -> Result<bool, CudaError> {
+        let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+        check(sys::cuGraphNodeGetType(node, &mut t))?;
+        Ok(t == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL)
+    };
+    let mut done = 0;
+    for i in 0..n {
+        if data[i].type_ != 0 || !is_kernel(from[i])? || !is_kernel(to[i])? {
+            continue;
+        }
+        check(sys::cuGraphRemoveDependencies_v2(
+            graph, &from[i], &to[i], &data[i], 1,
+        ))?;
+        let mut e: sys::CUgraphEdgeData = std::mem::zeroed();
+        e.from_port = sys::CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC as u8;
+        e.type_ = sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8;
+        check(sys::cuGraphAddDependencies_v2(
+            graph, &from[i], &to[i], &e, 1,
+        ))?;
+        done += 1;
+    }
+    Ok(done)
 }
 
 impl Gpu {
@@ -425,13 +521,35 @@ impl Gpu {
             .begin_capture(M::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?)
     }
 
-    /// Ends the recording and instantiates the graph.
+    /// Ends the recording and instantiates the graph; unless `DS4_CUDA_PDL=0`, its
+    /// kernel-to-kernel edges become programmatic dependencies (a second instance).
     pub fn end_capture(&self) -> Result<TokenGraph, CudaError> {
         let flags = cudarc::driver::sys::CUgraphInstantiate_flags_enum(0);
-        match self.stream.end_capture(flags)? {
-            Some(g) => Ok(TokenGraph(g)),
-            None => Err(CudaError::Invalid("graph capture recorded nothing".into())),
+        let Some(graph) = self.stream.end_capture(flags)? else {
+            return Err(CudaError::Invalid("graph capture recorded nothing".into()));
+        };
+        if !self.pdl {
+            return Ok(TokenGraph { graph, pdl: None });
         }
+        // SAFETY: the graph was just captured and is owned by `graph`; the new instance
+        // is owned by the returned TokenGraph and destroyed before it.
+        let exec = unsafe {
+            make_edges_programmatic(graph.cu_graph())?;
+            let mut exec = std::ptr::null_mut();
+            check(sys::cuGraphInstantiateWithFlags(
+                &mut exec,
+                graph.cu_graph(),
+                0,
+            ))?;
+            exec
+        };
+        Ok(TokenGraph {
+            graph,
+            pdl: Some(PdlExec {
+                exec,
+                stream: self.stream.clone(),
+            }),
+        })
     }
 }
 
