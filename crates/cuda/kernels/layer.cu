@@ -65,6 +65,7 @@ __device__ __forceinline__ float sigmoidf_(float x) {
 extern "C" __global__ void embed(const Step* step, const void* table, int type, int n_embd,
                                  int n_hc, float* h) {
     PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     const i64 row = (i64)step[blockIdx.y].token * n_embd;
     h += (i64)blockIdx.y * n_hc * n_embd;
     for (int i = threadIdx.x + blockIdx.x * blockDim.x; i < n_embd; i += blockDim.x * gridDim.x) {
@@ -83,6 +84,7 @@ extern "C" __global__ void embed(const Step* step, const void* table, int type, 
 extern "C" __global__ void __launch_bounds__(1024) hc_mix(const float* h, int n, const void* fn,
                                                           int fn_type, float eps, float* mix) {
     PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     __shared__ float red[32];
     const int k = blockIdx.x;
     h += (i64)blockIdx.y * n;
@@ -136,6 +138,7 @@ extern "C" __global__ void __launch_bounds__(1024) hc_mix(const float* h, int n,
 extern "C" __global__ void __launch_bounds__(256) hc_mix_scale(const float* h, int n,
                                                                float eps, float* mix, int n_out) {
     PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     __shared__ float red[32];
     h += (i64)blockIdx.x * n;
     mix += (i64)blockIdx.x * n_out;
@@ -152,6 +155,7 @@ extern "C" __global__ void __launch_bounds__(1024) hc_pre(const float* h, const 
         const float* scale, const float* base, int n_hc, int n_embd, int iters, float eps,
         float* y, float* hcp) {
     PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     // Sinkhorn runs in the first warp, one lane per element of the n_hc × n_hc comb
     // matrix (n_hc ≤ 5), in registers: row and column sums gather the other lanes'
     // values with shuffles, in the same order as the CPU. The sublayer input needs only
@@ -204,6 +208,7 @@ extern "C" __global__ void hc_post(const float* h, const float* out, const float
                                    int n_parts, const float* hcp, int n_hc, int n_embd,
                                    float* h_out) {
     PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     h += (i64)blockIdx.y * n_hc * n_embd;
     h_out += (i64)blockIdx.y * n_hc * n_embd;
     out += (i64)blockIdx.y * n_embd;
@@ -228,6 +233,7 @@ extern "C" __global__ void hc_post(const float* h, const float* out, const float
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm(const float* x, const void* w, int w_type,
                                                            int n, float eps, float* y) {
     PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     __shared__ float red[32];
     const float* xr = x + (i64)blockIdx.x * n;
     float* yr = y + (i64)blockIdx.x * n;
@@ -262,6 +268,7 @@ __device__ __forceinline__ void rope_pair(float& x0, float& x1, int k, float pos
 extern "C" __global__ void rope_tail(const Step* step, float* x, int stride, int pos_offset,
                                      RopeP p, int inverse) {
     PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     float* v = x + ((i64)blockIdx.y * gridDim.x + blockIdx.x) * stride + (stride - p.rope_dim);
     const float pos = (float)(step[blockIdx.y].pos + pos_offset);
     for (int k = threadIdx.x; k < p.rope_dim / 2; k += blockDim.x)
@@ -274,6 +281,7 @@ extern "C" __global__ void rope_tail(const Step* step, float* x, int stride, int
 extern "C" __global__ void __launch_bounds__(256) head_norm_rope(const Step* step, float* x,
         int stride, float eps, RopeP p) {
     PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     __shared__ float red[32];
     float* xr = x + ((i64)blockIdx.y * gridDim.x + blockIdx.x) * stride;
     float ss = 0.f;
@@ -366,6 +374,7 @@ extern "C" __global__ void __launch_bounds__(512) kv_finish(const Step* step, co
         const void* norm_w, int norm_type, int hd, float eps, RopeP p, int f16_round,
         float* ring, int raw_cap) {
     PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     __shared__ float v[1024];
     __shared__ float red[32];
     step += blockIdx.y;
@@ -398,6 +407,7 @@ extern "C" __global__ void __launch_bounds__(1024) compressor_step(const Step* s
         int lanes, int d, const void* norm_w, int norm_type, float eps, RopeP p, int mode,
         int f16_round, float* rows) {
     PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     __shared__ float v[1024];
     __shared__ float red[32];
     const int w = lanes * d;
@@ -511,6 +521,7 @@ extern "C" __global__ void __launch_bounds__(1024) compressor_emit(const Step* s
         int ratio, int lanes, int d, const void* norm_w, int norm_type, float eps, RopeP p,
         int mode, int f16_round, float* rows) {
     PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     __shared__ float v[1024];
     __shared__ float red[32];
     const int w = lanes * d;
@@ -586,6 +597,7 @@ extern "C" __global__ void __launch_bounds__(1024) compressor_emit(const Step* s
 extern "C" __global__ void compressor_state(const Step* step, int n_tok, const float* kvs,
         const void* ape, int ape_type, float* skv, float* ssc, int ratio, int lanes, int d) {
     PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     const int w = lanes * d;
     const int p0 = step[0].pos;
     const int last = p0 + n_tok - 1;
@@ -619,6 +631,7 @@ extern "C" __global__ void compressor_state(const Step* step, int n_tok, const f
 extern "C" __global__ void __launch_bounds__(256) indexer_q(const Step* step, float* q, int dim,
                                                             RopeP p) {
     PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     __shared__ float v[1024];
     step += blockIdx.y;
     float* qh = q + ((i64)blockIdx.y * gridDim.x + blockIdx.x) * dim;
@@ -647,6 +660,7 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores(const Step* ste
         const float* index_rows, const float* q, const float* wt, int heads, int dim,
         float wscale, int ratio, int top_k, float* scores, int scores_stride) {
     PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     extern __shared__ __align__(16) float ism[];
     float* qs = ism;                  // [dim][IDX_S]: qs[k][h]
     float* ks = ism + dim * IDX_S;    // [dim][IDX_S]: ks[k][row]
@@ -743,6 +757,7 @@ __device__ int block_exclusive_scan(int v, int* red, int* total) {
 extern "C" __global__ void __launch_bounds__(1024) topk_select(const Step* step,
         const float* scores, int scores_stride, int ratio, int k, i32* sel) {
     PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     __shared__ u32 hist[256];
     __shared__ u32 sel_prefix, sel_need;
     __shared__ int red[32];
@@ -813,6 +828,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_split(const Step* st
         int ratio, const i32* sel, int top_k, const float* sinks, int heads, int hd, float scale,
         int rows_per_chunk, float* part_acc, float* part_ml, float* out) {
     PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     const int c = blockIdx.x;
     const int n_chunks = gridDim.x;
     const int t = blockIdx.z;
@@ -956,6 +972,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_split(const Step* st
 extern "C" __global__ void __launch_bounds__(128) attention_combine(const float* part_acc,
         const float* part_ml, const float* sinks, int heads, int hd, int n_chunks, float* out) {
     PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     __shared__ float wc[ATT_MAX_CHUNKS];
     const int h = blockIdx.x, t = blockIdx.y;
     const i64 base = ((i64)t * heads + h) * n_chunks;
@@ -996,6 +1013,7 @@ extern "C" __global__ void __launch_bounds__(512) router(const Step* step, const
         int n_expert, int k, const float* bias, const i32* tid2eid, float wscale, i32* ids,
         float* weights) {
     PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     __shared__ float probs[512];
     __shared__ float key[512];
     __shared__ float wv[32];
@@ -1055,6 +1073,7 @@ extern "C" __global__ void __launch_bounds__(512) router(const Step* step, const
 extern "C" __global__ void swiglu(const float* gate, const float* up, const float* weights,
                                   int n, int n_sel, float clamp, float* mid) {
     PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     for (int i = threadIdx.x + blockIdx.x * blockDim.x; i < n * n_sel; i += blockDim.x * gridDim.x) {
         const float g = fminf(gate[i], clamp);
         const float u = fminf(fmaxf(up[i], -clamp), clamp);
@@ -1066,6 +1085,7 @@ extern "C" __global__ void swiglu(const float* gate, const float* up, const floa
 // ---- dst row blockIdx.y = src row blockIdx.y / k.
 extern "C" __global__ void repeat_rows(const float* src, int width, int k, float* dst) {
     PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     const float* s = src + (i64)(blockIdx.y / k) * width;
     float* d = dst + (i64)blockIdx.y * width;
     for (int i = threadIdx.x + blockIdx.x * blockDim.x; i < width; i += blockDim.x * gridDim.x)
@@ -1078,6 +1098,7 @@ extern "C" __global__ void __launch_bounds__(1024) head_collapse(const float* h,
         const float* scale, const float* base, int n_hc, int n_embd, float hc_eps,
         const void* norm_w, int norm_type, float eps, float* tmp, float* x) {
     PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     __shared__ float red[32];
     __shared__ float wgt[8];
     if (threadIdx.x < n_hc) wgt[threadIdx.x] = sigmoidf_(mix[threadIdx.x] * scale[0] + base[threadIdx.x]) + hc_eps;

@@ -21,6 +21,7 @@ __device__ __forceinline__ void quant_block32(float v, i8* q, float* d) {
 extern "C" __global__ void quantize_q8_32(const float* __restrict__ x, i8* __restrict__ q,
                                           float* __restrict__ d, int n_blocks) {
     PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     const int b = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     if (b >= n_blocks) return;
     const int lane = threadIdx.x % WARP;
@@ -258,6 +259,7 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q4_k_q8(
 extern "C" __global__ void __launch_bounds__(256) quantize_q8_k32(const float* __restrict__ x,
         i8* __restrict__ q, float* __restrict__ d) {
     PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     __shared__ float s_abs[8];
     __shared__ int s_idx[8];
     __shared__ float s_max;
@@ -364,6 +366,7 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8(
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm_q8(const float* x, const void* w,
         int w_type, int n, float eps, float* y, i8* q, float* d) {
     PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     __shared__ float red[32];
     const float* xr = x + (i64)blockIdx.x * n;
     float* yr = y + (i64)blockIdx.x * n;
@@ -393,6 +396,7 @@ __device__ __forceinline__ float swiglu_value(const float* gate, const float* up
 extern "C" __global__ void swiglu_q8(const float* gate, const float* up, const float* weights,
         int n, int n_sel, float clamp, float* mid, i8* q, float* d) {
     PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     const i64 b = (i64)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     if (b >= (i64)n * n_sel / 32) return;
     const i64 i = b * 32 + threadIdx.x % WARP;
@@ -406,6 +410,7 @@ extern "C" __global__ void __launch_bounds__(256) swiglu_q8k(const float* gate,
         const float* up, const float* weights, int n, float clamp, float* mid, i8* q,
         float* d) {
     PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     __shared__ float vals[256];
     __shared__ float s_abs[8];
     __shared__ int s_idx[8];
