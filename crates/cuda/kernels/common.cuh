@@ -86,3 +86,15 @@ struct MatSel {
 __device__ __forceinline__ int sel_matrix(const MatSel& s) {
     return s.ids ? s.ids[blockIdx.y] : 0;
 }
+
+// The Q8_0 activation rule on one warp's block of 32 (lane i holds value i).
+__device__ __forceinline__ void quant_block32(float v, i8* q, float* d) {
+    const int lane = threadIdx.x % WARP;
+    const float amax = warp_max(fabsf(v));
+    const float dd = amax / 127.0f;
+    const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
+    int qi = __float2int_rn(v * id);
+    qi = max(-128, min(127, qi));
+    q[lane] = (i8)qi;
+    if (lane == 0) *d = dd;
+}

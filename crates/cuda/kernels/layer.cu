@@ -151,9 +151,13 @@ extern "C" __global__ void __launch_bounds__(256) hc_mix_scale(const float* h, i
 
 // ---- HC pre: pre/post/comb from the mix (Sinkhorn on the n_hc × n_hc comb matrix),
 // then the sublayer input y = Σ_i pre_i·H_i. hcp receives post (n_hc) then comb (n_hc²).
+// With norm_out set, the sublayer's RMS norm follows in the same block: norm_out =
+// rmsnorm(y)·norm_w and, with q set, its Q8_0 form (q, d) — the arithmetic of rmsnorm /
+// rmsnorm_q8 (their 256-thread sum for rows under 1024 included), so bit-identical.
 extern "C" __global__ void __launch_bounds__(1024) hc_pre(const float* h, const float* mix,
         const float* scale, const float* base, int n_hc, int n_embd, int iters, float eps,
-        float* y, float* hcp) {
+        float* y, float* hcp, const void* norm_w, int norm_type, float norm_eps,
+        float* norm_out, i8* q, float* d) {
     PDL_WAIT();
     PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     // Sinkhorn runs in the first warp, one lane per element of the n_hc × n_hc comb
@@ -197,6 +201,33 @@ extern "C" __global__ void __launch_bounds__(1024) hc_pre(const float* h, const 
             float acc = 0.f;
             for (int i = 0; i < n_hc; ++i) acc += pre[i] * h[(i64)i * n_embd + d];
             y[d] = acc;
+        }
+    }
+    if (norm_out == nullptr) return;
+    __shared__ float red[32];
+    __syncthreads();  // y is complete (and visible to the block)
+    norm_out += (i64)blockIdx.y * n_embd;
+    const int nt = n_embd >= 1024 ? 1024 : 256;
+    float ss = 0.f;
+    if (t < nt)
+        for (int i = t; i < n_embd; i += nt) ss += y[i] * y[i];
+    ss = block_sum(ss, red);
+    const float sc = 1.0f / sqrtf(ss / (float)n_embd + norm_eps);
+    if (q != nullptr) {
+        q += (i64)blockIdx.y * n_embd;
+        d += (i64)blockIdx.y * (n_embd / 32);
+        const int lane = t % WARP;
+        for (int b = t / WARP; b < n_embd / 32; b += blockDim.x / WARP) {
+            const int i = b * 32 + lane;
+            float v = y[i] * sc;
+            if (norm_w) v = v * ldw(norm_w, norm_type, i);
+            norm_out[i] = v;
+            quant_block32(v, q + b * 32, d + b);
+        }
+    } else {
+        for (int i = t; i < n_embd; i += blockDim.x) {
+            const float v = y[i] * sc;
+            norm_out[i] = norm_w ? v * ldw(norm_w, norm_type, i) : v;
         }
     }
 }

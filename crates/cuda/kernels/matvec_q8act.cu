@@ -6,18 +6,6 @@
 
 // x [n_rows][n] f32 → q [n_rows][n] int8 and d [n_rows][n/32] f32. One warp per 32
 // values: lane i quantises value i of its block.
-// The Q8_0 activation rule on one warp's block of 32 (lane i holds value i).
-__device__ __forceinline__ void quant_block32(float v, i8* q, float* d) {
-    const int lane = threadIdx.x % WARP;
-    const float amax = warp_max(fabsf(v));
-    const float dd = amax / 127.0f;
-    const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
-    int qi = __float2int_rn(v * id);
-    qi = max(-128, min(127, qi));
-    q[lane] = (i8)qi;
-    if (lane == 0) *d = dd;
-}
-
 extern "C" __global__ void quantize_q8_32(const float* __restrict__ x, i8* __restrict__ q,
                                           float* __restrict__ d, int n_blocks) {
     PDL_WAIT();

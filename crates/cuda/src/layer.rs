@@ -37,6 +37,18 @@ fn cfg(grid: u32, block: u32) -> LaunchConfig {
 }
 
 /// `tokens` blocks in y: the token of a batch (per-token kernels).
+/// The sublayer RMS norm fused into `hc_pre`: `out = rmsnorm(y)·w` per token and, with
+/// `q` / `d` ≠ 0, its Q8_0 form (int8 values, one f32 scale per 32).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HcNorm {
+    pub w: u64,
+    pub w_type: i32,
+    pub eps: f32,
+    pub out: u64,
+    pub q: u64,
+    pub d: u64,
+}
+
 /// The attention shape of `attention_prefill_mma` (AMMA_HEADS / AMMA_HD).
 const ATT_MMA_HEADS: usize = 64;
 const ATT_MMA_HD: usize = 512;
@@ -185,13 +197,20 @@ impl Gpu {
         eps: f32,
         y: u64,
         hcp: u64,
+        norm: Option<HcNorm>,
     ) -> Result<(), CudaError> {
         if n_hc > 5 {
             return Err(CudaError::Invalid(format!(
                 "{n_hc} hyper-connection streams > 5"
             )));
         }
+        if norm.is_some_and(|nm| nm.q != 0 && !n_embd.is_multiple_of(32)) {
+            return Err(CudaError::Invalid(format!(
+                "hc_pre: {n_embd} values are not whole Q8_0 blocks"
+            )));
+        }
         let (nh, ne, it) = (n_hc as i32, n_embd as i32, iters as i32);
+        let nm = norm.unwrap_or_default();
         launch!(
             self,
             "hc_pre",
@@ -205,7 +224,13 @@ impl Gpu {
             it,
             eps,
             y,
-            hcp
+            hcp,
+            nm.w,
+            nm.w_type,
+            nm.eps,
+            nm.out,
+            nm.q,
+            nm.d
         )
     }
 

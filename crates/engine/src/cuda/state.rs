@@ -601,15 +601,36 @@ struct KvView<'a> {
     ctx: usize,
 }
 
-fn hc_pre(
+/// The sublayer input `s.y` from the streams `h`, and its RMS norm (weights `norm_w`)
+/// into `s.n` in the same launch; with `quantize` also into `xq` (Q8_0). Returns
+/// whether `xq` now holds `s.n`.
+#[allow(clippy::too_many_arguments)]
+fn hc_pre_norm(
     s: &Scratch,
     n_tok: usize,
     g: &Gpu,
     c: &Config,
     hc: &super::weights::HcDev,
     h: u64,
-) -> Result<(), CudaError> {
+    norm_w: u64,
+    xq: &mut QuantAct,
+    quantize: bool,
+) -> Result<bool, CudaError> {
+    if quantize && (xq.cols != c.n_embd || xq.rows < n_tok) {
+        return Err(CudaError::Invalid(format!(
+            "hc_pre: {n_tok}×{} into activations of {}×{}",
+            c.n_embd, xq.rows, xq.cols
+        )));
+    }
     g.hc_mix_mat(n_tok, h, &hc.fn_, c.rms_eps, g.ptr(&s.mix))?;
+    let norm = ds4_cuda::HcNorm {
+        w: norm_w,
+        w_type: ds4_cuda::WT_F32,
+        eps: c.rms_eps,
+        out: g.ptr(&s.n),
+        q: if quantize { g.ptr(&xq.q) } else { 0 },
+        d: if quantize { g.ptr(&xq.d) } else { 0 },
+    };
     g.hc_pre(
         n_tok,
         h,
@@ -622,7 +643,9 @@ fn hc_pre(
         c.hc_eps,
         g.ptr(&s.y),
         g.ptr(&s.hcp),
-    )
+        Some(norm),
+    )?;
+    Ok(quantize)
 }
 
 impl KvView<'_> {
@@ -673,15 +696,14 @@ impl KvView<'_> {
         let f32t = ds4_cuda::WT_F32;
         let hd = c.head_dim;
 
-        hc_pre(s, n, g, c, &l.hc_attn, p(&s.h))?;
-        let n_q8 = norm(
-            g,
-            p(&s.y),
-            p(&l.attn_norm),
-            c.n_embd,
+        let n_q8 = hc_pre_norm(
+            s,
             n,
-            c.rms_eps,
-            p(&s.n),
+            g,
+            c,
+            &l.hc_attn,
+            p(&s.h),
+            p(&l.attn_norm),
             &mut qb.embd,
             fast && l.q_a.ty == GgmlType::Q8_0,
         )?;
@@ -936,17 +958,16 @@ impl KvView<'_> {
         let (s, qb) = (&b.s, &mut b.q8);
         let step = g.ptr(&s.step);
         let (k, ff, e) = (c.n_expert_used, c.n_ff_exp, c.n_embd);
-        hc_pre(s, n, g, c, &l.hc_ffn, g.ptr(&s.h2))?;
         let fast = numerics == Numerics::Fast;
         let p = |b: &DeviceBuf<f32>| g.ptr(b);
-        let n_q8 = norm(
-            g,
-            p(&s.y),
-            p(&l.ffn_norm),
-            e,
+        let n_q8 = hc_pre_norm(
+            s,
             n,
-            c.rms_eps,
-            p(&s.n),
+            g,
+            c,
+            &l.hc_ffn,
+            p(&s.h2),
+            p(&l.ffn_norm),
             &mut qb.embd,
             fast && l.gate_sh.ty == GgmlType::Q8_0,
         )?;
