@@ -1,0 +1,787 @@
+//! One layer's launches (attention and FFN sublayers) for a batch of tokens, and the
+//! projection helpers they share (GEMM for batches, matvec for one token).
+
+use ds4_cuda::{Batch, CudaError, DeviceBuf, Gpu, MatSel, QuantAct};
+use ds4_gguf::GgmlType;
+
+use super::{att_splits, comp_cap, LayerState, Scratch, Work};
+use crate::config::Config;
+use crate::cuda::weights::{CudaWeights, LayerDev};
+use crate::error::Result;
+use crate::ops::linear::Numerics;
+
+/// Which products a batch of more than one token runs as tensor-core / tiled GEMMs
+/// instead of per-token matvecs: `DS4_CUDA_GEMM` = `0` (none, for comparison) or a comma
+/// list of `q8` (Q8_0 × int8), `f32` (f32 activations), `group` (the grouped output
+/// projection), `experts`, `attn` (tensor-core attention, fast numerics); all by
+/// default.
+#[derive(Clone, Copy)]
+pub(super) enum Gemm {
+    Q8,
+    F32,
+    Group,
+    Experts,
+    Attn,
+}
+
+pub(super) fn gemm(kind: Gemm) -> bool {
+    static ON: std::sync::OnceLock<[bool; 5]> = std::sync::OnceLock::new();
+    ON.get_or_init(|| match std::env::var("DS4_CUDA_GEMM") {
+        Err(_) => [true; 5],
+        Ok(v) if v == "0" => [false; 5],
+        Ok(v) => {
+            let on = |k: &str| v.split(',').any(|p| p.trim() == k);
+            [on("q8"), on("f32"), on("group"), on("experts"), on("attn")]
+        }
+    })[kind as usize]
+}
+
+/// Whether `matmul_f32` takes this weight format.
+fn f32_gemm_format(ty: GgmlType) -> bool {
+    matches!(
+        ty,
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::Q8_0
+    )
+}
+
+/// f32 activations × `m` for `n` tokens laid out by `b`: a GEMM for batches, the
+/// matvec otherwise.
+fn dense_f32(
+    g: &Gpu,
+    m: &ds4_cuda::DeviceMatrix,
+    x: u64,
+    y: u64,
+    b: Batch,
+) -> Result<(), CudaError> {
+    if b.n_tok > 1 && gemm(Gemm::F32) && f32_gemm_format(m.ty) && b.n_groups == 1 {
+        g.matmul_f32(m, x, y, b)
+    } else {
+        let sel = MatSel {
+            ids: 0,
+            x_stride: b.x_tok as i64,
+            y_stride: b.y_tok as i64,
+        };
+        g.matvec(m, x, y, b.n_tok, sel)
+    }
+}
+
+/// The KV state as the layer launches see it.
+pub(super) struct KvView<'a> {
+    pub(super) layers: &'a [LayerState],
+    pub(super) window: usize,
+    pub(super) raw_cap: usize,
+    pub(super) ctx: usize,
+}
+
+/// The sublayer input `s.y` from the streams `h`, and its RMS norm (weights `norm_w`)
+/// into `s.n` in the same launch; with `quantize` also into `xq` (Q8_0). Returns
+/// whether `xq` now holds `s.n`.
+#[allow(clippy::too_many_arguments)]
+fn hc_pre_norm(
+    s: &Scratch,
+    n_tok: usize,
+    g: &Gpu,
+    c: &Config,
+    hc: &crate::cuda::weights::HcDev,
+    h: u64,
+    norm_w: u64,
+    xq: &mut QuantAct,
+    quantize: bool,
+) -> Result<bool, CudaError> {
+    if quantize && (xq.cols != c.n_embd || xq.rows < n_tok) {
+        return Err(CudaError::Invalid(format!(
+            "hc_pre: {n_tok}×{} into activations of {}×{}",
+            c.n_embd, xq.rows, xq.cols
+        )));
+    }
+    g.hc_mix_mat(n_tok, h, &hc.fn_, c.rms_eps, g.ptr(&s.mix))?;
+    let norm = ds4_cuda::HcNorm {
+        w: norm_w,
+        w_type: ds4_cuda::WT_F32,
+        eps: c.rms_eps,
+        out: g.ptr(&s.n),
+        q: if quantize { g.ptr(&xq.q) } else { 0 },
+        d: if quantize { g.ptr(&xq.d) } else { 0 },
+    };
+    g.hc_pre(
+        n_tok,
+        h,
+        g.ptr(&s.mix),
+        g.ptr(&hc.scale),
+        g.ptr(&hc.base),
+        c.n_hc,
+        c.n_embd,
+        c.sinkhorn_iters,
+        c.hc_eps,
+        g.ptr(&s.y),
+        g.ptr(&s.hcp),
+        Some(norm),
+    )?;
+    Ok(quantize)
+}
+
+impl KvView<'_> {
+    /// Embeds the `n_tok` tokens of `s.step` and runs every layer on them.
+    pub(super) fn enqueue(
+        &self,
+        w: &CudaWeights,
+        numerics: Numerics,
+        b: &mut Work,
+        n_tok: usize,
+    ) -> Result<()> {
+        let g = &*w.gpu;
+        let c = &w.config;
+        let s = &b.s;
+        g.embed(
+            n_tok,
+            g.ptr(&s.step),
+            g.ptr(&w.token_embd.buf),
+            w.token_embd.ty,
+            c.n_embd,
+            c.n_hc,
+            g.ptr(&s.h),
+        )?;
+        for il in 0..c.n_layer {
+            self.attention(w, numerics, il, b, n_tok)?;
+            self.ffn(w, numerics, il, b, n_tok)?;
+        }
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        w: &CudaWeights,
+        numerics: Numerics,
+        il: usize,
+        b: &mut Work,
+        n: usize,
+    ) -> Result<()> {
+        let g = &*w.gpu;
+        let c = &w.config;
+        let l: &LayerDev = &w.layers[il];
+        let st = &self.layers[il];
+        let (s, qb) = (&b.s, &mut b.q8);
+        let p = |b: &DeviceBuf<f32>| g.ptr(b);
+        let step = g.ptr(&s.step);
+        let rope = w.rope(il);
+        let fast = numerics == Numerics::Fast;
+        let f32t = ds4_cuda::WT_F32;
+        let hd = c.head_dim;
+
+        let n_q8 = hc_pre_norm(
+            s,
+            n,
+            g,
+            c,
+            &l.hc_attn,
+            p(&s.h),
+            p(&l.attn_norm),
+            &mut qb.embd,
+            fast && l.q_a.ty == GgmlType::Q8_0,
+        )?;
+        // Three branches from the normed input, joined before attention: side lane 1
+        // writes this token's raw row and compressed rows, side lane 2 the indexer's
+        // compressed rows and then (once the main lane has q_r) the top-k selection,
+        // and the main lane builds the queries. Each is a chain of small kernels that
+        // cannot fill the GPU alone.
+        g.branch(1, || {
+            // The same quantised `n` as attn_q_a (quantised by the norm when Q8_0).
+            mv(
+                g,
+                &l.kv,
+                p(&s.n),
+                &mut qb.embd,
+                l.q_a.ty == GgmlType::Q8_0,
+                p(&s.kv),
+                n,
+                fast,
+            )?;
+            g.kv_finish(
+                n,
+                step,
+                p(&s.kv),
+                p(&l.kv_norm),
+                f32t,
+                hd,
+                c.rms_eps,
+                rope,
+                fast,
+                p(&st.ring),
+                self.raw_cap,
+            )?;
+            if let (Some(cw), Some(comp)) = (&l.compressor, &st.comp) {
+                let ckv = p(&s.ckv);
+                compressor_inputs(g, cw, p(&s.n), ckv, n)?;
+                compress(
+                    g,
+                    c,
+                    n,
+                    step,
+                    ckv,
+                    cw,
+                    st.skv.as_ref(),
+                    st.ssc.as_ref(),
+                    rope,
+                    false,
+                    fast,
+                    p(comp),
+                )?;
+            }
+            Ok(())
+        })?;
+        let indexer = match (&l.compressor, &l.indexer, &st.index) {
+            (Some(cw), Some(ix), Some(index)) => Some((cw, ix, index)),
+            _ => None,
+        };
+        if let Some((_, ix, index)) = indexer {
+            g.branch(2, || {
+                let icw = &ix.compressor;
+                let icv = p(&s.icv);
+                compressor_inputs(g, icw, p(&s.n), icv, n)?;
+                compress(
+                    g,
+                    c,
+                    n,
+                    step,
+                    icv,
+                    icw,
+                    st.iskv.as_ref(),
+                    st.issc.as_ref(),
+                    rope,
+                    true,
+                    fast,
+                    p(index),
+                )?;
+                dense_f32(g, &ix.proj, p(&s.n), p(&s.wt), plain(&ix.proj, n))
+            })?;
+        }
+        // attn_q_a reads `n` as quantised by the norm: the kv branch only quantises
+        // its own copy when q_a is not Q8_0 (then q_a does not read it).
+        let q_a_xq_ready = n_q8;
+        mv(
+            g,
+            &l.q_a,
+            p(&s.n),
+            &mut qb.embd,
+            q_a_xq_ready,
+            p(&s.qa),
+            n,
+            fast,
+        )?;
+        let qr_q8 = norm(
+            g,
+            p(&s.qa),
+            p(&l.q_a_norm),
+            c.q_lora_rank,
+            n,
+            c.rms_eps,
+            p(&s.qr),
+            &mut qb.qr,
+            fast && l.q_b.ty == GgmlType::Q8_0,
+        )?;
+        let mut sel = 0u64;
+        if let Some((cw, ix, index)) = indexer {
+            g.branch(2, || {
+                // The indexer runs every token so one captured graph serves every
+                // position: below top_k rows the kernels themselves select every row.
+                let max_rows = comp_cap(self.ctx, cw.ratio);
+                dense_f32(g, &ix.q_b, p(&s.qr), p(&s.qi), plain(&ix.q_b, n))?;
+                g.indexer_q(n, step, p(&s.qi), c.idx_heads, c.idx_head_dim, rope)?;
+                let wscale =
+                    ((c.idx_head_dim as f64).powf(-0.5) * (c.idx_heads as f64).powf(-0.5)) as f32;
+                debug_assert!(max_rows <= s.iscores_stride);
+                g.indexer_scores(
+                    n,
+                    step,
+                    p(index),
+                    p(&s.qi),
+                    p(&s.wt),
+                    c.idx_heads,
+                    c.idx_head_dim,
+                    wscale,
+                    cw.ratio,
+                    c.idx_topk,
+                    p(&s.iscores),
+                    s.iscores_stride,
+                )?;
+                g.topk_select(
+                    n,
+                    step,
+                    p(&s.iscores),
+                    s.iscores_stride,
+                    cw.ratio,
+                    c.idx_topk,
+                    g.ptr(&s.sel),
+                )
+            })?;
+            sel = g.ptr(&s.sel);
+        }
+        mv(g, &l.q_b, p(&s.qr), &mut qb.qr, qr_q8, p(&s.q), n, fast)?;
+        g.head_norm_rope(n, step, p(&s.q), hd, c.n_head, c.rms_eps, rope)?;
+        g.join(1)?;
+        if indexer.is_some() {
+            g.join(2)?;
+        }
+        let scale = (hd as f64).powf(-0.5) as f32;
+        if n > 1 && fast && gemm(Gemm::Attn) && Gpu::attention_mma_shape(c.n_head, hd) {
+            g.attention_prefill_mma(
+                n,
+                step,
+                p(&s.q),
+                p(&st.ring),
+                self.raw_cap,
+                self.window,
+                st.comp.as_ref().map_or(0, p),
+                l.ratio,
+                sel,
+                c.idx_topk,
+                p(&l.sinks),
+                c.n_head,
+                hd,
+                scale,
+                p(&s.heads),
+            )?;
+        } else {
+            let (rows_per_chunk, n_chunks) = if n == 1 {
+                (0, att_splits(s.att_stride))
+            } else {
+                (s.att_stride, 1)
+            };
+            g.attention(
+                n,
+                step,
+                p(&s.q),
+                p(&st.ring),
+                self.raw_cap,
+                self.window,
+                st.comp.as_ref().map_or(0, p),
+                l.ratio,
+                sel,
+                c.idx_topk,
+                p(&l.sinks),
+                c.n_head,
+                hd,
+                scale,
+                rows_per_chunk,
+                n_chunks,
+                p(&s.att_acc),
+                p(&s.att_ml),
+                p(&s.heads),
+            )?;
+        }
+        g.rope_tail(n, step, p(&s.heads), hd, c.n_head, 0, rope, true)?;
+        let groups = MatSel {
+            ids: g.ptr(&s.group_ids),
+            x_stride: (c.q_dim() / c.o_groups) as i64,
+            y_stride: c.o_lora_rank as i64,
+        };
+        let og = c.o_groups;
+        let grouped = Batch {
+            n_tok: n,
+            x_tok: c.q_dim(),
+            y_tok: og * c.o_lora_rank,
+            n_groups: og,
+            x_grp: c.q_dim() / og,
+            y_grp: c.o_lora_rank,
+        };
+        if n > 1 && gemm(Gemm::Group) && fast && l.out_a.ty == GgmlType::Q8_0 {
+            g.quantize_act_rows(p(&s.heads), &mut qb.heads, n)?;
+            g.matmul_q8act(&l.out_a, &qb.heads, p(&s.low), grouped)?;
+        } else if n > 1 && gemm(Gemm::Group) && !fast && f32_gemm_format(l.out_a.ty) {
+            g.matmul_f32(&l.out_a, p(&s.heads), p(&s.low), grouped)?;
+        } else {
+            mv_sel(
+                g,
+                &l.out_a,
+                p(&s.heads),
+                &mut qb.heads,
+                p(&s.low),
+                n * og,
+                groups,
+                fast,
+            )?;
+        }
+        mv(g, &l.out_b, p(&s.low), &mut qb.low, false, p(&s.o), n, fast)?;
+        g.hc_post(
+            n,
+            p(&s.h),
+            p(&s.o),
+            0,
+            0,
+            p(&s.hcp),
+            c.n_hc,
+            c.n_embd,
+            p(&s.h2),
+        )?;
+        Ok(())
+    }
+
+    fn ffn(
+        &self,
+        w: &CudaWeights,
+        numerics: Numerics,
+        il: usize,
+        b: &mut Work,
+        n: usize,
+    ) -> Result<()> {
+        let g = &*w.gpu;
+        let c = &w.config;
+        let l: &LayerDev = &w.layers[il];
+        let (s, qb) = (&b.s, &mut b.q8);
+        let step = g.ptr(&s.step);
+        let (k, ff, e) = (c.n_expert_used, c.n_ff_exp, c.n_embd);
+        let fast = numerics == Numerics::Fast;
+        let p = |b: &DeviceBuf<f32>| g.ptr(b);
+        let n_q8 = hc_pre_norm(
+            s,
+            n,
+            g,
+            c,
+            &l.hc_ffn,
+            p(&s.h2),
+            p(&l.ffn_norm),
+            &mut qb.embd,
+            fast && l.gate_sh.ty == GgmlType::Q8_0,
+        )?;
+        // The shared expert needs only the normed input: it runs on side lane 1 while
+        // the router and the routed experts run on the main lane.
+        g.branch(1, || {
+            let ffs = c.n_ff_exp * c.n_expert_shared;
+            mv(
+                g,
+                &l.gate_sh,
+                p(&s.n),
+                &mut qb.embd,
+                n_q8,
+                p(&s.sg),
+                n,
+                fast,
+            )?;
+            mv(
+                g,
+                &l.up_sh,
+                p(&s.n),
+                &mut qb.embd,
+                l.gate_sh.ty == GgmlType::Q8_0,
+                p(&s.su),
+                n,
+                fast,
+            )?;
+            let smid_q8 = fast && l.down_sh.ty == GgmlType::Q8_0;
+            if smid_q8 {
+                g.swiglu_quant(
+                    p(&s.sg),
+                    p(&s.su),
+                    0,
+                    ffs,
+                    n,
+                    c.swiglu_clamp_shexp[il],
+                    p(&s.smid),
+                    &mut qb.shared_mid,
+                    false,
+                )?;
+            } else {
+                g.swiglu(
+                    p(&s.sg),
+                    p(&s.su),
+                    0,
+                    ffs,
+                    n,
+                    c.swiglu_clamp_shexp[il],
+                    p(&s.smid),
+                )?;
+            }
+            mv(
+                g,
+                &l.down_sh,
+                p(&s.smid),
+                &mut qb.shared_mid,
+                smid_q8,
+                p(&s.sh),
+                n,
+                fast,
+            )
+        })?;
+        dense_f32(g, &l.gate_inp, p(&s.n), p(&s.rlog), plain(&l.gate_inp, n))?;
+        g.router(
+            n,
+            step,
+            p(&s.rlog),
+            c.n_expert,
+            k,
+            l.exp_probs_b.as_ref().map_or(0, p),
+            l.tid2eid.as_ref().map_or(0, |t| g.ptr(t)),
+            c.expert_weights_scale,
+            g.ptr(&s.ids),
+            p(&s.rw),
+        )?;
+        let ids = g.ptr(&s.ids);
+        let int8 = |m: &ds4_cuda::DeviceMatrix| {
+            numerics == Numerics::Fast
+                && matches!(m.ty, GgmlType::IQ2_XXS | GgmlType::Q2_K | GgmlType::Q4_K)
+        };
+        let expert_gemm = n > 1
+            && b.plan.is_some()
+            && int8(&l.gate_exps)
+            && int8(&l.up_exps)
+            && int8(&l.down_exps);
+        // The matvecs' input: one shared row for a single token, otherwise one row per
+        // (token, expert) pair.
+        let (x_in, in_stride) = if n == 1 || expert_gemm {
+            (p(&s.n), 0)
+        } else {
+            g.repeat_rows(p(&s.n), n, e, k, p(&s.rep))?;
+            (p(&s.rep), e as i64)
+        };
+        let gate_up = MatSel {
+            ids,
+            x_stride: in_stride,
+            y_stride: ff as i64,
+        };
+        let per_mid = MatSel {
+            ids,
+            x_stride: ff as i64,
+            y_stride: e as i64,
+        };
+        let pairs = n * k;
+        // Batches with int8 experts: grouped expert GEMMs over per-expert pair lists
+        // (gate/up read each token's Q8_K row once for its k pairs); otherwise matvecs
+        // over the (token, expert) pairs.
+        let plan = match b.plan.as_mut().filter(|_| expert_gemm) {
+            Some(plan) => {
+                g.route_plan(ids, pairs, c.n_expert, plan)?;
+                g.quantize_act_k_rows(p(&s.n), &mut qb.exp_in, n)?;
+                g.matmul_experts_q8act(&l.gate_exps, &qb.exp_in, plan, k, true, p(&s.g))?;
+                g.matmul_experts_q8act(&l.up_exps, &qb.exp_in, plan, k, true, p(&s.u))?;
+                Some(&*plan)
+            }
+            None if int8(&l.gate_exps) && int8(&l.up_exps) => {
+                let in_rows = if n == 1 { 1 } else { pairs };
+                g.quantize_act_k_rows(x_in, &mut qb.exp_in, in_rows)?;
+                g.matvec_q8act_pair(
+                    &l.gate_exps,
+                    &l.up_exps,
+                    &qb.exp_in,
+                    p(&s.g),
+                    p(&s.u),
+                    pairs,
+                    gate_up,
+                )?;
+                None
+            }
+            None => {
+                g.matvec(&l.gate_exps, x_in, p(&s.g), pairs, gate_up)?;
+                g.matvec(&l.up_exps, x_in, p(&s.u), pairs, gate_up)?;
+                None
+            }
+        };
+        if int8(&l.down_exps) {
+            g.swiglu_quant(
+                p(&s.g),
+                p(&s.u),
+                p(&s.rw),
+                ff,
+                pairs,
+                c.swiglu_clamp[il],
+                p(&s.mid),
+                &mut qb.exp_mid,
+                true,
+            )?;
+            match plan {
+                Some(plan) => {
+                    g.matmul_experts_q8act(&l.down_exps, &qb.exp_mid, plan, k, false, p(&s.dn))?
+                }
+                None => g.matvec_q8act(&l.down_exps, &qb.exp_mid, p(&s.dn), pairs, per_mid)?,
+            }
+        } else {
+            g.swiglu(
+                p(&s.g),
+                p(&s.u),
+                p(&s.rw),
+                ff,
+                pairs,
+                c.swiglu_clamp[il],
+                p(&s.mid),
+            )?;
+            g.matvec(&l.down_exps, p(&s.mid), p(&s.dn), pairs, per_mid)?;
+        }
+        g.join(1)?;
+        // The routed experts' rows summed plus the shared expert, inside hc_post.
+        g.hc_post(
+            n,
+            p(&s.h2),
+            p(&s.sh),
+            p(&s.dn),
+            k,
+            p(&s.hcp),
+            c.n_hc,
+            c.n_embd,
+            p(&s.h),
+        )?;
+        Ok(())
+    }
+}
+
+/// The compressor's kv and gate projections of `n` tokens: token t's kv at
+/// out + t·2w, its gate scores right after.
+fn compressor_inputs(
+    g: &Gpu,
+    cw: &crate::cuda::weights::CompressorDev,
+    x: u64,
+    out: u64,
+    n: usize,
+) -> Result<(), CudaError> {
+    let width = cw.lanes * cw.dim;
+    let b = Batch {
+        y_tok: 2 * width,
+        ..Batch::plain(n, cw.kv.cols, 0)
+    };
+    dense_f32(g, &cw.kv, x, out, b)?;
+    dense_f32(g, &cw.gate, x, out + 4 * width as u64, b)
+}
+
+/// Advances a compressor by `n` tokens (one: the graph-captured decode step).
+#[allow(clippy::too_many_arguments)]
+fn compress(
+    g: &Gpu,
+    c: &Config,
+    n: usize,
+    step: u64,
+    kvs: u64,
+    cw: &crate::cuda::weights::CompressorDev,
+    skv: Option<&DeviceBuf<f32>>,
+    ssc: Option<&DeviceBuf<f32>>,
+    rope: ds4_cuda::RopeP,
+    indexer: bool,
+    fast: bool,
+    rows_out: u64,
+) -> Result<(), CudaError> {
+    let skv = g.ptr(skv.expect("compressed layer state"));
+    let ssc = g.ptr(ssc.expect("compressed layer state"));
+    let f32t = ds4_cuda::WT_F32;
+    if n == 1 {
+        g.compressor_step(
+            step,
+            kvs,
+            g.ptr(&cw.ape),
+            f32t,
+            skv,
+            ssc,
+            cw.ratio,
+            cw.lanes,
+            cw.dim,
+            g.ptr(&cw.norm),
+            f32t,
+            c.rms_eps,
+            rope,
+            indexer,
+            fast,
+            rows_out,
+        )
+    } else {
+        g.compressor_batch(
+            n,
+            step,
+            kvs,
+            g.ptr(&cw.ape),
+            f32t,
+            skv,
+            ssc,
+            cw.ratio,
+            cw.lanes,
+            cw.dim,
+            g.ptr(&cw.norm),
+            f32t,
+            c.rms_eps,
+            rope,
+            indexer,
+            fast,
+            rows_out,
+        )
+    }
+}
+
+/// `n` packed input rows of `m` to `n` packed output rows.
+fn plain(m: &ds4_cuda::DeviceMatrix, n: usize) -> Batch {
+    Batch::plain(n, m.cols, m.rows)
+}
+
+/// A plain matrix applied to `n` consecutive input rows.
+fn rows(m: &ds4_cuda::DeviceMatrix) -> MatSel {
+    MatSel {
+        ids: 0,
+        x_stride: m.cols as i64,
+        y_stride: m.rows as i64,
+    }
+}
+
+/// `rows` RMS norms into `y`; with `quantize` also into `xq` (Q8_0) in the same launch.
+/// Returns whether `xq` now holds `y`.
+#[allow(clippy::too_many_arguments)]
+fn norm(
+    g: &Gpu,
+    x: u64,
+    w: u64,
+    n: usize,
+    rows: usize,
+    eps: f32,
+    y: u64,
+    xq: &mut QuantAct,
+    quantize: bool,
+) -> Result<bool, CudaError> {
+    if quantize {
+        g.rmsnorm_q8(x, w, ds4_cuda::WT_F32, n, rows, eps, y, xq)?;
+    } else {
+        g.rmsnorm(x, w, ds4_cuda::WT_F32, n, rows, eps, y)?;
+    }
+    Ok(quantize)
+}
+
+/// One projection of `n` input rows: in the fast numerics a Q8_0 weight gets its input
+/// quantised to Q8_0 first (into `xq`, which `quantized` says already holds `x`), as on
+/// the CPU.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn mv(
+    g: &Gpu,
+    m: &ds4_cuda::DeviceMatrix,
+    x: u64,
+    xq: &mut QuantAct,
+    quantized: bool,
+    y: u64,
+    n: usize,
+    fast: bool,
+) -> Result<(), CudaError> {
+    if fast && m.ty == GgmlType::Q8_0 {
+        if !quantized {
+            g.quantize_act_rows(x, xq, n)?;
+        }
+        if n > 1 && gemm(Gemm::Q8) {
+            g.matmul_q8act(m, xq, y, Batch::plain(n, xq.cols, m.rows))
+        } else {
+            g.matvec_q8act(m, xq, y, n, rows(m))
+        }
+    } else {
+        dense_f32(g, m, x, y, plain(m, n))
+    }
+}
+
+/// A selected / grouped projection (`n_sel` selections, inputs at sel.x_stride).
+#[allow(clippy::too_many_arguments)]
+fn mv_sel(
+    g: &Gpu,
+    m: &ds4_cuda::DeviceMatrix,
+    x: u64,
+    xq: &mut QuantAct,
+    y: u64,
+    n_sel: usize,
+    sel: MatSel,
+    fast: bool,
+) -> Result<(), CudaError> {
+    if fast && m.ty == GgmlType::Q8_0 {
+        let rows_q = (n_sel * sel.x_stride as usize).div_ceil(xq.cols);
+        g.quantize_act_rows(x, xq, rows_q)?;
+        g.matvec_q8act(m, xq, y, n_sel, sel)
+    } else {
+        g.matvec(m, x, y, n_sel, sel)
+    }
+}
