@@ -5,7 +5,7 @@
 use anyhow::Result;
 use ds4_cuda::Gpu;
 
-use crate::gpu_selftest::Check;
+use crate::gpu_selftest::{rel_err, Check};
 use crate::rng::Rng;
 
 const HEADS: usize = 64;
@@ -83,19 +83,6 @@ fn reference(
         }
     }
     out
-}
-
-fn rel_err(got: &[f32], want: &[f64]) -> f64 {
-    if got.iter().any(|g| !g.is_finite()) || got.len() != want.len() {
-        return f64::NAN;
-    }
-    let num: f64 = got
-        .iter()
-        .zip(want)
-        .map(|(&g, &w)| (g as f64 - w).powi(2))
-        .sum();
-    let den: f64 = want.iter().map(|w| w * w).sum();
-    (num / den.max(1e-300)).sqrt()
 }
 
 /// The tensor-core kernel (bound 2e-3: fp16 operands) and the f32 kernel (bound 1e-5)

@@ -12,24 +12,10 @@ use ds4_gguf::quant::dequantize_to_vec;
 use ds4_gguf::GgmlType;
 use rayon::prelude::*;
 
-use crate::gpu_selftest::{Check, Timing};
+use crate::gpu_selftest::{random_matrix, random_vec, rel_err, Check, Timing};
 use crate::rng::Rng;
-use crate::synth::fill_blocks;
 
 const BOUND: f64 = 1e-5;
-
-fn random_matrix(ty: GgmlType, rows: usize, cols: usize, mats: usize, rng: &mut Rng) -> Vec<u8> {
-    let n = rows * cols * mats;
-    if ty == GgmlType::BF16 {
-        let x: Vec<f32> = (0..n)
-            .map(|_| rng.normal() / (cols as f32).sqrt())
-            .collect();
-        return ds4_gguf::quant::quantize_weights(ty, &x).expect("bf16");
-    }
-    let mut buf = vec![0u8; ty.bytes_for(n as u64).expect("whole blocks") as usize];
-    fill_blocks(ty, 1.0 / (cols as f32).sqrt(), &mut buf, rng);
-    buf
-}
 
 fn upload(
     gpu: &Gpu,
@@ -44,24 +30,6 @@ fn upload(
     } else {
         DeviceMatrix::upload(gpu, ty, w, rows, cols, mats)?
     })
-}
-
-fn random_vec(n: usize, rng: &mut Rng) -> Vec<f32> {
-    (0..n).map(|_| rng.normal()).collect()
-}
-
-/// ‖got − want‖ / ‖want‖ over the addressed outputs (NaN if any is not finite).
-fn rel_err(got: &[f32], want: &[f64]) -> f64 {
-    if got.iter().any(|g| !g.is_finite()) || got.len() != want.len() {
-        return f64::NAN;
-    }
-    let num: f64 = got
-        .iter()
-        .zip(want)
-        .map(|(&g, &w)| (g as f64 - w).powi(2))
-        .sum();
-    let den: f64 = want.iter().map(|w| w * w).sum();
-    (num / den.max(1e-300)).sqrt()
 }
 
 /// Dequantized matrices of a stack, `[mats][rows·cols]`.

@@ -37,27 +37,42 @@ impl Timing {
     }
 }
 
-fn random_matrix(ty: GgmlType, rows: usize, cols: usize, mats: usize, rng: &mut Rng) -> Vec<u8> {
-    let n = (rows * cols * mats) as u64;
-    let mut buf = vec![0u8; ty.bytes_for(n).expect("whole blocks") as usize];
+/// Random weights of `mats` matrices of rows × cols in the block format `ty` (values
+/// ~ N(0, 1/cols) before quantisation).
+pub(crate) fn random_matrix(
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    mats: usize,
+    rng: &mut Rng,
+) -> Vec<u8> {
+    let n = rows * cols * mats;
+    if ty == GgmlType::BF16 {
+        let x: Vec<f32> = (0..n)
+            .map(|_| rng.normal() / (cols as f32).sqrt())
+            .collect();
+        return ds4_gguf::quant::quantize_weights(ty, &x).expect("bf16");
+    }
+    let mut buf = vec![0u8; ty.bytes_for(n as u64).expect("whole blocks") as usize];
     fill_blocks(ty, 1.0 / (cols as f32).sqrt(), &mut buf, rng);
     buf
 }
 
-fn random_vec(n: usize, rng: &mut Rng) -> Vec<f32> {
+pub(crate) fn random_vec(n: usize, rng: &mut Rng) -> Vec<f32> {
     (0..n).map(|_| rng.normal()).collect()
 }
 
-fn rel_err(got: &[f32], want: &[f64]) -> f64 {
+/// ‖got − want‖ / ‖want‖ (NaN if any output is not finite or the lengths differ).
+pub(crate) fn rel_err(got: &[f32], want: &[f64]) -> f64 {
+    if got.iter().any(|g| !g.is_finite()) || got.len() != want.len() {
+        return f64::NAN;
+    }
     let num: f64 = got
         .iter()
         .zip(want)
         .map(|(&g, &w)| (g as f64 - w).powi(2))
         .sum();
     let den: f64 = want.iter().map(|w| w * w).sum();
-    if got.iter().any(|g| !g.is_finite()) {
-        return f64::NAN;
-    }
     (num / den.max(1e-300)).sqrt()
 }
 
