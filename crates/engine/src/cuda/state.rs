@@ -268,6 +268,18 @@ const CHUNK_MEM_FRACTION: usize = 4;
 /// few rows each. A prefill batch uses one chunk per token: its tokens fill the GPU.
 const ATT_SPLITS: usize = 32;
 
+/// Tokens per prefill chunk: `asked` (or MAX_CHUNK), bounded by the context's score
+/// buffers, by a CHUNK_MEM_FRACTION of the `free` device bytes, and to 1..=ctx.
+fn prefill_chunk(c: &Config, ctx: usize, free: usize, asked: Option<usize>) -> usize {
+    let scores_per_token = 4 * comp_cap(ctx, 4);
+    let mem_chunk = free / CHUNK_MEM_FRACTION / work_bytes_per_token(c, ctx).max(1);
+    asked
+        .unwrap_or(MAX_CHUNK)
+        .min(CHUNK_SCORE_BUDGET / scores_per_token)
+        .min(mem_chunk)
+        .clamp(1, ctx.max(1))
+}
+
 fn att_splits(att_stride: usize) -> usize {
     ATT_SPLITS.min(att_stride.max(1))
 }
@@ -289,16 +301,11 @@ impl DeviceState {
             .max()
             .unwrap_or(0);
         let att_stride = window + max_comp;
-        let per_token = 4 * comp_cap(ctx, 4);
         let free = g.mem_info().map_or(usize::MAX, |(free, _)| free);
-        let mem_chunk = free / CHUNK_MEM_FRACTION / work_bytes_per_token(c, ctx).max(1);
-        let chunk = std::env::var("DS4_CUDA_PREFILL_CHUNK")
+        let asked = std::env::var("DS4_CUDA_PREFILL_CHUNK")
             .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .unwrap_or(MAX_CHUNK)
-            .min(CHUNK_SCORE_BUDGET / per_token)
-            .min(mem_chunk)
-            .clamp(1, ctx.max(1));
+            .and_then(|v| v.parse::<usize>().ok());
+        let chunk = prefill_chunk(c, ctx, free, asked);
         let raw_cap = window + chunk;
         let mut layers = Vec::with_capacity(c.n_layer);
         for (il, l) in w.layers.iter().enumerate() {
@@ -538,4 +545,47 @@ fn head_logits(w: &CudaWeights, numerics: Numerics, b: &mut Work, h: u64) -> Res
         fast,
     )?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flash() -> Config {
+        Config::flash()
+    }
+
+    #[test]
+    fn a_batch_costs_about_a_megabyte_per_token_at_the_flash_shape() {
+        let b = work_bytes_per_token(&flash(), 32768);
+        assert!((700_000..1_500_000).contains(&b), "{b} bytes per token");
+        // The indexer score row grows with the context: 4 bytes per 4 positions.
+        let grow = work_bytes_per_token(&flash(), 32768 + 4096) - b;
+        assert_eq!(grow, 4096);
+    }
+
+    #[test]
+    fn chunks_are_2048_tokens_when_memory_allows() {
+        let c = flash();
+        assert_eq!(prefill_chunk(&c, 32768, 50 << 30, None), MAX_CHUNK);
+        assert_eq!(prefill_chunk(&c, 32768, 50 << 30, Some(300)), 300);
+        // Never more than the context, never zero.
+        assert_eq!(prefill_chunk(&c, 100, 50 << 30, None), 100);
+        assert_eq!(prefill_chunk(&c, 32768, 50 << 30, Some(0)), 1);
+    }
+
+    #[test]
+    fn chunks_shrink_with_free_memory_and_long_contexts() {
+        let c = flash();
+        let per = work_bytes_per_token(&c, 32768);
+        // A quarter of 1 GiB free holds fewer than 2,048 tokens of buffers.
+        let chunk = prefill_chunk(&c, 32768, 1 << 30, None);
+        assert_eq!(chunk, (1usize << 30) / CHUNK_MEM_FRACTION / per);
+        assert!(chunk < MAX_CHUNK);
+        assert_eq!(prefill_chunk(&c, 32768, 0, None), 1);
+        // At 1M context the indexer score rows cap the chunk (512 MiB budget).
+        let long = prefill_chunk(&c, 1 << 20, 1 << 40, None);
+        assert_eq!(long, CHUNK_SCORE_BUDGET / (4 * comp_cap(1 << 20, 4)));
+        assert!(long < MAX_CHUNK);
+    }
 }
