@@ -844,6 +844,33 @@ extern "C" __global__ void __launch_bounds__(1024) topk_select(const Step* step,
     }
 }
 
+// The rows token t attends, in order: its raw window (oldest first, ring slot
+// p % raw_cap), then its compressed rows — all of them, or the top-k selection `sel[t]`
+// once there are more than top_k. Shared by attention_split and attention_prefill_mma.
+struct AttRows {
+    int pos, n_raw, total;
+    bool masked;
+    const i32* st;
+
+    __device__ AttRows(const Step* step, int t, int window, int ratio, const i32* sel,
+                       int top_k) {
+        pos = step[t].pos;
+        n_raw = min(pos + 1, window);
+        const int n_comp_all = ratio > 0 ? (pos + 1) / ratio : 0;
+        masked = sel != nullptr && n_comp_all > top_k;
+        st = sel + (i64)t * top_k;
+        total = n_raw + (masked ? top_k : n_comp_all);
+    }
+
+    // Row r < total of `hd` floats.
+    __device__ __forceinline__ const float* row(int r, const float* ring, int raw_cap,
+                                                const float* comp, int hd) const {
+        if (r < n_raw) return ring + (i64)((pos - n_raw + 1 + r) % raw_cap) * hd;
+        const int ci = masked ? st[r - n_raw] : r - n_raw;
+        return comp + (i64)ci * hd;
+    }
+};
+
 // ---- Split sink attention (flash-decoding): K = V = the stored row, shared by every
 // head (MQA). Block (chunk c, head group, token t) walks rows [c·rows_per_chunk, …) of
 // the token's row list (raw window oldest first, then the compressed rows or their
@@ -865,13 +892,8 @@ extern "C" __global__ void __launch_bounds__(256) attention_split(const Step* st
     const int t = blockIdx.z;
     const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
     const int h = blockIdx.y * ATT_HEADS_PER_BLOCK + wid;
-    const int pos = step[t].pos;
-    const int n_raw = min(pos + 1, window);
-    const int n_comp_all = ratio > 0 ? (pos + 1) / ratio : 0;
-    const bool masked = sel != nullptr && n_comp_all > top_k;
-    const int n_comp = masked ? top_k : n_comp_all;
-    const i32* st = sel + (i64)t * top_k;
-    const int total = n_raw + n_comp;
+    const AttRows rows(step, t, window, ratio, sel, top_k);
+    const int total = rows.total;
     // rows_per_chunk 0: split this token's rows evenly over the chunks (decode: every
     // chunk gets a few rows whatever the context, so no block walks a long dependent
     // chain of row loads).
@@ -905,15 +927,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_split(const Step* st
 #pragma unroll
         for (int u = 0; u < ATT_ROWS_PER_STEP; ++u) {
             const int ru = r + u;
-            const float* row = nullptr;
-            if (ru < r1) {
-                if (ru < n_raw) {
-                    row = ring + (i64)((pos - n_raw + 1 + ru) % raw_cap) * hd;
-                } else {
-                    const int ci = masked ? st[ru - n_raw] : ru - n_raw;
-                    row = comp + (i64)ci * hd;
-                }
-            }
+            const float* row = ru < r1 ? rows.row(ru, ring, raw_cap, comp, hd) : nullptr;
             d[u] = 0.f;
 #pragma unroll
             for (int j = 0; j < 4; ++j) {

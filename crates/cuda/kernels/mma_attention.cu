@@ -60,13 +60,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) attention_prefill_mma(const
     const int t = blockIdx.x;
     const int tid = threadIdx.x, lane = tid % WARP, w = tid / WARP;
     const int g = lane >> 2, cq = lane & 3;
-    const int pos = step[t].pos;
-    const int n_raw = min(pos + 1, window);
-    const int n_comp_all = ratio > 0 ? (pos + 1) / ratio : 0;
-    const bool masked = sel != nullptr && n_comp_all > top_k;
-    const int n_comp = masked ? top_k : n_comp_all;
-    const i32* st = sel + (i64)t * top_k;
-    const int total = n_raw + n_comp;
+    const AttRows rows(step, t, window, ratio, sel, top_k);
+    const int total = rows.total;
     const int n_tiles = (total + AMMA_ROWS - 1) / AMMA_ROWS;
 
     // The f32 rows of tile `tile` into sF: 32 rows × 128 chunks of 16 bytes; thread
@@ -77,17 +72,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) attention_prefill_mma(const
         for (int i = 0; i < AMMA_ROWS / 2; ++i) {
             const int rr = (tid >> 7) + 2 * i;
             const int r = tile * AMMA_ROWS + rr;
-            const float* src = ring;
             const bool ok = r < total;
-            if (ok) {
-                if (r < n_raw) {
-                    src = ring + (i64)((pos - n_raw + 1 + r) % raw_cap) * AMMA_HD;
-                } else {
-                    const int ci = masked ? st[r - n_raw] : r - n_raw;
-                    src = comp + (i64)ci * AMMA_HD;
-                }
-                src += cc * 4;
-            }
+            const float* src = ok ? rows.row(r, ring, raw_cap, comp, AMMA_HD) + cc * 4 : ring;
             mm_cp16(mm_smem(sF + rr * AMMA_HD + cc * 4), src, ok);
         }
         mm_commit();
