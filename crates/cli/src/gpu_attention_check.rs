@@ -3,7 +3,7 @@
 //! rows, next to the f32 `attention` kernel on the same inputs.
 
 use anyhow::Result;
-use ds4_cuda::Gpu;
+use ds4_cuda::{DeviceBuf, Gpu};
 
 use crate::gpu_selftest::{rel_err, Check};
 use crate::rng::Rng;
@@ -23,6 +23,93 @@ struct Case {
 const WINDOW: usize = 128;
 const RAW_CAP: usize = WINDOW + 64;
 const TOP_K: usize = 512;
+
+/// One batch's attention inputs on the device (window WINDOW in a ring of RAW_CAP,
+/// top-k TOP_K), run through either kernel.
+struct DeviceInputs {
+    n: usize,
+    step: DeviceBuf<i32>,
+    q: DeviceBuf<f32>,
+    ring: DeviceBuf<f32>,
+    /// Compressed rows (ratio > 0) and top-k selections (indexed layers).
+    comp: Option<DeviceBuf<f32>>,
+    sel: Option<DeviceBuf<i32>>,
+    ratio: usize,
+    sinks: DeviceBuf<f32>,
+    scale: f32,
+}
+
+impl DeviceInputs {
+    #[allow(clippy::too_many_arguments)]
+    fn upload(
+        gpu: &Gpu,
+        positions: impl Iterator<Item = usize>,
+        q: &[f32],
+        ring: &[f32],
+        comp: Option<&[f32]>,
+        ratio: usize,
+        sel: Option<&[i32]>,
+        sinks: &[f32],
+    ) -> Result<DeviceInputs> {
+        let steps: Vec<i32> = positions.flat_map(|p| [p as i32, 0]).collect();
+        Ok(DeviceInputs {
+            n: steps.len() / 2,
+            step: gpu.upload(&steps)?,
+            q: gpu.upload(q)?,
+            ring: gpu.upload(ring)?,
+            comp: comp.map(|c| gpu.upload(c)).transpose()?,
+            sel: sel.map(|s| gpu.upload(s)).transpose()?,
+            ratio,
+            sinks: gpu.upload(sinks)?,
+            scale: (HD as f64).powf(-0.5) as f32,
+        })
+    }
+
+    fn mma(&self, gpu: &Gpu, out: u64) -> Result<(), ds4_cuda::CudaError> {
+        gpu.attention_prefill_mma(
+            self.n,
+            gpu.ptr(&self.step),
+            gpu.ptr(&self.q),
+            gpu.ptr(&self.ring),
+            RAW_CAP,
+            WINDOW,
+            self.comp.as_ref().map_or(0, |c| gpu.ptr(c)),
+            self.ratio,
+            self.sel.as_ref().map_or(0, |s| gpu.ptr(s)),
+            TOP_K,
+            gpu.ptr(&self.sinks),
+            HEADS,
+            HD,
+            self.scale,
+            out,
+        )
+    }
+
+    /// `attention` with one chunk of `stride` rows per token (the prefill layout).
+    fn f32(&self, gpu: &Gpu, stride: usize, out: u64) -> Result<(), ds4_cuda::CudaError> {
+        gpu.attention(
+            self.n,
+            gpu.ptr(&self.step),
+            gpu.ptr(&self.q),
+            gpu.ptr(&self.ring),
+            RAW_CAP,
+            WINDOW,
+            self.comp.as_ref().map_or(0, |c| gpu.ptr(c)),
+            self.ratio,
+            self.sel.as_ref().map_or(0, |s| gpu.ptr(s)),
+            TOP_K,
+            gpu.ptr(&self.sinks),
+            HEADS,
+            HD,
+            self.scale,
+            stride,
+            1,
+            0,
+            0,
+            out,
+        )
+    }
+}
 
 /// The rows token `pos` attends (ring slots, then compressed row indices), as the
 /// kernels list them.
@@ -146,33 +233,18 @@ pub fn check_attention_mma(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
             sel.as_deref(),
             scale,
         );
-        let steps: Vec<i32> = case.positions.iter().flat_map(|&p| [p as i32, 0]).collect();
-        let d_step = gpu.upload(&steps)?;
-        let d_q = gpu.upload(&q)?;
-        let d_ring = gpu.upload(&ring)?;
-        let d_comp = gpu.upload(&comp)?;
-        let d_sinks = gpu.upload(&sinks)?;
-        let d_sel = gpu.upload(sel.as_deref().unwrap_or(&[0]))?;
-        let sel_p = if case.indexed { gpu.ptr(&d_sel) } else { 0 };
-        let comp_p = if case.ratio > 0 { gpu.ptr(&d_comp) } else { 0 };
-        let out = gpu.upload(&vec![f32::NAN; n * HEADS * HD])?;
-        gpu.attention_prefill_mma(
-            n,
-            gpu.ptr(&d_step),
-            gpu.ptr(&d_q),
-            gpu.ptr(&d_ring),
-            RAW_CAP,
-            WINDOW,
-            comp_p,
+        let inputs = DeviceInputs::upload(
+            gpu,
+            case.positions.iter().copied(),
+            &q,
+            &ring,
+            (case.ratio > 0).then_some(&comp[..]),
             case.ratio,
-            sel_p,
-            TOP_K,
-            gpu.ptr(&d_sinks),
-            HEADS,
-            HD,
-            scale as f32,
-            gpu.ptr(&out),
+            sel.as_deref(),
+            &sinks,
         )?;
+        let out = gpu.upload(&vec![f32::NAN; n * HEADS * HD])?;
+        inputs.mma(gpu, gpu.ptr(&out))?;
         checks.push(Check {
             name: format!("attention mma {}", case.name),
             rel_err: rel_err(&gpu.download(&out)?, &want),
@@ -180,27 +252,7 @@ pub fn check_attention_mma(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
         });
         let stride = WINDOW + TOP_K.max(n_comp_rows);
         let split = gpu.upload(&vec![f32::NAN; n * HEADS * HD])?;
-        gpu.attention(
-            n,
-            gpu.ptr(&d_step),
-            gpu.ptr(&d_q),
-            gpu.ptr(&d_ring),
-            RAW_CAP,
-            WINDOW,
-            comp_p,
-            case.ratio,
-            sel_p,
-            TOP_K,
-            gpu.ptr(&d_sinks),
-            HEADS,
-            HD,
-            scale as f32,
-            stride,
-            1,
-            0,
-            0,
-            gpu.ptr(&split),
-        )?;
+        inputs.f32(gpu, stride, gpu.ptr(&split))?;
         checks.push(Check {
             name: format!("attention f32 {}", case.name),
             rel_err: rel_err(&gpu.download(&split)?, &want),
@@ -222,54 +274,19 @@ pub fn bench_attention(gpu: &Gpu, seed: u64) -> Result<Vec<(String, f64)>> {
     let sel: Vec<i32> = (0..n * TOP_K)
         .map(|_| rng.below(n_comp_rows as u64) as i32)
         .collect();
-    let steps: Vec<i32> = (0..n).flat_map(|t| [(8192 + t) as i32, 0]).collect();
-    let (d_step, d_q, d_ring) = (gpu.upload(&steps)?, gpu.upload(&q)?, gpu.upload(&ring)?);
-    let (d_comp, d_sel) = (gpu.upload(&comp)?, gpu.upload(&sel)?);
-    let d_sinks = gpu.upload(&vec![0.5f32; HEADS])?;
+    let inputs = DeviceInputs::upload(
+        gpu,
+        (0..n).map(|t| 8192 + t),
+        &q,
+        &ring,
+        Some(&comp),
+        4,
+        Some(&sel),
+        &[0.5f32; HEADS],
+    )?;
     let out = gpu.zeros::<f32>(n * HEADS * HD)?;
-    let scale = (HD as f32).powf(-0.5);
-    let mma = gpu.time_ms(2, 10, |_| {
-        gpu.attention_prefill_mma(
-            n,
-            gpu.ptr(&d_step),
-            gpu.ptr(&d_q),
-            gpu.ptr(&d_ring),
-            RAW_CAP,
-            WINDOW,
-            gpu.ptr(&d_comp),
-            4,
-            gpu.ptr(&d_sel),
-            TOP_K,
-            gpu.ptr(&d_sinks),
-            HEADS,
-            HD,
-            scale,
-            gpu.ptr(&out),
-        )
-    })?;
-    let split = gpu.time_ms(2, 10, |_| {
-        gpu.attention(
-            n,
-            gpu.ptr(&d_step),
-            gpu.ptr(&d_q),
-            gpu.ptr(&d_ring),
-            RAW_CAP,
-            WINDOW,
-            gpu.ptr(&d_comp),
-            4,
-            gpu.ptr(&d_sel),
-            TOP_K,
-            gpu.ptr(&d_sinks),
-            HEADS,
-            HD,
-            scale,
-            WINDOW + TOP_K,
-            1,
-            0,
-            0,
-            gpu.ptr(&out),
-        )
-    })?;
+    let mma = gpu.time_ms(2, 10, |_| inputs.mma(gpu, gpu.ptr(&out)))?;
+    let split = gpu.time_ms(2, 10, |_| inputs.f32(gpu, WINDOW + TOP_K, gpu.ptr(&out)))?;
     Ok(vec![
         ("attention mma 512 tok x 640 rows".into(), mma),
         ("attention f32 512 tok x 640 rows".into(), split),
