@@ -446,11 +446,6 @@ impl TokenGraph {
             None => Ok(self.graph.launch()?),
         }
     }
-
-    /// Whether the kernel-to-kernel edges are programmatic dependencies.
-    pub fn programmatic(&self) -> bool {
-        self.pdl.is_some()
-    }
 }
 
 fn check(r: sys::CUresult) -> Result<(), CudaError> {

@@ -403,7 +403,7 @@ impl Gpu {
         n_sel: usize,
         sel: MatSel,
     ) -> Result<(), CudaError> {
-        self.matvec_q8act_split(m, xq, y, n_sel, sel, None)
+        self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, None)
     }
 
     /// `y[k] = W[ids[k]] · xq[k]` and `y2[k] = W2[ids[k]] · xq[k]`: two stacks with the
