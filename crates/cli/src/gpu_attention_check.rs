@@ -3,7 +3,7 @@
 //! rows, next to the f32 `attention` kernel on the same inputs.
 
 use anyhow::Result;
-use ds4_cuda::{DeviceBuf, Gpu};
+use ds4_cuda::{AttnInput, DeviceBuf, Gpu};
 
 use crate::gpu_selftest::{rel_err, Check};
 use crate::rng::Rng;
@@ -65,49 +65,32 @@ impl DeviceInputs {
         })
     }
 
+    fn input(&self, gpu: &Gpu) -> AttnInput {
+        AttnInput {
+            n_tok: self.n,
+            step: gpu.ptr(&self.step),
+            q: gpu.ptr(&self.q),
+            ring: gpu.ptr(&self.ring),
+            raw_cap: RAW_CAP,
+            window: WINDOW,
+            comp: self.comp.as_ref().map_or(0, |c| gpu.ptr(c)),
+            ratio: self.ratio,
+            sel: self.sel.as_ref().map_or(0, |s| gpu.ptr(s)),
+            top_k: TOP_K,
+            sinks: gpu.ptr(&self.sinks),
+            heads: HEADS,
+            hd: HD,
+            scale: self.scale,
+        }
+    }
+
     fn mma(&self, gpu: &Gpu, out: u64) -> Result<(), ds4_cuda::CudaError> {
-        gpu.attention_prefill_mma(
-            self.n,
-            gpu.ptr(&self.step),
-            gpu.ptr(&self.q),
-            gpu.ptr(&self.ring),
-            RAW_CAP,
-            WINDOW,
-            self.comp.as_ref().map_or(0, |c| gpu.ptr(c)),
-            self.ratio,
-            self.sel.as_ref().map_or(0, |s| gpu.ptr(s)),
-            TOP_K,
-            gpu.ptr(&self.sinks),
-            HEADS,
-            HD,
-            self.scale,
-            out,
-        )
+        gpu.attention_prefill_mma(&self.input(gpu), out)
     }
 
     /// `attention` with one chunk of `stride` rows per token (the prefill layout).
     fn f32(&self, gpu: &Gpu, stride: usize, out: u64) -> Result<(), ds4_cuda::CudaError> {
-        gpu.attention(
-            self.n,
-            gpu.ptr(&self.step),
-            gpu.ptr(&self.q),
-            gpu.ptr(&self.ring),
-            RAW_CAP,
-            WINDOW,
-            self.comp.as_ref().map_or(0, |c| gpu.ptr(c)),
-            self.ratio,
-            self.sel.as_ref().map_or(0, |s| gpu.ptr(s)),
-            TOP_K,
-            gpu.ptr(&self.sinks),
-            HEADS,
-            HD,
-            self.scale,
-            stride,
-            1,
-            0,
-            0,
-            out,
-        )
+        gpu.attention(&self.input(gpu), stride, 1, 0, 0, out)
     }
 }
 

@@ -49,6 +49,28 @@ pub struct HcNorm {
     pub d: u64,
 }
 
+/// What the attention launchers read for `n_tok` tokens (device addresses): queries
+/// `q` (n_tok × heads × hd), the raw ring (position p at slot p % raw_cap, the last
+/// `window` positions attended), the compressed rows of `ratio` (0 = none), the top-k
+/// selections `sel` (n_tok × top_k; 0 = none: every compressed row), per-head sinks.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnInput {
+    pub n_tok: usize,
+    pub step: u64,
+    pub q: u64,
+    pub ring: u64,
+    pub raw_cap: usize,
+    pub window: usize,
+    pub comp: u64,
+    pub ratio: usize,
+    pub sel: u64,
+    pub top_k: usize,
+    pub sinks: u64,
+    pub heads: usize,
+    pub hd: usize,
+    pub scale: f32,
+}
+
 /// The attention shape of `attention_prefill_mma` (AMMA_HEADS / AMMA_HD).
 const ATT_MMA_HEADS: usize = 64;
 const ATT_MMA_HD: usize = 512;
@@ -612,35 +634,22 @@ impl Gpu {
         )
     }
 
-    /// Sink attention of every head of each token over its raw window (the last
-    /// `window` positions, stored at pos % raw_cap) and its compressed rows (those of
-    /// `sel[t]` when `sel` ≠ 0 and the count exceeds top_k), split into `n_chunks`
-    /// chunks of `rows_per_chunk` rows (0: the token's rows divided evenly, computed on
-    /// the device from its position); with more than one chunk the partials go to
-    /// `part_acc` (n_tok·heads·n_chunks·hd floats) and `part_ml` (twice n_tok·heads·n_chunks)
-    /// and a combine pass writes `out`.
+    /// Sink attention of every head of each token over its raw window and its
+    /// compressed rows (see [`AttnInput`]), split into `n_chunks` chunks of
+    /// `rows_per_chunk` rows (0: the token's rows divided evenly, computed on the device
+    /// from its position); with more than one chunk the partials go to `part_acc`
+    /// (n_tok·heads·n_chunks·hd floats) and `part_ml` (twice n_tok·heads·n_chunks) and a
+    /// combine pass writes `out`.
     pub fn attention(
         &self,
-        n_tok: usize,
-        step: u64,
-        q: u64,
-        ring: u64,
-        raw_cap: usize,
-        window: usize,
-        comp: u64,
-        ratio: usize,
-        sel: u64,
-        top_k: usize,
-        sinks: u64,
-        heads: usize,
-        hd: usize,
-        scale: f32,
+        a: &AttnInput,
         rows_per_chunk: usize,
         n_chunks: usize,
         part_acc: u64,
         part_ml: u64,
         out: u64,
     ) -> Result<(), CudaError> {
+        let (hd, heads, raw_cap, window) = (a.hd, a.heads, a.raw_cap, a.window);
         if !hd.is_multiple_of(4) || hd > 512 {
             return Err(CudaError::Invalid(format!(
                 "attention head dim {hd}: must be a multiple of 4, at most 512"
@@ -654,15 +663,15 @@ impl Gpu {
         let (rc, win, r, tk, nh, hd_, rpc) = (
             raw_cap as i32,
             window as i32,
-            ratio as i32,
-            top_k as i32,
+            a.ratio as i32,
+            a.top_k as i32,
             heads as i32,
             hd as i32,
             rows_per_chunk as i32,
         );
         let groups = (heads as u32).div_ceil(8);
         let grid = LaunchConfig {
-            grid_dim: (n_chunks as u32, groups, n_tok as u32),
+            grid_dim: (n_chunks as u32, groups, a.n_tok as u32),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -670,19 +679,19 @@ impl Gpu {
             self,
             "attention_split",
             grid,
-            step,
-            q,
-            ring,
+            a.step,
+            a.q,
+            a.ring,
             rc,
             win,
-            comp,
+            a.comp,
             r,
-            sel,
+            a.sel,
             tk,
-            sinks,
+            a.sinks,
             nh,
             hd_,
-            scale,
+            a.scale,
             rpc,
             part_acc,
             part_ml,
@@ -693,10 +702,10 @@ impl Gpu {
             launch!(
                 self,
                 "attention_combine",
-                cfg2(heads as u32, n_tok, 128),
+                cfg2(heads as u32, a.n_tok, 128),
                 part_acc,
                 part_ml,
-                sinks,
+                a.sinks,
                 nh,
                 hd_,
                 nc,
@@ -711,29 +720,12 @@ impl Gpu {
         heads == ATT_MMA_HEADS && hd == ATT_MMA_HD
     }
 
-    /// Sink attention of `n_tok` tokens on tensor cores (fp16 operands, f32 sums; the
-    /// fast numerics): one block per token over all its rows, output as `attention`
-    /// with one chunk. Only the DeepSeek V4 Flash shape (64 heads of 512).
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention_prefill_mma(
-        &self,
-        n_tok: usize,
-        step: u64,
-        q: u64,
-        ring: u64,
-        raw_cap: usize,
-        window: usize,
-        comp: u64,
-        ratio: usize,
-        sel: u64,
-        top_k: usize,
-        sinks: u64,
-        heads: usize,
-        hd: usize,
-        scale: f32,
-        out: u64,
-    ) -> Result<(), CudaError> {
-        if !Self::attention_mma_shape(heads, hd) || window > raw_cap || n_tok == 0 {
+    /// Sink attention on tensor cores (fp16 operands, f32 sums; the fast numerics): one
+    /// block per token over all its rows, output as `attention` with one chunk. Only the
+    /// DeepSeek V4 Flash shape (64 heads of 512).
+    pub fn attention_prefill_mma(&self, a: &AttnInput, out: u64) -> Result<(), CudaError> {
+        let (heads, hd, raw_cap, window) = (a.heads, a.hd, a.raw_cap, a.window);
+        if !Self::attention_mma_shape(heads, hd) || window > raw_cap || a.n_tok == 0 {
             return Err(CudaError::Invalid(format!(
                 "tensor-core attention takes {ATT_MMA_HEADS} heads of {ATT_MMA_HD} (got {heads} of {hd}), window {window} <= ring {raw_cap}"
             )));
@@ -743,12 +735,20 @@ impl Gpu {
         let smem = (ATT_MMA_HEADS + 32) * (ATT_MMA_HD + 8) * 2 + 32 * ATT_MMA_HD * 4;
         self.allow_smem(NAME, smem)?;
         let cfg = LaunchConfig {
-            grid_dim: (n_tok as u32, 1, 1),
+            grid_dim: (a.n_tok as u32, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        let (rc, win, r, tk) = (raw_cap as i32, window as i32, ratio as i32, top_k as i32);
-        launch!(self, NAME, cfg, step, q, ring, rc, win, comp, r, sel, tk, sinks, scale, out)
+        let (rc, win, r, tk) = (
+            raw_cap as i32,
+            window as i32,
+            a.ratio as i32,
+            a.top_k as i32,
+        );
+        launch!(
+            self, NAME, cfg, a.step, a.q, a.ring, rc, win, a.comp, r, a.sel, tk, a.sinks, a.scale,
+            out
+        )
     }
 
     /// Expert selection and weights of each token (`tid2eid = 0`: top-k routing,

@@ -323,24 +323,24 @@ impl KvView<'_> {
             g.join(2)?;
         }
         let scale = (hd as f64).powf(-0.5) as f32;
+        let att = ds4_cuda::AttnInput {
+            n_tok: n,
+            step,
+            q: p(&s.q),
+            ring: p(&st.ring),
+            raw_cap: self.raw_cap,
+            window: self.window,
+            comp: st.comp.as_ref().map_or(0, p),
+            ratio: l.ratio,
+            sel,
+            top_k: c.idx_topk,
+            sinks: p(&l.sinks),
+            heads: c.n_head,
+            hd,
+            scale,
+        };
         if n > 1 && fast && gemm(Gemm::Attn) && Gpu::attention_mma_shape(c.n_head, hd) {
-            g.attention_prefill_mma(
-                n,
-                step,
-                p(&s.q),
-                p(&st.ring),
-                self.raw_cap,
-                self.window,
-                st.comp.as_ref().map_or(0, p),
-                l.ratio,
-                sel,
-                c.idx_topk,
-                p(&l.sinks),
-                c.n_head,
-                hd,
-                scale,
-                p(&s.heads),
-            )?;
+            g.attention_prefill_mma(&att, p(&s.heads))?;
         } else {
             let (rows_per_chunk, n_chunks) = if n == 1 {
                 (0, att_splits(s.att_stride))
@@ -348,20 +348,7 @@ impl KvView<'_> {
                 (s.att_stride, 1)
             };
             g.attention(
-                n,
-                step,
-                p(&s.q),
-                p(&st.ring),
-                self.raw_cap,
-                self.window,
-                st.comp.as_ref().map_or(0, p),
-                l.ratio,
-                sel,
-                c.idx_topk,
-                p(&l.sinks),
-                c.n_head,
-                hd,
-                scale,
+                &att,
                 rows_per_chunk,
                 n_chunks,
                 p(&s.att_acc),
