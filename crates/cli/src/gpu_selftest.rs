@@ -327,6 +327,43 @@ fn check_q8act_pair(gpu: &Gpu, rng: &mut Rng, m: &DeviceMatrix, ids: &[i32]) -> 
     })
 }
 
+/// Eight rotating selections of `used` distinct-looking experts out of `mats`.
+fn expert_id_sets(gpu: &Gpu, used: usize, mats: usize) -> Result<Vec<ds4_cuda::DeviceBuf<i32>>> {
+    (0..8)
+        .map(|s| {
+            let ids: Vec<i32> = (0..used as i32)
+                .map(|k| (k * 41 + s * 29) % mats as i32)
+                .collect();
+            Ok(gpu.upload(&ids)?)
+        })
+        .collect()
+}
+
+/// Milliseconds per call of the int8-activation expert matvec over `used` selections
+/// of the stack `m` (input `x`: one shared row, or one row per selection).
+fn time_experts_q8act(
+    gpu: &Gpu,
+    m: &DeviceMatrix,
+    x: &ds4_cuda::DeviceBuf<f32>,
+    used: usize,
+    shared: bool,
+) -> Result<f64> {
+    let (rows, cols) = (m.rows, m.cols);
+    let y = gpu.zeros::<f32>(used * rows)?;
+    let mut qa = gpu.alloc_quant_act(if shared { 1 } else { used }, cols)?;
+    gpu.quantize_act(gpu.ptr(x), &mut qa)?;
+    let id_sets = expert_id_sets(gpu, used, m.n_mats)?;
+    let yp = gpu.ptr(&y);
+    Ok(gpu.time_ms(3, 50, |i| {
+        let sel = MatSel {
+            ids: gpu.ptr(&id_sets[i % id_sets.len()]),
+            x_stride: if shared { 0 } else { cols as i64 },
+            y_stride: rows as i64,
+        };
+        gpu.matvec_q8act(m, &qa, yp, used, sel)
+    })?)
+}
+
 /// Bandwidth of the decode matvecs at DeepSeek V4 Flash shapes. Several copies of
 /// each weight rotate so that the L2 cache cannot hold them.
 pub fn bench_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
@@ -452,14 +489,7 @@ pub fn bench_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
         }
         let x = gpu.upload(&random_vec(used * cols, &mut rng))?;
         let mut y = gpu.zeros::<f32>(used * rows)?;
-        let id_sets: Vec<_> = (0..8)
-            .map(|s| {
-                let ids: Vec<i32> = (0..used as i32)
-                    .map(|k| (k * 41 + s * 29) % mats as i32)
-                    .collect();
-                gpu.upload(&ids)
-            })
-            .collect::<Result<_, _>>()?;
+        let id_sets = expert_id_sets(gpu, used, mats)?;
         let ms = gpu.time_ms(3, 50, |i| {
             let mm = if i % copies == 0 {
                 &m
@@ -478,22 +508,10 @@ pub fn bench_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
             ms,
         });
         if mats > 1 {
-            let mut qa = gpu.alloc_quant_act(if shared { 1 } else { used }, cols)?;
-            gpu.quantize_act(gpu.ptr(&x), &mut qa)?;
-            let yp = gpu.ptr(&y);
-            let ms = gpu.time_ms(3, 50, |i| {
-                let ids = &id_sets[i % id_sets.len()];
-                let sel = MatSel {
-                    ids: gpu.ptr(ids),
-                    x_stride: if shared { 0 } else { cols as i64 },
-                    y_stride: rows as i64,
-                };
-                gpu.matvec_q8act(&m, &qa, yp, used, sel)
-            })?;
             out.push(Timing {
                 name: format!("{name} [int8 act]"),
                 bytes: per_call as f64,
-                ms,
+                ms: time_experts_q8act(gpu, &m, &x, used, shared)?,
             });
         }
     }
@@ -548,28 +566,10 @@ pub fn probe_q8_splits(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
         let w = random_matrix(ty, rows, cols, mats, &mut rng);
         let m = DeviceMatrix::upload(gpu, ty, &w, rows, cols, mats)?;
         let x = gpu.upload(&random_vec(used * cols, &mut rng))?;
-        let y = gpu.zeros::<f32>(used * rows)?;
-        let mut qa = gpu.alloc_quant_act(if shared { 1 } else { used }, cols)?;
-        gpu.quantize_act(gpu.ptr(&x), &mut qa)?;
-        let id_sets: Vec<_> = (0..8)
-            .map(|s| {
-                let ids: Vec<i32> = (0..used as i32).map(|k| (k * 41 + s * 29) % 256).collect();
-                gpu.upload(&ids)
-            })
-            .collect::<Result<_, _>>()?;
-        let yp = gpu.ptr(&y);
-        let ms = gpu.time_ms(3, 50, |i| {
-            let sel = MatSel {
-                ids: gpu.ptr(&id_sets[i % id_sets.len()]),
-                x_stride: if shared { 0 } else { cols as i64 },
-                y_stride: rows as i64,
-            };
-            gpu.matvec_q8act(&m, &qa, yp, used, sel)
-        })?;
         out.push(Timing {
             name: name.into(),
             bytes: (m.bytes_per_matrix() * used) as f64,
-            ms,
+            ms: time_experts_q8act(gpu, &m, &x, used, shared)?,
         });
     }
     // (name, rows, cols, selections sharing one matrix stack row count)
