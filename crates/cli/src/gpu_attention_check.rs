@@ -90,7 +90,7 @@ impl DeviceInputs {
 
     /// `attention` with one chunk of `stride` rows per token (the prefill layout).
     fn f32(&self, gpu: &Gpu, stride: usize, out: u64) -> Result<(), ds4_cuda::CudaError> {
-        gpu.attention(&self.input(gpu), stride, 1, 0, 0, out)
+        gpu.attention(&self.input(gpu), stride, 1, 0, 0, out, None)
     }
 }
 

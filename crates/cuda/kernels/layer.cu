@@ -149,85 +149,140 @@ extern "C" __global__ void __launch_bounds__(256) hc_mix_scale(const float* h, i
     if (threadIdx.x < n_out) mix[threadIdx.x] *= f;
 }
 
-// ---- HC pre: pre/post/comb from the mix (Sinkhorn on the n_hc × n_hc comb matrix),
-// then the sublayer input y = Σ_i pre_i·H_i. hcp receives post (n_hc) then comb (n_hc²).
-// With norm_out set, the sublayer's RMS norm follows in the same block: norm_out =
-// rmsnorm(y)·norm_w and, with q set, its Q8_0 form (q, d) — the arithmetic of rmsnorm /
-// rmsnorm_q8 (their 256-thread sum for rows under 1024 included), so bit-identical.
-extern "C" __global__ void __launch_bounds__(1024) hc_pre(const float* h, const float* mix,
-        const float* scale, const float* base, int n_hc, int n_embd, int iters, float eps,
-        float* y, float* hcp, const void* norm_w, int norm_type, float norm_eps,
-        float* norm_out, i8* q, float* d) {
+// ---- HC post and comb: hcp receives post (n_hc) then comb (n_hc², Sinkhorn-
+// normalised). Only hc_post reads them, so the engine runs this beside the sublayer
+// (a side lane) instead of in hc_pre: Sinkhorn's serial chain was most of a decode
+// token's hc_pre time. One warp per token (blockIdx.x · 8 + warp), one lane per element
+// of the comb matrix (n_hc ≤ 5), in registers: row and column sums gather the other
+// lanes' values with shuffles, in the same order as the CPU.
+extern "C" __global__ void __launch_bounds__(256) hc_comb(const float* mix, const float* scale,
+        const float* base, int n_hc, int iters, float eps, float* hcp, int n_tok) {
     PDL_WAIT();
     PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
-    // Sinkhorn runs in the first warp, one lane per element of the n_hc × n_hc comb
-    // matrix (n_hc ≤ 5), in registers: row and column sums gather the other lanes'
-    // values with shuffles, in the same order as the CPU. The sublayer input needs only
-    // `pre`, so the other warps compute it meanwhile (Sinkhorn's serial chain is most
-    // of a token's hc_pre time).
-    __shared__ float pre[8];
-    const int t = threadIdx.x;
+    const int tok = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    if (tok >= n_tok) return;
+    const int t = threadIdx.x % WARP;
     const int nn = n_hc * n_hc;
+    mix += (i64)tok * (2 + n_hc) * n_hc;
+    hcp += (i64)tok * (n_hc + nn);
+    const int i = t < nn ? t / n_hc : 0, j = t < nn ? t % n_hc : 0;
+    if (t < n_hc) hcp[t] = 2.f * sigmoidf_(mix[n_hc + t] * scale[1] + base[n_hc + t]);
+    float c = t < nn ? mix[2 * n_hc + t] * scale[2] + base[2 * n_hc + t] : 0.f;
+    float mx = __shfl_sync(0xffffffffu, c, i * n_hc);
+    for (int k = 1; k < n_hc; ++k) mx = fmaxf(mx, __shfl_sync(0xffffffffu, c, i * n_hc + k));
+    c = t < nn ? expf(c - mx) : 0.f;
+    float sum = 0.f;
+    for (int k = 0; k < n_hc; ++k) sum += __shfl_sync(0xffffffffu, c, i * n_hc + k);
+    c = c * (1.f / sum) + eps;
+    for (int it = 0; it < iters; ++it) {
+        if (it > 0) {
+            sum = 0.f;
+            for (int k = 0; k < n_hc; ++k) sum += __shfl_sync(0xffffffffu, c, i * n_hc + k);
+            c = c * (1.f / (sum + eps));
+        }
+        sum = 0.f;
+        for (int k = 0; k < n_hc; ++k) sum += __shfl_sync(0xffffffffu, c, k * n_hc + j);
+        c = c * (1.f / (sum + eps));
+    }
+    if (t < nn) hcp[n_hc + t] = c;
+}
+
+// ---- HC pre: the sublayer input y = Σ_i pre_i·H_i with pre = σ(mix·scale₀ + base) +
+// eps; with norm_out set, the sublayer's RMS norm follows in the same block: norm_out =
+// rmsnorm(y)·norm_w and, with q set, its Q8_0 form (q, d). One block per token (y);
+// thread t owns values 4t…4t+3 (+ 4·blockDim·p, p < HC_PRE_VEC) and keeps them in
+// registers from the loads of H to the quantised store: a decode token's hc_pre is a
+// chain of L2 round trips, so it makes one pass (8 threads form a Q8_0 block).
+// n_embd is a multiple of 32, at most 4·HC_PRE_VEC·blockDim; blockDim is 1024 for
+// n_embd ≥ 1024, else 256 (rmsnorm's sum order).
+#define HC_PRE_VEC 2
+#define HC_MAX 5
+extern "C" __global__ void __launch_bounds__(1024) hc_pre(const float* h, const float* mix,
+        const float* scale, const float* base, int n_hc, int n_embd, float eps, float* y,
+        const void* norm_w, int norm_type, float norm_eps, float* norm_out, i8* q, float* d) {
+    PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
+    __shared__ float red[32];
+    __shared__ float ys[HC_PRE_VEC * 4 * 1024];
+    const int t = threadIdx.x;
     h += (i64)blockIdx.y * n_hc * n_embd;
     mix += (i64)blockIdx.y * (2 + n_hc) * n_hc;
     y += (i64)blockIdx.y * n_embd;
-    hcp += (i64)blockIdx.y * (n_hc + nn);
-    if (t < n_hc) pre[t] = sigmoidf_(mix[t] * scale[0] + base[t]) + eps;
-    __syncthreads();
-    if (t < WARP) {
-        const int i = t < nn ? t / n_hc : 0, j = t < nn ? t % n_hc : 0;
-        if (t < n_hc) hcp[t] = 2.f * sigmoidf_(mix[n_hc + t] * scale[1] + base[n_hc + t]);
-        float c = t < nn ? mix[2 * n_hc + t] * scale[2] + base[2 * n_hc + t] : 0.f;
-        float mx = __shfl_sync(0xffffffffu, c, i * n_hc);
-        for (int k = 1; k < n_hc; ++k) mx = fmaxf(mx, __shfl_sync(0xffffffffu, c, i * n_hc + k));
-        c = t < nn ? expf(c - mx) : 0.f;
-        float sum = 0.f;
-        for (int k = 0; k < n_hc; ++k) sum += __shfl_sync(0xffffffffu, c, i * n_hc + k);
-        c = c * (1.f / sum) + eps;
-        for (int it = 0; it < iters; ++it) {
-            if (it > 0) {
-                sum = 0.f;
-                for (int k = 0; k < n_hc; ++k) sum += __shfl_sync(0xffffffffu, c, i * n_hc + k);
-                c = c * (1.f / (sum + eps));
+    float pre[HC_MAX];
+#pragma unroll
+    for (int i = 0; i < HC_MAX; ++i)
+        pre[i] = i < n_hc ? sigmoidf_(mix[i] * scale[0] + base[i]) + eps : 0.f;
+    float v[HC_PRE_VEC][4];
+    float ss = 0.f;
+#pragma unroll
+    for (int p = 0; p < HC_PRE_VEC; ++p) {
+        const int i0 = 4 * (t + p * blockDim.x);
+        float a[4] = {0.f, 0.f, 0.f, 0.f};
+        if (i0 < n_embd) {
+            float4 hv[HC_MAX];
+#pragma unroll
+            for (int i = 0; i < HC_MAX; ++i)
+                if (i < n_hc) hv[i] = ldx4(h + (i64)i * n_embd + i0);
+#pragma unroll
+            for (int i = 0; i < HC_MAX; ++i) {
+                if (i < n_hc) {
+                    a[0] += pre[i] * hv[i].x;
+                    a[1] += pre[i] * hv[i].y;
+                    a[2] += pre[i] * hv[i].z;
+                    a[3] += pre[i] * hv[i].w;
+                }
             }
-            sum = 0.f;
-            for (int k = 0; k < n_hc; ++k) sum += __shfl_sync(0xffffffffu, c, k * n_hc + j);
-            c = c * (1.f / (sum + eps));
+            *reinterpret_cast<float4*>(y + i0) = make_float4(a[0], a[1], a[2], a[3]);
         }
-        if (t < nn) hcp[n_hc + t] = c;
-    } else {
-        const int stride = blockDim.x - WARP;
-        for (int d = t - WARP; d < n_embd; d += stride) {
-            float acc = 0.f;
-            for (int i = 0; i < n_hc; ++i) acc += pre[i] * h[(i64)i * n_embd + d];
-            y[d] = acc;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            v[p][k] = a[k];
+            if (i0 < n_embd) ys[i0 + k] = a[k];
         }
     }
     if (norm_out == nullptr) return;
-    __shared__ float red[32];
-    __syncthreads();  // y is complete (and visible to the block)
-    norm_out += (i64)blockIdx.y * n_embd;
+    __syncthreads();
+    // The sum of squares in rmsnorm's order (thread t of nt adds y[t], y[t + nt], …), so
+    // the norm is bit-identical to the rmsnorm kernel's: a different order moves the
+    // near-ties of routing and top-k selection between the batched and decode paths.
     const int nt = n_embd >= 1024 ? 1024 : 256;
-    float ss = 0.f;
     if (t < nt)
-        for (int i = t; i < n_embd; i += nt) ss += y[i] * y[i];
+        for (int i = t; i < n_embd; i += nt) ss += ys[i] * ys[i];
     ss = block_sum(ss, red);
     const float sc = 1.0f / sqrtf(ss / (float)n_embd + norm_eps);
+    norm_out += (i64)blockIdx.y * n_embd;
     if (q != nullptr) {
         q += (i64)blockIdx.y * n_embd;
         d += (i64)blockIdx.y * (n_embd / 32);
-        const int lane = t % WARP;
-        for (int b = t / WARP; b < n_embd / 32; b += blockDim.x / WARP) {
-            const int i = b * 32 + lane;
-            float v = y[i] * sc;
-            if (norm_w) v = v * ldw(norm_w, norm_type, i);
-            norm_out[i] = v;
-            quant_block32(v, q + b * 32, d + b);
+    }
+#pragma unroll
+    for (int p = 0; p < HC_PRE_VEC; ++p) {
+        const int i0 = 4 * (t + p * blockDim.x);
+        const bool on = i0 < n_embd;
+        float o[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            o[k] = v[p][k] * sc;
+            if (on && norm_w) o[k] = o[k] * ldw(norm_w, norm_type, i0 + k);
         }
-    } else {
-        for (int i = t; i < n_embd; i += blockDim.x) {
-            const float v = y[i] * sc;
-            norm_out[i] = norm_w ? v * ldw(norm_w, norm_type, i) : v;
+        if (on) *reinterpret_cast<float4*>(norm_out + i0) = make_float4(o[0], o[1], o[2], o[3]);
+        if (q == nullptr) continue;
+        // The Q8_0 activation rule (quant_block32) over the 8 threads of a block of 32.
+        float amax = on ? fmaxf(fmaxf(fabsf(o[0]), fabsf(o[1])), fmaxf(fabsf(o[2]), fabsf(o[3])))
+                        : 0.f;
+#pragma unroll
+        for (int m = 1; m < 8; m <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+        const float dd = amax / 127.0f;
+        const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
+        u32 packed = 0;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int qi = max(-128, min(127, __float2int_rn(o[k] * id)));
+            packed |= ((u32)qi & 0xffu) << (8 * k);
+        }
+        if (on) {
+            *reinterpret_cast<u32*>(q + i0) = packed;
+            if ((t & 7) == 0) d[i0 / 32] = dd;
         }
     }
 }
@@ -706,14 +761,36 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores(const Step* ste
     const int c0 = blockIdx.x * IDX_ROWS;
     if (c0 >= n) return;
     const int tid = threadIdx.x;
-    for (int i = tid; i < IDX_HEADS * dim; i += blockDim.x) {
-        const int hh = i / dim, k = i % dim;
-        qs[k * IDX_S + hh] = hh < heads ? q[i] : 0.f;
+    // Every 16-byte load of the queries and rows is issued before the first transposed
+    // store (a load-store loop made the staging a chain of ~32 L2 round trips per block,
+    // most of a decode token's scoring time). blockDim = 256, dim ≤ 128, dim % 4 = 0.
+    constexpr int STAGE4 = IDX_HEADS * 128 / 4 / 256;  // float4 per thread and operand
+    float4 qv[STAGE4], kv[STAGE4];
+    const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int u = 0; u < STAGE4; ++u) {
+        const int i = 4 * (tid + u * 256);
+        qv[u] = zero4;
+        kv[u] = zero4;
+        if (i < IDX_HEADS * dim) {
+            if (i / dim < heads) qv[u] = ldx4(q + i);
+            if (c0 + i / dim < n) kv[u] = ldx4(index_rows + (i64)c0 * dim + i);
+        }
     }
     if (tid < IDX_HEADS) ws[tid] = tid < heads ? wt[tid] * wscale : 0.f;
-    for (int i = tid; i < IDX_ROWS * dim; i += blockDim.x) {
-        const int r = i / dim, k = i % dim;
-        ks[k * IDX_S + r] = c0 + r < n ? index_rows[(i64)c0 * dim + i] : 0.f;
+#pragma unroll
+    for (int u = 0; u < STAGE4; ++u) {
+        const int i = 4 * (tid + u * 256);
+        if (i < IDX_HEADS * dim) {
+            const int r = i / dim, k = i % dim;
+            const float qa[4] = {qv[u].x, qv[u].y, qv[u].z, qv[u].w};
+            const float ka[4] = {kv[u].x, kv[u].y, kv[u].z, kv[u].w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                qs[(k + j) * IDX_S + r] = qa[j];
+                ks[(k + j) * IDX_S + r] = ka[j];
+            }
+        }
     }
     __syncthreads();
     const int rg = tid % 16, hg = tid / 16;
@@ -803,20 +880,44 @@ extern "C" __global__ void __launch_bounds__(1024) topk_select(const Step* step,
         const u32 mask = pass == 0 ? 0u : (0xffffffffu << (32 - 8 * pass));
         for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
         __syncthreads();
+#pragma unroll 4
         for (int c = threadIdx.x; c < n; c += blockDim.x) {
             const u32 key = fkey(scores[c]);
             if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 0xff], 1u);
         }
         __syncthreads();
-        if (threadIdx.x == 0) {
-            u32 acc = 0;
-            int digit = 255;
-            for (; digit > 0; --digit) {
-                if (acc + hist[digit] >= need) break;
-                acc += hist[digit];
+        if (threadIdx.x < WARP) {
+            // The digit where the count from the top reaches `need`: lane l scans digits
+            // 255 − 8l … 248 − 8l after a warp prefix sum of the lanes' totals (one
+            // thread walking 256 digits was most of this kernel's time).
+            const int lane = threadIdx.x;
+            u32 cnt[8], tot = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                cnt[j] = hist[255 - 8 * lane - j];
+                tot += cnt[j];
             }
-            sel_prefix = prefix | ((u32)digit << shift);
-            sel_need = need - acc;
+            u32 incl = tot;
+#pragma unroll
+            for (int o = 1; o < WARP; o <<= 1) {
+                const u32 y = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += y;
+            }
+            const u32 before = incl - tot;
+            if (before < need && need <= incl) {
+                u32 acc = before;
+                int digit = 248 - 8 * lane;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    if (acc + cnt[j] >= need) {
+                        digit = 255 - 8 * lane - j;
+                        break;
+                    }
+                    acc += cnt[j];
+                }
+                sel_prefix = prefix | ((u32)digit << shift);
+                sel_need = need - acc;
+            }
         }
         __syncthreads();
         prefix = sel_prefix;
@@ -1012,15 +1113,29 @@ extern "C" __global__ void __launch_bounds__(256) attention_split(const Step* st
 
 // Combines the chunks of attention_split: block (h, t), the sink in the denominator.
 // The first warp turns the chunks' (max, sum) into one weight per chunk (in shared
-// memory, n_chunks ≤ ATT_MAX_CHUNKS), then every thread sums its dims over the chunks.
+// memory, n_chunks ≤ ATT_MAX_CHUNKS) while the other threads already load their first
+// chunks; thread i owns dims 4i…4i+3 (hd ≤ 512) and sums them over the chunks in order
+// with ATT_COMBINE_UNROLL loads in flight (one dependent L2 round trip per chunk made
+// this kernel as slow as the attention itself). With rope set, the epilogue applies the
+// inverse RoPE of the tail (rope_tail's arithmetic) and, with q set, writes the Q8_0
+// form of the output (8 threads per block of 32; hd a multiple of 32).
 #define ATT_MAX_CHUNKS 128
+#define ATT_COMBINE_UNROLL 8
 extern "C" __global__ void __launch_bounds__(128) attention_combine(const float* part_acc,
-        const float* part_ml, const float* sinks, int heads, int hd, int n_chunks, float* out) {
+        const float* part_ml, const float* sinks, int heads, int hd, int n_chunks, float* out,
+        const Step* step, RopeP rope, int rope_on, i8* q, float* qd) {
     PDL_WAIT();
     PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     __shared__ float wc[ATT_MAX_CHUNKS];
     const int h = blockIdx.x, t = blockIdx.y;
     const i64 base = ((i64)t * heads + h) * n_chunks;
+    const int i0 = 4 * threadIdx.x;
+    const bool on = i0 < hd;
+    const float* pa = part_acc + base * hd + (on ? i0 : 0);
+    float4 a[ATT_COMBINE_UNROLL];
+#pragma unroll
+    for (int u = 0; u < ATT_COMBINE_UNROLL; ++u)
+        if (on && u < n_chunks) a[u] = ldx4(pa + (i64)u * hd);
     if (threadIdx.x < WARP) {
         const int lane = threadIdx.x;
         const float sk = sinks[h];
@@ -1039,14 +1154,50 @@ extern "C" __global__ void __launch_bounds__(128) attention_combine(const float*
         for (int c = lane; c < n_chunks; c += WARP) wc[c] *= inv;
     }
     __syncthreads();
-    float* o = out + ((i64)t * heads + h) * hd;
-    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
-        float s = 0.f;
-        for (int c = 0; c < n_chunks; ++c) {
-            const float w = wc[c];
-            if (w != 0.f) s += part_acc[(base + c) * hd + i] * w;
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int c0 = 0; c0 < n_chunks; c0 += ATT_COMBINE_UNROLL) {
+        if (c0 > 0) {
+#pragma unroll
+            for (int u = 0; u < ATT_COMBINE_UNROLL; ++u)
+                if (on && c0 + u < n_chunks) a[u] = ldx4(pa + (i64)(c0 + u) * hd);
         }
-        o[i] = s;
+#pragma unroll
+        for (int u = 0; u < ATT_COMBINE_UNROLL; ++u) {
+            if (c0 + u >= n_chunks) break;
+            const float w = wc[c0 + u];
+            if (w != 0.f) {
+                s[0] += a[u].x * w;
+                s[1] += a[u].y * w;
+                s[2] += a[u].z * w;
+                s[3] += a[u].w * w;
+            }
+        }
+    }
+    const int tail0 = hd - rope.rope_dim;
+    if (rope_on && on && i0 >= tail0) {
+        const float pos = (float)step[t].pos;
+        const int k = (i0 - tail0) / 2;
+        rope_pair(s[0], s[1], k, pos, rope, true);
+        rope_pair(s[2], s[3], k + 1, pos, rope, true);
+    }
+    const i64 o = ((i64)t * heads + h) * hd + i0;
+    if (on) *reinterpret_cast<float4*>(out + o) = make_float4(s[0], s[1], s[2], s[3]);
+    if (q == nullptr) return;
+    // The Q8_0 activation rule (quant_block32) over the 8 threads of a block of 32.
+    float amax = on ? fmaxf(fmaxf(fabsf(s[0]), fabsf(s[1])), fmaxf(fabsf(s[2]), fabsf(s[3]))) : 0.f;
+#pragma unroll
+    for (int m = 1; m < 8; m <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+    const float dd = amax / 127.0f;
+    const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
+    u32 packed = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const int qi = max(-128, min(127, __float2int_rn(s[k] * id)));
+        packed |= ((u32)qi & 0xffu) << (8 * k);
+    }
+    if (on) {
+        *reinterpret_cast<u32*>(q + o) = packed;
+        if ((threadIdx.x & 7) == 0) qd[o / 32] = dd;
     }
 }
 
@@ -1061,8 +1212,6 @@ extern "C" __global__ void __launch_bounds__(512) router(const Step* step, const
     PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     __shared__ float probs[512];
     __shared__ float key[512];
-    __shared__ float wv[32];
-    __shared__ int wi[32];
     __shared__ int sel[64];
     step += blockIdx.x;
     logits += (i64)blockIdx.x * n_expert;
@@ -1079,26 +1228,21 @@ extern "C" __global__ void __launch_bounds__(512) router(const Step* step, const
     if (tid2eid) {
         if (e < k) sel[e] = tid2eid[(i64)step->token * k + e];
     } else {
-        for (int j = 0; j < k; ++j) {
-            float v = e < n_expert ? key[e] : -3.0e38f;
-            int idx = e < n_expert ? e : 0x7fffffff;
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
-                const float v2 = __shfl_xor_sync(0xffffffffu, v, o);
-                const int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
-                if (v2 > v || (v2 == v && i2 < idx)) { v = v2; idx = i2; }
+        // Expert e is the r-th pick, r = how many keys order before its own (larger, or
+        // equal at a lower index): the same picks as k rounds of argmax with ties to the
+        // lower index, in one parallel pass. sel starts as 0…k−1 so that it holds valid
+        // experts even if NaN keys leave ranks unassigned.
+        if (e < k) sel[e] = e;
+        __syncthreads();
+        if (e < n_expert) {
+            const float ke = key[e];
+            int r = 0;
+#pragma unroll 8
+            for (int j = 0; j < n_expert; ++j) {
+                const float kj = key[j];
+                r += (kj > ke) | ((kj == ke) & (j < e));
             }
-            if (threadIdx.x % WARP == 0) { wv[threadIdx.x / WARP] = v; wi[threadIdx.x / WARP] = idx; }
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                float bv = wv[0];
-                int bi = wi[0];
-                for (int w = 1; w < (int)(blockDim.x / WARP); ++w)
-                    if (wv[w] > bv || (wv[w] == bv && wi[w] < bi)) { bv = wv[w]; bi = wi[w]; }
-                sel[j] = bi;
-                key[bi] = -3.0e38f;  // taken
-            }
-            __syncthreads();
+            if (r < k) sel[r] = e;
         }
     }
     __syncthreads();

@@ -28,3 +28,13 @@ extern "C" __global__ void __launch_bounds__(256) probe_stream_read(const uint4*
 // Does nothing: a graph of these measures the per-node launch cost of a decode token.
 extern "C" __global__ void probe_empty(int unused) {
     PDL_WAIT(); (void)unused; }
+
+// Busy-waits `ns` nanoseconds: DS4_CUDA_PROFILE holds the stream with it while the host
+// enqueues the launches it times.
+extern "C" __global__ void probe_spin(u64 ns) {
+    u64 t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < ns);
+}

@@ -70,7 +70,16 @@ struct Profile {
         cudarc::driver::CudaEvent,
     )>,
     totals: HashMap<&'static str, (u64, f64)>,
+    /// Timed launches since the last `probe_spin`.
+    since_spin: usize,
 }
+
+/// Profiling holds the stream in a `probe_spin` of this many ns every
+/// `PROFILE_SPIN_EVERY` timed launches, so the host enqueues the next launches (and
+/// their events) while the GPU waits: the events then bracket device time only, not
+/// the host's launch latency (which made a 2 µs kernel read as 11 µs).
+const PROFILE_SPIN_NS: u64 = 2_000_000;
+const PROFILE_SPIN_EVERY: usize = 32;
 
 /// A typed device buffer.
 pub type DeviceBuf<T> = CudaSlice<T>;
@@ -114,7 +123,9 @@ impl Gpu {
             stream,
             side,
             lane: std::sync::atomic::AtomicUsize::new(0),
-            branches: std::env::var("DS4_CUDA_BRANCHES").map_or(true, |v| v != "0"),
+            // Profiling times kernels one after another on the main stream.
+            branches: std::env::var("DS4_CUDA_BRANCHES").map_or(true, |v| v != "0")
+                && std::env::var("DS4_CUDA_PROFILE").map_or(true, |v| v != "1"),
             pdl: std::env::var("DS4_CUDA_PDL").map_or(true, |v| v != "0"),
             module,
             iq2_grid,
@@ -154,6 +165,13 @@ impl Gpu {
             return launch();
         };
         let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        {
+            let mut p = p.lock().expect("profile lock");
+            if p.since_spin == 0 {
+                self.spin(PROFILE_SPIN_NS)?;
+            }
+            p.since_spin = (p.since_spin + 1) % PROFILE_SPIN_EVERY;
+        }
         let (a, b) = (self.ctx.new_event(timing)?, self.ctx.new_event(timing)?);
         a.record(self.launch_stream())?;
         launch()?;
@@ -176,14 +194,15 @@ impl Gpu {
         Ok(())
     }
 
-    /// (kernel, launches, total ms), largest first; empty unless profiling.
-    pub fn profile_report(&self) -> Result<Vec<(&'static str, u64, f64)>, CudaError> {
+    /// (kernel, launches, total ms) since the last call, largest first; empty unless
+    /// profiling.
+    pub fn profile_take(&self) -> Result<Vec<(&'static str, u64, f64)>, CudaError> {
         let Some(p) = &self.profile else {
             return Ok(Vec::new());
         };
         let mut p = p.lock().expect("profile lock");
         Self::fold(&mut p)?;
-        let mut v: Vec<_> = p.totals.iter().map(|(k, (n, ms))| (*k, *n, *ms)).collect();
+        let mut v: Vec<_> = p.totals.drain().map(|(k, (n, ms))| (k, n, ms)).collect();
         v.sort_by(|a, b| b.2.total_cmp(&a.2));
         Ok(v)
     }

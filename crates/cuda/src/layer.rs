@@ -36,7 +36,11 @@ fn cfg(grid: u32, block: u32) -> LaunchConfig {
     cfg2(grid, 1, block)
 }
 
-/// `tokens` blocks in y: the token of a batch (per-token kernels).
+/// Most hyper-connection streams the kernels take (HC_MAX in layer.cu).
+const HC_MAX: usize = 5;
+/// Value groups of 4 per thread in hc_pre (HC_PRE_VEC in layer.cu).
+const HC_PRE_VEC: usize = 2;
+
 /// The sublayer RMS norm fused into `hc_pre`: `out = rmsnorm(y)·w` per token and, with
 /// `q` / `d` ≠ 0, its Q8_0 form (int8 values, one f32 scale per 32).
 #[derive(Clone, Copy, Debug, Default)]
@@ -71,10 +75,22 @@ pub struct AttnInput {
     pub scale: f32,
 }
 
+/// What the output projection wants of the attention output, applied in the launch
+/// that writes it where it can: the inverse RoPE of each head's tail at the token's
+/// position and, with `q` / `d` ≠ 0, the Q8_0 form of the heads (n_tok × heads × hd
+/// values, contiguous blocks of 32).
+#[derive(Clone, Copy, Debug)]
+pub struct AttnTail {
+    pub rope: RopeP,
+    pub q: u64,
+    pub d: u64,
+}
+
 /// The attention shape of `attention_prefill_mma` (AMMA_HEADS / AMMA_HD).
 const ATT_MMA_HEADS: usize = 64;
 const ATT_MMA_HD: usize = 512;
 
+/// `tokens` blocks in y: the token of a batch (per-token kernels).
 fn cfg2(grid: u32, tokens: usize, block: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (grid.max(1), (tokens as u32).max(1), 1),
@@ -205,7 +221,9 @@ impl Gpu {
         )
     }
 
-    /// Sinkhorn + sublayer input. `hcp` receives post (n_hc) then comb (n_hc²), per token.
+    /// The sublayer input `y` (pre-weighted sum of the streams) and, with `norm`, its RMS
+    /// norm (and Q8_0 form), per token. post and comb come from `hc_comb`.
+    #[allow(clippy::too_many_arguments)]
     pub fn hc_pre(
         &self,
         n_tok: usize,
@@ -215,44 +233,80 @@ impl Gpu {
         base: u64,
         n_hc: usize,
         n_embd: usize,
-        iters: usize,
         eps: f32,
         y: u64,
-        hcp: u64,
         norm: Option<HcNorm>,
     ) -> Result<(), CudaError> {
-        if n_hc > 5 {
+        if n_hc > HC_MAX {
             return Err(CudaError::Invalid(format!(
-                "{n_hc} hyper-connection streams > 5"
+                "{n_hc} hyper-connection streams > {HC_MAX}"
             )));
         }
-        if norm.is_some_and(|nm| nm.q != 0 && !n_embd.is_multiple_of(32)) {
+        // Threads own 4 consecutive values (8 of them form a Q8_0 block); the count is
+        // rmsnorm's, whose sum order the norm keeps.
+        let threads = if n_embd >= 1024 { 1024 } else { 256 };
+        if !n_embd.is_multiple_of(32) || n_embd > 4 * HC_PRE_VEC * threads {
             return Err(CudaError::Invalid(format!(
-                "hc_pre: {n_embd} values are not whole Q8_0 blocks"
+                "hc_pre: {n_embd} values (a multiple of 32, at most {})",
+                4 * HC_PRE_VEC * 1024
             )));
         }
-        let (nh, ne, it) = (n_hc as i32, n_embd as i32, iters as i32);
+        let (nh, ne) = (n_hc as i32, n_embd as i32);
         let nm = norm.unwrap_or_default();
         launch!(
             self,
             "hc_pre",
-            cfg2(1, n_tok, 1024),
+            cfg2(1, n_tok, threads as u32),
             h,
             mix,
             scale,
             base,
             nh,
             ne,
-            it,
             eps,
             y,
-            hcp,
             nm.w,
             nm.w_type,
             nm.eps,
             nm.out,
             nm.q,
             nm.d
+        )
+    }
+
+    /// post (`n_hc` values) and the Sinkhorn-normalised comb matrix (`n_hc²`) of each of
+    /// `n_tok` tokens from their mix into `hcp`: what hc_post needs and hc_pre does not
+    /// (the engine runs it on a side lane).
+    #[allow(clippy::too_many_arguments)]
+    pub fn hc_comb(
+        &self,
+        n_tok: usize,
+        mix: u64,
+        scale: u64,
+        base: u64,
+        n_hc: usize,
+        iters: usize,
+        eps: f32,
+        hcp: u64,
+    ) -> Result<(), CudaError> {
+        if n_hc > HC_MAX {
+            return Err(CudaError::Invalid(format!(
+                "{n_hc} hyper-connection streams > {HC_MAX}"
+            )));
+        }
+        let (nh, it, nt) = (n_hc as i32, iters as i32, n_tok as i32);
+        launch!(
+            self,
+            "hc_comb",
+            cfg(n_tok.div_ceil(8) as u32, 256),
+            mix,
+            scale,
+            base,
+            nh,
+            it,
+            eps,
+            hcp,
+            nt
         )
     }
 
@@ -577,9 +631,9 @@ impl Gpu {
         scores: u64,
         max_rows: usize,
     ) -> Result<(), CudaError> {
-        if heads > 64 || dim > 128 {
+        if heads > 64 || dim > 128 || !dim.is_multiple_of(4) {
             return Err(CudaError::Invalid(format!(
-                "indexer of {heads} heads × {dim}: at most 64 × 128"
+                "indexer of {heads} heads × {dim}: at most 64 × 128, dim a multiple of 4"
             )));
         }
         let (h, d, r, k) = (heads as i32, dim as i32, ratio as i32, top_k as i32);
@@ -648,8 +702,14 @@ impl Gpu {
         part_acc: u64,
         part_ml: u64,
         out: u64,
+        tail: Option<&AttnTail>,
     ) -> Result<(), CudaError> {
         let (hd, heads, raw_cap, window) = (a.hd, a.heads, a.raw_cap, a.window);
+        if tail.is_some_and(|t| t.q != 0 && !hd.is_multiple_of(32)) {
+            return Err(CudaError::Invalid(format!(
+                "attention head dim {hd}: Q8_0 output needs a multiple of 32"
+            )));
+        }
         if !hd.is_multiple_of(4) || hd > 512 {
             return Err(CudaError::Invalid(format!(
                 "attention head dim {hd}: must be a multiple of 4, at most 512"
@@ -699,6 +759,10 @@ impl Gpu {
         )?;
         if n_chunks > 1 {
             let nc = n_chunks as i32;
+            let (rope, rope_on, q, d) = match tail {
+                Some(t) => (t.rope, 1i32, t.q, t.d),
+                None => (RopeP::default(), 0, 0, 0),
+            };
             launch!(
                 self,
                 "attention_combine",
@@ -709,8 +773,30 @@ impl Gpu {
                 nh,
                 hd_,
                 nc,
-                out
+                out,
+                a.step,
+                rope,
+                rope_on,
+                q,
+                d
             )?;
+        } else if let Some(t) = tail {
+            self.attention_tail(a, t, out)?;
+        }
+        Ok(())
+    }
+
+    /// The [`AttnTail`] of an attention output `out` written without it.
+    pub fn attention_tail(&self, a: &AttnInput, t: &AttnTail, out: u64) -> Result<(), CudaError> {
+        self.rope_tail(a.n_tok, a.step, out, a.hd, a.heads, 0, t.rope, true)?;
+        if t.q != 0 {
+            if !a.hd.is_multiple_of(32) {
+                return Err(CudaError::Invalid(format!(
+                    "attention head dim {}: Q8_0 output needs a multiple of 32",
+                    a.hd
+                )));
+            }
+            self.quantize_q8_raw(out, t.q, t.d, a.n_tok * a.heads * a.hd / 32)?;
         }
         Ok(())
     }

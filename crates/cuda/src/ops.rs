@@ -260,7 +260,19 @@ impl Gpu {
                 qa.rows
             )));
         }
-        let blocks = (rows * qa.cols / 32) as i32;
+        self.quantize_q8_raw(x, self.ptr(&qa.q), self.ptr(&qa.d), rows * qa.cols / 32)
+    }
+
+    /// `n_blocks` blocks of 32 floats at `x` to Q8_0 (int8 at `q`, one f32 scale per
+    /// block at `d`); the caller sizes the buffers.
+    pub(crate) fn quantize_q8_raw(
+        &self,
+        x: u64,
+        q: u64,
+        d: u64,
+        n_blocks: usize,
+    ) -> Result<(), CudaError> {
+        let blocks = n_blocks as i32;
         let warps_per_block = 8u32;
         let cfg = LaunchConfig {
             grid_dim: ((blocks as u32).div_ceil(warps_per_block), 1, 1),
@@ -268,10 +280,9 @@ impl Gpu {
             shared_mem_bytes: 0,
         };
         let f = self.func("quantize_q8_32")?;
-        let (q, d) = (self.ptr(&qa.q), self.ptr(&qa.d));
         let mut b = self.launch_stream().launch_builder(&f);
         b.arg(&x).arg(&q).arg(&d).arg(&blocks);
-        // SAFETY: x holds rows × cols floats (caller), q/d are sized by alloc_quant_act.
+        // SAFETY: x holds n_blocks × 32 floats, q and d room for their Q8_0 form (caller).
         self.timed("quantize_q8_32", || {
             unsafe { b.launch(cfg) }?;
             Ok(())

@@ -62,4 +62,19 @@ impl Gpu {
         let ms = self.time_ms(2, reps, |_| graph.launch())?;
         Ok(ms * 1e3 / n.max(1) as f64)
     }
+
+    /// Holds the launch stream for `ns` nanoseconds of device time.
+    pub(crate) fn spin(&self, ns: u64) -> Result<(), CudaError> {
+        let f = self.func("probe_spin")?;
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.launch_stream().launch_builder(&f);
+        b.arg(&ns);
+        // SAFETY: probe_spin reads and writes no memory.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
 }

@@ -253,6 +253,8 @@ fn main() -> Result<()> {
     };
     writeln!(out, "{CSV_HEADER}")?;
     let mut rows = Vec::new();
+    let (mut profile_prefill, mut profile_decode) =
+        (KernelTimes::default(), KernelTimes::default());
     let mut frontier = a.ctx_start;
     loop {
         let have = session.n_tokens();
@@ -262,6 +264,9 @@ fn main() -> Result<()> {
         let snapshot = session.clone();
         let mut payload = Vec::new();
         snapshot.save_payload(&mut payload)?;
+        if let Some(g) = &gpu_for_profile {
+            profile_prefill.add(g.profile_take()?);
+        }
         let t = Instant::now();
         for _ in 0..a.gen_tokens {
             let logits = session.logits();
@@ -274,6 +279,9 @@ fn main() -> Result<()> {
             session.decode(best as u32)?;
         }
         let gen_s = t.elapsed().as_secs_f64();
+        if let Some(g) = &gpu_for_profile {
+            profile_decode.add(g.profile_take()?);
+        }
         session = snapshot;
         let row = BenchRow {
             ctx_tokens: frontier as u64,
@@ -295,24 +303,9 @@ fn main() -> Result<()> {
             (frontier + a.step_incr).min(a.ctx_max)
         };
     }
-    if let Some(gpu) = gpu_for_profile.filter(|g| g.profiling()) {
-        let rows = gpu.profile_report()?;
-        let total: f64 = rows.iter().map(|r| r.2).sum();
-        eprintln!(
-            "\nDS4_CUDA_PROFILE: device time per kernel over {} tokens",
-            session.n_tokens()
-        );
-        eprintln!(
-            "{:<24} {:>10} {:>12} {:>10} {:>7}",
-            "kernel", "launches", "total ms", "us/launch", "share"
-        );
-        for (name, n, ms) in rows {
-            eprintln!(
-                "{name:<24} {n:>10} {ms:>12.2} {:>10.2} {:>6.1}%",
-                1e3 * ms / n as f64,
-                100.0 * ms / total
-            );
-        }
+    if gpu_for_profile.as_ref().is_some_and(|g| g.profiling()) {
+        profile_prefill.print("prefill (and the snapshots)");
+        profile_decode.print(&format!("decode ({} tokens per frontier)", a.gen_tokens));
     }
     if let Some(p) = &a.plot {
         let title = format!(
@@ -331,4 +324,36 @@ fn main() -> Result<()> {
             .with_context(|| format!("cannot write {}", p.display()))?;
     }
     Ok(())
+}
+
+/// `DS4_CUDA_PROFILE` totals per kernel: (launches, ms).
+#[derive(Default)]
+struct KernelTimes(std::collections::HashMap<&'static str, (u64, f64)>);
+
+impl KernelTimes {
+    fn add(&mut self, rows: Vec<(&'static str, u64, f64)>) {
+        for (name, n, ms) in rows {
+            let e = self.0.entry(name).or_default();
+            e.0 += n;
+            e.1 += ms;
+        }
+    }
+
+    fn print(&self, what: &str) {
+        let mut rows: Vec<_> = self.0.iter().map(|(k, v)| (*k, v.0, v.1)).collect();
+        rows.sort_by(|a, b| b.2.total_cmp(&a.2));
+        let total: f64 = rows.iter().map(|r| r.2).sum();
+        eprintln!("\nDS4_CUDA_PROFILE: device time per kernel, {what}: {total:.2} ms");
+        eprintln!(
+            "{:<24} {:>10} {:>12} {:>10} {:>7}",
+            "kernel", "launches", "total ms", "us/launch", "share"
+        );
+        for (name, n, ms) in rows {
+            eprintln!(
+                "{name:<24} {n:>10} {ms:>12.2} {:>10.2} {:>6.1}%",
+                1e3 * ms / n as f64,
+                100.0 * ms / total
+            );
+        }
+    }
 }

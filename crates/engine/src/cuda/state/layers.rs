@@ -111,13 +111,32 @@ fn hc_pre_norm(
         g.ptr(&hc.base),
         c.n_hc,
         c.n_embd,
-        c.sinkhorn_iters,
         c.hc_eps,
         g.ptr(&s.y),
-        g.ptr(&s.hcp),
         Some(norm),
     )?;
     Ok(quantize)
+}
+
+/// post and comb (`s.hcp`, read by hc_post) from the mix of `hc_pre_norm`: launched on a
+/// side lane, beside the sublayer.
+fn hc_comb(
+    s: &Scratch,
+    n_tok: usize,
+    g: &Gpu,
+    c: &Config,
+    hc: &crate::cuda::weights::HcDev,
+) -> Result<(), CudaError> {
+    g.hc_comb(
+        n_tok,
+        g.ptr(&s.mix),
+        g.ptr(&hc.scale),
+        g.ptr(&hc.base),
+        c.n_hc,
+        c.sinkhorn_iters,
+        c.hc_eps,
+        g.ptr(&s.hcp),
+    )
 }
 
 impl KvView<'_> {
@@ -180,11 +199,12 @@ impl KvView<'_> {
             fast && l.q_a.ty == GgmlType::Q8_0,
         )?;
         // Three branches from the normed input, joined before attention: side lane 1
-        // writes this token's raw row and compressed rows, side lane 2 the indexer's
+        // forms hc_post's comb matrix and writes this token's raw row and compressed rows, side lane 2 the indexer's
         // compressed rows and then (once the main lane has q_r) the top-k selection,
         // and the main lane builds the queries. Each is a chain of small kernels that
         // cannot fill the GPU alone.
         g.branch(1, || {
+            hc_comb(s, n, g, c, &l.hc_attn)?;
             // The same quantised `n` as attn_q_a (quantised by the norm when Q8_0).
             mv(
                 g,
@@ -339,8 +359,25 @@ impl KvView<'_> {
             hd,
             scale,
         };
+        // The output projection's input: the heads after the inverse RoPE of their tails
+        // and, when out_a is Q8_0 in the fast numerics, their Q8_0 form (written by the
+        // attention's last launch).
+        let heads_q8 = fast && l.out_a.ty == GgmlType::Q8_0;
+        let tail = ds4_cuda::AttnTail {
+            rope,
+            q: if heads_q8 { g.ptr(&qb.heads.q) } else { 0 },
+            d: if heads_q8 { g.ptr(&qb.heads.d) } else { 0 },
+        };
+        if n > qb.heads.rows {
+            return Err(CudaError::Invalid(format!(
+                "{n} tokens of heads into activations of {}",
+                qb.heads.rows
+            ))
+            .into());
+        }
         if n > 1 && fast && gemm(Gemm::Attn) && Gpu::attention_mma_shape(c.n_head, hd) {
             g.attention_prefill_mma(&att, p(&s.heads))?;
+            g.attention_tail(&att, &tail, p(&s.heads))?;
         } else {
             let (rows_per_chunk, n_chunks) = if n == 1 {
                 (0, att_splits(s.att_stride))
@@ -354,9 +391,9 @@ impl KvView<'_> {
                 p(&s.att_acc),
                 p(&s.att_ml),
                 p(&s.heads),
+                Some(&tail),
             )?;
         }
-        g.rope_tail(n, step, p(&s.heads), hd, c.n_head, 0, rope, true)?;
         let groups = MatSel {
             ids: g.ptr(&s.group_ids),
             x_stride: (c.q_dim() / c.o_groups) as i64,
@@ -371,8 +408,7 @@ impl KvView<'_> {
             x_grp: c.q_dim() / og,
             y_grp: c.o_lora_rank,
         };
-        if n > 1 && gemm(Gemm::Group) && fast && l.out_a.ty == GgmlType::Q8_0 {
-            g.quantize_act_rows(p(&s.heads), &mut qb.heads, n)?;
+        if n > 1 && gemm(Gemm::Group) && heads_q8 {
             g.matmul_q8act(&l.out_a, &qb.heads, p(&s.low), grouped)?;
         } else if n > 1 && gemm(Gemm::Group) && !fast && f32_gemm_format(l.out_a.ty) {
             g.matmul_f32(&l.out_a, p(&s.heads), p(&s.low), grouped)?;
@@ -382,6 +418,7 @@ impl KvView<'_> {
                 &l.out_a,
                 p(&s.heads),
                 &mut qb.heads,
+                heads_q8,
                 p(&s.low),
                 n * og,
                 groups,
@@ -430,9 +467,11 @@ impl KvView<'_> {
             &mut qb.embd,
             fast && l.gate_sh.ty == GgmlType::Q8_0,
         )?;
-        // The shared expert needs only the normed input: it runs on side lane 1 while
-        // the router and the routed experts run on the main lane.
+        // The shared expert needs only the normed input: it runs on side lane 1 (after
+        // hc_post's comb matrix) while the router and the routed experts run on the
+        // main lane.
         g.branch(1, || {
+            hc_comb(s, n, g, c, &l.hc_ffn)?;
             let ffs = c.n_ff_exp * c.n_expert_shared;
             mv(
                 g,
@@ -752,21 +791,25 @@ pub(super) fn mv(
     }
 }
 
-/// A selected / grouped projection (`n_sel` selections, inputs at sel.x_stride).
+/// A selected / grouped projection (`n_sel` selections, inputs at sel.x_stride; `xq`
+/// already holds their Q8_0 form when `quantized`).
 #[allow(clippy::too_many_arguments)]
 fn mv_sel(
     g: &Gpu,
     m: &ds4_cuda::DeviceMatrix,
     x: u64,
     xq: &mut QuantAct,
+    quantized: bool,
     y: u64,
     n_sel: usize,
     sel: MatSel,
     fast: bool,
 ) -> Result<(), CudaError> {
     if fast && m.ty == GgmlType::Q8_0 {
-        let rows_q = (n_sel * sel.x_stride as usize).div_ceil(xq.cols);
-        g.quantize_act_rows(x, xq, rows_q)?;
+        if !quantized {
+            let rows_q = (n_sel * sel.x_stride as usize).div_ceil(xq.cols);
+            g.quantize_act_rows(x, xq, rows_q)?;
+        }
         g.matvec_q8act(m, xq, y, n_sel, sel)
     } else {
         g.matvec(m, x, y, n_sel, sel)
