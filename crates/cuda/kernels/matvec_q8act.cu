@@ -27,7 +27,7 @@ __device__ __forceinline__ void stage_x(i8* sq, float* sd, const i8* q, const fl
 }
 
 // Rows per warp of the expert kernels: a block stages the activation row (and the
-// IQ2 grid) once for 8 × EXP_ROWS_PER_WARP rows. The IQ2_XXS kernel walks a warp's
+// IQ2 tables) once for 8 × EXP_ROWS_PER_WARP rows. The IQ2_XXS kernel walks a warp's
 // rows side by side (row r at threadIdx.y + 8r) and loads the next step's weights
 // before computing the current one, so each lane keeps 2 × EXP_ROWS_PER_WARP 16-byte
 // loads in flight, the first step's issued before the shared-memory staging (H200,
@@ -35,11 +35,41 @@ __device__ __forceinline__ void stage_x(i8* sq, float* sd, const i8* q, const fl
 #define EXP_ROWS_PER_WARP 4
 
 
+// IQ2_XXS grid values are 8, 25 or 43 and sign bits flip them: a grid entry becomes 8
+// nibble codes (0, 1, 2 = 8, 25, 43) and a sign pattern 8 nibble masks (4 = negative),
+// so one byte permute per 4 weights picks the signed int8 values out of two constant
+// words (+8 +25 +43 | −8 −25 −43). Tables in shared memory: 256 codes, 128 sign masks.
+#define IQ2_LUT_POS 0x002b1908u
+#define IQ2_LUT_NEG 0x00d5e7f8u
+
+// Fills the code and sign-mask tables (any block shape).
+__device__ __forceinline__ void iq2_tables(u32* codes, u32* signs, const u64* grid_g) {
+    const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+    for (int i = tid; i < 384; i += blockDim.x * blockDim.y) {
+        if (i < 256) {
+            const u64 g = grid_g[i];
+            u32 c = 0;
+#pragma unroll
+            for (int b = 0; b < 8; ++b) {
+                const u32 v = (u32)(g >> (8 * b)) & 0xff;
+                c |= (v == 8 ? 0u : (v == 25 ? 1u : 2u)) << (4 * b);
+            }
+            codes[i] = c;
+        } else {
+            u32 s7 = i - 256;
+            s7 |= (__popc(s7) & 1) << 7;  // the 8th sign makes the count even
+            u32 m = 0;
+#pragma unroll
+            for (int b = 0; b < 8; ++b) m |= ((s7 >> b) & 1u) << (4 * b + 2);
+            signs[i - 256] = m;
+        }
+    }
+}
+
 // One IQ2_XXS lane step: 16 weight bytes (two groups of 32) of super-block c >> 2 with
-// scale d (f16) against the staged int8 activation. Signs are applied to the packed
-// grid bytes with (g ^ m) + (m & 1) per byte.
-__device__ __forceinline__ float iq2_xxs_step(const W4 w, u16 d, int c, const u64* grid,
-                                              const i8* sq, const float* sd) {
+// scale d (f16) against the staged int8 activation.
+__device__ __forceinline__ float iq2_xxs_step(const W4 w, u16 d, int c, const u32* codes,
+                                              const u32* signs, const i8* sq, const float* sd) {
     const float db = h2f(d) * 0.25f;
     const u32 words[4] = {w.a, w.b, w.c, w.d};
     float acc = 0.f;
@@ -53,17 +83,9 @@ __device__ __forceinline__ float iq2_xxs_step(const W4 w, u16 d, int c, const u6
         int sumi = 0;
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
-            const u64 gv = grid[(idx >> (8 * l)) & 0xff];
-            u32 s = (sg >> (7 * l)) & 127;
-            s |= (__popc(s) & 1) << 7;
-            // 4 sign bits → bytes of 0/1 (one multiply spreads bit i to byte i), then
-            // (g ^ 0xff) + 1 = −g per byte: grid bytes are never 0, so no carry
-            // crosses a byte.
-            const u32 blo = ((s & 15u) * 0x00204081u) & 0x01010101u;
-            const u32 bhi = ((s >> 4) * 0x00204081u) & 0x01010101u;
-            const u32 glo = (u32)gv, ghi = (u32)(gv >> 32);
-            const int vlo = (int)((glo ^ (blo * 0xffu)) + blo);
-            const int vhi = (int)((ghi ^ (bhi * 0xffu)) + bhi);
+            const u32 sel = codes[(idx >> (8 * l)) & 0xff] | signs[(sg >> (7 * l)) & 127];
+            const int vlo = (int)__byte_perm(IQ2_LUT_POS, IQ2_LUT_NEG, sel);
+            const int vhi = (int)__byte_perm(IQ2_LUT_POS, IQ2_LUT_NEG, sel >> 16);
             sumi = __dp4a(vlo, xs[2 * l], sumi);
             sumi = __dp4a(vhi, xs[2 * l + 1], sumi);
         }
@@ -82,7 +104,8 @@ extern "C" __global__ void __launch_bounds__(256, 3) matvec_iq2_xxs_q8(
     PDL_WAIT();
     constexpr int R = EXP_ROWS_PER_WARP;
     extern __shared__ __align__(16) u8 smem[];
-    u64* grid = reinterpret_cast<u64*>(smem);
+    u32* codes = reinterpret_cast<u32*>(smem);
+    u32* signs = reinterpret_cast<u32*>(smem + 1024);
     float* sd = reinterpret_cast<float*>(smem + 2048);
     i8* sq = reinterpret_cast<i8*>(smem + 2048 + (cols / 32) * 4);
     int yi = blockIdx.y;
@@ -118,8 +141,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) matvec_iq2_xxs_q8(
         }
     };
     load(threadIdx.x);
-    const int tid = threadIdx.y * WARP + threadIdx.x;
-    for (int i = tid; i < 256; i += WARP * blockDim.y) grid[i] = grid_g[i];
+    iq2_tables(codes, signs, grid_g);
     stage_x(sq, sd, xq + yi * sel.x_stride, xd + yi * (sel.x_stride / 32), cols);
     float acc[R] = {};
     for (int c = threadIdx.x; c < nc; c += WARP) {
@@ -133,7 +155,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) matvec_iq2_xxs_q8(
         load(c + WARP);
 #pragma unroll
         for (int r = 0; r < R; ++r)
-            if (ok[r]) acc[r] += iq2_xxs_step(cw[r], cd[r], c, grid, sq, sd);
+            if (ok[r]) acc[r] += iq2_xxs_step(cw[r], cd[r], c, codes, signs, sq, sd);
     }
     PDL_TRIGGER();
 #pragma unroll

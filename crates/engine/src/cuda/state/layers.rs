@@ -528,6 +528,16 @@ impl KvView<'_> {
                 fast,
             )
         })?;
+        let int8 = |m: &ds4_cuda::DeviceMatrix| {
+            numerics == Numerics::Fast
+                && matches!(m.ty, GgmlType::IQ2_XXS | GgmlType::Q2_K | GgmlType::Q4_K)
+        };
+        // A decode token's int8 expert input is quantised on side lane 2 while gate_inp
+        // and the router run on the main lane.
+        let early_q8k = n == 1 && int8(&l.gate_exps) && int8(&l.up_exps);
+        if early_q8k {
+            g.branch(2, || g.quantize_act_k_rows(p(&s.n), &mut qb.exp_in, 1))?;
+        }
         dense_f32(g, &l.gate_inp, p(&s.n), p(&s.rlog), plain(&l.gate_inp, n))?;
         g.router(
             n,
@@ -542,10 +552,6 @@ impl KvView<'_> {
             p(&s.rw),
         )?;
         let ids = g.ptr(&s.ids);
-        let int8 = |m: &ds4_cuda::DeviceMatrix| {
-            numerics == Numerics::Fast
-                && matches!(m.ty, GgmlType::IQ2_XXS | GgmlType::Q2_K | GgmlType::Q4_K)
-        };
         let expert_gemm = n > 1
             && b.plan.is_some()
             && int8(&l.gate_exps)
@@ -582,8 +588,11 @@ impl KvView<'_> {
                 Some(&*plan)
             }
             None if int8(&l.gate_exps) && int8(&l.up_exps) => {
-                let in_rows = if n == 1 { 1 } else { pairs };
-                g.quantize_act_k_rows(x_in, &mut qb.exp_in, in_rows)?;
+                if early_q8k {
+                    g.join(2)?;
+                } else {
+                    g.quantize_act_k_rows(x_in, &mut qb.exp_in, pairs)?;
+                }
                 g.matvec_q8act_pair(
                     &l.gate_exps,
                     &l.up_exps,
