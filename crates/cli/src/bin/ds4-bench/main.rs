@@ -99,6 +99,9 @@ struct Args {
     /// Also draw the CSV as an SVG chart.
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// Draw --plot from this earlier ds4-bench CSV instead of running a benchmark.
+    #[arg(long, requires = "plot")]
+    plot_from: Option<PathBuf>,
     /// CUDA device.
     #[arg(long, default_value_t = 0)]
     device: usize,
@@ -190,8 +193,37 @@ fn prompt_tokens(a: &Args, model: &Model, need: usize) -> Result<Vec<u32>> {
     Ok(tokens)
 }
 
+/// `--plot-from`: the SVG chart of an existing CSV.
+fn plot_csv(csv: &std::path::Path, out: &std::path::Path) -> Result<()> {
+    let text =
+        std::fs::read_to_string(csv).with_context(|| format!("cannot read {}", csv.display()))?;
+    let mut lines = text.lines().filter(|l| !l.trim().is_empty());
+    if lines.next().map(str::trim) != Some(CSV_HEADER) {
+        bail!(
+            "{} is not a ds4-bench CSV (header {CSV_HEADER})",
+            csv.display()
+        );
+    }
+    let rows = lines
+        .enumerate()
+        .map(|(i, l)| {
+            BenchRow::parse(l)
+                .with_context(|| format!("{} line {}: not a ds4-bench row", csv.display(), i + 2))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    if rows.is_empty() {
+        bail!("{} has no rows", csv.display());
+    }
+    let title = format!("ds4-bench ({})", csv.display());
+    std::fs::write(out, bench_plot::svg(&rows, &title))
+        .with_context(|| format!("cannot write {}", out.display()))
+}
+
 fn main() -> Result<()> {
     let a = Args::parse();
+    if let (Some(csv), Some(out)) = (&a.plot_from, &a.plot) {
+        return plot_csv(csv, out);
+    }
     if a.step_mul < 1.0 {
         bail!("--step-mul must be at least 1");
     }
