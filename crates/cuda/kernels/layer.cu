@@ -61,6 +61,28 @@ __device__ __forceinline__ float sigmoidf_(float x) {
     return x >= 0.f ? 1.f / (1.f + expf(-x)) : expf(x) / (1.f + expf(x));
 }
 
+// The Q8_0 activation rule (quant_block32) over 8 consecutive threads of a warp that
+// hold 4 consecutive values each (v; a block of 32 starts at a thread ≡ 0 mod 8): q
+// points at the thread's 4 int8 values, d at its block's scale. Every thread of the warp
+// calls it (the shuffles); threads with on = false hold no values and write nothing.
+__device__ __forceinline__ void quant_block32_x4(const float v[4], bool on, i8* q, float* d) {
+    float amax = on ? fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))) : 0.f;
+#pragma unroll
+    for (int m = 1; m < 8; m <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+    const float dd = amax / 127.0f;
+    const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
+    u32 packed = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const int qi = max(-128, min(127, __float2int_rn(v[k] * id)));
+        packed |= ((u32)qi & 0xffu) << (8 * k);
+    }
+    if (on) {
+        *reinterpret_cast<u32*>(q) = packed;
+        if ((threadIdx.x & 7) == 0) *d = dd;
+    }
+}
+
 // ---- embedding: every HC stream starts as the token's embedding row.
 extern "C" __global__ void embed(const Step* step, const void* table, int type, int n_embd,
                                  int n_hc, float* h) {
@@ -267,23 +289,7 @@ extern "C" __global__ void __launch_bounds__(1024) hc_pre(const float* h, const 
         }
         if (on) *reinterpret_cast<float4*>(norm_out + i0) = make_float4(o[0], o[1], o[2], o[3]);
         if (q == nullptr) continue;
-        // The Q8_0 activation rule (quant_block32) over the 8 threads of a block of 32.
-        float amax = on ? fmaxf(fmaxf(fabsf(o[0]), fabsf(o[1])), fmaxf(fabsf(o[2]), fabsf(o[3])))
-                        : 0.f;
-#pragma unroll
-        for (int m = 1; m < 8; m <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
-        const float dd = amax / 127.0f;
-        const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
-        u32 packed = 0;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const int qi = max(-128, min(127, __float2int_rn(o[k] * id)));
-            packed |= ((u32)qi & 0xffu) << (8 * k);
-        }
-        if (on) {
-            *reinterpret_cast<u32*>(q + i0) = packed;
-            if ((t & 7) == 0) d[i0 / 32] = dd;
-        }
+        quant_block32_x4(o, on, q + i0, d + i0 / 32);
     }
 }
 
@@ -1183,22 +1189,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_combine(const float*
     const i64 o = ((i64)t * heads + h) * hd + i0;
     if (on) *reinterpret_cast<float4*>(out + o) = make_float4(s[0], s[1], s[2], s[3]);
     if (q == nullptr) return;
-    // The Q8_0 activation rule (quant_block32) over the 8 threads of a block of 32.
-    float amax = on ? fmaxf(fmaxf(fabsf(s[0]), fabsf(s[1])), fmaxf(fabsf(s[2]), fabsf(s[3]))) : 0.f;
-#pragma unroll
-    for (int m = 1; m < 8; m <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
-    const float dd = amax / 127.0f;
-    const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
-    u32 packed = 0;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const int qi = max(-128, min(127, __float2int_rn(s[k] * id)));
-        packed |= ((u32)qi & 0xffu) << (8 * k);
-    }
-    if (on) {
-        *reinterpret_cast<u32*>(q + o) = packed;
-        if ((threadIdx.x & 7) == 0) qd[o / 32] = dd;
-    }
+    quant_block32_x4(s, on, q + o, qd + o / 32);
 }
 
 // ---- MoE router (§5.6): probs = √softplus(logits); selection by the hash table or by
