@@ -163,6 +163,7 @@ pub fn check_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
         let m = DeviceMatrix::upload(gpu, GgmlType::Q8_0, &w, rows, cols, 5)?;
         let x = random_vec(4 * cols, &mut rng);
         checks.push(check_q8act(gpu, &m, &w, &[3, 1, 4, 1], &x)?);
+        checks.push(check_q8_prefetch(gpu, &m, &x)?);
     }
     for ty in [GgmlType::F16, GgmlType::F32] {
         for n_tok in [1usize, 7, 130] {
@@ -286,6 +287,57 @@ fn check_q8act(gpu: &Gpu, m: &DeviceMatrix, w: &[u8], ids: &[i32], x: &[f32]) ->
         name: format!("matvec_q8act {ty} {rows}x{cols}"),
         rel_err: rel_err(&y, &reference(ty, w, rows, cols, ids, &xq, false)),
         bound: 2e-5,
+    })
+}
+
+/// The Q8_0 decode matvec with its first weights loaded ahead of the upstream wait
+/// (`matvec_q8_0_q8_pf`, both id modes; plain and selected) against the default kernel:
+/// the same sums in the same order, so the outputs must be identical. (Outside a graph
+/// the wait is a no-op: the ordering itself is exercised by the decode graphs of the
+/// fixture checks under `DS4_CUDA_PREFETCH=1`.)
+fn check_q8_prefetch(gpu: &Gpu, m: &DeviceMatrix, x: &[f32]) -> Result<Check> {
+    use ds4_cuda::Q8Prefetch;
+    let (rows, cols) = (m.rows, m.cols);
+    let ids = [3i32, 1, 4, 1];
+    let xd = gpu.upload(x)?;
+    let mut qa = gpu.alloc_quant_act(ids.len(), cols)?;
+    gpu.quantize_act(gpu.ptr(&xd), &mut qa)?;
+    let idd = gpu.upload(&ids)?;
+    let mut same = true;
+    for (n_sel, sel) in [
+        (
+            ids.len(),
+            MatSel {
+                ids: gpu.ptr(&idd),
+                x_stride: cols as i64,
+                y_stride: rows as i64,
+            },
+        ),
+        (
+            1,
+            MatSel {
+                ids: 0,
+                x_stride: 0,
+                y_stride: rows as i64,
+            },
+        ),
+    ] {
+        let mut outs = Vec::new();
+        for mode in [Q8Prefetch::Off, Q8Prefetch::Weights, Q8Prefetch::FixedIds] {
+            let yd = gpu.upload(&vec![f32::NAN; n_sel * rows])?;
+            gpu.matvec_q8act_prefetch(m, &qa, gpu.ptr(&yd), n_sel, sel, mode)?;
+            outs.push(gpu.download(&yd)?);
+        }
+        same &= outs[1..].iter().all(|o| {
+            o.iter()
+                .zip(&outs[0])
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+        });
+    }
+    Ok(Check {
+        name: format!("matvec_q8act Q8_0 {rows}x{cols} prefetch (bit-identical)"),
+        rel_err: if same { 0.0 } else { f64::INFINITY },
+        bound: 0.0,
     })
 }
 

@@ -368,6 +368,84 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8(
     }
 }
 
+// matvec_q8_0_q8 with the weight loads ahead of the wait (DS4_CUDA_PREFETCH=1; not yet
+// measured, so off by default): a lane loads its first Q8_PREFETCH steps of weights
+// (and their scales) before griddepcontrol.wait: the weights do not depend on the upstream grid,
+// so a block launched early (programmatic dependent launch) streams them while the
+// upstream kernel finishes; the activation is read only after the wait. prefetch = 1
+// reads sel.ids after the wait (it may be written upstream: routed experts), 2 before
+// it (fixed selections: the output projection's groups); 0 waits first. The sums are
+// matvec_q8_0_q8's in the same order (a separate kernel: the prefetch registers, 64
+// instead of 48, would cost the default kernel a block per SM).
+#define Q8_PREFETCH 4
+extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8_pf(
+    const i8* __restrict__ qs, const u16* __restrict__ dw, i64 mat_q, i64 mat_d,
+    const i8* __restrict__ xq, const float* __restrict__ xd, float* __restrict__ y, int rows,
+    int cols, MatSel sel, int ks, int prefetch) {
+    const bool wait_first = prefetch == 0 || (prefetch == 1 && sel.ids != nullptr);
+    if (wait_first) PDL_WAIT();
+    // `ks` warps share a row (split K) so short matrices still fill the GPU.
+    __shared__ float red[ROWS_PER_BLOCK];
+    const int row = blockIdx.x * (blockDim.y / ks) + threadIdx.y / ks;
+    const int split = threadIdx.y % ks;
+    xq += blockIdx.y * sel.x_stride;
+    xd += blockIdx.y * (sel.x_stride / 32);
+    const int nb = cols / 32;
+    const int step = ks * WARP;
+    const bool live = row < rows;
+    const int m = live ? sel_matrix(sel) : 0;
+    const i8* q = qs + m * mat_q + (i64)(live ? row : 0) * cols;
+    const u16* dr = dw + m * mat_d + (i64)(live ? row : 0) * nb;
+    uint4 pw[Q8_PREFETCH][2];
+    u16 pd[Q8_PREFETCH];
+    int b = split * WARP + threadIdx.x;
+#pragma unroll
+    for (int u = 0; u < Q8_PREFETCH; ++u) {
+        const int bu = b + u * step;
+        if (live && bu < nb) {
+            pw[u][0] = ld_stream16(q + bu * 32);
+            pw[u][1] = ld_stream16(q + bu * 32 + 16);
+            pd[u] = dr[bu];
+        }
+    }
+    if (!wait_first) PDL_WAIT();
+    auto term = [&](const uint4 w0, const uint4 w1, u16 dq, int bb) {
+        const int4 x0 = *reinterpret_cast<const int4*>(xq + bb * 32);
+        const int4 x1 = *reinterpret_cast<const int4*>(xq + bb * 32 + 16);
+        int s = __dp4a((int)w0.x, x0.x, 0);
+        s = __dp4a((int)w0.y, x0.y, s);
+        s = __dp4a((int)w0.z, x0.z, s);
+        s = __dp4a((int)w0.w, x0.w, s);
+        s = __dp4a((int)w1.x, x1.x, s);
+        s = __dp4a((int)w1.y, x1.y, s);
+        s = __dp4a((int)w1.z, x1.z, s);
+        s = __dp4a((int)w1.w, x1.w, s);
+        return (h2f(dq) * xd[bb]) * (float)s;
+    };
+    float acc = 0.f;
+    if (live) {
+#pragma unroll
+        for (int u = 0; u < Q8_PREFETCH; ++u, b += step)
+            if (b < nb) acc += term(pw[u][0], pw[u][1], pd[u], b);
+#pragma unroll 4
+        for (; b < nb; b += step)
+            acc += term(ld_stream16(q + b * 32), ld_stream16(q + b * 32 + 16), dr[b], b);
+    }
+    PDL_TRIGGER();
+    acc = warp_sum(acc);
+    if (ks == 1) {
+        if (threadIdx.x == 0 && row < rows) y[blockIdx.y * sel.y_stride + row] = acc;
+        return;
+    }
+    if (threadIdx.x == 0) red[threadIdx.y] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0 && split == 0 && row < rows) {
+        float s = 0.f;
+        for (int i = 0; i < ks; ++i) s += red[threadIdx.y + i];
+        y[blockIdx.y * sel.y_stride + row] = s;
+    }
+}
+
 // ---- Fused producers of quantised activations (decode launch count): each writes the
 // f32 result and its Q8_0 (per 32) or Q8_K (per 256) form, bit-identical to running
 // the plain kernel and then quantize_q8_32 / quantize_q8_k32.

@@ -54,6 +54,9 @@ pub struct Gpu {
     branches: bool,
     /// `DS4_CUDA_PDL=0`: captured graphs keep full (completion) dependencies.
     pdl: bool,
+    /// `DS4_CUDA_PREFETCH=1`: Q8_0 decode matvecs load their first weights before
+    /// waiting on the upstream grid (`matvec_q8_0_q8_pf`; off until measured).
+    pub(crate) prefetch: bool,
     module: Arc<CudaModule>,
     funcs: Mutex<HashMap<&'static str, CudaFunction>>,
     pub(crate) iq2_grid: CudaSlice<u64>,
@@ -127,6 +130,7 @@ impl Gpu {
             branches: std::env::var("DS4_CUDA_BRANCHES").map_or(true, |v| v != "0")
                 && std::env::var("DS4_CUDA_PROFILE").map_or(true, |v| v != "1"),
             pdl: std::env::var("DS4_CUDA_PDL").map_or(true, |v| v != "0"),
+            prefetch: std::env::var("DS4_CUDA_PREFETCH").is_ok_and(|v| v == "1"),
             module,
             iq2_grid,
             funcs: Mutex::new(HashMap::new()),

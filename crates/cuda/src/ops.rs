@@ -7,6 +7,19 @@ use crate::device::Gpu;
 use crate::error::CudaError;
 use crate::weights::DeviceMatrix;
 
+/// When a Q8_0 decode matvec reads its weights relative to the wait on the upstream
+/// grid (`prefetch` of `matvec_q8_0_q8_pf`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(i32)]
+pub enum Q8Prefetch {
+    /// Wait first (`matvec_q8_0_q8`).
+    Off = 0,
+    /// First weights before the wait; `sel.ids` after it.
+    Weights = 1,
+    /// First weights and `sel.ids` before the wait (ids fixed before the token).
+    FixedIds = 2,
+}
+
 /// Which matrices of a stack a launch uses (mirrors `MatSel` in common.cuh).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -414,7 +427,7 @@ impl Gpu {
         n_sel: usize,
         sel: MatSel,
     ) -> Result<(), CudaError> {
-        self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, None)
+        self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, None, None)
     }
 
     /// `y[k] = W[ids[k]] · xq[k]` and `y2[k] = W2[ids[k]] · xq[k]`: two stacks with the
@@ -438,7 +451,7 @@ impl Gpu {
             self.matvec_q8act(m, xq, y, n_sel, sel)?;
             return self.matvec_q8act(m2, xq, y2, n_sel, sel);
         }
-        self.matvec_q8act_launch(m, Some((m2, y2)), xq, y, n_sel, sel, None)
+        self.matvec_q8act_launch(m, Some((m2, y2)), xq, y, n_sel, sel, None, None)
     }
 
     /// [`Gpu::matvec_q8act`] with `ks` (1, 2, 4 or 8) warps per row of a Q8_0 matrix
@@ -452,7 +465,42 @@ impl Gpu {
         sel: MatSel,
         ks: Option<u32>,
     ) -> Result<(), CudaError> {
-        self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, ks)
+        self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, ks, None)
+    }
+
+    /// [`Gpu::matvec_q8act`] for selections fixed before the token (`sel.ids` is not
+    /// written by an upstream kernel: the output projection's groups), so a Q8_0
+    /// matrix may read them, like its weights, ahead of the upstream grid's completion
+    /// (`DS4_CUDA_PREFETCH=1`).
+    pub fn matvec_q8act_fixed(
+        &self,
+        m: &DeviceMatrix,
+        xq: &QuantAct,
+        y: u64,
+        n_sel: usize,
+        sel: MatSel,
+    ) -> Result<(), CudaError> {
+        let mode = if self.prefetch {
+            Q8Prefetch::FixedIds
+        } else {
+            Q8Prefetch::Off
+        };
+        self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, None, Some(mode))
+    }
+
+    /// [`Gpu::matvec_q8act`] of a Q8_0 matrix with the prefetch mode given (the
+    /// selftest's comparison of the two kernels).
+    #[doc(hidden)]
+    pub fn matvec_q8act_prefetch(
+        &self,
+        m: &DeviceMatrix,
+        xq: &QuantAct,
+        y: u64,
+        n_sel: usize,
+        sel: MatSel,
+        mode: Q8Prefetch,
+    ) -> Result<(), CudaError> {
+        self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, None, Some(mode))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -465,7 +513,13 @@ impl Gpu {
         n_sel: usize,
         sel: MatSel,
         ks: Option<u32>,
+        prefetch: Option<Q8Prefetch>,
     ) -> Result<(), CudaError> {
+        let prefetch = prefetch.unwrap_or(if self.prefetch {
+            Q8Prefetch::Weights
+        } else {
+            Q8Prefetch::Off
+        });
         if ks.is_some_and(|k| !matches!(k, 1 | 2 | 4 | 8)) {
             return Err(CudaError::Invalid(
                 "warps per row must be 1, 2, 4 or 8".into(),
@@ -490,6 +544,7 @@ impl Gpu {
         let p: Vec<u64> = m.parts.iter().map(|b| self.ptr(b)).collect();
         let (xq_p, xd_p) = (self.ptr(&xq.q), self.ptr(&xq.d));
         let (name, smem) = match m.ty {
+            GgmlType::Q8_0 if prefetch != Q8Prefetch::Off => ("matvec_q8_0_q8_pf", 0),
             GgmlType::Q8_0 => ("matvec_q8_0_q8", 0),
             GgmlType::IQ2_XXS => ("matvec_iq2_xxs_q8", 2048 + x_bytes),
             GgmlType::Q2_K => ("matvec_q2_k_q8", x_bytes),
@@ -544,8 +599,12 @@ impl Gpu {
             .arg(&cols)
             .arg(&sel);
         let ks_arg = ks as i32;
+        let mode = prefetch as i32;
         if m.ty == GgmlType::Q8_0 {
             b.arg(&ks_arg);
+            if prefetch != Q8Prefetch::Off {
+                b.arg(&mode);
+            }
         }
         // IQ2_XXS: the optional second stack (same selections, input and shape).
         let (qs2, dw2, y2) = match pair {

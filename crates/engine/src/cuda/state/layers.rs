@@ -800,8 +800,8 @@ pub(super) fn mv(
     }
 }
 
-/// A selected / grouped projection (`n_sel` selections, inputs at sel.x_stride; `xq`
-/// already holds their Q8_0 form when `quantized`).
+/// A grouped projection (`n_sel` selections fixed before the token, inputs at
+/// sel.x_stride; `xq` already holds their Q8_0 form when `quantized`).
 #[allow(clippy::too_many_arguments)]
 fn mv_sel(
     g: &Gpu,
@@ -819,7 +819,7 @@ fn mv_sel(
             let rows_q = (n_sel * sel.x_stride as usize).div_ceil(xq.cols);
             g.quantize_act_rows(x, xq, rows_q)?;
         }
-        g.matvec_q8act(m, xq, y, n_sel, sel)
+        g.matvec_q8act_fixed(m, xq, y, n_sel, sel)
     } else {
         g.matvec(m, x, y, n_sel, sel)
     }
