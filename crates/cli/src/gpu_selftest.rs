@@ -165,6 +165,15 @@ pub fn check_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
         checks.push(check_q8act(gpu, &m, &w, &[3, 1, 4, 1], &x)?);
         checks.push(check_q8_prefetch(gpu, &m, &x)?);
     }
+    for &(rows, cols) in &[(37usize, 512usize), (256, 4096), (100, 1024)] {
+        let w = random_matrix(GgmlType::F16, rows, cols, 5, &mut rng);
+        let m = DeviceMatrix::upload(gpu, GgmlType::F16, &w, rows, cols, 5)?;
+        checks.push(check_f16_prefetch(
+            gpu,
+            &m,
+            &random_vec(4 * cols, &mut rng),
+        )?);
+    }
     for ty in [GgmlType::F16, GgmlType::F32] {
         for n_tok in [1usize, 7, 130] {
             checks.push(check_hc_mix(gpu, &mut rng, ty, n_tok)?);
@@ -336,6 +345,50 @@ fn check_q8_prefetch(gpu: &Gpu, m: &DeviceMatrix, x: &[f32]) -> Result<Check> {
     }
     Ok(Check {
         name: format!("matvec_q8act Q8_0 {rows}x{cols} prefetch (bit-identical)"),
+        rel_err: if same { 0.0 } else { f64::INFINITY },
+        bound: 0.0,
+    })
+}
+
+/// `matvec_f16_pf` (first weights ahead of the upstream wait) against `matvec_f16`,
+/// plain and selected: the same sums in the same order, so identical outputs.
+fn check_f16_prefetch(gpu: &Gpu, m: &DeviceMatrix, x: &[f32]) -> Result<Check> {
+    let (rows, cols) = (m.rows, m.cols);
+    let ids = [3i32, 1, 4, 1];
+    let xd = gpu.upload(x)?;
+    let idd = gpu.upload(&ids)?;
+    let mut same = true;
+    for (n_sel, sel) in [
+        (
+            ids.len(),
+            MatSel {
+                ids: gpu.ptr(&idd),
+                x_stride: cols as i64,
+                y_stride: rows as i64,
+            },
+        ),
+        (
+            1,
+            MatSel {
+                ids: 0,
+                x_stride: 0,
+                y_stride: rows as i64,
+            },
+        ),
+    ] {
+        let mut outs = Vec::new();
+        for prefetch in [false, true] {
+            let yd = gpu.upload(&vec![f32::NAN; n_sel * rows])?;
+            gpu.matvec_prefetch(m, gpu.ptr(&xd), gpu.ptr(&yd), n_sel, sel, prefetch)?;
+            outs.push(gpu.download(&yd)?);
+        }
+        same &= outs[1]
+            .iter()
+            .zip(&outs[0])
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+    }
+    Ok(Check {
+        name: format!("matvec F16 {rows}x{cols} prefetch (bit-identical)"),
         rel_err: if same { 0.0 } else { f64::INFINITY },
         bound: 0.0,
     })

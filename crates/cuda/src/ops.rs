@@ -74,6 +74,22 @@ impl Gpu {
         n_sel: usize,
         sel: MatSel,
     ) -> Result<(), CudaError> {
+        self.matvec_prefetch(m, x, y, n_sel, sel, self.prefetch_f16)
+    }
+
+    /// [`Gpu::matvec`] with an F16 matrix's first weights loaded before the wait on
+    /// the upstream grid (`matvec_f16_pf`) or not, whatever `DS4_CUDA_PREFETCH` says
+    /// (the selftest's comparison of the two kernels).
+    #[doc(hidden)]
+    pub fn matvec_prefetch(
+        &self,
+        m: &DeviceMatrix,
+        x: u64,
+        y: u64,
+        n_sel: usize,
+        sel: MatSel,
+        prefetch: bool,
+    ) -> Result<(), CudaError> {
         let rows = m.rows as i32;
         let cols = m.cols as i32;
         let ks = if m.ty == GgmlType::F16 {
@@ -94,6 +110,7 @@ impl Gpu {
         let p: Vec<u64> = m.parts.iter().map(|b| self.ptr(b)).collect();
         let kname = match m.ty {
             GgmlType::Q8_0 => "matvec_q8_0",
+            GgmlType::F16 if prefetch && m.cols.is_multiple_of(8) => "matvec_f16_pf",
             GgmlType::F16 => "matvec_f16",
             GgmlType::F32 => "matvec_f32",
             GgmlType::IQ2_XXS => "matvec_iq2_xxs",
