@@ -445,13 +445,15 @@ fn expert_id_sets(gpu: &Gpu, used: usize, mats: usize) -> Result<Vec<ds4_cuda::D
 }
 
 /// Milliseconds per call of the int8-activation expert matvec over `used` selections
-/// of the stack `m` (input `x`: one shared row, or one row per selection).
+/// of the stack `m` (input `x`: one shared row, or one row per selection), or of the
+/// IQ2_XXS probe kernel `probe` in its place.
 fn time_experts_q8act(
     gpu: &Gpu,
     m: &DeviceMatrix,
     x: &ds4_cuda::DeviceBuf<f32>,
     used: usize,
     shared: bool,
+    probe: Option<&'static str>,
 ) -> Result<f64> {
     let (rows, cols) = (m.rows, m.cols);
     let y = gpu.zeros::<f32>(used * rows)?;
@@ -465,7 +467,10 @@ fn time_experts_q8act(
             x_stride: if shared { 0 } else { cols as i64 },
             y_stride: rows as i64,
         };
-        gpu.matvec_q8act(m, &qa, yp, used, sel)
+        match probe {
+            Some(kernel) => gpu.matvec_iq2_probe(m, &qa, yp, used, sel, kernel),
+            None => gpu.matvec_q8act(m, &qa, yp, used, sel),
+        }
     })?)
 }
 
@@ -616,7 +621,7 @@ pub fn bench_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
             out.push(Timing {
                 name: format!("{name} [int8 act]"),
                 bytes: per_call as f64,
-                ms: time_experts_q8act(gpu, &m, &x, used, shared)?,
+                ms: time_experts_q8act(gpu, &m, &x, used, shared, None)?,
             });
         }
     }
@@ -674,8 +679,22 @@ pub fn probe_q8_splits(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
         out.push(Timing {
             name: name.into(),
             bytes: (m.bytes_per_matrix() * used) as f64,
-            ms: time_experts_q8act(gpu, &m, &x, used, shared)?,
+            ms: time_experts_q8act(gpu, &m, &x, used, shared, None)?,
         });
+        if ty == GgmlType::IQ2_XXS {
+            // The same launch with parts of the work taken out: what bounds it.
+            for (what, kernel) in [
+                ("without table lookups", "probe_iq2_nolut"),
+                ("without activation reads", "probe_iq2_nox"),
+                ("weight loads only", "probe_iq2_loads"),
+            ] {
+                out.push(Timing {
+                    name: format!("{name} {what}"),
+                    bytes: (m.bytes_per_matrix() * used) as f64,
+                    ms: time_experts_q8act(gpu, &m, &x, used, shared, Some(kernel))?,
+                });
+            }
+        }
     }
     // (name, rows, cols, selections sharing one matrix stack row count)
     let shapes: &[(&str, usize, usize, usize)] = &[

@@ -68,8 +68,13 @@ __device__ __forceinline__ void iq2_tables(u32* codes, u32* signs, const u64* gr
 
 // One IQ2_XXS lane step: 16 weight bytes (two groups of 32) of super-block c >> 2 with
 // scale d (f16) against the staged int8 activation.
+// PROBE (gpu-selftest --probe-q8 only; 0 in production) takes parts of the work out to
+// find what bounds the kernel: 1 = no table lookups, 2 = no activation reads from
+// shared memory, 3 = weight loads only.
+template <int PROBE>
 __device__ __forceinline__ float iq2_xxs_step(const W4 w, u16 d, int c, const u32* codes,
                                               const u32* signs, const i8* sq, const float* sd) {
+    if (PROBE == 3) return (float)(w.a ^ w.b ^ w.c ^ w.d ^ d);
     const float db = h2f(d) * 0.25f;
     const u32 words[4] = {w.a, w.b, w.c, w.d};
     float acc = 0.f;
@@ -77,30 +82,44 @@ __device__ __forceinline__ float iq2_xxs_step(const W4 w, u16 d, int c, const u3
     for (int g = 0; g < 2; ++g) {
         const int grp = c * 2 + g;  // group of 32 within the row
         const u32 idx = words[2 * g], sg = words[2 * g + 1];
-        const int4* xv = reinterpret_cast<const int4*>(sq + grp * 32);
-        const int4 x01 = xv[0], x23 = xv[1];
+        int4 x01, x23;
+        if (PROBE == 2) {
+            x01 = make_int4(idx, sg, c, grp);
+            x23 = make_int4(sg, idx, grp, c);
+        } else {
+            const int4* xv = reinterpret_cast<const int4*>(sq + grp * 32);
+            x01 = xv[0];
+            x23 = xv[1];
+        }
         const int xs[8] = {x01.x, x01.y, x01.z, x01.w, x23.x, x23.y, x23.z, x23.w};
         int sumi = 0;
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
-            const u32 sel = codes[(idx >> (8 * l)) & 0xff] | signs[(sg >> (7 * l)) & 127];
+            const u32 sel = PROBE == 1
+                                ? ((idx >> (8 * l)) ^ (sg >> (7 * l))) & 0x33333333u
+                                : codes[(idx >> (8 * l)) & 0xff] | signs[(sg >> (7 * l)) & 127];
             const int vlo = (int)__byte_perm(IQ2_LUT_POS, IQ2_LUT_NEG, sel);
             const int vhi = (int)__byte_perm(IQ2_LUT_POS, IQ2_LUT_NEG, sel >> 16);
             sumi = __dp4a(vlo, xs[2 * l], sumi);
             sumi = __dp4a(vhi, xs[2 * l + 1], sumi);
         }
-        acc += db * (0.5f + (float)(sg >> 28)) * sd[grp] * (float)sumi;
+        acc += db * (0.5f + (float)(sg >> 28)) * (PROBE == 2 ? 1.f : sd[grp]) * (float)sumi;
     }
     return acc;
 }
 
 // With qs2 set, grid rows n_pair… use the second stack (qs2, dw2 → y2) with the same
 // selections and input: the routed experts' gate and up in one launch.
-extern "C" __global__ void __launch_bounds__(256, 3) matvec_iq2_xxs_q8(
-    const u8* __restrict__ qs, const u16* __restrict__ dw, i64 mat_q, i64 mat_d,
-    const u64* __restrict__ grid_g, const i8* __restrict__ xq, const float* __restrict__ xd,
-    float* __restrict__ y, int rows, int cols, MatSel sel, const u8* __restrict__ qs2,
-    const u16* __restrict__ dw2, float* __restrict__ y2, int n_pair) {
+#define IQ2_MATVEC_PARAMS                                                                   \
+    const u8 *__restrict__ qs, const u16 *__restrict__ dw, i64 mat_q, i64 mat_d,             \
+        const u64 *__restrict__ grid_g, const i8 *__restrict__ xq,                           \
+        const float *__restrict__ xd, float *__restrict__ y, int rows, int cols, MatSel sel, \
+        const u8 *__restrict__ qs2, const u16 *__restrict__ dw2, float *__restrict__ y2,     \
+        int n_pair
+#define IQ2_MATVEC_ARGS qs, dw, mat_q, mat_d, grid_g, xq, xd, y, rows, cols, sel, qs2, dw2, y2, n_pair
+
+template <int PROBE>
+__device__ __forceinline__ void iq2_xxs_q8_body(IQ2_MATVEC_PARAMS) {
     PDL_WAIT();
     constexpr int R = EXP_ROWS_PER_WARP;
     extern __shared__ __align__(16) u8 smem[];
@@ -155,7 +174,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) matvec_iq2_xxs_q8(
         load(c + WARP);
 #pragma unroll
         for (int r = 0; r < R; ++r)
-            if (ok[r]) acc[r] += iq2_xxs_step(cw[r], cd[r], c, codes, signs, sq, sd);
+            if (ok[r]) acc[r] += iq2_xxs_step<PROBE>(cw[r], cd[r], c, codes, signs, sq, sd);
     }
     PDL_TRIGGER();
 #pragma unroll
@@ -163,6 +182,10 @@ extern "C" __global__ void __launch_bounds__(256, 3) matvec_iq2_xxs_q8(
         const float v = warp_sum(acc[r]);
         if (threadIdx.x == 0 && ok[r]) y[yi * sel.y_stride + row0 + r * blockDim.y] = v;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 3) matvec_iq2_xxs_q8(IQ2_MATVEC_PARAMS) {
+    iq2_xxs_q8_body<0>(IQ2_MATVEC_ARGS);
 }
 
 // Q2_K × Q8: a lane takes 16 quant bytes (half h of chunk k): for each j the 16 values

@@ -38,3 +38,15 @@ extern "C" __global__ void probe_spin(u64 ns) {
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     } while (t - t0 < ns);
 }
+
+// The IQ2_XXS expert matvec with parts of its work taken out (iq2_xxs_step's PROBE):
+// gpu-selftest --probe-q8 times them against the real kernel. Outputs are meaningless.
+extern "C" __global__ void __launch_bounds__(256, 3) probe_iq2_nolut(IQ2_MATVEC_PARAMS) {
+    iq2_xxs_q8_body<1>(IQ2_MATVEC_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256, 3) probe_iq2_nox(IQ2_MATVEC_PARAMS) {
+    iq2_xxs_q8_body<2>(IQ2_MATVEC_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256, 3) probe_iq2_loads(IQ2_MATVEC_PARAMS) {
+    iq2_xxs_q8_body<3>(IQ2_MATVEC_ARGS);
+}

@@ -444,7 +444,7 @@ impl Gpu {
         n_sel: usize,
         sel: MatSel,
     ) -> Result<(), CudaError> {
-        self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, None, None)
+        self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, None, None, None)
     }
 
     /// `y[k] = W[ids[k]] · xq[k]` and `y2[k] = W2[ids[k]] · xq[k]`: two stacks with the
@@ -468,7 +468,7 @@ impl Gpu {
             self.matvec_q8act(m, xq, y, n_sel, sel)?;
             return self.matvec_q8act(m2, xq, y2, n_sel, sel);
         }
-        self.matvec_q8act_launch(m, Some((m2, y2)), xq, y, n_sel, sel, None, None)
+        self.matvec_q8act_launch(m, Some((m2, y2)), xq, y, n_sel, sel, None, None, None)
     }
 
     /// [`Gpu::matvec_q8act`] with `ks` (1, 2, 4 or 8) warps per row of a Q8_0 matrix
@@ -482,7 +482,7 @@ impl Gpu {
         sel: MatSel,
         ks: Option<u32>,
     ) -> Result<(), CudaError> {
-        self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, ks, None)
+        self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, ks, None, None)
     }
 
     /// [`Gpu::matvec_q8act`] for selections fixed before the token (`sel.ids` is not
@@ -502,7 +502,7 @@ impl Gpu {
         } else {
             Q8Prefetch::Off
         };
-        self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, None, Some(mode))
+        self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, None, Some(mode), None)
     }
 
     /// [`Gpu::matvec_q8act`] of a Q8_0 matrix with the prefetch mode given (the
@@ -517,7 +517,29 @@ impl Gpu {
         sel: MatSel,
         mode: Q8Prefetch,
     ) -> Result<(), CudaError> {
-        self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, None, Some(mode))
+        self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, None, Some(mode), None)
+    }
+
+    /// [`Gpu::matvec_q8act`] of an IQ2_XXS stack through one of the probe kernels of
+    /// probe.cu (`probe_iq2_nolut`, `probe_iq2_nox`, `probe_iq2_loads`: the kernel with
+    /// parts of its work taken out; outputs meaningless), for `gpu-selftest --probe-q8`.
+    #[doc(hidden)]
+    pub fn matvec_iq2_probe(
+        &self,
+        m: &DeviceMatrix,
+        xq: &QuantAct,
+        y: u64,
+        n_sel: usize,
+        sel: MatSel,
+        kernel: &'static str,
+    ) -> Result<(), CudaError> {
+        if m.ty != GgmlType::IQ2_XXS || !kernel.starts_with("probe_iq2_") {
+            return Err(CudaError::Invalid(format!(
+                "{kernel} is not an IQ2_XXS probe kernel (matrix {})",
+                m.ty
+            )));
+        }
+        self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, None, None, Some(kernel))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -531,6 +553,7 @@ impl Gpu {
         sel: MatSel,
         ks: Option<u32>,
         prefetch: Option<Q8Prefetch>,
+        kernel: Option<&'static str>,
     ) -> Result<(), CudaError> {
         let prefetch = prefetch.unwrap_or(if self.prefetch {
             Q8Prefetch::Weights
@@ -572,6 +595,7 @@ impl Gpu {
                 )))
             }
         };
+        let name = kernel.unwrap_or(name);
         let f = self.func(name)?;
         // Q8_0: warps per row (see matvec_q8_0_q8). Several rows per warp measured
         // slower (H200 decode 74.6 -> 70.0 tok/s): fewer warps in flight.
