@@ -65,6 +65,9 @@ pub struct Gpu {
     info: GpuInfo,
     /// `DS4_CUDA_PROFILE=1`: per-kernel device time (events around every launch).
     profile: Option<Mutex<Profile>>,
+    /// `DS4_CUDA_SKIP=k1,k2`: kernels not launched at all (timing diagnosis: what a
+    /// kernel costs inside the decode graph; every output after them is wrong).
+    skip: Vec<String>,
 }
 
 #[derive(Default)]
@@ -141,6 +144,14 @@ impl Gpu {
             profile: std::env::var("DS4_CUDA_PROFILE")
                 .is_ok_and(|v| v == "1")
                 .then(Default::default),
+            skip: std::env::var("DS4_CUDA_SKIP")
+                .map(|v| {
+                    v.split(',')
+                        .map(|k| k.trim().to_string())
+                        .filter(|k| !k.is_empty())
+                        .collect()
+                })
+                .unwrap_or_default(),
         })
     }
 
@@ -162,12 +173,22 @@ impl Gpu {
         self.profile.is_some()
     }
 
-    /// Runs `launch` between two timing events when profiling.
+    /// The kernels `DS4_CUDA_SKIP` keeps from launching (empty normally): a program
+    /// that times with them skipped should say so, its outputs are wrong.
+    pub fn skipped(&self) -> &[String] {
+        &self.skip
+    }
+
+    /// Runs `launch` between two timing events when profiling; not at all when
+    /// `DS4_CUDA_SKIP` names the kernel.
     pub(crate) fn timed(
         &self,
         name: &'static str,
         launch: impl FnOnce() -> Result<(), CudaError>,
     ) -> Result<(), CudaError> {
+        if !self.skip.is_empty() && self.skip.iter().any(|k| k == name) {
+            return Ok(());
+        }
         let Some(p) = &self.profile else {
             return launch();
         };

@@ -265,6 +265,12 @@ fn main() -> Result<()> {
             })
             .context("CUDA backend unavailable (use --backend cpu)")?;
             b.finish_and_clear();
+            if !weights.gpu.skipped().is_empty() {
+                eprintln!(
+                    "ds4-bench: DS4_CUDA_SKIP: {} not launched — timing diagnosis only, the outputs are wrong",
+                    weights.gpu.skipped().join(", ")
+                );
+            }
             gpu_for_profile = Some(weights.gpu.clone());
             let be = CudaBackend::new(&weights, alloc, numerics)?;
             Session::with_backend(&model, Box::new(be), numerics, 2048)
