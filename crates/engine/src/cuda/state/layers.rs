@@ -199,10 +199,10 @@ impl KvView<'_> {
             fast && l.q_a.ty == GgmlType::Q8_0,
         )?;
         // Three branches from the normed input, joined before attention: side lane 1
-        // forms hc_post's comb matrix and writes this token's raw row and compressed rows, side lane 2 the indexer's
-        // compressed rows and then (once the main lane has q_r) the top-k selection,
-        // and the main lane builds the queries. Each is a chain of small kernels that
-        // cannot fill the GPU alone.
+        // forms hc_post's comb matrix and writes this token's raw row and compressed
+        // rows, side lane 2 the indexer's compressed rows and then (once the main lane
+        // has q_r) the top-k selection, and the main lane builds the queries. Each is a
+        // chain of small kernels that cannot fill the GPU alone.
         g.branch(1, || {
             hc_comb(s, n, g, c, &l.hc_attn)?;
             // The same quantised `n` as attn_q_a (quantised by the norm when Q8_0).
