@@ -87,6 +87,25 @@ __device__ __forceinline__ int sel_matrix(const MatSel& s) {
     return s.ids ? s.ids[blockIdx.y] : 0;
 }
 
+// The end of a split-K matvec row: `ks` consecutive warps of the block (threadIdx.y)
+// share one row and each holds its lane partials in acc; the row sum goes to y[at] (when
+// live). `red` holds a float per warp of the block. Every thread of the block calls it.
+__device__ __forceinline__ void store_split_row(float acc, int ks, int split, bool live,
+                                                float* y, i64 at, float* red) {
+    acc = warp_sum(acc);
+    if (ks == 1) {
+        if (threadIdx.x == 0 && live) y[at] = acc;
+        return;
+    }
+    if (threadIdx.x == 0) red[threadIdx.y] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0 && split == 0 && live) {
+        float s = 0.f;
+        for (int i = 0; i < ks; ++i) s += red[threadIdx.y + i];
+        y[at] = s;
+    }
+}
+
 // The Q8_0 activation rule on one warp's block of 32 (lane i holds value i).
 __device__ __forceinline__ void quant_block32(float v, i8* q, float* d) {
     const int lane = threadIdx.x % WARP;

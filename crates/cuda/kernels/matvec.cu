@@ -31,6 +31,13 @@ __device__ __forceinline__ float dot2_h(u32 h, float a, float b) {
     return h2f((u16)(h & 0xffff)) * a + h2f((u16)(h >> 16)) * b;
 }
 
+// 8 f16 weights (16 bytes) · 8 f32 activations at x.
+__device__ __forceinline__ float dot8_h(const uint4 v, const float* x) {
+    const float4 x0 = ldx4(x), x1 = ldx4(x + 4);
+    return dot2_h(v.x, x0.x, x0.y) + dot2_h(v.y, x0.z, x0.w) + dot2_h(v.z, x1.x, x1.y) +
+           dot2_h(v.w, x1.z, x1.w);
+}
+
 // F16: [rows][cols] f16 (GGUF layout).
 extern "C" __global__ void __launch_bounds__(256) matvec_f16(
     const u16* __restrict__ w, i64 mat_w, const float* __restrict__ x, float* __restrict__ y,
@@ -48,10 +55,7 @@ extern "C" __global__ void __launch_bounds__(256) matvec_f16(
         if ((cols & 7) == 0) {
 #pragma unroll 4
             for (int c = (split * WARP + threadIdx.x) * 8; c < cols; c += ks * WARP * 8) {
-                const W4 v = ld16(r + c);
-                const float4 x0 = ldx4(x + c), x1 = ldx4(x + c + 4);
-                acc += dot2_h(v.a, x0.x, x0.y) + dot2_h(v.b, x0.z, x0.w) +
-                       dot2_h(v.c, x1.x, x1.y) + dot2_h(v.d, x1.z, x1.w);
+                acc += dot8_h(__ldg(reinterpret_cast<const uint4*>(r + c)), x + c);
             }
         } else {
             for (int c = split * WARP + threadIdx.x; c < cols; c += ks * WARP)
@@ -59,18 +63,7 @@ extern "C" __global__ void __launch_bounds__(256) matvec_f16(
         }
     }
     PDL_TRIGGER();
-    acc = warp_sum(acc);
-    if (ks == 1) {
-        if (threadIdx.x == 0 && row < rows) y[blockIdx.y * sel.y_stride + row] = acc;
-        return;
-    }
-    if (threadIdx.x == 0) red[threadIdx.y] = acc;
-    __syncthreads();
-    if (threadIdx.x == 0 && split == 0 && row < rows) {
-        float s = 0.f;
-        for (int i = 0; i < ks; ++i) s += red[threadIdx.y + i];
-        y[blockIdx.y * sel.y_stride + row] = s;
-    }
+    store_split_row(acc, ks, split, row < rows, y, blockIdx.y * sel.y_stride + row, red);
 }
 
 // matvec_f16 with its first F16_PREFETCH steps of weights per lane loaded (streaming
@@ -78,11 +71,6 @@ extern "C" __global__ void __launch_bounds__(256) matvec_f16(
 // see matvec_q8_0_q8_pf). Selection ids may come from upstream: with ids the kernel
 // waits first. cols % 8 == 0. The sums are matvec_f16's in the same order.
 #define F16_PREFETCH 4
-__device__ __forceinline__ float dot8_h(const uint4 v, const float* x) {
-    const float4 x0 = ldx4(x), x1 = ldx4(x + 4);
-    return dot2_h(v.x, x0.x, x0.y) + dot2_h(v.y, x0.z, x0.w) + dot2_h(v.z, x1.x, x1.y) +
-           dot2_h(v.w, x1.z, x1.w);
-}
 
 extern "C" __global__ void __launch_bounds__(256) matvec_f16_pf(
     const u16* __restrict__ w, i64 mat_w, const float* __restrict__ x, float* __restrict__ y,
@@ -112,18 +100,7 @@ extern "C" __global__ void __launch_bounds__(256) matvec_f16_pf(
         for (; c < cols; c += step) acc += dot8_h(ld_stream16(r + c), x + c);
     }
     PDL_TRIGGER();
-    acc = warp_sum(acc);
-    if (ks == 1) {
-        if (threadIdx.x == 0 && row < rows) y[blockIdx.y * sel.y_stride + row] = acc;
-        return;
-    }
-    if (threadIdx.x == 0) red[threadIdx.y] = acc;
-    __syncthreads();
-    if (threadIdx.x == 0 && split == 0 && row < rows) {
-        float s = 0.f;
-        for (int i = 0; i < ks; ++i) s += red[threadIdx.y + i];
-        y[blockIdx.y * sel.y_stride + row] = s;
-    }
+    store_split_row(acc, ks, split, row < rows, y, blockIdx.y * sel.y_stride + row, red);
 }
 
 // F32: [rows][cols] f32.

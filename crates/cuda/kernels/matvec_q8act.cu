@@ -337,6 +337,23 @@ extern "C" __global__ void __launch_bounds__(256) quantize_q8_k32(const float* _
     if (threadIdx.x < 8) d[blockIdx.x * 8 + threadIdx.x] = 1.0f / iscale;
 }
 
+// One Q8_0 block of a row: 32 weight bytes (w0, w1) with scale dq against the 32 int8
+// activations at xb with scale xs.
+__device__ __forceinline__ float q8_block_dot(const uint4 w0, const uint4 w1, u16 dq,
+                                              const i8* __restrict__ xb, float xs) {
+    const int4 x0 = *reinterpret_cast<const int4*>(xb);
+    const int4 x1 = *reinterpret_cast<const int4*>(xb + 16);
+    int s = __dp4a((int)w0.x, x0.x, 0);
+    s = __dp4a((int)w0.y, x0.y, s);
+    s = __dp4a((int)w0.z, x0.z, s);
+    s = __dp4a((int)w0.w, x0.w, s);
+    s = __dp4a((int)w1.x, x1.x, s);
+    s = __dp4a((int)w1.y, x1.y, s);
+    s = __dp4a((int)w1.z, x1.z, s);
+    s = __dp4a((int)w1.w, x1.w, s);
+    return (h2f(dq) * xs) * (float)s;
+}
+
 // Q8_0 weights × Q8_0 activations (both int8 per 32, f16 / f32 scales), dp4a. A lane
 // takes whole blocks of 32 (32 weight bytes, one scale), so a warp reads 1 KiB of its row
 // per step; weight loads skip L1 and ask the L2 for 256-byte lines. Against 16 bytes
@@ -360,41 +377,18 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8(
         const u16* dr = dw + m * mat_d + (i64)row * (cols / 32);
         const int nb = cols / 32;
 #pragma unroll 4
-        for (int b = split * WARP + threadIdx.x; b < nb; b += ks * WARP) {
-            const uint4 w0 = ld_stream16(q + b * 32);
-            const uint4 w1 = ld_stream16(q + b * 32 + 16);
-            const int4 x0 = *reinterpret_cast<const int4*>(xq + b * 32);
-            const int4 x1 = *reinterpret_cast<const int4*>(xq + b * 32 + 16);
-            int s = __dp4a((int)w0.x, x0.x, 0);
-            s = __dp4a((int)w0.y, x0.y, s);
-            s = __dp4a((int)w0.z, x0.z, s);
-            s = __dp4a((int)w0.w, x0.w, s);
-            s = __dp4a((int)w1.x, x1.x, s);
-            s = __dp4a((int)w1.y, x1.y, s);
-            s = __dp4a((int)w1.z, x1.z, s);
-            s = __dp4a((int)w1.w, x1.w, s);
-            acc += (h2f(dr[b]) * xd[b]) * (float)s;
-        }
+        for (int b = split * WARP + threadIdx.x; b < nb; b += ks * WARP)
+            acc += q8_block_dot(ld_stream16(q + b * 32), ld_stream16(q + b * 32 + 16), dr[b],
+                                xq + b * 32, xd[b]);
     }
     PDL_TRIGGER();
-    acc = warp_sum(acc);
-    if (ks == 1) {
-        if (threadIdx.x == 0 && row < rows) y[blockIdx.y * sel.y_stride + row] = acc;
-        return;
-    }
-    if (threadIdx.x == 0) red[threadIdx.y] = acc;
-    __syncthreads();
-    if (threadIdx.x == 0 && split == 0 && row < rows) {
-        float s = 0.f;
-        for (int i = 0; i < ks; ++i) s += red[threadIdx.y + i];
-        y[blockIdx.y * sel.y_stride + row] = s;
-    }
+    store_split_row(acc, ks, split, row < rows, y, blockIdx.y * sel.y_stride + row, red);
 }
 
 // matvec_q8_0_q8 with the weight loads ahead of the wait (DS4_CUDA_PREFETCH=1; not yet
 // measured, so off by default): a lane loads its first Q8_PREFETCH steps of weights
-// (and their scales) before griddepcontrol.wait: the weights do not depend on the upstream grid,
-// so a block launched early (programmatic dependent launch) streams them while the
+// (and their scales) before griddepcontrol.wait: the weights do not depend on the
+// upstream grid, so a block launched early (programmatic dependent launch) streams them while the
 // upstream kernel finishes; the activation is read only after the wait. prefetch = 1
 // reads sel.ids after the wait (it may be written upstream: routed experts), 2 before
 // it (fixed selections: the output projection's groups); 0 waits first. The sums are
@@ -432,41 +426,18 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8_pf(
         }
     }
     if (!wait_first) PDL_WAIT();
-    auto term = [&](const uint4 w0, const uint4 w1, u16 dq, int bb) {
-        const int4 x0 = *reinterpret_cast<const int4*>(xq + bb * 32);
-        const int4 x1 = *reinterpret_cast<const int4*>(xq + bb * 32 + 16);
-        int s = __dp4a((int)w0.x, x0.x, 0);
-        s = __dp4a((int)w0.y, x0.y, s);
-        s = __dp4a((int)w0.z, x0.z, s);
-        s = __dp4a((int)w0.w, x0.w, s);
-        s = __dp4a((int)w1.x, x1.x, s);
-        s = __dp4a((int)w1.y, x1.y, s);
-        s = __dp4a((int)w1.z, x1.z, s);
-        s = __dp4a((int)w1.w, x1.w, s);
-        return (h2f(dq) * xd[bb]) * (float)s;
-    };
     float acc = 0.f;
     if (live) {
 #pragma unroll
         for (int u = 0; u < Q8_PREFETCH; ++u, b += step)
-            if (b < nb) acc += term(pw[u][0], pw[u][1], pd[u], b);
+            if (b < nb) acc += q8_block_dot(pw[u][0], pw[u][1], pd[u], xq + b * 32, xd[b]);
 #pragma unroll 4
         for (; b < nb; b += step)
-            acc += term(ld_stream16(q + b * 32), ld_stream16(q + b * 32 + 16), dr[b], b);
+            acc += q8_block_dot(ld_stream16(q + b * 32), ld_stream16(q + b * 32 + 16), dr[b],
+                                xq + b * 32, xd[b]);
     }
     PDL_TRIGGER();
-    acc = warp_sum(acc);
-    if (ks == 1) {
-        if (threadIdx.x == 0 && row < rows) y[blockIdx.y * sel.y_stride + row] = acc;
-        return;
-    }
-    if (threadIdx.x == 0) red[threadIdx.y] = acc;
-    __syncthreads();
-    if (threadIdx.x == 0 && split == 0 && row < rows) {
-        float s = 0.f;
-        for (int i = 0; i < ks; ++i) s += red[threadIdx.y + i];
-        y[blockIdx.y * sel.y_stride + row] = s;
-    }
+    store_split_row(acc, ks, split, row < rows, y, blockIdx.y * sel.y_stride + row, red);
 }
 
 // ---- Fused producers of quantised activations (decode launch count): each writes the
