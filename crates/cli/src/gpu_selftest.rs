@@ -163,16 +163,12 @@ pub fn check_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
         let m = DeviceMatrix::upload(gpu, GgmlType::Q8_0, &w, rows, cols, 5)?;
         let x = random_vec(4 * cols, &mut rng);
         checks.push(check_q8act(gpu, &m, &w, &[3, 1, 4, 1], &x)?);
-        checks.push(check_q8_prefetch(gpu, &m, &x)?);
+        checks.push(check_prefetch(gpu, &m, &x)?);
     }
     for &(rows, cols) in &[(37usize, 512usize), (256, 4096), (100, 1024)] {
         let w = random_matrix(GgmlType::F16, rows, cols, 5, &mut rng);
         let m = DeviceMatrix::upload(gpu, GgmlType::F16, &w, rows, cols, 5)?;
-        checks.push(check_f16_prefetch(
-            gpu,
-            &m,
-            &random_vec(4 * cols, &mut rng),
-        )?);
+        checks.push(check_prefetch(gpu, &m, &random_vec(4 * cols, &mut rng))?);
     }
     for ty in [GgmlType::F16, GgmlType::F32] {
         for n_tok in [1usize, 7, 130] {
@@ -299,19 +295,34 @@ fn check_q8act(gpu: &Gpu, m: &DeviceMatrix, w: &[u8], ids: &[i32], x: &[f32]) ->
     })
 }
 
-/// The Q8_0 decode matvec with its first weights loaded ahead of the upstream wait
-/// (`matvec_q8_0_q8_pf`, both id modes; plain and selected) against the default kernel:
-/// the same sums in the same order, so the outputs must be identical. (Outside a graph
-/// the wait is a no-op: the ordering itself is exercised by the decode graphs of the
-/// fixture checks under `DS4_CUDA_PREFETCH=1`.)
-fn check_q8_prefetch(gpu: &Gpu, m: &DeviceMatrix, x: &[f32]) -> Result<Check> {
+/// The decode matvecs with their first weights loaded ahead of the upstream wait
+/// (`matvec_q8_0_q8_pf` in both id modes, `matvec_f16_pf`) against the default
+/// kernels, plain and selected: the same sums in the same order, so the outputs must
+/// be identical. (Outside a graph the wait is a no-op: the ordering itself is exercised
+/// by the decode graphs of the fixture checks under `DS4_CUDA_PREFETCH=1`.) Q8_0 or F16.
+fn check_prefetch(gpu: &Gpu, m: &DeviceMatrix, x: &[f32]) -> Result<Check> {
     use ds4_cuda::Q8Prefetch;
-    let (rows, cols) = (m.rows, m.cols);
+    let (rows, cols, ty) = (m.rows, m.cols, m.ty);
     let ids = [3i32, 1, 4, 1];
     let xd = gpu.upload(x)?;
-    let mut qa = gpu.alloc_quant_act(ids.len(), cols)?;
-    gpu.quantize_act(gpu.ptr(&xd), &mut qa)?;
+    // Q8_0 reads the activations quantised.
+    let qa = if ty == GgmlType::Q8_0 {
+        let mut qa = gpu.alloc_quant_act(ids.len(), cols)?;
+        gpu.quantize_act(gpu.ptr(&xd), &mut qa)?;
+        Some(qa)
+    } else {
+        None
+    };
     let idd = gpu.upload(&ids)?;
+    // The default kernel first, then each prefetching variant.
+    let variants = if qa.is_some() { 3 } else { 2 };
+    let run = |variant: usize, n_sel: usize, sel: MatSel, y: u64| match &qa {
+        Some(qa) => {
+            let mode = [Q8Prefetch::Off, Q8Prefetch::Weights, Q8Prefetch::FixedIds][variant];
+            gpu.matvec_q8act_prefetch(m, qa, y, n_sel, sel, mode)
+        }
+        None => gpu.matvec_prefetch(m, gpu.ptr(&xd), y, n_sel, sel, variant > 0),
+    };
     let mut same = true;
     for (n_sel, sel) in [
         (
@@ -332,9 +343,9 @@ fn check_q8_prefetch(gpu: &Gpu, m: &DeviceMatrix, x: &[f32]) -> Result<Check> {
         ),
     ] {
         let mut outs = Vec::new();
-        for mode in [Q8Prefetch::Off, Q8Prefetch::Weights, Q8Prefetch::FixedIds] {
+        for variant in 0..variants {
             let yd = gpu.upload(&vec![f32::NAN; n_sel * rows])?;
-            gpu.matvec_q8act_prefetch(m, &qa, gpu.ptr(&yd), n_sel, sel, mode)?;
+            run(variant, n_sel, sel, gpu.ptr(&yd))?;
             outs.push(gpu.download(&yd)?);
         }
         same &= outs[1..].iter().all(|o| {
@@ -344,51 +355,7 @@ fn check_q8_prefetch(gpu: &Gpu, m: &DeviceMatrix, x: &[f32]) -> Result<Check> {
         });
     }
     Ok(Check {
-        name: format!("matvec_q8act Q8_0 {rows}x{cols} prefetch (bit-identical)"),
-        rel_err: if same { 0.0 } else { f64::INFINITY },
-        bound: 0.0,
-    })
-}
-
-/// `matvec_f16_pf` (first weights ahead of the upstream wait) against `matvec_f16`,
-/// plain and selected: the same sums in the same order, so identical outputs.
-fn check_f16_prefetch(gpu: &Gpu, m: &DeviceMatrix, x: &[f32]) -> Result<Check> {
-    let (rows, cols) = (m.rows, m.cols);
-    let ids = [3i32, 1, 4, 1];
-    let xd = gpu.upload(x)?;
-    let idd = gpu.upload(&ids)?;
-    let mut same = true;
-    for (n_sel, sel) in [
-        (
-            ids.len(),
-            MatSel {
-                ids: gpu.ptr(&idd),
-                x_stride: cols as i64,
-                y_stride: rows as i64,
-            },
-        ),
-        (
-            1,
-            MatSel {
-                ids: 0,
-                x_stride: 0,
-                y_stride: rows as i64,
-            },
-        ),
-    ] {
-        let mut outs = Vec::new();
-        for prefetch in [false, true] {
-            let yd = gpu.upload(&vec![f32::NAN; n_sel * rows])?;
-            gpu.matvec_prefetch(m, gpu.ptr(&xd), gpu.ptr(&yd), n_sel, sel, prefetch)?;
-            outs.push(gpu.download(&yd)?);
-        }
-        same &= outs[1]
-            .iter()
-            .zip(&outs[0])
-            .all(|(a, b)| a.to_bits() == b.to_bits());
-    }
-    Ok(Check {
-        name: format!("matvec F16 {rows}x{cols} prefetch (bit-identical)"),
+        name: format!("matvec {ty} {rows}x{cols} prefetch (bit-identical)"),
         rel_err: if same { 0.0 } else { f64::INFINITY },
         bound: 0.0,
     })

@@ -57,7 +57,7 @@ pub struct Gpu {
     /// `DS4_CUDA_PREFETCH=1` (or a list of `q8`, `f16`): decode matvecs load their
     /// first weights before waiting on the upstream grid (`matvec_q8_0_q8_pf`,
     /// `matvec_f16_pf`; off until measured).
-    pub(crate) prefetch: bool,
+    pub(crate) prefetch_q8: bool,
     pub(crate) prefetch_f16: bool,
     module: Arc<CudaModule>,
     funcs: Mutex<HashMap<&'static str, CudaFunction>>,
@@ -126,24 +126,22 @@ impl Gpu {
             kernels,
         };
         let iq2_grid = stream.clone_htod(&ds4_gguf::quant::iq2xxs_grid()[..])?;
+        let profile = std::env::var("DS4_CUDA_PROFILE").is_ok_and(|v| v == "1");
         Ok(Gpu {
             ctx,
             stream,
             side,
             lane: std::sync::atomic::AtomicUsize::new(0),
             // Profiling times kernels one after another on the main stream.
-            branches: std::env::var("DS4_CUDA_BRANCHES").map_or(true, |v| v != "0")
-                && std::env::var("DS4_CUDA_PROFILE").map_or(true, |v| v != "1"),
+            branches: std::env::var("DS4_CUDA_BRANCHES").map_or(true, |v| v != "0") && !profile,
             pdl: std::env::var("DS4_CUDA_PDL").map_or(true, |v| v != "0"),
-            prefetch: prefetch_env("q8"),
+            prefetch_q8: prefetch_env("q8"),
             prefetch_f16: prefetch_env("f16"),
             module,
             iq2_grid,
             funcs: Mutex::new(HashMap::new()),
             info,
-            profile: std::env::var("DS4_CUDA_PROFILE")
-                .is_ok_and(|v| v == "1")
-                .then(Default::default),
+            profile: profile.then(Default::default),
             skip: std::env::var("DS4_CUDA_SKIP")
                 .map(|v| {
                     v.split(',')
@@ -222,7 +220,7 @@ impl Gpu {
         Ok(())
     }
 
-    /// (kernel, launches, total ms) since the last call, largest first; empty unless
+    /// (kernel, launches, total ms) since the last call, in no order; empty unless
     /// profiling.
     pub fn profile_take(&self) -> Result<Vec<(&'static str, u64, f64)>, CudaError> {
         let Some(p) = &self.profile else {
@@ -230,9 +228,7 @@ impl Gpu {
         };
         let mut p = p.lock().expect("profile lock");
         Self::fold(&mut p)?;
-        let mut v: Vec<_> = p.totals.drain().map(|(k, (n, ms))| (k, n, ms)).collect();
-        v.sort_by(|a, b| b.2.total_cmp(&a.2));
-        Ok(v)
+        Ok(p.totals.drain().map(|(k, (n, ms))| (k, n, ms)).collect())
     }
 
     /// Lets kernel `name` use `bytes` of dynamic shared memory (beyond the default 48 KiB).

@@ -86,9 +86,32 @@ pub struct AttnTail {
     pub d: u64,
 }
 
+impl AttnTail {
+    /// Whether heads of `hd` values can take this tail (Q8_0 blocks must not straddle
+    /// heads).
+    fn check(&self, hd: usize) -> Result<(), CudaError> {
+        if self.q != 0 && !hd.is_multiple_of(32) {
+            return Err(CudaError::Invalid(format!(
+                "attention head dim {hd}: Q8_0 output needs a multiple of 32"
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// The attention shape of `attention_prefill_mma` (AMMA_HEADS / AMMA_HD).
 const ATT_MMA_HEADS: usize = 64;
 const ATT_MMA_HD: usize = 512;
+
+/// The hyper-connection kernels keep a token's streams in fixed register arrays.
+fn check_hc_streams(n_hc: usize) -> Result<(), CudaError> {
+    if n_hc > HC_MAX {
+        return Err(CudaError::Invalid(format!(
+            "{n_hc} hyper-connection streams > {HC_MAX}"
+        )));
+    }
+    Ok(())
+}
 
 /// `tokens` blocks in y: the token of a batch (per-token kernels).
 fn cfg2(grid: u32, tokens: usize, block: u32) -> LaunchConfig {
@@ -237,11 +260,7 @@ impl Gpu {
         y: u64,
         norm: Option<HcNorm>,
     ) -> Result<(), CudaError> {
-        if n_hc > HC_MAX {
-            return Err(CudaError::Invalid(format!(
-                "{n_hc} hyper-connection streams > {HC_MAX}"
-            )));
-        }
+        check_hc_streams(n_hc)?;
         // Threads own 4 consecutive values (8 of them form a Q8_0 block); the count is
         // rmsnorm's, whose sum order the norm keeps.
         let threads = if n_embd >= 1024 { 1024 } else { 256 };
@@ -289,11 +308,7 @@ impl Gpu {
         eps: f32,
         hcp: u64,
     ) -> Result<(), CudaError> {
-        if n_hc > HC_MAX {
-            return Err(CudaError::Invalid(format!(
-                "{n_hc} hyper-connection streams > {HC_MAX}"
-            )));
-        }
+        check_hc_streams(n_hc)?;
         let (nh, it, nt) = (n_hc as i32, iters as i32, n_tok as i32);
         launch!(
             self,
@@ -705,10 +720,8 @@ impl Gpu {
         tail: Option<&AttnTail>,
     ) -> Result<(), CudaError> {
         let (hd, heads, raw_cap, window) = (a.hd, a.heads, a.raw_cap, a.window);
-        if tail.is_some_and(|t| t.q != 0 && !hd.is_multiple_of(32)) {
-            return Err(CudaError::Invalid(format!(
-                "attention head dim {hd}: Q8_0 output needs a multiple of 32"
-            )));
+        if let Some(t) = tail {
+            t.check(hd)?;
         }
         if !hd.is_multiple_of(4) || hd > 512 {
             return Err(CudaError::Invalid(format!(
@@ -788,14 +801,9 @@ impl Gpu {
 
     /// The [`AttnTail`] of an attention output `out` written without it.
     pub fn attention_tail(&self, a: &AttnInput, t: &AttnTail, out: u64) -> Result<(), CudaError> {
+        t.check(a.hd)?;
         self.rope_tail(a.n_tok, a.step, out, a.hd, a.heads, 0, t.rope, true)?;
         if t.q != 0 {
-            if !a.hd.is_multiple_of(32) {
-                return Err(CudaError::Invalid(format!(
-                    "attention head dim {}: Q8_0 output needs a multiple of 32",
-                    a.hd
-                )));
-            }
             self.quantize_q8_raw(out, t.q, t.d, a.n_tok * a.heads * a.hd / 32)?;
         }
         Ok(())

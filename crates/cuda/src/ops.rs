@@ -20,6 +20,17 @@ pub enum Q8Prefetch {
     FixedIds = 2,
 }
 
+/// Overrides of an int8-activation matvec launch (all `None`: the engine's choices).
+#[derive(Clone, Copy, Default)]
+struct Q8Launch {
+    /// Q8_0: warps per row instead of the measured default.
+    ks: Option<u32>,
+    /// Q8_0: the prefetch mode instead of `DS4_CUDA_PREFETCH`'s.
+    prefetch: Option<Q8Prefetch>,
+    /// Another kernel of the same signature (the IQ2_XXS probes).
+    kernel: Option<&'static str>,
+}
+
 /// Which matrices of a stack a launch uses (mirrors `MatSel` in common.cuh).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -444,7 +455,7 @@ impl Gpu {
         n_sel: usize,
         sel: MatSel,
     ) -> Result<(), CudaError> {
-        self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, None, None, None)
+        self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, Q8Launch::default())
     }
 
     /// `y[k] = W[ids[k]] · xq[k]` and `y2[k] = W2[ids[k]] · xq[k]`: two stacks with the
@@ -468,7 +479,7 @@ impl Gpu {
             self.matvec_q8act(m, xq, y, n_sel, sel)?;
             return self.matvec_q8act(m2, xq, y2, n_sel, sel);
         }
-        self.matvec_q8act_launch(m, Some((m2, y2)), xq, y, n_sel, sel, None, None, None)
+        self.matvec_q8act_launch(m, Some((m2, y2)), xq, y, n_sel, sel, Q8Launch::default())
     }
 
     /// [`Gpu::matvec_q8act`] with `ks` (1, 2, 4 or 8) warps per row of a Q8_0 matrix
@@ -482,7 +493,11 @@ impl Gpu {
         sel: MatSel,
         ks: Option<u32>,
     ) -> Result<(), CudaError> {
-        self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, ks, None, None)
+        let opts = Q8Launch {
+            ks,
+            ..Q8Launch::default()
+        };
+        self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, opts)
     }
 
     /// [`Gpu::matvec_q8act`] for selections fixed before the token (`sel.ids` is not
@@ -497,12 +512,16 @@ impl Gpu {
         n_sel: usize,
         sel: MatSel,
     ) -> Result<(), CudaError> {
-        let mode = if self.prefetch {
+        let mode = if self.prefetch_q8 {
             Q8Prefetch::FixedIds
         } else {
             Q8Prefetch::Off
         };
-        self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, None, Some(mode), None)
+        let opts = Q8Launch {
+            prefetch: Some(mode),
+            ..Q8Launch::default()
+        };
+        self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, opts)
     }
 
     /// [`Gpu::matvec_q8act`] of a Q8_0 matrix with the prefetch mode given (the
@@ -517,7 +536,11 @@ impl Gpu {
         sel: MatSel,
         mode: Q8Prefetch,
     ) -> Result<(), CudaError> {
-        self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, None, Some(mode), None)
+        let opts = Q8Launch {
+            prefetch: Some(mode),
+            ..Q8Launch::default()
+        };
+        self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, opts)
     }
 
     /// [`Gpu::matvec_q8act`] of an IQ2_XXS stack through one of the probe kernels of
@@ -539,7 +562,11 @@ impl Gpu {
                 m.ty
             )));
         }
-        self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, None, None, Some(kernel))
+        let opts = Q8Launch {
+            kernel: Some(kernel),
+            ..Q8Launch::default()
+        };
+        self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, opts)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -551,11 +578,14 @@ impl Gpu {
         y: u64,
         n_sel: usize,
         sel: MatSel,
-        ks: Option<u32>,
-        prefetch: Option<Q8Prefetch>,
-        kernel: Option<&'static str>,
+        opts: Q8Launch,
     ) -> Result<(), CudaError> {
-        let prefetch = prefetch.unwrap_or(if self.prefetch {
+        let Q8Launch {
+            ks,
+            prefetch,
+            kernel,
+        } = opts;
+        let prefetch = prefetch.unwrap_or(if self.prefetch_q8 {
             Q8Prefetch::Weights
         } else {
             Q8Prefetch::Off
