@@ -81,6 +81,7 @@ impl DeviceInputs {
             heads: HEADS,
             hd: HD,
             scale: self.scale,
+            q_norm: None,
         }
     }
 
@@ -241,8 +242,58 @@ pub fn check_attention_mma(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
             rel_err: rel_err(&gpu.download(&split)?, &want),
             bound: 1e-5,
         });
+        checks.push(check_q_norm(gpu, &inputs, &mut rng, stride, case.name)?);
     }
     Ok(checks)
+}
+
+/// The decode attention's own query norm + RoPE (`AttnInput::q_norm`) against
+/// head_norm_rope followed by the plain kernel, on the same raw queries (bound 1e-5:
+/// only the norm's summation order differs).
+fn check_q_norm(
+    gpu: &Gpu,
+    inputs: &DeviceInputs,
+    rng: &mut Rng,
+    stride: usize,
+    case: &str,
+) -> Result<Check> {
+    let n = inputs.n;
+    let rope_dim = 64;
+    let freqs: Vec<f32> = (0..rope_dim / 2)
+        .map(|i| 10000f32.powf(-2.0 * i as f32 / rope_dim as f32) * (0.5 + rng.uniform()))
+        .collect();
+    let freqs = gpu.upload(&freqs)?;
+    let rope = ds4_cuda::RopeP {
+        freqs: gpu.ptr(&freqs),
+        rope_dim: rope_dim as i32,
+        pad: 0,
+    };
+    let eps = 1e-6;
+    let q_raw = gpu.download(&inputs.q)?;
+    let normed = gpu.upload(&q_raw)?;
+    gpu.head_norm_rope(
+        n,
+        gpu.ptr(&inputs.step),
+        gpu.ptr(&normed),
+        HD,
+        HEADS,
+        eps,
+        rope,
+    )?;
+    let mut a = inputs.input(gpu);
+    a.q = gpu.ptr(&normed);
+    let want = gpu.upload(&vec![f32::NAN; n * HEADS * HD])?;
+    gpu.attention(&a, stride, 1, 0, 0, gpu.ptr(&want), None)?;
+    let mut b = inputs.input(gpu);
+    b.q_norm = Some(ds4_cuda::QNorm { eps, rope });
+    let got = gpu.upload(&vec![f32::NAN; n * HEADS * HD])?;
+    gpu.attention(&b, stride, 1, 0, 0, gpu.ptr(&got), None)?;
+    let want: Vec<f64> = gpu.download(&want)?.iter().map(|&v| v as f64).collect();
+    Ok(Check {
+        name: format!("attention q_norm {case}"),
+        rel_err: rel_err(&gpu.download(&got)?, &want),
+        bound: 1e-5,
+    })
 }
 
 /// Milliseconds of the tensor-core and f32 prefill attention for 512 tokens of an

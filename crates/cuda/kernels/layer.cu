@@ -991,7 +991,8 @@ struct AttRows {
 extern "C" __global__ void __launch_bounds__(256) attention_split(const Step* step,
         const float* q, const float* ring, int raw_cap, int window, const float* comp,
         int ratio, const i32* sel, int top_k, const float* sinks, int heads, int hd, float scale,
-        int rows_per_chunk, float* part_acc, float* part_ml, float* out) {
+        int rows_per_chunk, float* part_acc, float* part_ml, float* out, int q_norm, float q_eps,
+        RopeP q_rope) {
     PDL_WAIT();
     PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     const int c = blockIdx.x;
@@ -1015,14 +1016,42 @@ extern "C" __global__ void __launch_bounds__(256) attention_split(const Step* st
     for (int j = 0; j < 4; ++j) {
         if (j < njl) {
             const float4 a = *reinterpret_cast<const float4*>(qh + 128 * j + 4 * lane);
-            qv[4 * j] = a.x * scale;
-            qv[4 * j + 1] = a.y * scale;
-            qv[4 * j + 2] = a.z * scale;
-            qv[4 * j + 3] = a.w * scale;
+            qv[4 * j] = a.x;
+            qv[4 * j + 1] = a.y;
+            qv[4 * j + 2] = a.z;
+            qv[4 * j + 3] = a.w;
         } else {
             qv[4 * j] = qv[4 * j + 1] = qv[4 * j + 2] = qv[4 * j + 3] = 0.f;
         }
     }
+    // q_norm: head_norm_rope's work on this warp's head, in registers (decode: one
+    // launch less between the query projection and the attention; every chunk redoes
+    // it, 512 values per head). RoPE pairs sit in one lane's 4 values (the tail starts
+    // at an even dim).
+    if (q_norm) {
+        float ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) ss += qv[i] * qv[i];
+        ss = warp_sum(ss);
+        const float sc = 1.0f / sqrtf(ss / (float)hd + q_eps);
+        const float pos = (float)step[t].pos;
+        const int tail = hd - q_rope.rope_dim;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) qv[4 * j + e] *= sc;
+            const int d0 = 128 * j + 4 * lane;
+            if (j < njl && d0 + 3 >= tail) {
+#pragma unroll
+                for (int e = 0; e < 4; e += 2)
+                    if (d0 + e >= tail)
+                        rope_pair(qv[4 * j + e], qv[4 * j + e + 1], (d0 + e - tail) / 2, pos, q_rope,
+                                  false);
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) qv[i] *= scale;
 #pragma unroll
     for (int i = 0; i < 16; ++i) acc[i] = 0.f;
     float m = -3.0e38f, l = 0.f;

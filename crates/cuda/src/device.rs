@@ -62,12 +62,34 @@ pub struct Gpu {
     module: Arc<CudaModule>,
     funcs: Mutex<HashMap<&'static str, CudaFunction>>,
     pub(crate) iq2_grid: CudaSlice<u64>,
+    /// Matrix ids 0 and 1: the selections of a two-matrix launch (`matvec_q8act_pair`).
+    pub(crate) pair_ids: CudaSlice<i32>,
     info: GpuInfo,
     /// `DS4_CUDA_PROFILE=1`: per-kernel device time (events around every launch).
     profile: Option<Mutex<Profile>>,
     /// `DS4_CUDA_SKIP=k1,k2`: kernels not launched at all (timing diagnosis: what a
     /// kernel costs inside the decode graph; every output after them is wrong).
     skip: Vec<String>,
+    /// `DS4_CUDA_FUSE`: which decode-graph restructurings are on (unset: all; `0`:
+    /// none; else a comma list of [`FUSIONS`]) — for A/B timing and bisecting.
+    fuse: Vec<&'static str>,
+}
+
+/// The decode-graph restructurings `DS4_CUDA_FUSE` can turn off: `comb_lane`
+/// (hc_comb on a lane of its own, not ahead of a branch's matvecs), `shared_pair`
+/// (the shared expert's gate and up in one launch), `q_norm` (head_norm_rope inside
+/// the decode attention).
+pub const FUSIONS: [&str; 3] = ["comb_lane", "shared_pair", "q_norm"];
+
+fn fuse_env() -> Vec<&'static str> {
+    match std::env::var("DS4_CUDA_FUSE") {
+        Err(_) => FUSIONS.to_vec(),
+        Ok(v) => FUSIONS
+            .iter()
+            .copied()
+            .filter(|f| v.split(',').any(|p| p.trim() == *f))
+            .collect(),
+    }
 }
 
 #[derive(Default)]
@@ -126,6 +148,7 @@ impl Gpu {
             kernels,
         };
         let iq2_grid = stream.clone_htod(&ds4_gguf::quant::iq2xxs_grid()[..])?;
+        let pair_ids = stream.clone_htod(&[0i32, 1][..])?;
         let profile = std::env::var("DS4_CUDA_PROFILE").is_ok_and(|v| v == "1");
         Ok(Gpu {
             ctx,
@@ -139,6 +162,7 @@ impl Gpu {
             prefetch_f16: prefetch_env("f16"),
             module,
             iq2_grid,
+            pair_ids,
             funcs: Mutex::new(HashMap::new()),
             info,
             profile: profile.then(Default::default),
@@ -150,6 +174,7 @@ impl Gpu {
                         .collect()
                 })
                 .unwrap_or_default(),
+            fuse: fuse_env(),
         })
     }
 
@@ -169,6 +194,12 @@ impl Gpu {
     /// Whether per-kernel profiling is on (graphs must then stay off).
     pub fn profiling(&self) -> bool {
         self.profile.is_some()
+    }
+
+    /// Whether the decode-graph restructuring `name` (one of [`FUSIONS`]) is on.
+    pub fn fused(&self, name: &str) -> bool {
+        debug_assert!(FUSIONS.contains(&name), "unknown fusion {name}");
+        self.fuse.contains(&name)
     }
 
     /// The kernels `DS4_CUDA_SKIP` keeps from launching (empty normally): a program
@@ -375,7 +406,7 @@ fn prefetch_env(kind: &str) -> bool {
 }
 
 /// Side lanes for parallel branches (lanes 1..=SIDE_LANES).
-pub const SIDE_LANES: usize = 2;
+pub const SIDE_LANES: usize = 3;
 
 impl Gpu {
     /// The stream kernels launch on now: the main stream, or the side stream of the

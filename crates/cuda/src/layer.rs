@@ -73,6 +73,17 @@ pub struct AttnInput {
     pub heads: usize,
     pub hd: usize,
     pub scale: f32,
+    /// `attention` applies head_norm_rope to the queries as it reads them (they are
+    /// then the q projection's raw output; decode: one launch less before attention).
+    pub q_norm: Option<QNorm>,
+}
+
+/// head_norm_rope's work (unweighted RMS norm of each head, RoPE of its tail) done by
+/// the attention on its query registers.
+#[derive(Clone, Copy, Debug)]
+pub struct QNorm {
+    pub eps: f32,
+    pub rope: RopeP,
 }
 
 /// What the output projection wants of the attention output, applied in the launch
@@ -742,6 +753,18 @@ impl Gpu {
             hd as i32,
             rows_per_chunk as i32,
         );
+        let (q_norm, q_eps, q_rope) = match a.q_norm {
+            Some(qn) => {
+                let rd = qn.rope.rope_dim as usize;
+                if rd > hd || !rd.is_multiple_of(2) || !(hd - rd).is_multiple_of(2) {
+                    return Err(CudaError::Invalid(format!(
+                        "query RoPE of {rd} dims in heads of {hd}: needs an even tail and start"
+                    )));
+                }
+                (1i32, qn.eps, qn.rope)
+            }
+            None => (0, 0.0, RopeP::default()),
+        };
         let groups = (heads as u32).div_ceil(8);
         let grid = LaunchConfig {
             grid_dim: (n_chunks as u32, groups, a.n_tok as u32),
@@ -768,7 +791,10 @@ impl Gpu {
             rpc,
             part_acc,
             part_ml,
-            out
+            out,
+            q_norm,
+            q_eps,
+            q_rope
         )?;
         if n_chunks > 1 {
             let nc = n_chunks as i32;
@@ -819,6 +845,11 @@ impl Gpu {
     /// DeepSeek V4 Flash shape (64 heads of 512).
     pub fn attention_prefill_mma(&self, a: &AttnInput, out: u64) -> Result<(), CudaError> {
         let (heads, hd, raw_cap, window) = (a.heads, a.hd, a.raw_cap, a.window);
+        if a.q_norm.is_some() {
+            return Err(CudaError::Invalid(
+                "tensor-core attention reads normed queries (no q_norm)".into(),
+            ));
+        }
         if !Self::attention_mma_shape(heads, hd) || window > raw_cap || a.n_tok == 0 {
             return Err(CudaError::Invalid(format!(
                 "tensor-core attention takes {ATT_MMA_HEADS} heads of {ATT_MMA_HD} (got {heads} of {hd}), window {window} <= ring {raw_cap}"

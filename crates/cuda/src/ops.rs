@@ -29,6 +29,9 @@ struct Q8Launch {
     prefetch: Option<Q8Prefetch>,
     /// Another kernel of the same signature (the IQ2_XXS probes).
     kernel: Option<&'static str>,
+    /// Q8_0: the distances (int8 values, scales) from matrix 0 to matrix 1 instead of
+    /// the stack's (two matrices anywhere in device memory: `matvec_q8act_pair`).
+    strides: Option<(i64, i64)>,
 }
 
 /// Which matrices of a stack a launch uses (mirrors `MatSel` in common.cuh).
@@ -459,8 +462,9 @@ impl Gpu {
     }
 
     /// `y[k] = W[ids[k]] · xq[k]` and `y2[k] = W2[ids[k]] · xq[k]`: two stacks with the
-    /// same selections and inputs (the routed experts' gate and up) in one launch when
-    /// both are IQ2_XXS of one shape, else as two launches.
+    /// same selections and inputs in one launch when both are IQ2_XXS of one shape (the
+    /// routed experts' gate and up) or both plain Q8_0 matrices of one shape applied to
+    /// one input (the shared expert's), else as two launches.
     #[allow(clippy::too_many_arguments)]
     pub fn matvec_q8act_pair(
         &self,
@@ -472,10 +476,28 @@ impl Gpu {
         n_sel: usize,
         sel: MatSel,
     ) -> Result<(), CudaError> {
-        let same = m.ty == GgmlType::IQ2_XXS
-            && m2.ty == m.ty
-            && (m2.rows, m2.cols, m2.n_mats) == (m.rows, m.cols, m.n_mats);
-        if !same {
+        let same_shape =
+            m2.ty == m.ty && (m2.rows, m2.cols, m2.n_mats) == (m.rows, m.cols, m.n_mats);
+        if same_shape && m.ty == GgmlType::Q8_0 && n_sel == 1 && sel.ids == 0 && y % 4 == y2 % 4 {
+            // The Q8_0 kernel picks matrix `ids[blockIdx.y]` at that many strides past
+            // the first: with ids 0 and 1 and the distance between the two matrices (and
+            // outputs) as strides, one launch covers both.
+            let (q, q2) = (self.ptr(&m.parts[0]), self.ptr(&m2.parts[0]));
+            let (d, d2) = (self.ptr(&m.parts[1]), self.ptr(&m2.parts[1]));
+            if (d2 as i64 - d as i64) % 2 == 0 {
+                let pair = MatSel {
+                    ids: self.ptr(&self.pair_ids),
+                    x_stride: 0,
+                    y_stride: (y2 as i64 - y as i64) / 4,
+                };
+                let opts = Q8Launch {
+                    strides: Some((q2 as i64 - q as i64, (d2 as i64 - d as i64) / 2)),
+                    ..Q8Launch::default()
+                };
+                return self.matvec_q8act_launch(m, None, xq, y, 2, pair, opts);
+            }
+        }
+        if !(same_shape && m.ty == GgmlType::IQ2_XXS) {
             self.matvec_q8act(m, xq, y, n_sel, sel)?;
             return self.matvec_q8act(m2, xq, y2, n_sel, sel);
         }
@@ -584,6 +606,7 @@ impl Gpu {
             ks,
             prefetch,
             kernel,
+            strides,
         } = opts;
         let prefetch = prefetch.unwrap_or(if self.prefetch_q8 {
             Q8Prefetch::Weights
@@ -648,7 +671,7 @@ impl Gpu {
         let mut b = self.launch_stream().launch_builder(&f);
         let grid = self.ptr(&self.iq2_grid);
         let (mat_q, mat_d, mat_blocks) = (elems / 256 * 64, elems / 256, elems / 256);
-        let (q8_q, q8_d) = (elems, elems / 32);
+        let (q8_q, q8_d) = strides.unwrap_or((elems, elems / 32));
         match m.ty {
             GgmlType::Q8_0 => {
                 b.arg(&p[0]).arg(&p[1]).arg(&q8_q).arg(&q8_d);

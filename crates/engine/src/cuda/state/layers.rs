@@ -203,8 +203,14 @@ impl KvView<'_> {
         // rows, side lane 2 the indexer's compressed rows and then (once the main lane
         // has q_r) the top-k selection, and the main lane builds the queries. Each is a
         // chain of small kernels that cannot fill the GPU alone.
+        let comb_lane = g.fused("comb_lane");
+        if comb_lane {
+            g.branch(3, || hc_comb(s, n, g, c, &l.hc_attn))?;
+        }
         g.branch(1, || {
-            hc_comb(s, n, g, c, &l.hc_attn)?;
+            if !comb_lane {
+                hc_comb(s, n, g, c, &l.hc_attn)?;
+            }
             // The same quantised `n` as attn_q_a (quantised by the norm when Q8_0).
             mv(
                 g,
@@ -337,7 +343,14 @@ impl KvView<'_> {
             sel = g.ptr(&s.sel);
         }
         mv(g, &l.q_b, p(&s.qr), &mut qb.qr, qr_q8, p(&s.q), n, fast)?;
-        g.head_norm_rope(n, step, p(&s.q), hd, c.n_head, c.rms_eps, rope)?;
+        // A decode token's attention norms and rotates its own queries.
+        let q_norm = (n == 1 && g.fused("q_norm")).then_some(ds4_cuda::QNorm {
+            eps: c.rms_eps,
+            rope,
+        });
+        if q_norm.is_none() {
+            g.head_norm_rope(n, step, p(&s.q), hd, c.n_head, c.rms_eps, rope)?;
+        }
         g.join(1)?;
         if indexer.is_some() {
             g.join(2)?;
@@ -358,6 +371,7 @@ impl KvView<'_> {
             heads: c.n_head,
             hd,
             scale,
+            q_norm,
         };
         // The output projection's input: the heads after the inverse RoPE of their tails
         // and, when out_a is Q8_0 in the fast numerics, their Q8_0 form (written by the
@@ -426,6 +440,9 @@ impl KvView<'_> {
             )?;
         }
         mv(g, &l.out_b, p(&s.low), &mut qb.low, false, p(&s.o), n, fast)?;
+        if comb_lane {
+            g.join(3)?;
+        }
         g.hc_post(
             n,
             p(&s.h),
@@ -470,29 +487,51 @@ impl KvView<'_> {
         // The shared expert needs only the normed input: it runs on side lane 1 (after
         // hc_post's comb matrix) while the router and the routed experts run on the
         // main lane.
+        let comb_lane = g.fused("comb_lane");
+        if comb_lane {
+            g.branch(3, || hc_comb(s, n, g, c, &l.hc_ffn))?;
+        }
         g.branch(1, || {
-            hc_comb(s, n, g, c, &l.hc_ffn)?;
+            if !comb_lane {
+                hc_comb(s, n, g, c, &l.hc_ffn)?;
+            }
             let ffs = c.n_ff_exp * c.n_expert_shared;
-            mv(
-                g,
-                &l.gate_sh,
-                p(&s.n),
-                &mut qb.embd,
-                n_q8,
-                p(&s.sg),
-                n,
-                fast,
-            )?;
-            mv(
-                g,
-                &l.up_sh,
-                p(&s.n),
-                &mut qb.embd,
-                l.gate_sh.ty == GgmlType::Q8_0,
-                p(&s.su),
-                n,
-                fast,
-            )?;
+            let pair = n == 1 && fast && l.gate_sh.ty == GgmlType::Q8_0 && g.fused("shared_pair");
+            if pair {
+                if !n_q8 {
+                    g.quantize_act_rows(p(&s.n), &mut qb.embd, n)?;
+                }
+                g.matvec_q8act_pair(
+                    &l.gate_sh,
+                    &l.up_sh,
+                    &qb.embd,
+                    p(&s.sg),
+                    p(&s.su),
+                    1,
+                    rows(&l.gate_sh),
+                )?;
+            } else {
+                mv(
+                    g,
+                    &l.gate_sh,
+                    p(&s.n),
+                    &mut qb.embd,
+                    n_q8,
+                    p(&s.sg),
+                    n,
+                    fast,
+                )?;
+                mv(
+                    g,
+                    &l.up_sh,
+                    p(&s.n),
+                    &mut qb.embd,
+                    l.gate_sh.ty == GgmlType::Q8_0,
+                    p(&s.su),
+                    n,
+                    fast,
+                )?;
+            }
             let smid_q8 = fast && l.down_sh.ty == GgmlType::Q8_0;
             if smid_q8 {
                 g.swiglu_quant(
@@ -641,6 +680,9 @@ impl KvView<'_> {
             g.matvec(&l.down_exps, p(&s.mid), p(&s.dn), pairs, per_mid)?;
         }
         g.join(1)?;
+        if comb_lane {
+            g.join(3)?;
+        }
         // The routed experts' rows summed plus the shared expert, inside hc_post.
         g.hc_post(
             n,
