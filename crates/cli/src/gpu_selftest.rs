@@ -154,6 +154,9 @@ pub fn check_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
                 checks.push(check_q8act(gpu, &m, &w, &ids, &x)?);
                 checks.push(check_q8act_pair(gpu, &mut rng, &m, &ids)?);
             }
+            if ty == GgmlType::IQ2_XXS {
+                checks.push(check_iq2_kernels(gpu, &mut rng, &m, &ids)?);
+            }
         }
     }
     checks.push(check_quantize(gpu, &mut rng)?);
@@ -164,6 +167,9 @@ pub fn check_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
         let x = random_vec(4 * cols, &mut rng);
         checks.push(check_q8act(gpu, &m, &w, &[3, 1, 4, 1], &x)?);
         checks.push(check_prefetch(gpu, &m, &x)?);
+        let w2 = random_matrix(GgmlType::Q8_0, rows, cols, 1, &mut rng);
+        let m2 = DeviceMatrix::upload(gpu, GgmlType::Q8_0, &w2, rows, cols, 1)?;
+        checks.push(check_q8act_pair(gpu, &mut rng, &m2, &[])?);
     }
     for &(rows, cols) in &[(37usize, 512usize), (256, 4096), (100, 1024)] {
         let w = random_matrix(GgmlType::F16, rows, cols, 5, &mut rng);
@@ -363,6 +369,8 @@ fn check_prefetch(gpu: &Gpu, m: &DeviceMatrix, x: &[f32]) -> Result<Check> {
 
 /// Two stacks in one launch (the routed experts' gate and up) against two separate
 /// launches: the same arithmetic, so the outputs must be identical.
+/// Two stacks in one launch against one launch each, bit for bit: selected matrices
+/// (`ids`), or with `ids` empty a plain pair (the Q8_0 shared expert's gate and up).
 fn check_q8act_pair(gpu: &Gpu, rng: &mut Rng, m: &DeviceMatrix, ids: &[i32]) -> Result<Check> {
     let (rows, cols, ty) = (m.rows, m.cols, m.ty);
     let w2 = random_matrix(ty, rows, cols, m.n_mats, rng);
@@ -370,20 +378,25 @@ fn check_q8act_pair(gpu: &Gpu, rng: &mut Rng, m: &DeviceMatrix, ids: &[i32]) -> 
     let xd = gpu.upload(&random_vec(cols, rng))?;
     let mut qa = gpu.alloc_quant_act(1, cols)?;
     gpu.quantize_act(gpu.ptr(&xd), &mut qa)?;
-    let idd = gpu.upload(ids)?;
-    let sel = MatSel {
-        ids: gpu.ptr(&idd),
-        x_stride: 0,
-        y_stride: rows as i64,
+    let idd = gpu.upload(if ids.is_empty() { &[0i32][..] } else { ids })?;
+    let (n_sel, sel) = if ids.is_empty() {
+        (1, MatSel::default())
+    } else {
+        let sel = MatSel {
+            ids: gpu.ptr(&idd),
+            x_stride: 0,
+            y_stride: rows as i64,
+        };
+        (ids.len(), sel)
     };
-    let n = ids.len() * rows;
+    let n = n_sel * rows;
     let bufs: Vec<_> = (0..4)
         .map(|_| gpu.upload(&vec![f32::NAN; n]))
         .collect::<Result<_, _>>()?;
     let p = |i: usize| gpu.ptr(&bufs[i]);
-    gpu.matvec_q8act_pair(m, &m2, &qa, p(0), p(1), ids.len(), sel)?;
-    gpu.matvec_q8act(m, &qa, p(2), ids.len(), sel)?;
-    gpu.matvec_q8act(&m2, &qa, p(3), ids.len(), sel)?;
+    gpu.matvec_q8act_pair(m, &m2, &qa, p(0), p(1), n_sel, sel)?;
+    gpu.matvec_q8act(m, &qa, p(2), n_sel, sel)?;
+    gpu.matvec_q8act(&m2, &qa, p(3), n_sel, sel)?;
     let mut got = gpu.download(&bufs[0])?;
     got.extend(gpu.download(&bufs[1])?);
     let mut want = gpu.download(&bufs[2])?;
@@ -394,6 +407,39 @@ fn check_q8act_pair(gpu: &Gpu, rng: &mut Rng, m: &DeviceMatrix, ids: &[i32]) -> 
         .all(|(a, b)| a.to_bits() == b.to_bits());
     Ok(Check {
         name: format!("matvec_q8act_pair {ty} {rows}x{cols} (bit-identical)"),
+        rel_err: if same { 0.0 } else { f64::INFINITY },
+        bound: 0.0,
+    })
+}
+
+/// The IQ2_XXS matvec with its activations in registers (`matvec_iq2_xxs_q8_rx`, the
+/// default at 4096 columns) against the staged kernel, bit for bit: per-selection
+/// inputs and one shared input.
+fn check_iq2_kernels(gpu: &Gpu, rng: &mut Rng, m: &DeviceMatrix, ids: &[i32]) -> Result<Check> {
+    let (rows, cols) = (m.rows, m.cols);
+    let xd = gpu.upload(&random_vec(ids.len() * cols, rng))?;
+    let mut qa = gpu.alloc_quant_act(ids.len(), cols)?;
+    gpu.quantize_act(gpu.ptr(&xd), &mut qa)?;
+    let idd = gpu.upload(ids)?;
+    let mut same = true;
+    for x_stride in [cols as i64, 0] {
+        let sel = MatSel {
+            ids: gpu.ptr(&idd),
+            x_stride,
+            y_stride: rows as i64,
+        };
+        let got = gpu.upload(&vec![f32::NAN; ids.len() * rows])?;
+        let want = gpu.upload(&vec![f32::NAN; ids.len() * rows])?;
+        gpu.matvec_q8act(m, &qa, gpu.ptr(&got), ids.len(), sel)?;
+        gpu.matvec_iq2_probe(m, &qa, gpu.ptr(&want), ids.len(), sel, "matvec_iq2_xxs_q8")?;
+        let (got, want) = (gpu.download(&got)?, gpu.download(&want)?);
+        same &= got
+            .iter()
+            .zip(&want)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+    }
+    Ok(Check {
+        name: format!("matvec_iq2_xxs_q8_rx = staged kernel {rows}x{cols} (bit-identical)"),
         rel_err: if same { 0.0 } else { f64::INFINITY },
         bound: 0.0,
     })

@@ -66,31 +66,21 @@ __device__ __forceinline__ void iq2_tables(u32* codes, u32* signs, const u64* gr
     }
 }
 
-// One IQ2_XXS lane step: 16 weight bytes (two groups of 32) of super-block c >> 2 with
-// scale d (f16) against the staged int8 activation.
-// PROBE (gpu-selftest --probe-q8 only; 0 in production) takes parts of the work out to
-// find what bounds the kernel: 1 = no table lookups, 2 = no activation reads from
-// shared memory, 3 = weight loads only.
+// The products of one IQ2_XXS lane step: 16 weight bytes (groups 2c and 2c + 1 of 32,
+// super-block c >> 2, scale d as f16) against their int8 activations x (two int4 per
+// group) and activation scales s. PROBE 1 (gpu-selftest --probe-q8 only; 0 in
+// production) replaces the table lookups by arithmetic on the weight bits.
 template <int PROBE>
-__device__ __forceinline__ float iq2_xxs_step(const W4 w, u16 d, int c, const u32* codes,
-                                              const u32* signs, const i8* sq, const float* sd) {
-    if (PROBE == 3) return (float)(w.a ^ w.b ^ w.c ^ w.d ^ d);
+__device__ __forceinline__ float iq2_xxs_dot(const W4 w, u16 d, const int4 (&x)[4],
+                                             const float (&s)[2], const u32* codes,
+                                             const u32* signs) {
     const float db = h2f(d) * 0.25f;
     const u32 words[4] = {w.a, w.b, w.c, w.d};
     float acc = 0.f;
 #pragma unroll
     for (int g = 0; g < 2; ++g) {
-        const int grp = c * 2 + g;  // group of 32 within the row
         const u32 idx = words[2 * g], sg = words[2 * g + 1];
-        int4 x01, x23;
-        if (PROBE == 2) {
-            x01 = make_int4(idx, sg, c, grp);
-            x23 = make_int4(sg, idx, grp, c);
-        } else {
-            const int4* xv = reinterpret_cast<const int4*>(sq + grp * 32);
-            x01 = xv[0];
-            x23 = xv[1];
-        }
+        const int4 x01 = x[2 * g], x23 = x[2 * g + 1];
         const int xs[8] = {x01.x, x01.y, x01.z, x01.w, x23.x, x23.y, x23.z, x23.w};
         int sumi = 0;
 #pragma unroll
@@ -103,9 +93,36 @@ __device__ __forceinline__ float iq2_xxs_step(const W4 w, u16 d, int c, const u3
             sumi = __dp4a(vlo, xs[2 * l], sumi);
             sumi = __dp4a(vhi, xs[2 * l + 1], sumi);
         }
-        acc += db * (0.5f + (float)(sg >> 28)) * (PROBE == 2 ? 1.f : sd[grp]) * (float)sumi;
+        acc += db * (0.5f + (float)(sg >> 28)) * s[g] * (float)sumi;
     }
     return acc;
+}
+
+// One IQ2_XXS lane step of step index c against the activation staged in shared memory.
+// PROBE (gpu-selftest --probe-q8 only; 0 in production) takes parts of the work out to
+// find what bounds the kernel: 1 = no table lookups, 2 = no activation reads from
+// shared memory, 3 = weight loads only.
+template <int PROBE>
+__device__ __forceinline__ float iq2_xxs_step(const W4 w, u16 d, int c, const u32* codes,
+                                              const u32* signs, const i8* sq, const float* sd) {
+    if (PROBE == 3) return (float)(w.a ^ w.b ^ w.c ^ w.d ^ d);
+    int4 x[4];
+    float s[2];
+#pragma unroll
+    for (int g = 0; g < 2; ++g) {
+        const int grp = c * 2 + g;  // group of 32 within the row
+        if (PROBE == 2) {
+            x[2 * g] = make_int4(w.a, w.b, c, grp);
+            x[2 * g + 1] = make_int4(w.c, w.d, grp, c);
+            s[g] = 1.f;
+        } else {
+            const int4* xv = reinterpret_cast<const int4*>(sq + grp * 32);
+            x[2 * g] = xv[0];
+            x[2 * g + 1] = xv[1];
+            s[g] = sd[grp];
+        }
+    }
+    return iq2_xxs_dot<PROBE == 1 ? 1 : 0>(w, d, x, s, codes, signs);
 }
 
 // With qs2 set, grid rows n_pair… use the second stack (qs2, dw2 → y2) with the same
@@ -186,6 +203,84 @@ __device__ __forceinline__ void iq2_xxs_q8_body(IQ2_MATVEC_PARAMS) {
 
 extern "C" __global__ void __launch_bounds__(256, 3) matvec_iq2_xxs_q8(IQ2_MATVEC_PARAMS) {
     iq2_xxs_q8_body<0>(IQ2_MATVEC_ARGS);
+}
+
+// matvec_iq2_xxs_q8 for rows of IQ2_RX_STEPS × 32 16-byte steps (the Flash experts'
+// 4096 columns): lane l always takes steps l, l + 32, … of a row, so its activations
+// (64 int8 values and 2 scales per step) sit in registers, read once from global memory
+// per selection input: no staging, no barrier but the tables', and no shared-memory
+// reads of x, which the probes showed the staged kernel waiting on (6-expert gate, H100:
+// 17.2 µs, 11.1 without activation reads). Warps walk units of EXP_ROWS_PER_WARP
+// consecutive rows of any matrix in the launch on their own (the grid is ~2 blocks per
+// SM), all of a unit's weight loads in flight at once. The sums are
+// matvec_iq2_xxs_q8's, in the same order.
+#define IQ2_RX_STEPS 2
+extern "C" __global__ void __launch_bounds__(256, 2) matvec_iq2_xxs_q8_rx(IQ2_MATVEC_PARAMS) {
+    PDL_WAIT();
+    constexpr int R = EXP_ROWS_PER_WARP, S = IQ2_RX_STEPS;
+    __shared__ u32 codes[256], signs[128];
+    iq2_tables(codes, signs, grid_g);
+    __syncthreads();
+    (void)cols;  // S × 32 steps of 64 values (the host checks)
+    constexpr int nc = S * WARP;
+    const int lane = threadIdx.x;
+    const int units_per_sel = (rows + R - 1) / R;
+    const int n_units = (qs2 != nullptr ? 2 : 1) * n_pair * units_per_sel;
+    int4 x[S][4];
+    float s[S][2];
+    i64 x_at = -1;
+    for (int u = blockIdx.x * blockDim.y + threadIdx.y; u < n_units;
+         u += gridDim.x * blockDim.y) {
+        int yi = u / units_per_sel;
+        const int row0 = (u - yi * units_per_sel) * R;
+        const u8* qm = qs;
+        const u16* dm = dw;
+        float* ym = y;
+        if (qs2 != nullptr && yi >= n_pair) {
+            yi -= n_pair;
+            qm = qs2;
+            dm = dw2;
+            ym = y2;
+        }
+        const int m = sel.ids ? sel.ids[yi] : 0;
+        W4 w[R][S];
+        u16 d[R][S];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const int row = min(row0 + r, rows - 1);
+            const u8* q = qm + m * mat_q + (i64)row * nc * 16;
+            const u16* dr = dm + m * mat_d + (i64)row * (nc / 4);
+#pragma unroll
+            for (int k = 0; k < S; ++k) {
+                const int c = lane + k * WARP;
+                const uint4 v = ld_stream16(q + c * 16);
+                w[r][k].a = v.x; w[r][k].b = v.y; w[r][k].c = v.z; w[r][k].d = v.w;
+                d[r][k] = dr[c >> 2];
+            }
+        }
+        const i64 xo = (i64)yi * sel.x_stride;
+        if (xo != x_at) {
+            x_at = xo;
+#pragma unroll
+            for (int k = 0; k < S; ++k) {
+                const int grp = 2 * (lane + k * WARP);
+                const int4* xv = reinterpret_cast<const int4*>(xq + xo + grp * 32);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) x[k][i] = xv[i];
+                s[k][0] = xd[xo / 32 + grp];
+                s[k][1] = xd[xo / 32 + grp + 1];
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float acc = 0.f;
+#pragma unroll
+            for (int k = 0; k < S; ++k) acc += iq2_xxs_dot<0>(w[r][k], d[r][k], x[k], s[k], codes, signs);
+            acc = warp_sum(acc);
+            if (lane == 0 && row0 + r < rows) ym[yi * sel.y_stride + row0 + r] = acc;
+        }
+    }
+    PDL_TRIGGER();
 }
 
 // Q2_K × Q8: a lane takes 16 quant bytes (half h of chunk k): for each j the 16 values

@@ -78,8 +78,9 @@ pub struct Gpu {
 /// The decode-graph restructurings `DS4_CUDA_FUSE` can turn off: `comb_lane`
 /// (hc_comb on a lane of its own, not ahead of a branch's matvecs), `shared_pair`
 /// (the shared expert's gate and up in one launch), `q_norm` (head_norm_rope inside
-/// the decode attention).
-pub const FUSIONS: [&str; 3] = ["comb_lane", "shared_pair", "q_norm"];
+/// the decode attention), `iq2_rx` (the IQ2_XXS expert matvec with its activations in
+/// registers, `matvec_iq2_xxs_q8_rx`).
+pub const FUSIONS: [&str; 4] = ["comb_lane", "shared_pair", "q_norm", "iq2_rx"];
 
 fn fuse_env() -> Vec<&'static str> {
     match std::env::var("DS4_CUDA_FUSE") {

@@ -52,6 +52,8 @@ unsafe impl DeviceRepr for MatSel {}
 const ROWS_PER_BLOCK: u32 = 8;
 /// Rows per warp of the int8 expert kernels (EXP_ROWS_PER_WARP in matvec_q8act.cu).
 const EXP_ROWS_PER_WARP: u32 = 4;
+/// Steps of 32 lanes per row of `matvec_iq2_xxs_q8_rx` (IQ2_RX_STEPS in matvec_q8act.cu).
+const IQ2_RX_STEPS: usize = 2;
 
 /// Warps per row (1, 2, 4 or 8: divides ROWS_PER_BLOCK) for a product of `rows` rows
 /// and `n_sel` selections: short matrices split their columns so that the GPU holds
@@ -567,7 +569,9 @@ impl Gpu {
 
     /// [`Gpu::matvec_q8act`] of an IQ2_XXS stack through one of the probe kernels of
     /// probe.cu (`probe_iq2_nolut`, `probe_iq2_nox`, `probe_iq2_loads`: the kernel with
-    /// parts of its work taken out; outputs meaningless), for `gpu-selftest --probe-q8`.
+    /// parts of its work taken out; outputs meaningless), for `gpu-selftest --probe-q8`,
+    /// or through the staged `matvec_iq2_xxs_q8` where `matvec_iq2_xxs_q8_rx` would run
+    /// (the selftest's comparison of the two).
     #[doc(hidden)]
     pub fn matvec_iq2_probe(
         &self,
@@ -578,7 +582,9 @@ impl Gpu {
         sel: MatSel,
         kernel: &'static str,
     ) -> Result<(), CudaError> {
-        if m.ty != GgmlType::IQ2_XXS || !kernel.starts_with("probe_iq2_") {
+        if m.ty != GgmlType::IQ2_XXS
+            || !(kernel.starts_with("probe_iq2_") || kernel == "matvec_iq2_xxs_q8")
+        {
             return Err(CudaError::Invalid(format!(
                 "{kernel} is not an IQ2_XXS probe kernel (matrix {})",
                 m.ty
@@ -648,7 +654,17 @@ impl Gpu {
                 )))
             }
         };
-        let name = kernel.unwrap_or(name);
+        // IQ2_XXS rows of IQ2_RX_STEPS × 32 steps (4096 columns): activations in
+        // registers, warps walking row units over ~2 blocks per SM.
+        let iq2_rx = m.ty == GgmlType::IQ2_XXS
+            && kernel.is_none()
+            && m.cols == IQ2_RX_STEPS * 32 * 64
+            && self.fused("iq2_rx");
+        let name = match kernel {
+            Some(k) => k,
+            None if iq2_rx => "matvec_iq2_xxs_q8_rx",
+            None => name,
+        };
         let f = self.func(name)?;
         // Q8_0: warps per row (see matvec_q8_0_q8). Several rows per warp measured
         // slower (H200 decode 74.6 -> 70.0 tok/s): fewer warps in flight.
@@ -663,10 +679,22 @@ impl Gpu {
             ROWS_PER_BLOCK * EXP_ROWS_PER_WARP
         };
         let n_grid = if pair.is_some() { 2 * n_sel } else { n_sel };
-        let cfg = LaunchConfig {
-            grid_dim: ((m.rows as u32).div_ceil(rows_per_block), n_grid as u32, 1),
-            block_dim: (32, ROWS_PER_BLOCK, 1),
-            shared_mem_bytes: smem,
+        let cfg = if iq2_rx {
+            let units = n_grid * m.rows.div_ceil(EXP_ROWS_PER_WARP as usize);
+            let blocks = units
+                .div_ceil(ROWS_PER_BLOCK as usize)
+                .min(2 * self.info().multiprocessors.max(1) as usize);
+            LaunchConfig {
+                grid_dim: (blocks as u32, 1, 1),
+                block_dim: (32, ROWS_PER_BLOCK, 1),
+                shared_mem_bytes: 0,
+            }
+        } else {
+            LaunchConfig {
+                grid_dim: ((m.rows as u32).div_ceil(rows_per_block), n_grid as u32, 1),
+                block_dim: (32, ROWS_PER_BLOCK, 1),
+                shared_mem_bytes: smem,
+            }
         };
         let mut b = self.launch_stream().launch_builder(&f);
         let grid = self.ptr(&self.iq2_grid);
