@@ -258,7 +258,7 @@ fn check_q_norm(
     case: &str,
 ) -> Result<Check> {
     let n = inputs.n;
-    let rope_dim = 64;
+    let rope_dim = 64usize;
     let freqs: Vec<f32> = (0..rope_dim / 2)
         .map(|i| 10000f32.powf(-2.0 * i as f32 / rope_dim as f32) * (0.5 + rng.uniform()))
         .collect();
