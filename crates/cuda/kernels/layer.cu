@@ -219,46 +219,21 @@ extern "C" __global__ void __launch_bounds__(256) hc_comb(const float* mix, cons
 // n_embd ≥ 1024, else 256 (rmsnorm's sum order).
 #define HC_PRE_VEC 2
 #define HC_MAX 5
-//
-// With `partial` set (one decode token), the mix is not read but formed here from the
-// per-block partial dots the previous hc_post wrote (HC_FOLD_MAX_MIX dots and the sum of
-// squares per block, see hc_post) and stored to `mix` for hc_comb: hc_mix is not
-// launched.
-#define HC_FOLD_MAX_MIX 63
-extern "C" __global__ void __launch_bounds__(1024) hc_pre(const float* h, float* mix,
+extern "C" __global__ void __launch_bounds__(1024) hc_pre(const float* h, const float* mix,
         const float* scale, const float* base, int n_hc, int n_embd, float eps, float* y,
-        const void* norm_w, int norm_type, float norm_eps, float* norm_out, i8* q, float* d,
-        const float* partial, int n_partial, float mix_eps) {
+        const void* norm_w, int norm_type, float norm_eps, float* norm_out, i8* q, float* d) {
     PDL_WAIT();
     PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     __shared__ float red[32];
     __shared__ float ys[HC_PRE_VEC * 4 * 1024];
-    __shared__ float fold[HC_FOLD_MAX_MIX + 1];
     const int t = threadIdx.x;
-    const int n_mix = (2 + n_hc) * n_hc;
     h += (i64)blockIdx.y * n_hc * n_embd;
-    mix += (i64)blockIdx.y * n_mix;
+    mix += (i64)blockIdx.y * (2 + n_hc) * n_hc;
     y += (i64)blockIdx.y * n_embd;
-    if (partial != nullptr) {
-        if (t <= n_mix) {
-            float acc = 0.f;
-#pragma unroll 8
-            for (int b = 0; b < n_partial; ++b) acc += partial[b * (n_mix + 1) + t];
-            fold[t] = acc;
-        }
-        __syncthreads();
-        if (t < n_mix) {
-            const float m = fold[t] * (1.0f / sqrtf(fold[n_mix] / (float)(n_hc * n_embd) + mix_eps));
-            mix[t] = m;
-            fold[t] = m;
-        }
-        __syncthreads();
-    }
-    const float* mx = partial != nullptr ? fold : mix;
     float pre[HC_MAX];
 #pragma unroll
     for (int i = 0; i < HC_MAX; ++i)
-        pre[i] = i < n_hc ? sigmoidf_(mx[i] * scale[0] + base[i]) + eps : 0.f;
+        pre[i] = i < n_hc ? sigmoidf_(mix[i] * scale[0] + base[i]) + eps : 0.f;
     float v[HC_PRE_VEC][4];
     float ss = 0.f;
 #pragma unroll
@@ -321,17 +296,9 @@ extern "C" __global__ void __launch_bounds__(1024) hc_pre(const float* h, float*
 // ---- HC post: H'_j = out·post_j + Σ_i comb[i][j]·H_i.
 // With `parts` (n_parts rows of n_embd per token), the sublayer output is their sum
 // plus `out` (the routed experts in order k, then the shared expert).
-//
-// With `nfn` set (one decode token), the next sublayer's mix is folded in: block
-// (x, ·, z) also forms the dots of mix rows HC_FOLD_K·z … + HC_FOLD_K − 1 of `nfn`
-// (n_mix rows of n_hc·n_embd) with its slice of H', and z = 0 its sum of squares, and
-// writes them to partial[x·(n_mix + 1) + k] (the square sum at k = n_mix); hc_pre sums
-// the blocks. Only z = 0 stores H' (the other z recompute it for their dots). This
-// takes hc_mix, a whole-H reduction of 24 blocks, off every sublayer's chain.
-#define HC_FOLD_K 4
 extern "C" __global__ void hc_post(const float* h, const float* out, const float* parts,
                                    int n_parts, const float* hcp, int n_hc, int n_embd,
-                                   float* h_out, const void* nfn, int nfn_type, float* partial) {
+                                   float* h_out) {
     PDL_WAIT();
     PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     h += (i64)blockIdx.y * n_hc * n_embd;
@@ -339,10 +306,6 @@ extern "C" __global__ void hc_post(const float* h, const float* out, const float
     out += (i64)blockIdx.y * n_embd;
     if (parts) parts += (i64)blockIdx.y * n_parts * n_embd;
     hcp += (i64)blockIdx.y * (n_hc + n_hc * n_hc);
-    const int n_mix = (2 + n_hc) * n_hc;
-    const int k0 = blockIdx.z * HC_FOLD_K;
-    float dots[HC_FOLD_K] = {};
-    float ss = 0.f;
     for (int d = threadIdx.x + blockIdx.x * blockDim.x; d < n_embd; d += blockDim.x * gridDim.x) {
         float o = out[d];
         if (parts) {
@@ -353,27 +316,9 @@ extern "C" __global__ void hc_post(const float* h, const float* out, const float
         for (int j = 0; j < n_hc; ++j) {
             float acc = o * hcp[j];
             for (int i = 0; i < n_hc; ++i) acc += hcp[n_hc + i * n_hc + j] * h[(i64)i * n_embd + d];
-            if (blockIdx.z == 0) h_out[(i64)j * n_embd + d] = acc;
-            if (nfn != nullptr) {
-                ss += acc * acc;
-                const i64 col = (i64)j * n_embd + d;
-#pragma unroll
-                for (int k = 0; k < HC_FOLD_K; ++k)
-                    if (k0 + k < n_mix)
-                        dots[k] += ldw(nfn, nfn_type, (i64)(k0 + k) * n_hc * n_embd + col) * acc;
-            }
+            h_out[(i64)j * n_embd + d] = acc;
         }
     }
-    if (nfn == nullptr) return;
-    __shared__ float red[32];
-    float* pb = partial + (i64)blockIdx.x * (n_mix + 1);
-#pragma unroll
-    for (int k = 0; k < HC_FOLD_K; ++k) {
-        const float v = block_sum(dots[k], red);
-        if (threadIdx.x == 0 && k0 + k < n_mix) pb[k0 + k] = v;
-    }
-    const float v = block_sum(ss, red);
-    if (threadIdx.x == 0 && blockIdx.z == 0) pb[n_mix] = v;
 }
 
 // ---- RMS norm of `rows` vectors of n (one block each); w may be null (unweighted).

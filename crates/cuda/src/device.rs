@@ -79,9 +79,8 @@ pub struct Gpu {
 /// (hc_comb on a lane of its own, not ahead of a branch's matvecs), `shared_pair`
 /// (the shared expert's gate and up in one launch), `q_norm` (head_norm_rope inside
 /// the decode attention), `iq2_rx` (the IQ2_XXS expert matvec with its activations in
-/// registers, `matvec_iq2_xxs_q8_rx`), `mix_fold` (each sublayer's hc_mix folded into
-/// the previous hc_post and the next hc_pre).
-pub const FUSIONS: [&str; 5] = ["comb_lane", "shared_pair", "q_norm", "iq2_rx", "mix_fold"];
+/// registers, `matvec_iq2_xxs_q8_rx`).
+pub const FUSIONS: [&str; 4] = ["comb_lane", "shared_pair", "q_norm", "iq2_rx"];
 
 fn fuse_env() -> Vec<&'static str> {
     match std::env::var("DS4_CUDA_FUSE") {

@@ -53,29 +53,6 @@ pub struct HcNorm {
     pub d: u64,
 }
 
-/// The next sublayer's hyper-connection mix folded into `hc_post` (one decode token):
-/// hc_post writes per-block partial dots with the mix weights `fn_` into `partial`
-/// ([`Gpu::hc_fold_len`] floats), and the next `hc_pre` ([`HcMixPartial`]) finishes
-/// the mix, so hc_mix is not launched.
-#[derive(Clone, Copy)]
-pub struct HcFold<'a> {
-    pub fn_: &'a DeviceMatrix,
-    pub partial: u64,
-}
-
-/// What `hc_pre` reads instead of a finished mix: the partials an `hc_post` with an
-/// [`HcFold`] wrote, and the RMS eps of hc_mix.
-#[derive(Clone, Copy, Debug)]
-pub struct HcMixPartial {
-    pub partial: u64,
-    pub eps: f32,
-}
-
-/// Mix rows per hc_post block when folding (HC_FOLD_K in layer.cu).
-const HC_FOLD_K: usize = 4;
-/// hc_post threads per block.
-const HC_POST_THREADS: usize = 256;
-
 /// What the attention launchers read for `n_tok` tokens (device addresses): queries
 /// `q` (n_tok × heads × hd), the raw ring (position p at slot p % raw_cap, the last
 /// `window` positions attended), the compressed rows of `ratio` (0 = none), the top-k
@@ -293,7 +270,6 @@ impl Gpu {
         eps: f32,
         y: u64,
         norm: Option<HcNorm>,
-        partial: Option<HcMixPartial>,
     ) -> Result<(), CudaError> {
         check_hc_streams(n_hc)?;
         // Threads own 4 consecutive values (8 of them form a Q8_0 block); the count is
@@ -305,17 +281,8 @@ impl Gpu {
                 4 * HC_PRE_VEC * 1024
             )));
         }
-        if partial.is_some() && n_tok != 1 {
-            return Err(CudaError::Invalid(format!(
-                "hc_pre from folded partials takes one token, not {n_tok}"
-            )));
-        }
         let (nh, ne) = (n_hc as i32, n_embd as i32);
         let nm = norm.unwrap_or_default();
-        let (pp, np, peps) = match partial {
-            Some(p) => (p.partial, n_embd.div_ceil(HC_POST_THREADS) as i32, p.eps),
-            None => (0, 0, 0.0),
-        };
         launch!(
             self,
             "hc_pre",
@@ -333,17 +300,8 @@ impl Gpu {
             nm.eps,
             nm.out,
             nm.q,
-            nm.d,
-            pp,
-            np,
-            peps
+            nm.d
         )
-    }
-
-    /// Floats of the partial buffer of an [`HcFold`] over `n_embd` values and `n_hc`
-    /// streams.
-    pub fn hc_fold_len(n_hc: usize, n_embd: usize) -> usize {
-        n_embd.div_ceil(HC_POST_THREADS) * ((2 + n_hc) * n_hc + 1)
     }
 
     /// post (`n_hc` values) and the Sinkhorn-normalised comb matrix (`n_hc²`) of each of
@@ -393,41 +351,21 @@ impl Gpu {
         n_hc: usize,
         n_embd: usize,
         h_out: u64,
-        fold: Option<HcFold>,
     ) -> Result<(), CudaError> {
         let (nh, ne, np) = (n_hc as i32, n_embd as i32, n_parts as i32);
-        let n_mix = (2 + n_hc) * n_hc;
-        let (nfn, nfn_type, partial, z) = match fold {
-            Some(f) => {
-                if n_tok != 1 || f.fn_.rows != n_mix || f.fn_.cols != n_hc * n_embd {
-                    return Err(CudaError::Invalid(format!(
-                        "hc_post fold: {n_tok} tokens, mix weights {}×{} for {n_mix}×{}",
-                        f.fn_.rows,
-                        f.fn_.cols,
-                        n_hc * n_embd
-                    )));
-                }
-                let code = match f.fn_.ty {
-                    GgmlType::F32 => WT_F32,
-                    GgmlType::F16 => WT_F16,
-                    GgmlType::BF16 => WT_BF16,
-                    other => {
-                        return Err(CudaError::Invalid(format!(
-                            "hyper-connection mix weights of type {other}"
-                        )))
-                    }
-                };
-                let z = n_mix.div_ceil(HC_FOLD_K) as u32;
-                (self.ptr(&f.fn_.parts[0]), code, f.partial, z)
-            }
-            None => (0, 0, 0, 1),
-        };
-        let cfg = LaunchConfig {
-            grid_dim: (n_embd.div_ceil(HC_POST_THREADS) as u32, n_tok as u32, z),
-            block_dim: (HC_POST_THREADS as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        launch!(self, "hc_post", cfg, h, out, parts, np, hcp, nh, ne, h_out, nfn, nfn_type, partial)
+        launch!(
+            self,
+            "hc_post",
+            cfg2((n_embd as u32).div_ceil(256), n_tok, 256),
+            h,
+            out,
+            parts,
+            np,
+            hcp,
+            nh,
+            ne,
+            h_out
+        )
     }
 
     /// `rows` independent RMS norms of n values; `w = 0` for the unweighted norm.

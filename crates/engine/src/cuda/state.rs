@@ -94,8 +94,6 @@ struct Scratch {
     h: DeviceBuf<f32>,
     h2: DeviceBuf<f32>,
     mix: DeviceBuf<f32>,
-    /// A decode token's per-block partial mix dots (hc_post → next hc_pre).
-    mixp: DeviceBuf<f32>,
     hcp: DeviceBuf<f32>,
     y: DeviceBuf<f32>,
     n: DeviceBuf<f32>,
@@ -179,7 +177,6 @@ impl Scratch {
             h: z(cap * c.n_hc * e)?,
             h2: z(cap * c.n_hc * e)?,
             mix: z(cap * c.hc_mix())?,
-            mixp: z(ds4_cuda::Gpu::hc_fold_len(c.n_hc, e))?,
             hcp: z(cap * (c.n_hc + c.n_hc * c.n_hc))?,
             y: z(cap * e)?,
             n: z(cap * e)?,

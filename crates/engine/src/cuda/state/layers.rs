@@ -87,7 +87,6 @@ fn hc_pre_norm(
     norm_w: u64,
     xq: &mut QuantAct,
     quantize: bool,
-    folded: bool,
 ) -> Result<bool, CudaError> {
     if quantize && (xq.cols != c.n_embd || xq.rows < n_tok) {
         return Err(CudaError::Invalid(format!(
@@ -95,14 +94,7 @@ fn hc_pre_norm(
             c.n_embd, xq.rows, xq.cols
         )));
     }
-    // Folded: the previous hc_post left this mix's partial dots in s.mixp.
-    let partial = folded.then(|| ds4_cuda::HcMixPartial {
-        partial: g.ptr(&s.mixp),
-        eps: c.rms_eps,
-    });
-    if !folded {
-        g.hc_mix_mat(n_tok, h, &hc.fn_, c.rms_eps, g.ptr(&s.mix))?;
-    }
+    g.hc_mix_mat(n_tok, h, &hc.fn_, c.rms_eps, g.ptr(&s.mix))?;
     let norm = ds4_cuda::HcNorm {
         w: norm_w,
         w_type: ds4_cuda::WT_F32,
@@ -122,14 +114,8 @@ fn hc_pre_norm(
         c.hc_eps,
         g.ptr(&s.y),
         Some(norm),
-        partial,
     )?;
     Ok(quantize)
-}
-
-/// Whether a decode token's hc_post hands the next sublayer's mix over as partials.
-fn mix_fold(g: &Gpu, n_tok: usize) -> bool {
-    n_tok == 1 && g.fused("mix_fold")
 }
 
 /// post and comb (`s.hcp`, read by hc_post) from the mix of `hc_pre_norm`: launched on a
@@ -211,7 +197,6 @@ impl KvView<'_> {
             p(&l.attn_norm),
             &mut qb.embd,
             fast && l.q_a.ty == GgmlType::Q8_0,
-            il > 0 && mix_fold(g, n),
         )?;
         // Three branches from the normed input, joined before attention: side lane 1
         // forms hc_post's comb matrix and writes this token's raw row and compressed
@@ -468,10 +453,6 @@ impl KvView<'_> {
             c.n_hc,
             c.n_embd,
             p(&s.h2),
-            mix_fold(g, n).then(|| ds4_cuda::HcFold {
-                fn_: &l.hc_ffn.fn_,
-                partial: p(&s.mixp),
-            }),
         )?;
         Ok(())
     }
@@ -502,7 +483,6 @@ impl KvView<'_> {
             p(&l.ffn_norm),
             &mut qb.embd,
             fast && l.gate_sh.ty == GgmlType::Q8_0,
-            mix_fold(g, n),
         )?;
         // The shared expert needs only the normed input: it runs on side lane 1 (after
         // hc_post's comb matrix) while the router and the routed experts run on the
@@ -714,13 +694,6 @@ impl KvView<'_> {
             c.n_hc,
             c.n_embd,
             p(&s.h),
-            w.layers
-                .get(il + 1)
-                .filter(|_| mix_fold(g, n))
-                .map(|next| ds4_cuda::HcFold {
-                    fn_: &next.hc_attn.fn_,
-                    partial: p(&s.mixp),
-                }),
         )?;
         Ok(())
     }
