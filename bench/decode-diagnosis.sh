@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# Decode diagnosis on a lent GPU, in one call: the selftest with and without the
-# prefetching matvecs, the kernel probes, and ds4-bench decode at 2k for each
-# DS4_CUDA_PREFETCH setting and each DS4_CUDA_SKIP kernel (its share inside the decode
+# Decode diagnosis on a lent GPU, in one call: the selftest, the kernel probes, and
+# ds4-bench decode at 2k for each DS4_CUDA_SKIP kernel (its share inside the decode
 # graph). Everything lands in OUT as CSV / text; a summary goes to stdout.
 #
 #   bench/decode-diagnosis.sh BIN_DIR OUT_DIR [LAYERS] [STAGES]
@@ -9,14 +8,14 @@
 # BIN_DIR holds ds4-tool and ds4-bench (release builds). LAYERS defaults to 8 (each
 # bench then takes ~15 s instead of ~55 s at 36; the output head weighs more, so read
 # shares, not tok/s; 43 fits only an H200). STAGES is a comma list of selftest, probe,
-# prefetch, skip (default: all; ~8 min on an H100 at 8 layers). Compare numbers only
+# skip (default: all; ~7 min on an H100 at 8 layers). Compare numbers only
 # within one run of this script.
 set -euo pipefail
 
 bin=${1:?usage: decode-diagnosis.sh BIN_DIR OUT_DIR [LAYERS] [STAGES]}
 out=${2:?usage: decode-diagnosis.sh BIN_DIR OUT_DIR [LAYERS] [STAGES]}
 layers=${3:-8}
-stages=${4:-selftest,probe,prefetch,skip}
+stages=${4:-selftest,probe,skip}
 mkdir -p "$out"
 
 want() { [[ ",$stages," == *",$1,"* ]]; }
@@ -35,14 +34,8 @@ bench() {
 }
 
 if want selftest; then
-    for pf in 0 1; do
-        if DS4_CUDA_PREFETCH=$pf "$bin/ds4-tool" gpu-selftest >"$out/selftest-prefetch$pf.txt" 2>&1; then
-            r=ok
-        else
-            r=FAILED
-        fi
-        echo "selftest DS4_CUDA_PREFETCH=$pf: $r ($(grep -E 'passed' "$out/selftest-prefetch$pf.txt" | tail -1))"
-    done
+    if "$bin/ds4-tool" gpu-selftest >"$out/selftest.txt" 2>&1; then r=ok; else r=FAILED; fi
+    echo "selftest: $r ($(grep -E 'passed' "$out/selftest.txt" | tail -1))"
 fi
 
 if want probe; then
@@ -50,19 +43,11 @@ if want probe; then
     grep -E "IQ2_XXS|Q2_K|read probe" "$out/probe-q8.txt" || true
 fi
 
-if want prefetch; then
-    bench base DS4_CUDA_PREFETCH=0
-    bench pf-q8 DS4_CUDA_PREFETCH=q8
-    bench pf-f16 DS4_CUDA_PREFETCH=f16
-    bench pf-all DS4_CUDA_PREFETCH=1
-    bench base2 DS4_CUDA_PREFETCH=0
-fi
-
 if want skip; then
     bench skip-none DS4_CUDA_SKIP=
-    for k in hc_mix hc_pre hc_post attention_split attention_combine matvec_q8_0_q8 \
-        matvec_iq2_xxs_q8 matvec_q2_k_q8 matvec_f16 router swiglu_q8k rmsnorm_q8 \
-        head_norm_rope indexer_scores topk_select; do
+    for k in hc_mix hc_pre hc_comb hc_post attention_split attention_combine matvec_q8_0_q8 \
+        matvec_iq2_xxs_q8_rx matvec_q2_k_q8 matvec_f16 router swiglu_q8k rmsnorm_q8 \
+        kv_finish indexer_q indexer_scores topk_select; do
         bench "skip-$k" "DS4_CUDA_SKIP=$k"
     done
 fi

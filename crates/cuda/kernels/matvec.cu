@@ -66,43 +66,6 @@ extern "C" __global__ void __launch_bounds__(256) matvec_f16(
     store_split_row(acc, ks, split, row < rows, y, blockIdx.y * sel.y_stride + row, red);
 }
 
-// matvec_f16 with its first F16_PREFETCH steps of weights per lane loaded (streaming
-// loads) before griddepcontrol.wait, the activation after it (DS4_CUDA_PREFETCH=f16;
-// see matvec_q8_0_q8_pf). Selection ids may come from upstream: with ids the kernel
-// waits first. cols % 8 == 0. The sums are matvec_f16's in the same order.
-#define F16_PREFETCH 4
-
-extern "C" __global__ void __launch_bounds__(256) matvec_f16_pf(
-    const u16* __restrict__ w, i64 mat_w, const float* __restrict__ x, float* __restrict__ y,
-    int rows, int cols, MatSel sel, int ks) {
-    const bool wait_first = sel.ids != nullptr;
-    if (wait_first) PDL_WAIT();
-    __shared__ float red[ROWS_PER_BLOCK];
-    const int row = blockIdx.x * (blockDim.y / ks) + threadIdx.y / ks;
-    const int split = threadIdx.y % ks;
-    const bool live = row < rows;
-    const int m = live ? sel_matrix(sel) : 0;
-    const u16* r = w + m * mat_w + (i64)(live ? row : 0) * cols;
-    const int step = ks * WARP * 8;
-    int c = (split * WARP + threadIdx.x) * 8;
-    uint4 pw[F16_PREFETCH];
-#pragma unroll
-    for (int u = 0; u < F16_PREFETCH; ++u)
-        if (live && c + u * step < cols) pw[u] = ld_stream16(r + c + u * step);
-    if (!wait_first) PDL_WAIT();
-    x += blockIdx.y * sel.x_stride;
-    float acc = 0.f;
-    if (live) {
-#pragma unroll
-        for (int u = 0; u < F16_PREFETCH; ++u, c += step)
-            if (c < cols) acc += dot8_h(pw[u], x + c);
-#pragma unroll 4
-        for (; c < cols; c += step) acc += dot8_h(ld_stream16(r + c), x + c);
-    }
-    PDL_TRIGGER();
-    store_split_row(acc, ks, split, row < rows, y, blockIdx.y * sel.y_stride + row, red);
-}
-
 // F32: [rows][cols] f32.
 extern "C" __global__ void __launch_bounds__(256) matvec_f32(
     const float* __restrict__ w, i64 mat_w, const float* __restrict__ x, float* __restrict__ y,

@@ -105,24 +105,27 @@ __device__ __forceinline__ float iq2_xxs_dot(const W4 w, u16 d, const int4 (&x)[
 template <int PROBE>
 __device__ __forceinline__ float iq2_xxs_step(const W4 w, u16 d, int c, const u32* codes,
                                               const u32* signs, const i8* sq, const float* sd) {
-    if (PROBE == 3) return (float)(w.a ^ w.b ^ w.c ^ w.d ^ d);
-    int4 x[4];
-    float s[2];
+    if constexpr (PROBE == 3) {
+        return (float)(w.a ^ w.b ^ w.c ^ w.d ^ d);
+    } else {
+        int4 x[4];
+        float s[2];
 #pragma unroll
-    for (int g = 0; g < 2; ++g) {
-        const int grp = c * 2 + g;  // group of 32 within the row
-        if (PROBE == 2) {
-            x[2 * g] = make_int4(w.a, w.b, c, grp);
-            x[2 * g + 1] = make_int4(w.c, w.d, grp, c);
-            s[g] = 1.f;
-        } else {
-            const int4* xv = reinterpret_cast<const int4*>(sq + grp * 32);
-            x[2 * g] = xv[0];
-            x[2 * g + 1] = xv[1];
-            s[g] = sd[grp];
+        for (int g = 0; g < 2; ++g) {
+            const int grp = c * 2 + g;  // group of 32 within the row
+            if (PROBE == 2) {
+                x[2 * g] = make_int4(w.a, w.b, c, grp);
+                x[2 * g + 1] = make_int4(w.c, w.d, grp, c);
+                s[g] = 1.f;
+            } else {
+                const int4* xv = reinterpret_cast<const int4*>(sq + grp * 32);
+                x[2 * g] = xv[0];
+                x[2 * g + 1] = xv[1];
+                s[g] = sd[grp];
+            }
         }
+        return iq2_xxs_dot<PROBE == 1 ? 1 : 0>(w, d, x, s, codes, signs);
     }
-    return iq2_xxs_dot<PROBE == 1 ? 1 : 0>(w, d, x, s, codes, signs);
 }
 
 // With qs2 set, grid rows n_pair… use the second stack (qs2, dw2 → y2) with the same
@@ -473,61 +476,6 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8(
         const int nb = cols / 32;
 #pragma unroll 4
         for (int b = split * WARP + threadIdx.x; b < nb; b += ks * WARP)
-            acc += q8_block_dot(ld_stream16(q + b * 32), ld_stream16(q + b * 32 + 16), dr[b],
-                                xq + b * 32, xd[b]);
-    }
-    PDL_TRIGGER();
-    store_split_row(acc, ks, split, row < rows, y, blockIdx.y * sel.y_stride + row, red);
-}
-
-// matvec_q8_0_q8 with the weight loads ahead of the wait (DS4_CUDA_PREFETCH=1; not yet
-// measured, so off by default): a lane loads its first Q8_PREFETCH steps of weights
-// (and their scales) before griddepcontrol.wait: the weights do not depend on the
-// upstream grid, so a block launched early (programmatic dependent launch) streams them while the
-// upstream kernel finishes; the activation is read only after the wait. prefetch = 1
-// reads sel.ids after the wait (it may be written upstream: routed experts), 2 before
-// it (fixed selections: the output projection's groups); 0 waits first. The sums are
-// matvec_q8_0_q8's in the same order (a separate kernel: the prefetch registers, 64
-// instead of 48, would cost the default kernel a block per SM).
-#define Q8_PREFETCH 4
-extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8_pf(
-    const i8* __restrict__ qs, const u16* __restrict__ dw, i64 mat_q, i64 mat_d,
-    const i8* __restrict__ xq, const float* __restrict__ xd, float* __restrict__ y, int rows,
-    int cols, MatSel sel, int ks, int prefetch) {
-    const bool wait_first = prefetch == 0 || (prefetch == 1 && sel.ids != nullptr);
-    if (wait_first) PDL_WAIT();
-    // `ks` warps share a row (split K) so short matrices still fill the GPU.
-    __shared__ float red[ROWS_PER_BLOCK];
-    const int row = blockIdx.x * (blockDim.y / ks) + threadIdx.y / ks;
-    const int split = threadIdx.y % ks;
-    xq += blockIdx.y * sel.x_stride;
-    xd += blockIdx.y * (sel.x_stride / 32);
-    const int nb = cols / 32;
-    const int step = ks * WARP;
-    const bool live = row < rows;
-    const int m = live ? sel_matrix(sel) : 0;
-    const i8* q = qs + m * mat_q + (i64)(live ? row : 0) * cols;
-    const u16* dr = dw + m * mat_d + (i64)(live ? row : 0) * nb;
-    uint4 pw[Q8_PREFETCH][2];
-    u16 pd[Q8_PREFETCH];
-    int b = split * WARP + threadIdx.x;
-#pragma unroll
-    for (int u = 0; u < Q8_PREFETCH; ++u) {
-        const int bu = b + u * step;
-        if (live && bu < nb) {
-            pw[u][0] = ld_stream16(q + bu * 32);
-            pw[u][1] = ld_stream16(q + bu * 32 + 16);
-            pd[u] = dr[bu];
-        }
-    }
-    if (!wait_first) PDL_WAIT();
-    float acc = 0.f;
-    if (live) {
-#pragma unroll
-        for (int u = 0; u < Q8_PREFETCH; ++u, b += step)
-            if (b < nb) acc += q8_block_dot(pw[u][0], pw[u][1], pd[u], xq + b * 32, xd[b]);
-#pragma unroll 4
-        for (; b < nb; b += step)
             acc += q8_block_dot(ld_stream16(q + b * 32), ld_stream16(q + b * 32 + 16), dr[b],
                                 xq + b * 32, xd[b]);
     }

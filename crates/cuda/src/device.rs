@@ -54,11 +54,6 @@ pub struct Gpu {
     branches: bool,
     /// `DS4_CUDA_PDL=0`: captured graphs keep full (completion) dependencies.
     pdl: bool,
-    /// `DS4_CUDA_PREFETCH=1` (or a list of `q8`, `f16`): decode matvecs load their
-    /// first weights before waiting on the upstream grid (`matvec_q8_0_q8_pf`,
-    /// `matvec_f16_pf`; off until measured).
-    pub(crate) prefetch_q8: bool,
-    pub(crate) prefetch_f16: bool,
     module: Arc<CudaModule>,
     funcs: Mutex<HashMap<&'static str, CudaFunction>>,
     pub(crate) iq2_grid: CudaSlice<u64>,
@@ -159,8 +154,6 @@ impl Gpu {
             // Profiling times kernels one after another on the main stream.
             branches: std::env::var("DS4_CUDA_BRANCHES").map_or(true, |v| v != "0") && !profile,
             pdl: std::env::var("DS4_CUDA_PDL").map_or(true, |v| v != "0"),
-            prefetch_q8: prefetch_env("q8"),
-            prefetch_f16: prefetch_env("f16"),
             module,
             iq2_grid,
             pair_ids,
@@ -397,13 +390,6 @@ fn fnv1a(b: &[u8]) -> u64 {
     b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
         (h ^ x as u64).wrapping_mul(0x100_0000_01b3)
     })
-}
-
-/// Whether `DS4_CUDA_PREFETCH` turns on the prefetching decode matvec of `kind`: `1`
-/// (all) or a comma list of `q8`, `f16`.
-fn prefetch_env(kind: &str) -> bool {
-    std::env::var("DS4_CUDA_PREFETCH")
-        .is_ok_and(|v| v.trim() == "1" || v.split(',').any(|p| p.trim() == kind))
 }
 
 /// Side lanes for parallel branches (lanes 1..=SIDE_LANES).

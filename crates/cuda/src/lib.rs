@@ -20,5 +20,5 @@ pub use device::{driver_present, DeviceBuf, Gpu, GpuInfo, KernelSource, TokenGra
 pub use error::CudaError;
 pub use layer::{AttnInput, AttnTail, HcNorm, QNorm, RopeP, WT_BF16, WT_F16, WT_F32, WT_Q8_0};
 pub use matmul::{Batch, RoutePlan};
-pub use ops::{MatSel, Q8Prefetch, QuantAct};
+pub use ops::{MatSel, QuantAct};
 pub use weights::{repack, DeviceMatrix, Repacked};

@@ -7,26 +7,11 @@ use crate::device::Gpu;
 use crate::error::CudaError;
 use crate::weights::DeviceMatrix;
 
-/// When a Q8_0 decode matvec reads its weights relative to the wait on the upstream
-/// grid (`prefetch` of `matvec_q8_0_q8_pf`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(i32)]
-pub enum Q8Prefetch {
-    /// Wait first (`matvec_q8_0_q8`).
-    Off = 0,
-    /// First weights before the wait; `sel.ids` after it.
-    Weights = 1,
-    /// First weights and `sel.ids` before the wait (ids fixed before the token).
-    FixedIds = 2,
-}
-
 /// Overrides of an int8-activation matvec launch (all `None`: the engine's choices).
 #[derive(Clone, Copy, Default)]
 struct Q8Launch {
     /// Q8_0: warps per row instead of the measured default.
     ks: Option<u32>,
-    /// Q8_0: the prefetch mode instead of `DS4_CUDA_PREFETCH`'s.
-    prefetch: Option<Q8Prefetch>,
     /// Another kernel of the same signature (the IQ2_XXS probes).
     kernel: Option<&'static str>,
     /// Q8_0: the distances (int8 values, scales) from matrix 0 to matrix 1 instead of
@@ -90,22 +75,6 @@ impl Gpu {
         n_sel: usize,
         sel: MatSel,
     ) -> Result<(), CudaError> {
-        self.matvec_prefetch(m, x, y, n_sel, sel, self.prefetch_f16)
-    }
-
-    /// [`Gpu::matvec`] with an F16 matrix's first weights loaded before the wait on
-    /// the upstream grid (`matvec_f16_pf`) or not, whatever `DS4_CUDA_PREFETCH` says
-    /// (the selftest's comparison of the two kernels).
-    #[doc(hidden)]
-    pub fn matvec_prefetch(
-        &self,
-        m: &DeviceMatrix,
-        x: u64,
-        y: u64,
-        n_sel: usize,
-        sel: MatSel,
-        prefetch: bool,
-    ) -> Result<(), CudaError> {
         let rows = m.rows as i32;
         let cols = m.cols as i32;
         let ks = if m.ty == GgmlType::F16 {
@@ -126,7 +95,6 @@ impl Gpu {
         let p: Vec<u64> = m.parts.iter().map(|b| self.ptr(b)).collect();
         let kname = match m.ty {
             GgmlType::Q8_0 => "matvec_q8_0",
-            GgmlType::F16 if prefetch && m.cols.is_multiple_of(8) => "matvec_f16_pf",
             GgmlType::F16 => "matvec_f16",
             GgmlType::F32 => "matvec_f32",
             GgmlType::IQ2_XXS => "matvec_iq2_xxs",
@@ -524,49 +492,6 @@ impl Gpu {
         self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, opts)
     }
 
-    /// [`Gpu::matvec_q8act`] for selections fixed before the token (`sel.ids` is not
-    /// written by an upstream kernel: the output projection's groups), so a Q8_0
-    /// matrix may read them, like its weights, ahead of the upstream grid's completion
-    /// (`DS4_CUDA_PREFETCH=1`).
-    pub fn matvec_q8act_fixed(
-        &self,
-        m: &DeviceMatrix,
-        xq: &QuantAct,
-        y: u64,
-        n_sel: usize,
-        sel: MatSel,
-    ) -> Result<(), CudaError> {
-        let mode = if self.prefetch_q8 {
-            Q8Prefetch::FixedIds
-        } else {
-            Q8Prefetch::Off
-        };
-        let opts = Q8Launch {
-            prefetch: Some(mode),
-            ..Q8Launch::default()
-        };
-        self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, opts)
-    }
-
-    /// [`Gpu::matvec_q8act`] of a Q8_0 matrix with the prefetch mode given (the
-    /// selftest's comparison of the two kernels).
-    #[doc(hidden)]
-    pub fn matvec_q8act_prefetch(
-        &self,
-        m: &DeviceMatrix,
-        xq: &QuantAct,
-        y: u64,
-        n_sel: usize,
-        sel: MatSel,
-        mode: Q8Prefetch,
-    ) -> Result<(), CudaError> {
-        let opts = Q8Launch {
-            prefetch: Some(mode),
-            ..Q8Launch::default()
-        };
-        self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, opts)
-    }
-
     /// [`Gpu::matvec_q8act`] of an IQ2_XXS stack through one of the probe kernels of
     /// probe.cu (`probe_iq2_nolut`, `probe_iq2_nox`, `probe_iq2_loads`: the kernel with
     /// parts of its work taken out; outputs meaningless), for `gpu-selftest --probe-q8`,
@@ -610,15 +535,9 @@ impl Gpu {
     ) -> Result<(), CudaError> {
         let Q8Launch {
             ks,
-            prefetch,
             kernel,
             strides,
         } = opts;
-        let prefetch = prefetch.unwrap_or(if self.prefetch_q8 {
-            Q8Prefetch::Weights
-        } else {
-            Q8Prefetch::Off
-        });
         if ks.is_some_and(|k| !matches!(k, 1 | 2 | 4 | 8)) {
             return Err(CudaError::Invalid(
                 "warps per row must be 1, 2, 4 or 8".into(),
@@ -643,7 +562,6 @@ impl Gpu {
         let p: Vec<u64> = m.parts.iter().map(|b| self.ptr(b)).collect();
         let (xq_p, xd_p) = (self.ptr(&xq.q), self.ptr(&xq.d));
         let (name, smem) = match m.ty {
-            GgmlType::Q8_0 if prefetch != Q8Prefetch::Off => ("matvec_q8_0_q8_pf", 0),
             GgmlType::Q8_0 => ("matvec_q8_0_q8", 0),
             GgmlType::IQ2_XXS => ("matvec_iq2_xxs_q8", 2048 + x_bytes),
             GgmlType::Q2_K => ("matvec_q2_k_q8", x_bytes),
@@ -721,12 +639,8 @@ impl Gpu {
             .arg(&cols)
             .arg(&sel);
         let ks_arg = ks as i32;
-        let mode = prefetch as i32;
         if m.ty == GgmlType::Q8_0 {
             b.arg(&ks_arg);
-            if prefetch != Q8Prefetch::Off {
-                b.arg(&mode);
-            }
         }
         // IQ2_XXS: the optional second stack (same selections, input and shape).
         let (qs2, dw2, y2) = match pair {

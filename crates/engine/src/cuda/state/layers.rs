@@ -861,7 +861,7 @@ fn mv_sel(
             let rows_q = (n_sel * sel.x_stride as usize).div_ceil(xq.cols);
             g.quantize_act_rows(x, xq, rows_q)?;
         }
-        g.matvec_q8act_fixed(m, xq, y, n_sel, sel)
+        g.matvec_q8act(m, xq, y, n_sel, sel)
     } else {
         g.matvec(m, x, y, n_sel, sel)
     }
