@@ -155,7 +155,7 @@ pub fn check_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
                 checks.push(check_q8act_pair(gpu, &mut rng, &m, &ids)?);
             }
             if ty == GgmlType::IQ2_XXS {
-                checks.push(check_iq2_kernels(gpu, &mut rng, &m, &ids)?);
+                checks.extend(check_iq2_kernels(gpu, &mut rng, &m, &ids)?);
             }
         }
     }
@@ -340,11 +340,20 @@ fn check_q8act_pair(gpu: &Gpu, rng: &mut Rng, m: &DeviceMatrix, ids: &[i32]) -> 
     })
 }
 
-/// The IQ2_XXS matvec with its activations in registers (`matvec_iq2_xxs_q8_rx`, the
-/// default at 4096 columns) against the staged kernel, bit for bit: per-selection
-/// inputs and one shared input.
-fn check_iq2_kernels(gpu: &Gpu, rng: &mut Rng, m: &DeviceMatrix, ids: &[i32]) -> Result<Check> {
+/// The IQ2_XXS matvecs with their activations in registers (`matvec_iq2_xxs_q8_rx`, the
+/// default at 4096 columns, and `_rx32` with 32 table copies) against the staged
+/// kernel, bit for bit: per-selection inputs and one shared input. Other widths run
+/// the staged kernel only (nothing to compare).
+fn check_iq2_kernels(
+    gpu: &Gpu,
+    rng: &mut Rng,
+    m: &DeviceMatrix,
+    ids: &[i32],
+) -> Result<Option<Check>> {
     let (rows, cols) = (m.rows, m.cols);
+    if cols != 4096 {
+        return Ok(None);
+    }
     let xd = gpu.upload(&random_vec(ids.len() * cols, rng))?;
     let mut qa = gpu.alloc_quant_act(ids.len(), cols)?;
     gpu.quantize_act(gpu.ptr(&xd), &mut qa)?;
@@ -356,21 +365,25 @@ fn check_iq2_kernels(gpu: &Gpu, rng: &mut Rng, m: &DeviceMatrix, ids: &[i32]) ->
             x_stride,
             y_stride: rows as i64,
         };
-        let got = gpu.upload(&vec![f32::NAN; ids.len() * rows])?;
-        let want = gpu.upload(&vec![f32::NAN; ids.len() * rows])?;
-        gpu.matvec_q8act(m, &qa, gpu.ptr(&got), ids.len(), sel)?;
-        gpu.matvec_iq2_probe(m, &qa, gpu.ptr(&want), ids.len(), sel, "matvec_iq2_xxs_q8")?;
-        let (got, want) = (gpu.download(&got)?, gpu.download(&want)?);
-        same &= got
-            .iter()
-            .zip(&want)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
+        let run = |kernel: &'static str| -> Result<Vec<f32>> {
+            let y = gpu.upload(&vec![f32::NAN; ids.len() * rows])?;
+            gpu.matvec_iq2_probe(m, &qa, gpu.ptr(&y), ids.len(), sel, kernel)?;
+            Ok(gpu.download(&y)?)
+        };
+        let want = run("matvec_iq2_xxs_q8")?;
+        for kernel in ["matvec_iq2_xxs_q8_rx", "matvec_iq2_xxs_q8_rx32"] {
+            let got = run(kernel)?;
+            same &= got
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+        }
     }
-    Ok(Check {
-        name: format!("matvec_iq2_xxs_q8_rx = staged kernel {rows}x{cols} (bit-identical)"),
+    Ok(Some(Check {
+        name: format!("matvec_iq2_xxs_q8_rx, _rx32 = staged kernel {rows}x{cols} (bit-identical)"),
         rel_err: if same { 0.0 } else { f64::INFINITY },
         bound: 0.0,
-    })
+    }))
 }
 
 /// Eight rotating selections of `used` distinct-looking experts out of `mats`.

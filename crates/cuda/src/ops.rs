@@ -495,8 +495,9 @@ impl Gpu {
     /// [`Gpu::matvec_q8act`] of an IQ2_XXS stack through one of the probe kernels of
     /// probe.cu (`probe_iq2_nolut`, `probe_iq2_nox`, `probe_iq2_loads`: the kernel with
     /// parts of its work taken out; outputs meaningless), for `gpu-selftest --probe-q8`,
-    /// or through the staged `matvec_iq2_xxs_q8` where `matvec_iq2_xxs_q8_rx` would run
-    /// (the selftest's comparison of the two).
+    /// or through one of the production IQ2_XXS kernels (`matvec_iq2_xxs_q8`,
+    /// `matvec_iq2_xxs_q8_rx`, `matvec_iq2_xxs_q8_rx32`) whatever `DS4_CUDA_FUSE` says
+    /// (the selftest's comparison of them).
     #[doc(hidden)]
     pub fn matvec_iq2_probe(
         &self,
@@ -508,7 +509,7 @@ impl Gpu {
         kernel: &'static str,
     ) -> Result<(), CudaError> {
         if m.ty != GgmlType::IQ2_XXS
-            || !(kernel.starts_with("probe_iq2_") || kernel == "matvec_iq2_xxs_q8")
+            || !(kernel.starts_with("probe_iq2_") || kernel.starts_with("matvec_iq2_xxs_q8"))
         {
             return Err(CudaError::Invalid(format!(
                 "{kernel} is not an IQ2_XXS probe kernel (matrix {})",
@@ -574,15 +575,36 @@ impl Gpu {
         };
         // IQ2_XXS rows of IQ2_RX_STEPS × 32 steps (4096 columns): activations in
         // registers, warps walking row units over ~2 blocks per SM.
-        let iq2_rx = m.ty == GgmlType::IQ2_XXS
-            && kernel.is_none()
-            && m.cols == IQ2_RX_STEPS * 32 * 64
-            && self.fused("iq2_rx");
+        let rx_shape = m.ty == GgmlType::IQ2_XXS && m.cols == IQ2_RX_STEPS * 32 * 64;
         let name = match kernel {
             Some(k) => k,
-            None if iq2_rx => "matvec_iq2_xxs_q8_rx",
+            None if rx_shape && self.fused("iq2_rx") => {
+                if self.fused("iq2_lut32") {
+                    "matvec_iq2_xxs_q8_rx32"
+                } else {
+                    "matvec_iq2_xxs_q8_rx"
+                }
+            }
             None => name,
         };
+        let iq2_rx = name.starts_with("matvec_iq2_xxs_q8_rx");
+        if iq2_rx && !rx_shape {
+            return Err(CudaError::Invalid(format!(
+                "{name} takes IQ2_XXS rows of {} columns, not {} {}",
+                IQ2_RX_STEPS * 32 * 64,
+                m.ty,
+                m.cols
+            )));
+        }
+        // rx32: the tables' 32 copies in dynamic shared memory, beside 1.5 KB static.
+        let rx_smem = if name == "matvec_iq2_xxs_q8_rx32" {
+            384 * 32 * 4
+        } else {
+            0
+        };
+        if rx_smem > 0 {
+            self.allow_smem(name, rx_smem as usize + 1536)?;
+        }
         let f = self.func(name)?;
         // Q8_0: warps per row (see matvec_q8_0_q8). Several rows per warp measured
         // slower (H200 decode 74.6 -> 70.0 tok/s): fewer warps in flight.
@@ -605,7 +627,7 @@ impl Gpu {
             LaunchConfig {
                 grid_dim: (blocks as u32, 1, 1),
                 block_dim: (32, ROWS_PER_BLOCK, 1),
-                shared_mem_bytes: 0,
+                shared_mem_bytes: rx_smem,
             }
         } else {
             LaunchConfig {
