@@ -83,9 +83,15 @@ pub const FUSIONS: [&str; 4] = ["comb_lane", "shared_pair", "q_norm", "iq2_rx"];
 pub const FUSIONS_OPT_IN: [&str; 1] = ["iq2_lut32"];
 
 fn fuse_env() -> Vec<&'static str> {
-    match std::env::var("DS4_CUDA_FUSE") {
-        Err(_) => FUSIONS.to_vec(),
-        Ok(v) => FUSIONS
+    parse_fuse(std::env::var("DS4_CUDA_FUSE").ok().as_deref())
+}
+
+/// The restructurings a `DS4_CUDA_FUSE` value keeps (`None`: unset, the defaults).
+/// Unknown names are ignored, so `0` (or an empty value) keeps none.
+fn parse_fuse(v: Option<&str>) -> Vec<&'static str> {
+    match v {
+        None => FUSIONS.to_vec(),
+        Some(v) => FUSIONS
             .iter()
             .chain(FUSIONS_OPT_IN.iter())
             .copied()
@@ -634,6 +640,20 @@ mod tests {
         if !driver_present() {
             assert!(matches!(Gpu::open(0), Err(CudaError::NoDriver)));
         }
+    }
+
+    #[test]
+    fn fuse_settings_parse() {
+        assert_eq!(parse_fuse(None), FUSIONS.to_vec());
+        assert!(parse_fuse(Some("0")).is_empty());
+        assert!(parse_fuse(Some("")).is_empty());
+        assert_eq!(
+            parse_fuse(Some(" q_norm ,comb_lane,bogus")),
+            vec!["comb_lane", "q_norm"]
+        );
+        // Opt-in names only when named.
+        assert!(!parse_fuse(None).contains(&"iq2_lut32"));
+        assert!(parse_fuse(Some("iq2_rx,iq2_lut32")).contains(&"iq2_lut32"));
     }
 
     #[test]
