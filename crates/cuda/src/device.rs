@@ -68,6 +68,9 @@ pub struct Gpu {
     /// `DS4_CUDA_FUSE`: which decode-graph restructurings are on (unset: all; `0`:
     /// none; else a comma list of [`FUSIONS`]) — for A/B timing and bisecting.
     fuse: Vec<&'static str>,
+    /// `DS4_CUDA_TRACE=FILE`: every kernel's start and end (CUPTI), written by
+    /// [`Gpu::trace_finish`].
+    trace: Mutex<Option<crate::trace::KernelTrace>>,
 }
 
 /// The decode-graph restructurings `DS4_CUDA_FUSE` can turn off: `comb_lane`
@@ -156,6 +159,12 @@ impl Gpu {
             kernels,
         };
         let iq2_grid = stream.clone_htod(&ds4_gguf::quant::iq2xxs_grid()[..])?;
+        let trace = match std::env::var_os("DS4_CUDA_TRACE").filter(|v| !v.is_empty()) {
+            Some(path) => Some(crate::trace::KernelTrace::start(std::path::Path::new(
+                &path,
+            ))?),
+            None => None,
+        };
         let pair_ids = stream.clone_htod(&[0i32, 1][..])?;
         let profile = std::env::var("DS4_CUDA_PROFILE").is_ok_and(|v| v == "1");
         Ok(Gpu {
@@ -181,6 +190,7 @@ impl Gpu {
                 })
                 .unwrap_or_default(),
             fuse: fuse_env(),
+            trace: Mutex::new(trace),
         })
     }
 
@@ -200,6 +210,21 @@ impl Gpu {
     /// Whether per-kernel profiling is on (graphs must then stay off).
     pub fn profiling(&self) -> bool {
         self.profile.is_some()
+    }
+
+    /// Finishes the `DS4_CUDA_TRACE` kernel trace (after the device work so far) and
+    /// writes its CSV: the file and how many kernels it holds, or `None` without a
+    /// trace (or when it was already written).
+    pub fn trace_finish(&self) -> Result<Option<(std::path::PathBuf, usize)>, CudaError> {
+        let Some(t) = self.trace.lock().expect("trace lock").take() else {
+            return Ok(None);
+        };
+        self.stream.synchronize()?;
+        for s in &self.side {
+            s.synchronize()?;
+        }
+        let path = t.path().to_path_buf();
+        Ok(Some((path, t.finish()?)))
     }
 
     /// Whether the decode-graph restructuring `name` (one of [`FUSIONS`]) is on.

@@ -14,6 +14,7 @@ mod layer;
 mod matmul;
 mod ops;
 mod probe;
+pub mod trace;
 mod weights;
 
 pub use device::{driver_present, DeviceBuf, Gpu, GpuInfo, KernelSource, TokenGraph, SIDE_LANES};

@@ -341,6 +341,14 @@ fn main() -> Result<()> {
             (frontier + a.step_incr).min(a.ctx_max)
         };
     }
+    if let Some(g) = &gpu_for_profile {
+        if let Some((path, n)) = g.trace_finish()? {
+            eprintln!(
+                "ds4-bench: kernel trace of {n} launches in {}",
+                path.display()
+            );
+        }
+    }
     if gpu_for_profile.as_ref().is_some_and(|g| g.profiling()) {
         profile_prefill.print("prefill (and the snapshots)");
         profile_decode.print(&format!("decode ({} tokens per frontier)", a.gen_tokens));
