@@ -154,8 +154,8 @@ pub fn check_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
                 checks.push(check_q8act(gpu, &m, &w, &ids, &x)?);
                 checks.push(check_q8act_pair(gpu, &mut rng, &m, &ids)?);
             }
-            if ty == GgmlType::IQ2_XXS {
-                checks.extend(check_iq2_kernels(gpu, &mut rng, &m, &ids)?);
+            if matches!(ty, GgmlType::IQ2_XXS | GgmlType::Q2_K) {
+                checks.extend(check_rx_kernels(gpu, &mut rng, &m, &ids)?);
             }
         }
     }
@@ -340,20 +340,25 @@ fn check_q8act_pair(gpu: &Gpu, rng: &mut Rng, m: &DeviceMatrix, ids: &[i32]) -> 
     })
 }
 
-/// The IQ2_XXS matvecs with their activations in registers (`matvec_iq2_xxs_q8_rx`, the
-/// default at 4096 columns, and `_rx32` with 32 table copies) against the staged
-/// kernel, bit for bit: per-selection inputs and one shared input. Other widths run
-/// the staged kernel only (nothing to compare).
-fn check_iq2_kernels(
+/// The expert matvecs with their activations in registers against the staged kernels,
+/// bit for bit, with per-selection inputs and one shared input: IQ2_XXS at 4096 columns
+/// (`matvec_iq2_xxs_q8_rx`, the default there, and `_rx32` with 32 table copies), Q2_K
+/// at 2048 (`matvec_q2_k_q8_rx`). Other shapes have only the staged kernel.
+fn check_rx_kernels(
     gpu: &Gpu,
     rng: &mut Rng,
     m: &DeviceMatrix,
     ids: &[i32],
 ) -> Result<Option<Check>> {
     let (rows, cols) = (m.rows, m.cols);
-    if cols != 4096 {
-        return Ok(None);
-    }
+    let (staged, variants): (&'static str, &[&'static str]) = match (m.ty, cols) {
+        (GgmlType::IQ2_XXS, 4096) => (
+            "matvec_iq2_xxs_q8",
+            &["matvec_iq2_xxs_q8_rx", "matvec_iq2_xxs_q8_rx32"],
+        ),
+        (GgmlType::Q2_K, 2048) => ("matvec_q2_k_q8", &["matvec_q2_k_q8_rx"]),
+        _ => return Ok(None),
+    };
     let xd = gpu.upload(&random_vec(ids.len() * cols, rng))?;
     let mut qa = gpu.alloc_quant_act(ids.len(), cols)?;
     gpu.quantize_act(gpu.ptr(&xd), &mut qa)?;
@@ -367,11 +372,11 @@ fn check_iq2_kernels(
         };
         let run = |kernel: &'static str| -> Result<Vec<f32>> {
             let y = gpu.upload(&vec![f32::NAN; ids.len() * rows])?;
-            gpu.matvec_iq2_probe(m, &qa, gpu.ptr(&y), ids.len(), sel, kernel)?;
+            gpu.matvec_q8act_kernel(m, &qa, gpu.ptr(&y), ids.len(), sel, kernel)?;
             Ok(gpu.download(&y)?)
         };
-        let want = run("matvec_iq2_xxs_q8")?;
-        for kernel in ["matvec_iq2_xxs_q8_rx", "matvec_iq2_xxs_q8_rx32"] {
+        let want = run(staged)?;
+        for &kernel in variants {
             let got = run(kernel)?;
             same &= got
                 .iter()
@@ -380,7 +385,10 @@ fn check_iq2_kernels(
         }
     }
     Ok(Some(Check {
-        name: format!("matvec_iq2_xxs_q8_rx, _rx32 = staged kernel {rows}x{cols} (bit-identical)"),
+        name: format!(
+            "{} = {staged} {rows}x{cols} (bit-identical)",
+            variants.join(", ")
+        ),
         rel_err: if same { 0.0 } else { f64::INFINITY },
         bound: 0.0,
     }))
@@ -422,7 +430,7 @@ fn time_experts_q8act(
             y_stride: rows as i64,
         };
         match probe {
-            Some(kernel) => gpu.matvec_iq2_probe(m, &qa, yp, used, sel, kernel),
+            Some(kernel) => gpu.matvec_q8act_kernel(m, &qa, yp, used, sel, kernel),
             None => gpu.matvec_q8act(m, &qa, yp, used, sel),
         }
     })?)

@@ -325,6 +325,27 @@ extern "C" __global__ void __launch_bounds__(256, 2) matvec_iq2_xxs_q8_rx32(IQ2_
 // 128k + 32j + 16h + l sit in activation block 4k + j. Rows one after another: the
 // side-by-side layout of the IQ2_XXS kernel measured slower here (13.8 -> 15.4 µs per
 // 6-expert down on the H200 at 93 registers: two blocks per SM).
+//
+// One lane step adds, for j = 0..3, the 16 values of activation block 4k + j (x[j],
+// scale xs[j]) times 2-bit values j of the quant words w (scale byte s[j] = scales[8k +
+// 2j + h]; d and dmin in dmv) to acc, in j order.
+__device__ __forceinline__ void q2k_lane_add(float& acc, const W4 w, u32 dmv, const u8 (&s)[4],
+                                             const int4 (&x)[4], const float (&xs)[4]) {
+    const u32 words[4] = {w.a, w.b, w.c, w.d};
+    const float dd = h2f((u16)(dmv & 0xffff)), dmin = h2f((u16)(dmv >> 16));
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int xv[4] = {x[j].x, x[j].y, x[j].z, x[j].w};
+        int sq_ = 0, sx = 0;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            sq_ = __dp4a((int)((words[t] >> (2 * j)) & 0x03030303u), xv[t], sq_);
+            sx = __dp4a(0x01010101, xv[t], sx);
+        }
+        acc += xs[j] * (dd * (float)(s[j] & 15) * (float)sq_ - dmin * (float)(s[j] >> 4) * (float)sx);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(256) matvec_q2_k_q8(
     const u8* __restrict__ qs, const u8* __restrict__ sc, const u32* __restrict__ dm,
     i64 mat_blocks, const i8* __restrict__ xq, const float* __restrict__ xd,
@@ -344,28 +365,87 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q2_k_q8(
     for (int c = threadIdx.x; c < nb * 4; c += WARP) {
         const int b = c >> 2, k = (c >> 1) & 1, h = c & 1;
         const W4 w = ld16(qs + (b0 + b) * 64 + k * 32 + h * 16);
-        const u32 words[4] = {w.a, w.b, w.c, w.d};
-        const u32 dmv = dm[b0 + b];
-        const float dd = h2f((u16)(dmv & 0xffff)), dmin = h2f((u16)(dmv >> 16));
         const u8* scb = sc + (b0 + b) * 16;
+        int4 x[4];
+        float xs[4];
+        u8 sv[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int xb = b * 8 + 4 * k + j;  // activation block of 32
-            const int4 xv = *reinterpret_cast<const int4*>(sq + xb * 32 + 16 * h);
-            const int xs[4] = {xv.x, xv.y, xv.z, xv.w};
-            int sq_ = 0, sx = 0;
-#pragma unroll
-            for (int t = 0; t < 4; ++t) {
-                sq_ = __dp4a((int)((words[t] >> (2 * j)) & 0x03030303u), xs[t], sq_);
-                sx = __dp4a(0x01010101, xs[t], sx);
-            }
-            const u8 s = scb[8 * k + 2 * j + h];
-            acc += sd[xb] * (dd * (float)(s & 15) * (float)sq_ - dmin * (float)(s >> 4) * (float)sx);
+            x[j] = *reinterpret_cast<const int4*>(sq + xb * 32 + 16 * h);
+            xs[j] = sd[xb];
+            sv[j] = scb[8 * k + 2 * j + h];
         }
+        q2k_lane_add(acc, w, dm[b0 + b], sv, x, xs);
     }
     acc = warp_sum(acc);
     if (threadIdx.x == 0) y[blockIdx.y * sel.y_stride + row] = acc;
     }
+}
+
+// matvec_q2_k_q8 for rows of 2048 columns (8 super-blocks: lane c takes step c, the
+// Flash experts' down projection), opt-in until measured (DS4_CUDA_FUSE=…,q2k_rx): each
+// lane's 64 activation bytes and 4 scales sit in registers, read from global memory
+// when its selection changes, and each warp walks a contiguous range of Q2K_RX_ROWS-row
+// units (mostly one selection, so the activations are read about once per warp) with
+// all of a unit's loads in flight; the scale bytes come in one 16-byte load per row.
+// The sums are matvec_q2_k_q8's, in the same order.
+#define Q2K_RX_ROWS 4
+extern "C" __global__ void __launch_bounds__(256) matvec_q2_k_q8_rx(
+    const u8* __restrict__ qs, const u8* __restrict__ sc, const u32* __restrict__ dm,
+    i64 mat_blocks, const i8* __restrict__ xq, const float* __restrict__ xd,
+    float* __restrict__ y, int rows, int cols, MatSel sel, int n_sel) {
+    PDL_WAIT();
+    constexpr int R = Q2K_RX_ROWS, NB = 8;
+    (void)cols;  // NB · 256 (the host checks)
+    const int c = threadIdx.x;
+    const int b = c >> 2, k = (c >> 1) & 1, h = c & 1;
+    const int units_per_sel = (rows + R - 1) / R;
+    const i64 n_units = (i64)n_sel * units_per_sel;
+    const i64 warps = (i64)gridDim.x * blockDim.y;
+    const i64 wi = (i64)blockIdx.x * blockDim.y + threadIdx.y;
+    int4 x[4];
+    float xs[4];
+    int x_sel = -1;
+    for (i64 u = wi * n_units / warps; u < (wi + 1) * n_units / warps; ++u) {
+        const int yi = (int)(u / units_per_sel);
+        const int row0 = (int)(u - (i64)yi * units_per_sel) * R;
+        const int m = sel.ids ? sel.ids[yi] : 0;
+        W4 w[R];
+        u32 dmv[R];
+        uint4 scv[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const i64 blk = m * mat_blocks + (i64)min(row0 + r, rows - 1) * NB + b;
+            const uint4 v = ld_stream16(qs + blk * 64 + k * 32 + h * 16);
+            w[r].a = v.x; w[r].b = v.y; w[r].c = v.z; w[r].d = v.w;
+            dmv[r] = dm[blk];
+            scv[r] = ld_stream16(sc + blk * 16);
+        }
+        if (yi != x_sel) {
+            x_sel = yi;
+            const i8* xr = xq + (i64)yi * sel.x_stride;
+            const float* xdr = xd + (i64)yi * (sel.x_stride / 32);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int xb = b * 8 + 4 * k + j;
+                x[j] = *reinterpret_cast<const int4*>(xr + xb * 32 + 16 * h);
+                xs[j] = xdr[xb];
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            // Scale bytes 8k + 2j + h: j = 0, 1 in word 2k, j = 2, 3 in word 2k + 1.
+            const u32 lo = k ? scv[r].z : scv[r].x, hi = k ? scv[r].w : scv[r].y;
+            const u8 sv[4] = {(u8)(lo >> (8 * h)), (u8)(lo >> (8 * (2 + h))), (u8)(hi >> (8 * h)),
+                              (u8)(hi >> (8 * (2 + h)))};
+            float acc = 0.f;
+            q2k_lane_add(acc, w[r], dmv[r], sv, x, xs);
+            acc = warp_sum(acc);
+            if (c == 0 && row0 + r < rows) y[(i64)yi * sel.y_stride + row0 + r] = acc;
+        }
+    }
+    PDL_TRIGGER();
 }
 
 // Q4_K × Q8 (GGUF layout): a lane takes 16 quant bytes of chunk ch, half h: low nibbles

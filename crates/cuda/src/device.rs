@@ -82,8 +82,9 @@ pub const FUSIONS: [&str; 4] = ["comb_lane", "shared_pair", "q_norm", "iq2_rx"];
 
 /// Restructurings not yet measured on a GPU: off unless `DS4_CUDA_FUSE` names them.
 /// `iq2_lut32`: `matvec_iq2_xxs_q8_rx32` (the IQ2_XXS tables in 32 bank-interleaved
-/// copies) instead of `matvec_iq2_xxs_q8_rx`.
-pub const FUSIONS_OPT_IN: [&str; 1] = ["iq2_lut32"];
+/// copies) instead of `matvec_iq2_xxs_q8_rx`; `q2k_rx`: `matvec_q2_k_q8_rx` (the Q2_K
+/// expert matvec with its activations in registers) at 2048 columns.
+pub const FUSIONS_OPT_IN: [&str; 2] = ["iq2_lut32", "q2k_rx"];
 
 fn fuse_env() -> Vec<&'static str> {
     parse_fuse(std::env::var("DS4_CUDA_FUSE").ok().as_deref())

@@ -35,7 +35,8 @@ pub struct MatSel {
 unsafe impl DeviceRepr for MatSel {}
 
 const ROWS_PER_BLOCK: u32 = 8;
-/// Rows per warp of the int8 expert kernels (EXP_ROWS_PER_WARP in matvec_q8act.cu).
+/// Rows per warp of the int8 expert kernels (EXP_ROWS_PER_WARP in matvec_q8act.cu;
+/// Q2K_RX_ROWS, the row unit of matvec_q2_k_q8_rx, is the same).
 const EXP_ROWS_PER_WARP: u32 = 4;
 /// Steps of 32 lanes per row of `matvec_iq2_xxs_q8_rx` (IQ2_RX_STEPS in matvec_q8act.cu).
 const IQ2_RX_STEPS: usize = 2;
@@ -492,14 +493,14 @@ impl Gpu {
         self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, opts)
     }
 
-    /// [`Gpu::matvec_q8act`] of an IQ2_XXS stack through one of the probe kernels of
-    /// probe.cu (`probe_iq2_nolut`, `probe_iq2_nox`, `probe_iq2_loads`: the kernel with
-    /// parts of its work taken out; outputs meaningless), for `gpu-selftest --probe-q8`,
-    /// or through one of the production IQ2_XXS kernels (`matvec_iq2_xxs_q8`,
-    /// `matvec_iq2_xxs_q8_rx`, `matvec_iq2_xxs_q8_rx32`) whatever `DS4_CUDA_FUSE` says
-    /// (the selftest's comparison of them).
+    /// [`Gpu::matvec_q8act`] through a kernel named here, whatever `DS4_CUDA_FUSE` says:
+    /// for IQ2_XXS one of the probe kernels of probe.cu (`probe_iq2_nolut`,
+    /// `probe_iq2_nox`, `probe_iq2_loads`: the kernel with parts of its work taken out;
+    /// outputs meaningless) for `gpu-selftest --probe-q8`, or a production kernel
+    /// (`matvec_iq2_xxs_q8`, `_rx`, `_rx32`); for Q2_K `matvec_q2_k_q8` or `_rx` (the
+    /// selftest's comparisons of the variants).
     #[doc(hidden)]
-    pub fn matvec_iq2_probe(
+    pub fn matvec_q8act_kernel(
         &self,
         m: &DeviceMatrix,
         xq: &QuantAct,
@@ -508,11 +509,16 @@ impl Gpu {
         sel: MatSel,
         kernel: &'static str,
     ) -> Result<(), CudaError> {
-        if m.ty != GgmlType::IQ2_XXS
-            || !(kernel.starts_with("probe_iq2_") || kernel.starts_with("matvec_iq2_xxs_q8"))
-        {
+        let fits = match m.ty {
+            GgmlType::IQ2_XXS => {
+                kernel.starts_with("probe_iq2_") || kernel.starts_with("matvec_iq2_xxs_q8")
+            }
+            GgmlType::Q2_K => kernel.starts_with("matvec_q2_k_q8"),
+            _ => false,
+        };
+        if !fits {
             return Err(CudaError::Invalid(format!(
-                "{kernel} is not an IQ2_XXS probe kernel (matrix {})",
+                "{kernel} is not an int8-activation kernel for {} matrices",
                 m.ty
             )));
         }
@@ -575,25 +581,28 @@ impl Gpu {
         };
         // IQ2_XXS rows of IQ2_RX_STEPS × 32 steps (4096 columns): activations in
         // registers, warps walking row units over ~2 blocks per SM.
-        let rx_shape = m.ty == GgmlType::IQ2_XXS && m.cols == IQ2_RX_STEPS * 32 * 64;
+        // The register-activation kernels: IQ2_XXS rows of IQ2_RX_STEPS × 32 steps
+        // (4096 columns), Q2_K rows of 32 steps (2048 columns).
+        let iq2_shape = m.ty == GgmlType::IQ2_XXS && m.cols == IQ2_RX_STEPS * 32 * 64;
+        let q2k_shape = m.ty == GgmlType::Q2_K && m.cols == 32 * 64;
         let name = match kernel {
             Some(k) => k,
-            None if rx_shape && self.fused("iq2_rx") => {
+            None if iq2_shape && self.fused("iq2_rx") => {
                 if self.fused("iq2_lut32") {
                     "matvec_iq2_xxs_q8_rx32"
                 } else {
                     "matvec_iq2_xxs_q8_rx"
                 }
             }
+            None if q2k_shape && self.fused("q2k_rx") => "matvec_q2_k_q8_rx",
             None => name,
         };
         let iq2_rx = name.starts_with("matvec_iq2_xxs_q8_rx");
-        if iq2_rx && !rx_shape {
+        let q2k_rx = name == "matvec_q2_k_q8_rx";
+        if (iq2_rx && !iq2_shape) || (q2k_rx && !q2k_shape) {
             return Err(CudaError::Invalid(format!(
-                "{name} takes IQ2_XXS rows of {} columns, not {} {}",
-                IQ2_RX_STEPS * 32 * 64,
-                m.ty,
-                m.cols
+                "{name} does not take {} rows of {} columns",
+                m.ty, m.cols
             )));
         }
         // rx32: the tables' 32 copies in dynamic shared memory, beside 1.5 KB static.
@@ -619,7 +628,8 @@ impl Gpu {
             ROWS_PER_BLOCK * EXP_ROWS_PER_WARP
         };
         let n_grid = if pair.is_some() { 2 * n_sel } else { n_sel };
-        let cfg = if iq2_rx {
+        let cfg = if iq2_rx || q2k_rx {
+            // Warps walk row units of EXP_ROWS_PER_WARP (IQ2) / Q2K_RX_ROWS (Q2_K).
             let units = n_grid * m.rows.div_ceil(EXP_ROWS_PER_WARP as usize);
             let blocks = units
                 .div_ceil(ROWS_PER_BLOCK as usize)
@@ -672,6 +682,9 @@ impl Gpu {
         let n_pair = n_sel as i32;
         if m.ty == GgmlType::IQ2_XXS {
             b.arg(&qs2).arg(&dw2).arg(&y2).arg(&n_pair);
+        }
+        if q2k_rx {
+            b.arg(&n_pair);
         }
         // SAFETY: argument order matches matvec_q8act.cu; xq holds n_sel rows (or one
         // shared row) of m.cols values; y holds n_sel × m.rows floats (caller).
