@@ -10,13 +10,9 @@ fuse_env() { if [ "$1" = all ]; then echo "-u DS4_CUDA_FUSE"; else echo "DS4_CUD
 if "$bin/ds4-tool" gpu-selftest >"$out/selftest.txt" 2>&1; then st=ok; else st=FAILED; fi
 echo "selftest: $st ($(grep -E 'passed' "$out/selftest.txt" | tail -1))"
 grep -E "^FAIL" "$out/selftest.txt" | head -5
+here=$(cd "$(dirname "$0")" && pwd)
 for round in 1 2; do
-  for spec in "$@"; do
-    label=${spec%%=*}; fuse=${spec#*=}
-    env $(fuse_env "$fuse") timeout 200 "$bin/ds4-bench" --synthetic-weights q2 --layers "$layers" \
-      --ctx-start 2048 --ctx-max 2048 -n 128 --csv "$out/ab-$label-$round.csv" 2>/dev/null >/dev/null
-    echo "$label round $round: $(tail -1 "$out/ab-$label-$round.csv" | cut -d, -f5)"
-  done
+  bash "$here/ab-fuse.sh" "$bin" "$out/round$round" "$layers" 128 "$@" | sed "s/^/round $round: /"
 done
 first=${1#*=}
 [ "$st" = ok ] || first=0

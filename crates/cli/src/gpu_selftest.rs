@@ -329,15 +329,24 @@ fn check_q8act_pair(gpu: &Gpu, rng: &mut Rng, m: &DeviceMatrix, ids: &[i32]) -> 
     got.extend(gpu.download(&bufs[1])?);
     let mut want = gpu.download(&bufs[2])?;
     want.extend(gpu.download(&bufs[3])?);
-    let same = got
-        .iter()
-        .zip(&want)
-        .all(|(a, b)| a.to_bits() == b.to_bits());
-    Ok(Check {
-        name: format!("matvec_q8act_pair {ty} {rows}x{cols} (bit-identical)"),
+    Ok(bit_identical(
+        format!("matvec_q8act_pair {ty} {rows}x{cols}"),
+        same_bits(&got, &want),
+    ))
+}
+
+/// Whether two outputs agree bit for bit.
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// A check that passes only when two kernels' outputs were identical.
+fn bit_identical(name: String, same: bool) -> Check {
+    Check {
+        name: format!("{name} (bit-identical)"),
         rel_err: if same { 0.0 } else { f64::INFINITY },
         bound: 0.0,
-    })
+    }
 }
 
 /// The expert matvecs with their activations in registers against the staged kernels,
@@ -377,21 +386,13 @@ fn check_rx_kernels(
         };
         let want = run(staged)?;
         for &kernel in variants {
-            let got = run(kernel)?;
-            same &= got
-                .iter()
-                .zip(&want)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
+            same &= same_bits(&run(kernel)?, &want);
         }
     }
-    Ok(Some(Check {
-        name: format!(
-            "{} = {staged} {rows}x{cols} (bit-identical)",
-            variants.join(", ")
-        ),
-        rel_err: if same { 0.0 } else { f64::INFINITY },
-        bound: 0.0,
-    }))
+    Ok(Some(bit_identical(
+        format!("{} = {staged} {rows}x{cols}", variants.join(", ")),
+        same,
+    )))
 }
 
 /// Eight rotating selections of `used` distinct-looking experts out of `mats`.

@@ -12,7 +12,8 @@ use crate::weights::DeviceMatrix;
 struct Q8Launch {
     /// Q8_0: warps per row instead of the measured default.
     ks: Option<u32>,
-    /// Another kernel of the same signature (the IQ2_XXS probes).
+    /// Another kernel of the same signature (the probes, or a named variant:
+    /// `matvec_q8act_kernel`).
     kernel: Option<&'static str>,
     /// Q8_0: the distances (int8 values, scales) from matrix 0 to matrix 1 instead of
     /// the stack's (two matrices anywhere in device memory: `matvec_q8act_pair`).
@@ -40,6 +41,8 @@ const ROWS_PER_BLOCK: u32 = 8;
 const EXP_ROWS_PER_WARP: u32 = 4;
 /// Steps of 32 lanes per row of `matvec_iq2_xxs_q8_rx` (IQ2_RX_STEPS in matvec_q8act.cu).
 const IQ2_RX_STEPS: usize = 2;
+/// The IQ2_XXS decode tables in shared memory: 256 grid codes and 128 sign masks (u32).
+const IQ2_TABLE_BYTES: u32 = (256 + 128) * 4;
 
 /// Warps per row (1, 2, 4 or 8: divides ROWS_PER_BLOCK) for a product of `rows` rows
 /// and `n_sel` selections: short matrices split their columns so that the GPU holds
@@ -579,8 +582,6 @@ impl Gpu {
                 )))
             }
         };
-        // IQ2_XXS rows of IQ2_RX_STEPS × 32 steps (4096 columns): activations in
-        // registers, warps walking row units over ~2 blocks per SM.
         // The register-activation kernels: IQ2_XXS rows of IQ2_RX_STEPS × 32 steps
         // (4096 columns), Q2_K rows of 32 steps (2048 columns).
         let iq2_shape = m.ty == GgmlType::IQ2_XXS && m.cols == IQ2_RX_STEPS * 32 * 64;
@@ -605,14 +606,14 @@ impl Gpu {
                 m.ty, m.cols
             )));
         }
-        // rx32: the tables' 32 copies in dynamic shared memory, beside 1.5 KB static.
+        // rx32: the tables' 32 copies in dynamic shared memory, beside the static one.
         let rx_smem = if name == "matvec_iq2_xxs_q8_rx32" {
-            384 * 32 * 4
+            32 * IQ2_TABLE_BYTES
         } else {
             0
         };
         if rx_smem > 0 {
-            self.allow_smem(name, rx_smem as usize + 1536)?;
+            self.allow_smem(name, (rx_smem + IQ2_TABLE_BYTES) as usize)?;
         }
         let f = self.func(name)?;
         // Q8_0: warps per row (see matvec_q8_0_q8). Several rows per warp measured

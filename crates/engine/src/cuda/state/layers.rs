@@ -496,11 +496,8 @@ impl KvView<'_> {
                 hc_comb(s, n, g, c, &l.hc_ffn)?;
             }
             let ffs = c.n_ff_exp * c.n_expert_shared;
-            let pair = n == 1 && fast && l.gate_sh.ty == GgmlType::Q8_0 && g.fused("shared_pair");
-            if pair {
-                if !n_q8 {
-                    g.quantize_act_rows(p(&s.n), &mut qb.embd, n)?;
-                }
+            // n_q8: Q8_0 gate and up in the fast numerics, their input quantised by the norm.
+            if n == 1 && n_q8 && g.fused("shared_pair") {
                 g.matvec_q8act_pair(
                     &l.gate_sh,
                     &l.up_sh,
