@@ -5,17 +5,25 @@
 
 A decode token is one replay of the token graph: it starts at a graph-launched
 `embed` kernel. The token before the last is summarised unless --token picks another
-(0 = first decode token of the trace, negative = from the end). Printed:
+(0 = first decode token of the trace, negative = from the end).
 
-* the token's wall time, and per stream (lane) its busy time;
-* per kernel name on the main stream (the one `embed` runs on): launches, summed
-  duration, and summed *wait* before it (start minus the previous main-stream
-  kernel's end; negative when programmatic dependent launch overlapped them). The
-  waits show where the main lane stalls on a join or on launch latency;
-* per kernel name on the side streams: launches and summed duration;
-* with --timeline, every kernel of the token (µs from its start).
+Inside a graph replay CUPTI reports the graph's own internal streams, not the lanes the
+graph was captured from, so this works from time alone:
+
+* the token's wall time, the time any kernel runs (busy) and the time none does (idle),
+  and how long 1, 2, 3 or more kernels run at once;
+* per kernel name: launches, summed duration, *exclusive* time (while it ran alone)
+  and *shared* time (its share while others ran too). Exclusive + shared over all
+  names adds up to the busy time;
+* the *critical chain*: from the last kernel to end, each kernel's predecessor is the
+  one that ended last before it started. Per name: launches on the chain, run time and
+  the gap before (launch latency or a wait). With programmatic dependent launch on
+  (the default) kernels start before their predecessor ends and report that wait as
+  run time, so trace with DS4_CUDA_PDL=0 to read the chain;
+* with --timeline, every kernel of the token (µs from its start, * = on the chain).
 """
 import argparse
+import bisect
 import csv
 import sys
 from collections import defaultdict
@@ -48,6 +56,51 @@ def tokens(rows):
     return out
 
 
+def sweep(tok):
+    """Exclusive and shared time per kernel name, busy time, and time at each concurrency."""
+    ev = []
+    for i, r in enumerate(tok):
+        ev.append((r[2], 1, i))
+        ev.append((r[3], -1, i))
+    ev.sort(key=lambda e: (e[0], e[1]))
+    active = set()
+    excl, shared = defaultdict(float), defaultdict(float)
+    conc = defaultdict(float)
+    busy = 0.0
+    prev = ev[0][0]
+    for t, kind, i in ev:
+        dt = t - prev
+        if dt > 0 and active:
+            busy += dt
+            conc[min(len(active), 4)] += dt
+            if len(active) == 1:
+                excl[tok[next(iter(active))][0]] += dt
+            else:
+                for j in active:
+                    shared[tok[j][0]] += dt / len(active)
+        prev = t
+        if kind == 1:
+            active.add(i)
+        else:
+            active.discard(i)
+    return excl, shared, conc, busy
+
+
+def chain(tok):
+    """Indices of the critical chain, last kernel first."""
+    by_end = sorted(range(len(tok)), key=lambda i: tok[i][3])
+    ends = [tok[i][3] for i in by_end]
+    out = [by_end[-1]]
+    while True:
+        k = out[-1]
+        # the kernel that ended last at or before k's start
+        j = bisect.bisect_right(ends, tok[k][2]) - 1
+        if j < 0:
+            break
+        out.append(by_end[j])
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace")
@@ -64,48 +117,43 @@ def main():
         sys.exit(f"{len(toks)} tokens in the trace; --token {a.token} is out of range")
     t0 = tok[0][2]
     t1 = max(r[3] for r in tok)
-    main_stream = tok[0][1]
-    print(f"{len(toks)} decode tokens; token {a.token}: {len(tok)} kernels, {(t1 - t0) / 1e3:.1f} µs")
+    wall = t1 - t0
+    excl, shared, conc, busy = sweep(tok)
+    print(f"{len(toks)} decode tokens; token {a.token}: {len(tok)} kernels, {wall / 1e3:.1f} µs")
+    print(f"  busy {busy / 1e3:.1f} µs, idle {(wall - busy) / 1e3:.1f} µs")
+    print("  running at once: " + ", ".join(
+        f"{'4+' if k == 4 else k}: {conc[k] / 1e3:.1f} µs" for k in sorted(conc)))
 
-    busy = defaultdict(int)
+    run = defaultdict(lambda: [0, 0])
     for r in tok:
-        busy[r[1]] += r[3] - r[2]
-    for s, b in sorted(busy.items(), key=lambda kv: -kv[1]):
-        tag = "main" if s == main_stream else "side"
-        print(f"  stream {s} ({tag}): busy {b / 1e3:.1f} µs ({100 * b / (t1 - t0):.0f}% of the token)")
+        e = run[r[0]]
+        e[0] += 1
+        e[1] += r[3] - r[2]
+    print("\nper kernel, by exclusive + shared time:")
+    print(f"  {'kernel':<28} {'n':>5} {'run µs':>9} {'excl µs':>9} {'shared µs':>9}")
+    for name, (n, d) in sorted(run.items(), key=lambda kv: -(excl[kv[0]] + shared[kv[0]])):
+        print(f"  {name:<28} {n:>5} {d / 1e3:>9.1f} {excl[name] / 1e3:>9.1f} {shared[name] / 1e3:>9.1f}")
 
-    main_k = defaultdict(lambda: [0, 0, 0])
-    side_k = defaultdict(lambda: [0, 0])
-    prev_end = None
-    for r in tok:
-        d = r[3] - r[2]
-        if r[1] == main_stream:
-            e = main_k[r[0]]
-            e[0] += 1
-            e[1] += d
-            if prev_end is not None:
-                e[2] += r[2] - prev_end
-            prev_end = r[3]
-        else:
-            e = side_k[r[0]]
-            e[0] += 1
-            e[1] += d
-    print("\nmain stream, by summed duration + wait before:")
-    print(f"  {'kernel':<28} {'n':>5} {'run µs':>9} {'wait µs':>9}")
-    total_run = total_wait = 0
-    for name, (n, run, wait) in sorted(main_k.items(), key=lambda kv: -(kv[1][1] + kv[1][2])):
-        total_run += run
-        total_wait += wait
-        print(f"  {name:<28} {n:>5} {run / 1e3:>9.1f} {wait / 1e3:>9.1f}")
-    print(f"  {'(total)':<28} {'':>5} {total_run / 1e3:>9.1f} {total_wait / 1e3:>9.1f}")
-    print("\nside streams, by summed duration:")
-    for name, (n, run) in sorted(side_k.items(), key=lambda kv: -kv[1][1]):
-        print(f"  {name:<28} {n:>5} {run / 1e3:>9.1f}")
+    ch = chain(tok)
+    on_chain = set(ch)
+    agg = defaultdict(lambda: [0, 0, 0])
+    for pos, k in enumerate(ch):
+        e = agg[tok[k][0]]
+        e[0] += 1
+        e[1] += tok[k][3] - tok[k][2]
+        if pos + 1 < len(ch):
+            e[2] += tok[k][2] - tok[ch[pos + 1]][3]
+    tot_run = sum(e[1] for e in agg.values())
+    tot_gap = sum(e[2] for e in agg.values())
+    print(f"\ncritical chain: {len(ch)} kernels, run {tot_run / 1e3:.1f} µs + gaps {tot_gap / 1e3:.1f} µs")
+    print(f"  {'kernel':<28} {'n':>5} {'run µs':>9} {'gap µs':>9}")
+    for name, (n, d, g) in sorted(agg.items(), key=lambda kv: -(kv[1][1] + kv[1][2])):
+        print(f"  {name:<28} {n:>5} {d / 1e3:>9.1f} {g / 1e3:>9.1f}")
     if a.timeline:
-        print("\ntimeline (µs from the token's start):")
-        for r in tok:
-            tag = "M" if r[1] == main_stream else f"s{r[1]}"
-            print(f"  {(r[2] - t0) / 1e3:9.2f} {(r[3] - t0) / 1e3:9.2f} {(r[3] - r[2]) / 1e3:7.2f} {tag:>4} {r[0]}")
+        print("\ntimeline (µs from the token's start; * = on the critical chain):")
+        for i, r in enumerate(tok):
+            tag = "*" if i in on_chain else " "
+            print(f"  {(r[2] - t0) / 1e3:9.2f} {(r[3] - t0) / 1e3:9.2f} {(r[3] - r[2]) / 1e3:7.2f} {tag} {r[0]}")
 
 
 if __name__ == "__main__":

@@ -155,7 +155,7 @@ pub fn check_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
                 checks.push(check_q8act_pair(gpu, &mut rng, &m, &ids)?);
             }
             if matches!(ty, GgmlType::IQ2_XXS | GgmlType::Q2_K) {
-                checks.extend(check_rx_kernels(gpu, &mut rng, &m, &ids)?);
+                checks.extend(check_kernel_variants(gpu, &mut rng, &m, &ids)?);
             }
         }
     }
@@ -166,10 +166,19 @@ pub fn check_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
         let m = DeviceMatrix::upload(gpu, GgmlType::Q8_0, &w, rows, cols, 5)?;
         let x = random_vec(4 * cols, &mut rng);
         checks.push(check_q8act(gpu, &m, &w, &[3, 1, 4, 1], &x)?);
+        checks.extend(check_kernel_variants(gpu, &mut rng, &m, &[3, 1, 4, 1])?);
         let w2 = random_matrix(GgmlType::Q8_0, rows, cols, 1, &mut rng);
         let m2 = DeviceMatrix::upload(gpu, GgmlType::Q8_0, &w2, rows, cols, 1)?;
         checks.push(check_q8act_pair(gpu, &mut rng, &m2, &[])?);
     }
+    // Eight steps per lane (one warp per row at 4 selections × 1024 rows): the early
+    // Q8_0 kernel's preloaded steps and the loop after them.
+    let w = random_matrix(GgmlType::Q8_0, 1024, 8192, 2, &mut rng);
+    let m = DeviceMatrix::upload(gpu, GgmlType::Q8_0, &w, 1024, 8192, 2)?;
+    let x = random_vec(4 * 8192, &mut rng);
+    // Also the upload through the pinned staging buffers (parts of 16 MiB and 1 MiB).
+    checks.push(check_q8act(gpu, &m, &w, &[1, 0, 1, 0], &x)?);
+    checks.extend(check_kernel_variants(gpu, &mut rng, &m, &[1, 0, 1, 0])?);
     for ty in [GgmlType::F16, GgmlType::F32] {
         for n_tok in [1usize, 7, 130] {
             checks.push(check_hc_mix(gpu, &mut rng, ty, n_tok)?);
@@ -295,8 +304,6 @@ fn check_q8act(gpu: &Gpu, m: &DeviceMatrix, w: &[u8], ids: &[i32], x: &[f32]) ->
     })
 }
 
-/// Two stacks in one launch (the routed experts' gate and up) against two separate
-/// launches: the same arithmetic, so the outputs must be identical.
 /// Two stacks in one launch against one launch each, bit for bit: selected matrices
 /// (`ids`), or with `ids` empty a plain pair (the Q8_0 shared expert's gate and up).
 fn check_q8act_pair(gpu: &Gpu, rng: &mut Rng, m: &DeviceMatrix, ids: &[i32]) -> Result<Check> {
@@ -352,8 +359,9 @@ fn bit_identical(name: String, same: bool) -> Check {
 /// The expert matvecs with their activations in registers against the staged kernels,
 /// bit for bit, with per-selection inputs and one shared input: IQ2_XXS at 4096 columns
 /// (`matvec_iq2_xxs_q8_rx`, the default there, and `_rx32` with 32 table copies), Q2_K
-/// at 2048 (`matvec_q2_k_q8_rx`). Other shapes have only the staged kernel.
-fn check_rx_kernels(
+/// at 2048 (`matvec_q2_k_q8_rx`), Q8_0 with its first weight loads before the PDL wait
+/// (`matvec_q8_0_q8_early`). Other shapes have only the staged kernel.
+fn check_kernel_variants(
     gpu: &Gpu,
     rng: &mut Rng,
     m: &DeviceMatrix,
@@ -366,6 +374,7 @@ fn check_rx_kernels(
             &["matvec_iq2_xxs_q8_rx", "matvec_iq2_xxs_q8_rx32"],
         ),
         (GgmlType::Q2_K, 2048) => ("matvec_q2_k_q8", &["matvec_q2_k_q8_rx"]),
+        (GgmlType::Q8_0, _) => ("matvec_q8_0_q8", &["matvec_q8_0_q8_early"]),
         _ => return Ok(None),
     };
     let xd = gpu.upload(&random_vec(ids.len() * cols, rng))?;

@@ -567,16 +567,19 @@ __device__ __forceinline__ float q8_block_dot(const uint4 w0, const uint4 w1, u1
     return (h2f(dq) * xs) * (float)s;
 }
 
-// Q8_0 weights × Q8_0 activations (both int8 per 32, f16 / f32 scales), dp4a. A lane
-// takes whole blocks of 32 (32 weight bytes, one scale), so a warp reads 1 KiB of its row
-// per step; weight loads skip L1 and ask the L2 for 256-byte lines. Against 16 bytes
-// per lane with plain loads this took the H200 output head from 3.79 to 4.19 TB/s and
-// attn_output_b from 16.7 to 12.6 µs (NOTES.md, session 4).
-extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8(
+// EARLY: the lane's first Q8_EARLY_STEPS weight blocks are loaded before
+// griddepcontrol.wait. Weights never depend on the previous kernel, so under programmatic
+// dependent launch these loads overlap the previous grid's drain instead of following it
+// (the ramp that keeps 2–36 MB matvecs at 56–61% of the read ceiling). The caller
+// guarantees that sel.ids, read before the wait too, is not written inside the graph.
+// Same sums in the same order as without it: the results are bit-identical.
+#define Q8_EARLY_STEPS 4
+template <bool EARLY>
+__device__ __forceinline__ void matvec_q8_0_q8_body(
     const i8* __restrict__ qs, const u16* __restrict__ dw, i64 mat_q, i64 mat_d,
     const i8* __restrict__ xq, const float* __restrict__ xd, float* __restrict__ y, int rows,
     int cols, MatSel sel, int ks) {
-    PDL_WAIT();
+    if (!EARLY) PDL_WAIT();
     // `ks` warps share a row (split K) so short matrices still fill the GPU.
     __shared__ float red[ROWS_PER_BLOCK];
     const int row = blockIdx.x * (blockDim.y / ks) + threadIdx.y / ks;
@@ -585,17 +588,59 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8(
     xq += blockIdx.y * sel.x_stride;
     xd += blockIdx.y * (sel.x_stride / 32);
     float acc = 0.f;
+    const int nb = cols / 32;
+    const int b0 = split * WARP + threadIdx.x, bstep = ks * WARP;
+    const i8* q = qs + m * mat_q + (i64)row * cols;
+    const u16* dr = dw + m * mat_d + (i64)row * nb;
+    int b = b0;
+    if (EARLY) {
+        uint4 w0[Q8_EARLY_STEPS], w1[Q8_EARLY_STEPS];
+        u16 dq[Q8_EARLY_STEPS];
+#pragma unroll
+        for (int u = 0; u < Q8_EARLY_STEPS; ++u) {
+            const int bu = b0 + u * bstep;
+            if (row < rows && bu < nb) {
+                w0[u] = ld_stream16(q + bu * 32);
+                w1[u] = ld_stream16(q + bu * 32 + 16);
+                dq[u] = dr[bu];
+            }
+        }
+        PDL_WAIT();
+        if (row < rows) {
+#pragma unroll
+            for (int u = 0; u < Q8_EARLY_STEPS; ++u) {
+                const int bu = b0 + u * bstep;
+                if (bu < nb) acc += q8_block_dot(w0[u], w1[u], dq[u], xq + bu * 32, xd[bu]);
+            }
+        }
+        b = b0 + Q8_EARLY_STEPS * bstep;
+    }
     if (row < rows) {
-        const i8* q = qs + m * mat_q + (i64)row * cols;
-        const u16* dr = dw + m * mat_d + (i64)row * (cols / 32);
-        const int nb = cols / 32;
 #pragma unroll 4
-        for (int b = split * WARP + threadIdx.x; b < nb; b += ks * WARP)
+        for (; b < nb; b += bstep)
             acc += q8_block_dot(ld_stream16(q + b * 32), ld_stream16(q + b * 32 + 16), dr[b],
                                 xq + b * 32, xd[b]);
     }
     PDL_TRIGGER();
     store_split_row(acc, ks, split, row < rows, y, blockIdx.y * sel.y_stride + row, red);
+}
+
+#define Q8_0_Q8_PARAMS                                                                    \
+    const i8 *__restrict__ qs, const u16 *__restrict__ dw, i64 mat_q, i64 mat_d,          \
+        const i8 *__restrict__ xq, const float *__restrict__ xd, float *__restrict__ y,   \
+        int rows, int cols, MatSel sel, int ks
+#define Q8_0_Q8_ARGS qs, dw, mat_q, mat_d, xq, xd, y, rows, cols, sel, ks
+
+// Q8_0 weights × Q8_0 activations (both int8 per 32, f16 / f32 scales), dp4a. A lane
+// takes whole blocks of 32 (32 weight bytes, one scale), so a warp reads 1 KiB of its row
+// per step; weight loads skip L1 and ask the L2 for 256-byte lines. Against 16 bytes
+// per lane with plain loads this took the H200 output head from 3.79 to 4.19 TB/s and
+// attn_output_b from 16.7 to 12.6 µs (NOTES.md, session 4).
+extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8(Q8_0_Q8_PARAMS) {
+    matvec_q8_0_q8_body<false>(Q8_0_Q8_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8_early(Q8_0_Q8_PARAMS) {
+    matvec_q8_0_q8_body<true>(Q8_0_Q8_ARGS);
 }
 
 // ---- Fused producers of quantised activations (decode launch count): each writes the

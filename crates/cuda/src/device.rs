@@ -71,20 +71,41 @@ pub struct Gpu {
     /// `DS4_CUDA_TRACE=FILE`: every kernel's start and end (CUPTI), written by
     /// [`Gpu::trace_finish`].
     trace: Mutex<Option<crate::trace::KernelTrace>>,
+    /// Pinned buffers of [`Gpu::upload_gather`] while weights are being uploaded.
+    pub(crate) staging: Mutex<Option<crate::upload::Staging>>,
+    /// `prio` on and supported: the context's (least, greatest) priority. Captured
+    /// kernels get the greatest, those launched inside [`Gpu::background`] the least.
+    prio: Option<(i32, i32)>,
+    /// A graph capture is running (set by begin_capture / end_capture).
+    capturing: std::sync::atomic::AtomicBool,
+    /// Launches are background work (see [`Gpu::background`]).
+    background: std::sync::atomic::AtomicBool,
 }
 
 /// The decode-graph restructurings `DS4_CUDA_FUSE` can turn off: `comb_lane`
 /// (hc_comb on a lane of its own, not ahead of a branch's matvecs), `shared_pair`
 /// (the shared expert's gate and up in one launch), `q_norm` (head_norm_rope inside
 /// the decode attention), `iq2_rx` (the IQ2_XXS expert matvec with its activations in
-/// registers, `matvec_iq2_xxs_q8_rx`).
-pub const FUSIONS: [&str; 4] = ["comb_lane", "shared_pair", "q_norm", "iq2_rx"];
+/// registers, `matvec_iq2_xxs_q8_rx`), `q2k_rx` (the same for the Q2_K expert down at
+/// 2048 columns, `matvec_q2_k_q8_rx`), `q8_early` (`matvec_q8_0_q8_early`: the Q8_0
+/// matvec's first weight loads issued before the PDL wait, where the matrix selection
+/// is fixed), `prio` (decode-graph kernels at the highest priority except the
+/// background work — the attention's q_b, the shared expert, hc_comb — at the lowest,
+/// so that the latency-bound chains beside the big matvecs get SMs first).
+pub const FUSIONS: [&str; 7] = [
+    "comb_lane",
+    "shared_pair",
+    "q_norm",
+    "iq2_rx",
+    "q2k_rx",
+    "q8_early",
+    "prio",
+];
 
-/// Restructurings not yet measured on a GPU: off unless `DS4_CUDA_FUSE` names them.
-/// `iq2_lut32`: `matvec_iq2_xxs_q8_rx32` (the IQ2_XXS tables in 32 bank-interleaved
-/// copies) instead of `matvec_iq2_xxs_q8_rx`; `q2k_rx`: `matvec_q2_k_q8_rx` (the Q2_K
-/// expert matvec with its activations in registers) at 2048 columns.
-pub const FUSIONS_OPT_IN: [&str; 2] = ["iq2_lut32", "q2k_rx"];
+/// Restructurings off unless `DS4_CUDA_FUSE` names them. `iq2_lut32`:
+/// `matvec_iq2_xxs_q8_rx32` (the IQ2_XXS tables in 32 bank-interleaved copies) instead
+/// of `matvec_iq2_xxs_q8_rx`; measured without a gain (session 7), kept for A/B.
+pub const FUSIONS_OPT_IN: [&str; 1] = ["iq2_lut32"];
 
 fn fuse_env() -> Vec<&'static str> {
     parse_fuse(std::env::var("DS4_CUDA_FUSE").ok().as_deref())
@@ -168,6 +189,7 @@ impl Gpu {
         };
         let pair_ids = stream.clone_htod(&[0i32, 1][..])?;
         let profile = std::env::var("DS4_CUDA_PROFILE").is_ok_and(|v| v == "1");
+        let fuse = fuse_env();
         Ok(Gpu {
             ctx,
             stream,
@@ -190,8 +212,12 @@ impl Gpu {
                         .collect()
                 })
                 .unwrap_or_default(),
-            fuse: fuse_env(),
+            prio: fuse.contains(&"prio").then(priority_range).flatten(),
+            fuse,
             trace: Mutex::new(trace),
+            staging: Mutex::new(None),
+            capturing: std::sync::atomic::AtomicBool::new(false),
+            background: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -254,7 +280,11 @@ impl Gpu {
             return Ok(());
         }
         let Some(p) = &self.profile else {
-            return launch();
+            launch()?;
+            if self.prio.is_some() && self.capturing.load(std::sync::atomic::Ordering::Relaxed) {
+                self.prioritise_last_node()?;
+            }
+            return Ok(());
         };
         let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         {
@@ -616,19 +646,109 @@ unsafe fn make_edges_programmatic(graph: sys::CUgraph) -> Result<usize, CudaErro
     Ok(done)
 }
 
+/// The current context's (least, greatest) stream priority, when the driver has what
+/// node priorities need (capture info v3, kernel node attributes) and a range to use.
+fn priority_range() -> Option<(i32, i32)> {
+    // SAFETY: symbol lookups in the loaded driver library; the range query writes two
+    // ints and needs only a current context (Gpu::open made one current).
+    unsafe {
+        let lib = sys::culib();
+        let has = |name: &[u8]| lib.get::<unsafe extern "C" fn()>(name).is_ok();
+        if !has(b"cuStreamGetCaptureInfo_v3\0") || !has(b"cuGraphKernelNodeSetAttribute\0") {
+            return None;
+        }
+        let (mut least, mut greatest) = (0, 0);
+        if sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest)
+            != sys::CUresult::CUDA_SUCCESS
+            || least == greatest
+        {
+            return None;
+        }
+        Some((least, greatest))
+    }
+}
+
 impl Gpu {
+    /// Runs `f` with its launches marked as background work: under `prio` their graph
+    /// nodes get the lowest priority (throughput work beside a latency-bound chain).
+    pub fn background<T>(&self, f: impl FnOnce() -> Result<T, CudaError>) -> Result<T, CudaError> {
+        use std::sync::atomic::Ordering;
+        let prev = self.background.swap(true, Ordering::Relaxed);
+        let r = f();
+        self.background.store(prev, Ordering::Relaxed);
+        r
+    }
+
+    /// Sets the priority of the kernel node just captured on the launch stream (the
+    /// stream's only dependency right after a launch).
+    fn prioritise_last_node(&self) -> Result<(), CudaError> {
+        let Some((least, greatest)) = self.prio else {
+            return Ok(());
+        };
+        let p = if self.background.load(std::sync::atomic::Ordering::Relaxed) {
+            least
+        } else {
+            greatest
+        };
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let (mut id, mut graph, mut n) = (0u64, std::ptr::null_mut(), 0usize);
+        let mut deps: *const sys::CUgraphNode = std::ptr::null();
+        let mut edges: *const sys::CUgraphEdgeData = std::ptr::null();
+        // SAFETY: out-pointers to locals; the returned dependency array is owned by the
+        // capture and read before the next call on this stream.
+        unsafe {
+            check(sys::cuStreamGetCaptureInfo_v3(
+                self.launch_stream().cu_stream(),
+                &mut status,
+                &mut id,
+                &mut graph,
+                &mut deps,
+                &mut edges,
+                &mut n,
+            ))?;
+            if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE
+                || n != 1
+                || deps.is_null()
+            {
+                return Ok(());
+            }
+            let node = *deps;
+            let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+            check(sys::cuGraphNodeGetType(node, &mut t))?;
+            if t != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL {
+                return Ok(());
+            }
+            let mut v: sys::CUkernelNodeAttrValue = std::mem::zeroed();
+            v.priority = p;
+            check(sys::cuGraphKernelNodeSetAttribute(
+                node,
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PRIORITY,
+                &v,
+            ))
+        }
+    }
+
     /// Starts recording this GPU's stream into a graph instead of running it.
     pub fn begin_capture(&self) -> Result<(), CudaError> {
         use cudarc::driver::sys::CUstreamCaptureMode_enum as M;
-        Ok(self
-            .stream
-            .begin_capture(M::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?)
+        self.stream
+            .begin_capture(M::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        self.capturing
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
     }
 
     /// Ends the recording and instantiates the graph; unless `DS4_CUDA_PDL=0`, its
     /// kernel-to-kernel edges become programmatic dependencies (a second instance).
     pub fn end_capture(&self) -> Result<TokenGraph, CudaError> {
-        let flags = cudarc::driver::sys::CUgraphInstantiate_flags_enum(0);
+        self.capturing
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        // Node priorities count only when the instance is told to use them.
+        let flags = if self.prio.is_some() {
+            sys::CUgraphInstantiate_flags_enum::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY
+        } else {
+            sys::CUgraphInstantiate_flags_enum(0)
+        };
         let Some(graph) = self.stream.end_capture(flags)? else {
             return Err(CudaError::Invalid("graph capture recorded nothing".into()));
         };
@@ -643,7 +763,7 @@ impl Gpu {
             check(sys::cuGraphInstantiateWithFlags(
                 &mut exec,
                 graph.cu_graph(),
-                0,
+                flags.0 as _,
             ))?;
             exec
         };
@@ -680,6 +800,10 @@ mod tests {
         // Opt-in names only when named.
         assert!(!parse_fuse(None).contains(&"iq2_lut32"));
         assert!(parse_fuse(Some("iq2_rx,iq2_lut32")).contains(&"iq2_lut32"));
+        for opt in FUSIONS_OPT_IN {
+            assert!(!FUSIONS.contains(&opt), "{opt} is both default and opt-in");
+            assert!(parse_fuse(Some(opt)) == vec![opt]);
+        }
     }
 
     #[test]

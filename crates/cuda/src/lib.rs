@@ -15,6 +15,7 @@ mod matmul;
 mod ops;
 mod probe;
 pub mod trace;
+mod upload;
 mod weights;
 
 pub use device::{driver_present, DeviceBuf, Gpu, GpuInfo, KernelSource, TokenGraph, SIDE_LANES};

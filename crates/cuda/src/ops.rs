@@ -500,8 +500,8 @@ impl Gpu {
     /// for IQ2_XXS one of the probe kernels of probe.cu (`probe_iq2_nolut`,
     /// `probe_iq2_nox`, `probe_iq2_loads`: the kernel with parts of its work taken out;
     /// outputs meaningless) for `gpu-selftest --probe-q8`, or a production kernel
-    /// (`matvec_iq2_xxs_q8`, `_rx`, `_rx32`); for Q2_K `matvec_q2_k_q8` or `_rx` (the
-    /// selftest's comparisons of the variants).
+    /// (`matvec_iq2_xxs_q8`, `_rx`, `_rx32`); for Q2_K `matvec_q2_k_q8` or `_rx`; for
+    /// Q8_0 `matvec_q8_0_q8` or `_early` (the selftest's comparisons of the variants).
     #[doc(hidden)]
     pub fn matvec_q8act_kernel(
         &self,
@@ -517,6 +517,7 @@ impl Gpu {
                 kernel.starts_with("probe_iq2_") || kernel.starts_with("matvec_iq2_xxs_q8")
             }
             GgmlType::Q2_K => kernel.starts_with("matvec_q2_k_q8"),
+            GgmlType::Q8_0 => kernel.starts_with("matvec_q8_0_q8"),
             _ => false,
         };
         if !fits {
@@ -596,6 +597,15 @@ impl Gpu {
                 }
             }
             None if q2k_shape && self.fused("q2k_rx") => "matvec_q2_k_q8_rx",
+            // Weights loaded before the PDL wait: only where the matrix selection is
+            // fixed (no ids, or the constant shared-expert pair), as its ids are read
+            // before the wait too.
+            None if m.ty == GgmlType::Q8_0
+                && self.fused("q8_early")
+                && (sel.ids == 0 || sel.ids == self.ptr(&self.pair_ids)) =>
+            {
+                "matvec_q8_0_q8_early"
+            }
             None => name,
         };
         let iq2_rx = name.starts_with("matvec_iq2_xxs_q8_rx");

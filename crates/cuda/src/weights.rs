@@ -14,14 +14,36 @@ pub struct Repacked {
     pub parts: Vec<Vec<u8>>,
 }
 
-/// Repacks `n_mats` matrices of `rows × cols` elements of type `ty` (GGUF byte order).
-pub fn repack(
+/// Per repacked part, the (offset, length) of its bytes inside each GGUF block.
+type PartSpans = &'static [(usize, usize)];
+
+/// Where the repacked parts of a weight type come from: each GGUF block of `block`
+/// bytes gives part k the `len` bytes at `off` (one part of the whole block for types
+/// that keep the GGUF layout).
+fn part_layout(ty: GgmlType) -> Result<(usize, PartSpans), CudaError> {
+    Ok(match ty {
+        GgmlType::F32 | GgmlType::F16 | GgmlType::Q4_K => (1, &[(0, 1)]),
+        // quants, then the f16 scale
+        GgmlType::Q8_0 => (34, &[(2, 32), (0, 2)]),
+        GgmlType::IQ2_XXS => (66, &[(2, 64), (0, 2)]),
+        // quants, the 16 packed scales, then d and dmin
+        GgmlType::Q2_K => (84, &[(16, 64), (0, 16), (80, 4)]),
+        other => {
+            return Err(CudaError::Invalid(format!(
+                "no CUDA kernel for {other} weights"
+            )))
+        }
+    })
+}
+
+/// Checks that `src` holds `n_mats` matrices of `rows × cols` elements of type `ty`.
+fn check_size(
     ty: GgmlType,
     src: &[u8],
     rows: usize,
     cols: usize,
     n_mats: usize,
-) -> Result<Repacked, CudaError> {
+) -> Result<(), CudaError> {
     let n = rows * cols * n_mats;
     let want = ty
         .bytes_for(n as u64)
@@ -32,46 +54,33 @@ pub fn repack(
             src.len()
         )));
     }
-    let parts = match ty {
-        GgmlType::F32 | GgmlType::F16 | GgmlType::Q4_K => vec![src.to_vec()],
-        GgmlType::Q8_0 => {
-            let nb = n / 32;
-            let mut qs = Vec::with_capacity(n);
-            let mut d = Vec::with_capacity(nb * 2);
-            for b in src.chunks_exact(34) {
-                d.extend_from_slice(&b[0..2]);
-                qs.extend_from_slice(&b[2..34]);
+    Ok(())
+}
+
+/// Repacks `n_mats` matrices of `rows × cols` elements of type `ty` (GGUF byte order)
+/// on the host: the layout [`DeviceMatrix::upload`] writes to the device.
+pub fn repack(
+    ty: GgmlType,
+    src: &[u8],
+    rows: usize,
+    cols: usize,
+    n_mats: usize,
+) -> Result<Repacked, CudaError> {
+    check_size(ty, src, rows, cols, n_mats)?;
+    let (block, layout) = part_layout(ty)?;
+    let parts = layout
+        .iter()
+        .map(|&(off, len)| {
+            if len == block {
+                src.to_vec()
+            } else {
+                src.chunks_exact(block)
+                    .flat_map(|b| &b[off..off + len])
+                    .copied()
+                    .collect()
             }
-            vec![qs, d]
-        }
-        GgmlType::IQ2_XXS => {
-            let nb = n / 256;
-            let mut qs = Vec::with_capacity(nb * 64);
-            let mut d = Vec::with_capacity(nb * 2);
-            for b in src.chunks_exact(66) {
-                d.extend_from_slice(&b[0..2]);
-                qs.extend_from_slice(&b[2..66]);
-            }
-            vec![qs, d]
-        }
-        GgmlType::Q2_K => {
-            let nb = n / 256;
-            let mut qs = Vec::with_capacity(nb * 64);
-            let mut sc = Vec::with_capacity(nb * 16);
-            let mut dm = Vec::with_capacity(nb * 4);
-            for b in src.chunks_exact(84) {
-                sc.extend_from_slice(&b[0..16]);
-                qs.extend_from_slice(&b[16..80]);
-                dm.extend_from_slice(&b[80..84]);
-            }
-            vec![qs, sc, dm]
-        }
-        other => {
-            return Err(CudaError::Invalid(format!(
-                "no CUDA kernel for {other} weights"
-            )))
-        }
-    };
+        })
+        .collect();
     Ok(Repacked { parts })
 }
 
@@ -85,7 +94,8 @@ pub struct DeviceMatrix {
 }
 
 impl DeviceMatrix {
-    /// Uploads `n_mats` matrices of `rows × cols` (GGUF layout `[cols, rows, n_mats]`).
+    /// Uploads `n_mats` matrices of `rows × cols` (GGUF layout `[cols, rows, n_mats]`),
+    /// repacked on the way (see [`repack`]) through the pinned staging buffers.
     pub fn upload(
         gpu: &Gpu,
         ty: GgmlType,
@@ -94,11 +104,11 @@ impl DeviceMatrix {
         cols: usize,
         n_mats: usize,
     ) -> Result<DeviceMatrix, CudaError> {
-        let r = repack(ty, src, rows, cols, n_mats)?;
-        let parts = r
-            .parts
+        check_size(ty, src, rows, cols, n_mats)?;
+        let (block, layout) = part_layout(ty)?;
+        let parts = layout
             .iter()
-            .map(|p| gpu.upload(p))
+            .map(|&(off, len)| gpu.upload_gather(src, block, off, len))
             .collect::<Result<_, _>>()?;
         Ok(DeviceMatrix {
             ty,

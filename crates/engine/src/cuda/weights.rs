@@ -129,7 +129,7 @@ impl Uploader<'_> {
         self.bytes += m.data().len();
         (self.progress)(m.data().len());
         Ok(DenseTensor {
-            buf: self.gpu.upload(m.data())?,
+            buf: self.gpu.upload_gather(m.data(), 1, 0, 1)?,
             ty,
         })
     }
@@ -222,7 +222,7 @@ impl CudaWeights {
             });
         }
         let group_ids: Vec<i32> = (0..cfg.o_groups as i32).collect();
-        Ok(CudaWeights {
+        let weights = CudaWeights {
             gpu: gpu.clone(),
             token_embd: up.dense(&w.token_embd)?,
             layers,
@@ -232,7 +232,9 @@ impl CudaWeights {
             group_ids: gpu.upload(&group_ids)?,
             bytes: up.bytes,
             config: cfg,
-        })
+        };
+        gpu.release_staging()?;
+        Ok(weights)
     }
 
     pub fn rope(&self, il: usize) -> RopeP {

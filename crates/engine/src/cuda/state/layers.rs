@@ -205,7 +205,7 @@ impl KvView<'_> {
         // chain of small kernels that cannot fill the GPU alone.
         let comb_lane = g.fused("comb_lane");
         if comb_lane {
-            g.branch(3, || hc_comb(s, n, g, c, &l.hc_attn))?;
+            g.branch(3, || g.background(|| hc_comb(s, n, g, c, &l.hc_attn)))?;
         }
         g.branch(1, || {
             if !comb_lane {
@@ -342,7 +342,9 @@ impl KvView<'_> {
             })?;
             sel = g.ptr(&s.sel);
         }
-        mv(g, &l.q_b, p(&s.qr), &mut qb.qr, qr_q8, p(&s.q), n, fast)?;
+        // Background work under `prio`: the indexer and compressor chains beside it
+        // are latency-bound and the attention waits for them too.
+        g.background(|| mv(g, &l.q_b, p(&s.qr), &mut qb.qr, qr_q8, p(&s.q), n, fast))?;
         // A decode token's attention norms and rotates its own queries.
         let q_norm = (n == 1 && g.fused("q_norm")).then_some(ds4_cuda::QNorm {
             eps: c.rms_eps,
@@ -489,80 +491,83 @@ impl KvView<'_> {
         // main lane.
         let comb_lane = g.fused("comb_lane");
         if comb_lane {
-            g.branch(3, || hc_comb(s, n, g, c, &l.hc_ffn))?;
+            g.branch(3, || g.background(|| hc_comb(s, n, g, c, &l.hc_ffn)))?;
         }
+        // Background work under `prio`: the routed chain gets the SMs first.
         g.branch(1, || {
-            if !comb_lane {
-                hc_comb(s, n, g, c, &l.hc_ffn)?;
-            }
-            let ffs = c.n_ff_exp * c.n_expert_shared;
-            // n_q8: Q8_0 gate and up in the fast numerics, their input quantised by the norm.
-            if n == 1 && n_q8 && g.fused("shared_pair") {
-                g.matvec_q8act_pair(
-                    &l.gate_sh,
-                    &l.up_sh,
-                    &qb.embd,
-                    p(&s.sg),
-                    p(&s.su),
-                    1,
-                    rows(&l.gate_sh),
-                )?;
-            } else {
+            g.background(|| {
+                if !comb_lane {
+                    hc_comb(s, n, g, c, &l.hc_ffn)?;
+                }
+                let ffs = c.n_ff_exp * c.n_expert_shared;
+                // n_q8: Q8_0 gate and up in the fast numerics, their input quantised by the norm.
+                if n == 1 && n_q8 && g.fused("shared_pair") {
+                    g.matvec_q8act_pair(
+                        &l.gate_sh,
+                        &l.up_sh,
+                        &qb.embd,
+                        p(&s.sg),
+                        p(&s.su),
+                        1,
+                        rows(&l.gate_sh),
+                    )?;
+                } else {
+                    mv(
+                        g,
+                        &l.gate_sh,
+                        p(&s.n),
+                        &mut qb.embd,
+                        n_q8,
+                        p(&s.sg),
+                        n,
+                        fast,
+                    )?;
+                    mv(
+                        g,
+                        &l.up_sh,
+                        p(&s.n),
+                        &mut qb.embd,
+                        l.gate_sh.ty == GgmlType::Q8_0,
+                        p(&s.su),
+                        n,
+                        fast,
+                    )?;
+                }
+                let smid_q8 = fast && l.down_sh.ty == GgmlType::Q8_0;
+                if smid_q8 {
+                    g.swiglu_quant(
+                        p(&s.sg),
+                        p(&s.su),
+                        0,
+                        ffs,
+                        n,
+                        c.swiglu_clamp_shexp[il],
+                        p(&s.smid),
+                        &mut qb.shared_mid,
+                        false,
+                    )?;
+                } else {
+                    g.swiglu(
+                        p(&s.sg),
+                        p(&s.su),
+                        0,
+                        ffs,
+                        n,
+                        c.swiglu_clamp_shexp[il],
+                        p(&s.smid),
+                    )?;
+                }
                 mv(
                     g,
-                    &l.gate_sh,
-                    p(&s.n),
-                    &mut qb.embd,
-                    n_q8,
-                    p(&s.sg),
-                    n,
-                    fast,
-                )?;
-                mv(
-                    g,
-                    &l.up_sh,
-                    p(&s.n),
-                    &mut qb.embd,
-                    l.gate_sh.ty == GgmlType::Q8_0,
-                    p(&s.su),
-                    n,
-                    fast,
-                )?;
-            }
-            let smid_q8 = fast && l.down_sh.ty == GgmlType::Q8_0;
-            if smid_q8 {
-                g.swiglu_quant(
-                    p(&s.sg),
-                    p(&s.su),
-                    0,
-                    ffs,
-                    n,
-                    c.swiglu_clamp_shexp[il],
+                    &l.down_sh,
                     p(&s.smid),
                     &mut qb.shared_mid,
-                    false,
-                )?;
-            } else {
-                g.swiglu(
-                    p(&s.sg),
-                    p(&s.su),
-                    0,
-                    ffs,
+                    smid_q8,
+                    p(&s.sh),
                     n,
-                    c.swiglu_clamp_shexp[il],
-                    p(&s.smid),
-                )?;
-            }
-            mv(
-                g,
-                &l.down_sh,
-                p(&s.smid),
-                &mut qb.shared_mid,
-                smid_q8,
-                p(&s.sh),
-                n,
-                fast,
-            )
+                    fast,
+                )
+            })
         })?;
         let int8 = |m: &ds4_cuda::DeviceMatrix| {
             numerics == Numerics::Fast
