@@ -243,8 +243,52 @@ pub fn check_attention_mma(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
             bound: 1e-5,
         });
         checks.push(check_q_norm(gpu, &inputs, &mut rng, stride, case.name)?);
+        checks.extend(check_decode_split(gpu, &inputs, &want, case.name)?);
     }
     Ok(checks)
+}
+
+/// The decode layout (each token's rows split evenly over 32 chunks, then the combine)
+/// against the f64 reference, and the staged kernel (`attention_split_staged`, rows
+/// copied to shared memory) against the plain one bit for bit.
+fn check_decode_split(
+    gpu: &Gpu,
+    inputs: &DeviceInputs,
+    want: &[f64],
+    case: &str,
+) -> Result<[Check; 2]> {
+    let n = inputs.n;
+    let chunks = 32;
+    let acc = gpu.zeros::<f32>(n * HEADS * chunks * HD)?;
+    let ml = gpu.zeros::<f32>(2 * n * HEADS * chunks)?;
+    let run = |staged: bool| -> Result<Vec<f32>> {
+        let out = gpu.upload(&vec![f32::NAN; n * HEADS * HD])?;
+        let a = inputs.input(gpu);
+        gpu.attention_variant(
+            &a,
+            0,
+            chunks,
+            gpu.ptr(&acc),
+            gpu.ptr(&ml),
+            gpu.ptr(&out),
+            None,
+            staged,
+        )?;
+        Ok(gpu.download(&out)?)
+    };
+    let plain = run(false)?;
+    let staged = run(true)?;
+    Ok([
+        Check {
+            name: format!("attention decode split {case}"),
+            rel_err: rel_err(&plain, want),
+            bound: 1e-5,
+        },
+        crate::gpu_selftest::bit_identical(
+            format!("attention_split_staged = attention_split, {case}"),
+            crate::gpu_selftest::same_bits(&staged, &plain),
+        ),
+    ])
 }
 
 /// The decode attention's own query norm + RoPE (`AttnInput::q_norm`) against

@@ -986,13 +986,30 @@ struct AttRows {
 // the score and the weighted sum. rows_per_chunk = 0 divides the rows evenly. Partials: acc [t][h][c][hd], (max, sum) [t][h][c].
 // With a single chunk the block finishes the softmax itself (sink included) and
 // writes the output directly. hd must be a multiple of 4 (≤ 512).
+//
+// STAGED (attention_split_staged, decode): the block first copies up to
+// ATT_STAGE_ROWS of its rows into shared memory with cp.async — every load in flight at
+// once, one memory round trip per batch instead of one per ATT_ROWS_PER_STEP rows — and
+// its warps read them there. Same steps, same sums: bit-identical to the plain kernel.
 #define ATT_HEADS_PER_BLOCK 8
 #define ATT_ROWS_PER_STEP 4
-extern "C" __global__ void __launch_bounds__(256) attention_split(const Step* step,
-        const float* q, const float* ring, int raw_cap, int window, const float* comp,
-        int ratio, const i32* sel, int top_k, const float* sinks, int heads, int hd, float scale,
-        int rows_per_chunk, float* part_acc, float* part_ml, float* out, int q_norm, float q_eps,
-        RopeP q_rope) {
+#define ATT_STAGE_ROWS 32
+#define ATT_SPLIT_PARAMS                                                                   \
+    const Step *step, const float *q, const float *ring, int raw_cap, int window,           \
+        const float *comp, int ratio, const i32 *sel, int top_k, const float *sinks,        \
+        int heads, int hd, float scale, int rows_per_chunk, float *part_acc, float *part_ml, \
+        float *out, int q_norm, float q_eps, RopeP q_rope
+#define ATT_SPLIT_ARGS                                                                     \
+    step, q, ring, raw_cap, window, comp, ratio, sel, top_k, sinks, heads, hd, scale,       \
+        rows_per_chunk, part_acc, part_ml, out, q_norm, q_eps, q_rope
+
+__device__ __forceinline__ void att_cp16(void* smem, const void* src) {
+    const u32 d = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
+}
+
+template <bool STAGED>
+__device__ __forceinline__ void attention_split_body(ATT_SPLIT_PARAMS) {
     PDL_WAIT();
     PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     const int c = blockIdx.x;
@@ -1007,11 +1024,13 @@ extern "C" __global__ void __launch_bounds__(256) attention_split(const Step* st
     // chain of row loads).
     const int rpc = rows_per_chunk > 0 ? rows_per_chunk : (total + n_chunks - 1) / n_chunks;
     const int r0 = min(total, c * rpc), r1 = min(total, r0 + rpc);
-    if (h >= heads) return;
+    // STAGED: every warp takes part in the copies and barriers, heads or not.
+    if (!STAGED && h >= heads) return;
+    const bool live = h < heads;
     // Lane part j holds dims 128·j + 4·lane … + 3 when they exist (hd ≤ 512).
     const int njl = (hd - 4 * lane + 127) / 128;
     float qv[16], acc[16];
-    const float* qh = q + ((i64)t * heads + h) * hd;
+    const float* qh = q + ((i64)t * heads + (live ? h : 0)) * hd;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         if (j < njl) {
@@ -1057,13 +1076,29 @@ extern "C" __global__ void __launch_bounds__(256) attention_split(const Step* st
     float m = -3.0e38f, l = 0.f;
     // Four rows per step: their loads and reductions overlap, and the running max and
     // the accumulator are rescaled once per step.
-    for (int r = r0; r < r1; r += ATT_ROWS_PER_STEP) {
+    extern __shared__ float4 att_stage[];  // STAGED: ATT_STAGE_ROWS rows of hd floats
+    for (int rb = r0; rb < r1; rb += ATT_STAGE_ROWS) {
+    const int re = min(r1, rb + ATT_STAGE_ROWS);
+    if (STAGED) {
+        __syncthreads();  // the previous batch has been read
+        const int q4 = hd / 4, n4 = (re - rb) * q4;
+        for (int i = threadIdx.x; i < n4; i += blockDim.x) {
+            const int rr = i / q4;
+            att_cp16(&att_stage[i], rows.row(rb + rr, ring, raw_cap, comp, hd) + 4 * (i - rr * q4));
+        }
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        __syncthreads();
+    }
+    for (int r = rb; r < re; r += ATT_ROWS_PER_STEP) {
         float v[ATT_ROWS_PER_STEP][16];
         float d[ATT_ROWS_PER_STEP];
 #pragma unroll
         for (int u = 0; u < ATT_ROWS_PER_STEP; ++u) {
             const int ru = r + u;
-            const float* row = ru < r1 ? rows.row(ru, ring, raw_cap, comp, hd) : nullptr;
+            const float* row =
+                ru < r1 ? (STAGED ? reinterpret_cast<const float*>(att_stage) + (i64)(ru - rb) * hd
+                                  : rows.row(ru, ring, raw_cap, comp, hd))
+                        : nullptr;
             d[u] = 0.f;
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
@@ -1106,6 +1141,8 @@ extern "C" __global__ void __launch_bounds__(256) attention_split(const Step* st
         }
         m = mn;
     }
+    }
+    if (!live) return;
     PDL_TRIGGER();
     if (n_chunks == 1) {
         // Finish here: the sink joins the denominator only.
@@ -1144,6 +1181,13 @@ extern "C" __global__ void __launch_bounds__(256) attention_split(const Step* st
         part_ml[2 * pi] = r0 < r1 ? m : -3.0e38f;
         part_ml[2 * pi + 1] = r0 < r1 ? l : 0.f;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256) attention_split(ATT_SPLIT_PARAMS) {
+    attention_split_body<false>(ATT_SPLIT_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256) attention_split_staged(ATT_SPLIT_PARAMS) {
+    attention_split_body<true>(ATT_SPLIT_ARGS);
 }
 
 // Combines the chunks of attention_split: block (h, t), the sink in the denominator.

@@ -38,11 +38,17 @@ __device__ __forceinline__ float dot8_h(const uint4 v, const float* x) {
            dot2_h(v.w, x1.z, x1.w);
 }
 
-// F16: [rows][cols] f16 (GGUF layout).
-extern "C" __global__ void __launch_bounds__(256) matvec_f16(
-    const u16* __restrict__ w, i64 mat_w, const float* __restrict__ x, float* __restrict__ y,
-    int rows, int cols, MatSel sel, int ks) {
-    PDL_WAIT();
+// F16: [rows][cols] f16 (GGUF layout). EARLY (matvec_f16_early): a lane's first
+// F16_EARLY_STEPS 16-byte weight loads are issued before griddepcontrol.wait, as in
+// matvec_q8_0_q8_early (the caller guarantees sel.ids is not written in the graph); the
+// same sums in the same order, so bit-identical.
+#define F16_EARLY_STEPS 4
+template <bool EARLY>
+__device__ __forceinline__ void matvec_f16_body(const u16* __restrict__ w, i64 mat_w,
+                                                const float* __restrict__ x,
+                                                float* __restrict__ y, int rows, int cols,
+                                                MatSel sel, int ks) {
+    if (!EARLY) PDL_WAIT();
     // `ks` warps share a row (split K) so short matrices still fill the GPU.
     __shared__ float red[ROWS_PER_BLOCK];
     const int row = blockIdx.x * (blockDim.y / ks) + threadIdx.y / ks;
@@ -50,20 +56,50 @@ extern "C" __global__ void __launch_bounds__(256) matvec_f16(
     const int m = sel_matrix(sel);
     x += blockIdx.y * sel.x_stride;
     float acc = 0.f;
+    const u16* r = w + m * mat_w + (i64)row * cols;
+    const bool vec8 = (cols & 7) == 0;
+    const int c0 = (split * WARP + threadIdx.x) * 8, cstep = ks * WARP * 8;
+    int c = c0;
+    if (EARLY && vec8) {
+        uint4 wv[F16_EARLY_STEPS];
+#pragma unroll
+        for (int u = 0; u < F16_EARLY_STEPS; ++u)
+            if (row < rows && c0 + u * cstep < cols)
+                wv[u] = __ldg(reinterpret_cast<const uint4*>(r + c0 + u * cstep));
+        PDL_WAIT();
+        if (row < rows) {
+#pragma unroll
+            for (int u = 0; u < F16_EARLY_STEPS; ++u)
+                if (c0 + u * cstep < cols) acc += dot8_h(wv[u], x + c0 + u * cstep);
+        }
+        c = c0 + F16_EARLY_STEPS * cstep;
+    } else if (EARLY) {
+        PDL_WAIT();
+    }
     if (row < rows) {
-        const u16* r = w + m * mat_w + (i64)row * cols;
-        if ((cols & 7) == 0) {
+        if (vec8) {
 #pragma unroll 4
-            for (int c = (split * WARP + threadIdx.x) * 8; c < cols; c += ks * WARP * 8) {
+            for (; c < cols; c += cstep) {
                 acc += dot8_h(__ldg(reinterpret_cast<const uint4*>(r + c)), x + c);
             }
         } else {
-            for (int c = split * WARP + threadIdx.x; c < cols; c += ks * WARP)
-                acc += h2f(r[c]) * x[c];
+            for (int cc = split * WARP + threadIdx.x; cc < cols; cc += ks * WARP)
+                acc += h2f(r[cc]) * x[cc];
         }
     }
     PDL_TRIGGER();
     store_split_row(acc, ks, split, row < rows, y, blockIdx.y * sel.y_stride + row, red);
+}
+
+extern "C" __global__ void __launch_bounds__(256) matvec_f16(
+    const u16* __restrict__ w, i64 mat_w, const float* __restrict__ x, float* __restrict__ y,
+    int rows, int cols, MatSel sel, int ks) {
+    matvec_f16_body<false>(w, mat_w, x, y, rows, cols, sel, ks);
+}
+extern "C" __global__ void __launch_bounds__(256) matvec_f16_early(
+    const u16* __restrict__ w, i64 mat_w, const float* __restrict__ x, float* __restrict__ y,
+    int rows, int cols, MatSel sel, int ks) {
+    matvec_f16_body<true>(w, mat_w, x, y, rows, cols, sel, ks);
 }
 
 // F32: [rows][cols] f32.

@@ -105,7 +105,13 @@ pub const FUSIONS: [&str; 7] = [
 /// Restructurings off unless `DS4_CUDA_FUSE` names them. `iq2_lut32`:
 /// `matvec_iq2_xxs_q8_rx32` (the IQ2_XXS tables in 32 bank-interleaved copies) instead
 /// of `matvec_iq2_xxs_q8_rx`; measured without a gain (session 7), kept for A/B.
-pub const FUSIONS_OPT_IN: [&str; 1] = ["iq2_lut32"];
+/// `att_stage`: a decode token's attention blocks copy their rows into shared memory
+/// (`attention_split_staged`, one memory round trip per 32 rows instead of per 4);
+/// not yet measured. `f16_early`: `matvec_f16_early` (the F16 matvec's first weight
+/// loads before the PDL wait, as `q8_early`) where no ids select the matrix; not yet
+/// measured. `carveout`: every kernel prefers the largest shared-memory carveout (one
+/// L1 / shared split for all, no reconfiguration between kernels); not yet measured.
+pub const FUSIONS_OPT_IN: [&str; 4] = ["iq2_lut32", "att_stage", "f16_early", "carveout"];
 
 fn fuse_env() -> Vec<&'static str> {
     parse_fuse(std::env::var("DS4_CUDA_FUSE").ok().as_deref())
@@ -349,6 +355,15 @@ impl Gpu {
             .module
             .load_function(name)
             .map_err(|_| CudaError::MissingKernel(name.to_string()))?;
+        if self.fused("carveout") {
+            // Every kernel asks for the same L1 / shared-memory split, so an SM never
+            // drains to reconfigure it between a kernel with a large shared-memory
+            // block (indexer scores, staged attention) and its neighbours.
+            k.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                100,
+            )?;
+        }
         f.insert(name, k.clone());
         Ok(k)
     }

@@ -111,6 +111,8 @@ impl AttnTail {
 }
 
 /// The attention shape of `attention_prefill_mma` (AMMA_HEADS / AMMA_HD).
+/// Rows per shared-memory batch of `attention_split_staged` (ATT_STAGE_ROWS in layer.cu).
+const ATT_STAGE_ROWS: usize = 32;
 const ATT_MMA_HEADS: usize = 64;
 const ATT_MMA_HD: usize = 512;
 
@@ -730,6 +732,35 @@ impl Gpu {
         out: u64,
         tail: Option<&AttnTail>,
     ) -> Result<(), CudaError> {
+        // A decode token's blocks stage their rows in shared memory (`att_stage`).
+        let staged = a.n_tok == 1 && self.fused("att_stage");
+        self.attention_variant(
+            a,
+            rows_per_chunk,
+            n_chunks,
+            part_acc,
+            part_ml,
+            out,
+            tail,
+            staged,
+        )
+    }
+
+    /// [`Gpu::attention`] with the kernel chosen: `staged` = `attention_split_staged`
+    /// (the selftest's comparison of the two).
+    #[doc(hidden)]
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_variant(
+        &self,
+        a: &AttnInput,
+        rows_per_chunk: usize,
+        n_chunks: usize,
+        part_acc: u64,
+        part_ml: u64,
+        out: u64,
+        tail: Option<&AttnTail>,
+        staged: bool,
+    ) -> Result<(), CudaError> {
         let (hd, heads, raw_cap, window) = (a.hd, a.heads, a.raw_cap, a.window);
         if let Some(t) = tail {
             t.check(hd)?;
@@ -766,35 +797,22 @@ impl Gpu {
             None => (0, 0.0, RopeP::default()),
         };
         let groups = (heads as u32).div_ceil(8);
+        let (name, smem) = if staged {
+            ("attention_split_staged", (ATT_STAGE_ROWS * hd * 4) as u32)
+        } else {
+            ("attention_split", 0)
+        };
+        if staged {
+            self.allow_smem(name, smem as usize)?;
+        }
         let grid = LaunchConfig {
             grid_dim: (n_chunks as u32, groups, a.n_tok as u32),
             block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: smem,
         };
         launch!(
-            self,
-            "attention_split",
-            grid,
-            a.step,
-            a.q,
-            a.ring,
-            rc,
-            win,
-            a.comp,
-            r,
-            a.sel,
-            tk,
-            a.sinks,
-            nh,
-            hd_,
-            a.scale,
-            rpc,
-            part_acc,
-            part_ml,
-            out,
-            q_norm,
-            q_eps,
-            q_rope
+            self, name, grid, a.step, a.q, a.ring, rc, win, a.comp, r, a.sel, tk, a.sinks, nh, hd_,
+            a.scale, rpc, part_acc, part_ml, out, q_norm, q_eps, q_rope
         )?;
         if n_chunks > 1 {
             let nc = n_chunks as i32;
