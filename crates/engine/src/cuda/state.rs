@@ -281,7 +281,25 @@ fn prefill_chunk(c: &Config, ctx: usize, free: usize, asked: Option<usize>) -> u
 }
 
 fn att_splits(att_stride: usize) -> usize {
-    ATT_SPLITS.min(att_stride.max(1))
+    att_splits_setting().min(att_stride.max(1))
+}
+
+/// `DS4_CUDA_ATT_SPLITS=N` (1–128) overrides ATT_SPLITS, for A/B timing of the decode
+/// attention's chunking against its combine.
+fn att_splits_setting() -> usize {
+    static SPLITS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *SPLITS.get_or_init(|| parse_att_splits(std::env::var("DS4_CUDA_ATT_SPLITS").ok().as_deref()))
+}
+
+fn parse_att_splits(v: Option<&str>) -> usize {
+    match v.map(|v| v.trim().parse::<usize>()) {
+        None => ATT_SPLITS,
+        Some(Ok(n)) if (1..=128).contains(&n) => n,
+        Some(_) => {
+            eprintln!("ds4: DS4_CUDA_ATT_SPLITS must be 1 to 128; using {ATT_SPLITS}");
+            ATT_SPLITS
+        }
+    }
 }
 
 impl DeviceState {
@@ -553,6 +571,16 @@ mod tests {
 
     fn flash() -> Config {
         Config::flash()
+    }
+
+    #[test]
+    fn attention_split_settings_parse() {
+        assert_eq!(parse_att_splits(None), ATT_SPLITS);
+        assert_eq!(parse_att_splits(Some(" 16 ")), 16);
+        assert_eq!(parse_att_splits(Some("128")), 128);
+        for bad in ["0", "129", "x", ""] {
+            assert_eq!(parse_att_splits(Some(bad)), ATT_SPLITS, "{bad}");
+        }
     }
 
     #[test]
