@@ -4,6 +4,7 @@ pub mod bench_plot;
 pub mod download;
 pub mod fixture_check;
 pub mod gpu_attention_check;
+pub mod gpu_hc_check;
 pub mod gpu_matmul_check;
 pub mod gpu_selftest;
 pub mod rng;

@@ -103,11 +103,46 @@ extern "C" __global__ void embed(const Step* step, const void* table, int type, 
 }
 
 // ---- hyper-connection mixer: mix[k] = rms_scale(H) · (fn_k · H), one block per k.
-extern "C" __global__ void __launch_bounds__(1024) hc_mix(const float* h, int n, const void* fn,
-                                                          int fn_type, float eps, float* mix) {
+// One step of the vector path: 8 values of H (a, b) against 8 weights.
+__device__ __forceinline__ void hc_mix_step(const float4 a, const float4 b, const float (&wv)[8],
+                                            float& ss, float& dot) {
+    const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        ss += v[j] * v[j];
+        dot += wv[j] * v[j];
+    }
+}
+
+// The 8 weights of a step at element i of row k (F16 or F32).
+__device__ __forceinline__ void hc_mix_weights(const void* fn, int fn_type, i64 at, float (&wv)[8]) {
+    if (fn_type == WT_F16) {
+        const uint4 w = *reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(fn) + at);
+        const u32 ww[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            wv[2 * j] = h2f((u16)(ww[j] & 0xffff));
+            wv[2 * j + 1] = h2f((u16)(ww[j] >> 16));
+        }
+    } else {
+        const float* wr = reinterpret_cast<const float*>(fn) + at;
+        const float4 c = *reinterpret_cast<const float4*>(wr);
+        const float4 d = *reinterpret_cast<const float4*>(wr + 4);
+        wv[0] = c.x; wv[1] = c.y; wv[2] = c.z; wv[3] = c.w;
+        wv[4] = d.x; wv[5] = d.y; wv[6] = d.z; wv[7] = d.w;
+    }
+}
+
+// PRELOAD (hc_mix_pl, `hc_preload`): the first HC_MIX_PRE steps' loads are all issued
+// before any is used (decode: n = 16,384 is exactly two steps of 1,024 threads), and the
+// two block sums share their barriers (same trees: the same bits).
+#define HC_MIX_PRE 2
+template <bool PRELOAD>
+__device__ __forceinline__ void hc_mix_body(const float* h, int n, const void* fn, int fn_type,
+                                            float eps, float* mix) {
     PDL_WAIT();
     PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
-    __shared__ float red[32];
+    __shared__ float red[32], red2[32];
     const int k = blockIdx.x;
     h += (i64)blockIdx.y * n;
     mix += (i64)blockIdx.y * gridDim.x;
@@ -116,32 +151,30 @@ extern "C" __global__ void __launch_bounds__(1024) hc_mix(const float* h, int n,
         (reinterpret_cast<size_t>(h) & 15) == 0 && (reinterpret_cast<size_t>(fn) & 15) == 0) {
         // 8 values per thread and step with 16-byte loads: the loop is a chain of
         // dependent L2 round trips, so fewer, wider steps (decode latency).
-        for (int i = threadIdx.x * 8; i < n; i += blockDim.x * 8) {
+        int i = threadIdx.x * 8;
+        if (PRELOAD) {
+            float4 a[HC_MIX_PRE], b[HC_MIX_PRE];
+            float wv[HC_MIX_PRE][8];
+#pragma unroll
+            for (int u = 0; u < HC_MIX_PRE; ++u) {
+                const int iu = i + u * blockDim.x * 8;
+                if (iu < n) {
+                    a[u] = *reinterpret_cast<const float4*>(h + iu);
+                    b[u] = *reinterpret_cast<const float4*>(h + iu + 4);
+                    hc_mix_weights(fn, fn_type, (i64)k * n + iu, wv[u]);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < HC_MIX_PRE; ++u)
+                if (i + u * blockDim.x * 8 < n) hc_mix_step(a[u], b[u], wv[u], ss, dot);
+            i += HC_MIX_PRE * blockDim.x * 8;
+        }
+        for (; i < n; i += blockDim.x * 8) {
             const float4 a = *reinterpret_cast<const float4*>(h + i);
             const float4 b = *reinterpret_cast<const float4*>(h + i + 4);
-            const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
             float wv[8];
-            if (fn_type == WT_F16) {
-                const uint4 w = *reinterpret_cast<const uint4*>(
-                    reinterpret_cast<const u16*>(fn) + (i64)k * n + i);
-                const u32 ww[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    wv[2 * j] = h2f((u16)(ww[j] & 0xffff));
-                    wv[2 * j + 1] = h2f((u16)(ww[j] >> 16));
-                }
-            } else {
-                const float* wr = reinterpret_cast<const float*>(fn) + (i64)k * n + i;
-                const float4 c = *reinterpret_cast<const float4*>(wr);
-                const float4 d = *reinterpret_cast<const float4*>(wr + 4);
-                wv[0] = c.x; wv[1] = c.y; wv[2] = c.z; wv[3] = c.w;
-                wv[4] = d.x; wv[5] = d.y; wv[6] = d.z; wv[7] = d.w;
-            }
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                ss += v[j] * v[j];
-                dot += wv[j] * v[j];
-            }
+            hc_mix_weights(fn, fn_type, (i64)k * n + i, wv);
+            hc_mix_step(a, b, wv, ss, dot);
         }
     } else {
         for (int i = threadIdx.x; i < n; i += blockDim.x) {
@@ -150,9 +183,37 @@ extern "C" __global__ void __launch_bounds__(1024) hc_mix(const float* h, int n,
             dot += ldw(fn, fn_type, (i64)k * n + i) * v;
         }
     }
-    ss = block_sum(ss, red);
-    dot = block_sum(dot, red);
-    if (threadIdx.x == 0) mix[k] = dot * (1.0f / sqrtf(ss / (float)n + eps));
+    if (!PRELOAD) {
+        ss = block_sum(ss, red);
+        dot = block_sum(dot, red);
+        if (threadIdx.x == 0) mix[k] = dot * (1.0f / sqrtf(ss / (float)n + eps));
+        return;
+    }
+    // block_sum's tree for both values at once.
+    ss = warp_sum(ss);
+    dot = warp_sum(dot);
+    const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
+    if (lane == 0) {
+        red[wid] = ss;
+        red2[wid] = dot;
+    }
+    __syncthreads();
+    if (wid == 0) {
+        const int nw = blockDim.x / WARP;
+        ss = warp_sum(lane < nw ? red[lane] : 0.f);
+        dot = warp_sum(lane < nw ? red2[lane] : 0.f);
+        if (lane == 0) mix[k] = dot * (1.0f / sqrtf(ss / (float)n + eps));
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(1024) hc_mix(const float* h, int n, const void* fn,
+                                                          int fn_type, float eps, float* mix) {
+    hc_mix_body<false>(h, n, fn, fn_type, eps, mix);
+}
+extern "C" __global__ void __launch_bounds__(1024) hc_mix_pl(const float* h, int n,
+                                                             const void* fn, int fn_type,
+                                                             float eps, float* mix) {
+    hc_mix_body<true>(h, n, fn, fn_type, eps, mix);
 }
 
 // ---- HC mix of a batch, second half: `mix` holds the raw dots fn_k · h_t (a GEMM);
@@ -219,9 +280,17 @@ extern "C" __global__ void __launch_bounds__(256) hc_comb(const float* mix, cons
 // n_embd ≥ 1024, else 256 (rmsnorm's sum order).
 #define HC_PRE_VEC 2
 #define HC_MAX 5
-extern "C" __global__ void __launch_bounds__(1024) hc_pre(const float* h, const float* mix,
-        const float* scale, const float* base, int n_hc, int n_embd, float eps, float* y,
-        const void* norm_w, int norm_type, float norm_eps, float* norm_out, i8* q, float* d) {
+#define HC_PRE_PARAMS                                                                     \
+    const float *h, const float *mix, const float *scale, const float *base, int n_hc,     \
+        int n_embd, float eps, float *y, const void *norm_w, int norm_type, float norm_eps, \
+        float *norm_out, i8 *q, float *d
+#define HC_PRE_ARGS \
+    h, mix, scale, base, n_hc, n_embd, eps, y, norm_w, norm_type, norm_eps, norm_out, q, d
+// PRELOAD (hc_pre_pl, `hc_preload`): every load of H is issued before the first store
+// (y may alias h for all the compiler knows, so the plain kernel's second pass waits for
+// the first one's stores: two L2 round trips instead of one). Same sums.
+template <bool PRELOAD>
+__device__ __forceinline__ void hc_pre_body(HC_PRE_PARAMS) {
     PDL_WAIT();
     PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     __shared__ float red[32];
@@ -230,10 +299,36 @@ extern "C" __global__ void __launch_bounds__(1024) hc_pre(const float* h, const 
     h += (i64)blockIdx.y * n_hc * n_embd;
     mix += (i64)blockIdx.y * (2 + n_hc) * n_hc;
     y += (i64)blockIdx.y * n_embd;
-    float pre[HC_MAX];
+    // PRELOAD: the first pass's stream loads (all of them at n_embd ≤ 4·blockDim; at
+    // most HC_PRE_PL = the model's 4 streams) are issued first, as they do not depend
+    // on the mix, then every mix and base load before the first sigmoid (the plain loop
+    // waits for each stream's pair in turn: a chain of n_hc round trips before H).
+    constexpr int HC_PRE_PL = 4;
+    const bool pl = PRELOAD && n_hc <= HC_PRE_PL;
+    float4 h0[PRELOAD ? HC_PRE_PL : 1];
+    if (pl) {
 #pragma unroll
-    for (int i = 0; i < HC_MAX; ++i)
-        pre[i] = i < n_hc ? sigmoidf_(mix[i] * scale[0] + base[i]) + eps : 0.f;
+        for (int i = 0; i < HC_PRE_PL; ++i)
+            if (4 * t < n_embd && i < n_hc) h0[PRELOAD ? i : 0] = ldx4(h + (i64)i * n_embd + 4 * t);
+    }
+    float pre[HC_MAX];
+    if (PRELOAD) {
+        float mv[HC_MAX], bv[HC_MAX];
+        const float s0 = scale[0];
+#pragma unroll
+        for (int i = 0; i < HC_MAX; ++i)
+            if (i < n_hc) {
+                mv[i] = mix[i];
+                bv[i] = base[i];
+            }
+#pragma unroll
+        for (int i = 0; i < HC_MAX; ++i)
+            pre[i] = i < n_hc ? sigmoidf_(mv[i] * s0 + bv[i]) + eps : 0.f;
+    } else {
+#pragma unroll
+        for (int i = 0; i < HC_MAX; ++i)
+            pre[i] = i < n_hc ? sigmoidf_(mix[i] * scale[0] + base[i]) + eps : 0.f;
+    }
     float v[HC_PRE_VEC][4];
     float ss = 0.f;
 #pragma unroll
@@ -244,7 +339,9 @@ extern "C" __global__ void __launch_bounds__(1024) hc_pre(const float* h, const 
             float4 hv[HC_MAX];
 #pragma unroll
             for (int i = 0; i < HC_MAX; ++i)
-                if (i < n_hc) hv[i] = ldx4(h + (i64)i * n_embd + i0);
+                if (i < n_hc)
+                    hv[i] = pl && p == 0 && i < HC_PRE_PL ? h0[PRELOAD && i < HC_PRE_PL ? i : 0]
+                                                          : ldx4(h + (i64)i * n_embd + i0);
 #pragma unroll
             for (int i = 0; i < HC_MAX; ++i) {
                 if (i < n_hc) {
@@ -293,12 +390,24 @@ extern "C" __global__ void __launch_bounds__(1024) hc_pre(const float* h, const 
     }
 }
 
+extern "C" __global__ void __launch_bounds__(1024) hc_pre(HC_PRE_PARAMS) {
+    hc_pre_body<false>(HC_PRE_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(1024) hc_pre_pl(HC_PRE_PARAMS) {
+    hc_pre_body<true>(HC_PRE_ARGS);
+}
+
 // ---- HC post: H'_j = out·post_j + Σ_i comb[i][j]·H_i.
 // With `parts` (n_parts rows of n_embd per token), the sublayer output is their sum
 // plus `out` (the routed experts in order k, then the shared expert).
-extern "C" __global__ void hc_post(const float* h, const float* out, const float* parts,
-                                   int n_parts, const float* hcp, int n_hc, int n_embd,
-                                   float* h_out) {
+// PRELOAD (hc_post_pl, `hc_preload`): out, the first HC_POST_PARTS parts, the streams
+// and post/comb are all loaded before the first store (h_out may alias them for all the
+// compiler knows, so the plain kernel reloads after each store). Same sums.
+#define HC_POST_PARTS 8
+template <bool PRELOAD>
+__device__ __forceinline__ void hc_post_body(const float* h, const float* out,
+                                             const float* parts, int n_parts, const float* hcp,
+                                             int n_hc, int n_embd, float* h_out) {
     PDL_WAIT();
     PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     h += (i64)blockIdx.y * n_hc * n_embd;
@@ -306,19 +415,72 @@ extern "C" __global__ void hc_post(const float* h, const float* out, const float
     out += (i64)blockIdx.y * n_embd;
     if (parts) parts += (i64)blockIdx.y * n_parts * n_embd;
     hcp += (i64)blockIdx.y * (n_hc + n_hc * n_hc);
-    for (int d = threadIdx.x + blockIdx.x * blockDim.x; d < n_embd; d += blockDim.x * gridDim.x) {
-        float o = out[d];
-        if (parts) {
-            float acc = 0.f;
-            for (int k = 0; k < n_parts; ++k) acc += parts[(i64)k * n_embd + d];
-            o = acc + o;
-        }
-        for (int j = 0; j < n_hc; ++j) {
-            float acc = o * hcp[j];
-            for (int i = 0; i < n_hc; ++i) acc += hcp[n_hc + i * n_hc + j] * h[(i64)i * n_embd + d];
-            h_out[(i64)j * n_embd + d] = acc;
+    if (PRELOAD && n_hc > HC_MAX) return;  // the launcher checks n_hc
+    constexpr int PM = PRELOAD ? HC_MAX : 1;
+    float post[PM], comb[PM][PM];
+    if (PRELOAD) {
+#pragma unroll
+        for (int i = 0; i < PM; ++i) {
+            if (i < n_hc) post[i] = hcp[i];
+#pragma unroll
+            for (int j = 0; j < PM; ++j)
+                if (i < n_hc && j < n_hc) comb[i][j] = hcp[n_hc + i * n_hc + j];
         }
     }
+    for (int d = threadIdx.x + blockIdx.x * blockDim.x; d < n_embd; d += blockDim.x * gridDim.x) {
+        float o = out[d];
+        if (PRELOAD) {
+            constexpr int PP = PRELOAD ? HC_POST_PARTS : 1;
+            float pv[PP], hv[PM];
+#pragma unroll
+            for (int k = 0; k < PP; ++k)
+                if (parts && k < n_parts) pv[k] = parts[(i64)k * n_embd + d];
+#pragma unroll
+            for (int i = 0; i < PM; ++i)
+                if (i < n_hc) hv[i] = h[(i64)i * n_embd + d];
+            if (parts) {
+                float acc = 0.f;
+#pragma unroll
+                for (int k = 0; k < PP; ++k)
+                    if (k < n_parts) acc += pv[k];
+                for (int k = PP; k < n_parts; ++k) acc += parts[(i64)k * n_embd + d];
+                o = acc + o;
+            }
+#pragma unroll
+            for (int j = 0; j < PM; ++j) {
+                if (j < n_hc) {
+                    float acc = o * post[j];
+#pragma unroll
+                    for (int i = 0; i < PM; ++i)
+                        if (i < n_hc) acc += comb[i][j] * hv[i];
+                    h_out[(i64)j * n_embd + d] = acc;
+                }
+            }
+        } else {
+            if (parts) {
+                float acc = 0.f;
+                for (int k = 0; k < n_parts; ++k) acc += parts[(i64)k * n_embd + d];
+                o = acc + o;
+            }
+            for (int j = 0; j < n_hc; ++j) {
+                float acc = o * hcp[j];
+                for (int i = 0; i < n_hc; ++i)
+                    acc += hcp[n_hc + i * n_hc + j] * h[(i64)i * n_embd + d];
+                h_out[(i64)j * n_embd + d] = acc;
+            }
+        }
+    }
+}
+
+extern "C" __global__ void hc_post(const float* h, const float* out, const float* parts,
+                                   int n_parts, const float* hcp, int n_hc, int n_embd,
+                                   float* h_out) {
+    hc_post_body<false>(h, out, parts, n_parts, hcp, n_hc, n_embd, h_out);
+}
+extern "C" __global__ void hc_post_pl(const float* h, const float* out, const float* parts,
+                                      int n_parts, const float* hcp, int n_hc, int n_embd,
+                                      float* h_out) {
+    hc_post_body<true>(h, out, parts, n_parts, hcp, n_hc, n_embd, h_out);
 }
 
 // ---- RMS norm of `rows` vectors of n (one block each); w may be null (unweighted).

@@ -67,7 +67,7 @@ pub struct Gpu {
     skip: Vec<String>,
     /// `DS4_CUDA_FUSE`: which decode-graph restructurings are on (unset: all; `0`:
     /// none; else a comma list of [`FUSIONS`]) — for A/B timing and bisecting.
-    fuse: Vec<&'static str>,
+    fuse: std::sync::RwLock<Vec<&'static str>>,
     /// `DS4_CUDA_TRACE=FILE`: every kernel's start and end (CUPTI), written by
     /// [`Gpu::trace_finish`].
     trace: Mutex<Option<crate::trace::KernelTrace>>,
@@ -111,7 +111,16 @@ pub const FUSIONS: [&str; 7] = [
 /// loads before the PDL wait, as `q8_early`) where no ids select the matrix; not yet
 /// measured. `carveout`: every kernel prefers the largest shared-memory carveout (one
 /// L1 / shared split for all, no reconfiguration between kernels); not yet measured.
-pub const FUSIONS_OPT_IN: [&str; 4] = ["iq2_lut32", "att_stage", "f16_early", "carveout"];
+/// `hc_preload`: `hc_pre_pl`, `hc_mix_pl`, `hc_post_pl`, the hyper-connection kernels
+/// with every load issued before the first use or store (hc_pre waited for each
+/// stream's mix and base in turn); bit-identical; not yet measured.
+pub const FUSIONS_OPT_IN: [&str; 5] = [
+    "iq2_lut32",
+    "att_stage",
+    "f16_early",
+    "carveout",
+    "hc_preload",
+];
 
 fn fuse_env() -> Vec<&'static str> {
     parse_fuse(std::env::var("DS4_CUDA_FUSE").ok().as_deref())
@@ -219,7 +228,7 @@ impl Gpu {
                 })
                 .unwrap_or_default(),
             prio: fuse.contains(&"prio").then(priority_range).flatten(),
-            fuse,
+            fuse: std::sync::RwLock::new(fuse),
             trace: Mutex::new(trace),
             staging: Mutex::new(None),
             capturing: std::sync::atomic::AtomicBool::new(false),
@@ -266,7 +275,28 @@ impl Gpu {
             FUSIONS.contains(&name) || FUSIONS_OPT_IN.contains(&name),
             "unknown fusion {name}"
         );
-        self.fuse.contains(&name)
+        self.fuse
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&name)
+    }
+
+    /// Runs `f` with `name` turned on or off (not `prio`, which is fixed when the GPU is
+    /// opened), then restores the setting: the selftest's comparisons of a kernel
+    /// variant with the kernel it replaces, through the same launcher.
+    #[doc(hidden)]
+    pub fn with_fusion<T>(&self, name: &'static str, on: bool, f: impl FnOnce() -> T) -> T {
+        let before = self.fuse.read().unwrap_or_else(|e| e.into_inner()).clone();
+        {
+            let mut w = self.fuse.write().unwrap_or_else(|e| e.into_inner());
+            w.retain(|n| *n != name);
+            if on {
+                w.push(name);
+            }
+        }
+        let r = f();
+        *self.fuse.write().unwrap_or_else(|e| e.into_inner()) = before;
+        r
     }
 
     /// The kernels `DS4_CUDA_SKIP` keeps from launching (empty normally): a program

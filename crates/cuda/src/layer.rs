@@ -191,9 +191,14 @@ impl Gpu {
         n_out: usize,
     ) -> Result<(), CudaError> {
         let n = n as i32;
+        let name = if self.fused("hc_preload") {
+            "hc_mix_pl"
+        } else {
+            "hc_mix"
+        };
         launch!(
             self,
-            "hc_mix",
+            name,
             cfg2(n_out as u32, n_tok, 1024),
             h,
             n,
@@ -285,9 +290,14 @@ impl Gpu {
         }
         let (nh, ne) = (n_hc as i32, n_embd as i32);
         let nm = norm.unwrap_or_default();
+        let name = if self.fused("hc_preload") {
+            "hc_pre_pl"
+        } else {
+            "hc_pre"
+        };
         launch!(
             self,
-            "hc_pre",
+            name,
             cfg2(1, n_tok, threads as u32),
             h,
             mix,
@@ -338,7 +348,7 @@ impl Gpu {
         )
     }
 
-    ///
+    /// H'_j = out·post_j + Σ_i comb[i][j]·H_i per token, post and comb from `hcp`.
     /// With `parts` ≠ 0 the sublayer output is the sum of the token's `n_parts` rows
     /// there (k ascending) plus `out`: the routed experts and the shared expert.
     #[allow(clippy::too_many_arguments)]
@@ -354,10 +364,16 @@ impl Gpu {
         n_embd: usize,
         h_out: u64,
     ) -> Result<(), CudaError> {
+        check_hc_streams(n_hc)?;
         let (nh, ne, np) = (n_hc as i32, n_embd as i32, n_parts as i32);
+        let name = if self.fused("hc_preload") {
+            "hc_post_pl"
+        } else {
+            "hc_post"
+        };
         launch!(
             self,
-            "hc_post",
+            name,
             cfg2((n_embd as u32).div_ceil(256), n_tok, 256),
             h,
             out,

@@ -1,0 +1,121 @@
+//! The hyper-connection kernels with every load issued first (`hc_pre_pl`,
+//! `hc_mix_pl`, `hc_post_pl`, fusion `hc_preload`) against the kernels they replace,
+//! bit for bit, through the same launchers at the Flash shape (4 streams of 4,096).
+
+use anyhow::Result;
+use ds4_cuda::{Gpu, HcNorm, WT_F16, WT_F32};
+
+use crate::gpu_selftest::{bit_identical, same_bits, Check};
+use crate::rng::Rng;
+
+const N_HC: usize = 4;
+const N_EMBD: usize = 4096;
+
+fn normal(rng: &mut Rng, n: usize, s: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.normal() * s).collect()
+}
+
+/// Runs `f` with `hc_preload` off, then on; both results.
+fn both<T>(gpu: &Gpu, f: impl Fn() -> Result<T>) -> Result<(T, T)> {
+    let plain = gpu.with_fusion("hc_preload", false, &f)?;
+    let pre = gpu.with_fusion("hc_preload", true, &f)?;
+    Ok((plain, pre))
+}
+
+pub fn check_hc_preload(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+    let mut rng = Rng::stream(seed, 0x4c, 0);
+    let mut checks = Vec::new();
+    let h = gpu.upload(&normal(&mut rng, N_HC * N_EMBD, 1.0))?;
+
+    // hc_mix: 24 outputs over the 16,384 values of H, F16 and F32 weights.
+    let n = N_HC * N_EMBD;
+    let f32w = normal(&mut rng, 24 * n, 0.02);
+    let f16w: Vec<u16> = f32w
+        .iter()
+        .map(|&v| ds4_gguf::quant::f32_to_f16(v))
+        .collect();
+    let (w32, w16) = (gpu.upload(&f32w)?, gpu.upload(&f16w)?);
+    for (ty, w, name) in [
+        (WT_F32, gpu.ptr(&w32), "F32"),
+        (WT_F16, gpu.ptr(&w16), "F16"),
+    ] {
+        let (a, b) = both(gpu, || {
+            let mix = gpu.upload(&[f32::NAN; 24])?;
+            gpu.hc_mix(1, gpu.ptr(&h), n, w, ty, 1e-6, gpu.ptr(&mix), 24)?;
+            Ok(gpu.download(&mix)?)
+        })?;
+        checks.push(bit_identical(
+            format!("hc_mix_pl = hc_mix {name} 24x{n}"),
+            same_bits(&a, &b),
+        ));
+    }
+
+    // hc_pre with the sublayer norm and its Q8_0 form.
+    let mix = gpu.upload(&normal(&mut rng, (2 + N_HC) * N_HC, 1.0))?;
+    let scale = gpu.upload(&normal(&mut rng, 3, 0.5))?;
+    let base = gpu.upload(&normal(&mut rng, (2 + N_HC) * N_HC, 0.5))?;
+    let norm_w = gpu.upload(&normal(&mut rng, N_EMBD, 1.0))?;
+    let (a, b) = both(gpu, || {
+        let y = gpu.upload(&vec![f32::NAN; N_EMBD])?;
+        let out = gpu.upload(&vec![f32::NAN; N_EMBD])?;
+        let q = gpu.zeros::<i8>(N_EMBD)?;
+        let d = gpu.upload(&vec![f32::NAN; N_EMBD / 32])?;
+        let norm = HcNorm {
+            w: gpu.ptr(&norm_w),
+            w_type: WT_F32,
+            eps: 1e-6,
+            out: gpu.ptr(&out),
+            q: gpu.ptr(&q),
+            d: gpu.ptr(&d),
+        };
+        gpu.hc_pre(
+            1,
+            gpu.ptr(&h),
+            gpu.ptr(&mix),
+            gpu.ptr(&scale),
+            gpu.ptr(&base),
+            N_HC,
+            N_EMBD,
+            1e-6,
+            gpu.ptr(&y),
+            Some(norm),
+        )?;
+        let q: Vec<f32> = gpu.download(&q)?.iter().map(|&v| v as f32).collect();
+        let mut all = gpu.download(&y)?;
+        all.extend(gpu.download(&out)?);
+        all.extend(q);
+        all.extend(gpu.download(&d)?);
+        Ok(all)
+    })?;
+    checks.push(bit_identical(
+        format!("hc_pre_pl = hc_pre {N_HC}x{N_EMBD} (y, norm, Q8_0)"),
+        same_bits(&a, &b),
+    ));
+
+    // hc_post without parts (attention) and with the 6 + 1 expert rows (FFN).
+    let out = gpu.upload(&normal(&mut rng, N_EMBD, 1.0))?;
+    let parts = gpu.upload(&normal(&mut rng, 7 * N_EMBD, 1.0))?;
+    let hcp = gpu.upload(&normal(&mut rng, N_HC + N_HC * N_HC, 0.5))?;
+    for (parts_p, n_parts) in [(0u64, 0usize), (gpu.ptr(&parts), 7)] {
+        let (a, b) = both(gpu, || {
+            let h_out = gpu.upload(&vec![f32::NAN; N_HC * N_EMBD])?;
+            gpu.hc_post(
+                1,
+                gpu.ptr(&h),
+                gpu.ptr(&out),
+                parts_p,
+                n_parts,
+                gpu.ptr(&hcp),
+                N_HC,
+                N_EMBD,
+                gpu.ptr(&h_out),
+            )?;
+            Ok(gpu.download(&h_out)?)
+        })?;
+        checks.push(bit_identical(
+            format!("hc_post_pl = hc_post {N_HC}x{N_EMBD}, {n_parts} parts"),
+            same_bits(&a, &b),
+        ));
+    }
+    Ok(checks)
+}
