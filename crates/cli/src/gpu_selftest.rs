@@ -191,7 +191,7 @@ pub fn check_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
             checks.push(check_hc_mix(gpu, &mut rng, ty, n_tok)?);
         }
     }
-    checks.extend(crate::gpu_hc_check::check_hc_preload(gpu, seed)?);
+    checks.extend(crate::gpu_variant_check::check_variants(gpu, seed)?);
     checks.extend(crate::gpu_matmul_check::check_matmul(gpu, seed)?);
     Ok(checks)
 }

@@ -1431,13 +1431,16 @@ extern "C" __global__ void __launch_bounds__(128) attention_combine(const float*
 // top-k of probs + bias (largest first, ties to the lower index, as the CPU's strict >
 // insertion); weights from the unbiased probs, normalised (floor 2^-14) and scaled.
 // One block of 512 threads (n_expert ≤ 512).
-extern "C" __global__ void __launch_bounds__(512) router(const Step* step, const float* logits,
+// WIDE (router_wide, `router4`): the rank loop reads four keys per load; the same
+// counts, so the same picks.
+template <bool WIDE>
+__device__ __forceinline__ void router_body(const Step* step, const float* logits,
         int n_expert, int k, const float* bias, const i32* tid2eid, float wscale, i32* ids,
         float* weights) {
     PDL_WAIT();
     PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     __shared__ float probs[512];
-    __shared__ float key[512];
+    __shared__ __align__(16) float key[512];
     __shared__ int sel[64];
     step += blockIdx.x;
     logits += (i64)blockIdx.x * n_expert;
@@ -1463,8 +1466,22 @@ extern "C" __global__ void __launch_bounds__(512) router(const Step* step, const
         if (e < n_expert) {
             const float ke = key[e];
             int r = 0;
+            int j = 0;
+            if (WIDE) {
+                // Four keys per (broadcast) shared-memory load: the loop was bound by
+                // one LDS per key and warp, 16 warps × 256 keys ≈ 2 µs.
+                const float4* k4 = reinterpret_cast<const float4*>(key);
+#pragma unroll 4
+                for (; j + 4 <= n_expert; j += 4) {
+                    const float4 kv = k4[j / 4];
+                    r += (kv.x > ke) | ((kv.x == ke) & (j < e));
+                    r += (kv.y > ke) | ((kv.y == ke) & (j + 1 < e));
+                    r += (kv.z > ke) | ((kv.z == ke) & (j + 2 < e));
+                    r += (kv.w > ke) | ((kv.w == ke) & (j + 3 < e));
+                }
+            }
 #pragma unroll 8
-            for (int j = 0; j < n_expert; ++j) {
+            for (; j < n_expert; ++j) {
                 const float kj = key[j];
                 r += (kj > ke) | ((kj == ke) & (j < e));
             }
@@ -1481,6 +1498,17 @@ extern "C" __global__ void __launch_bounds__(512) router(const Step* step, const
             weights[j] = probs[sel[j]] / s * wscale;
         }
     }
+}
+
+#define ROUTER_PARAMS                                                                   \
+    const Step *step, const float *logits, int n_expert, int k, const float *bias,       \
+        const i32 *tid2eid, float wscale, i32 *ids, float *weights
+#define ROUTER_ARGS step, logits, n_expert, k, bias, tid2eid, wscale, ids, weights
+extern "C" __global__ void __launch_bounds__(512) router(ROUTER_PARAMS) {
+    router_body<false>(ROUTER_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(512) router_wide(ROUTER_PARAMS) {
+    router_body<true>(ROUTER_ARGS);
 }
 
 // ---- SwiGLU with the asymmetric clamp, scaled by the routing weight (null: 1).

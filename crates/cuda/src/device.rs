@@ -113,13 +113,16 @@ pub const FUSIONS: [&str; 7] = [
 /// L1 / shared split for all, no reconfiguration between kernels); not yet measured.
 /// `hc_preload`: `hc_pre_pl`, `hc_mix_pl`, `hc_post_pl`, the hyper-connection kernels
 /// with every load issued before the first use or store (hc_pre waited for each
-/// stream's mix and base in turn); bit-identical; not yet measured.
-pub const FUSIONS_OPT_IN: [&str; 5] = [
+/// stream's mix and base in turn); bit-identical; not yet measured. `router4`:
+/// `router_wide`, the router's rank loop reading four keys per shared-memory load
+/// (it was bound by one load per key and warp); same picks; not yet measured.
+pub const FUSIONS_OPT_IN: [&str; 6] = [
     "iq2_lut32",
     "att_stage",
     "f16_early",
     "carveout",
     "hc_preload",
+    "router4",
 ];
 
 fn fuse_env() -> Vec<&'static str> {

@@ -931,9 +931,14 @@ impl Gpu {
             )));
         }
         let (ne, kk) = (n_expert as i32, k as i32);
+        let name = if self.fused("router4") {
+            "router_wide"
+        } else {
+            "router"
+        };
         launch!(
             self,
-            "router",
+            name,
             cfg(n_tok as u32, 512),
             step,
             logits,

@@ -1,6 +1,8 @@
-//! The hyper-connection kernels with every load issued first (`hc_pre_pl`,
-//! `hc_mix_pl`, `hc_post_pl`, fusion `hc_preload`) against the kernels they replace,
-//! bit for bit, through the same launchers at the Flash shape (4 streams of 4,096).
+//! Kernel variants that must give the same bits as the kernels they replace, run
+//! through the same launchers with their fusion off and on: the hyper-connection
+//! kernels with every load issued first (`hc_pre_pl`, `hc_mix_pl`, `hc_post_pl`,
+//! fusion `hc_preload`) at the Flash shape (4 streams of 4,096), and the router reading
+//! four keys per load (`router_wide`, fusion `router4`).
 
 use anyhow::Result;
 use ds4_cuda::{Gpu, HcNorm, WT_F16, WT_F32};
@@ -15,14 +17,62 @@ fn normal(rng: &mut Rng, n: usize, s: f32) -> Vec<f32> {
     (0..n).map(|_| rng.normal() * s).collect()
 }
 
-/// Runs `f` with `hc_preload` off, then on; both results.
-fn both<T>(gpu: &Gpu, f: impl Fn() -> Result<T>) -> Result<(T, T)> {
-    let plain = gpu.with_fusion("hc_preload", false, &f)?;
-    let pre = gpu.with_fusion("hc_preload", true, &f)?;
-    Ok((plain, pre))
+/// Runs `f` with fusion `name` off, then on; both results.
+fn both<T>(gpu: &Gpu, name: &'static str, f: impl Fn() -> Result<T>) -> Result<(T, T)> {
+    let plain = gpu.with_fusion(name, false, &f)?;
+    let variant = gpu.with_fusion(name, true, &f)?;
+    Ok((plain, variant))
 }
 
-pub fn check_hc_preload(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+pub fn check_variants(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+    let mut checks = check_hc_preload(gpu, seed)?;
+    checks.push(check_router_wide(gpu, seed)?);
+    Ok(checks)
+}
+
+/// Top-6 of 256 experts for 5 tokens, with tied keys (ties go to the lower index).
+fn check_router_wide(gpu: &Gpu, seed: u64) -> Result<Check> {
+    let mut rng = Rng::stream(seed, 0x7e, 0);
+    let (n_tok, n_expert, k) = (5usize, 256usize, 6usize);
+    let mut logits = normal(&mut rng, n_tok * n_expert, 2.0);
+    for t in 0..n_tok {
+        // a few exact ties among the likely picks
+        let row = &mut logits[t * n_expert..(t + 1) * n_expert];
+        let top = row.iter().cloned().fold(f32::MIN, f32::max);
+        row[7] = top;
+        row[200] = top;
+        row[31] = row[30];
+    }
+    // No bias: it would break the ties between keys.
+    let bias = gpu.upload(&vec![0f32; n_expert])?;
+    let steps: Vec<i32> = (0..n_tok as i32).flat_map(|p| [p, 0]).collect();
+    let (steps, logits) = (gpu.upload(&steps)?, gpu.upload(&logits)?);
+    let (a, b) = both(gpu, "router4", || {
+        let ids = gpu.zeros::<i32>(n_tok * k)?;
+        let w = gpu.upload(&vec![f32::NAN; n_tok * k])?;
+        gpu.router(
+            n_tok,
+            gpu.ptr(&steps),
+            gpu.ptr(&logits),
+            n_expert,
+            k,
+            gpu.ptr(&bias),
+            0,
+            1.5,
+            gpu.ptr(&ids),
+            gpu.ptr(&w),
+        )?;
+        let mut all: Vec<f32> = gpu.download(&ids)?.iter().map(|&i| i as f32).collect();
+        all.extend(gpu.download(&w)?);
+        Ok(all)
+    })?;
+    Ok(bit_identical(
+        format!("router_wide = router {n_expert} experts, top {k}, ties"),
+        same_bits(&a, &b),
+    ))
+}
+
+fn check_hc_preload(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::stream(seed, 0x4c, 0);
     let mut checks = Vec::new();
     let h = gpu.upload(&normal(&mut rng, N_HC * N_EMBD, 1.0))?;
@@ -39,7 +89,7 @@ pub fn check_hc_preload(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
         (WT_F32, gpu.ptr(&w32), "F32"),
         (WT_F16, gpu.ptr(&w16), "F16"),
     ] {
-        let (a, b) = both(gpu, || {
+        let (a, b) = both(gpu, "hc_preload", || {
             let mix = gpu.upload(&[f32::NAN; 24])?;
             gpu.hc_mix(1, gpu.ptr(&h), n, w, ty, 1e-6, gpu.ptr(&mix), 24)?;
             Ok(gpu.download(&mix)?)
@@ -55,7 +105,7 @@ pub fn check_hc_preload(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     let scale = gpu.upload(&normal(&mut rng, 3, 0.5))?;
     let base = gpu.upload(&normal(&mut rng, (2 + N_HC) * N_HC, 0.5))?;
     let norm_w = gpu.upload(&normal(&mut rng, N_EMBD, 1.0))?;
-    let (a, b) = both(gpu, || {
+    let (a, b) = both(gpu, "hc_preload", || {
         let y = gpu.upload(&vec![f32::NAN; N_EMBD])?;
         let out = gpu.upload(&vec![f32::NAN; N_EMBD])?;
         let q = gpu.zeros::<i8>(N_EMBD)?;
@@ -97,7 +147,7 @@ pub fn check_hc_preload(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     let parts = gpu.upload(&normal(&mut rng, 7 * N_EMBD, 1.0))?;
     let hcp = gpu.upload(&normal(&mut rng, N_HC + N_HC * N_HC, 0.5))?;
     for (parts_p, n_parts) in [(0u64, 0usize), (gpu.ptr(&parts), 7)] {
-        let (a, b) = both(gpu, || {
+        let (a, b) = both(gpu, "hc_preload", || {
             let h_out = gpu.upload(&vec![f32::NAN; N_HC * N_EMBD])?;
             gpu.hc_post(
                 1,
