@@ -73,9 +73,10 @@ pub struct Gpu {
     trace: Mutex<Option<crate::trace::KernelTrace>>,
     /// Pinned buffers of [`Gpu::upload_gather`] while weights are being uploaded.
     pub(crate) staging: Mutex<Option<crate::upload::Staging>>,
-    /// `prio` on and supported: the context's (least, greatest) priority. Captured
-    /// kernels get the greatest, those launched inside [`Gpu::background`] the least.
-    prio: Option<(i32, i32)>,
+    /// The context's (least, greatest) priority when the driver supports node
+    /// priorities. Under `prio` captured kernels get the greatest, those launched
+    /// inside [`Gpu::background`] the least.
+    prio_range: Option<(i32, i32)>,
     /// A graph capture is running (set by begin_capture / end_capture).
     capturing: std::sync::atomic::AtomicBool,
     /// Launches are background work (see [`Gpu::background`]).
@@ -230,7 +231,7 @@ impl Gpu {
                         .collect()
                 })
                 .unwrap_or_default(),
-            prio: fuse.contains(&"prio").then(priority_range).flatten(),
+            prio_range: priority_range(),
             fuse: std::sync::RwLock::new(fuse),
             trace: Mutex::new(trace),
             staging: Mutex::new(None),
@@ -284,22 +285,53 @@ impl Gpu {
             .contains(&name)
     }
 
-    /// Runs `f` with `name` turned on or off (not `prio`, which is fixed when the GPU is
-    /// opened), then restores the setting: the selftest's comparisons of a kernel
-    /// variant with the kernel it replaces, through the same launcher.
+    /// Node priorities are on (`prio`) and the driver supports them.
+    fn prio_on(&self) -> bool {
+        self.prio_range.is_some() && self.fused("prio")
+    }
+
+    /// Runs `f` with `name` turned on or off, then restores the setting: the selftest's
+    /// comparisons of a kernel variant with the kernel it replaces, through the same
+    /// launcher.
     #[doc(hidden)]
     pub fn with_fusion<T>(&self, name: &'static str, on: bool, f: impl FnOnce() -> T) -> T {
-        let before = self.fuse.read().unwrap_or_else(|e| e.into_inner()).clone();
-        {
-            let mut w = self.fuse.write().unwrap_or_else(|e| e.into_inner());
-            w.retain(|n| *n != name);
-            if on {
-                w.push(name);
+        let before = self.fusions();
+        let mut now = before.clone();
+        now.retain(|n| *n != name);
+        if on {
+            now.push(name);
+        }
+        self.set_fusion_list(now);
+        let r = f();
+        self.set_fusion_list(before);
+        r
+    }
+
+    /// The restructurings on now.
+    pub fn fusions(&self) -> Vec<&'static str> {
+        self.fuse.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Replaces the restructurings with those a `DS4_CUDA_FUSE` value names (`None`:
+    /// the defaults) for what is launched or captured from now on (`ds4-bench
+    /// --fuse-ab`: one process times several settings). Returns the list kept.
+    pub fn set_fusions(&self, setting: Option<&str>) -> Vec<&'static str> {
+        let list = parse_fuse(setting);
+        self.set_fusion_list(list.clone());
+        list
+    }
+
+    fn set_fusion_list(&self, list: Vec<&'static str>) {
+        let carve_before = self.fused("carveout");
+        let carve = list.contains(&"carveout");
+        *self.fuse.write().unwrap_or_else(|e| e.into_inner()) = list;
+        if carve != carve_before {
+            // The attribute of every kernel loaded so far follows the setting.
+            let funcs = self.funcs.lock().expect("kernel table lock");
+            for f in funcs.values() {
+                let _ = set_carveout(f, carve);
             }
         }
-        let r = f();
-        *self.fuse.write().unwrap_or_else(|e| e.into_inner()) = before;
-        r
     }
 
     /// The kernels `DS4_CUDA_SKIP` keeps from launching (empty normally): a program
@@ -320,7 +352,7 @@ impl Gpu {
         }
         let Some(p) = &self.profile else {
             launch()?;
-            if self.prio.is_some() && self.capturing.load(std::sync::atomic::Ordering::Relaxed) {
+            if self.capturing.load(std::sync::atomic::Ordering::Relaxed) && self.prio_on() {
                 self.prioritise_last_node()?;
             }
             return Ok(());
@@ -389,13 +421,7 @@ impl Gpu {
             .load_function(name)
             .map_err(|_| CudaError::MissingKernel(name.to_string()))?;
         if self.fused("carveout") {
-            // Every kernel asks for the same L1 / shared-memory split, so an SM never
-            // drains to reconfigure it between a kernel with a large shared-memory
-            // block (indexer scores, staged attention) and its neighbours.
-            k.set_attribute(
-                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                100,
-            )?;
+            set_carveout(&k, true)?;
         }
         f.insert(name, k.clone());
         Ok(k)
@@ -694,6 +720,18 @@ unsafe fn make_edges_programmatic(graph: sys::CUgraph) -> Result<usize, CudaErro
     Ok(done)
 }
 
+/// `carveout`: every kernel asks for the same L1 / shared-memory split (the most shared
+/// memory), so an SM never drains to reconfigure it between a kernel with a large
+/// shared-memory block (indexer scores, staged attention) and its neighbours; off: the
+/// driver's default per kernel.
+fn set_carveout(f: &CudaFunction, on: bool) -> Result<(), CudaError> {
+    f.set_attribute(
+        sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+        if on { 100 } else { -1 },
+    )?;
+    Ok(())
+}
+
 /// The current context's (least, greatest) stream priority, when the driver has what
 /// node priorities need (capture info v3, kernel node attributes) and a range to use.
 fn priority_range() -> Option<(i32, i32)> {
@@ -730,7 +768,7 @@ impl Gpu {
     /// Sets the priority of the kernel node just captured on the launch stream (the
     /// stream's only dependency right after a launch).
     fn prioritise_last_node(&self) -> Result<(), CudaError> {
-        let Some((least, greatest)) = self.prio else {
+        let Some((least, greatest)) = self.prio_range else {
             return Ok(());
         };
         let p = if self.background.load(std::sync::atomic::Ordering::Relaxed) {
@@ -792,7 +830,7 @@ impl Gpu {
         self.capturing
             .store(false, std::sync::atomic::Ordering::Relaxed);
         // Node priorities count only when the instance is told to use them.
-        let flags = if self.prio.is_some() {
+        let flags = if self.prio_on() {
             sys::CUgraphInstantiate_flags_enum::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY
         } else {
             sys::CUgraphInstantiate_flags_enum(0)

@@ -23,6 +23,8 @@ use ds4_engine::{LoadOptions, Model, Numerics, Session, SessionOptions};
 use ds4_gguf::GgufFile;
 use indicatif::{ProgressBar, ProgressStyle};
 
+mod fuse_ab;
+
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
 enum BackendKind {
     Cpu,
@@ -102,6 +104,17 @@ struct Args {
     /// Draw --plot from this earlier ds4-bench CSV instead of running a benchmark.
     #[arg(long, requires = "plot")]
     plot_from: Option<PathBuf>,
+    /// A/B of decode-graph restructurings in one process (CUDA, weights loaded once):
+    /// LABEL=SETTING with SETTING a `DS4_CUDA_FUSE` value (`all`: the defaults, `0`:
+    /// none); repeat the option. Each setting gets a fresh session that prefills
+    /// --ctx-start tokens and decodes --gen-tokens. CSV columns:
+    /// `label,round,ctx_tokens,prefill_tps,gen_tps`. Keep --ctx-max as in the runs
+    /// compared (it sizes buffers).
+    #[arg(long = "fuse-ab", value_name = "LABEL=SETTING")]
+    fuse_ab: Vec<String>,
+    /// Rounds of --fuse-ab, the settings interleaved in each.
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
     /// CUDA device.
     #[arg(long, default_value_t = 0)]
     device: usize,
@@ -240,8 +253,15 @@ fn main() -> Result<()> {
             .build_global()
             .ok();
     }
+    let specs = fuse_ab::parse_specs(&a.fuse_ab)?;
+    if !specs.is_empty() && a.backend == Some(BackendKind::Cpu) {
+        bail!("--fuse-ab times CUDA decode graphs: leave out --backend cpu");
+    }
     let model = load_model(&a)?;
     let numerics = model.numerics();
+    if !specs.is_empty() {
+        return fuse_ab::run(&a, &model, &specs, alloc);
+    }
     let backend = a.backend.unwrap_or(if driver_present() {
         BackendKind::Cuda
     } else {
@@ -277,11 +297,7 @@ fn main() -> Result<()> {
         }
     };
     let prompt = prompt_tokens(&a, &model, a.ctx_max)?;
-    let eos = model
-        .gguf()
-        .get("tokenizer.ggml.eos_token_id")
-        .and_then(|v| v.as_i64())
-        .unwrap_or(1) as u32;
+    let eos = eos_token(&model);
 
     let mut out: Box<dyn Write> = match &a.csv {
         Some(p) => Box::new(
@@ -305,18 +321,7 @@ fn main() -> Result<()> {
         if let Some(g) = &gpu_for_profile {
             profile_prefill.add(g.profile_take()?);
         }
-        let t = Instant::now();
-        for _ in 0..a.gen_tokens {
-            let logits = session.logits();
-            let mut best = 0usize;
-            for (i, &v) in logits.iter().enumerate() {
-                if i as u32 != eos && (best as u32 == eos || v > logits[best]) {
-                    best = i;
-                }
-            }
-            session.decode(best as u32)?;
-        }
-        let gen_s = t.elapsed().as_secs_f64();
+        let gen_s = decode_greedy(&mut session, a.gen_tokens, eos)?;
         if let Some(g) = &gpu_for_profile {
             profile_decode.add(g.profile_take()?);
         }
@@ -370,6 +375,31 @@ fn main() -> Result<()> {
             .with_context(|| format!("cannot write {}", p.display()))?;
     }
     Ok(())
+}
+
+/// The model's end-of-sequence token (never picked by the greedy probe).
+fn eos_token(model: &Model) -> u32 {
+    model
+        .gguf()
+        .get("tokenizer.ggml.eos_token_id")
+        .and_then(|v| v.as_i64())
+        .unwrap_or(1) as u32
+}
+
+/// Decodes `n` greedy non-EOS tokens; the seconds it took.
+fn decode_greedy(session: &mut Session, n: usize, eos: u32) -> Result<f64> {
+    let t = Instant::now();
+    for _ in 0..n {
+        let logits = session.logits();
+        let mut best = 0usize;
+        for (i, &v) in logits.iter().enumerate() {
+            if i as u32 != eos && (best as u32 == eos || v > logits[best]) {
+                best = i;
+            }
+        }
+        session.decode(best as u32)?;
+    }
+    Ok(t.elapsed().as_secs_f64())
 }
 
 /// `DS4_CUDA_PROFILE` totals per kernel: (launches, ms).
