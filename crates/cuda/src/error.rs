@@ -13,6 +13,16 @@ pub enum CudaError {
     Compile(String),
     #[error("kernel {0} is missing from the kernel module")]
     MissingKernel(String),
+    #[error(
+        "the weights need {need_gib:.2} GiB of GPU memory but {name} has {free_gib:.2} GiB free \
+         (of {total_gib:.2}): use a GPU with more memory or the CPU backend (--backend cpu)"
+    )]
+    OutOfMemory {
+        name: String,
+        need_gib: f64,
+        free_gib: f64,
+        total_gib: f64,
+    },
     #[error("{0}")]
     Invalid(String),
 }

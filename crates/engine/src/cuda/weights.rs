@@ -168,6 +168,20 @@ impl CudaWeights {
         model: &Model,
         progress: &dyn Fn(usize),
     ) -> Result<CudaWeights, CudaError> {
+        // Fail before uploading anything when the weights cannot fit (the q2 file on an
+        // 80 GB card): otherwise the allocation fails a minute later, near the end.
+        let need = model.gguf().tensor_bytes() as usize;
+        if let Ok((free, total)) = gpu.mem_info() {
+            if need > free {
+                let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+                return Err(CudaError::OutOfMemory {
+                    name: gpu.info().name.clone(),
+                    need_gib: gib(need),
+                    free_gib: gib(free),
+                    total_gib: gib(total),
+                });
+            }
+        }
         let cfg = model.config().clone();
         let w = model.weights();
         let inner = model.inner();
