@@ -248,9 +248,10 @@ pub fn check_attention_mma(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     Ok(checks)
 }
 
-/// The decode layout (each token's rows split evenly over 32 chunks, then the combine)
-/// against the f64 reference, and the staged kernel (`attention_split_staged`, rows
-/// copied to shared memory) against the plain one bit for bit.
+/// The decode layout (one token per launch, its rows split evenly over 32 chunks, then
+/// the combine) against the f64 reference, and the staged kernel (`att_stage`:
+/// `attention_split_staged`, rows copied to shared memory) against the plain one bit
+/// for bit.
 fn check_decode_split(
     gpu: &Gpu,
     inputs: &DeviceInputs,
@@ -259,21 +260,24 @@ fn check_decode_split(
 ) -> Result<[Check; 2]> {
     let n = inputs.n;
     let chunks = 32;
-    let acc = gpu.zeros::<f32>(n * HEADS * chunks * HD)?;
-    let ml = gpu.zeros::<f32>(2 * n * HEADS * chunks)?;
+    let acc = gpu.zeros::<f32>(HEADS * chunks * HD)?;
+    let ml = gpu.zeros::<f32>(2 * HEADS * chunks)?;
     let run = |staged: bool| -> Result<Vec<f32>> {
         let out = gpu.upload(&vec![f32::NAN; n * HEADS * HD])?;
-        let a = inputs.input(gpu);
-        gpu.attention_variant(
-            &a,
-            0,
-            chunks,
-            gpu.ptr(&acc),
-            gpu.ptr(&ml),
-            gpu.ptr(&out),
-            None,
-            staged,
-        )?;
+        for t in 0..n {
+            // Token t alone: its step entry (two i32), queries, top-k row and output.
+            let mut a = inputs.input(gpu);
+            a.n_tok = 1;
+            a.step += (t * 2 * 4) as u64;
+            a.q += (t * HEADS * HD * 4) as u64;
+            if a.sel != 0 {
+                a.sel += (t * TOP_K * 4) as u64;
+            }
+            let o = gpu.ptr(&out) + (t * HEADS * HD * 4) as u64;
+            gpu.with_fusion("att_stage", staged, || {
+                gpu.attention(&a, 0, chunks, gpu.ptr(&acc), gpu.ptr(&ml), o, None)
+            })?;
+        }
         Ok(gpu.download(&out)?)
     };
     let plain = run(false)?;

@@ -157,15 +157,8 @@ pub fn check_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
             if matches!(ty, GgmlType::IQ2_XXS | GgmlType::Q2_K) {
                 checks.extend(check_kernel_variants(gpu, &mut rng, &m, &ids)?);
             }
-            if ty == GgmlType::F16 {
-                checks.push(check_f16_early(gpu, &mut rng, &m)?);
-            }
         }
     }
-    // Eight 16-byte steps per lane at split 8: the early loads and the loop after them.
-    let w = random_matrix(GgmlType::F16, 16, 16384, 1, &mut rng);
-    let m = DeviceMatrix::upload(gpu, GgmlType::F16, &w, 16, 16384, 1)?;
-    checks.push(check_f16_early(gpu, &mut rng, &m)?);
     checks.push(check_quantize(gpu, &mut rng)?);
     checks.push(check_quantize_k(gpu, &mut rng)?);
     for &(rows, cols) in &[(37usize, 512usize), (256, 4096)] {
@@ -310,23 +303,6 @@ fn check_q8act(gpu: &Gpu, m: &DeviceMatrix, w: &[u8], ids: &[i32], x: &[f32]) ->
         rel_err: rel_err(&y, &reference(ty, w, rows, cols, ids, &xq, false)),
         bound: 2e-5,
     })
-}
-
-/// `matvec_f16_early` (weights loaded before the PDL wait) against `matvec_f16` on
-/// matrix 0, bit for bit.
-fn check_f16_early(gpu: &Gpu, rng: &mut Rng, m: &DeviceMatrix) -> Result<Check> {
-    let (rows, cols) = (m.rows, m.cols);
-    let x = gpu.upload(&random_vec(cols, rng))?;
-    let run = |kernel: &'static str| -> Result<Vec<f32>> {
-        let y = gpu.upload(&vec![f32::NAN; rows])?;
-        gpu.matvec_f16_kernel(m, gpu.ptr(&x), gpu.ptr(&y), 1, MatSel::default(), kernel)?;
-        Ok(gpu.download(&y)?)
-    };
-    let same = same_bits(&run("matvec_f16_early")?, &run("matvec_f16")?);
-    Ok(bit_identical(
-        format!("matvec_f16_early = matvec_f16 {rows}x{cols}"),
-        same,
-    ))
 }
 
 /// Two stacks in one launch against one launch each, bit for bit: selected matrices

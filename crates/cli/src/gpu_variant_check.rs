@@ -1,13 +1,15 @@
 //! Kernel variants that must give the same bits as the kernels they replace, run
 //! through the same launchers with their fusion off and on: the hyper-connection
 //! kernels with every load issued first (`hc_pre_pl`, `hc_mix_pl`, `hc_post_pl`,
-//! fusion `hc_preload`) at the Flash shape (4 streams of 4,096), and the router reading
-//! four keys per load (`router_wide`, fusion `router4`).
+//! fusion `hc_preload`) at the Flash shape (4 streams of 4,096), the router reading
+//! four keys per load (`router_wide`, fusion `router4`) and the F16 matvec with its
+//! first weight loads before the PDL wait (`matvec_f16_early`, fusion `f16_early`).
 
 use anyhow::Result;
-use ds4_cuda::{Gpu, HcNorm, WT_F16, WT_F32};
+use ds4_cuda::{DeviceMatrix, Gpu, HcNorm, MatSel, WT_F16, WT_F32};
+use ds4_gguf::GgmlType;
 
-use crate::gpu_selftest::{bit_identical, same_bits, Check};
+use crate::gpu_selftest::{bit_identical, random_matrix, random_vec, same_bits, Check};
 use crate::rng::Rng;
 
 const N_HC: usize = 4;
@@ -27,6 +29,29 @@ fn both<T>(gpu: &Gpu, name: &'static str, f: impl Fn() -> Result<T>) -> Result<(
 pub fn check_variants(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     let mut checks = check_hc_preload(gpu, seed)?;
     checks.push(check_router_wide(gpu, seed)?);
+    checks.extend(check_f16_early(gpu, seed)?);
+    Ok(checks)
+}
+
+/// Plain products with F16 matrices of the selftest's shapes, and one with eight
+/// 16-byte steps per lane at split 8 (the early loads and the loop after them).
+fn check_f16_early(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+    let mut rng = Rng::stream(seed, 0xf16, 0);
+    let mut checks = Vec::new();
+    for (rows, cols) in [(37usize, 512usize), (256, 4096), (129, 2048), (16, 16384)] {
+        let w = random_matrix(GgmlType::F16, rows, cols, 1, &mut rng);
+        let m = DeviceMatrix::upload(gpu, GgmlType::F16, &w, rows, cols, 1)?;
+        let x = gpu.upload(&random_vec(cols, &mut rng))?;
+        let (a, b) = both(gpu, "f16_early", || {
+            let y = gpu.upload(&vec![f32::NAN; rows])?;
+            gpu.matvec(&m, gpu.ptr(&x), gpu.ptr(&y), 1, MatSel::default())?;
+            Ok(gpu.download(&y)?)
+        })?;
+        checks.push(bit_identical(
+            format!("matvec_f16_early = matvec_f16 {rows}x{cols}"),
+            same_bits(&a, &b),
+        ));
+    }
     Ok(checks)
 }
 

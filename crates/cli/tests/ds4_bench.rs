@@ -21,6 +21,17 @@ fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
+/// `ds4-bench --plot-from CSV --plot SVG`.
+fn plot(csv: &Path, svg: &Path) -> std::process::Output {
+    Command::new(DS4_BENCH)
+        .arg("--plot-from")
+        .arg(csv)
+        .arg("--plot")
+        .arg(svg)
+        .output()
+        .unwrap()
+}
+
 #[test]
 fn walks_frontiers_and_writes_one_row_each() {
     let d = tmp_dir("walk");
@@ -78,13 +89,7 @@ fn draws_a_chart_of_an_earlier_csv() {
     )
     .unwrap();
     let svg = d.join("chart.svg");
-    let o = Command::new(DS4_BENCH)
-        .arg("--plot-from")
-        .arg(&csv)
-        .arg("--plot")
-        .arg(&svg)
-        .output()
-        .unwrap();
+    let o = plot(&csv, &svg);
     assert!(o.status.success(), "{}", text(&o.stderr));
     let s = std::fs::read_to_string(&svg).unwrap();
     assert!(s.starts_with("<svg") && s.trim_end().ends_with("</svg>"));
@@ -93,13 +98,7 @@ fn draws_a_chart_of_an_earlier_csv() {
     // Not a ds4-bench CSV: a clear error, no chart.
     std::fs::write(&csv, "a,b\n1,2\n").unwrap();
     let bad = d.join("bad.svg");
-    let o = Command::new(DS4_BENCH)
-        .arg("--plot-from")
-        .arg(&csv)
-        .arg("--plot")
-        .arg(&bad)
-        .output()
-        .unwrap();
+    let o = plot(&csv, &bad);
     assert!(!o.status.success());
     assert!(text(&o.stderr).contains("not a ds4-bench CSV"));
     assert!(!bad.exists());

@@ -285,6 +285,21 @@ impl Gpu {
             .contains(&name)
     }
 
+    /// `variant` when the restructuring `fusion` is on, else `plain`: the kernel of a
+    /// launcher that has an opt-in replacement.
+    pub(crate) fn kernel_for(
+        &self,
+        fusion: &str,
+        plain: &'static str,
+        variant: &'static str,
+    ) -> &'static str {
+        if self.fused(fusion) {
+            variant
+        } else {
+            plain
+        }
+    }
+
     /// Node priorities are on (`prio`) and the driver supports them.
     fn prio_on(&self) -> bool {
         self.prio_range.is_some() && self.fused("prio")

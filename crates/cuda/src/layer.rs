@@ -191,11 +191,7 @@ impl Gpu {
         n_out: usize,
     ) -> Result<(), CudaError> {
         let n = n as i32;
-        let name = if self.fused("hc_preload") {
-            "hc_mix_pl"
-        } else {
-            "hc_mix"
-        };
+        let name = self.kernel_for("hc_preload", "hc_mix", "hc_mix_pl");
         launch!(
             self,
             name,
@@ -290,11 +286,7 @@ impl Gpu {
         }
         let (nh, ne) = (n_hc as i32, n_embd as i32);
         let nm = norm.unwrap_or_default();
-        let name = if self.fused("hc_preload") {
-            "hc_pre_pl"
-        } else {
-            "hc_pre"
-        };
+        let name = self.kernel_for("hc_preload", "hc_pre", "hc_pre_pl");
         launch!(
             self,
             name,
@@ -366,11 +358,7 @@ impl Gpu {
     ) -> Result<(), CudaError> {
         check_hc_streams(n_hc)?;
         let (nh, ne, np) = (n_hc as i32, n_embd as i32, n_parts as i32);
-        let name = if self.fused("hc_preload") {
-            "hc_post_pl"
-        } else {
-            "hc_post"
-        };
+        let name = self.kernel_for("hc_preload", "hc_post", "hc_post_pl");
         launch!(
             self,
             name,
@@ -748,35 +736,6 @@ impl Gpu {
         out: u64,
         tail: Option<&AttnTail>,
     ) -> Result<(), CudaError> {
-        // A decode token's blocks stage their rows in shared memory (`att_stage`).
-        let staged = a.n_tok == 1 && self.fused("att_stage");
-        self.attention_variant(
-            a,
-            rows_per_chunk,
-            n_chunks,
-            part_acc,
-            part_ml,
-            out,
-            tail,
-            staged,
-        )
-    }
-
-    /// [`Gpu::attention`] with the kernel chosen: `staged` = `attention_split_staged`
-    /// (the selftest's comparison of the two).
-    #[doc(hidden)]
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention_variant(
-        &self,
-        a: &AttnInput,
-        rows_per_chunk: usize,
-        n_chunks: usize,
-        part_acc: u64,
-        part_ml: u64,
-        out: u64,
-        tail: Option<&AttnTail>,
-        staged: bool,
-    ) -> Result<(), CudaError> {
         let (hd, heads, raw_cap, window) = (a.hd, a.heads, a.raw_cap, a.window);
         if let Some(t) = tail {
             t.check(hd)?;
@@ -813,6 +772,8 @@ impl Gpu {
             None => (0, 0.0, RopeP::default()),
         };
         let groups = (heads as u32).div_ceil(8);
+        // A decode token's blocks stage their rows in shared memory (`att_stage`).
+        let staged = a.n_tok == 1 && self.fused("att_stage");
         let (name, smem) = if staged {
             ("attention_split_staged", (ATT_STAGE_ROWS * hd * 4) as u32)
         } else {
@@ -931,11 +892,7 @@ impl Gpu {
             )));
         }
         let (ne, kk) = (n_expert as i32, k as i32);
-        let name = if self.fused("router4") {
-            "router_wide"
-        } else {
-            "router"
-        };
+        let name = self.kernel_for("router4", "router", "router_wide");
         launch!(
             self,
             name,

@@ -122,7 +122,7 @@ impl DeviceMatrix {
             rows,
             cols,
             n_mats,
-            parts: vec![gpu.upload_gather(src, 1, 0, 1)?],
+            parts: vec![gpu.upload_bulk(src)?],
         })
     }
 }

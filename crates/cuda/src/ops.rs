@@ -79,39 +79,6 @@ impl Gpu {
         n_sel: usize,
         sel: MatSel,
     ) -> Result<(), CudaError> {
-        self.matvec_launch(m, x, y, n_sel, sel, None)
-    }
-
-    /// [`Gpu::matvec`] of an F16 matrix with its kernel named: `matvec_f16` or
-    /// `matvec_f16_early` (the selftest's comparison of the two).
-    #[doc(hidden)]
-    pub fn matvec_f16_kernel(
-        &self,
-        m: &DeviceMatrix,
-        x: u64,
-        y: u64,
-        n_sel: usize,
-        sel: MatSel,
-        kernel: &'static str,
-    ) -> Result<(), CudaError> {
-        if m.ty != GgmlType::F16 || !kernel.starts_with("matvec_f16") {
-            return Err(CudaError::Invalid(format!(
-                "{kernel} is not an F16 matvec kernel for {} matrices",
-                m.ty
-            )));
-        }
-        self.matvec_launch(m, x, y, n_sel, sel, Some(kernel))
-    }
-
-    fn matvec_launch(
-        &self,
-        m: &DeviceMatrix,
-        x: u64,
-        y: u64,
-        n_sel: usize,
-        sel: MatSel,
-        kernel: Option<&'static str>,
-    ) -> Result<(), CudaError> {
         let rows = m.rows as i32;
         let cols = m.cols as i32;
         let ks = if m.ty == GgmlType::F16 {
@@ -141,12 +108,10 @@ impl Gpu {
         };
         // F16 weights loaded before the PDL wait where the selection is fixed (see
         // matvec_q8act_launch).
-        let kname = match kernel {
-            Some(k) => k,
-            None if m.ty == GgmlType::F16 && self.fused("f16_early") && sel.ids == 0 => {
-                "matvec_f16_early"
-            }
-            None => kname,
+        let kname = if m.ty == GgmlType::F16 && sel.ids == 0 {
+            self.kernel_for("f16_early", kname, "matvec_f16_early")
+        } else {
+            kname
         };
         let f = self.func(kname)?;
         let mut b = self.launch_stream().launch_builder(&f);

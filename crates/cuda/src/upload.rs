@@ -141,6 +141,12 @@ impl Gpu {
         Ok(dst)
     }
 
+    /// A new device buffer holding `src` (a weight kept in its GGUF layout), through
+    /// the staging buffers.
+    pub fn upload_bulk(&self, src: &[u8]) -> Result<CudaSlice<u8>, CudaError> {
+        self.upload_gather(src, 1, 0, 1)
+    }
+
     /// Waits for the staged copies and frees the pinned buffers (after a model load).
     pub fn release_staging(&self) -> Result<(), CudaError> {
         let mut guard = self.staging.lock().unwrap_or_else(|e| e.into_inner());

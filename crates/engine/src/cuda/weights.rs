@@ -129,7 +129,7 @@ impl Uploader<'_> {
         self.bytes += m.data().len();
         (self.progress)(m.data().len());
         Ok(DenseTensor {
-            buf: self.gpu.upload_gather(m.data(), 1, 0, 1)?,
+            buf: self.gpu.upload_bulk(m.data())?,
             ty,
         })
     }
