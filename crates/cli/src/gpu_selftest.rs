@@ -343,16 +343,79 @@ fn check_q8act_pair(gpu: &Gpu, rng: &mut Rng, m: &DeviceMatrix, ids: &[i32]) -> 
     ))
 }
 
-/// Whether two outputs agree bit for bit.
-pub(crate) fn same_bits(a: &[f32], b: &[f32]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+/// How far two outputs that should agree bit for bit are apart: a failed bit-identity
+/// check then says whether it is a rounding (a few values, ~1e-7) or a wrong kernel.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct BitDiff {
+    /// Values whose bits differ (or, for outputs of different lengths, the longer length).
+    pub differ: usize,
+    pub total: usize,
+    /// The largest |a − b| / max(|a|, |b|) over the differing values; ∞ where one side is
+    /// NaN or the lengths differ.
+    pub max_rel: f64,
 }
 
-/// A check that passes only when two kernels' outputs were identical.
-pub(crate) fn bit_identical(name: String, same: bool) -> Check {
+impl BitDiff {
+    pub fn same(&self) -> bool {
+        self.differ == 0
+    }
+
+    /// Both comparisons together (a check over several runs).
+    pub fn merge(self, o: BitDiff) -> BitDiff {
+        BitDiff {
+            differ: self.differ + o.differ,
+            total: self.total + o.total,
+            max_rel: self.max_rel.max(o.max_rel),
+        }
+    }
+}
+
+/// Compares two outputs bit for bit.
+pub(crate) fn same_bits(a: &[f32], b: &[f32]) -> BitDiff {
+    if a.len() != b.len() {
+        return BitDiff {
+            differ: a.len().max(b.len()),
+            total: a.len().max(b.len()),
+            max_rel: f64::INFINITY,
+        };
+    }
+    let mut d = BitDiff {
+        total: a.len(),
+        ..BitDiff::default()
+    };
+    for (&x, &y) in a.iter().zip(b) {
+        if x.to_bits() == y.to_bits() {
+            continue;
+        }
+        d.differ += 1;
+        let (x, y) = (x as f64, y as f64);
+        let rel = if x.is_nan() || y.is_nan() {
+            f64::INFINITY
+        } else {
+            (x - y).abs() / x.abs().max(y.abs()).max(f64::MIN_POSITIVE)
+        };
+        d.max_rel = d.max_rel.max(rel);
+    }
+    d
+}
+
+/// A check that passes only when two kernels' outputs were identical; a failure reports
+/// how many values differ and by how much.
+pub(crate) fn bit_identical(name: String, diff: BitDiff) -> Check {
+    if diff.same() {
+        return Check {
+            name: format!("{name} (bit-identical)"),
+            rel_err: 0.0,
+            bound: 0.0,
+        };
+    }
     Check {
-        name: format!("{name} (bit-identical)"),
-        rel_err: if same { 0.0 } else { f64::INFINITY },
+        name: format!(
+            "{name} (bit-identical; {} of {} values differ)",
+            diff.differ, diff.total
+        ),
+        // Differing bits never pass, even where the values compare equal (±0).
+        rel_err: diff.max_rel.max(f64::MIN_POSITIVE),
         bound: 0.0,
     }
 }
@@ -382,7 +445,7 @@ fn check_kernel_variants(
     let mut qa = gpu.alloc_quant_act(ids.len(), cols)?;
     gpu.quantize_act(gpu.ptr(&xd), &mut qa)?;
     let idd = gpu.upload(ids)?;
-    let mut same = true;
+    let mut same = BitDiff::default();
     for x_stride in [cols as i64, 0] {
         let sel = MatSel {
             ids: gpu.ptr(&idd),
@@ -396,7 +459,7 @@ fn check_kernel_variants(
         };
         let want = run(staged)?;
         for &kernel in variants {
-            same &= same_bits(&run(kernel)?, &want);
+            same = same.merge(same_bits(&run(kernel)?, &want));
         }
     }
     Ok(Some(bit_identical(
@@ -729,4 +792,36 @@ pub fn probe_q8_splits(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{bit_identical, same_bits};
+
+    #[test]
+    fn bit_identity_reports_how_far_apart() {
+        let a = [1.0f32, -2.0, 3.0, 0.0];
+        let d = same_bits(&a, &a);
+        assert!(d.same() && bit_identical("x".into(), d).passed());
+
+        // One rounding apart: fails, and says by how much.
+        let mut b = a;
+        b[2] = f32::from_bits(3.0f32.to_bits() + 1);
+        let c = bit_identical("x".into(), same_bits(&a, &b));
+        assert!(!c.passed());
+        assert!(c.name.contains("1 of 4 values differ"), "{}", c.name);
+        assert!(c.rel_err > 1e-8 && c.rel_err < 1e-6, "{}", c.rel_err);
+
+        // Equal values with different bits (±0) still fail.
+        b = a;
+        b[3] = -0.0;
+        assert!(!bit_identical("x".into(), same_bits(&a, &b)).passed());
+
+        // NaN against a number, and different lengths: infinitely far.
+        b = a;
+        b[0] = f32::NAN;
+        assert!(same_bits(&a, &b).max_rel.is_infinite());
+        assert!(same_bits(&a, &a[..3]).max_rel.is_infinite());
+        assert_eq!(same_bits(&a, &b).merge(same_bits(&a, &a)).differ, 1);
+    }
 }

@@ -402,7 +402,10 @@ extern "C" __global__ void __launch_bounds__(1024) hc_pre_pl(HC_PRE_PARAMS) {
 // plus `out` (the routed experts in order k, then the shared expert).
 // PRELOAD (hc_post_pl, `hc_preload`): out, the first HC_POST_PARTS parts, the streams
 // and post/comb are all loaded before the first store (h_out may alias them for all the
-// compiler knows, so the plain kernel reloads after each store). Same sums.
+// compiler knows, so the plain kernel reloads after each store). Same sums, and the
+// same roundings: unrolled, o·post + comb·H may contract either product into the FMA
+// (the first hc_post_pl fused o·post and failed its bit-identity check), so both
+// kernels spell the multiply and the FMAs out.
 #define HC_POST_PARTS 8
 template <bool PRELOAD>
 __device__ __forceinline__ void hc_post_body(const float* h, const float* out,
@@ -449,10 +452,10 @@ __device__ __forceinline__ void hc_post_body(const float* h, const float* out,
 #pragma unroll
             for (int j = 0; j < PM; ++j) {
                 if (j < n_hc) {
-                    float acc = o * post[j];
+                    float acc = __fmul_rn(o, post[j]);
 #pragma unroll
                     for (int i = 0; i < PM; ++i)
-                        if (i < n_hc) acc += comb[i][j] * hv[i];
+                        if (i < n_hc) acc = __fmaf_rn(comb[i][j], hv[i], acc);
                     h_out[(i64)j * n_embd + d] = acc;
                 }
             }
@@ -463,9 +466,9 @@ __device__ __forceinline__ void hc_post_body(const float* h, const float* out,
                 o = acc + o;
             }
             for (int j = 0; j < n_hc; ++j) {
-                float acc = o * hcp[j];
+                float acc = __fmul_rn(o, hcp[j]);
                 for (int i = 0; i < n_hc; ++i)
-                    acc += hcp[n_hc + i * n_hc + j] * h[(i64)i * n_embd + d];
+                    acc = __fmaf_rn(hcp[n_hc + i * n_hc + j], h[(i64)i * n_embd + d], acc);
                 h_out[(i64)j * n_embd + d] = acc;
             }
         }

@@ -92,8 +92,14 @@ pub struct Gpu {
 /// matvec's first weight loads issued before the PDL wait, where the matrix selection
 /// is fixed), `prio` (decode-graph kernels at the highest priority except the
 /// background work — the attention's q_b, the shared expert, hc_comb — at the lowest,
-/// so that the latency-bound chains beside the big matvecs get SMs first).
-pub const FUSIONS: [&str; 7] = [
+/// so that the latency-bound chains beside the big matvecs get SMs first),
+/// `att_stage` (a decode token's attention blocks copy their rows into shared memory,
+/// `attention_split_staged`: one memory round trip per 32 rows instead of per 4),
+/// `f16_early` (`matvec_f16_early`: the F16 matvec's first weight loads before the PDL
+/// wait, as `q8_early`, where no ids select the matrix), `router4` (`router_wide`: the
+/// router's rank loop reads four keys per shared-memory load). The last three were
+/// measured together in session 8 (H200, 2k decode 146 → 148.7 tok/s, 32k 133 → 142).
+pub const FUSIONS: [&str; 10] = [
     "comb_lane",
     "shared_pair",
     "q_norm",
@@ -101,30 +107,23 @@ pub const FUSIONS: [&str; 7] = [
     "q2k_rx",
     "q8_early",
     "prio",
+    "att_stage",
+    "f16_early",
+    "router4",
 ];
 
 /// Restructurings off unless `DS4_CUDA_FUSE` names them. `iq2_lut32`:
 /// `matvec_iq2_xxs_q8_rx32` (the IQ2_XXS tables in 32 bank-interleaved copies) instead
 /// of `matvec_iq2_xxs_q8_rx`; measured without a gain (session 7), kept for A/B.
-/// `att_stage`: a decode token's attention blocks copy their rows into shared memory
-/// (`attention_split_staged`, one memory round trip per 32 rows instead of per 4);
-/// not yet measured. `f16_early`: `matvec_f16_early` (the F16 matvec's first weight
-/// loads before the PDL wait, as `q8_early`) where no ids select the matrix; not yet
-/// measured. `carveout`: every kernel prefers the largest shared-memory carveout (one
-/// L1 / shared split for all, no reconfiguration between kernels); not yet measured.
-/// `hc_preload`: `hc_pre_pl`, `hc_mix_pl`, `hc_post_pl`, the hyper-connection kernels
-/// with every load issued before the first use or store (hc_pre waited for each
-/// stream's mix and base in turn); bit-identical; not yet measured. `router4`:
-/// `router_wide`, the router's rank loop reading four keys per shared-memory load
-/// (it was bound by one load per key and warp); same picks; not yet measured.
-pub const FUSIONS_OPT_IN: [&str; 6] = [
-    "iq2_lut32",
-    "att_stage",
-    "f16_early",
-    "carveout",
-    "hc_preload",
-    "router4",
-];
+/// `carveout`: every kernel prefers the largest shared-memory carveout (one L1 /
+/// shared split for all); measured a loss (session 8: 2k decode −7 tok/s), kept for
+/// A/B. `hc_preload`: `hc_pre_pl`, `hc_mix_pl`, `hc_post_pl`, the hyper-connection
+/// kernels with every load issued before the first use or store (hc_pre waited for
+/// each stream's mix and base in turn); measured +3 tok/s over the defaults at 2k
+/// (session 8: 151.7), but that build's hc_post_pl contracted o·post instead of
+/// comb·H into its first FMA and failed its bit-identity check; fixed (both kernels
+/// now spell out their roundings), to become a default once the selftest passes.
+pub const FUSIONS_OPT_IN: [&str; 3] = ["iq2_lut32", "carveout", "hc_preload"];
 
 fn fuse_env() -> Vec<&'static str> {
     parse_fuse(std::env::var("DS4_CUDA_FUSE").ok().as_deref())
