@@ -3,13 +3,15 @@
 //! kernels with every load issued first (`hc_pre_pl`, `hc_mix_pl`, `hc_post_pl`,
 //! fusion `hc_preload`) at the Flash shape (4 streams of 4,096), the router reading
 //! four keys per load (`router_wide`, fusion `router4`) and the F16 matvec with its
-//! first weight loads before the PDL wait (`matvec_f16_early`, fusion `f16_early`).
+//! first weight loads before the PDL wait (`matvec_f16_early`, fusion `f16_early`),
+//! and the indexer scores staged without bank conflicts (`indexer_scores_sp`, fusion
+//! `idx_banks`), which is also checked against an f64 reference.
 
 use anyhow::Result;
 use ds4_cuda::{DeviceMatrix, Gpu, HcNorm, MatSel, WT_F16, WT_F32};
 use ds4_gguf::GgmlType;
 
-use crate::gpu_selftest::{bit_identical, random_matrix, random_vec, same_bits, Check};
+use crate::gpu_selftest::{bit_identical, random_matrix, random_vec, rel_err, same_bits, Check};
 use crate::rng::Rng;
 
 const N_HC: usize = 4;
@@ -30,6 +32,103 @@ pub fn check_variants(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     let mut checks = check_hc_preload(gpu, seed)?;
     checks.push(check_router_wide(gpu, seed)?);
     checks.extend(check_f16_early(gpu, seed)?);
+    checks.extend(check_indexer_scores(gpu, seed)?);
+    Ok(checks)
+}
+
+/// f64 reference of the indexer scores of `n` rows: Σ_h relu(row · q_h) · wt_h · wscale.
+fn indexer_reference(
+    rows: &[f32],
+    q: &[f32],
+    wt: &[f32],
+    dim: usize,
+    n: usize,
+    wscale: f32,
+) -> Vec<f64> {
+    (0..n)
+        .map(|c| {
+            let row = &rows[c * dim..(c + 1) * dim];
+            q.chunks(dim)
+                .zip(wt)
+                .map(|(qh, &w)| {
+                    let dot: f64 = row.iter().zip(qh).map(|(&a, &b)| a as f64 * b as f64).sum();
+                    dot.max(0.0) * w as f64 * wscale as f64
+                })
+                .sum()
+        })
+        .collect()
+}
+
+/// The indexer's scores at the Flash shape (64 heads of 128) and a ragged one (48 heads
+/// of 96: rows past the heads, k-quads past the dimension), for a decode token and a
+/// batch of three (one with no more rows than top-k: left untouched), against the f64
+/// reference, and the conflict-free staging (`idx_banks`) against the plain one.
+fn check_indexer_scores(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+    const RATIO: usize = 4;
+    const TOP_K: usize = 512;
+    const MAX_ROWS: usize = 1100;
+    let mut rng = Rng::stream(seed, 0x1d, 0);
+    let mut checks = Vec::new();
+    for (heads, dim) in [(64usize, 128usize), (48, 96)] {
+        let rows = normal(&mut rng, MAX_ROWS * dim, 1.0);
+        let d_rows = gpu.upload(&rows)?;
+        let wscale = (dim as f32).powf(-0.5) / (heads as f32).sqrt();
+        for positions in [&[2100usize][..], &[2100, 2047, 4099]] {
+            let n_tok = positions.len();
+            let q = normal(&mut rng, n_tok * heads * dim, 1.0);
+            let wt = normal(&mut rng, n_tok * heads, 1.0);
+            let steps: Vec<i32> = positions.iter().flat_map(|&p| [p as i32, 0]).collect();
+            let (d_steps, d_q, d_wt) = (gpu.upload(&steps)?, gpu.upload(&q)?, gpu.upload(&wt)?);
+            let (a, b) = both(gpu, "idx_banks", || {
+                let scores = gpu.upload(&vec![f32::NAN; n_tok * MAX_ROWS])?;
+                gpu.indexer_scores(
+                    n_tok,
+                    gpu.ptr(&d_steps),
+                    gpu.ptr(&d_rows),
+                    gpu.ptr(&d_q),
+                    gpu.ptr(&d_wt),
+                    heads,
+                    dim,
+                    wscale,
+                    RATIO,
+                    TOP_K,
+                    gpu.ptr(&scores),
+                    MAX_ROWS,
+                )?;
+                Ok(gpu.download(&scores)?)
+            })?;
+            // Live rows against the reference; a token with n ≤ top-k stays untouched.
+            let (mut got, mut want) = (Vec::new(), Vec::new());
+            let mut untouched = true;
+            for (t, &pos) in positions.iter().enumerate() {
+                let n = (pos + 1) / RATIO;
+                let out = &a[t * MAX_ROWS..(t + 1) * MAX_ROWS];
+                if n <= TOP_K {
+                    untouched &= out.iter().all(|v| v.is_nan());
+                    continue;
+                }
+                untouched &= out[n..].iter().all(|v| v.is_nan());
+                got.extend_from_slice(&out[..n]);
+                let qt = &q[t * heads * dim..(t + 1) * heads * dim];
+                let wtt = &wt[t * heads..(t + 1) * heads];
+                want.extend(indexer_reference(&rows, qt, wtt, dim, n, wscale));
+            }
+            let shape = format!("{heads}x{dim}, {n_tok} token(s)");
+            checks.push(Check {
+                name: format!("indexer_scores {shape} (rows past the live count untouched)"),
+                rel_err: if untouched {
+                    rel_err(&got, &want)
+                } else {
+                    f64::INFINITY
+                },
+                bound: 1e-5,
+            });
+            checks.push(bit_identical(
+                format!("indexer_scores_sp = indexer_scores {shape}"),
+                same_bits(&a, &b),
+            ));
+        }
+    }
     Ok(checks)
 }
 

@@ -910,12 +910,20 @@ extern "C" __global__ void __launch_bounds__(256) indexer_q(const Step* step, fl
 // and the token's queries are staged k-major in shared memory, each thread owns a
 // 4-row × 4-head register tile, and the per-row head sums are reduced in shared
 // memory. Dynamic shared memory: indexer_scores_smem(dim) bytes.
+// SPREAD (indexer_scores_sp, `idx_banks`): which 16-byte piece each lane stages. The
+// plain mapping gives a warp one row's 32 k-quads: its transposed stores
+// (4·kq + j)·68 + r fall in two banks, 16-way conflicts on each of a thread's 64
+// stores (~8K shared-memory cycles per block, more than its FMAs). SPREAD gives a warp
+// 16 rows × 2 k-quads (each row's 32 bytes one sector): 16·kq + 4·j + r spans all 32
+// banks. The same values land in the same places; the sums are untouched.
 #define IDX_ROWS 64
 #define IDX_HEADS 64
-#define IDX_S 68  // k-major row stride (floats): float4-aligned, few bank conflicts
-extern "C" __global__ void __launch_bounds__(256) indexer_scores(const Step* step,
-        const float* index_rows, const float* q, const float* wt, int heads, int dim,
-        float wscale, int ratio, int top_k, float* scores, int scores_stride) {
+#define IDX_S 68  // k-major row stride (floats): float4-aligned, conflict-free reads
+template <bool SPREAD>
+__device__ __forceinline__ void indexer_scores_body(const Step* step, const float* index_rows,
+                                                    const float* q, const float* wt, int heads,
+                                                    int dim, float wscale, int ratio, int top_k,
+                                                    float* scores, int scores_stride) {
     PDL_WAIT();
     PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     extern __shared__ __align__(16) float ism[];
@@ -936,30 +944,42 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores(const Step* ste
     // store (a load-store loop made the staging a chain of ~32 L2 round trips per block,
     // most of a decode token's scoring time). blockDim = 256, dim ≤ 128, dim % 4 = 0.
     constexpr int STAGE4 = IDX_HEADS * 128 / 4 / 256;  // float4 per thread and operand
+    const int nq = dim / 4;
     float4 qv[STAGE4], kv[STAGE4];
+    int at[STAGE4];  // the piece's k · IDX_S + row, or -1 where it stages nothing
     const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int u = 0; u < STAGE4; ++u) {
-        const int i = 4 * (tid + u * 256);
+        const int f = tid + u * 256;
+        int r, k;
+        if (SPREAD) {
+            const int g = f / WARP, l = f % WARP;
+            r = 16 * (g % 4) + l % 16;
+            const int kq = 2 * (g / 4) + l / 16;
+            k = kq < nq ? 4 * kq : -1;
+        } else {
+            const int i = 4 * f;
+            r = i < IDX_HEADS * dim ? i / dim : 0;
+            k = i < IDX_HEADS * dim ? i % dim : -1;
+        }
+        at[u] = k < 0 ? -1 : k * IDX_S + r;
         qv[u] = zero4;
         kv[u] = zero4;
-        if (i < IDX_HEADS * dim) {
-            if (i / dim < heads) qv[u] = ldx4(q + i);
-            if (c0 + i / dim < n) kv[u] = ldx4(index_rows + (i64)c0 * dim + i);
+        if (k >= 0) {
+            if (r < heads) qv[u] = ldx4(q + (i64)r * dim + k);
+            if (c0 + r < n) kv[u] = ldx4(index_rows + (i64)(c0 + r) * dim + k);
         }
     }
     if (tid < IDX_HEADS) ws[tid] = tid < heads ? wt[tid] * wscale : 0.f;
 #pragma unroll
     for (int u = 0; u < STAGE4; ++u) {
-        const int i = 4 * (tid + u * 256);
-        if (i < IDX_HEADS * dim) {
-            const int r = i / dim, k = i % dim;
+        if (at[u] >= 0) {
             const float qa[4] = {qv[u].x, qv[u].y, qv[u].z, qv[u].w};
             const float ka[4] = {kv[u].x, kv[u].y, kv[u].z, kv[u].w};
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                qs[(k + j) * IDX_S + r] = qa[j];
-                ks[(k + j) * IDX_S + r] = ka[j];
+                qs[at[u] + j * IDX_S] = qa[j];
+                ks[at[u] + j * IDX_S] = ka[j];
             }
         }
     }
@@ -977,13 +997,13 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores(const Step* ste
 #pragma unroll
         for (int i = 0; i < 4; ++i)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) acc[i][j] += av[i] * bv[j];
+            for (int j = 0; j < 4; ++j) acc[i][j] = __fmaf_rn(av[i], bv[j], acc[i][j]);
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         float p = 0.f;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) p += fmaxf(acc[i][j], 0.f) * ws[hg * 4 + j];
+        for (int j = 0; j < 4; ++j) p = __fmaf_rn(fmaxf(acc[i][j], 0.f), ws[hg * 4 + j], p);
         red[hg * IDX_ROWS + rg * 4 + i] = p;
     }
     __syncthreads();
@@ -992,6 +1012,17 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores(const Step* ste
         for (int g = 0; g < 16; ++g) sum += red[g * IDX_ROWS + tid];
         scores[c0 + tid] = sum;
     }
+}
+
+#define IDX_PARAMS                                                                        \
+    const Step *step, const float *index_rows, const float *q, const float *wt, int heads, \
+        int dim, float wscale, int ratio, int top_k, float *scores, int scores_stride
+#define IDX_ARGS step, index_rows, q, wt, heads, dim, wscale, ratio, top_k, scores, scores_stride
+extern "C" __global__ void __launch_bounds__(256) indexer_scores(IDX_PARAMS) {
+    indexer_scores_body<false>(IDX_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256) indexer_scores_sp(IDX_PARAMS) {
+    indexer_scores_body<true>(IDX_ARGS);
 }
 
 // Order-preserving key of a float (larger float → larger key).

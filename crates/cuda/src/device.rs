@@ -123,7 +123,10 @@ pub const FUSIONS: [&str; 10] = [
 /// (session 8: 151.7), but that build's hc_post_pl contracted o·post instead of
 /// comb·H into its first FMA and failed its bit-identity check; fixed (both kernels
 /// now spell out their roundings), to become a default once the selftest passes.
-pub const FUSIONS_OPT_IN: [&str; 3] = ["iq2_lut32", "carveout", "hc_preload"];
+/// `idx_banks`: `indexer_scores_sp`, the indexer scores staging a warp's loads as 16
+/// rows × 2 k-quads so that the transposed shared-memory stores hit 32 banks (the plain
+/// mapping hit 2: 16-way conflicts); same values, same sums; not yet measured.
+pub const FUSIONS_OPT_IN: [&str; 4] = ["iq2_lut32", "carveout", "hc_preload", "idx_banks"];
 
 fn fuse_env() -> Vec<&'static str> {
     parse_fuse(std::env::var("DS4_CUDA_FUSE").ok().as_deref())

@@ -674,23 +674,9 @@ impl Gpu {
         let smem = (2 * dim * 68 + 16 * 64) * 4;
         let mut cfg = cfg2((max_rows as u32).div_ceil(64), n_tok, 256);
         cfg.shared_mem_bytes = smem as u32;
-        self.allow_smem("indexer_scores", smem)?;
-        launch!(
-            self,
-            "indexer_scores",
-            cfg,
-            step,
-            rows,
-            q,
-            wt,
-            h,
-            d,
-            wscale,
-            r,
-            k,
-            scores,
-            ss
-        )
+        let name = self.kernel_for("idx_banks", "indexer_scores", "indexer_scores_sp");
+        self.allow_smem(name, smem)?;
+        launch!(self, name, cfg, step, rows, q, wt, h, d, wscale, r, k, scores, ss)
     }
 
     /// Per token, the indices of the `k` best of its (pos+1)/ratio scores (row t of
