@@ -294,7 +294,7 @@ __device__ __forceinline__ void hc_pre_body(HC_PRE_PARAMS) {
     PDL_WAIT();
     PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     __shared__ float red[32];
-    __shared__ float ys[HC_PRE_VEC * 4 * 1024];
+    __shared__ __align__(16) float ys[HC_PRE_VEC * 4 * 1024];
     const int t = threadIdx.x;
     h += (i64)blockIdx.y * n_hc * n_embd;
     mix += (i64)blockIdx.y * (2 + n_hc) * n_hc;
@@ -354,9 +354,17 @@ __device__ __forceinline__ void hc_pre_body(HC_PRE_PARAMS) {
             *reinterpret_cast<float4*>(y + i0) = make_float4(a[0], a[1], a[2], a[3]);
         }
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            v[p][k] = a[k];
-            if (i0 < n_embd) ys[i0 + k] = a[k];
+        for (int k = 0; k < 4; ++k) v[p][k] = a[k];
+        // PRELOAD: one 16-byte store (4 wavefronts a warp) where four scalar stores at
+        // a 4-word lane stride were 4-way bank conflicts (16 wavefronts a warp, ~1K
+        // shared-memory cycles for a 1024-thread block).
+        if (i0 < n_embd) {
+            if (PRELOAD) {
+                *reinterpret_cast<float4*>(ys + i0) = make_float4(a[0], a[1], a[2], a[3]);
+            } else {
+#pragma unroll
+                for (int k = 0; k < 4; ++k) ys[i0 + k] = a[k];
+            }
         }
     }
     if (norm_out == nullptr) return;
