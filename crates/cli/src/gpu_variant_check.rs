@@ -5,7 +5,9 @@
 //! four keys per load (`router_wide`, fusion `router4`) and the F16 matvec with its
 //! first weight loads before the PDL wait (`matvec_f16_early`, fusion `f16_early`),
 //! and the indexer scores staged without bank conflicts (`indexer_scores_sp`, fusion
-//! `idx_banks`), which is also checked against an f64 reference.
+//! `idx_banks`), which is also checked against an f64 reference, and the top-k select
+//! with its keys in registers (`topk_select_rg`, fusion `topk_reg`), also checked
+//! against a sort.
 
 use anyhow::Result;
 use ds4_cuda::{DeviceMatrix, Gpu, HcNorm, MatSel, WT_F16, WT_F32};
@@ -33,7 +35,73 @@ pub fn check_variants(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     checks.push(check_router_wide(gpu, seed)?);
     checks.extend(check_f16_early(gpu, seed)?);
     checks.extend(check_indexer_scores(gpu, seed)?);
+    checks.extend(check_topk(gpu, seed)?);
     Ok(checks)
+}
+
+/// The indices of the k largest scores in ascending order, ties at the k-th value to
+/// the lowest indices (what topk_select writes).
+fn topk_reference(scores: &[f32], k: usize) -> Vec<i32> {
+    let mut idx: Vec<usize> = (0..scores.len()).collect();
+    idx.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+    let mut top: Vec<i32> = idx[..k].iter().map(|&i| i as i32).collect();
+    top.sort_unstable();
+    top
+}
+
+/// Top-512 selections for tokens with 525 to 6,000 rows (the register path up to 4,096,
+/// the memory path past it, one token with no more rows than k: untouched), with many
+/// exact ties and both signs, against a sort; `topk_select_rg` against the plain kernel.
+fn check_topk(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+    const K: usize = 512;
+    const RATIO: usize = 4;
+    const STRIDE: usize = 6000;
+    let mut rng = Rng::stream(seed, 0x70, 0);
+    let positions = [2100usize, 2047, 4099, 16383, 16387, 23999];
+    let n_tok = positions.len();
+    let mut scores = Vec::with_capacity(n_tok * STRIDE);
+    for _ in 0..n_tok {
+        // Coarse values: every score has dozens of exact ties.
+        scores.extend((0..STRIDE).map(|_| (rng.normal() * 8.0).round() / 4.0));
+    }
+    let steps: Vec<i32> = positions.iter().flat_map(|&p| [p as i32, 0]).collect();
+    let (d_steps, d_scores) = (gpu.upload(&steps)?, gpu.upload(&scores)?);
+    let (a, b) = both(gpu, "topk_reg", || {
+        let sel = gpu.upload(&vec![-1i32; n_tok * K])?;
+        gpu.topk_select(
+            n_tok,
+            gpu.ptr(&d_steps),
+            gpu.ptr(&d_scores),
+            STRIDE,
+            RATIO,
+            K,
+            gpu.ptr(&sel),
+        )?;
+        Ok(gpu.download(&sel)?)
+    })?;
+    let mut mismatched = 0usize;
+    for (t, &pos) in positions.iter().enumerate() {
+        let n = (pos + 1) / RATIO;
+        let got = &a[t * K..(t + 1) * K];
+        let want = if n <= K {
+            vec![-1; K]
+        } else {
+            topk_reference(&scores[t * STRIDE..t * STRIDE + n], K)
+        };
+        mismatched += got.iter().zip(&want).filter(|(g, w)| g != w).count();
+    }
+    let as_f32 = |v: &[i32]| v.iter().map(|&i| i as f32).collect::<Vec<_>>();
+    Ok(vec![
+        Check {
+            name: format!("topk_select top {K} of up to 6000, ties (exact; {mismatched} wrong)"),
+            rel_err: mismatched as f64,
+            bound: 0.0,
+        },
+        bit_identical(
+            format!("topk_select_rg = topk_select top {K}, {n_tok} tokens"),
+            same_bits(&as_f32(&a), &as_f32(&b)),
+        ),
+    ])
 }
 
 /// f64 reference of the indexer scores of `n` rows: Σ_h relu(row · q_h) · wt_h · wscale.

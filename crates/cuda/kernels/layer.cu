@@ -1072,8 +1072,15 @@ __device__ int block_exclusive_scan(int v, int* red, int* total) {
 // ascending index order (ties at the k-th value to the lowest indices), found by a
 // 4-pass radix select and a block-wide compaction. With n ≤ k nothing is written:
 // attention then uses every row. One block per token (blockIdx.y), 1024 threads.
-extern "C" __global__ void __launch_bounds__(1024) topk_select(const Step* step,
-        const float* scores, int scores_stride, int ratio, int k, i32* sel) {
+// REG (topk_select_rg, `topk_reg`): while a thread's contiguous chunk of the scores
+// fits TOPK_REG keys (n ≤ 4·blockDim: contexts up to 16K at ratio 4), the keys are
+// read once into registers and every pass counts from there; the plain kernel reads
+// the scores from memory in each of its four passes and twice more at the end (six
+// dependent L2 round trips). Integer counts: the same selection.
+#define TOPK_REG 4
+template <bool REG>
+__device__ __forceinline__ void topk_select_body(const Step* step, const float* scores,
+                                                 int scores_stride, int ratio, int k, i32* sel) {
     PDL_WAIT();
     PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     __shared__ u32 hist[256];
@@ -1084,16 +1091,41 @@ extern "C" __global__ void __launch_bounds__(1024) topk_select(const Step* step,
     sel += (i64)blockIdx.y * k;
     const int n = (step->pos + 1) / ratio;
     if (n <= k) return;
+    // Each thread's contiguous chunk (the final scan's order; REG's passes count it too).
+    const int chunk = (n + blockDim.x - 1) / blockDim.x;
+    const int c0 = min(n, (int)threadIdx.x * chunk), c1 = min(n, c0 + chunk);
+    const bool reg = REG && chunk <= TOPK_REG;
+    constexpr int NR = REG ? TOPK_REG : 1;
+    u32 kr[NR];
+    if (reg) {
+#pragma unroll
+        for (int j = 0; j < NR; ++j) kr[j] = c0 + j < c1 ? fkey(scores[c0 + j]) : 0u;
+    }
     u32 prefix = 0, need = (u32)k;  // rank still to find among keys matching prefix
     for (int pass = 0; pass < 4; ++pass) {
         const int shift = 24 - 8 * pass;
         const u32 mask = pass == 0 ? 0u : (0xffffffffu << (32 - 8 * pass));
         for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
         __syncthreads();
+        if (reg) {
+#pragma unroll
+            for (int j = 0; j < NR; ++j)
+                if (c0 + j < c1 && (kr[j] & mask) == prefix)
+                    atomicAdd(&hist[(kr[j] >> shift) & 0xff], 1u);
+        } else if (REG) {
+            // Past TOPK_REG keys a thread: the plain loop, without its unrolling (the
+            // register path already holds 64 registers under the 1024-thread bound).
+#pragma unroll 1
+            for (int c = threadIdx.x; c < n; c += blockDim.x) {
+                const u32 key = fkey(scores[c]);
+                if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 0xff], 1u);
+            }
+        } else {
 #pragma unroll 4
-        for (int c = threadIdx.x; c < n; c += blockDim.x) {
-            const u32 key = fkey(scores[c]);
-            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 0xff], 1u);
+            for (int c = threadIdx.x; c < n; c += blockDim.x) {
+                const u32 key = fkey(scores[c]);
+                if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 0xff], 1u);
+            }
         }
         __syncthreads();
         if (threadIdx.x < WARP) {
@@ -1137,22 +1169,44 @@ extern "C" __global__ void __launch_bounds__(1024) topk_select(const Step* step,
     // prefix = the k-th largest key; keep every larger key and the first `need` equal
     // ones. Each thread owns a contiguous chunk, so ascending order falls out of the scan.
     const u32 kth = prefix;
-    const int chunk = (n + blockDim.x - 1) / blockDim.x;
-    const int c0 = min(n, (int)threadIdx.x * chunk), c1 = min(n, c0 + chunk);
     int gt = 0, eq = 0;
-    for (int c = c0; c < c1; ++c) {
-        const u32 key = fkey(scores[c]);
-        gt += key > kth;
-        eq += key == kth;
+    if (reg) {
+#pragma unroll
+        for (int j = 0; j < NR; ++j)
+            if (c0 + j < c1) {
+                gt += kr[j] > kth;
+                eq += kr[j] == kth;
+            }
+    } else {
+        for (int c = c0; c < c1; ++c) {
+            const u32 key = fkey(scores[c]);
+            gt += key > kth;
+            eq += key == kth;
+        }
     }
     const int eq_before = block_exclusive_scan(eq, red, nullptr);
     const int eq_take = max(0, min(eq, (int)need - eq_before));
     int out = block_exclusive_scan(gt + eq_take, red, nullptr);
     int eq_left = eq_take;
-    for (int c = c0; c < c1; ++c) {
-        const u32 key = fkey(scores[c]);
-        if (key > kth || (key == kth && eq_left-- > 0)) sel[out++] = c;
+    if (reg) {
+#pragma unroll
+        for (int j = 0; j < NR; ++j)
+            if (c0 + j < c1 && (kr[j] > kth || (kr[j] == kth && eq_left-- > 0))) sel[out++] = c0 + j;
+    } else {
+        for (int c = c0; c < c1; ++c) {
+            const u32 key = fkey(scores[c]);
+            if (key > kth || (key == kth && eq_left-- > 0)) sel[out++] = c;
+        }
     }
+}
+
+#define TOPK_PARAMS \
+    const Step *step, const float *scores, int scores_stride, int ratio, int k, i32 *sel
+extern "C" __global__ void __launch_bounds__(1024) topk_select(TOPK_PARAMS) {
+    topk_select_body<false>(step, scores, scores_stride, ratio, k, sel);
+}
+extern "C" __global__ void __launch_bounds__(1024) topk_select_rg(TOPK_PARAMS) {
+    topk_select_body<true>(step, scores, scores_stride, ratio, k, sel);
 }
 
 // The rows token t attends, in order: its raw window (oldest first, ring slot

@@ -126,7 +126,16 @@ pub const FUSIONS: [&str; 10] = [
 /// `idx_banks`: `indexer_scores_sp`, the indexer scores staging a warp's loads as 16
 /// rows × 2 k-quads so that the transposed shared-memory stores hit 32 banks (the plain
 /// mapping hit 2: 16-way conflicts); same values, same sums; not yet measured.
-pub const FUSIONS_OPT_IN: [&str; 4] = ["iq2_lut32", "carveout", "hc_preload", "idx_banks"];
+/// `topk_reg`: `topk_select_rg`, the top-k select holding each thread's scores in
+/// registers across its four radix passes (n ≤ 4,096) instead of re-reading them from
+/// memory in each; the same selection; not yet measured.
+pub const FUSIONS_OPT_IN: [&str; 5] = [
+    "iq2_lut32",
+    "carveout",
+    "hc_preload",
+    "idx_banks",
+    "topk_reg",
+];
 
 fn fuse_env() -> Vec<&'static str> {
     parse_fuse(std::env::var("DS4_CUDA_FUSE").ok().as_deref())

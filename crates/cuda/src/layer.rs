@@ -693,9 +693,10 @@ impl Gpu {
         sel: u64,
     ) -> Result<(), CudaError> {
         let (ss, r, kk) = (scores_stride as i32, ratio as i32, k as i32);
+        let name = self.kernel_for("topk_reg", "topk_select", "topk_select_rg");
         launch!(
             self,
-            "topk_select",
+            name,
             cfg2(1, n_tok, 1024),
             step,
             scores,
