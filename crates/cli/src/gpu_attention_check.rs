@@ -249,21 +249,36 @@ pub fn check_attention_mma(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
 }
 
 /// The decode layout (one token per launch, its rows split evenly over 32 chunks, then
-/// the combine) against the f64 reference, and the staged kernel (`att_stage`:
+/// the combine) against the f64 reference, the staged kernel (`att_stage`:
 /// `attention_split_staged`, rows copied to shared memory) against the plain one bit
-/// for bit.
+/// for bit, and the combine with every chunk in flight (`combine_pl`) against the plain
+/// combine, both with the decode tail (inverse RoPE and the Q8_0 output).
 fn check_decode_split(
     gpu: &Gpu,
     inputs: &DeviceInputs,
     want: &[f64],
     case: &str,
-) -> Result<[Check; 2]> {
+) -> Result<[Check; 3]> {
     let n = inputs.n;
     let chunks = 32;
     let acc = gpu.zeros::<f32>(HEADS * chunks * HD)?;
     let ml = gpu.zeros::<f32>(2 * HEADS * chunks)?;
-    let run = |staged: bool| -> Result<Vec<f32>> {
+    let rope_dim = 64usize;
+    let freqs: Vec<f32> = (0..rope_dim / 2)
+        .map(|i| 10000f32.powf(-2.0 * i as f32 / rope_dim as f32))
+        .collect();
+    let freqs = gpu.upload(&freqs)?;
+    let rope = ds4_cuda::RopeP {
+        freqs: gpu.ptr(&freqs),
+        rope_dim: rope_dim as i32,
+        pad: 0,
+    };
+    // (staged split, combine_pl, with the tail): the outputs, then the tail's Q8_0
+    // values and scales.
+    let run = |staged: bool, combine_pl: bool, tail: bool| -> Result<Vec<f32>> {
         let out = gpu.upload(&vec![f32::NAN; n * HEADS * HD])?;
+        let q8 = gpu.zeros::<i8>(n * HEADS * HD)?;
+        let d8 = gpu.upload(&vec![f32::NAN; n * HEADS * HD / 32])?;
         for t in 0..n {
             // Token t alone: its step entry (two i32), queries, top-k row and output.
             let mut a = inputs.input(gpu);
@@ -274,14 +289,29 @@ fn check_decode_split(
                 a.sel += (t * TOP_K * 4) as u64;
             }
             let o = gpu.ptr(&out) + (t * HEADS * HD * 4) as u64;
+            let at = ds4_cuda::AttnTail {
+                rope,
+                q: gpu.ptr(&q8) + (t * HEADS * HD) as u64,
+                d: gpu.ptr(&d8) + (t * HEADS * HD / 32 * 4) as u64,
+            };
             gpu.with_fusion("att_stage", staged, || {
-                gpu.attention(&a, 0, chunks, gpu.ptr(&acc), gpu.ptr(&ml), o, None)
+                gpu.with_fusion("combine_pl", combine_pl, || {
+                    let (acc, ml) = (gpu.ptr(&acc), gpu.ptr(&ml));
+                    gpu.attention(&a, 0, chunks, acc, ml, o, tail.then_some(&at))
+                })
             })?;
         }
-        Ok(gpu.download(&out)?)
+        let mut all = gpu.download(&out)?;
+        if tail {
+            all.extend(gpu.download(&q8)?.iter().map(|&v| v as f32));
+            all.extend(gpu.download(&d8)?);
+        }
+        Ok(all)
     };
-    let plain = run(false)?;
-    let staged = run(true)?;
+    let plain = run(false, false, false)?;
+    let staged = run(true, false, false)?;
+    let combine = run(false, false, true)?;
+    let combine_pl = run(false, true, true)?;
     Ok([
         Check {
             name: format!("attention decode split {case}"),
@@ -291,6 +321,10 @@ fn check_decode_split(
         crate::gpu_selftest::bit_identical(
             format!("attention_split_staged = attention_split, {case}"),
             crate::gpu_selftest::same_bits(&staged, &plain),
+        ),
+        crate::gpu_selftest::bit_identical(
+            format!("attention_combine_pl = attention_combine (RoPE, Q8_0), {case}"),
+            crate::gpu_selftest::same_bits(&combine_pl, &combine),
         ),
     ])
 }

@@ -7,7 +7,8 @@
 //! and the indexer scores staged without bank conflicts (`indexer_scores_sp`, fusion
 //! `idx_banks`), which is also checked against an f64 reference, and the top-k select
 //! with its keys in registers (`topk_select_rg`, fusion `topk_reg`), also checked
-//! against a sort.
+//! against a sort, and the fused norm + Q8_0 with its weights fetched first
+//! (`rmsnorm_q8_pl`, fusion `norm_pl`).
 
 use anyhow::Result;
 use ds4_cuda::{DeviceMatrix, Gpu, HcNorm, MatSel, WT_F16, WT_F32};
@@ -36,6 +37,37 @@ pub fn check_variants(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     checks.extend(check_f16_early(gpu, seed)?);
     checks.extend(check_indexer_scores(gpu, seed)?);
     checks.extend(check_topk(gpu, seed)?);
+    checks.extend(check_norm_pl(gpu, seed)?);
+    Ok(checks)
+}
+
+/// rmsnorm_q8 rows at the model's widths (512 and 1024: the kv and q_a norms; 4096 at
+/// four values a thread; 8192 past the register path), weighted and not, two rows.
+fn check_norm_pl(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+    let mut rng = Rng::stream(seed, 0x40, 0);
+    let mut checks = Vec::new();
+    let rows = 2;
+    for n in [512usize, 1024, 4096, 8192] {
+        let x = gpu.upload(&normal(&mut rng, rows * n, 1.0))?;
+        let w = gpu.upload(&normal(&mut rng, n, 0.5))?;
+        for weighted in [true, false] {
+            let (a, b) = both(gpu, "norm_pl", || {
+                let y = gpu.upload(&vec![f32::NAN; rows * n])?;
+                let mut qa = gpu.alloc_quant_act(rows, n)?;
+                let wp = if weighted { gpu.ptr(&w) } else { 0 };
+                gpu.rmsnorm_q8(gpu.ptr(&x), wp, WT_F32, n, rows, 1e-6, gpu.ptr(&y), &mut qa)?;
+                let mut all = gpu.download(&y)?;
+                all.extend(gpu.download(&qa.q)?.iter().map(|&v| v as f32));
+                all.extend(gpu.download(&qa.d)?);
+                Ok(all)
+            })?;
+            let kind = if weighted { "weighted" } else { "unweighted" };
+            checks.push(bit_identical(
+                format!("rmsnorm_q8_pl = rmsnorm_q8 {rows}x{n} {kind}"),
+                same_bits(&a, &b),
+            ));
+        }
+    }
     Ok(checks)
 }
 

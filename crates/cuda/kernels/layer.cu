@@ -291,6 +291,19 @@ extern "C" __global__ void __launch_bounds__(256) hc_comb(const float* mix, cons
 // the first one's stores: two L2 round trips instead of one). Same sums.
 template <bool PRELOAD>
 __device__ __forceinline__ void hc_pre_body(HC_PRE_PARAMS) {
+    // PRELOAD: the norm weights (never written by a kernel) are loaded before the PDL
+    // wait; the plain kernel loads them after the block's reduction, one more L2 round
+    // trip at the end of the chain.
+    float nw[PRELOAD ? HC_PRE_VEC : 1][4];
+    if (PRELOAD && norm_w) {
+#pragma unroll
+        for (int p = 0; p < HC_PRE_VEC; ++p) {
+            const int i0 = 4 * (threadIdx.x + p * blockDim.x);
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+                nw[PRELOAD ? p : 0][k] = i0 < n_embd ? ldw(norm_w, norm_type, i0 + k) : 0.f;
+        }
+    }
     PDL_WAIT();
     PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     __shared__ float red[32];
@@ -390,7 +403,7 @@ __device__ __forceinline__ void hc_pre_body(HC_PRE_PARAMS) {
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             o[k] = v[p][k] * sc;
-            if (on && norm_w) o[k] = o[k] * ldw(norm_w, norm_type, i0 + k);
+            if (on && norm_w) o[k] = o[k] * (PRELOAD ? nw[PRELOAD ? p : 0][k] : ldw(norm_w, norm_type, i0 + k));
         }
         if (on) *reinterpret_cast<float4*>(norm_out + i0) = make_float4(o[0], o[1], o[2], o[3]);
         if (q == nullptr) continue;
@@ -521,13 +534,19 @@ struct RopeP {
     i32 pad;
 };
 
-__device__ __forceinline__ void rope_pair(float& x0, float& x1, int k, float pos, const RopeP& p,
-                                          bool inverse) {
-    const float th = pos * p.freqs[k];
+// One RoPE rotation with its frequency already loaded (kernels that fetch the table
+// early); rope_pair is this with the table read.
+__device__ __forceinline__ void rope_pair_f(float& x0, float& x1, float freq, float pos,
+                                            bool inverse) {
+    const float th = pos * freq;
     const float c = cosf(th), s = (inverse ? -1.f : 1.f) * sinf(th);
     const float a = x0, b = x1;
     x0 = a * c - b * s;
     x1 = a * s + b * c;
+}
+__device__ __forceinline__ void rope_pair(float& x0, float& x1, int k, float pos, const RopeP& p,
+                                          bool inverse) {
+    rope_pair_f(x0, x1, p.freqs[k], pos, inverse);
 }
 
 extern "C" __global__ void rope_tail(const Step* step, float* x, int stride, int pos_offset,
@@ -1456,23 +1475,41 @@ extern "C" __global__ void __launch_bounds__(256) attention_split_staged(ATT_SPL
 // this kernel as slow as the attention itself). With rope set, the epilogue applies the
 // inverse RoPE of the tail (rope_tail's arithmetic) and, with q set, writes the Q8_0
 // form of the output (8 threads per block of 32; hd a multiple of 32).
+// PRELOAD (attention_combine_pl, `combine_pl`): every chunk's load in flight at once
+// (32, the decode split; the plain kernel waits for 4 batches of 8 in turn), the RoPE
+// frequencies (a table no kernel writes) before the PDL wait and the position right
+// after it, not at the end of the chain. Same sums in the same order.
 #define ATT_MAX_CHUNKS 128
 #define ATT_COMBINE_UNROLL 8
-extern "C" __global__ void __launch_bounds__(128) attention_combine(const float* part_acc,
-        const float* part_ml, const float* sinks, int heads, int hd, int n_chunks, float* out,
-        const Step* step, RopeP rope, int rope_on, i8* q, float* qd) {
+#define ATT_COMBINE_UNROLL_PL 32
+#define ATT_COMBINE_PARAMS                                                                   \
+    const float *part_acc, const float *part_ml, const float *sinks, int heads, int hd,      \
+        int n_chunks, float *out, const Step *step, RopeP rope, int rope_on, i8 *q, float *qd
+#define ATT_COMBINE_ARGS \
+    part_acc, part_ml, sinks, heads, hd, n_chunks, out, step, rope, rope_on, q, qd
+template <bool PRELOAD>
+__device__ __forceinline__ void attention_combine_body(ATT_COMBINE_PARAMS) {
+    constexpr int UNROLL = PRELOAD ? ATT_COMBINE_UNROLL_PL : ATT_COMBINE_UNROLL;
+    const int i0 = 4 * threadIdx.x;
+    const bool on = i0 < hd;
+    const int tail0 = hd - rope.rope_dim;
+    const bool rot = rope_on && on && i0 >= tail0;
+    float fq[2] = {0.f, 0.f};
+    if (PRELOAD && rot) {
+        fq[0] = rope.freqs[(i0 - tail0) / 2];
+        fq[1] = rope.freqs[(i0 - tail0) / 2 + 1];
+    }
     PDL_WAIT();
     PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     __shared__ float wc[ATT_MAX_CHUNKS];
     const int h = blockIdx.x, t = blockIdx.y;
     const i64 base = ((i64)t * heads + h) * n_chunks;
-    const int i0 = 4 * threadIdx.x;
-    const bool on = i0 < hd;
     const float* pa = part_acc + base * hd + (on ? i0 : 0);
-    float4 a[ATT_COMBINE_UNROLL];
+    float4 a[UNROLL];
 #pragma unroll
-    for (int u = 0; u < ATT_COMBINE_UNROLL; ++u)
+    for (int u = 0; u < UNROLL; ++u)
         if (on && u < n_chunks) a[u] = ldx4(pa + (i64)u * hd);
+    const float pos_pl = PRELOAD && rot ? (float)step[t].pos : 0.f;
     if (threadIdx.x < WARP) {
         const int lane = threadIdx.x;
         const float sk = sinks[h];
@@ -1492,14 +1529,14 @@ extern "C" __global__ void __launch_bounds__(128) attention_combine(const float*
     }
     __syncthreads();
     float s[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int c0 = 0; c0 < n_chunks; c0 += ATT_COMBINE_UNROLL) {
+    for (int c0 = 0; c0 < n_chunks; c0 += UNROLL) {
         if (c0 > 0) {
 #pragma unroll
-            for (int u = 0; u < ATT_COMBINE_UNROLL; ++u)
+            for (int u = 0; u < UNROLL; ++u)
                 if (on && c0 + u < n_chunks) a[u] = ldx4(pa + (i64)(c0 + u) * hd);
         }
 #pragma unroll
-        for (int u = 0; u < ATT_COMBINE_UNROLL; ++u) {
+        for (int u = 0; u < UNROLL; ++u) {
             if (c0 + u >= n_chunks) break;
             const float w = wc[c0 + u];
             if (w != 0.f) {
@@ -1510,17 +1547,28 @@ extern "C" __global__ void __launch_bounds__(128) attention_combine(const float*
             }
         }
     }
-    const int tail0 = hd - rope.rope_dim;
-    if (rope_on && on && i0 >= tail0) {
-        const float pos = (float)step[t].pos;
+    if (rot) {
         const int k = (i0 - tail0) / 2;
-        rope_pair(s[0], s[1], k, pos, rope, true);
-        rope_pair(s[2], s[3], k + 1, pos, rope, true);
+        if (PRELOAD) {
+            rope_pair_f(s[0], s[1], fq[0], pos_pl, true);
+            rope_pair_f(s[2], s[3], fq[1], pos_pl, true);
+        } else {
+            const float pos = (float)step[t].pos;
+            rope_pair(s[0], s[1], k, pos, rope, true);
+            rope_pair(s[2], s[3], k + 1, pos, rope, true);
+        }
     }
     const i64 o = ((i64)t * heads + h) * hd + i0;
     if (on) *reinterpret_cast<float4*>(out + o) = make_float4(s[0], s[1], s[2], s[3]);
     if (q == nullptr) return;
     quant_block32_x4(s, on, q + o, qd + o / 32);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attention_combine(ATT_COMBINE_PARAMS) {
+    attention_combine_body<false>(ATT_COMBINE_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(128) attention_combine_pl(ATT_COMBINE_PARAMS) {
+    attention_combine_body<true>(ATT_COMBINE_ARGS);
 }
 
 // ---- MoE router (§5.6): probs = √softplus(logits); selection by the hash table or by

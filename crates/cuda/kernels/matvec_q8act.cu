@@ -648,18 +648,61 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8_early(Q8_0_Q8_P
 // the plain kernel and then quantize_q8_32 / quantize_q8_k32.
 
 // rmsnorm of one row per block (n a multiple of 32), then Q8_0.
-extern "C" __global__ void __launch_bounds__(1024) rmsnorm_q8(const float* x, const void* w,
-        int w_type, int n, float eps, float* y, i8* q, float* d) {
+// PRELOAD (rmsnorm_q8_pl, `norm_pl`): while n ≤ NORM_PL·blockDim, the weights (no
+// kernel writes them) are loaded before the PDL wait and x stays in registers from the
+// sum of squares to the quantised store; the plain kernel loads w and reloads x after
+// the block's reduction (one more round trip at the end of the chain). Thread t's
+// values t + u·blockDim are both the sum's order and the quantisation's warp blocks.
+#define NORM_PL 4
+template <bool PRELOAD>
+__device__ __forceinline__ void rmsnorm_q8_body(const float* x, const void* w, int w_type, int n,
+                                                float eps, float* y, i8* q, float* d) {
+    constexpr int R = PRELOAD ? NORM_PL : 1;
+    const bool pl = PRELOAD && n <= NORM_PL * (int)blockDim.x;
+    float wv[R];
+    if (pl && w) {
+#pragma unroll
+        for (int u = 0; u < R; ++u) {
+            const int i = threadIdx.x + u * blockDim.x;
+            wv[u] = i < n ? ldw(w, w_type, i) : 0.f;
+        }
+    }
     PDL_WAIT();
     PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     __shared__ float red[32];
     const float* xr = x + (i64)blockIdx.x * n;
     float* yr = y + (i64)blockIdx.x * n;
+    const int lane = threadIdx.x % WARP, nw = blockDim.x / WARP;
+    if (pl) {
+        float xv[R];
+#pragma unroll
+        for (int u = 0; u < R; ++u) {
+            const int i = threadIdx.x + u * blockDim.x;
+            xv[u] = i < n ? xr[i] : 0.f;
+        }
+        float ss = 0.f;
+#pragma unroll
+        for (int u = 0; u < R; ++u)
+            if (threadIdx.x + u * blockDim.x < n) ss += xv[u] * xv[u];
+        ss = block_sum(ss, red);
+        const float sc = 1.0f / sqrtf(ss / (float)n + eps);
+#pragma unroll
+        for (int u = 0; u < R; ++u) {
+            const int b = threadIdx.x / WARP + u * nw;  // warp-uniform
+            if (b < n / 32) {
+                const int i = b * 32 + lane;
+                float v = xv[u] * sc;
+                if (w) v = v * wv[u];
+                yr[i] = v;
+                quant_block32(v, q + (i64)blockIdx.x * n + b * 32, d + (i64)blockIdx.x * (n / 32) + b);
+            }
+        }
+        return;
+    }
     float ss = 0.f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
     ss = block_sum(ss, red);
     const float sc = 1.0f / sqrtf(ss / (float)n + eps);
-    const int lane = threadIdx.x % WARP, nw = blockDim.x / WARP;
     for (int b = threadIdx.x / WARP; b < n / 32; b += nw) {
         const int i = b * 32 + lane;
         float v = xr[i] * sc;
@@ -667,6 +710,15 @@ extern "C" __global__ void __launch_bounds__(1024) rmsnorm_q8(const float* x, co
         yr[i] = v;
         quant_block32(v, q + (i64)blockIdx.x * n + b * 32, d + (i64)blockIdx.x * (n / 32) + b);
     }
+}
+
+#define RMSNORM_Q8_PARAMS \
+    const float *x, const void *w, int w_type, int n, float eps, float *y, i8 *q, float *d
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm_q8(RMSNORM_Q8_PARAMS) {
+    rmsnorm_q8_body<false>(x, w, w_type, n, eps, y, q, d);
+}
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm_q8_pl(RMSNORM_Q8_PARAMS) {
+    rmsnorm_q8_body<true>(x, w, w_type, n, eps, y, q, d);
 }
 
 __device__ __forceinline__ float swiglu_value(const float* gate, const float* up,

@@ -128,13 +128,21 @@ pub const FUSIONS: [&str; 10] = [
 /// mapping hit 2: 16-way conflicts); same values, same sums; not yet measured.
 /// `topk_reg`: `topk_select_rg`, the top-k select holding each thread's scores in
 /// registers across its four radix passes (n ≤ 4,096) instead of re-reading them from
-/// memory in each; the same selection; not yet measured.
-pub const FUSIONS_OPT_IN: [&str; 5] = [
+/// memory in each; the same selection; not yet measured. `combine_pl`:
+/// `attention_combine_pl`, every chunk's partial in flight at once (32 against 4
+/// batches of 8) and the RoPE table and position fetched first; same sums; not yet
+/// measured. `norm_pl`: `rmsnorm_q8_pl`, the norm weights loaded before the PDL wait
+/// and x kept in registers (the plain kernel fetches both after its reduction); same
+/// sums; not yet measured. (`hc_preload`'s hc_pre_pl now also loads its norm weights
+/// before the PDL wait.)
+pub const FUSIONS_OPT_IN: [&str; 7] = [
     "iq2_lut32",
     "carveout",
     "hc_preload",
     "idx_banks",
     "topk_reg",
+    "combine_pl",
+    "norm_pl",
 ];
 
 fn fuse_env() -> Vec<&'static str> {

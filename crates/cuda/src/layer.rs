@@ -784,9 +784,10 @@ impl Gpu {
                 Some(t) => (t.rope, 1i32, t.q, t.d),
                 None => (RopeP::default(), 0, 0, 0),
             };
+            let name = self.kernel_for("combine_pl", "attention_combine", "attention_combine_pl");
             launch!(
                 self,
-                "attention_combine",
+                name,
                 cfg2(heads as u32, a.n_tok, 128),
                 part_acc,
                 part_ml,

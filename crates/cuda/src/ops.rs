@@ -340,7 +340,8 @@ impl Gpu {
             block_dim: (if n >= 1024 { 1024 } else { 256 }, 1, 1),
             shared_mem_bytes: 0,
         };
-        let f = self.func("rmsnorm_q8")?;
+        let name = self.kernel_for("norm_pl", "rmsnorm_q8", "rmsnorm_q8_pl");
+        let f = self.func(name)?;
         let (q, d, nn) = (self.ptr(&qa.q), self.ptr(&qa.d), n as i32);
         let mut b = self.launch_stream().launch_builder(&f);
         b.arg(&x)
@@ -351,9 +352,9 @@ impl Gpu {
             .arg(&y)
             .arg(&q)
             .arg(&d);
-        // SAFETY: matches rmsnorm_q8 in matvec_q8act.cu; x/y hold rows × n floats
+        // SAFETY: matches rmsnorm_q8(_pl) in matvec_q8act.cu; x/y hold rows × n floats
         // (caller), q/d are sized by alloc_quant_act (checked above).
-        self.timed("rmsnorm_q8", || {
+        self.timed(name, || {
             unsafe { b.launch(cfg) }?;
             Ok(())
         })
