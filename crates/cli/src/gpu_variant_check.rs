@@ -8,7 +8,8 @@
 //! `idx_banks`), which is also checked against an f64 reference, and the top-k select
 //! with its keys in registers (`topk_select_rg`, fusion `topk_reg`), also checked
 //! against a sort, and the fused norm + Q8_0 with its weights fetched first
-//! (`rmsnorm_q8_pl`, fusion `norm_pl`).
+//! (`rmsnorm_q8_pl`, fusion `norm_pl`), and the indexer query with one warp per head
+//! (`indexer_q_warp`, fusion `idxq_warp`).
 
 use anyhow::Result;
 use ds4_cuda::{DeviceMatrix, Gpu, HcNorm, MatSel, WT_F16, WT_F32};
@@ -38,7 +39,38 @@ pub fn check_variants(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     checks.extend(check_indexer_scores(gpu, seed)?);
     checks.extend(check_topk(gpu, seed)?);
     checks.extend(check_norm_pl(gpu, seed)?);
+    checks.push(check_indexer_q_warp(gpu, seed)?);
     Ok(checks)
+}
+
+/// The indexer query (64 heads of 128, RoPE on the last 64 dims) of three tokens at
+/// different positions, through the launcher with `idxq_warp` off and on.
+fn check_indexer_q_warp(gpu: &Gpu, seed: u64) -> Result<Check> {
+    let mut rng = Rng::stream(seed, 0x1a, 0);
+    let (heads, dim, rope_dim) = (64usize, 128usize, 64usize);
+    let positions = [0i32, 2100, 65_537];
+    let n_tok = positions.len();
+    let q = normal(&mut rng, n_tok * heads * dim, 1.0);
+    let freqs: Vec<f32> = (0..rope_dim / 2)
+        .map(|i| 10000f32.powf(-2.0 * i as f32 / rope_dim as f32))
+        .collect();
+    let freqs = gpu.upload(&freqs)?;
+    let rope = ds4_cuda::RopeP {
+        freqs: gpu.ptr(&freqs),
+        rope_dim: rope_dim as i32,
+        pad: 0,
+    };
+    let steps: Vec<i32> = positions.iter().flat_map(|&p| [p, 0]).collect();
+    let steps = gpu.upload(&steps)?;
+    let (a, b) = both(gpu, "idxq_warp", || {
+        let d_q = gpu.upload(&q)?;
+        gpu.indexer_q(n_tok, gpu.ptr(&steps), gpu.ptr(&d_q), heads, dim, rope)?;
+        Ok(gpu.download(&d_q)?)
+    })?;
+    Ok(bit_identical(
+        format!("indexer_q_warp = indexer_q {heads}x{dim}, {n_tok} tokens"),
+        same_bits(&a, &b),
+    ))
 }
 
 /// rmsnorm_q8 rows at the model's widths (512 and 1024: the kv and q_a norms; 4096 at

@@ -134,8 +134,11 @@ pub const FUSIONS: [&str; 10] = [
 /// measured. `norm_pl`: `rmsnorm_q8_pl`, the norm weights loaded before the PDL wait
 /// and x kept in registers (the plain kernel fetches both after its reduction); same
 /// sums; not yet measured. (`hc_preload`'s hc_pre_pl now also loads its norm weights
-/// before the PDL wait.)
-pub const FUSIONS_OPT_IN: [&str; 7] = [
+/// before the PDL wait.) `idxq_warp`: `indexer_q_warp`, the indexer query's RoPE,
+/// Hadamard and FP4 with one warp per head in registers (shuffles for the Hadamard's
+/// cross-lane strides) instead of a block per head through shared memory with 9
+/// barriers; the same butterflies; not yet measured.
+pub const FUSIONS_OPT_IN: [&str; 8] = [
     "iq2_lut32",
     "carveout",
     "hc_preload",
@@ -143,6 +146,7 @@ pub const FUSIONS_OPT_IN: [&str; 7] = [
     "topk_reg",
     "combine_pl",
     "norm_pl",
+    "idxq_warp",
 ];
 
 fn fuse_env() -> Vec<&'static str> {

@@ -634,6 +634,20 @@ impl Gpu {
         dim: usize,
         rope: RopeP,
     ) -> Result<(), CudaError> {
+        // One warp per head where the lanes' 4-value parts fit (`idxq_warp`).
+        let tail_start = dim as i64 - rope.rope_dim as i64;
+        if dim == 128 && tail_start >= 0 && tail_start % 2 == 0 && self.fused("idxq_warp") {
+            let h = heads as i32;
+            return launch!(
+                self,
+                "indexer_q_warp",
+                cfg2((heads as u32).div_ceil(8), n_tok, 256),
+                step,
+                q,
+                h,
+                rope
+            );
+        }
         let d = dim as i32;
         launch!(
             self,
