@@ -154,17 +154,39 @@ fn fuse_env() -> Vec<&'static str> {
 }
 
 /// The restructurings a `DS4_CUDA_FUSE` value keeps (`None`: unset, the defaults).
-/// Unknown names are ignored, so `0` (or an empty value) keeps none.
+/// A plain comma list names exactly the ones kept; a list whose first item starts with
+/// `+` or `-` edits the defaults (`+hc_preload,-prio`: the defaults with hc_preload,
+/// without prio). Unknown names are ignored, so `0` (or an empty value) keeps none.
 fn parse_fuse(v: Option<&str>) -> Vec<&'static str> {
-    match v {
-        None => FUSIONS.to_vec(),
-        Some(v) => FUSIONS
-            .iter()
-            .chain(FUSIONS_OPT_IN.iter())
-            .copied()
-            .filter(|f| v.split(',').any(|p| p.trim() == *f))
-            .collect(),
-    }
+    let Some(v) = v else {
+        return FUSIONS.to_vec();
+    };
+    let items: Vec<&str> = v.split(',').map(str::trim).collect();
+    let edit = items
+        .first()
+        .is_some_and(|f| f.starts_with('+') || f.starts_with('-'));
+    let kept = |f: &str| {
+        if !edit {
+            return items.contains(&f);
+        }
+        // The last mention decides; unmentioned ones keep their default.
+        let mut on = FUSIONS.contains(&f);
+        for it in &items {
+            match it.strip_prefix('-') {
+                Some(name) if name == f => on = false,
+                Some(_) => {}
+                None if it.strip_prefix('+').unwrap_or(it) == f => on = true,
+                None => {}
+            }
+        }
+        on
+    };
+    FUSIONS
+        .iter()
+        .chain(FUSIONS_OPT_IN.iter())
+        .copied()
+        .filter(|f| kept(f))
+        .collect()
 }
 
 #[derive(Default)]
@@ -928,6 +950,18 @@ mod tests {
             assert!(!FUSIONS.contains(&opt), "{opt} is both default and opt-in");
             assert!(parse_fuse(Some(opt)) == vec![opt]);
         }
+        // Edits of the defaults.
+        let plus = parse_fuse(Some("+hc_preload"));
+        assert_eq!(plus.len(), FUSIONS.len() + 1);
+        assert!(plus.contains(&"hc_preload") && plus.contains(&"prio"));
+        let minus = parse_fuse(Some("-prio, +idx_banks, bogus"));
+        assert!(!minus.contains(&"prio") && minus.contains(&"idx_banks"));
+        assert_eq!(minus.len(), FUSIONS.len());
+        assert_eq!(
+            parse_fuse(Some("+hc_preload,-hc_preload")),
+            FUSIONS.to_vec()
+        );
+        assert_eq!(parse_fuse(Some("-q_norm,q_norm")), FUSIONS.to_vec());
     }
 
     #[test]
