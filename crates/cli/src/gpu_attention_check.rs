@@ -251,14 +251,16 @@ pub fn check_attention_mma(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
 /// The decode layout (one token per launch, its rows split evenly over 32 chunks, then
 /// the combine) against the f64 reference, the staged kernel (`att_stage`:
 /// `attention_split_staged`, rows copied to shared memory) against the plain one bit
-/// for bit, and the combine with every chunk in flight (`combine_pl`) against the plain
-/// combine, both with the decode tail (inverse RoPE and the Q8_0 output).
+/// for bit, the staged kernel issuing its first copies before the query's chain
+/// (`att_early`) against the staged one with the decode's own query norm + RoPE, and the
+/// combine with every chunk in flight (`combine_pl`) against the plain combine, both
+/// with the decode tail (inverse RoPE and the Q8_0 output).
 fn check_decode_split(
     gpu: &Gpu,
     inputs: &DeviceInputs,
     want: &[f64],
     case: &str,
-) -> Result<[Check; 3]> {
+) -> Result<[Check; 4]> {
     let n = inputs.n;
     let chunks = 32;
     let acc = gpu.zeros::<f32>(HEADS * chunks * HD)?;
@@ -273,9 +275,16 @@ fn check_decode_split(
         rope_dim: rope_dim as i32,
         pad: 0,
     };
-    // (staged split, combine_pl, with the tail): the outputs, then the tail's Q8_0
-    // values and scales.
-    let run = |staged: bool, combine_pl: bool, tail: bool| -> Result<Vec<f32>> {
+    // The outputs, then (with the tail) its Q8_0 values and scales.
+    #[derive(Clone, Copy, Default)]
+    struct Mode {
+        staged: bool,
+        early: bool,
+        combine_pl: bool,
+        tail: bool,
+        q_norm: bool,
+    }
+    let run = |m: Mode| -> Result<Vec<f32>> {
         let out = gpu.upload(&vec![f32::NAN; n * HEADS * HD])?;
         let q8 = gpu.zeros::<i8>(n * HEADS * HD)?;
         let d8 = gpu.upload(&vec![f32::NAN; n * HEADS * HD / 32])?;
@@ -289,29 +298,52 @@ fn check_decode_split(
                 a.sel += (t * TOP_K * 4) as u64;
             }
             let o = gpu.ptr(&out) + (t * HEADS * HD * 4) as u64;
+            if m.q_norm {
+                a.q_norm = Some(ds4_cuda::QNorm { eps: 1e-6, rope });
+            }
             let at = ds4_cuda::AttnTail {
                 rope,
                 q: gpu.ptr(&q8) + (t * HEADS * HD) as u64,
                 d: gpu.ptr(&d8) + (t * HEADS * HD / 32 * 4) as u64,
             };
-            gpu.with_fusion("att_stage", staged, || {
-                gpu.with_fusion("combine_pl", combine_pl, || {
-                    let (acc, ml) = (gpu.ptr(&acc), gpu.ptr(&ml));
-                    gpu.attention(&a, 0, chunks, acc, ml, o, tail.then_some(&at))
+            gpu.with_fusion("att_stage", m.staged, || {
+                gpu.with_fusion("att_early", m.early, || {
+                    gpu.with_fusion("combine_pl", m.combine_pl, || {
+                        let (acc, ml) = (gpu.ptr(&acc), gpu.ptr(&ml));
+                        gpu.attention(&a, 0, chunks, acc, ml, o, m.tail.then_some(&at))
+                    })
                 })
             })?;
         }
         let mut all = gpu.download(&out)?;
-        if tail {
+        if m.tail {
             all.extend(gpu.download(&q8)?.iter().map(|&v| v as f32));
             all.extend(gpu.download(&d8)?);
         }
         Ok(all)
     };
-    let plain = run(false, false, false)?;
-    let staged = run(true, false, false)?;
-    let combine = run(false, false, true)?;
-    let combine_pl = run(false, true, true)?;
+    let base = Mode::default();
+    let plain = run(base)?;
+    let staged = run(Mode {
+        staged: true,
+        ..base
+    })?;
+    let combine = run(Mode { tail: true, ..base })?;
+    let combine_pl = run(Mode {
+        tail: true,
+        combine_pl: true,
+        ..base
+    })?;
+    let normed = Mode {
+        staged: true,
+        q_norm: true,
+        ..base
+    };
+    let staged_qn = run(normed)?;
+    let early_qn = run(Mode {
+        early: true,
+        ..normed
+    })?;
     Ok([
         Check {
             name: format!("attention decode split {case}"),
@@ -325,6 +357,10 @@ fn check_decode_split(
         crate::gpu_selftest::bit_identical(
             format!("attention_combine_pl = attention_combine (RoPE, Q8_0), {case}"),
             crate::gpu_selftest::same_bits(&combine_pl, &combine),
+        ),
+        crate::gpu_selftest::bit_identical(
+            format!("attention_split_early = attention_split_staged (q_norm), {case}"),
+            crate::gpu_selftest::same_bits(&early_qn, &staged_qn),
         ),
     ])
 }

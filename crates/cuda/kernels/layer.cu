@@ -1341,6 +1341,10 @@ struct AttRows {
 // ATT_STAGE_ROWS of its rows into shared memory with cp.async — every load in flight at
 // once, one memory round trip per batch instead of one per ATT_ROWS_PER_STEP rows — and
 // its warps read them there. Same steps, same sums: bit-identical to the plain kernel.
+// EARLY (attention_split_early, `att_early`): as STAGED, but the first batch's copies
+// are issued before the query is loaded and normalised, and the query's RoPE
+// frequencies are loaded before the PDL wait: the row loads overlap the query's chain
+// (q → norm → RoPE table) instead of following it. Same values, same sums.
 #define ATT_HEADS_PER_BLOCK 8
 #define ATT_ROWS_PER_STEP 4
 #define ATT_STAGE_ROWS 32
@@ -1358,14 +1362,29 @@ __device__ __forceinline__ void att_cp16(void* smem, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
 }
 
-template <bool STAGED>
+template <bool STAGED, bool EARLY>
 __device__ __forceinline__ void attention_split_body(ATT_SPLIT_PARAMS) {
+    static_assert(STAGED || !EARLY, "EARLY stages");
+    const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
+    // EARLY: the RoPE frequencies of this lane's query tail dims (a table no kernel
+    // writes), two per 4-value part: fr[j][e / 2] for dims 128·j + 4·lane + e, e ∈ {0, 2}.
+    float fr[EARLY ? 4 : 1][2];
+    if (EARLY && q_norm) {
+        const int tail = hd - q_rope.rope_dim;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int d0 = 128 * j + 4 * lane;
+#pragma unroll
+            for (int e = 0; e < 4; e += 2)
+                fr[EARLY ? j : 0][e / 2] =
+                    d0 + e < hd && d0 + e >= tail ? q_rope.freqs[(d0 + e - tail) / 2] : 0.f;
+        }
+    }
     PDL_WAIT();
     PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     const int c = blockIdx.x;
     const int n_chunks = gridDim.x;
     const int t = blockIdx.z;
-    const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
     const int h = blockIdx.y * ATT_HEADS_PER_BLOCK + wid;
     const AttRows rows(step, t, window, ratio, sel, top_k);
     const int total = rows.total;
@@ -1377,6 +1396,17 @@ __device__ __forceinline__ void attention_split_body(ATT_SPLIT_PARAMS) {
     // STAGED: every warp takes part in the copies and barriers, heads or not.
     if (!STAGED && h >= heads) return;
     const bool live = h < heads;
+    extern __shared__ float4 att_stage[];  // STAGED: ATT_STAGE_ROWS rows of hd floats
+    // Issues the copies of rows [rb, min(r1, rb + ATT_STAGE_ROWS)) into att_stage.
+    auto stage = [&](int rb) {
+        const int re = min(r1, rb + ATT_STAGE_ROWS);
+        const int q4 = hd / 4, n4 = (re - rb) * q4;
+        for (int i = threadIdx.x; i < n4; i += blockDim.x) {
+            const int rr = i / q4;
+            att_cp16(&att_stage[i], rows.row(rb + rr, ring, raw_cap, comp, hd) + 4 * (i - rr * q4));
+        }
+    };
+    if (EARLY && r0 < r1) stage(r0);
     // Lane part j holds dims 128·j + 4·lane … + 3 when they exist (hd ≤ 512).
     const int njl = (hd - 4 * lane + 127) / 128;
     float qv[16], acc[16];
@@ -1413,9 +1443,14 @@ __device__ __forceinline__ void attention_split_body(ATT_SPLIT_PARAMS) {
             if (j < njl && d0 + 3 >= tail) {
 #pragma unroll
                 for (int e = 0; e < 4; e += 2)
-                    if (d0 + e >= tail)
-                        rope_pair(qv[4 * j + e], qv[4 * j + e + 1], (d0 + e - tail) / 2, pos, q_rope,
-                                  false);
+                    if (d0 + e >= tail) {
+                        if (EARLY)
+                            rope_pair_f(qv[4 * j + e], qv[4 * j + e + 1],
+                                        fr[EARLY ? j : 0][e / 2], pos, false);
+                        else
+                            rope_pair(qv[4 * j + e], qv[4 * j + e + 1], (d0 + e - tail) / 2,
+                                      pos, q_rope, false);
+                    }
             }
         }
     }
@@ -1426,15 +1461,12 @@ __device__ __forceinline__ void attention_split_body(ATT_SPLIT_PARAMS) {
     float m = -3.0e38f, l = 0.f;
     // Four rows per step: their loads and reductions overlap, and the running max and
     // the accumulator are rescaled once per step.
-    extern __shared__ float4 att_stage[];  // STAGED: ATT_STAGE_ROWS rows of hd floats
     for (int rb = r0; rb < r1; rb += ATT_STAGE_ROWS) {
     const int re = min(r1, rb + ATT_STAGE_ROWS);
     if (STAGED) {
-        __syncthreads();  // the previous batch has been read
-        const int q4 = hd / 4, n4 = (re - rb) * q4;
-        for (int i = threadIdx.x; i < n4; i += blockDim.x) {
-            const int rr = i / q4;
-            att_cp16(&att_stage[i], rows.row(rb + rr, ring, raw_cap, comp, hd) + 4 * (i - rr * q4));
+        if (!EARLY || rb != r0) {
+            __syncthreads();  // the previous batch has been read
+            stage(rb);
         }
         asm volatile("cp.async.wait_all;" ::: "memory");
         __syncthreads();
@@ -1534,10 +1566,13 @@ __device__ __forceinline__ void attention_split_body(ATT_SPLIT_PARAMS) {
 }
 
 extern "C" __global__ void __launch_bounds__(256) attention_split(ATT_SPLIT_PARAMS) {
-    attention_split_body<false>(ATT_SPLIT_ARGS);
+    attention_split_body<false, false>(ATT_SPLIT_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(256) attention_split_staged(ATT_SPLIT_PARAMS) {
-    attention_split_body<true>(ATT_SPLIT_ARGS);
+    attention_split_body<true, false>(ATT_SPLIT_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256) attention_split_early(ATT_SPLIT_PARAMS) {
+    attention_split_body<true, true>(ATT_SPLIT_ARGS);
 }
 
 // Combines the chunks of attention_split: block (h, t), the sink in the denominator.

@@ -137,8 +137,11 @@ pub const FUSIONS: [&str; 10] = [
 /// before the PDL wait.) `idxq_warp`: `indexer_q_warp`, the indexer query's RoPE,
 /// Hadamard and FP4 with one warp per head in registers (shuffles for the Hadamard's
 /// cross-lane strides) instead of a block per head through shared memory with 9
-/// barriers; the same butterflies; not yet measured.
-pub const FUSIONS_OPT_IN: [&str; 8] = [
+/// barriers; the same butterflies; not yet measured. `att_early` (with `att_stage`):
+/// `attention_split_early`, the first batch of row copies issued before the query's
+/// load, norm and RoPE (whose table is fetched before the PDL wait); same sums; not yet
+/// measured.
+pub const FUSIONS_OPT_IN: [&str; 9] = [
     "iq2_lut32",
     "carveout",
     "hc_preload",
@@ -147,6 +150,7 @@ pub const FUSIONS_OPT_IN: [&str; 8] = [
     "combine_pl",
     "norm_pl",
     "idxq_warp",
+    "att_early",
 ];
 
 fn fuse_env() -> Vec<&'static str> {

@@ -776,7 +776,12 @@ impl Gpu {
         // A decode token's blocks stage their rows in shared memory (`att_stage`).
         let staged = a.n_tok == 1 && self.fused("att_stage");
         let (name, smem) = if staged {
-            ("attention_split_staged", (ATT_STAGE_ROWS * hd * 4) as u32)
+            let name = self.kernel_for(
+                "att_early",
+                "attention_split_staged",
+                "attention_split_early",
+            );
+            (name, (ATT_STAGE_ROWS * hd * 4) as u32)
         } else {
             ("attention_split", 0)
         };
