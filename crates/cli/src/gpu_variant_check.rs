@@ -34,7 +34,7 @@ fn both<T>(gpu: &Gpu, name: &'static str, f: impl Fn() -> Result<T>) -> Result<(
 
 pub fn check_variants(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     let mut checks = check_hc_preload(gpu, seed)?;
-    checks.push(check_router_wide(gpu, seed)?);
+    checks.extend(check_router_wide(gpu, seed)?);
     checks.extend(check_f16_early(gpu, seed)?);
     checks.extend(check_indexer_scores(gpu, seed)?);
     checks.extend(check_topk(gpu, seed)?);
@@ -286,46 +286,62 @@ fn check_f16_early(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     Ok(checks)
 }
 
-/// Top-6 of 256 experts for 5 tokens, with tied keys (ties go to the lower index).
-fn check_router_wide(gpu: &Gpu, seed: u64) -> Result<Check> {
+/// Top-6 of 256 experts for 5 tokens, with tied keys (ties go to the lower index),
+/// through `router_wide` (`router4`) and `router_split` (against `router_wide`, also at
+/// 260 experts — a partial last tile — and 250, its scalar fallback).
+fn check_router_wide(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::stream(seed, 0x7e, 0);
-    let (n_tok, n_expert, k) = (5usize, 256usize, 6usize);
-    let mut logits = normal(&mut rng, n_tok * n_expert, 2.0);
-    for t in 0..n_tok {
-        // a few exact ties among the likely picks
-        let row = &mut logits[t * n_expert..(t + 1) * n_expert];
-        let top = row.iter().cloned().fold(f32::MIN, f32::max);
-        row[7] = top;
-        row[200] = top;
-        row[31] = row[30];
+    let mut checks = Vec::new();
+    for (fusion, n_expert) in [
+        ("router4", 256usize),
+        ("router_split", 256),
+        ("router_split", 260),
+        ("router_split", 250),
+    ] {
+        let (n_tok, k) = (5usize, 6usize);
+        let mut logits = normal(&mut rng, n_tok * n_expert, 2.0);
+        for t in 0..n_tok {
+            // a few exact ties among the likely picks, inside a warp's tile and across
+            let row = &mut logits[t * n_expert..(t + 1) * n_expert];
+            let top = row.iter().cloned().fold(f32::MIN, f32::max);
+            row[7] = top;
+            row[200] = top;
+            row[31] = row[30];
+            row[n_expert - 1] = row[33];
+        }
+        // No bias: it would break the ties between keys.
+        let bias = gpu.upload(&vec![0f32; n_expert])?;
+        let steps: Vec<i32> = (0..n_tok as i32).flat_map(|p| [p, 0]).collect();
+        let (steps, logits) = (gpu.upload(&steps)?, gpu.upload(&logits)?);
+        let (a, b) = both(gpu, fusion, || {
+            let ids = gpu.zeros::<i32>(n_tok * k)?;
+            let w = gpu.upload(&vec![f32::NAN; n_tok * k])?;
+            gpu.router(
+                n_tok,
+                gpu.ptr(&steps),
+                gpu.ptr(&logits),
+                n_expert,
+                k,
+                gpu.ptr(&bias),
+                0,
+                1.5,
+                gpu.ptr(&ids),
+                gpu.ptr(&w),
+            )?;
+            let mut all: Vec<f32> = gpu.download(&ids)?.iter().map(|&i| i as f32).collect();
+            all.extend(gpu.download(&w)?);
+            Ok(all)
+        })?;
+        let (variant, plain) = match fusion {
+            "router4" => ("router_wide", "router"),
+            _ => ("router_split", "router_wide"),
+        };
+        checks.push(bit_identical(
+            format!("{variant} = {plain} {n_expert} experts, top {k}, ties"),
+            same_bits(&a, &b),
+        ));
     }
-    // No bias: it would break the ties between keys.
-    let bias = gpu.upload(&vec![0f32; n_expert])?;
-    let steps: Vec<i32> = (0..n_tok as i32).flat_map(|p| [p, 0]).collect();
-    let (steps, logits) = (gpu.upload(&steps)?, gpu.upload(&logits)?);
-    let (a, b) = both(gpu, "router4", || {
-        let ids = gpu.zeros::<i32>(n_tok * k)?;
-        let w = gpu.upload(&vec![f32::NAN; n_tok * k])?;
-        gpu.router(
-            n_tok,
-            gpu.ptr(&steps),
-            gpu.ptr(&logits),
-            n_expert,
-            k,
-            gpu.ptr(&bias),
-            0,
-            1.5,
-            gpu.ptr(&ids),
-            gpu.ptr(&w),
-        )?;
-        let mut all: Vec<f32> = gpu.download(&ids)?.iter().map(|&i| i as f32).collect();
-        all.extend(gpu.download(&w)?);
-        Ok(all)
-    })?;
-    Ok(bit_identical(
-        format!("router_wide = router {n_expert} experts, top {k}, ties"),
-        same_bits(&a, &b),
-    ))
+    Ok(checks)
 }
 
 fn check_hc_preload(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {

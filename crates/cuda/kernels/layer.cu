@@ -1685,7 +1685,12 @@ extern "C" __global__ void __launch_bounds__(128) attention_combine_pl(ATT_COMBI
 // One block of 512 threads (n_expert ≤ 512).
 // WIDE (router_wide, `router4`): the rank loop reads four keys per load; the same
 // counts, so the same picks.
-template <bool WIDE>
+// SPLIT (router_split, `router_split`, with WIDE): the loop was issue-bound (~5
+// instructions a key). Below the warp's own 32 experts every j < e, so a key counts
+// when kj ≥ ke; above them every j > e, so when kj > ke (NaN compares false in both,
+// as in the full test); only the own tile needs the full test. Counted in four float
+// accumulators (exact: at most 512): FSET + FADD a key. The same ranks.
+template <bool WIDE, bool SPLIT = false>
 __device__ __forceinline__ void router_body(const Step* step, const float* logits,
         int n_expert, int k, const float* bias, const i32* tid2eid, float wscale, i32* ids,
         float* weights) {
@@ -1719,7 +1724,34 @@ __device__ __forceinline__ void router_body(const Step* step, const float* logit
             const float ke = key[e];
             int r = 0;
             int j = 0;
-            if (WIDE) {
+            if (SPLIT && n_expert % 4 == 0) {
+                const float4* k4 = reinterpret_cast<const float4*>(key);
+                const int t0 = e / WARP * WARP, t1 = min(n_expert, t0 + WARP);
+                float c0 = 0.f, c1 = 0.f, c2 = 0.f, c3 = 0.f;
+#pragma unroll 4
+                for (int jj = 0; jj < t0; jj += 4) {
+                    const float4 kv = k4[jj / 4];
+                    c0 += kv.x >= ke ? 1.f : 0.f;
+                    c1 += kv.y >= ke ? 1.f : 0.f;
+                    c2 += kv.z >= ke ? 1.f : 0.f;
+                    c3 += kv.w >= ke ? 1.f : 0.f;
+                }
+#pragma unroll 4
+                for (int jj = t1; jj < n_expert; jj += 4) {
+                    const float4 kv = k4[jj / 4];
+                    c0 += kv.x > ke ? 1.f : 0.f;
+                    c1 += kv.y > ke ? 1.f : 0.f;
+                    c2 += kv.z > ke ? 1.f : 0.f;
+                    c3 += kv.w > ke ? 1.f : 0.f;
+                }
+                r = (int)((c0 + c1) + (c2 + c3));
+                for (int jj = t0; jj < t1; ++jj) {
+                    const float kj = key[jj];
+                    r += (kj > ke) | ((kj == ke) & (jj < e));
+                }
+                j = n_expert;  // done
+            }
+            if (WIDE && !SPLIT) {
                 // Four keys per (broadcast) shared-memory load: the loop was bound by
                 // one LDS per key and warp, 16 warps × 256 keys ≈ 2 µs.
                 const float4* k4 = reinterpret_cast<const float4*>(key);
@@ -1761,6 +1793,9 @@ extern "C" __global__ void __launch_bounds__(512) router(ROUTER_PARAMS) {
 }
 extern "C" __global__ void __launch_bounds__(512) router_wide(ROUTER_PARAMS) {
     router_body<true>(ROUTER_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(512) router_split(ROUTER_PARAMS) {
+    router_body<true, true>(ROUTER_ARGS);
 }
 
 // ---- SwiGLU with the asymmetric clamp, scaled by the routing weight (null: 1).

@@ -140,8 +140,10 @@ pub const FUSIONS: [&str; 10] = [
 /// barriers; the same butterflies; not yet measured. `att_early` (with `att_stage`):
 /// `attention_split_early`, the first batch of row copies issued before the query's
 /// load, norm and RoPE (whose table is fetched before the PDL wait); same sums; not yet
-/// measured.
-pub const FUSIONS_OPT_IN: [&str; 9] = [
+/// measured. `router_split`: `router_split`, the router's rank loop split at the warp's
+/// own experts (a plain ≥ below, > above: two instructions a key instead of five);
+/// the same ranks; not yet measured.
+pub const FUSIONS_OPT_IN: [&str; 10] = [
     "iq2_lut32",
     "carveout",
     "hc_preload",
@@ -151,6 +153,7 @@ pub const FUSIONS_OPT_IN: [&str; 9] = [
     "norm_pl",
     "idxq_warp",
     "att_early",
+    "router_split",
 ];
 
 fn fuse_env() -> Vec<&'static str> {

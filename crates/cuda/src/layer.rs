@@ -899,7 +899,11 @@ impl Gpu {
             )));
         }
         let (ne, kk) = (n_expert as i32, k as i32);
-        let name = self.kernel_for("router4", "router", "router_wide");
+        let name = if self.fused("router_split") {
+            "router_split"
+        } else {
+            self.kernel_for("router4", "router", "router_wide")
+        };
         launch!(
             self,
             name,
