@@ -59,8 +59,10 @@ pub fn run(a: &Args, model: &Model, specs: &[Spec], alloc: usize) -> Result<()> 
         None => Box::new(std::io::stdout()),
     };
     writeln!(out, "label,round,ctx_tokens,prefill_tps,gen_tps")?;
-    for round in 1..=a.rounds.max(1) {
-        for spec in specs {
+    let rounds = a.rounds.max(1);
+    let mut gen = vec![Vec::with_capacity(rounds); specs.len()];
+    for round in 1..=rounds {
+        for (si, spec) in specs.iter().enumerate() {
             let kept = gpu.set_fusions(spec.setting.as_deref());
             if round == 1 {
                 eprintln!("ds4-bench: {} = {}", spec.label, kept.join(","));
@@ -71,6 +73,7 @@ pub fn run(a: &Args, model: &Model, specs: &[Spec], alloc: usize) -> Result<()> 
             session.prefill(&prompt)?;
             let prefill_s = t.elapsed().as_secs_f64();
             let gen_s = decode_greedy(&mut session, a.gen_tokens, eos)?;
+            gen[si].push(a.gen_tokens as f64 / gen_s.max(1e-9));
             writeln!(
                 out,
                 "{},{round},{},{:.2},{:.2}",
@@ -82,12 +85,67 @@ pub fn run(a: &Args, model: &Model, specs: &[Spec], alloc: usize) -> Result<()> 
             out.flush()?;
         }
     }
+    for line in summary(specs, &gen) {
+        eprintln!("{line}");
+    }
     Ok(())
+}
+
+/// Mean decode speed per setting and its difference to the first setting's. With two
+/// or more rounds the first is left out: a process's first sessions run cold (first
+/// graphs, clocks) and would bias whichever setting comes first.
+fn summary(specs: &[Spec], gen: &[Vec<f64>]) -> Vec<String> {
+    let skip = usize::from(gen.first().is_some_and(|g| g.len() >= 2));
+    let mean = |g: &Vec<f64>| {
+        let g = &g[skip.min(g.len())..];
+        g.iter().sum::<f64>() / g.len().max(1) as f64
+    };
+    let base = gen.first().map(mean).unwrap_or(0.0);
+    let rounds = if skip == 1 { "rounds 2+" } else { "all rounds" };
+    specs
+        .iter()
+        .zip(gen)
+        .map(|(spec, g)| {
+            let m = mean(g);
+            format!(
+                "ds4-bench: {:<12} {m:8.2} tok/s ({rounds}) {:+6.2} vs {}",
+                spec.label,
+                m - base,
+                specs[0].label
+            )
+        })
+        .collect()
 }
 
 #[cfg(test)]
 mod tests {
-    use super::parse_specs;
+    use super::{parse_specs, summary};
+
+    #[test]
+    fn summary_leaves_the_first_round_out() {
+        let specs = parse_specs(&["base=all".into(), "x=q_norm".into()]).unwrap();
+        let lines = summary(
+            &specs,
+            &[vec![100.0, 140.0, 142.0], vec![145.0, 146.0, 148.0]],
+        );
+        assert!(
+            lines[0].contains("141.00") && lines[0].contains("+0.00"),
+            "{}",
+            lines[0]
+        );
+        assert!(
+            lines[1].contains("147.00") && lines[1].contains("+6.00"),
+            "{}",
+            lines[1]
+        );
+        // One round: nothing left out.
+        let lines = summary(&specs, &[vec![100.0], vec![110.0]]);
+        assert!(
+            lines[1].contains("110.00") && lines[1].contains("+10.00"),
+            "{}",
+            lines[1]
+        );
+    }
 
     #[test]
     fn specs_parse() {
