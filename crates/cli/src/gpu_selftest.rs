@@ -422,7 +422,8 @@ pub(crate) fn bit_identical(name: String, diff: BitDiff) -> Check {
 
 /// The expert matvecs with their activations in registers against the staged kernels,
 /// bit for bit, with per-selection inputs and one shared input: IQ2_XXS at 4096 columns
-/// (`matvec_iq2_xxs_q8_rx`, the default there, and `_rx32` with 32 table copies), Q2_K
+/// (`matvec_iq2_xxs_q8_rx`, the default there, `_rx32` with 32 table copies and `_rxe`
+/// building its tables before the PDL wait), Q2_K
 /// at 2048 (`matvec_q2_k_q8_rx`), Q8_0 with its first weight loads before the PDL wait
 /// (`matvec_q8_0_q8_early`). Other shapes have only the staged kernel.
 fn check_kernel_variants(
@@ -435,7 +436,11 @@ fn check_kernel_variants(
     let (staged, variants): (&'static str, &[&'static str]) = match (m.ty, cols) {
         (GgmlType::IQ2_XXS, 4096) => (
             "matvec_iq2_xxs_q8",
-            &["matvec_iq2_xxs_q8_rx", "matvec_iq2_xxs_q8_rx32"],
+            &[
+                "matvec_iq2_xxs_q8_rx",
+                "matvec_iq2_xxs_q8_rx32",
+                "matvec_iq2_xxs_q8_rxe",
+            ],
         ),
         (GgmlType::Q2_K, 2048) => ("matvec_q2_k_q8", &["matvec_q2_k_q8_rx"]),
         (GgmlType::Q8_0, _) => ("matvec_q8_0_q8", &["matvec_q8_0_q8_early"]),

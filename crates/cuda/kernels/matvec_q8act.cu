@@ -230,10 +230,14 @@ extern "C" __global__ void __launch_bounds__(256, 3) matvec_iq2_xxs_q8(IQ2_MATVE
 // interleaved copies in dynamic shared memory (48 KB + the 1.5 KB they are copied
 // from), so no lookup waits on a bank conflict: with the activation reads gone the
 // ~16 random lookups per 16 weight bytes are this kernel's largest term.
+//
+// EARLY (matvec_iq2_xxs_q8_rxe, `iq2_early`): the tables are built before the PDL wait
+// (they come from the constant grid; the plain kernel builds them after it: an L2 load
+// and a barrier on the routed experts' chain, 43 times a token). Same sums.
 #define IQ2_RX_STEPS 2
-template <int COPIES>
+template <int COPIES, bool EARLY = false>
 __device__ __forceinline__ void iq2_xxs_q8_rx_body(IQ2_MATVEC_PARAMS) {
-    PDL_WAIT();
+    if (!EARLY) PDL_WAIT();
     constexpr int R = EXP_ROWS_PER_WARP, S = IQ2_RX_STEPS;
     __shared__ u32 base_codes[256], base_signs[128];
     extern __shared__ __align__(16) u32 copies[];
@@ -251,6 +255,7 @@ __device__ __forceinline__ void iq2_xxs_q8_rx_body(IQ2_MATVEC_PARAMS) {
         codes = copies;
         signs = copies + 256 * COPIES;
     }
+    if (EARLY) PDL_WAIT();
     (void)cols;  // S × 32 steps of 64 values (the host checks)
     constexpr int nc = S * WARP;
     const int lane = threadIdx.x;
@@ -319,6 +324,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) matvec_iq2_xxs_q8_rx(IQ2_MA
 }
 extern "C" __global__ void __launch_bounds__(256, 2) matvec_iq2_xxs_q8_rx32(IQ2_MATVEC_PARAMS) {
     iq2_xxs_q8_rx_body<32>(IQ2_MATVEC_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) matvec_iq2_xxs_q8_rxe(IQ2_MATVEC_PARAMS) {
+    iq2_xxs_q8_rx_body<1, true>(IQ2_MATVEC_ARGS);
 }
 
 // Q2_K × Q8: a lane takes 16 quant bytes (half h of chunk k): for each j the 16 values

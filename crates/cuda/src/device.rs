@@ -142,8 +142,10 @@ pub const FUSIONS: [&str; 10] = [
 /// load, norm and RoPE (whose table is fetched before the PDL wait); same sums; not yet
 /// measured. `router_split`: `router_split`, the router's rank loop split at the warp's
 /// own experts (a plain ≥ below, > above: two instructions a key instead of five);
-/// the same ranks; not yet measured.
-pub const FUSIONS_OPT_IN: [&str; 10] = [
+/// the same ranks; not yet measured. `iq2_early` (with `iq2_rx`):
+/// `matvec_iq2_xxs_q8_rxe`, the IQ2_XXS expert kernel building its lookup tables before
+/// the PDL wait instead of after it; same sums; not yet measured.
+pub const FUSIONS_OPT_IN: [&str; 11] = [
     "iq2_lut32",
     "carveout",
     "hc_preload",
@@ -154,6 +156,7 @@ pub const FUSIONS_OPT_IN: [&str; 10] = [
     "idxq_warp",
     "att_early",
     "router_split",
+    "iq2_early",
 ];
 
 fn fuse_env() -> Vec<&'static str> {

@@ -600,6 +600,8 @@ impl Gpu {
             None if iq2_shape && self.fused("iq2_rx") => {
                 if self.fused("iq2_lut32") {
                     "matvec_iq2_xxs_q8_rx32"
+                } else if self.fused("iq2_early") {
+                    "matvec_iq2_xxs_q8_rxe"
                 } else {
                     "matvec_iq2_xxs_q8_rx"
                 }
