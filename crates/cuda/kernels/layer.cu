@@ -114,59 +114,90 @@ __device__ __forceinline__ void hc_mix_step(const float4 a, const float4 b, cons
     }
 }
 
-// The 8 weights of a step at element i of row k (F16 or F32).
-__device__ __forceinline__ void hc_mix_weights(const void* fn, int fn_type, i64 at, float (&wv)[8]) {
+// The raw bytes of a step's 8 weights at element `at` (F16: one 16-byte word; F32: two).
+__device__ __forceinline__ void hc_mix_load(const void* fn, int fn_type, i64 at, uint4 (&raw)[2]) {
     if (fn_type == WT_F16) {
-        const uint4 w = *reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(fn) + at);
-        const u32 ww[4] = {w.x, w.y, w.z, w.w};
+        raw[0] = *reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(fn) + at);
+    } else {
+        const float* wr = reinterpret_cast<const float*>(fn) + at;
+        raw[0] = *reinterpret_cast<const uint4*>(wr);
+        raw[1] = *reinterpret_cast<const uint4*>(wr + 4);
+    }
+}
+
+// Those bytes as 8 floats.
+__device__ __forceinline__ void hc_mix_unpack(int fn_type, const uint4 (&raw)[2], float (&wv)[8]) {
+    if (fn_type == WT_F16) {
+        const u32 ww[4] = {raw[0].x, raw[0].y, raw[0].z, raw[0].w};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             wv[2 * j] = h2f((u16)(ww[j] & 0xffff));
             wv[2 * j + 1] = h2f((u16)(ww[j] >> 16));
         }
     } else {
-        const float* wr = reinterpret_cast<const float*>(fn) + at;
-        const float4 c = *reinterpret_cast<const float4*>(wr);
-        const float4 d = *reinterpret_cast<const float4*>(wr + 4);
-        wv[0] = c.x; wv[1] = c.y; wv[2] = c.z; wv[3] = c.w;
-        wv[4] = d.x; wv[5] = d.y; wv[6] = d.z; wv[7] = d.w;
+        const u32 c[8] = {raw[0].x, raw[0].y, raw[0].z, raw[0].w,
+                          raw[1].x, raw[1].y, raw[1].z, raw[1].w};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) wv[j] = __uint_as_float(c[j]);
     }
 }
 
+// The 8 weights of a step at element i of row k (F16 or F32).
+__device__ __forceinline__ void hc_mix_weights(const void* fn, int fn_type, i64 at, float (&wv)[8]) {
+    uint4 raw[2];
+    hc_mix_load(fn, fn_type, at, raw);
+    hc_mix_unpack(fn_type, raw, wv);
+}
+
 // PRELOAD (hc_mix_pl, `hc_preload`): the first HC_MIX_PRE steps' loads are all issued
-// before any is used (decode: n = 16,384 is exactly two steps of 1,024 threads), and the
-// two block sums share their barriers (same trees: the same bits).
+// before any is used (decode: n = 16,384 is exactly two steps of 1,024 threads), the
+// weights of those steps (no kernel writes them) before the PDL wait, and the two block
+// sums share their barriers (same trees: the same bits).
 #define HC_MIX_PRE 2
 template <bool PRELOAD>
 __device__ __forceinline__ void hc_mix_body(const float* h, int n, const void* fn, int fn_type,
                                             float eps, float* mix) {
-    PDL_WAIT();
-    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
-    __shared__ float red[32], red2[32];
     const int k = blockIdx.x;
     h += (i64)blockIdx.y * n;
     mix += (i64)blockIdx.y * gridDim.x;
+    const bool vec = (fn_type == WT_F16 || fn_type == WT_F32) && n % 8 == 0 &&
+                     (reinterpret_cast<size_t>(h) & 15) == 0 &&
+                     (reinterpret_cast<size_t>(fn) & 15) == 0;
+    // Raw words: every load goes out before any is converted.
+    uint4 wraw[PRELOAD ? HC_MIX_PRE : 1][2];
+    if (PRELOAD && vec) {
+#pragma unroll
+        for (int u = 0; u < HC_MIX_PRE; ++u) {
+            const int iu = threadIdx.x * 8 + u * blockDim.x * 8;
+            if (iu < n) hc_mix_load(fn, fn_type, (i64)k * n + iu, wraw[PRELOAD ? u : 0]);
+        }
+    }
+    PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
+    __shared__ float red[32], red2[32];
     float ss = 0.f, dot = 0.f;
-    if ((fn_type == WT_F16 || fn_type == WT_F32) && n % 8 == 0 &&
-        (reinterpret_cast<size_t>(h) & 15) == 0 && (reinterpret_cast<size_t>(fn) & 15) == 0) {
+    if (vec) {
         // 8 values per thread and step with 16-byte loads: the loop is a chain of
         // dependent L2 round trips, so fewer, wider steps (decode latency).
         int i = threadIdx.x * 8;
         if (PRELOAD) {
             float4 a[HC_MIX_PRE], b[HC_MIX_PRE];
-            float wv[HC_MIX_PRE][8];
 #pragma unroll
             for (int u = 0; u < HC_MIX_PRE; ++u) {
                 const int iu = i + u * blockDim.x * 8;
                 if (iu < n) {
                     a[u] = *reinterpret_cast<const float4*>(h + iu);
                     b[u] = *reinterpret_cast<const float4*>(h + iu + 4);
-                    hc_mix_weights(fn, fn_type, (i64)k * n + iu, wv[u]);
                 }
             }
 #pragma unroll
-            for (int u = 0; u < HC_MIX_PRE; ++u)
-                if (i + u * blockDim.x * 8 < n) hc_mix_step(a[u], b[u], wv[u], ss, dot);
+            for (int u = 0; u < HC_MIX_PRE; ++u) {
+                if (i + u * blockDim.x * 8 < n) {
+                    float wv[8];
+                    hc_mix_unpack(fn_type, wraw[PRELOAD ? u : 0], wv);
+                    hc_mix_step(a[u], b[u], wv, ss, dot);
+                }
+            }
             i += HC_MIX_PRE * blockDim.x * 8;
         }
         for (; i < n; i += blockDim.x * 8) {
