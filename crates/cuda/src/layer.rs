@@ -1,5 +1,6 @@
-//! Launchers of the layer kernels (kernels/layer.cu). Arguments are raw device
-//! addresses (`u64`) so that a whole token's launches have stable parameters and can
+//! Launchers of the layer kernels (kernels/layer.cu and its neighbours
+//! layer_attention.cu, layer_indexer.cu, layer_kv.cu, layer_moe.cu). Arguments are raw
+//! device addresses (`u64`) so that a whole token's launches have stable parameters and can
 //! be captured in a CUDA graph; the engine's CUDA backend owns the buffers.
 
 // Each launcher takes exactly its kernel's parameters; grouping them into structs
@@ -111,7 +112,7 @@ impl AttnTail {
 }
 
 /// The attention shape of `attention_prefill_mma` (AMMA_HEADS / AMMA_HD).
-/// Rows per shared-memory batch of `attention_split_staged` (ATT_STAGE_ROWS in layer.cu).
+/// Rows per shared-memory batch of `attention_split_staged` (ATT_STAGE_ROWS in layer_attention.cu).
 const ATT_STAGE_ROWS: usize = 32;
 const ATT_MMA_HEADS: usize = 64;
 const ATT_MMA_HD: usize = 512;
@@ -143,8 +144,8 @@ macro_rules! launch {
             let mut b = $gpu.launch_stream().launch_builder(&f);
             $( b.arg(&$arg); )*
             // SAFETY: each launcher passes exactly the parameters of the kernel of the
-            // same name in layer.cu, in order and with the same types; buffer sizes are
-            // the caller's contract (documented per launcher).
+            // same name in the layer*.cu kernels, in order and with the same types;
+            // buffer sizes are the caller's contract (documented per launcher).
             unsafe { b.launch($cfg) }?;
             Ok::<(), CudaError>(())
         })

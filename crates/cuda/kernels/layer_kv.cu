@@ -1,0 +1,264 @@
+// The layer's KV state (architecture.md §5.2, §5.4): the new raw row of the sliding window
+// and the compressors that fold rows into compressed KV, per decode token and batched.
+// Helpers (Step, ldw, block sums, RoPE, the QAT roundings) are in layer.cu, which the
+// build places first.
+#include "common.cuh"
+
+// ---- The new raw KV row: rmsnorm(kv, kv_norm), RoPE, FP8 on the nope dims, (f16
+// round), stored at ring slot pos % raw_cap. One block, blockDim.x ≥ 32.
+extern "C" __global__ void __launch_bounds__(512) kv_finish(const Step* step, const float* kv,
+        const void* norm_w, int norm_type, int hd, float eps, RopeP p, int f16_round,
+        float* ring, int raw_cap) {
+    PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
+    __shared__ float v[1024];
+    __shared__ float red[32];
+    step += blockIdx.y;
+    kv += (i64)blockIdx.y * hd;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) ss += kv[i] * kv[i];
+    ss = block_sum(ss, red);
+    const float sc = 1.0f / sqrtf(ss / (float)hd + eps);
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) v[i] = kv[i] * sc * ldw(norm_w, norm_type, i);
+    __syncthreads();
+    const float pos = (float)step->pos;
+    const int nope = hd - p.rope_dim;
+    for (int k = threadIdx.x; k < p.rope_dim / 2; k += blockDim.x)
+        rope_pair(v[nope + 2 * k], v[nope + 2 * k + 1], k, pos, p, false);
+    __syncthreads();
+    const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
+    for (int b = wid; b < nope / 64; b += blockDim.x / WARP) fp8_block64(v + b * 64, lane);
+    __syncthreads();
+    float* dst = ring + (i64)(step->pos % raw_cap) * hd;
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) dst[i] = f16_round ? f16r(v[i]) : v[i];
+}
+
+// ---- Compressor step (§5.4). kvs holds the new kv (w floats) then the new gate score
+// (w floats, APE not yet added). State: skv, ssc [L·r][w]. When (pos+1) % r == 0 the
+// pooled row is normed, rotated (position pos+1−r) and QAT-simulated, then stored as
+// row (pos+1)/r − 1 of `rows`. mode 0: main (FP8 on nope dims), 1: indexer
+// (Hadamard + FP4). One block of ≥ d threads (d ≤ 1024).
+extern "C" __global__ void __launch_bounds__(1024) compressor_step(const Step* step,
+        const float* kvs, const void* ape, int ape_type, float* skv, float* ssc, int ratio,
+        int lanes, int d, const void* norm_w, int norm_type, float eps, RopeP p, int mode,
+        int f16_round, float* rows) {
+    PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
+    __shared__ float v[1024];
+    __shared__ float red[32];
+    const int w = lanes * d;
+    const int pos = step->pos;
+    const int pm = pos % ratio;
+    const int slot = lanes == 2 ? ratio + pm : pm;
+    for (int j = threadIdx.x; j < w; j += blockDim.x) {
+        skv[(i64)slot * w + j] = kvs[j];
+        ssc[(i64)slot * w + j] = kvs[w + j] + ldw(ape, ape_type, (i64)pm * w + j);
+    }
+    if ((pos + 1) % ratio != 0) return;
+    __syncthreads();
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        float mx = NEG_INF_F;
+        if (lanes == 2) {
+            for (int i = 0; i < ratio; ++i) {
+                mx = fmaxf(mx, ssc[(i64)i * w + j]);
+                mx = fmaxf(mx, ssc[(i64)(ratio + i) * w + d + j]);
+            }
+        } else {
+            for (int i = 0; i < ratio; ++i) mx = fmaxf(mx, ssc[(i64)i * w + j]);
+        }
+        float num = 0.f, den = 0.f;
+        if (mx > -5e29f) {
+            if (lanes == 2) {
+                for (int i = 0; i < ratio; ++i) {
+                    float e = expf(ssc[(i64)i * w + j] - mx);
+                    num += e * skv[(i64)i * w + j];
+                    den += e;
+                    e = expf(ssc[(i64)(ratio + i) * w + d + j] - mx);
+                    num += e * skv[(i64)(ratio + i) * w + d + j];
+                    den += e;
+                }
+            } else {
+                for (int i = 0; i < ratio; ++i) {
+                    const float e = expf(ssc[(i64)i * w + j] - mx);
+                    num += e * skv[(i64)i * w + j];
+                    den += e;
+                }
+            }
+        }
+        v[j] = mx > -5e29f ? num / den : 0.f;
+    }
+    __syncthreads();
+    float ss = 0.f;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) ss += v[j] * v[j];
+    ss = block_sum(ss, red);
+    const float sc = 1.0f / sqrtf(ss / (float)d + eps);
+    for (int j = threadIdx.x; j < d; j += blockDim.x) v[j] = v[j] * sc * ldw(norm_w, norm_type, j);
+    __syncthreads();
+    const int nope = d - p.rope_dim;
+    const float rpos = (float)(pos + 1 - ratio);
+    for (int k = threadIdx.x; k < p.rope_dim / 2; k += blockDim.x)
+        rope_pair(v[nope + 2 * k], v[nope + 2 * k + 1], k, rpos, p, false);
+    __syncthreads();
+    const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
+    if (mode == 0) {
+        for (int b = wid; b < nope / 64; b += blockDim.x / WARP) fp8_block64(v + b * 64, lane);
+    } else {
+        hadamard_smem(v, d);
+        for (int b = wid; b < d / 32; b += blockDim.x / WARP) fp4_block32(v + b * 32, lane);
+    }
+    __syncthreads();
+    float* dst = rows + (i64)((pos + 1) / ratio - 1) * d;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) dst[j] = f16_round ? f16r(v[j]) : v[j];
+    if (lanes == 2) {
+        // The current window becomes the "previous" lane of the next row.
+        __syncthreads();
+        for (int i = threadIdx.x; i < ratio * w; i += blockDim.x) {
+            skv[i] = skv[(i64)ratio * w + i];
+            ssc[i] = ssc[(i64)ratio * w + i];
+        }
+    }
+}
+
+// ---- Batched compressor (prefill): the same result as compressor_step run for each of
+// the batch's tokens in order. kvs holds per token the kv (w floats) then the raw gate
+// score (w floats); tokens are at positions p0 = step[0].pos … p0 + n_tok − 1.
+//
+// A value of position q < p0 comes from the frontier state as it was before the
+// batch: with one lane, slot q % r; with two lanes, the current-window slots r + q % r
+// when q is in the window open at p0, the previous-window slots q mod r otherwise.
+struct CompVal {
+    float kv, sc;
+};
+
+__device__ __forceinline__ CompVal comp_value(int q, int col, int p0, const float* kvs,
+        const void* ape, int ape_type, const float* skv, const float* ssc, int ratio, int lanes,
+        int w) {
+    const int m = ((q % ratio) + ratio) % ratio;
+    CompVal v;
+    if (q >= p0) {
+        const float* t = kvs + (i64)(q - p0) * 2 * w;
+        v.kv = t[col];
+        v.sc = t[w + col] + ldw(ape, ape_type, (i64)m * w + col);
+    } else {
+        int slot = m;
+        if (lanes == 2) {
+            const int qw = q >= 0 ? q / ratio : -1;
+            if (qw == p0 / ratio) slot = ratio + m;
+        }
+        v.kv = skv[(i64)slot * w + col];
+        v.sc = ssc[(i64)slot * w + col];
+    }
+    return v;
+}
+
+// One block per row completed inside the batch (blockIdx.x = row − p0 / r).
+extern "C" __global__ void __launch_bounds__(1024) compressor_emit(const Step* step, int n_tok,
+        const float* kvs, const void* ape, int ape_type, const float* skv, const float* ssc,
+        int ratio, int lanes, int d, const void* norm_w, int norm_type, float eps, RopeP p,
+        int mode, int f16_round, float* rows) {
+    PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
+    __shared__ float v[1024];
+    __shared__ float red[32];
+    const int w = lanes * d;
+    const int p0 = step[0].pos;
+    const int row = p0 / ratio + blockIdx.x;
+    if (row > (p0 + n_tok) / ratio - 1) return;
+    const int base = row * ratio;  // first position of the row's window
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        float mx = NEG_INF_F;
+        for (int i = 0; i < ratio; ++i) {
+            if (lanes == 2) {
+                mx = fmaxf(mx, comp_value(base - ratio + i, j, p0, kvs, ape, ape_type, skv, ssc,
+                                          ratio, lanes, w).sc);
+                mx = fmaxf(mx, comp_value(base + i, d + j, p0, kvs, ape, ape_type, skv, ssc, ratio,
+                                          lanes, w).sc);
+            } else {
+                mx = fmaxf(mx, comp_value(base + i, j, p0, kvs, ape, ape_type, skv, ssc, ratio,
+                                          lanes, w).sc);
+            }
+        }
+        float num = 0.f, den = 0.f;
+        if (mx > -5e29f) {
+            for (int i = 0; i < ratio; ++i) {
+                if (lanes == 2) {
+                    CompVal a = comp_value(base - ratio + i, j, p0, kvs, ape, ape_type, skv, ssc,
+                                           ratio, lanes, w);
+                    float e = expf(a.sc - mx);
+                    num += e * a.kv;
+                    den += e;
+                    a = comp_value(base + i, d + j, p0, kvs, ape, ape_type, skv, ssc, ratio, lanes,
+                                   w);
+                    e = expf(a.sc - mx);
+                    num += e * a.kv;
+                    den += e;
+                } else {
+                    const CompVal a = comp_value(base + i, j, p0, kvs, ape, ape_type, skv, ssc,
+                                                 ratio, lanes, w);
+                    const float e = expf(a.sc - mx);
+                    num += e * a.kv;
+                    den += e;
+                }
+            }
+        }
+        v[j] = mx > -5e29f ? num / den : 0.f;
+    }
+    __syncthreads();
+    float ss = 0.f;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) ss += v[j] * v[j];
+    ss = block_sum(ss, red);
+    const float sc = 1.0f / sqrtf(ss / (float)d + eps);
+    for (int j = threadIdx.x; j < d; j += blockDim.x) v[j] = v[j] * sc * ldw(norm_w, norm_type, j);
+    __syncthreads();
+    const int nope = d - p.rope_dim;
+    for (int k = threadIdx.x; k < p.rope_dim / 2; k += blockDim.x)
+        rope_pair(v[nope + 2 * k], v[nope + 2 * k + 1], k, (float)base, p, false);
+    __syncthreads();
+    const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
+    if (mode == 0) {
+        for (int b = wid; b < nope / 64; b += blockDim.x / WARP) fp8_block64(v + b * 64, lane);
+    } else {
+        hadamard_smem(v, d);
+        for (int b = wid; b < d / 32; b += blockDim.x / WARP) fp4_block32(v + b * 32, lane);
+    }
+    __syncthreads();
+    float* dst = rows + (i64)row * d;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) dst[j] = f16_round ? f16r(v[j]) : v[j];
+}
+
+// The frontier state after the batch (run after compressor_emit, which reads the old
+// one). One thread per (slot j < r, column): the current-window slot gets the latest
+// position ≡ j (mod r) when it is in the batch; with two lanes the previous-window slot
+// gets position R·r + j of the last row R completed in the batch, if any.
+extern "C" __global__ void compressor_state(const Step* step, int n_tok, const float* kvs,
+        const void* ape, int ape_type, float* skv, float* ssc, int ratio, int lanes, int d) {
+    PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
+    const int w = lanes * d;
+    const int p0 = step[0].pos;
+    const int last = p0 + n_tok - 1;
+    for (i64 e = threadIdx.x + (i64)blockIdx.x * blockDim.x; e < (i64)ratio * w;
+         e += (i64)blockDim.x * gridDim.x) {
+        const int j = (int)(e / w), col = (int)(e % w);
+        const int cur = lanes == 2 ? ratio + j : j;
+        CompVal prev_v;
+        const int r_last = (last + 1) / ratio - 1;
+        const bool emitted = r_last >= p0 / ratio;
+        if (lanes == 2 && emitted)
+            prev_v = comp_value(r_last * ratio + j, col, p0, kvs, ape, ape_type, skv, ssc, ratio,
+                                lanes, w);
+        if (last >= j) {
+            const int q = j + (last - j) / ratio * ratio;
+            if (q >= p0) {
+                const CompVal c =
+                    comp_value(q, col, p0, kvs, ape, ape_type, skv, ssc, ratio, lanes, w);
+                skv[(i64)cur * w + col] = c.kv;
+                ssc[(i64)cur * w + col] = c.sc;
+            }
+        }
+        if (lanes == 2 && emitted) {
+            skv[(i64)j * w + col] = prev_v.kv;
+            ssc[(i64)j * w + col] = prev_v.sc;
+        }
+    }
+}
