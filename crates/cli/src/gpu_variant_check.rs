@@ -37,6 +37,7 @@ pub fn check_variants(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     checks.extend(check_router_wide(gpu, seed)?);
     checks.extend(check_f16_early(gpu, seed)?);
     checks.extend(check_indexer_scores(gpu, seed)?);
+    checks.extend(check_indexer_mma(gpu, seed)?);
     checks.extend(check_topk(gpu, seed)?);
     checks.extend(check_norm_pl(gpu, seed)?);
     checks.push(check_indexer_q_warp(gpu, seed)?);
@@ -111,6 +112,87 @@ fn topk_reference(scores: &[f32], k: usize) -> Vec<i32> {
     let mut top: Vec<i32> = idx[..k].iter().map(|&i| i as i32).collect();
     top.sort_unstable();
     top
+}
+
+/// The batched indexer scores on tensor cores (`idx_mma`) for nine tokens (two token
+/// groups, one token with no more rows than top-k) over FP4-simulated rows and queries,
+/// as the model makes them: against the f64 reference, and against the FMA kernel bit
+/// for bit (exact products; the dot products agree wherever their partial sums are
+/// exact in f32, which FP4 blocks of similar scale make the rule).
+fn check_indexer_mma(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+    use ds4_engine::ops::qat::fp4_e2m1_inplace;
+    const RATIO: usize = 4;
+    const TOP_K: usize = 512;
+    const MAX_ROWS: usize = 1100;
+    let (heads, dim) = (64usize, 128usize);
+    let mut rng = Rng::stream(seed, 0x1e, 0);
+    let mut rows = normal(&mut rng, MAX_ROWS * dim, 1.0);
+    fp4_e2m1_inplace(&mut rows, 32);
+    let positions = [2100usize, 2047, 4099, 3000, 2600, 4000, 2101, 3500, 2999];
+    let n_tok = positions.len();
+    let mut q = normal(&mut rng, n_tok * heads * dim, 1.0);
+    fp4_e2m1_inplace(&mut q, 32);
+    let wt = normal(&mut rng, n_tok * heads, 1.0);
+    let wscale = (dim as f32).powf(-0.5) / (heads as f32).sqrt();
+    let steps: Vec<i32> = positions.iter().flat_map(|&p| [p as i32, 0]).collect();
+    let (d_rows, d_q, d_wt, d_steps) = (
+        gpu.upload(&rows)?,
+        gpu.upload(&q)?,
+        gpu.upload(&wt)?,
+        gpu.upload(&steps)?,
+    );
+    let (plain, mma) = both(gpu, "idx_mma", || {
+        let scores = gpu.upload(&vec![f32::NAN; n_tok * MAX_ROWS])?;
+        gpu.indexer_scores(
+            n_tok,
+            gpu.ptr(&d_steps),
+            gpu.ptr(&d_rows),
+            gpu.ptr(&d_q),
+            gpu.ptr(&d_wt),
+            heads,
+            dim,
+            wscale,
+            RATIO,
+            TOP_K,
+            gpu.ptr(&scores),
+            MAX_ROWS,
+        )?;
+        Ok(gpu.download(&scores)?)
+    })?;
+    let (mut got, mut want) = (Vec::new(), Vec::new());
+    let mut untouched = true;
+    for (t, &pos) in positions.iter().enumerate() {
+        let n = (pos + 1) / RATIO;
+        let out = &mma[t * MAX_ROWS..(t + 1) * MAX_ROWS];
+        if n <= TOP_K {
+            untouched &= out.iter().all(|v| v.is_nan());
+            continue;
+        }
+        untouched &= out[n..].iter().all(|v| v.is_nan());
+        got.extend_from_slice(&out[..n]);
+        let (qt, wtt) = (
+            &q[t * heads * dim..(t + 1) * heads * dim],
+            &wt[t * heads..(t + 1) * heads],
+        );
+        want.extend(indexer_reference(&rows, qt, wtt, dim, n, wscale));
+    }
+    Ok(vec![
+        Check {
+            name: format!(
+                "indexer_scores_mma {heads}x{dim} FP4, {n_tok} tokens (untouched rows kept)"
+            ),
+            rel_err: if untouched {
+                rel_err(&got, &want)
+            } else {
+                f64::INFINITY
+            },
+            bound: 1e-6,
+        },
+        bit_identical(
+            format!("indexer_scores_mma = indexer_scores {heads}x{dim} FP4, {n_tok} tokens"),
+            same_bits(&mma, &plain),
+        ),
+    ])
 }
 
 /// Top-512 selections for tokens with 525 to 6,000 rows (the register path up to 4,096,

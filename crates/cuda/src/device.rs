@@ -144,8 +144,10 @@ pub const FUSIONS: [&str; 10] = [
 /// own experts (a plain ≥ below, > above: two instructions a key instead of five);
 /// the same ranks; not yet measured. `iq2_early` (with `iq2_rx`):
 /// `matvec_iq2_xxs_q8_rxe`, the IQ2_XXS expert kernel building its lookup tables before
-/// the PDL wait instead of after it; same sums; not yet measured.
-pub const FUSIONS_OPT_IN: [&str; 11] = [
+/// the PDL wait instead of after it; same sums; not yet measured. `idx_mma`: a batch's
+/// indexer scores (prefill) on bf16 tensor cores, `indexer_scores_mma` (exact products
+/// of the FP4-simulated operands, indexer_scores' head sum); not yet measured.
+pub const FUSIONS_OPT_IN: [&str; 12] = [
     "iq2_lut32",
     "carveout",
     "hc_preload",
@@ -157,6 +159,7 @@ pub const FUSIONS_OPT_IN: [&str; 11] = [
     "att_early",
     "router_split",
     "iq2_early",
+    "idx_mma",
 ];
 
 fn fuse_env() -> Vec<&'static str> {

@@ -685,6 +685,30 @@ impl Gpu {
         }
         let (h, d, r, k) = (heads as i32, dim as i32, ratio as i32, top_k as i32);
         let ss = max_rows as i32;
+        // A batch at the Flash shape on tensor cores (`idx_mma`, mma_indexer.cu).
+        if n_tok > 1 && heads == 64 && dim == 128 && self.fused("idx_mma") {
+            // The rows and queries as bf16 [64][136] each, the dot products [64][68] f32.
+            let smem = 2 * 64 * 136 * 2 + 64 * 68 * 4;
+            let mut cfg = cfg2((max_rows as u32).div_ceil(64), n_tok.div_ceil(8), 128);
+            cfg.shared_mem_bytes = smem as u32;
+            self.allow_smem("indexer_scores_mma", smem)?;
+            let nt = n_tok as i32;
+            return launch!(
+                self,
+                "indexer_scores_mma",
+                cfg,
+                step,
+                rows,
+                q,
+                wt,
+                nt,
+                wscale,
+                r,
+                k,
+                scores,
+                ss
+            );
+        }
         // qs and ks (dim × 68 floats each) and the 16 × 64 reduction.
         let smem = (2 * dim * 68 + 16 * 64) * 4;
         let mut cfg = cfg2((max_rows as u32).div_ceil(64), n_tok, 256);
