@@ -458,7 +458,9 @@ fn check_f32(
     Ok(out)
 }
 
-/// matmul_f32 with a forced split-K factor (cluster reduction) on a 2-group padded batch.
+/// matmul_f32 with a forced split-K factor (cluster reduction) on a 2-group padded batch;
+/// on tensor cores also the conflict-free tile layout (`mm_pitch`) against the plain one
+/// bit for bit.
 fn check_f32_split(
     gpu: &Gpu,
     rng: &mut Rng,
@@ -472,16 +474,22 @@ fn check_f32_split(
     let b = layout(rows, cols, n_tok, groups, true);
     let x = random_vec(n_tok * b.x_tok, rng);
     let xd = gpu.upload(&x)?;
-    let yd = gpu.upload(&vec![f32::NAN; n_tok * b.y_tok])?;
-    gpu.matmul_f32_opts(
-        &m,
-        gpu.ptr(&xd),
-        gpu.ptr(&yd),
-        b,
-        Some(sk),
-        Some(tensor_cores),
-    )?;
-    let (got, canaries) = gather(&gpu.download(&yd)?, &b, rows);
+    let run = |spread: bool| -> Result<Vec<f32>> {
+        let yd = gpu.upload(&vec![f32::NAN; n_tok * b.y_tok])?;
+        gpu.with_fusion("mm_pitch", spread, || {
+            gpu.matmul_f32_opts(
+                &m,
+                gpu.ptr(&xd),
+                gpu.ptr(&yd),
+                b,
+                Some(sk),
+                Some(tensor_cores),
+            )
+        })?;
+        Ok(gpu.download(&yd)?)
+    };
+    let plain = run(false)?;
+    let (got, canaries) = gather(&plain, &b, rows);
     let xv: Vec<f64> = x.iter().map(|&v| v as f64).collect();
     let want = reference_batch(
         &dequant_stack(ty, &w, rows, cols, groups),
@@ -495,13 +503,20 @@ fn check_f32_split(
     } else {
         f64::NAN
     };
-    Ok(vec![check(
+    let mut out = vec![check(
         format!(
             "matmul_{} {ty} {groups}x{rows}x{cols} n{n_tok} padded split-K {sk} vs f64",
             if tensor_cores { "tc" } else { "f32" }
         ),
         e,
-    )])
+    )];
+    if tensor_cores {
+        out.push(crate::gpu_selftest::bit_identical(
+            format!("mm_tc_*_p = mm_tc_* {ty} {groups}x{rows}x{cols} n{n_tok} split-K {sk}"),
+            crate::gpu_selftest::same_bits(&run(true)?, &plain),
+        ));
+    }
+    Ok(out)
 }
 
 /// Bad sizes are errors, never launches.

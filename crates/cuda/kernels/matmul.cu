@@ -787,15 +787,23 @@ __device__ __forceinline__ void mm_mma_tf32(float (&c)[4], float a0, float a1, f
 // split into a tf32 part and its f32 remainder (two mma per product), so products
 // carry ~22 bits of the activation: the f32 result to ~1e-6 instead of tf32's 1e-3.
 // Warp w takes rows 32·(w & 1) … +31 and tokens 16·(w >> 1) … +15 of the 64×64 tile.
-template <int WT, int S, bool TC>
+// SPREAD (mm_tc_*_p, `mm_pitch`): row stride 88 with k-row k's values shifted by
+// 8·(k >> 3) columns. With stride 72 the loader's transposed stores (lanes: 8 rows ×
+// 4 k-groups, k = 8·(lane & 3) + i) hit 8 banks, 4-way conflicts on 16 stores a thread
+// and k-tile; with 88 + the shift they hit 32, and the fragment reads stay conflict-free
+// (24·c + g spans 32 banks). The same values are read: the same sums.
+template <int WT, int S, bool TC, bool SPREAD = false>
 __device__ __forceinline__ void mm_f32_body(const u8* __restrict__ w, const u16* __restrict__ wd,
                                             i64 mat_w, i64 mat_d, const float* __restrict__ x,
                                             float* __restrict__ y, int rows, int cols, int n_tok,
                                             i64 x_tok, i64 x_grp, i64 y_tok, i64 y_grp) {
     // Row stride 72 (≡ 8 mod 32 banks): the tf32 fragments (k = lane & 3 (+4), row or
     // token = lane >> 2) read 32 distinct banks.
-    __shared__ __align__(16) float ws[2][32][72];
-    __shared__ __align__(16) float xs[2][32][72];
+    constexpr int P = SPREAD ? 88 : 72;
+    __shared__ __align__(16) float ws[2][32][P];
+    __shared__ __align__(16) float xs[2][32][P];
+    // The column shift of k-row k.
+    auto sh = [](int k) { return SPREAD ? 8 * (k >> 3) : 0; };
     const int tid = threadIdx.x;
     // Split K over the S blocks of a cluster (z = group·S + split): split s takes k-tiles
     // [s·nkt/S, (s+1)·nkt/S); the partial tiles are summed in split order through
@@ -859,8 +867,8 @@ __device__ __forceinline__ void mm_f32_body(const u8* __restrict__ w, const u16*
     auto put = [&](int s) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            ws[s][lk + i][lr] = wv[i];
-            xs[s][lk + i][lr] = xv[i];
+            ws[s][lk + i][lr + sh(lk)] = wv[i];
+            xs[s][lk + i][lr + sh(lk)] = xv[i];
         }
     };
     float acc[4][4];
@@ -897,16 +905,17 @@ __device__ __forceinline__ void mm_f32_body(const u8* __restrict__ w, const u16*
                 float a[2][4], bh[2][2], bl[2][2];
 #pragma unroll
                 for (int mi = 0; mi < 2; ++mi) {
-                    a[mi][0] = ws[s][k8 + c][rb + 16 * mi + g];
-                    a[mi][1] = ws[s][k8 + c][rb + 16 * mi + g + 8];
-                    a[mi][2] = ws[s][k8 + c + 4][rb + 16 * mi + g];
-                    a[mi][3] = ws[s][k8 + c + 4][rb + 16 * mi + g + 8];
+                    const int o = rb + 16 * mi + g + sh(k8);
+                    a[mi][0] = ws[s][k8 + c][o];
+                    a[mi][1] = ws[s][k8 + c][o + 8];
+                    a[mi][2] = ws[s][k8 + c + 4][o];
+                    a[mi][3] = ws[s][k8 + c + 4][o + 8];
                 }
 #pragma unroll
                 for (int ni = 0; ni < 2; ++ni) {
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
-                        const float v = xs[s][k8 + c + 4 * h][tb + 8 * ni + g];
+                        const float v = xs[s][k8 + c + 4 * h][tb + 8 * ni + g + sh(k8)];
                         bh[ni][h] = mm_tf32(v);
                         bl[ni][h] = mm_tf32(v - bh[ni][h]);
                     }
@@ -924,8 +933,8 @@ __device__ __forceinline__ void mm_f32_body(const u8* __restrict__ w, const u16*
         } else {
 #pragma unroll 8
         for (int k = 0; k < 32; ++k) {
-            const float4 a = *reinterpret_cast<const float4*>(&ws[s][k][4 * tr]);
-            const float4 b = *reinterpret_cast<const float4*>(&xs[s][k][4 * tt]);
+            const float4 a = *reinterpret_cast<const float4*>(&ws[s][k][4 * tr + sh(k)]);
+            const float4 b = *reinterpret_cast<const float4*>(&xs[s][k][4 * tt + sh(k)]);
             const float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
             for (int i = 0; i < 4; ++i)
@@ -990,22 +999,24 @@ __device__ __forceinline__ void mm_f32_body(const u8* __restrict__ w, const u16*
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
-#define MM_F32_KERNEL(NAME, WT, S, TC)                                                          \
+#define MM_F32_KERNEL(NAME, WT, S, TC, SPREAD)                                                  \
     extern "C" __global__ void __launch_bounds__(256) __cluster_dims__(1, 1, S) NAME(          \
         const u8* __restrict__ w, const u16* __restrict__ wd, i64 mat_w, i64 mat_d,             \
         const float* __restrict__ x, float* __restrict__ y, int rows, int cols, int n_tok,      \
         i64 x_tok, i64 x_grp, i64 y_tok, i64 y_grp) { PDL_WAIT();                                           \
-        mm_f32_body<WT, S, TC>(w, wd, mat_w, mat_d, x, y, rows, cols, n_tok, x_tok, x_grp,      \
-                               y_tok, y_grp);                                                   \
+        mm_f32_body<WT, S, TC, SPREAD>(w, wd, mat_w, mat_d, x, y, rows, cols, n_tok, x_tok,     \
+                                       x_grp, y_tok, y_grp);                                    \
     }
-#define MM_F32_KERNELS(NAME, WT, TC)                                                            \
-    MM_F32_KERNEL(NAME##_s1, WT, 1, TC)                                                         \
-    MM_F32_KERNEL(NAME##_s2, WT, 2, TC)                                                         \
-    MM_F32_KERNEL(NAME##_s4, WT, 4, TC)                                                         \
-    MM_F32_KERNEL(NAME##_s8, WT, 8, TC)
-MM_F32_KERNELS(mm_f32_f32, MF_WT_F32, false)
-MM_F32_KERNELS(mm_f32_f16, MF_WT_F16, false)
-MM_F32_KERNELS(mm_f32_bf16, MF_WT_BF16, false)
-MM_F32_KERNELS(mm_f32_q8_0, MF_WT_Q8_0, false)
-MM_F32_KERNELS(mm_tc_f16, MF_WT_F16, true)
-MM_F32_KERNELS(mm_tc_bf16, MF_WT_BF16, true)
+#define MM_F32_KERNELS(NAME, WT, TC, SPREAD)                                                    \
+    MM_F32_KERNEL(NAME##_s1, WT, 1, TC, SPREAD)                                                 \
+    MM_F32_KERNEL(NAME##_s2, WT, 2, TC, SPREAD)                                                 \
+    MM_F32_KERNEL(NAME##_s4, WT, 4, TC, SPREAD)                                                 \
+    MM_F32_KERNEL(NAME##_s8, WT, 8, TC, SPREAD)
+MM_F32_KERNELS(mm_f32_f32, MF_WT_F32, false, false)
+MM_F32_KERNELS(mm_f32_f16, MF_WT_F16, false, false)
+MM_F32_KERNELS(mm_f32_bf16, MF_WT_BF16, false, false)
+MM_F32_KERNELS(mm_f32_q8_0, MF_WT_Q8_0, false, false)
+MM_F32_KERNELS(mm_tc_f16, MF_WT_F16, true, false)
+MM_F32_KERNELS(mm_tc_bf16, MF_WT_BF16, true, false)
+MM_F32_KERNELS(mm_tc_f16_p, MF_WT_F16, true, true)
+MM_F32_KERNELS(mm_tc_bf16_p, MF_WT_BF16, true, true)

@@ -147,7 +147,10 @@ pub const FUSIONS: [&str; 10] = [
 /// the PDL wait instead of after it; same sums; not yet measured. `idx_mma`: a batch's
 /// indexer scores (prefill) on bf16 tensor cores, `indexer_scores_mma` (exact products
 /// of the FP4-simulated operands, indexer_scores' head sum); not yet measured.
-pub const FUSIONS_OPT_IN: [&str; 12] = [
+/// `mm_pitch`: the prefill F16/BF16 tensor-core GEMMs (`mm_tc_*_p`) with a tile layout
+/// whose transposed stores are free of bank conflicts (4-way before); same sums; not
+/// yet measured.
+pub const FUSIONS_OPT_IN: [&str; 13] = [
     "iq2_lut32",
     "carveout",
     "hc_preload",
@@ -160,6 +163,7 @@ pub const FUSIONS_OPT_IN: [&str; 12] = [
     "router_split",
     "iq2_early",
     "idx_mma",
+    "mm_pitch",
 ];
 
 fn fuse_env() -> Vec<&'static str> {

@@ -426,7 +426,20 @@ impl Gpu {
         let tc = tensor_cores.unwrap_or_else(|| {
             *TF32.get_or_init(|| std::env::var("DS4_CUDA_TF32").map_or(true, |v| v != "0"))
         });
+        let spread = tc && self.fused("mm_pitch");
         let names = match m.ty {
+            GgmlType::F16 if spread => [
+                "mm_tc_f16_p_s1",
+                "mm_tc_f16_p_s2",
+                "mm_tc_f16_p_s4",
+                "mm_tc_f16_p_s8",
+            ],
+            GgmlType::BF16 if spread => [
+                "mm_tc_bf16_p_s1",
+                "mm_tc_bf16_p_s2",
+                "mm_tc_bf16_p_s4",
+                "mm_tc_bf16_p_s8",
+            ],
             GgmlType::F16 if tc => [
                 "mm_tc_f16_s1",
                 "mm_tc_f16_s2",

@@ -61,6 +61,7 @@ pub fn run(a: &Args, model: &Model, specs: &[Spec], alloc: usize) -> Result<()> 
     writeln!(out, "label,round,ctx_tokens,prefill_tps,gen_tps")?;
     let rounds = a.rounds.max(1);
     let mut gen = vec![Vec::with_capacity(rounds); specs.len()];
+    let mut pre = vec![Vec::with_capacity(rounds); specs.len()];
     for round in 1..=rounds {
         for (si, spec) in specs.iter().enumerate() {
             let kept = gpu.set_fusions(spec.setting.as_deref());
@@ -74,6 +75,7 @@ pub fn run(a: &Args, model: &Model, specs: &[Spec], alloc: usize) -> Result<()> 
             let prefill_s = t.elapsed().as_secs_f64();
             let gen_s = decode_greedy(&mut session, a.gen_tokens, eos)?;
             gen[si].push(a.gen_tokens as f64 / gen_s.max(1e-9));
+            pre[si].push(prompt.len() as f64 / prefill_s.max(1e-9));
             writeln!(
                 out,
                 "{},{round},{},{:.2},{:.2}",
@@ -85,16 +87,19 @@ pub fn run(a: &Args, model: &Model, specs: &[Spec], alloc: usize) -> Result<()> 
             out.flush()?;
         }
     }
-    for line in summary(specs, &gen) {
+    for line in summary(specs, &gen, "decode") {
+        eprintln!("{line}");
+    }
+    for line in summary(specs, &pre, "prefill") {
         eprintln!("{line}");
     }
     Ok(())
 }
 
-/// Mean decode speed per setting and its difference to the first setting's. With two
-/// or more rounds the first is left out: a process's first sessions run cold (first
-/// graphs, clocks) and would bias whichever setting comes first.
-fn summary(specs: &[Spec], gen: &[Vec<f64>]) -> Vec<String> {
+/// Mean speed (`what`: decode or prefill) per setting and its difference to the first
+/// setting's. With two or more rounds the first is left out: a process's first sessions
+/// run cold (first graphs, clocks) and would bias whichever setting comes first.
+fn summary(specs: &[Spec], gen: &[Vec<f64>], what: &str) -> Vec<String> {
     let skip = usize::from(gen.first().is_some_and(|g| g.len() >= 2));
     let mean = |g: &Vec<f64>| {
         let g = &g[skip.min(g.len())..];
@@ -108,7 +113,7 @@ fn summary(specs: &[Spec], gen: &[Vec<f64>]) -> Vec<String> {
         .map(|(spec, g)| {
             let m = mean(g);
             format!(
-                "ds4-bench: {:<12} {m:8.2} tok/s ({rounds}) {:+6.2} vs {}",
+                "ds4-bench: {what:<7} {:<12} {m:9.2} tok/s ({rounds}) {:+8.2} vs {}",
                 spec.label,
                 m - base,
                 specs[0].label
@@ -127,7 +132,9 @@ mod tests {
         let lines = summary(
             &specs,
             &[vec![100.0, 140.0, 142.0], vec![145.0, 146.0, 148.0]],
+            "decode",
         );
+        assert!(lines[0].contains("decode"), "{}", lines[0]);
         assert!(
             lines[0].contains("141.00") && lines[0].contains("+0.00"),
             "{}",
@@ -139,7 +146,7 @@ mod tests {
             lines[1]
         );
         // One round: nothing left out.
-        let lines = summary(&specs, &[vec![100.0], vec![110.0]]);
+        let lines = summary(&specs, &[vec![100.0], vec![110.0]], "prefill");
         assert!(
             lines[1].contains("110.00") && lines[1].contains("+10.00"),
             "{}",
