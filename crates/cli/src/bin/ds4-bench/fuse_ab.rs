@@ -62,18 +62,34 @@ pub fn run(a: &Args, model: &Model, specs: &[Spec], alloc: usize) -> Result<()> 
     let rounds = a.rounds.max(1);
     let mut gen = vec![Vec::with_capacity(rounds); specs.len()];
     let mut pre = vec![Vec::with_capacity(rounds); specs.len()];
+    // A setting that fails (an untried kernel variant, say) is reported and dropped; the
+    // others go on, so one bad variant does not cost the whole comparison.
+    let mut failed = vec![false; specs.len()];
     for round in 1..=rounds {
         for (si, spec) in specs.iter().enumerate() {
+            if failed[si] {
+                continue;
+            }
             let kept = gpu.set_fusions(spec.setting.as_deref());
             if round == 1 {
                 eprintln!("ds4-bench: {} = {}", spec.label, kept.join(","));
             }
-            let be = CudaBackend::new(&weights, alloc, numerics)?;
-            let mut session = Session::with_backend(model, Box::new(be), numerics, 2048);
-            let t = Instant::now();
-            session.prefill(&prompt)?;
-            let prefill_s = t.elapsed().as_secs_f64();
-            let gen_s = decode_greedy(&mut session, a.gen_tokens, eos)?;
+            let run = || -> Result<(f64, f64)> {
+                let be = CudaBackend::new(&weights, alloc, numerics)?;
+                let mut session = Session::with_backend(model, Box::new(be), numerics, 2048);
+                let t = Instant::now();
+                session.prefill(&prompt)?;
+                let prefill_s = t.elapsed().as_secs_f64();
+                Ok((prefill_s, decode_greedy(&mut session, a.gen_tokens, eos)?))
+            };
+            let (prefill_s, gen_s) = match run() {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("ds4-bench: {} failed in round {round}: {e:#}", spec.label);
+                    failed[si] = true;
+                    continue;
+                }
+            };
             gen[si].push(a.gen_tokens as f64 / gen_s.max(1e-9));
             pre[si].push(prompt.len() as f64 / prefill_s.max(1e-9));
             writeln!(
@@ -87,6 +103,7 @@ pub fn run(a: &Args, model: &Model, specs: &[Spec], alloc: usize) -> Result<()> 
             out.flush()?;
         }
     }
+    gpu.set_fusions(None);
     for line in summary(specs, &gen, "decode") {
         eprintln!("{line}");
     }
@@ -102,7 +119,7 @@ pub fn run(a: &Args, model: &Model, specs: &[Spec], alloc: usize) -> Result<()> 
 fn summary(specs: &[Spec], gen: &[Vec<f64>], what: &str) -> Vec<String> {
     let skip = usize::from(gen.first().is_some_and(|g| g.len() >= 2));
     let mean = |g: &Vec<f64>| {
-        let g = &g[skip.min(g.len())..];
+        let g = if g.len() > skip { &g[skip..] } else { &g[..] };
         g.iter().sum::<f64>() / g.len().max(1) as f64
     };
     let base = gen.first().map(mean).unwrap_or(0.0);
@@ -111,6 +128,9 @@ fn summary(specs: &[Spec], gen: &[Vec<f64>], what: &str) -> Vec<String> {
         .iter()
         .zip(gen)
         .map(|(spec, g)| {
+            if g.is_empty() {
+                return format!("ds4-bench: {what:<7} {:<12} failed", spec.label);
+            }
             let m = mean(g);
             format!(
                 "ds4-bench: {what:<7} {:<12} {m:9.2} tok/s ({rounds}) {:+8.2} vs {}",
@@ -145,6 +165,9 @@ mod tests {
             "{}",
             lines[1]
         );
+        // A failed setting says so.
+        let lines = summary(&specs, &[vec![100.0, 140.0], vec![]], "decode");
+        assert!(lines[1].contains("failed"), "{}", lines[1]);
         // One round: nothing left out.
         let lines = summary(&specs, &[vec![100.0], vec![110.0]], "prefill");
         assert!(
