@@ -18,13 +18,14 @@ grep -E "FAIL|_pl |_sp |_rg |_warp|_early|_split|_rxe|_mma|_p |passed" "$out/sel
 
 # 2. Every decode/prefill variant against the defaults in one process (2k frontier).
 all="+hc_preload,+idx_banks,+topk_reg,+combine_pl,+norm_pl,+idxq_warp,+att_early"
-all="$all,+router_split,+iq2_early,+mm_pitch"
+all="$all,+router_split,+iq2_early,+mm_pitch,+exp_pitch"
 timeout 240 "$bin/ds4-bench" --synthetic-weights q2 --layers 43 --ctx-start 2048 \
   --ctx-max 2048 -n 128 --rounds 3 --csv "$out/ab.csv" \
   --fuse-ab all=all --fuse-ab hc=+hc_preload --fuse-ab idx=+idx_banks \
   --fuse-ab topk=+topk_reg --fuse-ab comb=+combine_pl --fuse-ab norm=+norm_pl \
   --fuse-ab idxq=+idxq_warp --fuse-ab early=+att_early --fuse-ab rsplit=+router_split \
-  --fuse-ab iq2e=+iq2_early --fuse-ab pitch=+mm_pitch --fuse-ab new="$all" \
+  --fuse-ab iq2e=+iq2_early --fuse-ab pitch=+mm_pitch --fuse-ab expp=+exp_pitch \
+  --fuse-ab new="$all" \
   > "$out/ab.log" 2>&1
 echo "fuse-ab rc=$?"
 grep -E "^ds4-bench: (decode|prefill)|failed" "$out/ab.log"

@@ -242,6 +242,12 @@ MM_Q8_0_KERNEL(64, 64)
 #define EXP_F_IQ2 1
 #define EXP_F_Q2K 2
 #define EXP_F_Q4K 3
+// IQ2_XXS with a 112-byte stage row (mm_exp_iq2_xxs_w_*, `exp_pitch`): the decode's
+// 8-byte reads of 8 rows (row·pitch + 8·j) fall in 16 distinct banks, where at 96 rows g
+// and g + 4 share theirs (2-way). Everything else as EXP_F_IQ2: the same sums.
+#define EXP_F_IQ2W 4
+template <int F>
+__host__ __device__ constexpr bool exp_iq2() { return F == EXP_F_IQ2 || F == EXP_F_IQ2W; }
 
 template <int F>
 __host__ __device__ constexpr int exp_xpitch() { return F == EXP_F_Q8_0 ? 272 : 288; }
@@ -250,12 +256,13 @@ __host__ __device__ constexpr int exp_x_bytes() { return 32 * exp_xpitch<F>() + 
 // Weight row pitch in the stage (quant bytes).
 template <int F>
 __host__ __device__ constexpr int exp_wpitch() {
-    return F == EXP_F_Q8_0 ? 272 : F == EXP_F_Q4K ? 160 : 96;
+    return F == EXP_F_Q8_0 ? 272 : F == EXP_F_Q4K ? 160 : F == EXP_F_IQ2W ? 112 : 96;
 }
 template <int F>
 __host__ __device__ constexpr int exp_w_bytes() {
     return F == EXP_F_Q8_0 ? 128 * 272 + 128 * 16
          : F == EXP_F_IQ2  ? 128 * 96 + 128 * 4
+         : F == EXP_F_IQ2W ? 128 * 112 + 128 * 4
          : F == EXP_F_Q2K  ? 128 * 96 + 128 * 16 + 128 * 4
                            : 128 * 160;
 }
@@ -311,7 +318,7 @@ __device__ __forceinline__ void exp_decode(const u8* wst, u32 wst_s, const u64* 
         const u16* d = reinterpret_cast<const u16*>(wst + 128 * WP);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) o.s1[hh] = h2f(d[(r + 8 * hh) * 8 + j]);
-    } else if (F == EXP_F_IQ2) {
+    } else if (exp_iq2<F>()) {
         const float* d = reinterpret_cast<const float*>(wst + 128 * WP);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
@@ -369,7 +376,7 @@ __device__ __forceinline__ void exp_decode(const u8* wst, u32 wst_s, const u64* 
 template <int F>
 __device__ __forceinline__ void exp_stage_scales(const u8* wst, int row, float& d1, float& d2) {
     constexpr int WP = exp_wpitch<F>();
-    if (F == EXP_F_IQ2) {
+    if (exp_iq2<F>()) {
         d1 = reinterpret_cast<const float*>(wst + 128 * WP)[row] * 0.125f;
         d2 = 0.f;
     } else if (F == EXP_F_Q2K) {
@@ -537,7 +544,7 @@ __device__ __forceinline__ void mm_exp_body(
         }
     }
     u64* grid64 = reinterpret_cast<u64*>(smem + 2 * STAGE);
-    if (F == EXP_F_IQ2)
+    if (exp_iq2<F>())
         for (int i = tid; i < 256; i += 128) grid64[i] = grid_g[i];
     __syncthreads();
 
@@ -578,7 +585,7 @@ __device__ __forceinline__ void mm_exp_body(
             }
             const bool ok = my_row < rows;
             const i64 blk = (i64)my_row * nb + b;
-            if (F == EXP_F_IQ2) {
+            if (exp_iq2<F>()) {
                 dnext = ok ? reinterpret_cast<const u16*>(w1)[blk] : (u16)0;
             } else {
                 mm_cp16(st + 128 * WP + tid * 16, ok ? w1 + blk * 16 : w1, ok);
@@ -600,7 +607,7 @@ __device__ __forceinline__ void mm_exp_body(
         }
     };
     auto store_d = [&](int s, u16 d) {
-        if (F == EXP_F_IQ2) reinterpret_cast<float*>(smem + s * STAGE + 128 * WP)[tid] = h2f(d);
+        if (exp_iq2<F>()) reinterpret_cast<float*>(smem + s * STAGE + 128 * WP)[tid] = h2f(d);
     };
 
     float acc[2][4][4];
@@ -674,6 +681,9 @@ MM_EXP_KERNEL(mm_exp_q8_0_b4, EXP_F_Q8_0, 4)
 MM_EXP_KERNEL(mm_exp_iq2_xxs_b2, EXP_F_IQ2, 2)
 MM_EXP_KERNEL(mm_exp_iq2_xxs_b3, EXP_F_IQ2, 3)
 MM_EXP_KERNEL(mm_exp_iq2_xxs_b4, EXP_F_IQ2, 4)
+MM_EXP_KERNEL(mm_exp_iq2_xxs_w_b2, EXP_F_IQ2W, 2)
+MM_EXP_KERNEL(mm_exp_iq2_xxs_w_b3, EXP_F_IQ2W, 3)
+MM_EXP_KERNEL(mm_exp_iq2_xxs_w_b4, EXP_F_IQ2W, 4)
 MM_EXP_KERNEL(mm_exp_q2_k_b2, EXP_F_Q2K, 2)
 MM_EXP_KERNEL(mm_exp_q2_k_b3, EXP_F_Q2K, 3)
 MM_EXP_KERNEL(mm_exp_q2_k_b4, EXP_F_Q2K, 4)

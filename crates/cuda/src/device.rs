@@ -149,8 +149,10 @@ pub const FUSIONS: [&str; 10] = [
 /// of the FP4-simulated operands, indexer_scores' head sum); not yet measured.
 /// `mm_pitch`: the prefill F16/BF16 tensor-core GEMMs (`mm_tc_*_p`) with a tile layout
 /// whose transposed stores are free of bank conflicts (4-way before); same sums; not
-/// yet measured.
-pub const FUSIONS_OPT_IN: [&str; 13] = [
+/// yet measured. `exp_pitch`: the prefill IQ2_XXS expert GEMM
+/// (`mm_exp_iq2_xxs_w_*`) with 112-byte stage rows, so the decode's 8-byte reads of 8
+/// rows are free of 2-way bank conflicts; same sums; not yet measured.
+pub const FUSIONS_OPT_IN: [&str; 14] = [
     "iq2_lut32",
     "carveout",
     "hc_preload",
@@ -164,6 +166,7 @@ pub const FUSIONS_OPT_IN: [&str; 13] = [
     "iq2_early",
     "idx_mma",
     "mm_pitch",
+    "exp_pitch",
 ];
 
 fn fuse_env() -> Vec<&'static str> {

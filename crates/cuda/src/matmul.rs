@@ -86,10 +86,12 @@ fn q8_stage_bytes(bm: usize, bn: usize) -> usize {
 }
 
 /// Stage bytes of the expert GEMM: weights (`exp_w_bytes`) + activations
-/// (`exp_x_bytes`) in matmul.cu.
-fn exp_stage_bytes(ty: GgmlType) -> usize {
+/// (`exp_x_bytes`) in matmul.cu; `wide`: the IQ2_XXS stage with 112-byte rows
+/// (`exp_pitch`, EXP_F_IQ2W).
+fn exp_stage_bytes(ty: GgmlType, wide: bool) -> usize {
     let w = match ty {
         GgmlType::Q8_0 => 128 * 272 + 128 * 16,
+        GgmlType::IQ2_XXS if wide => 128 * 112 + 128 * 4,
         GgmlType::IQ2_XXS => 128 * 96 + 128 * 4,
         GgmlType::Q2_K => 128 * 96 + 128 * 16 + 128 * 4,
         _ => 128 * 160,
@@ -280,8 +282,17 @@ impl Gpu {
         variant: Option<usize>,
     ) -> Result<(), CudaError> {
         // Kernels per format with minimum 2, 3, 4 blocks per SM (register caps).
+        let wide = m.ty == GgmlType::IQ2_XXS && self.fused("exp_pitch");
         let (names, default) = match m.ty {
             GgmlType::Q8_0 => (["mm_exp_q8_0_b2", "mm_exp_q8_0_b3", "mm_exp_q8_0_b4"], 2),
+            GgmlType::IQ2_XXS if wide => (
+                [
+                    "mm_exp_iq2_xxs_w_b2",
+                    "mm_exp_iq2_xxs_w_b3",
+                    "mm_exp_iq2_xxs_w_b4",
+                ],
+                2,
+            ),
             GgmlType::IQ2_XXS => (
                 [
                     "mm_exp_iq2_xxs_b2",
@@ -309,7 +320,7 @@ impl Gpu {
                 m.cols
             )));
         }
-        let stage = exp_stage_bytes(m.ty);
+        let stage = exp_stage_bytes(m.ty, wide);
         let smem = 2 * stage + if m.ty == GgmlType::IQ2_XXS { 2048 } else { 0 };
         self.allow_smem(name, smem)?;
         let elems = m.rows * m.cols;
@@ -726,8 +737,10 @@ mod tests {
             GgmlType::Q2_K,
             GgmlType::Q4_K,
         ] {
-            assert_eq!(exp_stage_bytes(ty) % 16, 0);
-            assert!(2 * exp_stage_bytes(ty) + 2048 <= 227 << 10);
+            for wide in [false, true] {
+                assert_eq!(exp_stage_bytes(ty, wide) % 16, 0);
+                assert!(2 * exp_stage_bytes(ty, wide) + 2048 <= 227 << 10);
+            }
         }
     }
 }
