@@ -265,16 +265,8 @@ fn check_decode_split(
     let chunks = 32;
     let acc = gpu.zeros::<f32>(HEADS * chunks * HD)?;
     let ml = gpu.zeros::<f32>(2 * HEADS * chunks)?;
-    let rope_dim = 64usize;
-    let freqs: Vec<f32> = (0..rope_dim / 2)
-        .map(|i| 10000f32.powf(-2.0 * i as f32 / rope_dim as f32))
-        .collect();
-    let freqs = gpu.upload(&freqs)?;
-    let rope = ds4_cuda::RopeP {
-        freqs: gpu.ptr(&freqs),
-        rope_dim: rope_dim as i32,
-        pad: 0,
-    };
+    let (_freqs, rope) =
+        crate::gpu_selftest::upload_rope(gpu, &crate::gpu_selftest::rope_freqs(64))?;
     // The outputs, then (with the tail) its Q8_0 values and scales.
     #[derive(Clone, Copy, Default)]
     struct Mode {
@@ -376,16 +368,11 @@ fn check_q_norm(
     case: &str,
 ) -> Result<Check> {
     let n = inputs.n;
-    let rope_dim = 64usize;
-    let freqs: Vec<f32> = (0..rope_dim / 2)
-        .map(|i| 10000f32.powf(-2.0 * i as f32 / rope_dim as f32) * (0.5 + rng.uniform()))
+    let freqs: Vec<f32> = crate::gpu_selftest::rope_freqs(64)
+        .into_iter()
+        .map(|f| f * (0.5 + rng.uniform()))
         .collect();
-    let freqs = gpu.upload(&freqs)?;
-    let rope = ds4_cuda::RopeP {
-        freqs: gpu.ptr(&freqs),
-        rope_dim: rope_dim as i32,
-        pad: 0,
-    };
+    let (_freqs, rope) = crate::gpu_selftest::upload_rope(gpu, &freqs)?;
     let eps = 1e-6;
     let q_raw = gpu.download(&inputs.q)?;
     let normed = gpu.upload(&q_raw)?;

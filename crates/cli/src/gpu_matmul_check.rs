@@ -156,9 +156,15 @@ pub fn check_matmul(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
             let shape = (16, 160, 1024, n_tok);
             out.extend(check_experts(gpu, &mut rng, ty, shape, shared, true, None)?);
         }
-        // Every occupancy variant of the kernel.
+        // Every occupancy variant of the kernel; IQ2_XXS also on the per-k-step path
+        // (its `exp_pitch` twin is checked against every run).
         for v in 0..3 {
-            for &(n_tok, shared) in &[(64usize, true), (512, false)] {
+            for &(n_tok, shared, k_rule) in
+                &[(64usize, true, true), (512, false, true), (64, true, false)]
+            {
+                if !k_rule && ty != GgmlType::IQ2_XXS {
+                    continue;
+                }
                 let shape = (16, 160, 1024, n_tok);
                 out.extend(check_experts(
                     gpu,
@@ -166,7 +172,7 @@ pub fn check_matmul(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
                     ty,
                     shape,
                     shared,
-                    true,
+                    k_rule,
                     Some(v),
                 )?);
             }
@@ -174,22 +180,6 @@ pub fn check_matmul(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
         // Q8_0-rule activations (scales vary within 256 values: the per-k-step path).
         let shape = (8, 128, 512, 64);
         out.extend(check_experts(gpu, &mut rng, ty, shape, true, false, None)?);
-    }
-    // IQ2_XXS with 112-byte stage rows (`exp_pitch`) against the plain layout, both
-    // stage paths, every occupancy variant.
-    for v in 0..3 {
-        for (n_tok, shared, k_rule) in
-            [(64usize, true, true), (512, false, true), (64, true, false)]
-        {
-            out.push(check_experts_pitch(
-                gpu,
-                &mut rng,
-                (16, 160, 1024, n_tok),
-                shared,
-                k_rule,
-                v,
-            )?);
-        }
     }
     out.push(check_plan(gpu, &mut rng)?);
     // f32 activations.
@@ -319,49 +309,6 @@ fn route(rng: &mut Rng, n_tok: usize, k: usize, n_expert: usize) -> Vec<i32> {
     ids
 }
 
-/// The expert GEMM on IQ2_XXS weights with `exp_pitch` off and on, bit for bit.
-fn check_experts_pitch(
-    gpu: &Gpu,
-    rng: &mut Rng,
-    (n_expert, rows, cols, n_tok): (usize, usize, usize, usize),
-    shared: bool,
-    k_rule: bool,
-    variant: usize,
-) -> Result<Check> {
-    let ty = GgmlType::IQ2_XXS;
-    let k = 6;
-    let n_pairs = n_tok * k;
-    let w = random_matrix(ty, rows, cols, n_expert, rng);
-    let m = upload(gpu, ty, &w, rows, cols, n_expert)?;
-    let idd = gpu.upload(&route(rng, n_tok, k, n_expert))?;
-    let in_rows = if shared { n_tok } else { n_pairs };
-    let xd = gpu.upload(&random_vec(in_rows * cols, rng))?;
-    let mut qa = gpu.alloc_quant_act(in_rows, cols)?;
-    if k_rule {
-        gpu.quantize_act_k(gpu.ptr(&xd), &mut qa)?;
-    } else {
-        gpu.quantize_act(gpu.ptr(&xd), &mut qa)?;
-    }
-    let mut plan = gpu.alloc_route_plan(n_pairs + 5, n_expert)?;
-    gpu.route_plan(gpu.ptr(&idd), n_pairs, n_expert, &mut plan)?;
-    let run = |wide: bool| -> Result<Vec<f32>> {
-        let yd = gpu.upload(&vec![f32::NAN; n_pairs * rows])?;
-        gpu.with_fusion("exp_pitch", wide, || {
-            gpu.matmul_experts_q8act_variant(&m, &qa, &plan, k, shared, gpu.ptr(&yd), Some(variant))
-        })?;
-        Ok(gpu.download(&yd)?)
-    };
-    let plain = run(false)?;
-    Ok(crate::gpu_selftest::bit_identical(
-        format!(
-            "mm_exp_iq2_xxs_w = mm_exp_iq2_xxs {n_expert}x{rows}x{cols} n{n_tok} {}{} v{variant}",
-            if shared { "shared" } else { "per-pair" },
-            if k_rule { "" } else { " q8_0-act" },
-        ),
-        crate::gpu_selftest::same_bits(&run(true)?, &plain),
-    ))
-}
-
 fn check_experts(
     gpu: &Gpu,
     rng: &mut Rng,
@@ -388,9 +335,14 @@ fn check_experts(
     }
     let mut plan = gpu.alloc_route_plan(n_pairs + 5, n_expert)?;
     gpu.route_plan(gpu.ptr(&idd), n_pairs, n_expert, &mut plan)?;
-    let yd = gpu.upload(&vec![f32::NAN; n_pairs * rows])?;
-    gpu.matmul_experts_q8act_variant(&m, &qa, &plan, k, shared, gpu.ptr(&yd), variant)?;
-    let got = gpu.download(&yd)?;
+    let run = |wide: bool| -> Result<Vec<f32>> {
+        let yd = gpu.upload(&vec![f32::NAN; n_pairs * rows])?;
+        gpu.with_fusion("exp_pitch", wide, || {
+            gpu.matmul_experts_q8act_variant(&m, &qa, &plan, k, shared, gpu.ptr(&yd), variant)
+        })?;
+        Ok(gpu.download(&yd)?)
+    };
+    let got = run(false)?;
     let xv = act_values(gpu, &qa)?;
     let wd = dequant_stack(ty, &w, rows, cols, n_expert);
     let want: Vec<f64> = (0..n_pairs)
@@ -432,6 +384,13 @@ fn check_experts(
     gpu.matvec_q8act(&m, &qe, gpu.ptr(&y2), n_pairs, sel)?;
     let mv: Vec<f64> = gpu.download(&y2)?.iter().map(|&v| v as f64).collect();
     out.push(check(format!("{name} vs matvec_q8act"), rel_err(&got, &mv)));
+    // IQ2_XXS with 112-byte stage rows (`exp_pitch`) against the plain layout.
+    if ty == GgmlType::IQ2_XXS {
+        out.push(crate::gpu_selftest::bit_identical(
+            format!("mm_exp_iq2_xxs_w = mm_exp_iq2_xxs, {name}"),
+            crate::gpu_selftest::same_bits(&run(true)?, &got),
+        ));
+    }
     Ok(out)
 }
 

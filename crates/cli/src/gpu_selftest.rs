@@ -343,6 +343,28 @@ fn check_q8act_pair(gpu: &Gpu, rng: &mut Rng, m: &DeviceMatrix, ids: &[i32]) -> 
     ))
 }
 
+/// The RoPE table of `rope_dim` dims (base 10,000) the attention and indexer checks use.
+pub(crate) fn rope_freqs(rope_dim: usize) -> Vec<f32> {
+    (0..rope_dim / 2)
+        .map(|i| 10000f32.powf(-2.0 * i as f32 / rope_dim as f32))
+        .collect()
+}
+
+/// `freqs` on the device and the kernels' RoPE parameters over them (the buffer must
+/// outlive every launch that takes the parameters).
+pub(crate) fn upload_rope(
+    gpu: &Gpu,
+    freqs: &[f32],
+) -> Result<(ds4_cuda::DeviceBuf<f32>, ds4_cuda::RopeP)> {
+    let buf = gpu.upload(freqs)?;
+    let rope = ds4_cuda::RopeP {
+        freqs: gpu.ptr(&buf),
+        rope_dim: 2 * freqs.len() as i32,
+        pad: 0,
+    };
+    Ok((buf, rope))
+}
+
 /// How far two outputs that should agree bit for bit are apart: a failed bit-identity
 /// check then says whether it is a rounding (a few values, ~1e-7) or a wrong kernel.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]

@@ -48,19 +48,12 @@ pub fn check_variants(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
 /// different positions, through the launcher with `idxq_warp` off and on.
 fn check_indexer_q_warp(gpu: &Gpu, seed: u64) -> Result<Check> {
     let mut rng = Rng::stream(seed, 0x1a, 0);
-    let (heads, dim, rope_dim) = (64usize, 128usize, 64usize);
+    let (heads, dim) = (64usize, 128usize);
     let positions = [0i32, 2100, 65_537];
     let n_tok = positions.len();
     let q = normal(&mut rng, n_tok * heads * dim, 1.0);
-    let freqs: Vec<f32> = (0..rope_dim / 2)
-        .map(|i| 10000f32.powf(-2.0 * i as f32 / rope_dim as f32))
-        .collect();
-    let freqs = gpu.upload(&freqs)?;
-    let rope = ds4_cuda::RopeP {
-        freqs: gpu.ptr(&freqs),
-        rope_dim: rope_dim as i32,
-        pad: 0,
-    };
+    let (_freqs, rope) =
+        crate::gpu_selftest::upload_rope(gpu, &crate::gpu_selftest::rope_freqs(64))?;
     let steps: Vec<i32> = positions.iter().flat_map(|&p| [p, 0]).collect();
     let steps = gpu.upload(&steps)?;
     let (a, b) = both(gpu, "idxq_warp", || {
@@ -121,75 +114,34 @@ fn topk_reference(scores: &[f32], k: usize) -> Vec<i32> {
 /// exact in f32, which FP4 blocks of similar scale make the rule).
 fn check_indexer_mma(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     use ds4_engine::ops::qat::fp4_e2m1_inplace;
-    const RATIO: usize = 4;
-    const TOP_K: usize = 512;
-    const MAX_ROWS: usize = 1100;
     let (heads, dim) = (64usize, 128usize);
     let mut rng = Rng::stream(seed, 0x1e, 0);
-    let mut rows = normal(&mut rng, MAX_ROWS * dim, 1.0);
+    let mut rows = normal(&mut rng, IDX_MAX_ROWS * dim, 1.0);
     fp4_e2m1_inplace(&mut rows, 32);
     let positions = [2100usize, 2047, 4099, 3000, 2600, 4000, 2101, 3500, 2999];
     let n_tok = positions.len();
     let mut q = normal(&mut rng, n_tok * heads * dim, 1.0);
     fp4_e2m1_inplace(&mut q, 32);
     let wt = normal(&mut rng, n_tok * heads, 1.0);
-    let wscale = (dim as f32).powf(-0.5) / (heads as f32).sqrt();
-    let steps: Vec<i32> = positions.iter().flat_map(|&p| [p as i32, 0]).collect();
-    let (d_rows, d_q, d_wt, d_steps) = (
-        gpu.upload(&rows)?,
-        gpu.upload(&q)?,
-        gpu.upload(&wt)?,
-        gpu.upload(&steps)?,
-    );
-    let (plain, mma) = both(gpu, "idx_mma", || {
-        let scores = gpu.upload(&vec![f32::NAN; n_tok * MAX_ROWS])?;
-        gpu.indexer_scores(
-            n_tok,
-            gpu.ptr(&d_steps),
-            gpu.ptr(&d_rows),
-            gpu.ptr(&d_q),
-            gpu.ptr(&d_wt),
-            heads,
-            dim,
-            wscale,
-            RATIO,
-            TOP_K,
-            gpu.ptr(&scores),
-            MAX_ROWS,
-        )?;
-        Ok(gpu.download(&scores)?)
-    })?;
-    let (mut got, mut want) = (Vec::new(), Vec::new());
-    let mut untouched = true;
-    for (t, &pos) in positions.iter().enumerate() {
-        let n = (pos + 1) / RATIO;
-        let out = &mma[t * MAX_ROWS..(t + 1) * MAX_ROWS];
-        if n <= TOP_K {
-            untouched &= out.iter().all(|v| v.is_nan());
-            continue;
-        }
-        untouched &= out[n..].iter().all(|v| v.is_nan());
-        got.extend_from_slice(&out[..n]);
-        let (qt, wtt) = (
-            &q[t * heads * dim..(t + 1) * heads * dim],
-            &wt[t * heads..(t + 1) * heads],
-        );
-        want.extend(indexer_reference(&rows, qt, wtt, dim, n, wscale));
-    }
+    let batch = IndexerBatch {
+        positions: &positions,
+        rows: &rows,
+        q: &q,
+        wt: &wt,
+        heads,
+        dim,
+    };
+    let d_rows = gpu.upload(&rows)?;
+    let (plain, mma) = batch.run_both(gpu, gpu.ptr(&d_rows), "idx_mma")?;
+    let shape = format!("{heads}x{dim} FP4, {n_tok} tokens");
     Ok(vec![
-        Check {
-            name: format!(
-                "indexer_scores_mma {heads}x{dim} FP4, {n_tok} tokens (untouched rows kept)"
-            ),
-            rel_err: if untouched {
-                rel_err(&got, &want)
-            } else {
-                f64::INFINITY
-            },
-            bound: 1e-6,
-        },
+        batch.reference_check(
+            &mma,
+            format!("indexer_scores_mma {shape} (untouched rows kept)"),
+            1e-6,
+        ),
         bit_identical(
-            format!("indexer_scores_mma = indexer_scores {heads}x{dim} FP4, {n_tok} tokens"),
+            format!("indexer_scores_mma = indexer_scores {shape}"),
             same_bits(&mma, &plain),
         ),
     ])
@@ -273,70 +225,122 @@ fn indexer_reference(
         .collect()
 }
 
+/// The indexer checks' layer: ratio-4 rows, top-512, score rows of 1,100.
+const IDX_RATIO: usize = 4;
+const IDX_TOP_K: usize = 512;
+const IDX_MAX_ROWS: usize = 1100;
+
+/// One batch of indexer inputs (rows shared by every token; per token `heads` query
+/// heads of `dim` and `heads` weights), on the host for the reference.
+struct IndexerBatch<'a> {
+    positions: &'a [usize],
+    rows: &'a [f32],
+    q: &'a [f32],
+    wt: &'a [f32],
+    heads: usize,
+    dim: usize,
+}
+
+impl IndexerBatch<'_> {
+    fn wscale(&self) -> f32 {
+        (self.dim as f32).powf(-0.5) / (self.heads as f32).sqrt()
+    }
+
+    /// The scores (rows of IDX_MAX_ROWS, NaN where untouched) with `fusion` off, then on.
+    fn run_both(
+        &self,
+        gpu: &Gpu,
+        d_rows: u64,
+        fusion: &'static str,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let n_tok = self.positions.len();
+        let steps: Vec<i32> = self.positions.iter().flat_map(|&p| [p as i32, 0]).collect();
+        let (d_steps, d_q, d_wt) = (
+            gpu.upload(&steps)?,
+            gpu.upload(self.q)?,
+            gpu.upload(self.wt)?,
+        );
+        both(gpu, fusion, || {
+            let scores = gpu.upload(&vec![f32::NAN; n_tok * IDX_MAX_ROWS])?;
+            gpu.indexer_scores(
+                n_tok,
+                gpu.ptr(&d_steps),
+                d_rows,
+                gpu.ptr(&d_q),
+                gpu.ptr(&d_wt),
+                self.heads,
+                self.dim,
+                self.wscale(),
+                IDX_RATIO,
+                IDX_TOP_K,
+                gpu.ptr(&scores),
+                IDX_MAX_ROWS,
+            )?;
+            Ok(gpu.download(&scores)?)
+        })
+    }
+
+    /// `out`'s live rows against the f64 reference, failing outright where a row past
+    /// a token's count (or any row of a token with no more than top-k) was written.
+    fn reference_check(&self, out: &[f32], name: String, bound: f64) -> Check {
+        let (heads, dim) = (self.heads, self.dim);
+        let (mut got, mut want) = (Vec::new(), Vec::new());
+        let mut untouched = true;
+        for (t, &pos) in self.positions.iter().enumerate() {
+            let n = (pos + 1) / IDX_RATIO;
+            let o = &out[t * IDX_MAX_ROWS..(t + 1) * IDX_MAX_ROWS];
+            if n <= IDX_TOP_K {
+                untouched &= o.iter().all(|v| v.is_nan());
+                continue;
+            }
+            untouched &= o[n..].iter().all(|v| v.is_nan());
+            got.extend_from_slice(&o[..n]);
+            let qt = &self.q[t * heads * dim..(t + 1) * heads * dim];
+            let wtt = &self.wt[t * heads..(t + 1) * heads];
+            want.extend(indexer_reference(self.rows, qt, wtt, dim, n, self.wscale()));
+        }
+        Check {
+            name,
+            rel_err: if untouched {
+                rel_err(&got, &want)
+            } else {
+                f64::INFINITY
+            },
+            bound,
+        }
+    }
+}
+
 /// The indexer's scores at the Flash shape (64 heads of 128) and a ragged one (48 heads
 /// of 96: rows past the heads, k-quads past the dimension), for a decode token and a
 /// batch of three (one with no more rows than top-k: left untouched), against the f64
 /// reference, and the conflict-free staging (`idx_banks`) against the plain one.
 fn check_indexer_scores(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
-    const RATIO: usize = 4;
-    const TOP_K: usize = 512;
-    const MAX_ROWS: usize = 1100;
     let mut rng = Rng::stream(seed, 0x1d, 0);
     let mut checks = Vec::new();
     for (heads, dim) in [(64usize, 128usize), (48, 96)] {
-        let rows = normal(&mut rng, MAX_ROWS * dim, 1.0);
+        let rows = normal(&mut rng, IDX_MAX_ROWS * dim, 1.0);
         let d_rows = gpu.upload(&rows)?;
-        let wscale = (dim as f32).powf(-0.5) / (heads as f32).sqrt();
         for positions in [&[2100usize][..], &[2100, 2047, 4099]] {
             let n_tok = positions.len();
             let q = normal(&mut rng, n_tok * heads * dim, 1.0);
             let wt = normal(&mut rng, n_tok * heads, 1.0);
-            let steps: Vec<i32> = positions.iter().flat_map(|&p| [p as i32, 0]).collect();
-            let (d_steps, d_q, d_wt) = (gpu.upload(&steps)?, gpu.upload(&q)?, gpu.upload(&wt)?);
-            let (a, b) = both(gpu, "idx_banks", || {
-                let scores = gpu.upload(&vec![f32::NAN; n_tok * MAX_ROWS])?;
-                gpu.indexer_scores(
-                    n_tok,
-                    gpu.ptr(&d_steps),
-                    gpu.ptr(&d_rows),
-                    gpu.ptr(&d_q),
-                    gpu.ptr(&d_wt),
-                    heads,
-                    dim,
-                    wscale,
-                    RATIO,
-                    TOP_K,
-                    gpu.ptr(&scores),
-                    MAX_ROWS,
-                )?;
-                Ok(gpu.download(&scores)?)
-            })?;
-            // Live rows against the reference; a token with n ≤ top-k stays untouched.
-            let (mut got, mut want) = (Vec::new(), Vec::new());
-            let mut untouched = true;
-            for (t, &pos) in positions.iter().enumerate() {
-                let n = (pos + 1) / RATIO;
-                let out = &a[t * MAX_ROWS..(t + 1) * MAX_ROWS];
-                if n <= TOP_K {
-                    untouched &= out.iter().all(|v| v.is_nan());
-                    continue;
-                }
-                untouched &= out[n..].iter().all(|v| v.is_nan());
-                got.extend_from_slice(&out[..n]);
-                let qt = &q[t * heads * dim..(t + 1) * heads * dim];
-                let wtt = &wt[t * heads..(t + 1) * heads];
-                want.extend(indexer_reference(&rows, qt, wtt, dim, n, wscale));
-            }
+            let batch = IndexerBatch {
+                positions,
+                rows: &rows,
+                q: &q,
+                wt: &wt,
+                heads,
+                dim,
+            };
+            let (a, b) = batch.run_both(gpu, gpu.ptr(&d_rows), "idx_banks")?;
             let shape = format!("{heads}x{dim}, {n_tok} token(s)");
-            checks.push(Check {
-                name: format!("indexer_scores {shape} (rows past the live count untouched)"),
-                rel_err: if untouched {
-                    rel_err(&got, &want)
-                } else {
-                    f64::INFINITY
-                },
-                bound: 1e-5,
-            });
+            // Live rows against the reference; a token with n ≤ top-k stays untouched.
+            checks.push(batch.reference_check(
+                &a,
+                format!("indexer_scores {shape} (rows past the live count untouched)"),
+                1e-5,
+            ));
             checks.push(bit_identical(
                 format!("indexer_scores_sp = indexer_scores {shape}"),
                 same_bits(&a, &b),
