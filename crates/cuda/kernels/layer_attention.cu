@@ -359,11 +359,11 @@ __device__ __forceinline__ void attention_combine_body(ATT_COMBINE_PARAMS) {
         }
     }
     if (rot) {
-        const int k = (i0 - tail0) / 2;
         if (PRELOAD) {
             rope_pair_f(s[0], s[1], fq[0], pos_pl, true);
             rope_pair_f(s[2], s[3], fq[1], pos_pl, true);
         } else {
+            const int k = (i0 - tail0) / 2;
             const float pos = (float)step[t].pos;
             rope_pair(s[0], s[1], k, pos, rope, true);
             rope_pair(s[2], s[3], k + 1, pos, rope, true);
