@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 # 1. Correctness first: every variant's bit-identity line.
 timeout 120 "$bin/ds4-tool" gpu-selftest > "$out/selftest.txt" 2>&1
 echo "selftest rc=$?"
-grep -E "FAIL|_pl |_sp |_rg |_warp|_early|_split|_rxe|_mma|_p |passed" "$out/selftest.txt"
+grep -E "FAIL|_pl |_sp |_rg |_warp|_early|_split|_rxe|_mma|_p |_w =|passed" "$out/selftest.txt"
 
 # 2. Every decode/prefill variant against the defaults in one process (2k frontier).
 all="+hc_preload,+idx_banks,+topk_reg,+combine_pl,+norm_pl,+idxq_warp,+att_early"
