@@ -314,7 +314,8 @@ impl IndexerBatch<'_> {
 /// The indexer's scores at the Flash shape (64 heads of 128) and a ragged one (48 heads
 /// of 96: rows past the heads, k-quads past the dimension), for a decode token and a
 /// batch of three (one with no more rows than top-k: left untouched), against the f64
-/// reference, and the conflict-free staging (`idx_banks`) against the plain one.
+/// reference, and the conflict-free staging (`idx_banks`) against the plain one, on
+/// the FMA kernels.
 fn check_indexer_scores(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::stream(seed, 0x1d, 0);
     let mut checks = Vec::new();
@@ -333,7 +334,12 @@ fn check_indexer_scores(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
                 heads,
                 dim,
             };
-            let (a, b) = batch.run_both(gpu, gpu.ptr(&d_rows), "idx_banks")?;
+            // Unrounded operands: the FMA kernels (a batch at the Flash shape would go
+            // to tensor cores, exact only for the FP4 values the model feeds it:
+            // check_indexer_mma).
+            let (a, b) = gpu.with_fusion("idx_mma", false, || {
+                batch.run_both(gpu, gpu.ptr(&d_rows), "idx_banks")
+            })?;
             let shape = format!("{heads}x{dim}, {n_tok} token(s)");
             // Live rows against the reference; a token with n ≤ top-k stays untouched.
             checks.push(batch.reference_check(

@@ -83,23 +83,44 @@ pub struct Gpu {
     background: std::sync::atomic::AtomicBool,
 }
 
-/// The decode-graph restructurings `DS4_CUDA_FUSE` can turn off: `comb_lane`
-/// (hc_comb on a lane of its own, not ahead of a branch's matvecs), `shared_pair`
-/// (the shared expert's gate and up in one launch), `q_norm` (head_norm_rope inside
-/// the decode attention), `iq2_rx` (the IQ2_XXS expert matvec with its activations in
-/// registers, `matvec_iq2_xxs_q8_rx`), `q2k_rx` (the same for the Q2_K expert down at
-/// 2048 columns, `matvec_q2_k_q8_rx`), `q8_early` (`matvec_q8_0_q8_early`: the Q8_0
-/// matvec's first weight loads issued before the PDL wait, where the matrix selection
-/// is fixed), `prio` (decode-graph kernels at the highest priority except the
-/// background work — the attention's q_b, the shared expert, hc_comb — at the lowest,
-/// so that the latency-bound chains beside the big matvecs get SMs first),
-/// `att_stage` (a decode token's attention blocks copy their rows into shared memory,
+/// The restructurings `DS4_CUDA_FUSE` can turn off (each keeps its plain twin, which
+/// `ds4-tool gpu-selftest` checks it against bit for bit): `comb_lane` (hc_comb on a
+/// lane of its own, not ahead of a branch's matvecs), `shared_pair` (the shared
+/// expert's gate and up in one launch), `q_norm` (head_norm_rope inside the decode
+/// attention), `iq2_rx` (the IQ2_XXS expert matvec with its activations in registers,
+/// `matvec_iq2_xxs_q8_rx`), `q2k_rx` (the same for the Q2_K expert down at 2048
+/// columns, `matvec_q2_k_q8_rx`), `q8_early` (`matvec_q8_0_q8_early`: the Q8_0 matvec's
+/// first weight loads issued before the PDL wait, where the matrix selection is
+/// fixed), `prio` (decode-graph kernels at the highest priority except the background
+/// work — the attention's q_b, the shared expert, hc_comb — at the lowest, so that the
+/// latency-bound chains beside the big matvecs get SMs first), `att_stage` (a decode
+/// token's attention blocks copy their rows into shared memory,
 /// `attention_split_staged`: one memory round trip per 32 rows instead of per 4),
 /// `f16_early` (`matvec_f16_early`: the F16 matvec's first weight loads before the PDL
 /// wait, as `q8_early`, where no ids select the matrix), `router4` (`router_wide`: the
-/// router's rank loop reads four keys per shared-memory load). The last three were
-/// measured together in session 8 (H200, 2k decode 146 → 148.7 tok/s, 32k 133 → 142).
-pub const FUSIONS: [&str; 10] = [
+/// router's rank loop reads four keys per shared-memory load).
+///
+/// Promoted in session 9 (H200, q2, 2k decode 148.9 → 161.2 tok/s together, each
+/// alone within ±1 of the rest; 16k prefill 3,573 → 4,280): `hc_preload` (`hc_pre_pl`,
+/// `hc_mix_pl`, `hc_post_pl`: the hyper-connection kernels with every load issued
+/// before the first use or store, the norm and mix weights before the PDL wait; alone
+/// +6 tok/s), `idx_banks` (`indexer_scores_sp`: a warp's loads staged as 16 rows × 2
+/// k-quads so the transposed shared-memory stores hit 32 banks, not 2), `topk_reg`
+/// (`topk_select_rg`: each thread's scores held in registers across the four radix
+/// passes, n ≤ 4,096), `combine_pl` (`attention_combine_pl`: all 32 chunk partials in
+/// flight at once, the RoPE table and position fetched first), `norm_pl`
+/// (`rmsnorm_q8_pl`: norm weights before the PDL wait, x kept in registers),
+/// `idxq_warp` (`indexer_q_warp`: the indexer query's RoPE, Hadamard and FP4 with one
+/// warp per head, shuffles instead of 9 barriers), `att_early` (with `att_stage`,
+/// `attention_split_early`: the first row copies issued before the query's load, norm
+/// and RoPE), `router_split` (`router_split`: the rank loop split at the warp's own
+/// experts, two instructions a key instead of five; takes the place of `router4`),
+/// `iq2_early` (with `iq2_rx`, `matvec_iq2_xxs_q8_rxe`: the IQ2_XXS tables built before
+/// the PDL wait), `idx_mma` (a batch's indexer scores on bf16 tensor cores,
+/// `indexer_scores_mma`: exact products of the FP4-simulated operands; 16k prefill
+/// +600 tok/s alone), `mm_pitch` (`mm_tc_*_p`: the prefill F16/BF16 tensor-core GEMM
+/// tiles without their 4-way store conflicts).
+pub const FUSIONS: [&str; 21] = [
     "comb_lane",
     "shared_pair",
     "q_norm",
@@ -110,51 +131,6 @@ pub const FUSIONS: [&str; 10] = [
     "att_stage",
     "f16_early",
     "router4",
-];
-
-/// Restructurings off unless `DS4_CUDA_FUSE` names them. `iq2_lut32`:
-/// `matvec_iq2_xxs_q8_rx32` (the IQ2_XXS tables in 32 bank-interleaved copies) instead
-/// of `matvec_iq2_xxs_q8_rx`; measured without a gain (session 7), kept for A/B.
-/// `carveout`: every kernel prefers the largest shared-memory carveout (one L1 /
-/// shared split for all); measured a loss (session 8: 2k decode −7 tok/s), kept for
-/// A/B. `hc_preload`: `hc_pre_pl`, `hc_mix_pl`, `hc_post_pl`, the hyper-connection
-/// kernels with every load issued before the first use or store (hc_pre waited for
-/// each stream's mix and base in turn); measured +3 tok/s over the defaults at 2k
-/// (session 8: 151.7), but that build's hc_post_pl contracted o·post instead of
-/// comb·H into its first FMA and failed its bit-identity check; fixed (both kernels
-/// now spell out their roundings), to become a default once the selftest passes.
-/// `idx_banks`: `indexer_scores_sp`, the indexer scores staging a warp's loads as 16
-/// rows × 2 k-quads so that the transposed shared-memory stores hit 32 banks (the plain
-/// mapping hit 2: 16-way conflicts); same values, same sums; not yet measured.
-/// `topk_reg`: `topk_select_rg`, the top-k select holding each thread's scores in
-/// registers across its four radix passes (n ≤ 4,096) instead of re-reading them from
-/// memory in each; the same selection; not yet measured. `combine_pl`:
-/// `attention_combine_pl`, every chunk's partial in flight at once (32 against 4
-/// batches of 8) and the RoPE table and position fetched first; same sums; not yet
-/// measured. `norm_pl`: `rmsnorm_q8_pl`, the norm weights loaded before the PDL wait
-/// and x kept in registers (the plain kernel fetches both after its reduction); same
-/// sums; not yet measured. (`hc_preload`'s hc_pre_pl now also loads its norm weights
-/// before the PDL wait.) `idxq_warp`: `indexer_q_warp`, the indexer query's RoPE,
-/// Hadamard and FP4 with one warp per head in registers (shuffles for the Hadamard's
-/// cross-lane strides) instead of a block per head through shared memory with 9
-/// barriers; the same butterflies; not yet measured. `att_early` (with `att_stage`):
-/// `attention_split_early`, the first batch of row copies issued before the query's
-/// load, norm and RoPE (whose table is fetched before the PDL wait); same sums; not yet
-/// measured. `router_split`: `router_split`, the router's rank loop split at the warp's
-/// own experts (a plain ≥ below, > above: two instructions a key instead of five);
-/// the same ranks; not yet measured. `iq2_early` (with `iq2_rx`):
-/// `matvec_iq2_xxs_q8_rxe`, the IQ2_XXS expert kernel building its lookup tables before
-/// the PDL wait instead of after it; same sums; not yet measured. `idx_mma`: a batch's
-/// indexer scores (prefill) on bf16 tensor cores, `indexer_scores_mma` (exact products
-/// of the FP4-simulated operands, indexer_scores' head sum); not yet measured.
-/// `mm_pitch`: the prefill F16/BF16 tensor-core GEMMs (`mm_tc_*_p`) with a tile layout
-/// whose transposed stores are free of bank conflicts (4-way before); same sums; not
-/// yet measured. `exp_pitch`: the prefill IQ2_XXS expert GEMM
-/// (`mm_exp_iq2_xxs_w_*`) with 112-byte stage rows, so the decode's 8-byte reads of 8
-/// rows are free of 2-way bank conflicts; same sums; not yet measured.
-pub const FUSIONS_OPT_IN: [&str; 14] = [
-    "iq2_lut32",
-    "carveout",
     "hc_preload",
     "idx_banks",
     "topk_reg",
@@ -166,8 +142,18 @@ pub const FUSIONS_OPT_IN: [&str; 14] = [
     "iq2_early",
     "idx_mma",
     "mm_pitch",
-    "exp_pitch",
 ];
+
+/// Restructurings off unless `DS4_CUDA_FUSE` names them, each measured without a gain
+/// and kept for A/B. `iq2_lut32`: `matvec_iq2_xxs_q8_rx32` (the IQ2_XXS tables in 32
+/// bank-interleaved copies) instead of `matvec_iq2_xxs_q8_rx` (session 7: no gain).
+/// `carveout`: every kernel prefers the largest shared-memory carveout (one L1 /
+/// shared split for all; session 8: 2k decode −7 tok/s). `exp_pitch`: the prefill
+/// IQ2_XXS expert GEMM (`mm_exp_iq2_xxs_w_*`) with 112-byte stage rows, so the
+/// decode's 8-byte reads of 8 rows are free of 2-way bank conflicts (session 9: 2k
+/// prefill −29 tok/s alone, +23 when left out of the rest; the extra shared memory
+/// costs more than the conflicts did).
+pub const FUSIONS_OPT_IN: [&str; 3] = ["iq2_lut32", "carveout", "exp_pitch"];
 
 fn fuse_env() -> Vec<&'static str> {
     parse_fuse(std::env::var("DS4_CUDA_FUSE").ok().as_deref())
@@ -971,16 +957,13 @@ mod tests {
             assert!(parse_fuse(Some(opt)) == vec![opt]);
         }
         // Edits of the defaults.
-        let plus = parse_fuse(Some("+hc_preload"));
+        let plus = parse_fuse(Some("+exp_pitch"));
         assert_eq!(plus.len(), FUSIONS.len() + 1);
-        assert!(plus.contains(&"hc_preload") && plus.contains(&"prio"));
-        let minus = parse_fuse(Some("-prio, +idx_banks, bogus"));
-        assert!(!minus.contains(&"prio") && minus.contains(&"idx_banks"));
+        assert!(plus.contains(&"exp_pitch") && plus.contains(&"prio"));
+        let minus = parse_fuse(Some("-prio, +carveout, bogus"));
+        assert!(!minus.contains(&"prio") && minus.contains(&"carveout"));
         assert_eq!(minus.len(), FUSIONS.len());
-        assert_eq!(
-            parse_fuse(Some("+hc_preload,-hc_preload")),
-            FUSIONS.to_vec()
-        );
+        assert_eq!(parse_fuse(Some("+exp_pitch,-exp_pitch")), FUSIONS.to_vec());
         assert_eq!(parse_fuse(Some("-q_norm,q_norm")), FUSIONS.to_vec());
     }
 

@@ -662,7 +662,9 @@ impl Gpu {
     }
 
     /// Indexer scores of up to `max_rows` index rows per token (the live count comes
-    /// from pos); token t's scores start at t · max_rows.
+    /// from pos); token t's scores start at t · max_rows. With `idx_mma` a batch at the
+    /// Flash shape (64 heads × 128) runs on bf16 tensor cores, which is exact only for
+    /// FP4-simulated rows and queries — what the model's indexer always feeds it.
     pub fn indexer_scores(
         &self,
         n_tok: usize,
