@@ -444,8 +444,9 @@ pub(crate) fn bit_identical(name: String, diff: BitDiff) -> Check {
 
 /// The expert matvecs with their activations in registers against the staged kernels,
 /// bit for bit, with per-selection inputs and one shared input: IQ2_XXS at 4096 columns
-/// (`matvec_iq2_xxs_q8_rx`, the default there, `_rx32` with 32 table copies and `_rxe`
-/// building its tables before the PDL wait), Q2_K
+/// (`matvec_iq2_xxs_q8_rx`, `_rx32` with 32 table copies, `_rxe` building its tables
+/// before the PDL wait, `_rxp` and `probe_iq2_rxp4` loading the next row unit while
+/// computing one, `_rxt` / `_rxtp` with iq2_xxs_dot_tab's lookups), Q2_K
 /// at 2048 (`matvec_q2_k_q8_rx`), Q8_0 with its first weight loads before the PDL wait
 /// (`matvec_q8_0_q8_early`). Other shapes have only the staged kernel.
 fn check_kernel_variants(
@@ -462,6 +463,10 @@ fn check_kernel_variants(
                 "matvec_iq2_xxs_q8_rx",
                 "matvec_iq2_xxs_q8_rx32",
                 "matvec_iq2_xxs_q8_rxe",
+                "matvec_iq2_xxs_q8_rxp",
+                "probe_iq2_rxp4",
+                "matvec_iq2_xxs_q8_rxt",
+                "matvec_iq2_xxs_q8_rxtp",
             ],
         ),
         (GgmlType::Q2_K, 2048) => ("matvec_q2_k_q8", &["matvec_q2_k_q8_rx"]),
@@ -757,6 +762,71 @@ pub fn probe_q8_splits(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
                     ms: time_experts_q8act(gpu, &m, &x, used, shared, Some(kernel))?,
                 });
             }
+        }
+    }
+    // The gate and up pair in one launch, as decode runs it, through each IQ2_XXS
+    // register-activation kernel and the probes of its structure.
+    {
+        let (mats, used, rows, cols) = (256usize, 6usize, 2048usize, 4096usize);
+        let ty = GgmlType::IQ2_XXS;
+        let gate = DeviceMatrix::upload(
+            gpu,
+            ty,
+            &random_matrix(ty, rows, cols, mats, &mut rng),
+            rows,
+            cols,
+            mats,
+        )?;
+        let up = DeviceMatrix::upload(
+            gpu,
+            ty,
+            &random_matrix(ty, rows, cols, mats, &mut rng),
+            rows,
+            cols,
+            mats,
+        )?;
+        let x = gpu.upload(&random_vec(cols, &mut rng))?;
+        let mut qa = gpu.alloc_quant_act(1, cols)?;
+        gpu.quantize_act(gpu.ptr(&x), &mut qa)?;
+        let (y, y2) = (
+            gpu.zeros::<f32>(used * rows)?,
+            gpu.zeros::<f32>(used * rows)?,
+        );
+        let id_sets = expert_id_sets(gpu, used, mats)?;
+        for kernel in [
+            "matvec_iq2_xxs_q8_rxe",
+            "matvec_iq2_xxs_q8_rxp",
+            "probe_iq2_rxp4",
+            "matvec_iq2_xxs_q8_rxt",
+            "matvec_iq2_xxs_q8_rxtp",
+            "matvec_iq2_xxs_q8_rx32",
+            "probe_iq2_rx_nolut",
+            "probe_iq2_rx_loads",
+            "probe_iq2_rxp_nolut",
+            "probe_iq2_rxp_loads",
+        ] {
+            let ms = gpu.time_ms(3, 50, |i| {
+                let sel = MatSel {
+                    ids: gpu.ptr(&id_sets[i % id_sets.len()]),
+                    x_stride: 0,
+                    y_stride: rows as i64,
+                };
+                gpu.matvec_q8act_pair_kernel(
+                    &gate,
+                    &up,
+                    &qa,
+                    gpu.ptr(&y),
+                    gpu.ptr(&y2),
+                    used,
+                    sel,
+                    kernel,
+                )
+            })?;
+            out.push(Timing {
+                name: format!("6 experts gate+up IQ2_XXS {kernel}"),
+                bytes: (2 * gate.bytes_per_matrix() * used) as f64,
+                ms,
+            });
         }
     }
     // (name, rows, cols, selections sharing one matrix stack row count)

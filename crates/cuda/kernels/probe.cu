@@ -50,3 +50,23 @@ extern "C" __global__ void __launch_bounds__(256, 3) probe_iq2_nox(IQ2_MATVEC_PA
 extern "C" __global__ void __launch_bounds__(256, 3) probe_iq2_loads(IQ2_MATVEC_PARAMS) {
     iq2_xxs_q8_body<3>(IQ2_MATVEC_ARGS);
 }
+
+// The register-activation kernel's structure (iq2_xxs_q8_rxp_body) without lookups /
+// with loads only, units of 4 rows loaded then computed (as matvec_iq2_xxs_q8_rxe) or 2
+// rows pipelined (as matvec_iq2_xxs_q8_rxp); and the pipelined kernel at 4 rows a unit
+// and one block per SM (the registers of two units of 4).
+extern "C" __global__ void __launch_bounds__(256, 2) probe_iq2_rx_nolut(IQ2_MATVEC_PARAMS) {
+    iq2_xxs_q8_rxp_body<4, false, 1>(IQ2_MATVEC_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) probe_iq2_rx_loads(IQ2_MATVEC_PARAMS) {
+    iq2_xxs_q8_rxp_body<4, false, 3>(IQ2_MATVEC_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) probe_iq2_rxp_nolut(IQ2_MATVEC_PARAMS) {
+    iq2_xxs_q8_rxp_body<2, true, 1>(IQ2_MATVEC_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) probe_iq2_rxp_loads(IQ2_MATVEC_PARAMS) {
+    iq2_xxs_q8_rxp_body<2, true, 3>(IQ2_MATVEC_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256, 1) probe_iq2_rxp4(IQ2_MATVEC_PARAMS) {
+    iq2_xxs_q8_rxp_body<4, true, 0>(IQ2_MATVEC_ARGS);
+}

@@ -119,8 +119,14 @@ pub struct Gpu {
 /// the PDL wait), `idx_mma` (a batch's indexer scores on bf16 tensor cores,
 /// `indexer_scores_mma`: exact products of the FP4-simulated operands; 16k prefill
 /// +600 tok/s alone), `mm_pitch` (`mm_tc_*_p`: the prefill F16/BF16 tensor-core GEMM
-/// tiles without their 4-way store conflicts).
-pub const FUSIONS: [&str; 21] = [
+/// tiles without their 4-way store conflicts). Later in session 9: `iq2_tab` (with
+/// `iq2_rx`, `matvec_iq2_xxs_q8_rxt`: `iq2_xxs_dot_tab`'s lookups, one table addressed
+/// by a single LOP3 each and raw prmt without selector masks: ~18% fewer instructions,
+/// the same sums) and `iq2_pipe` (with `iq2_rx`: the next row unit's weights loaded
+/// while the current one is computed, units of 2 rows; with `iq2_tab`
+/// `matvec_iq2_xxs_q8_rxtp`): the 6-expert gate+up launch 19.2 → 17.8 µs (H200,
+/// `gpu-selftest --probe-q8`), 2k decode +0.8 tok/s.
+pub const FUSIONS: [&str; 23] = [
     "comb_lane",
     "shared_pair",
     "q_norm",
@@ -142,6 +148,8 @@ pub const FUSIONS: [&str; 21] = [
     "iq2_early",
     "idx_mma",
     "mm_pitch",
+    "iq2_tab",
+    "iq2_pipe",
 ];
 
 /// Restructurings off unless `DS4_CUDA_FUSE` names them, each measured without a gain

@@ -41,6 +41,19 @@ const ROWS_PER_BLOCK: u32 = 8;
 const EXP_ROWS_PER_WARP: u32 = 4;
 /// Steps of 32 lanes per row of `matvec_iq2_xxs_q8_rx` (IQ2_RX_STEPS in matvec_q8act.cu).
 const IQ2_RX_STEPS: usize = 2;
+
+/// Rows per warp unit and blocks per SM of a register-activation expert kernel: units
+/// of EXP_ROWS_PER_WARP at two blocks per SM, except the pipelined IQ2_XXS kernels
+/// (`_rxp`, `_rxtp`: iq2_xxs_q8_rxp_body's R of 2 rows, or 4 at one block per SM for
+/// `probe_iq2_rxp4`).
+fn iq2_rx_units(kernel: &str) -> (usize, usize) {
+    match kernel {
+        "probe_iq2_rxp4" => (4, 1),
+        "matvec_iq2_xxs_q8_rxp" | "matvec_iq2_xxs_q8_rxtp" => (2, 2),
+        k if k.starts_with("probe_iq2_rxp_") => (2, 2),
+        _ => (EXP_ROWS_PER_WARP as usize, 2),
+    }
+}
 /// The IQ2_XXS decode tables in shared memory: 256 grid codes and 128 sign masks (u32).
 const IQ2_TABLE_BYTES: u32 = (256 + 128) * 4;
 
@@ -541,6 +554,36 @@ impl Gpu {
         self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, opts)
     }
 
+    /// [`Gpu::matvec_q8act_pair`] for two IQ2_XXS stacks through a kernel named here
+    /// (a production rx kernel or a `probe_iq2_rx*` probe): the routed experts' gate
+    /// and up as decode launches them, for `gpu-selftest --probe-q8`.
+    #[doc(hidden)]
+    #[allow(clippy::too_many_arguments)]
+    pub fn matvec_q8act_pair_kernel(
+        &self,
+        m: &DeviceMatrix,
+        m2: &DeviceMatrix,
+        xq: &QuantAct,
+        y: u64,
+        y2: u64,
+        n_sel: usize,
+        sel: MatSel,
+        kernel: &'static str,
+    ) -> Result<(), CudaError> {
+        let same_shape =
+            m2.ty == m.ty && (m2.rows, m2.cols, m2.n_mats) == (m.rows, m.cols, m.n_mats);
+        if !(same_shape && m.ty == GgmlType::IQ2_XXS) {
+            return Err(CudaError::Invalid(
+                "a kernel-named pair takes two IQ2_XXS stacks of one shape".into(),
+            ));
+        }
+        let opts = Q8Launch {
+            kernel: Some(kernel),
+            ..Q8Launch::default()
+        };
+        self.matvec_q8act_launch(m, Some((m2, y2)), xq, y, n_sel, sel, opts)
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn matvec_q8act_launch(
         &self,
@@ -600,6 +643,14 @@ impl Gpu {
             None if iq2_shape && self.fused("iq2_rx") => {
                 if self.fused("iq2_lut32") {
                     "matvec_iq2_xxs_q8_rx32"
+                } else if self.fused("iq2_tab") {
+                    if self.fused("iq2_pipe") {
+                        "matvec_iq2_xxs_q8_rxtp"
+                    } else {
+                        "matvec_iq2_xxs_q8_rxt"
+                    }
+                } else if self.fused("iq2_pipe") {
+                    "matvec_iq2_xxs_q8_rxp"
                 } else if self.fused("iq2_early") {
                     "matvec_iq2_xxs_q8_rxe"
                 } else {
@@ -618,7 +669,7 @@ impl Gpu {
             }
             None => name,
         };
-        let iq2_rx = name.starts_with("matvec_iq2_xxs_q8_rx");
+        let iq2_rx = name.starts_with("matvec_iq2_xxs_q8_rx") || name.starts_with("probe_iq2_rx");
         let q2k_rx = name == "matvec_q2_k_q8_rx";
         if (iq2_rx && !iq2_shape) || (q2k_rx && !q2k_shape) {
             return Err(CudaError::Invalid(format!(
@@ -650,11 +701,13 @@ impl Gpu {
         };
         let n_grid = if pair.is_some() { 2 * n_sel } else { n_sel };
         let cfg = if iq2_rx || q2k_rx {
-            // Warps walk row units of EXP_ROWS_PER_WARP (IQ2) / Q2K_RX_ROWS (Q2_K).
-            let units = n_grid * m.rows.div_ceil(EXP_ROWS_PER_WARP as usize);
+            // Warps walk row units of EXP_ROWS_PER_WARP (IQ2) / Q2K_RX_ROWS (Q2_K) rows;
+            // the pipelined IQ2 kernels' units are smaller (see iq2_rx_units).
+            let (unit_rows, per_sm) = iq2_rx_units(name);
+            let units = n_grid * m.rows.div_ceil(unit_rows);
             let blocks = units
                 .div_ceil(ROWS_PER_BLOCK as usize)
-                .min(2 * self.info().multiprocessors.max(1) as usize);
+                .min(per_sm * self.info().multiprocessors.max(1) as usize);
             LaunchConfig {
                 grid_dim: (blocks as u32, 1, 1),
                 block_dim: (32, ROWS_PER_BLOCK, 1),
