@@ -125,8 +125,12 @@ pub struct Gpu {
 /// the same sums) and `iq2_pipe` (with `iq2_rx`: the next row unit's weights loaded
 /// while the current one is computed, units of 2 rows; with `iq2_tab`
 /// `matvec_iq2_xxs_q8_rxtp`): the 6-expert gate+up launch 19.2 → 17.8 µs (H200,
-/// `gpu-selftest --probe-q8`), 2k decode +0.8 tok/s.
-pub const FUSIONS: [&str; 23] = [
+/// `gpu-selftest --probe-q8`), 2k decode ±0 (bit-identical, kept for the kernel's own
+/// gain). `shexp_late`: a decode token's shared expert forked after the router's F16
+/// matvec instead of beside it (that matvec is on the routed chain: 8.3 µs for 2 MB
+/// while the shared expert's 27 MB streamed beside it, 2.8 µs after): 2k decode
+/// 163.3 → 164.5 tok/s.
+pub const FUSIONS: [&str; 24] = [
     "comb_lane",
     "shared_pair",
     "q_norm",
@@ -150,6 +154,7 @@ pub const FUSIONS: [&str; 23] = [
     "mm_pitch",
     "iq2_tab",
     "iq2_pipe",
+    "shexp_late",
 ];
 
 /// Restructurings off unless `DS4_CUDA_FUSE` names them, each measured without a gain

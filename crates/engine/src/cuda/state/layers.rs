@@ -493,8 +493,10 @@ impl KvView<'_> {
         if comb_lane {
             g.branch(3, || g.background(|| hc_comb(s, n, g, c, &l.hc_ffn)))?;
         }
-        // Background work under `prio`: the routed chain gets the SMs first.
-        g.branch(1, || {
+        // Background work under `prio`: the routed chain gets the SMs first. With
+        // `shexp_late` a decode token forks it only after the router's matvec, which
+        // otherwise shares the memory bandwidth with the shared expert's 27 MB.
+        let shared_expert = || {
             g.background(|| {
                 if !comb_lane {
                     hc_comb(s, n, g, c, &l.hc_ffn)?;
@@ -568,7 +570,16 @@ impl KvView<'_> {
                     fast,
                 )
             })
-        })?;
+        };
+        let mut shared_expert = Some(shared_expert);
+        let mut fork_shared = || match shared_expert.take() {
+            Some(f) => g.branch(1, f),
+            None => Ok(()),
+        };
+        let late = n == 1 && g.fused("shexp_late");
+        if !late {
+            fork_shared()?;
+        }
         let int8 = |m: &ds4_cuda::DeviceMatrix| {
             numerics == Numerics::Fast
                 && matches!(m.ty, GgmlType::IQ2_XXS | GgmlType::Q2_K | GgmlType::Q4_K)
@@ -580,6 +591,7 @@ impl KvView<'_> {
             g.branch(2, || g.quantize_act_k_rows(p(&s.n), &mut qb.exp_in, 1))?;
         }
         dense_f32(g, &l.gate_inp, p(&s.n), p(&s.rlog), plain(&l.gate_inp, n))?;
+        fork_shared()?;
         g.router(
             n,
             step,
