@@ -379,17 +379,22 @@ fn check_f16_early(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
 }
 
 /// Top-6 of 256 experts for 5 tokens, with tied keys (ties go to the lower index),
-/// through `router_wide` (`router4`) and `router_split` (against `router_wide`, also at
-/// 260 experts — a partial last tile — and 250, its scalar fallback).
+/// through `router_wide` (`router4`, against `router`, with `router_split` held off:
+/// it takes precedence) and `router_split` (against `router_wide`, also at 260 experts
+/// — a partial last tile — and 250, its scalar fallback).
 fn check_router_wide(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::stream(seed, 0x7e, 0);
     let mut checks = Vec::new();
-    for (fusion, n_expert) in [
-        ("router4", 256usize),
-        ("router_split", 256),
-        ("router_split", 260),
-        ("router_split", 250),
-    ] {
+    // (fusion toggled, fusions held off, experts, with a bias, with the hash table)
+    let cases: [(&'static str, &[&'static str], usize, bool, bool); 6] = [
+        ("router4", &["router_split"], 256, false, false),
+        ("router_split", &[], 256, false, false),
+        ("router_split", &[], 260, false, false),
+        ("router_split", &[], 250, false, false),
+        ("router_split", &[], 256, true, false),
+        ("router_split", &[], 256, false, true),
+    ];
+    for (fusion, held_off, n_expert, with_bias, hashed) in cases {
         let (n_tok, k) = (5usize, 6usize);
         let mut logits = normal(&mut rng, n_tok * n_expert, 2.0);
         for t in 0..n_tok {
@@ -401,35 +406,57 @@ fn check_router_wide(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
             row[31] = row[30];
             row[n_expert - 1] = row[33];
         }
-        // No bias: it would break the ties between keys.
-        let bias = gpu.upload(&vec![0f32; n_expert])?;
-        let steps: Vec<i32> = (0..n_tok as i32).flat_map(|p| [p, 0]).collect();
+        // A bias breaks the ties between keys: zero unless the case asks for one.
+        let bias: Vec<f32> = if with_bias {
+            normal(&mut rng, n_expert, 0.1)
+        } else {
+            vec![0f32; n_expert]
+        };
+        let bias = gpu.upload(&bias)?;
+        // Tokens 3t + 1; the hash table maps each of 16 tokens to k distinct experts.
+        let steps: Vec<i32> = (0..n_tok as i32).flat_map(|p| [p, 3 * p + 1]).collect();
+        let table: Vec<i32> = (0..16 * k as i32)
+            .map(|i| (i * 37 + 11) % n_expert as i32)
+            .collect();
+        let table = gpu.upload(&table)?;
         let (steps, logits) = (gpu.upload(&steps)?, gpu.upload(&logits)?);
-        let (a, b) = both(gpu, fusion, || {
-            let ids = gpu.zeros::<i32>(n_tok * k)?;
-            let w = gpu.upload(&vec![f32::NAN; n_tok * k])?;
-            gpu.router(
-                n_tok,
-                gpu.ptr(&steps),
-                gpu.ptr(&logits),
-                n_expert,
-                k,
-                gpu.ptr(&bias),
-                0,
-                1.5,
-                gpu.ptr(&ids),
-                gpu.ptr(&w),
-            )?;
-            let mut all: Vec<f32> = gpu.download(&ids)?.iter().map(|&i| i as f32).collect();
-            all.extend(gpu.download(&w)?);
-            Ok(all)
-        })?;
+        let run = || {
+            both(gpu, fusion, || {
+                let ids = gpu.zeros::<i32>(n_tok * k)?;
+                let w = gpu.upload(&vec![f32::NAN; n_tok * k])?;
+                gpu.router(
+                    n_tok,
+                    gpu.ptr(&steps),
+                    gpu.ptr(&logits),
+                    n_expert,
+                    k,
+                    gpu.ptr(&bias),
+                    if hashed { gpu.ptr(&table) } else { 0 },
+                    1.5,
+                    gpu.ptr(&ids),
+                    gpu.ptr(&w),
+                )?;
+                let mut all: Vec<f32> = gpu.download(&ids)?.iter().map(|&i| i as f32).collect();
+                all.extend(gpu.download(&w)?);
+                Ok(all)
+            })
+        };
+        let (a, b) = match held_off {
+            [] => run()?,
+            [x] => gpu.with_fusion(x, false, run)?,
+            [x, y, ..] => gpu.with_fusion(x, false, || gpu.with_fusion(y, false, run))?,
+        };
         let (variant, plain) = match fusion {
             "router4" => ("router_wide", "router"),
             _ => ("router_split", "router_wide"),
         };
+        let extra = match (with_bias, hashed) {
+            (true, _) => ", bias",
+            (_, true) => ", hashed",
+            _ => ", ties",
+        };
         checks.push(bit_identical(
-            format!("{variant} = {plain} {n_expert} experts, top {k}, ties"),
+            format!("{variant} = {plain} {n_expert} experts, top {k}{extra}"),
             same_bits(&a, &b),
         ));
     }
