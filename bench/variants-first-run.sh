@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# First device run of the opt-in kernel variants (crates/cuda/NOTES.md, session 8):
+# First device run of the opt-in kernel variants (crates/cuda/NOTES.md, session 8; run
+# in session 9, whose results are in bench/results/session9/: all but exp_pitch are
+# defaults now, so the `+name` settings below repeat the defaults):
 #   bench/variants-first-run.sh BIN_DIR OUT_DIR
 # BIN_DIR holds ds4-tool, ds4-bench (and libcupti.so.13 for traces). Writes at most six
 # files to OUT_DIR: selftest.txt, ab.csv, ab.log, walk.csv, walk-idx_mma.csv, walk.log.
