@@ -873,6 +873,24 @@ pub fn probe_q8_splits(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
             bytes,
             ms,
         });
+        let (rows_fusion, what) = if cols <= 1024 {
+            ("q8_rows", "4 rows a warp")
+        } else {
+            ("q8_rows2", "2 rows a warp")
+        };
+        let (ms, got) = gpu.with_fusion(rows_fusion, true, || run(None))?;
+        let same = got
+            .iter()
+            .zip(&want)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        out.push(Timing {
+            name: format!(
+                "{name} {rows_fusion} ({what}{})",
+                if same { "" } else { ", differs" }
+            ),
+            bytes,
+            ms,
+        });
         let scale = want.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-30);
         for ks in [1u32, 2, 4, 8] {
             let (ms, got) = run(Some(ks))?;

@@ -36,6 +36,7 @@ pub fn check_variants(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     let mut checks = check_hc_preload(gpu, seed)?;
     checks.extend(check_router_wide(gpu, seed)?);
     checks.extend(check_f16_early(gpu, seed)?);
+    checks.extend(check_q8_rows(gpu, seed)?);
     checks.extend(check_indexer_scores(gpu, seed)?);
     checks.extend(check_indexer_mma(gpu, seed)?);
     checks.extend(check_topk(gpu, seed)?);
@@ -352,6 +353,40 @@ fn check_indexer_scores(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
                 same_bits(&a, &b),
             ));
         }
+    }
+    Ok(checks)
+}
+
+/// `matvec_q8_0_q8_r4` (`q8_rows`) and `_r2` (`q8_rows2`) against
+/// `matvec_q8_0_q8_early` at one warp a row:
+/// the q_b shape, a ragged row count (a warp's last rows past the end), rows shorter
+/// than a warp step (16 blocks) and rows of two steps.
+fn check_q8_rows(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+    let mut rng = Rng::stream(seed, 0x48, 0);
+    let mut checks = Vec::new();
+    for (rows, cols) in [
+        (32768usize, 1024usize),
+        (4100, 1024),
+        (4096, 512),
+        (4104, 2048),
+    ] {
+        let w = random_matrix(GgmlType::Q8_0, rows, cols, 1, &mut rng);
+        let m = DeviceMatrix::upload(gpu, GgmlType::Q8_0, &w, rows, cols, 1)?;
+        let x = gpu.upload(&random_vec(cols, &mut rng))?;
+        let mut qa = gpu.alloc_quant_act(1, cols)?;
+        gpu.quantize_act(gpu.ptr(&x), &mut qa)?;
+        let run = |kernel: &'static str| -> Result<Vec<f32>> {
+            let y = gpu.upload(&vec![f32::NAN; rows])?;
+            gpu.matvec_q8act_kernel(&m, &qa, gpu.ptr(&y), 1, MatSel::default(), kernel)?;
+            Ok(gpu.download(&y)?)
+        };
+        let early = run("matvec_q8_0_q8_early")?;
+        let same = same_bits(&run("matvec_q8_0_q8_r4")?, &early)
+            .merge(same_bits(&run("matvec_q8_0_q8_r2")?, &early));
+        checks.push(bit_identical(
+            format!("matvec_q8_0_q8_r4, _r2 = matvec_q8_0_q8_early {rows}x{cols}"),
+            same,
+        ));
     }
     Ok(checks)
 }

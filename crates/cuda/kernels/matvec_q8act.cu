@@ -821,6 +821,67 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8_early(Q8_0_Q8_P
     matvec_q8_0_q8_body<true>(Q8_0_Q8_ARGS);
 }
 
+// matvec_q8_0_q8_early with RPW rows per warp (`q8_rows`, ks 1): the warp's rows are
+// consecutive, so a lane's loads of one step cover RPW × 32 bytes of RPW rows at once.
+// For short rows (q_b: 1,024 columns, one step per lane) the plain kernel gives each warp
+// 1 KiB and a reduction, and runs ~4 waves of blocks; here each warp has 4 KiB in flight
+// and the grid is a quarter. Per row the same steps in the same order and the same
+// warp_sum: the same sums.
+#define Q8_ROWS_PER_WARP 4
+template <int R>
+__device__ __forceinline__ void matvec_q8_0_q8_rows_body(
+    const i8* __restrict__ qs, const u16* __restrict__ dw, i64 mat_q, i64 mat_d,
+    const i8* __restrict__ xq, const float* __restrict__ xd, float* __restrict__ y, int rows,
+    int cols, MatSel sel) {
+    const int row0 = (blockIdx.x * blockDim.y + threadIdx.y) * R;
+    const int m = sel_matrix(sel);
+    const int nb = cols / 32;
+    const int lane = threadIdx.x;
+    const i8* q = qs + m * mat_q;
+    const u16* dr = dw + m * mat_d;
+    uint4 w0[R], w1[R];
+    u16 dq[R];
+    auto load = [&](int b) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const int row = row0 + r;
+            if (row < rows && b < nb) {
+                w0[r] = ld_stream16(q + (i64)row * cols + b * 32);
+                w1[r] = ld_stream16(q + (i64)row * cols + b * 32 + 16);
+                dq[r] = dr[(i64)row * nb + b];
+            }
+        }
+    };
+    load(lane);
+    PDL_WAIT();
+    xq += blockIdx.y * sel.x_stride;
+    xd += blockIdx.y * (sel.x_stride / 32);
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.f;
+    for (int b = lane; b < nb; b += WARP) {
+        if (b != lane) load(b);
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            if (row0 + r < rows) acc[r] += q8_block_dot(w0[r], w1[r], dq[r], xq + b * 32, xd[b]);
+    }
+    PDL_TRIGGER();
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const float v = warp_sum(acc[r]);
+        if (lane == 0 && row0 + r < rows) y[blockIdx.y * sel.y_stride + row0 + r] = v;
+    }
+}
+extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8_r4(Q8_0_Q8_PARAMS) {
+    (void)ks;  // 1
+    matvec_q8_0_q8_rows_body<Q8_ROWS_PER_WARP>(qs, dw, mat_q, mat_d, xq, xd, y, rows, cols, sel);
+}
+// Two rows a warp for longer rows (`q8_rows2`, opt-in).
+extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8_r2(Q8_0_Q8_PARAMS) {
+    (void)ks;  // 1
+    matvec_q8_0_q8_rows_body<2>(qs, dw, mat_q, mat_d, xq, xd, y, rows, cols, sel);
+}
+
 // ---- Fused producers of quantised activations (decode launch count): each writes the
 // f32 result and its Q8_0 (per 32) or Q8_K (per 256) form, bit-identical to running
 // the plain kernel and then quantize_q8_32 / quantize_q8_k32.

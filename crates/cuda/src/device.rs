@@ -129,8 +129,12 @@ pub struct Gpu {
 /// gain). `shexp_late`: a decode token's shared expert forked after the router's F16
 /// matvec instead of beside it (that matvec is on the routed chain: 8.3 µs for 2 MB
 /// while the shared expert's 27 MB streamed beside it, 2.8 µs after): 2k decode
-/// 163.3 → 164.5 tok/s.
-pub const FUSIONS: [&str; 24] = [
+/// 163.3 → 164.5 tok/s. `q8_rows` (`matvec_q8_0_q8_r4`: the early-load Q8_0 matvec
+/// with 4 consecutive rows a warp where one warp takes a row of ≤ 1,024 columns — the
+/// attention's q_b, 13.8 → 11.7 µs) and `q8_rows2` (`matvec_q8_0_q8_r2`: 2 rows a warp
+/// for the longer one-warp rows: wo_b 12.4 → 12.1, the shared expert's down 5.5 → 5.3):
+/// the same sums; 2k decode 166.3 → 168.2 tok/s together (5 rounds).
+pub const FUSIONS: [&str; 26] = [
     "comb_lane",
     "shared_pair",
     "q_norm",
@@ -155,6 +159,8 @@ pub const FUSIONS: [&str; 24] = [
     "iq2_tab",
     "iq2_pipe",
     "shexp_late",
+    "q8_rows",
+    "q8_rows2",
 ];
 
 /// Restructurings off unless `DS4_CUDA_FUSE` names them, each measured without a gain

@@ -41,6 +41,8 @@ const ROWS_PER_BLOCK: u32 = 8;
 const EXP_ROWS_PER_WARP: u32 = 4;
 /// Steps of 32 lanes per row of `matvec_iq2_xxs_q8_rx` (IQ2_RX_STEPS in matvec_q8act.cu).
 const IQ2_RX_STEPS: usize = 2;
+/// Rows per warp of `matvec_q8_0_q8_r4` (Q8_ROWS_PER_WARP in matvec_q8act.cu).
+const Q8_ROWS_PER_WARP: u32 = 4;
 
 /// Rows per warp unit and blocks per SM of a register-activation expert kernel: units
 /// of EXP_ROWS_PER_WARP at two blocks per SM, except the pipelined IQ2_XXS kernels
@@ -688,15 +690,29 @@ impl Gpu {
         if rx_smem > 0 {
             self.allow_smem(name, (rx_smem + IQ2_TABLE_BYTES) as usize)?;
         }
-        let f = self.func(name)?;
-        // Q8_0: warps per row (see matvec_q8_0_q8). Several rows per warp measured
-        // slower (H200 decode 74.6 -> 70.0 tok/s): fewer warps in flight.
+        // Q8_0: warps per row (see matvec_q8_0_q8). Where one warp takes a row of the
+        // early kernel, `q8_rows` / `q8_rows2` give it 4 rows (≤ 1,024 columns: q_b) or 2
+        // (H200 2k decode 166.3 -> 168.2 tok/s; an older kernel lost with several rows
+        // per warp, 74.6 -> 70.0, when it kept fewer loads in flight).
         let ks = if m.ty == GgmlType::Q8_0 {
             ks.unwrap_or_else(|| split_k_q8(m.rows, n_sel))
         } else {
             1
         };
-        let rows_per_block = if m.ty == GgmlType::Q8_0 {
+        let early_ks1 = name == "matvec_q8_0_q8_early" && kernel.is_none() && ks == 1;
+        let name = if early_ks1 && m.cols <= 1024 && self.fused("q8_rows") {
+            "matvec_q8_0_q8_r4"
+        } else if early_ks1 && m.cols > 1024 && self.fused("q8_rows2") {
+            "matvec_q8_0_q8_r2"
+        } else {
+            name
+        };
+        let f = self.func(name)?;
+        let rows_per_block = if name == "matvec_q8_0_q8_r4" {
+            ROWS_PER_BLOCK * Q8_ROWS_PER_WARP
+        } else if name == "matvec_q8_0_q8_r2" {
+            ROWS_PER_BLOCK * 2
+        } else if m.ty == GgmlType::Q8_0 {
             ROWS_PER_BLOCK / ks
         } else {
             ROWS_PER_BLOCK * EXP_ROWS_PER_WARP
