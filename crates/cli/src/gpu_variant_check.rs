@@ -388,6 +388,32 @@ fn check_q8_rows(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
             same,
         ));
     }
+    // The grouped output projection's shape (`outa_early`): 8 selections of a stack by
+    // constant ids, each with its own input.
+    let (groups, rows, cols) = (8usize, 1024usize, 4096usize);
+    let w = random_matrix(GgmlType::Q8_0, rows, cols, groups, &mut rng);
+    let m = DeviceMatrix::upload(gpu, GgmlType::Q8_0, &w, rows, cols, groups)?;
+    let x = gpu.upload(&random_vec(groups * cols, &mut rng))?;
+    let mut qa = gpu.alloc_quant_act(groups, cols)?;
+    gpu.quantize_act(gpu.ptr(&x), &mut qa)?;
+    let ids = gpu.upload(&(0..groups as i32).collect::<Vec<_>>())?;
+    let sel = MatSel {
+        ids: gpu.ptr(&ids),
+        x_stride: cols as i64,
+        y_stride: rows as i64,
+    };
+    let run = |kernel: &'static str| -> Result<Vec<f32>> {
+        let y = gpu.upload(&vec![f32::NAN; groups * rows])?;
+        gpu.matvec_q8act_kernel(&m, &qa, gpu.ptr(&y), groups, sel, kernel)?;
+        Ok(gpu.download(&y)?)
+    };
+    let plain = run("matvec_q8_0_q8")?;
+    let same = same_bits(&run("matvec_q8_0_q8_early")?, &plain)
+        .merge(same_bits(&run("matvec_q8_0_q8_r2")?, &plain));
+    checks.push(bit_identical(
+        format!("matvec_q8_0_q8_early, _r2 = matvec_q8_0_q8 {groups}x({rows}x{cols}), ids"),
+        same,
+    ));
     Ok(checks)
 }
 

@@ -81,6 +81,9 @@ pub struct Gpu {
     capturing: std::sync::atomic::AtomicBool,
     /// Launches are background work (see [`Gpu::background`]).
     background: std::sync::atomic::AtomicBool,
+    /// Launches select their matrices through ids that no kernel writes (see
+    /// [`Gpu::constant_ids`]).
+    const_ids: std::sync::atomic::AtomicBool,
 }
 
 /// The restructurings `DS4_CUDA_FUSE` can turn off (each keeps its plain twin, which
@@ -133,8 +136,11 @@ pub struct Gpu {
 /// with 4 consecutive rows a warp where one warp takes a row of ≤ 1,024 columns — the
 /// attention's q_b, 13.8 → 11.7 µs) and `q8_rows2` (`matvec_q8_0_q8_r2`: 2 rows a warp
 /// for the longer one-warp rows: wo_b 12.4 → 12.1, the shared expert's down 5.5 → 5.3):
-/// the same sums; 2k decode 166.3 → 168.2 tok/s together (5 rounds).
-pub const FUSIONS: [&str; 26] = [
+/// the same sums; 2k decode 166.3 → 168.2 tok/s together (5 rounds). `outa_early`: the
+/// attention's grouped output projection through the early-load kernels (its group ids
+/// are an uploaded constant, [`Gpu::constant_ids`]) and so through `_r2`: 167.9 → 171.6
+/// (6 rounds; alone, before `q8_rows2`, it measured −0.3).
+pub const FUSIONS: [&str; 27] = [
     "comb_lane",
     "shared_pair",
     "q_norm",
@@ -161,6 +167,7 @@ pub const FUSIONS: [&str; 26] = [
     "shexp_late",
     "q8_rows",
     "q8_rows2",
+    "outa_early",
 ];
 
 /// Restructurings off unless `DS4_CUDA_FUSE` names them, each measured without a gain
@@ -307,6 +314,7 @@ impl Gpu {
             staging: Mutex::new(None),
             capturing: std::sync::atomic::AtomicBool::new(false),
             background: std::sync::atomic::AtomicBool::new(false),
+            const_ids: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -842,6 +850,26 @@ fn priority_range() -> Option<(i32, i32)> {
 impl Gpu {
     /// Runs `f` with its launches marked as background work: under `prio` their graph
     /// nodes get the lowest priority (throughput work beside a latency-bound chain).
+    /// Runs `f` promising that the `sel.ids` of its matvecs are written by no kernel of
+    /// the graph (an uploaded constant such as the output projection's group ids), so
+    /// the kernels that read them before the PDL wait (`matvec_q8_0_q8_early` and its
+    /// several-rows forms) may serve them. Only with `outa_early` (a default).
+    pub fn constant_ids<T>(
+        &self,
+        f: impl FnOnce() -> Result<T, CudaError>,
+    ) -> Result<T, CudaError> {
+        use std::sync::atomic::Ordering;
+        let on = self.fused("outa_early");
+        let prev = self.const_ids.swap(on, Ordering::Relaxed);
+        let r = f();
+        self.const_ids.store(prev, Ordering::Relaxed);
+        r
+    }
+
+    pub(crate) fn ids_constant(&self) -> bool {
+        self.const_ids.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     pub fn background<T>(&self, f: impl FnOnce() -> Result<T, CudaError>) -> Result<T, CudaError> {
         use std::sync::atomic::Ordering;
         let prev = self.background.swap(true, Ordering::Relaxed);

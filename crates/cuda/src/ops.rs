@@ -667,7 +667,7 @@ impl Gpu {
             // before the wait too.
             None if m.ty == GgmlType::Q8_0
                 && self.fused("q8_early")
-                && (sel.ids == 0 || sel.ids == self.ptr(&self.pair_ids)) =>
+                && (sel.ids == 0 || sel.ids == self.ptr(&self.pair_ids) || self.ids_constant()) =>
             {
                 "matvec_q8_0_q8_early"
             }

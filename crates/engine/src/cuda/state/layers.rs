@@ -429,17 +429,20 @@ impl KvView<'_> {
         } else if n > 1 && gemm(Gemm::Group) && !fast && f32_gemm_format(l.out_a.ty) {
             g.matmul_f32(&l.out_a, p(&s.heads), p(&s.low), grouped)?;
         } else {
-            mv_sel(
-                g,
-                &l.out_a,
-                p(&s.heads),
-                &mut qb.heads,
-                heads_q8,
-                p(&s.low),
-                n * og,
-                groups,
-                fast,
-            )?;
+            // group_ids is uploaded once, never written by the graph.
+            g.constant_ids(|| {
+                mv_sel(
+                    g,
+                    &l.out_a,
+                    p(&s.heads),
+                    &mut qb.heads,
+                    heads_q8,
+                    p(&s.low),
+                    n * og,
+                    groups,
+                    fast,
+                )
+            })?;
         }
         mv(g, &l.out_b, p(&s.low), &mut qb.low, false, p(&s.o), n, fast)?;
         if comb_lane {
