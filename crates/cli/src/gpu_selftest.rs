@@ -873,19 +873,17 @@ pub fn probe_q8_splits(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
             bytes,
             ms,
         });
-        let (rows_fusion, what) = if cols <= 1024 {
-            ("q8_rows", "4 rows a warp")
-        } else {
-            ("q8_rows2", "2 rows a warp")
-        };
-        let (ms, got) = gpu.with_fusion(rows_fusion, true, || run(None))?;
+        // The default packs 4 (≤ 1,024 columns) or 2 one-warp rows a warp (q8_rows,
+        // q8_rows2); the same launch with one row a warp.
+        let rows_fusion = if cols <= 1024 { "q8_rows" } else { "q8_rows2" };
+        let (ms, got) = gpu.with_fusion(rows_fusion, false, || run(None))?;
         let same = got
             .iter()
             .zip(&want)
             .all(|(a, b)| a.to_bits() == b.to_bits());
         out.push(Timing {
             name: format!(
-                "{name} {rows_fusion} ({what}{})",
+                "{name} -{rows_fusion} (one row a warp{})",
                 if same { "" } else { ", differs" }
             ),
             bytes,
