@@ -769,22 +769,11 @@ pub fn probe_q8_splits(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
     {
         let (mats, used, rows, cols) = (256usize, 6usize, 2048usize, 4096usize);
         let ty = GgmlType::IQ2_XXS;
-        let gate = DeviceMatrix::upload(
-            gpu,
-            ty,
-            &random_matrix(ty, rows, cols, mats, &mut rng),
-            rows,
-            cols,
-            mats,
-        )?;
-        let up = DeviceMatrix::upload(
-            gpu,
-            ty,
-            &random_matrix(ty, rows, cols, mats, &mut rng),
-            rows,
-            cols,
-            mats,
-        )?;
+        let mut stack = || {
+            let w = random_matrix(ty, rows, cols, mats, &mut rng);
+            DeviceMatrix::upload(gpu, ty, &w, rows, cols, mats)
+        };
+        let (gate, up) = (stack()?, stack()?);
         let x = gpu.upload(&random_vec(cols, &mut rng))?;
         let mut qa = gpu.alloc_quant_act(1, cols)?;
         gpu.quantize_act(gpu.ptr(&x), &mut qa)?;

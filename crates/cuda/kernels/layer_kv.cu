@@ -33,6 +33,35 @@ extern "C" __global__ void __launch_bounds__(512) kv_finish(const Step* step, co
     for (int i = threadIdx.x; i < hd; i += blockDim.x) dst[i] = f16_round ? f16r(v[i]) : v[i];
 }
 
+// A pooled compressor row in v (shared, d values, written by this block) finished as
+// both compressors store it: rmsnorm with norm_w, RoPE on the tail at rope_pos, the QAT
+// simulation of the mode (0: FP8 on the nope dims, 1: Hadamard + FP4), (f16 round),
+// stored at dst. Starts with the barrier that publishes v.
+__device__ __forceinline__ void compressor_finish_row(float* v, float* red, int d,
+        const void* norm_w, int norm_type, float eps, const RopeP& p, float rope_pos, int mode,
+        int f16_round, float* dst) {
+    __syncthreads();
+    float ss = 0.f;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) ss += v[j] * v[j];
+    ss = block_sum(ss, red);
+    const float sc = 1.0f / sqrtf(ss / (float)d + eps);
+    for (int j = threadIdx.x; j < d; j += blockDim.x) v[j] = v[j] * sc * ldw(norm_w, norm_type, j);
+    __syncthreads();
+    const int nope = d - p.rope_dim;
+    for (int k = threadIdx.x; k < p.rope_dim / 2; k += blockDim.x)
+        rope_pair(v[nope + 2 * k], v[nope + 2 * k + 1], k, rope_pos, p, false);
+    __syncthreads();
+    const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
+    if (mode == 0) {
+        for (int b = wid; b < nope / 64; b += blockDim.x / WARP) fp8_block64(v + b * 64, lane);
+    } else {
+        hadamard_smem(v, d);
+        for (int b = wid; b < d / 32; b += blockDim.x / WARP) fp4_block32(v + b * 32, lane);
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < d; j += blockDim.x) dst[j] = f16_round ? f16r(v[j]) : v[j];
+}
+
 // ---- Compressor step (§5.4). kvs holds the new kv (w floats) then the new gate score
 // (w floats, APE not yet added). State: skv, ssc [L·r][w]. When (pos+1) % r == 0 the
 // pooled row is normed, rotated (position pos+1−r) and QAT-simulated, then stored as
@@ -87,28 +116,8 @@ extern "C" __global__ void __launch_bounds__(1024) compressor_step(const Step* s
         }
         v[j] = mx > -5e29f ? num / den : 0.f;
     }
-    __syncthreads();
-    float ss = 0.f;
-    for (int j = threadIdx.x; j < d; j += blockDim.x) ss += v[j] * v[j];
-    ss = block_sum(ss, red);
-    const float sc = 1.0f / sqrtf(ss / (float)d + eps);
-    for (int j = threadIdx.x; j < d; j += blockDim.x) v[j] = v[j] * sc * ldw(norm_w, norm_type, j);
-    __syncthreads();
-    const int nope = d - p.rope_dim;
-    const float rpos = (float)(pos + 1 - ratio);
-    for (int k = threadIdx.x; k < p.rope_dim / 2; k += blockDim.x)
-        rope_pair(v[nope + 2 * k], v[nope + 2 * k + 1], k, rpos, p, false);
-    __syncthreads();
-    const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
-    if (mode == 0) {
-        for (int b = wid; b < nope / 64; b += blockDim.x / WARP) fp8_block64(v + b * 64, lane);
-    } else {
-        hadamard_smem(v, d);
-        for (int b = wid; b < d / 32; b += blockDim.x / WARP) fp4_block32(v + b * 32, lane);
-    }
-    __syncthreads();
-    float* dst = rows + (i64)((pos + 1) / ratio - 1) * d;
-    for (int j = threadIdx.x; j < d; j += blockDim.x) dst[j] = f16_round ? f16r(v[j]) : v[j];
+    compressor_finish_row(v, red, d, norm_w, norm_type, eps, p, (float)(pos + 1 - ratio), mode,
+                          f16_round, rows + (i64)((pos + 1) / ratio - 1) * d);
     if (lanes == 2) {
         // The current window becomes the "previous" lane of the next row.
         __syncthreads();
@@ -203,27 +212,8 @@ extern "C" __global__ void __launch_bounds__(1024) compressor_emit(const Step* s
         }
         v[j] = mx > -5e29f ? num / den : 0.f;
     }
-    __syncthreads();
-    float ss = 0.f;
-    for (int j = threadIdx.x; j < d; j += blockDim.x) ss += v[j] * v[j];
-    ss = block_sum(ss, red);
-    const float sc = 1.0f / sqrtf(ss / (float)d + eps);
-    for (int j = threadIdx.x; j < d; j += blockDim.x) v[j] = v[j] * sc * ldw(norm_w, norm_type, j);
-    __syncthreads();
-    const int nope = d - p.rope_dim;
-    for (int k = threadIdx.x; k < p.rope_dim / 2; k += blockDim.x)
-        rope_pair(v[nope + 2 * k], v[nope + 2 * k + 1], k, (float)base, p, false);
-    __syncthreads();
-    const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
-    if (mode == 0) {
-        for (int b = wid; b < nope / 64; b += blockDim.x / WARP) fp8_block64(v + b * 64, lane);
-    } else {
-        hadamard_smem(v, d);
-        for (int b = wid; b < d / 32; b += blockDim.x / WARP) fp4_block32(v + b * 32, lane);
-    }
-    __syncthreads();
-    float* dst = rows + (i64)row * d;
-    for (int j = threadIdx.x; j < d; j += blockDim.x) dst[j] = f16_round ? f16r(v[j]) : v[j];
+    compressor_finish_row(v, red, d, norm_w, norm_type, eps, p, (float)base, mode, f16_round,
+                          rows + (i64)row * d);
 }
 
 // The frontier state after the batch (run after compressor_emit, which reads the old

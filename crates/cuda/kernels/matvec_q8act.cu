@@ -282,6 +282,42 @@ extern "C" __global__ void __launch_bounds__(256, 3) matvec_iq2_xxs_q8(IQ2_MATVE
 // (they come from the constant grid; the plain kernel builds them after it: an L2 load
 // and a barrier on the routed experts' chain, 43 times a token). Same sums.
 #define IQ2_RX_STEPS 2
+
+// The register-activation kernels' loads. A unit: R consecutive rows from row0 of the
+// matrix at (q, dw) (rows past the last repeat it), lane's steps lane + 32k, k < S.
+template <int R, int S>
+__device__ __forceinline__ void iq2_rx_load_rows(const u8* q, const u16* dw, int row0, int rows,
+                                                 int lane, W4 (&w)[R][S], u16 (&d)[R][S]) {
+    constexpr int nc = S * WARP;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int row = min(row0 + r, rows - 1);
+        const u8* qr = q + (i64)row * nc * 16;
+        const u16* dr = dw + (i64)row * (nc / 4);
+#pragma unroll
+        for (int k = 0; k < S; ++k) {
+            const int c = lane + k * WARP;
+            const uint4 v = ld_stream16(qr + c * 16);
+            w[r][k].a = v.x; w[r][k].b = v.y; w[r][k].c = v.z; w[r][k].d = v.w;
+            d[r][k] = dr[c >> 2];
+        }
+    }
+}
+// The lane's activations (64 int8 values and 2 scales a step) of the input at xo.
+template <int S>
+__device__ __forceinline__ void iq2_rx_load_x(const i8* xq, const float* xd, i64 xo, int lane,
+                                              int4 (&x)[S][4], float (&s)[S][2]) {
+#pragma unroll
+    for (int k = 0; k < S; ++k) {
+        const int grp = 2 * (lane + k * WARP);
+        const int4* xv = reinterpret_cast<const int4*>(xq + xo + grp * 32);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) x[k][i] = xv[i];
+        s[k][0] = xd[xo / 32 + grp];
+        s[k][1] = xd[xo / 32 + grp + 1];
+    }
+}
+
 template <int COPIES, bool EARLY = false>
 __device__ __forceinline__ void iq2_xxs_q8_rx_body(IQ2_MATVEC_PARAMS) {
     if (!EARLY) PDL_WAIT();
@@ -304,7 +340,6 @@ __device__ __forceinline__ void iq2_xxs_q8_rx_body(IQ2_MATVEC_PARAMS) {
     }
     if (EARLY) PDL_WAIT();
     (void)cols;  // S × 32 steps of 64 values (the host checks)
-    constexpr int nc = S * WARP;
     const int lane = threadIdx.x;
     const int units_per_sel = (rows + R - 1) / R;
     const int n_units = (qs2 != nullptr ? 2 : 1) * n_pair * units_per_sel;
@@ -327,31 +362,11 @@ __device__ __forceinline__ void iq2_xxs_q8_rx_body(IQ2_MATVEC_PARAMS) {
         const int m = sel.ids ? sel.ids[yi] : 0;
         W4 w[R][S];
         u16 d[R][S];
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const int row = min(row0 + r, rows - 1);
-            const u8* q = qm + m * mat_q + (i64)row * nc * 16;
-            const u16* dr = dm + m * mat_d + (i64)row * (nc / 4);
-#pragma unroll
-            for (int k = 0; k < S; ++k) {
-                const int c = lane + k * WARP;
-                const uint4 v = ld_stream16(q + c * 16);
-                w[r][k].a = v.x; w[r][k].b = v.y; w[r][k].c = v.z; w[r][k].d = v.w;
-                d[r][k] = dr[c >> 2];
-            }
-        }
+        iq2_rx_load_rows(qm + m * mat_q, dm + m * mat_d, row0, rows, lane, w, d);
         const i64 xo = (i64)yi * sel.x_stride;
         if (xo != x_at) {
             x_at = xo;
-#pragma unroll
-            for (int k = 0; k < S; ++k) {
-                const int grp = 2 * (lane + k * WARP);
-                const int4* xv = reinterpret_cast<const int4*>(xq + xo + grp * 32);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) x[k][i] = xv[i];
-                s[k][0] = xd[xo / 32 + grp];
-                s[k][1] = xd[xo / 32 + grp + 1];
-            }
+            iq2_rx_load_x(xq, xd, xo, lane, x, s);
         }
 #pragma unroll
         for (int r = 0; r < R; ++r) {
@@ -397,7 +412,6 @@ __device__ __forceinline__ void iq2_xxs_q8_rxp_body(IQ2_MATVEC_PARAMS) {
     __syncthreads();
     PDL_WAIT();
     (void)cols;  // S × 32 steps of 64 values (the host checks)
-    constexpr int nc = S * WARP;
     const int lane = threadIdx.x;
     const int units_per_sel = (rows + R - 1) / R;
     const int n_units = (qs2 != nullptr ? 2 : 1) * n_pair * units_per_sel;
@@ -416,19 +430,7 @@ __device__ __forceinline__ void iq2_xxs_q8_rxp_body(IQ2_MATVEC_PARAMS) {
             dm = dw2;
         }
         const int m = sel.ids ? sel.ids[yi] : 0;
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const int row = min(row0 + r, rows - 1);
-            const u8* q = qm + m * mat_q + (i64)row * nc * 16;
-            const u16* dr = dm + m * mat_d + (i64)row * (nc / 4);
-#pragma unroll
-            for (int k = 0; k < S; ++k) {
-                const int c = lane + k * WARP;
-                const uint4 v = ld_stream16(q + c * 16);
-                w[r][k].a = v.x; w[r][k].b = v.y; w[r][k].c = v.z; w[r][k].d = v.w;
-                d[r][k] = dr[c >> 2];
-            }
-        }
+        iq2_rx_load_rows(qm + m * mat_q, dm + m * mat_d, row0, rows, lane, w, d);
     };
     int4 x[S][4];
     float s[S][2];
@@ -457,15 +459,7 @@ __device__ __forceinline__ void iq2_xxs_q8_rxp_body(IQ2_MATVEC_PARAMS) {
         const i64 xo = (i64)yi * sel.x_stride;
         if (MODE != 3 && xo != x_at) {
             x_at = xo;
-#pragma unroll
-            for (int k = 0; k < S; ++k) {
-                const int grp = 2 * (lane + k * WARP);
-                const int4* xv = reinterpret_cast<const int4*>(xq + xo + grp * 32);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) x[k][i] = xv[i];
-                s[k][0] = xd[xo / 32 + grp];
-                s[k][1] = xd[xo / 32 + grp + 1];
-            }
+            iq2_rx_load_x(xq, xd, xo, lane, x, s);
         }
 #pragma unroll
         for (int r = 0; r < R; ++r) {

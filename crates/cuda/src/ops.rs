@@ -85,6 +85,11 @@ fn split_k_q8(rows: usize, n_sel: usize) -> u32 {
     }
 }
 
+/// Two stacks of one format and shape: one pair launch can serve both.
+fn same_stack_shape(m: &DeviceMatrix, m2: &DeviceMatrix) -> bool {
+    m2.ty == m.ty && (m2.rows, m2.cols, m2.n_mats) == (m.rows, m.cols, m.n_mats)
+}
+
 impl Gpu {
     /// `y[k][row] = W[ids[k]] · x[k]` for `n_sel` selections (`n_sel = 1`, `sel =
     /// MatSel::default()` for a plain matrix-vector product).
@@ -475,8 +480,7 @@ impl Gpu {
         n_sel: usize,
         sel: MatSel,
     ) -> Result<(), CudaError> {
-        let same_shape =
-            m2.ty == m.ty && (m2.rows, m2.cols, m2.n_mats) == (m.rows, m.cols, m.n_mats);
+        let same_shape = same_stack_shape(m, m2);
         if same_shape && m.ty == GgmlType::Q8_0 && n_sel == 1 && sel.ids == 0 && y % 4 == y2 % 4 {
             // The Q8_0 kernel picks matrix `ids[blockIdx.y]` at that many strides past
             // the first: with ids 0 and 1 and the distance between the two matrices (and
@@ -574,8 +578,7 @@ impl Gpu {
         sel: MatSel,
         kernel: &'static str,
     ) -> Result<(), CudaError> {
-        let same_shape =
-            m2.ty == m.ty && (m2.rows, m2.cols, m2.n_mats) == (m.rows, m.cols, m.n_mats);
+        let same_shape = same_stack_shape(m, m2);
         if !(same_shape && m.ty == GgmlType::IQ2_XXS) {
             return Err(CudaError::Invalid(
                 "a kernel-named pair takes two IQ2_XXS stacks of one shape".into(),
