@@ -14,6 +14,8 @@ mod layer;
 mod matmul;
 mod ops;
 mod probe;
+/// The GPU kernel checks (`ds4-tool gpu-selftest`, `tests/gpu_kernels.rs`).
+pub mod selftest;
 pub mod trace;
 mod upload;
 mod weights;

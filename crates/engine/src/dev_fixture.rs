@@ -1,11 +1,19 @@
 //! Whole-model checks of a backend against the tiny fixtures' official logits
 //! (fixtures/tiny/README.md): every variant, sequence and position, both numeric
-//! modes, with the fixture tiers as pass criteria.
+//! modes, with the fixture tiers as pass criteria. The CUDA run of `ds4-tool
+//! gpu-selftest` ([`run_fixtures`]: the fixtures, batched prefill against decode,
+//! snapshots across backends; [`check_graph_variants`]: each restructuring of the
+//! decode graph off and on) is here too, so the engine's own tests run it.
 
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use ds4_engine::{argmax, Backend, LogitRows, Numerics};
+
+use crate::{argmax, Backend, LogitRows, Numerics};
+
+mod cuda;
+
+pub use cuda::{check_graph_variants, run_fixtures, Tally};
 
 /// One (variant, sequence, mode) comparison.
 #[derive(Clone, Debug)]
@@ -72,6 +80,37 @@ fn percentile(sorted: &[f32], q: f64) -> f32 {
     sorted[i.min(sorted.len() - 1)]
 }
 
+/// Per position (row of `vocab` logits), the largest |got − want|.
+fn position_deltas(got: &[f32], want: &[f32], vocab: usize) -> Vec<f32> {
+    got.chunks_exact(vocab)
+        .zip(want.chunks_exact(vocab))
+        .map(|(g, w)| {
+            g.iter()
+                .zip(w)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max)
+        })
+        .collect()
+}
+
+/// (max, median, p99) of per-position deltas.
+fn spread(per_pos: &[f32]) -> (f32, f32, f32) {
+    let max = per_pos.iter().copied().fold(0.0f32, f32::max);
+    let mut sorted = per_pos.to_vec();
+    sorted.sort_by(f32::total_cmp);
+    (max, percentile(&sorted, 0.5), percentile(&sorted, 0.99))
+}
+
+/// The fixture tier of `numerics` on per-position max |Δlogit| (fixtures/tiny/README.md):
+/// exact max ≤ 1e-3 and median ≤ 1e-4; fast median ≤ 0.15, p99 ≤ 0.5, max ≤ 1.
+fn within_tier(numerics: Numerics, max: f32, median: f32, p99: f32) -> bool {
+    if numerics == Numerics::Exact {
+        max <= 1e-3 && median <= 1e-4
+    } else {
+        median <= 0.15 && p99 <= 0.5 && max <= 1.0
+    }
+}
+
 /// Compares `backend` (fresh, empty) on one sequence.
 pub fn check_sequence(
     backend: &mut dyn Backend,
@@ -102,29 +141,20 @@ pub fn check_sequence(
     let margins = nums(&exp["top1_top2_margin"]);
     let exact = numerics == Numerics::Exact;
     let margin_rule = if exact { 2e-3 } else { 0.75 };
-    let mut per_pos = Vec::with_capacity(tokens.len());
+    let per_pos = position_deltas(&got, &want, vocab);
     let (mut agree, mut violations) = (0usize, 0usize);
     for (t, (g, w)) in got
         .chunks_exact(vocab)
         .zip(want.chunks_exact(vocab))
         .enumerate()
     {
-        per_pos.push(
-            g.iter()
-                .zip(w)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0f32, f32::max),
-        );
         if argmax(g) == argmax(w) {
             agree += 1;
         } else if margins.get(t).copied().unwrap_or(0.0) >= margin_rule {
             violations += 1;
         }
     }
-    let max = per_pos.iter().copied().fold(0.0f32, f32::max);
-    let mut sorted = per_pos.clone();
-    sorted.sort_by(f32::total_cmp);
-    let (median, p99) = (percentile(&sorted, 0.5), percentile(&sorted, 0.99));
+    let (max, median, p99) = spread(&per_pos);
     let agree_frac = agree as f64 / per_pos.len() as f64;
 
     // Greedy continuation from the end of the sequence.
@@ -149,11 +179,7 @@ pub fn check_sequence(
     // (`pooled_agreement`): on a 12-position sequence a single flip at a near-tie
     // (reference margin 0.0016 in q4/a) would read 91.7%. Every other criterion,
     // including "argmax equal wherever the margin ≥ 0.75", holds per sequence.
-    let passed = if exact {
-        max <= 1e-3 && median <= 1e-4 && violations == 0 && greedy_ok
-    } else {
-        median <= 0.15 && p99 <= 0.5 && max <= 1.0 && violations == 0 && greedy_ok
-    };
+    let passed = within_tier(numerics, max, median, p99) && violations == 0 && greedy_ok;
     Ok(FixtureResult {
         variant: variant.into(),
         seq: seq.into(),

@@ -7,6 +7,9 @@ pub mod backend;
 pub mod config;
 pub mod cpu;
 pub mod cuda;
+/// Developer checks over the tiny fixtures (`ds4-tool gpu-selftest`, tests); to be
+/// folded into the developer module `dev`.
+pub mod dev_fixture;
 pub mod error;
 pub mod kv;
 pub mod layout;

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use ds4_cli::fixture_check::{check_sequence, pooled_agreement, Manifest};
+use ds4_engine::dev_fixture::{check_sequence, pooled_agreement, Manifest};
 use ds4_engine::{Backend, CpuBackend, KvCache, LoadOptions, LogitRows, Model, Numerics};
 
 fn dir() -> PathBuf {

@@ -3,10 +3,12 @@
 //! rows, next to the f32 `attention` kernel on the same inputs.
 
 use anyhow::Result;
-use ds4_cuda::{AttnInput, DeviceBuf, Gpu};
+use ds4_gguf::quant::random::Rng;
 
-use crate::gpu_selftest::{rel_err, Check};
-use crate::rng::Rng;
+use super::common::{
+    bit_identical, rel_err, rope_freqs, same_bits, upload_rope, Check, BOUND_F32, BOUND_FP16_MMA,
+};
+use crate::{AttnInput, DeviceBuf, Gpu};
 
 const HEADS: usize = 64;
 const HD: usize = 512;
@@ -85,12 +87,12 @@ impl DeviceInputs {
         }
     }
 
-    fn mma(&self, gpu: &Gpu, out: u64) -> Result<(), ds4_cuda::CudaError> {
+    fn mma(&self, gpu: &Gpu, out: u64) -> Result<(), crate::CudaError> {
         gpu.attention_prefill_mma(&self.input(gpu), out)
     }
 
     /// `attention` with one chunk of `stride` rows per token (the prefill layout).
-    fn f32(&self, gpu: &Gpu, stride: usize, out: u64) -> Result<(), ds4_cuda::CudaError> {
+    fn f32(&self, gpu: &Gpu, stride: usize, out: u64) -> Result<(), crate::CudaError> {
         gpu.attention(&self.input(gpu), stride, 1, 0, 0, out, None)
     }
 }
@@ -159,7 +161,7 @@ fn reference(
 /// The tensor-core kernel (bound 2e-3: fp16 operands) and the f32 kernel (bound 1e-5)
 /// against the f64 reference, for a compressed + indexed layer (top-k selections past
 /// 512 rows), a ratio-128 layer and a window-only layer.
-pub fn check_attention_mma(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+pub(super) fn check_attention_mma(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::stream(seed, 0xa77e, 0);
     let cases = [
         Case {
@@ -232,7 +234,7 @@ pub fn check_attention_mma(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
         checks.push(Check {
             name: format!("attention mma {}", case.name),
             rel_err: rel_err(&gpu.download(&out)?, &want),
-            bound: 2e-3,
+            bound: BOUND_FP16_MMA,
         });
         let stride = WINDOW + TOP_K.max(n_comp_rows);
         let split = gpu.upload(&vec![f32::NAN; n * HEADS * HD])?;
@@ -240,7 +242,7 @@ pub fn check_attention_mma(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
         checks.push(Check {
             name: format!("attention f32 {}", case.name),
             rel_err: rel_err(&gpu.download(&split)?, &want),
-            bound: 1e-5,
+            bound: BOUND_F32,
         });
         checks.push(check_q_norm(gpu, &inputs, &mut rng, stride, case.name)?);
         checks.extend(check_decode_split(gpu, &inputs, &want, case.name)?);
@@ -265,8 +267,7 @@ fn check_decode_split(
     let chunks = 32;
     let acc = gpu.zeros::<f32>(HEADS * chunks * HD)?;
     let ml = gpu.zeros::<f32>(2 * HEADS * chunks)?;
-    let (_freqs, rope) =
-        crate::gpu_selftest::upload_rope(gpu, &crate::gpu_selftest::rope_freqs(64))?;
+    let (_freqs, rope) = upload_rope(gpu, &rope_freqs(64))?;
     // The outputs, then (with the tail) its Q8_0 values and scales.
     #[derive(Clone, Copy, Default)]
     struct Mode {
@@ -291,9 +292,9 @@ fn check_decode_split(
             }
             let o = gpu.ptr(&out) + (t * HEADS * HD * 4) as u64;
             if m.q_norm {
-                a.q_norm = Some(ds4_cuda::QNorm { eps: 1e-6, rope });
+                a.q_norm = Some(crate::QNorm { eps: 1e-6, rope });
             }
-            let at = ds4_cuda::AttnTail {
+            let at = crate::AttnTail {
                 rope,
                 q: gpu.ptr(&q8) + (t * HEADS * HD) as u64,
                 d: gpu.ptr(&d8) + (t * HEADS * HD / 32 * 4) as u64,
@@ -340,19 +341,19 @@ fn check_decode_split(
         Check {
             name: format!("attention decode split {case}"),
             rel_err: rel_err(&plain, want),
-            bound: 1e-5,
+            bound: BOUND_F32,
         },
-        crate::gpu_selftest::bit_identical(
+        bit_identical(
             format!("attention_split_staged = attention_split, {case}"),
-            crate::gpu_selftest::same_bits(&staged, &plain),
+            same_bits(&staged, &plain),
         ),
-        crate::gpu_selftest::bit_identical(
+        bit_identical(
             format!("attention_combine_pl = attention_combine (RoPE, Q8_0), {case}"),
-            crate::gpu_selftest::same_bits(&combine_pl, &combine),
+            same_bits(&combine_pl, &combine),
         ),
-        crate::gpu_selftest::bit_identical(
+        bit_identical(
             format!("attention_split_early = attention_split_staged (q_norm), {case}"),
-            crate::gpu_selftest::same_bits(&early_qn, &staged_qn),
+            same_bits(&early_qn, &staged_qn),
         ),
     ])
 }
@@ -368,11 +369,11 @@ fn check_q_norm(
     case: &str,
 ) -> Result<Check> {
     let n = inputs.n;
-    let freqs: Vec<f32> = crate::gpu_selftest::rope_freqs(64)
+    let freqs: Vec<f32> = rope_freqs(64)
         .into_iter()
         .map(|f| f * (0.5 + rng.uniform()))
         .collect();
-    let (_freqs, rope) = crate::gpu_selftest::upload_rope(gpu, &freqs)?;
+    let (_freqs, rope) = upload_rope(gpu, &freqs)?;
     let eps = 1e-6;
     let q_raw = gpu.download(&inputs.q)?;
     let normed = gpu.upload(&q_raw)?;
@@ -390,14 +391,14 @@ fn check_q_norm(
     let want = gpu.upload(&vec![f32::NAN; n * HEADS * HD])?;
     gpu.attention(&a, stride, 1, 0, 0, gpu.ptr(&want), None)?;
     let mut b = inputs.input(gpu);
-    b.q_norm = Some(ds4_cuda::QNorm { eps, rope });
+    b.q_norm = Some(crate::QNorm { eps, rope });
     let got = gpu.upload(&vec![f32::NAN; n * HEADS * HD])?;
     gpu.attention(&b, stride, 1, 0, 0, gpu.ptr(&got), None)?;
     let want: Vec<f64> = gpu.download(&want)?.iter().map(|&v| v as f64).collect();
     Ok(Check {
         name: format!("attention q_norm {case}"),
         rel_err: rel_err(&gpu.download(&got)?, &want),
-        bound: 1e-5,
+        bound: BOUND_F32,
     })
 }
 

@@ -1,4 +1,4 @@
-//! Checks and benchmarks of the batched (prefill) GEMMs of `ds4_cuda::matmul`
+//! Checks and benchmarks of the batched (prefill) GEMMs of `src/matmul.rs`
 //! (`matmul_q8act`, `matmul_experts_q8act`, `route_plan`, `matmul_f32`).
 //!
 //! Every product is compared with an f64 CPU product of the exactly dequantized weights
@@ -7,15 +7,17 @@
 //! (‖Δ‖/‖ref‖): only the f32 summation order differs.
 
 use anyhow::Result;
-use ds4_cuda::{Batch, DeviceMatrix, Gpu, MatSel, QuantAct};
 use ds4_gguf::quant::dequantize_to_vec;
+use ds4_gguf::quant::random::Rng;
 use ds4_gguf::GgmlType;
 use rayon::prelude::*;
 
-use crate::gpu_selftest::{random_matrix, random_vec, rel_err, Check, Timing};
-use crate::rng::Rng;
+use super::common::{
+    bit_identical, random_matrix, random_vec, rel_err, same_bits, Check, Timing, BOUND_F32,
+};
+use crate::{Batch, DeviceMatrix, Gpu, MatSel, QuantAct};
 
-const BOUND: f64 = 1e-5;
+const BOUND: f64 = BOUND_F32;
 
 fn upload(
     gpu: &Gpu,
@@ -335,14 +337,12 @@ fn check_experts(
     }
     let mut plan = gpu.alloc_route_plan(n_pairs + 5, n_expert)?;
     gpu.route_plan(gpu.ptr(&idd), n_pairs, n_expert, &mut plan)?;
-    let run = |wide: bool| -> Result<Vec<f32>> {
+    let run = || -> Result<Vec<f32>> {
         let yd = gpu.upload(&vec![f32::NAN; n_pairs * rows])?;
-        gpu.with_fusion("exp_pitch", wide, || {
-            gpu.matmul_experts_q8act_variant(&m, &qa, &plan, k, shared, gpu.ptr(&yd), variant)
-        })?;
+        gpu.matmul_experts_q8act_variant(&m, &qa, &plan, k, shared, gpu.ptr(&yd), variant)?;
         Ok(gpu.download(&yd)?)
     };
-    let got = run(false)?;
+    let got = gpu.with_fusion("exp_pitch", false, run)?;
     let xv = act_values(gpu, &qa)?;
     let wd = dequant_stack(ty, &w, rows, cols, n_expert);
     let want: Vec<f64> = (0..n_pairs)
@@ -384,14 +384,24 @@ fn check_experts(
     gpu.matvec_q8act(&m, &qe, gpu.ptr(&y2), n_pairs, sel)?;
     let mv: Vec<f64> = gpu.download(&y2)?.iter().map(|&v| v as f64).collect();
     out.push(check(format!("{name} vs matvec_q8act"), rel_err(&got, &mv)));
-    // IQ2_XXS with 112-byte stage rows (`exp_pitch`) against the plain layout.
     if ty == GgmlType::IQ2_XXS {
-        out.push(crate::gpu_selftest::bit_identical(
-            format!("mm_exp_iq2_xxs_w = mm_exp_iq2_xxs, {name}"),
-            crate::gpu_selftest::same_bits(&run(true)?, &got),
-        ));
+        out.push(check_exp_pitch(gpu, &run, &got, &name)?);
     }
     Ok(out)
+}
+
+/// IQ2_XXS with 112-byte stage rows (`exp_pitch`, opt-in) against the plain layout
+/// (`plain`: `run`'s output with it off), bit for bit.
+fn check_exp_pitch(
+    gpu: &Gpu,
+    run: &dyn Fn() -> Result<Vec<f32>>,
+    plain: &[f32],
+    name: &str,
+) -> Result<Check> {
+    Ok(bit_identical(
+        format!("mm_exp_iq2_xxs_w = mm_exp_iq2_xxs, {name}"),
+        same_bits(&gpu.with_fusion("exp_pitch", true, run)?, plain),
+    ))
 }
 
 /// The plan lists every valid pair exactly once under its expert (bad ids dropped).
@@ -529,9 +539,9 @@ fn check_f32_split(
         e,
     )];
     if tensor_cores {
-        out.push(crate::gpu_selftest::bit_identical(
+        out.push(bit_identical(
             format!("mm_tc_*_p = mm_tc_* {ty} {groups}x{rows}x{cols} n{n_tok} split-K {sk}"),
-            crate::gpu_selftest::same_bits(&run(true)?, &plain),
+            same_bits(&run(true)?, &plain),
         ));
     }
     Ok(out)

@@ -1,80 +1,17 @@
-//! `ds4-tool gpu-selftest`: every CUDA kernel against its CPU twin on fresh random
-//! inputs, then (with `bench`) achieved bandwidth at the real model's shapes.
+//! Every decode matvec kernel against its CPU twin on fresh random inputs: plain and
+//! expert-selected products of each weight format, the int8-activation kernels and
+//! their register / early-load variants (bit for bit against the staged kernels), the
+//! activation quantisers (bit for bit against the CPU's), the hyper-connection mix.
 
 use anyhow::Result;
-use ds4_cuda::{DeviceMatrix, Gpu, MatSel};
 use ds4_gguf::quant::dequantize_to_vec;
+use ds4_gguf::quant::random::Rng;
 use ds4_gguf::GgmlType;
 
-use crate::rng::Rng;
-use crate::synth::fill_blocks;
-
-/// One line of the report.
-#[derive(Clone, Debug)]
-pub struct Check {
-    pub name: String,
-    /// ‖gpu − cpu‖ / ‖cpu‖ against the f64 reference.
-    pub rel_err: f64,
-    pub bound: f64,
-}
-
-impl Check {
-    pub fn passed(&self) -> bool {
-        self.rel_err.is_finite() && self.rel_err <= self.bound
-    }
-}
-
-#[derive(Clone, Debug)]
-pub struct Timing {
-    pub name: String,
-    pub bytes: f64,
-    pub ms: f64,
-}
-
-impl Timing {
-    pub fn gbps(&self) -> f64 {
-        self.bytes / self.ms / 1e6
-    }
-}
-
-/// Random weights of `mats` matrices of rows × cols in the block format `ty` (values
-/// ~ N(0, 1/cols) before quantisation).
-pub(crate) fn random_matrix(
-    ty: GgmlType,
-    rows: usize,
-    cols: usize,
-    mats: usize,
-    rng: &mut Rng,
-) -> Vec<u8> {
-    let n = rows * cols * mats;
-    if ty == GgmlType::BF16 {
-        let x: Vec<f32> = (0..n)
-            .map(|_| rng.normal() / (cols as f32).sqrt())
-            .collect();
-        return ds4_gguf::quant::quantize_weights(ty, &x).expect("bf16");
-    }
-    let mut buf = vec![0u8; ty.bytes_for(n as u64).expect("whole blocks") as usize];
-    fill_blocks(ty, 1.0 / (cols as f32).sqrt(), &mut buf, rng);
-    buf
-}
-
-pub(crate) fn random_vec(n: usize, rng: &mut Rng) -> Vec<f32> {
-    (0..n).map(|_| rng.normal()).collect()
-}
-
-/// ‖got − want‖ / ‖want‖ (NaN if any output is not finite or the lengths differ).
-pub(crate) fn rel_err(got: &[f32], want: &[f64]) -> f64 {
-    if got.iter().any(|g| !g.is_finite()) || got.len() != want.len() {
-        return f64::NAN;
-    }
-    let num: f64 = got
-        .iter()
-        .zip(want)
-        .map(|(&g, &w)| (g as f64 - w).powi(2))
-        .sum();
-    let den: f64 = want.iter().map(|w| w * w).sum();
-    (num / den.max(1e-300)).sqrt()
-}
+use super::common::{
+    bit_identical, random_matrix, random_vec, rel_err, same_bits, BitDiff, Check, BOUND_MATVEC,
+};
+use crate::{DeviceMatrix, Gpu, MatSel};
 
 /// CPU reference of `y[k] = W[ids[k]]·x[k]` in f64 over exactly dequantized weights.
 fn reference(
@@ -109,8 +46,9 @@ fn reference(
     out
 }
 
-/// Correctness checks of every matvec kernel (plain and expert-selected).
-pub fn check_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+/// Correctness checks of every matvec kernel (plain and expert-selected), one random
+/// stream through all of them.
+pub fn check_matvecs(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::stream(seed, 0xc0de, 0);
     let mut checks = Vec::new();
     let types = [
@@ -135,7 +73,7 @@ pub fn check_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
             checks.push(Check {
                 name: format!("matvec {ty} {rows}x{cols}"),
                 rel_err: rel_err(&y, &reference(ty, &w, rows, cols, &[0], &x, true)),
-                bound: 2e-5,
+                bound: BOUND_MATVEC,
             });
             // Expert selection with per-selection inputs, repeated ids included.
             let ids = [3i32, 1, 4, 1];
@@ -148,7 +86,7 @@ pub fn check_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
             checks.push(Check {
                 name: format!("matvec_selected {ty} {rows}x{cols}"),
                 rel_err: rel_err(&y, &reference(ty, &w, rows, cols, &ids, &x, false)),
-                bound: 2e-5,
+                bound: BOUND_MATVEC,
             });
             if matches!(ty, GgmlType::IQ2_XXS | GgmlType::Q2_K | GgmlType::Q4_K) {
                 checks.push(check_q8act(gpu, &m, &w, &ids, &x)?);
@@ -184,8 +122,6 @@ pub fn check_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
             checks.push(check_hc_mix(gpu, &mut rng, ty, n_tok)?);
         }
     }
-    checks.extend(crate::gpu_variant_check::check_variants(gpu, seed)?);
-    checks.extend(crate::gpu_matmul_check::check_matmul(gpu, seed)?);
     Ok(checks)
 }
 
@@ -221,7 +157,7 @@ fn check_hc_mix(gpu: &Gpu, rng: &mut Rng, ty: GgmlType, n_tok: usize) -> Result<
     Ok(Check {
         name: format!("hc_mix {ty} {rows}x{cols} n{n_tok}"),
         rel_err: rel_err(&y, &want),
-        bound: 2e-5,
+        bound: BOUND_MATVEC,
     })
 }
 
@@ -301,7 +237,7 @@ fn check_q8act(gpu: &Gpu, m: &DeviceMatrix, w: &[u8], ids: &[i32], x: &[f32]) ->
     Ok(Check {
         name: format!("matvec_q8act {ty} {rows}x{cols}"),
         rel_err: rel_err(&y, &reference(ty, w, rows, cols, ids, &xq, false)),
-        bound: 2e-5,
+        bound: BOUND_MATVEC,
     })
 }
 
@@ -341,105 +277,6 @@ fn check_q8act_pair(gpu: &Gpu, rng: &mut Rng, m: &DeviceMatrix, ids: &[i32]) -> 
         format!("matvec_q8act_pair {ty} {rows}x{cols}"),
         same_bits(&got, &want),
     ))
-}
-
-/// The RoPE table of `rope_dim` dims (base 10,000) the attention and indexer checks use.
-pub(crate) fn rope_freqs(rope_dim: usize) -> Vec<f32> {
-    (0..rope_dim / 2)
-        .map(|i| 10000f32.powf(-2.0 * i as f32 / rope_dim as f32))
-        .collect()
-}
-
-/// `freqs` on the device and the kernels' RoPE parameters over them (the buffer must
-/// outlive every launch that takes the parameters).
-pub(crate) fn upload_rope(
-    gpu: &Gpu,
-    freqs: &[f32],
-) -> Result<(ds4_cuda::DeviceBuf<f32>, ds4_cuda::RopeP)> {
-    let buf = gpu.upload(freqs)?;
-    let rope = ds4_cuda::RopeP {
-        freqs: gpu.ptr(&buf),
-        rope_dim: 2 * freqs.len() as i32,
-        pad: 0,
-    };
-    Ok((buf, rope))
-}
-
-/// How far two outputs that should agree bit for bit are apart: a failed bit-identity
-/// check then says whether it is a rounding (a few values, ~1e-7) or a wrong kernel.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub(crate) struct BitDiff {
-    /// Values whose bits differ (or, for outputs of different lengths, the longer length).
-    pub differ: usize,
-    pub total: usize,
-    /// The largest |a − b| / max(|a|, |b|) over the differing values; ∞ where one side is
-    /// NaN or the lengths differ.
-    pub max_rel: f64,
-}
-
-impl BitDiff {
-    pub fn same(&self) -> bool {
-        self.differ == 0
-    }
-
-    /// Both comparisons together (a check over several runs).
-    pub fn merge(self, o: BitDiff) -> BitDiff {
-        BitDiff {
-            differ: self.differ + o.differ,
-            total: self.total + o.total,
-            max_rel: self.max_rel.max(o.max_rel),
-        }
-    }
-}
-
-/// Compares two outputs bit for bit.
-pub(crate) fn same_bits(a: &[f32], b: &[f32]) -> BitDiff {
-    if a.len() != b.len() {
-        return BitDiff {
-            differ: a.len().max(b.len()),
-            total: a.len().max(b.len()),
-            max_rel: f64::INFINITY,
-        };
-    }
-    let mut d = BitDiff {
-        total: a.len(),
-        ..BitDiff::default()
-    };
-    for (&x, &y) in a.iter().zip(b) {
-        if x.to_bits() == y.to_bits() {
-            continue;
-        }
-        d.differ += 1;
-        let (x, y) = (x as f64, y as f64);
-        let rel = if x.is_nan() || y.is_nan() {
-            f64::INFINITY
-        } else {
-            (x - y).abs() / x.abs().max(y.abs()).max(f64::MIN_POSITIVE)
-        };
-        d.max_rel = d.max_rel.max(rel);
-    }
-    d
-}
-
-/// A check that passes only when two kernels' outputs were identical; a failure reports
-/// how many values differ and by how much.
-pub(crate) fn bit_identical(name: String, diff: BitDiff) -> Check {
-    if diff.same() {
-        return Check {
-            name: format!("{name} (bit-identical)"),
-            rel_err: 0.0,
-            bound: 0.0,
-        };
-    }
-    Check {
-        name: format!(
-            "{name} (bit-identical; {} of {} values differ)",
-            diff.differ, diff.total
-        ),
-        // Differing bits never pass, even where the values compare equal (±0).
-        rel_err: diff.max_rel.max(f64::MIN_POSITIVE),
-        bound: 0.0,
-    }
 }
 
 /// The expert matvecs with their activations in registers against the staged kernels,
@@ -498,432 +335,4 @@ fn check_kernel_variants(
         format!("{} = {staged} {rows}x{cols}", variants.join(", ")),
         same,
     )))
-}
-
-/// Eight rotating selections of `used` distinct-looking experts out of `mats`.
-fn expert_id_sets(gpu: &Gpu, used: usize, mats: usize) -> Result<Vec<ds4_cuda::DeviceBuf<i32>>> {
-    (0..8)
-        .map(|s| {
-            let ids: Vec<i32> = (0..used as i32)
-                .map(|k| (k * 41 + s * 29) % mats as i32)
-                .collect();
-            Ok(gpu.upload(&ids)?)
-        })
-        .collect()
-}
-
-/// Milliseconds per call of the int8-activation expert matvec over `used` selections
-/// of the stack `m` (input `x`: one shared row, or one row per selection), or of the
-/// IQ2_XXS probe kernel `probe` in its place.
-fn time_experts_q8act(
-    gpu: &Gpu,
-    m: &DeviceMatrix,
-    x: &ds4_cuda::DeviceBuf<f32>,
-    used: usize,
-    shared: bool,
-    probe: Option<&'static str>,
-) -> Result<f64> {
-    let (rows, cols) = (m.rows, m.cols);
-    let y = gpu.zeros::<f32>(used * rows)?;
-    let mut qa = gpu.alloc_quant_act(if shared { 1 } else { used }, cols)?;
-    gpu.quantize_act(gpu.ptr(x), &mut qa)?;
-    let id_sets = expert_id_sets(gpu, used, m.n_mats)?;
-    let yp = gpu.ptr(&y);
-    Ok(gpu.time_ms(3, 50, |i| {
-        let sel = MatSel {
-            ids: gpu.ptr(&id_sets[i % id_sets.len()]),
-            x_stride: if shared { 0 } else { cols as i64 },
-            y_stride: rows as i64,
-        };
-        match probe {
-            Some(kernel) => gpu.matvec_q8act_kernel(m, &qa, yp, used, sel, kernel),
-            None => gpu.matvec_q8act(m, &qa, yp, used, sel),
-        }
-    })?)
-}
-
-/// Bandwidth of the decode matvecs at DeepSeek V4 Flash shapes. Several copies of
-/// each weight rotate so that the L2 cache cannot hold them.
-pub fn bench_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
-    let mut rng = Rng::stream(seed, 0xbe4c, 0);
-    let mut out = Vec::new();
-    let l2 = gpu.info().l2_bytes.max(1) as usize;
-    // (name, type, rows, cols, matrices in the stack, matrices used per call, shared input)
-    let shapes: &[(&str, GgmlType, usize, usize, usize, usize, bool)] = &[
-        (
-            "attn_q_b Q8_0 1024->32768",
-            GgmlType::Q8_0,
-            32768,
-            1024,
-            1,
-            1,
-            true,
-        ),
-        (
-            "attn_output_b Q8_0 8192->4096",
-            GgmlType::Q8_0,
-            4096,
-            8192,
-            1,
-            1,
-            true,
-        ),
-        (
-            "attn_q_a Q8_0 4096->1024",
-            GgmlType::Q8_0,
-            1024,
-            4096,
-            1,
-            1,
-            true,
-        ),
-        (
-            "output Q8_0 4096->129280",
-            GgmlType::Q8_0,
-            129_280,
-            4096,
-            1,
-            1,
-            true,
-        ),
-        (
-            "compressor_kv F16 4096->1024",
-            GgmlType::F16,
-            1024,
-            4096,
-            1,
-            1,
-            true,
-        ),
-        (
-            "indexer q_b F16 1024->8192",
-            GgmlType::F16,
-            8192,
-            1024,
-            1,
-            1,
-            true,
-        ),
-        (
-            "ffn_gate_inp F16 4096->256",
-            GgmlType::F16,
-            256,
-            4096,
-            1,
-            1,
-            true,
-        ),
-        ("hc_fn F16 16384->24", GgmlType::F16, 24, 16384, 1, 1, true),
-        (
-            "6 experts gate IQ2_XXS 4096->2048",
-            GgmlType::IQ2_XXS,
-            2048,
-            4096,
-            256,
-            6,
-            true,
-        ),
-        (
-            "6 experts down Q2_K 2048->4096",
-            GgmlType::Q2_K,
-            4096,
-            2048,
-            256,
-            6,
-            false,
-        ),
-        (
-            "6 experts gate Q4_K 4096->2048",
-            GgmlType::Q4_K,
-            2048,
-            4096,
-            256,
-            6,
-            true,
-        ),
-        (
-            "6 experts down Q4_K 2048->4096",
-            GgmlType::Q4_K,
-            4096,
-            2048,
-            256,
-            6,
-            false,
-        ),
-    ];
-    for &(name, ty, rows, cols, mats, used, shared) in shapes {
-        let w = random_matrix(ty, rows, cols, mats, &mut rng);
-        let m = DeviceMatrix::upload(gpu, ty, &w, rows, cols, mats)?;
-        let per_call = m.bytes_per_matrix() * used;
-        // Enough copies (or distinct experts) that consecutive calls miss the L2.
-        let copies = if mats > 1 {
-            1
-        } else {
-            (4 * l2 / m.bytes()).clamp(1, 16)
-        };
-        let mut extra = Vec::new();
-        for _ in 1..copies {
-            extra.push(DeviceMatrix::upload(gpu, ty, &w, rows, cols, mats)?);
-        }
-        let x = gpu.upload(&random_vec(used * cols, &mut rng))?;
-        let mut y = gpu.zeros::<f32>(used * rows)?;
-        let id_sets = expert_id_sets(gpu, used, mats)?;
-        let ms = gpu.time_ms(3, 50, |i| {
-            let mm = if i % copies == 0 {
-                &m
-            } else {
-                &extra[i % copies - 1]
-            };
-            if mats > 1 {
-                gpu.matvec_selected(mm, &id_sets[i % id_sets.len()], &x, shared, &mut y)
-            } else {
-                gpu.matvec_buf(mm, &x, &mut y)
-            }
-        })?;
-        out.push(Timing {
-            name: name.to_string(),
-            bytes: per_call as f64,
-            ms,
-        });
-        if mats > 1 {
-            out.push(Timing {
-                name: format!("{name} [int8 act]"),
-                bytes: per_call as f64,
-                ms: time_experts_q8act(gpu, &m, &x, used, shared, None)?,
-            });
-        }
-    }
-    out.extend(crate::gpu_matmul_check::bench_matmul(gpu, seed)?);
-    Ok(out)
-}
-
-/// The GPU's read-bandwidth ceiling, then the Q8_0 decode matvec at the Flash shapes
-/// with its default and with every forced split (warps per row). Each forced split's
-/// name carries its largest difference from the default's output, relative to the
-/// output's largest magnitude.
-pub fn probe_q8_splits(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
-    let mut rng = Rng::stream(seed, 0xbe4e, 0);
-    let mut out = Vec::new();
-    let l2 = gpu.info().l2_bytes.max(1) as usize;
-    let probe_bytes = 1usize << 30;
-    let buf = gpu.upload(&vec![0x5au8; probe_bytes])?;
-    let sink = gpu.zeros::<u32>(1)?;
-    let ms = gpu.time_ms(3, 20, |_| gpu.probe_stream_read(&buf, &sink))?;
-    out.push(Timing {
-        name: "read probe 1 GiB".into(),
-        bytes: probe_bytes as f64,
-        ms,
-    });
-    drop(buf);
-    for blocks in [1u32, 132, 1024] {
-        let us = gpu.probe_graph_node_us(1000, blocks, 20)?;
-        out.push(Timing {
-            name: format!("graph node, empty kernel x {blocks} blocks"),
-            bytes: 0.0,
-            ms: us / 1e3,
-        });
-    }
-    // The routed experts' int8 matvecs (6 of 256 experts, as in decode).
-    for (name, ty, rows, cols, shared) in [
-        (
-            "6 experts gate IQ2_XXS 4096->2048",
-            GgmlType::IQ2_XXS,
-            2048,
-            4096,
-            true,
-        ),
-        (
-            "6 experts down Q2_K 2048->4096",
-            GgmlType::Q2_K,
-            4096,
-            2048,
-            false,
-        ),
-    ] {
-        let (mats, used) = (256usize, 6usize);
-        let w = random_matrix(ty, rows, cols, mats, &mut rng);
-        let m = DeviceMatrix::upload(gpu, ty, &w, rows, cols, mats)?;
-        let x = gpu.upload(&random_vec(used * cols, &mut rng))?;
-        out.push(Timing {
-            name: name.into(),
-            bytes: (m.bytes_per_matrix() * used) as f64,
-            ms: time_experts_q8act(gpu, &m, &x, used, shared, None)?,
-        });
-        if ty == GgmlType::IQ2_XXS {
-            // The same launch with parts of the work taken out: what bounds it.
-            for (what, kernel) in [
-                ("without table lookups", "probe_iq2_nolut"),
-                ("without activation reads", "probe_iq2_nox"),
-                ("weight loads only", "probe_iq2_loads"),
-            ] {
-                out.push(Timing {
-                    name: format!("{name} {what}"),
-                    bytes: (m.bytes_per_matrix() * used) as f64,
-                    ms: time_experts_q8act(gpu, &m, &x, used, shared, Some(kernel))?,
-                });
-            }
-        }
-    }
-    // The gate and up pair in one launch, as decode runs it, through each IQ2_XXS
-    // register-activation kernel and the probes of its structure.
-    {
-        let (mats, used, rows, cols) = (256usize, 6usize, 2048usize, 4096usize);
-        let ty = GgmlType::IQ2_XXS;
-        let mut stack = || {
-            let w = random_matrix(ty, rows, cols, mats, &mut rng);
-            DeviceMatrix::upload(gpu, ty, &w, rows, cols, mats)
-        };
-        let (gate, up) = (stack()?, stack()?);
-        let x = gpu.upload(&random_vec(cols, &mut rng))?;
-        let mut qa = gpu.alloc_quant_act(1, cols)?;
-        gpu.quantize_act(gpu.ptr(&x), &mut qa)?;
-        let (y, y2) = (
-            gpu.zeros::<f32>(used * rows)?,
-            gpu.zeros::<f32>(used * rows)?,
-        );
-        let id_sets = expert_id_sets(gpu, used, mats)?;
-        for kernel in [
-            "matvec_iq2_xxs_q8_rxe",
-            "matvec_iq2_xxs_q8_rxp",
-            "probe_iq2_rxp4",
-            "matvec_iq2_xxs_q8_rxt",
-            "matvec_iq2_xxs_q8_rxtp",
-            "matvec_iq2_xxs_q8_rx32",
-            "probe_iq2_rx_nolut",
-            "probe_iq2_rx_loads",
-            "probe_iq2_rxp_nolut",
-            "probe_iq2_rxp_loads",
-        ] {
-            let ms = gpu.time_ms(3, 50, |i| {
-                let sel = MatSel {
-                    ids: gpu.ptr(&id_sets[i % id_sets.len()]),
-                    x_stride: 0,
-                    y_stride: rows as i64,
-                };
-                gpu.matvec_q8act_pair_kernel(
-                    &gate,
-                    &up,
-                    &qa,
-                    gpu.ptr(&y),
-                    gpu.ptr(&y2),
-                    used,
-                    sel,
-                    kernel,
-                )
-            })?;
-            out.push(Timing {
-                name: format!("6 experts gate+up IQ2_XXS {kernel}"),
-                bytes: (2 * gate.bytes_per_matrix() * used) as f64,
-                ms,
-            });
-        }
-    }
-    // (name, rows, cols, selections sharing one matrix stack row count)
-    let shapes: &[(&str, usize, usize, usize)] = &[
-        ("attn_q_b 1024->32768", 32768, 1024, 1),
-        ("attn_output_a 8x(4096->1024)", 1024, 4096, 8),
-        ("attn_output_b 8192->4096", 4096, 8192, 1),
-        ("attn_q_a 4096->1024", 1024, 4096, 1),
-        ("attn_kv 4096->512", 512, 4096, 1),
-        ("shexp gate 4096->2048", 2048, 4096, 1),
-        ("shexp down 2048->4096", 4096, 2048, 1),
-        ("output 4096->129280", 129_280, 4096, 1),
-    ];
-    for &(name, rows, cols, n_sel) in shapes {
-        let w = random_matrix(GgmlType::Q8_0, rows, cols, n_sel, &mut rng);
-        let upload = || DeviceMatrix::upload(gpu, GgmlType::Q8_0, &w, rows, cols, n_sel);
-        let first = upload()?;
-        let copies = (4 * l2 / first.bytes()).clamp(1, 16);
-        let mut mats = vec![first];
-        for _ in 1..copies {
-            mats.push(upload()?);
-        }
-        let x = gpu.upload(&random_vec(cols * n_sel, &mut rng))?;
-        let mut qa = gpu.alloc_quant_act(n_sel, cols)?;
-        gpu.quantize_act(gpu.ptr(&x), &mut qa)?;
-        let y = gpu.zeros::<f32>(rows * n_sel)?;
-        let yp = gpu.ptr(&y);
-        let ids = gpu.upload(&(0..n_sel as i32).collect::<Vec<_>>())?;
-        let sel = MatSel {
-            ids: if n_sel > 1 { gpu.ptr(&ids) } else { 0 },
-            x_stride: if n_sel > 1 { cols as i64 } else { 0 },
-            y_stride: rows as i64,
-        };
-        let bytes = mats[0].bytes() as f64;
-        let run = |ks: Option<u32>| -> Result<(f64, Vec<f32>)> {
-            let ms = gpu.time_ms(3, 50, |i| {
-                gpu.matvec_q8act_split(&mats[i % copies], &qa, yp, n_sel, sel, ks)
-            })?;
-            Ok((ms, gpu.download(&y)?))
-        };
-        let (ms, want) = run(None)?;
-        out.push(Timing {
-            name: format!("{name} default"),
-            bytes,
-            ms,
-        });
-        // The default packs 4 (≤ 1,024 columns) or 2 one-warp rows a warp (q8_rows,
-        // q8_rows2); the same launch with one row a warp.
-        let rows_fusion = if cols <= 1024 { "q8_rows" } else { "q8_rows2" };
-        let (ms, got) = gpu.with_fusion(rows_fusion, false, || run(None))?;
-        let same = got
-            .iter()
-            .zip(&want)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
-        out.push(Timing {
-            name: format!(
-                "{name} -{rows_fusion} (one row a warp{})",
-                if same { "" } else { ", differs" }
-            ),
-            bytes,
-            ms,
-        });
-        let scale = want.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-30);
-        for ks in [1u32, 2, 4, 8] {
-            let (ms, got) = run(Some(ks))?;
-            let diff = got
-                .iter()
-                .zip(&want)
-                .fold(0f32, |a, (g, w)| a.max((g - w).abs()))
-                / scale;
-            out.push(Timing {
-                name: format!("{name} ks{ks} (Δ {diff:.0e})"),
-                bytes,
-                ms,
-            });
-        }
-    }
-    Ok(out)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{bit_identical, same_bits};
-
-    #[test]
-    fn bit_identity_reports_how_far_apart() {
-        let a = [1.0f32, -2.0, 3.0, 0.0];
-        let d = same_bits(&a, &a);
-        assert!(d.same() && bit_identical("x".into(), d).passed());
-
-        // One rounding apart: fails, and says by how much.
-        let mut b = a;
-        b[2] = f32::from_bits(3.0f32.to_bits() + 1);
-        let c = bit_identical("x".into(), same_bits(&a, &b));
-        assert!(!c.passed());
-        assert!(c.name.contains("1 of 4 values differ"), "{}", c.name);
-        assert!(c.rel_err > 1e-8 && c.rel_err < 1e-6, "{}", c.rel_err);
-
-        // Equal values with different bits (±0) still fail.
-        b = a;
-        b[3] = -0.0;
-        assert!(!bit_identical("x".into(), same_bits(&a, &b)).passed());
-
-        // NaN against a number, and different lengths: infinitely far.
-        b = a;
-        b[0] = f32::NAN;
-        assert!(same_bits(&a, &b).max_rel.is_infinite());
-        assert!(same_bits(&a, &a[..3]).max_rel.is_infinite());
-        assert_eq!(same_bits(&a, &b).merge(same_bits(&a, &a)).differ, 1);
-    }
 }

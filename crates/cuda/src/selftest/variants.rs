@@ -12,49 +12,28 @@
 //! (`indexer_q_warp`, fusion `idxq_warp`).
 
 use anyhow::Result;
-use ds4_cuda::{DeviceMatrix, Gpu, HcNorm, MatSel, WT_F16, WT_F32};
+use ds4_gguf::quant::qat::fp4_e2m1_inplace;
+use ds4_gguf::quant::random::Rng;
 use ds4_gguf::GgmlType;
 
-use crate::gpu_selftest::{bit_identical, random_matrix, random_vec, rel_err, same_bits, Check};
-use crate::rng::Rng;
+use super::common::{
+    bit_identical, both, normal, random_matrix, random_vec, rel_err, rope_freqs, same_bits,
+    upload_rope, Check,
+};
+use crate::{DeviceMatrix, Gpu, HcNorm, MatSel, WT_F16, WT_F32};
 
 const N_HC: usize = 4;
 const N_EMBD: usize = 4096;
 
-fn normal(rng: &mut Rng, n: usize, s: f32) -> Vec<f32> {
-    (0..n).map(|_| rng.normal() * s).collect()
-}
-
-/// Runs `f` with fusion `name` off, then on; both results.
-fn both<T>(gpu: &Gpu, name: &'static str, f: impl Fn() -> Result<T>) -> Result<(T, T)> {
-    let plain = gpu.with_fusion(name, false, &f)?;
-    let variant = gpu.with_fusion(name, true, &f)?;
-    Ok((plain, variant))
-}
-
-pub fn check_variants(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
-    let mut checks = check_hc_preload(gpu, seed)?;
-    checks.extend(check_router_wide(gpu, seed)?);
-    checks.extend(check_f16_early(gpu, seed)?);
-    checks.extend(check_q8_rows(gpu, seed)?);
-    checks.extend(check_indexer_scores(gpu, seed)?);
-    checks.extend(check_indexer_mma(gpu, seed)?);
-    checks.extend(check_topk(gpu, seed)?);
-    checks.extend(check_norm_pl(gpu, seed)?);
-    checks.push(check_indexer_q_warp(gpu, seed)?);
-    Ok(checks)
-}
-
 /// The indexer query (64 heads of 128, RoPE on the last 64 dims) of three tokens at
 /// different positions, through the launcher with `idxq_warp` off and on.
-fn check_indexer_q_warp(gpu: &Gpu, seed: u64) -> Result<Check> {
+pub(super) fn check_indexer_q_warp(gpu: &Gpu, seed: u64) -> Result<Check> {
     let mut rng = Rng::stream(seed, 0x1a, 0);
     let (heads, dim) = (64usize, 128usize);
     let positions = [0i32, 2100, 65_537];
     let n_tok = positions.len();
     let q = normal(&mut rng, n_tok * heads * dim, 1.0);
-    let (_freqs, rope) =
-        crate::gpu_selftest::upload_rope(gpu, &crate::gpu_selftest::rope_freqs(64))?;
+    let (_freqs, rope) = upload_rope(gpu, &rope_freqs(64))?;
     let steps: Vec<i32> = positions.iter().flat_map(|&p| [p, 0]).collect();
     let steps = gpu.upload(&steps)?;
     let (a, b) = both(gpu, "idxq_warp", || {
@@ -70,7 +49,7 @@ fn check_indexer_q_warp(gpu: &Gpu, seed: u64) -> Result<Check> {
 
 /// rmsnorm_q8 rows at the model's widths (512 and 1024: the kv and q_a norms; 4096 at
 /// four values a thread; 8192 past the register path), weighted and not, two rows.
-fn check_norm_pl(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+pub(super) fn check_norm_pl(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::stream(seed, 0x40, 0);
     let mut checks = Vec::new();
     let rows = 2;
@@ -113,8 +92,7 @@ fn topk_reference(scores: &[f32], k: usize) -> Vec<i32> {
 /// as the model makes them: against the f64 reference, and against the FMA kernel bit
 /// for bit (exact products; the dot products agree wherever their partial sums are
 /// exact in f32, which FP4 blocks of similar scale make the rule).
-fn check_indexer_mma(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
-    use ds4_engine::ops::qat::fp4_e2m1_inplace;
+pub(super) fn check_indexer_mma(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     let (heads, dim) = (64usize, 128usize);
     let mut rng = Rng::stream(seed, 0x1e, 0);
     let mut rows = normal(&mut rng, IDX_MAX_ROWS * dim, 1.0);
@@ -151,7 +129,7 @@ fn check_indexer_mma(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
 /// Top-512 selections for tokens with 525 to 6,000 rows (the register path up to 4,096,
 /// the memory path past it, one token with no more rows than k: untouched), with many
 /// exact ties and both signs, against a sort; `topk_select_rg` against the plain kernel.
-fn check_topk(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+pub(super) fn check_topk(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     const K: usize = 512;
     const RATIO: usize = 4;
     const STRIDE: usize = 6000;
@@ -317,7 +295,7 @@ impl IndexerBatch<'_> {
 /// batch of three (one with no more rows than top-k: left untouched), against the f64
 /// reference, and the conflict-free staging (`idx_banks`) against the plain one, on
 /// the FMA kernels.
-fn check_indexer_scores(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+pub(super) fn check_indexer_scores(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::stream(seed, 0x1d, 0);
     let mut checks = Vec::new();
     for (heads, dim) in [(64usize, 128usize), (48, 96)] {
@@ -361,7 +339,7 @@ fn check_indexer_scores(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
 /// `matvec_q8_0_q8_early` at one warp a row:
 /// the q_b shape, a ragged row count (a warp's last rows past the end), rows shorter
 /// than a warp step (16 blocks) and rows of two steps.
-fn check_q8_rows(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+pub(super) fn check_q8_rows(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::stream(seed, 0x48, 0);
     let mut checks = Vec::new();
     for (rows, cols) in [
@@ -419,7 +397,7 @@ fn check_q8_rows(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
 
 /// Plain products with F16 matrices of the selftest's shapes, and one with eight
 /// 16-byte steps per lane at split 8 (the early loads and the loop after them).
-fn check_f16_early(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+pub(super) fn check_f16_early(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::stream(seed, 0xf16, 0);
     let mut checks = Vec::new();
     for (rows, cols) in [(37usize, 512usize), (256, 4096), (129, 2048), (16, 16384)] {
@@ -443,7 +421,7 @@ fn check_f16_early(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
 /// through `router_wide` (`router4`, against `router`, with `router_split` held off:
 /// it takes precedence) and `router_split` (against `router_wide`, also at 260 experts
 /// — a partial last tile — and 250, its scalar fallback).
-fn check_router_wide(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+pub(super) fn check_router_wide(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::stream(seed, 0x7e, 0);
     let mut checks = Vec::new();
     // (fusion toggled, fusions held off, experts, with a bias, with the hash table)
@@ -524,7 +502,7 @@ fn check_router_wide(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     Ok(checks)
 }
 
-fn check_hc_preload(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+pub(super) fn check_hc_preload(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::stream(seed, 0x4c, 0);
     let mut checks = Vec::new();
     let h = gpu.upload(&normal(&mut rng, N_HC * N_EMBD, 1.0))?;

@@ -8,7 +8,9 @@ mod blocks;
 mod dequant;
 mod dot;
 mod iq2xxs_grid;
+pub mod qat;
 mod quantize;
+pub mod random;
 #[cfg(target_arch = "aarch64")]
 mod simd_neon;
 #[cfg(target_arch = "x86_64")]

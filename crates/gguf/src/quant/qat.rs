@@ -1,6 +1,7 @@
 //! Simulations of the model's quantisation-aware training: FP8 E4M3 on KV nope dims,
 //! FP4 E2M1 (after a Hadamard rotation) on indexer queries and index rows. Both use
-//! power-of-two (UE8M0) block scales.
+//! power-of-two (UE8M0) block scales. The CPU forward pass (`ds4_engine::ops::qat`
+//! re-exports this module) and the CUDA kernel checks share them.
 
 /// `ceil(log2(x))` for a positive normal f32, from the bits. The official kernels use
 /// this exact form; `ceilf(log2f(x))` can be off by one a few ulp above a power of two.

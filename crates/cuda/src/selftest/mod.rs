@@ -1,0 +1,271 @@
+//! The GPU kernel checks of `ds4-tool gpu-selftest` and of this crate's `gpu_kernels`
+//! test: every kernel against its CPU twin on fresh random inputs (f64 references,
+//! bit-exact quantisers), every kernel variant against the kernel it replaces bit for
+//! bit, and the kernel timings (`--bench`, `--probe-q8`, `--only-matmul`).
+//!
+//! [`CHECKS`] is the list of checks, in the order they print, each with the decode
+//! variants (`DS4_CUDA_FUSE` names) it covers. Restructurings of the decode graph
+//! rather than of one kernel are checked on the whole model instead (each off and on
+//! over a tiny fixture, `ds4_engine::dev_fixture`): [`GRAPH_VARIANTS`] lists them.
+//! A variant that neither covers is reported by [`uncovered`], which a unit test runs
+//! over every variant, so a new variant without a check fails the build's tests.
+//!
+//! Layout: `common` (result lines, tolerances, random inputs, comparisons) is used by
+//! the check files `matvec`, `variants`, `matmul`, `attention` and the timings in
+//! `bench`; none of them uses another.
+
+mod attention;
+mod bench;
+mod common;
+mod matmul;
+mod matvec;
+mod variants;
+
+use anyhow::Result;
+
+use crate::Gpu;
+
+pub use attention::bench_attention;
+pub use bench::probe_q8_splits;
+pub use common::{
+    bit_identical, same_bits, summary_line, BitDiff, Check, Timing, BOUND_F32, BOUND_FP16_MMA,
+    BOUND_MATVEC, NAME_WIDTH,
+};
+pub use matmul::{bench_matmul, check_matmul};
+
+/// One entry of [`CHECKS`]: a group of result lines and the variants it covers.
+pub struct KernelCheck {
+    pub name: &'static str,
+    /// The `DS4_CUDA_FUSE` names whose kernels this group compares with their plain
+    /// twins (or against a reference).
+    pub covers: &'static [&'static str],
+    /// Runs the group on `gpu` with inputs drawn from `seed`.
+    pub run: fn(&Gpu, u64) -> Result<Vec<Check>>,
+}
+
+/// Every kernel check, in the order `gpu-selftest` prints them.
+pub const CHECKS: &[KernelCheck] = &[
+    KernelCheck {
+        name: "matvec",
+        // iq2_lut32 (opt-in) is `matvec_iq2_xxs_q8_rx32` in check_kernel_variants'
+        // IQ2_XXS kernel list; shared_pair is `matvec_q8act_pair`.
+        covers: &[
+            "iq2_rx",
+            "iq2_early",
+            "iq2_tab",
+            "iq2_pipe",
+            "iq2_lut32",
+            "q2k_rx",
+            "q8_early",
+            "shared_pair",
+        ],
+        run: matvec::check_matvecs,
+    },
+    KernelCheck {
+        name: "hc_preload",
+        covers: &["hc_preload"],
+        run: variants::check_hc_preload,
+    },
+    KernelCheck {
+        name: "router",
+        covers: &["router4", "router_split"],
+        run: variants::check_router_wide,
+    },
+    KernelCheck {
+        name: "f16_early",
+        covers: &["f16_early"],
+        run: variants::check_f16_early,
+    },
+    KernelCheck {
+        name: "q8_rows",
+        covers: &["q8_rows", "q8_rows2", "outa_early"],
+        run: variants::check_q8_rows,
+    },
+    KernelCheck {
+        name: "indexer_scores",
+        covers: &["idx_banks"],
+        run: variants::check_indexer_scores,
+    },
+    KernelCheck {
+        name: "indexer_mma",
+        covers: &["idx_mma"],
+        run: variants::check_indexer_mma,
+    },
+    KernelCheck {
+        name: "topk",
+        covers: &["topk_reg"],
+        run: variants::check_topk,
+    },
+    KernelCheck {
+        name: "norm_pl",
+        covers: &["norm_pl"],
+        run: variants::check_norm_pl,
+    },
+    KernelCheck {
+        name: "indexer_q",
+        covers: &["idxq_warp"],
+        run: |gpu, seed| Ok(vec![variants::check_indexer_q_warp(gpu, seed)?]),
+    },
+    KernelCheck {
+        name: "matmul",
+        // exp_pitch (opt-in): check_exp_pitch.
+        covers: &["mm_pitch", "exp_pitch"],
+        run: matmul::check_matmul,
+    },
+    KernelCheck {
+        name: "attention",
+        covers: &["att_stage", "att_early", "combine_pl", "q_norm"],
+        run: attention::check_attention_mma,
+    },
+];
+
+/// A decode variant checked on the whole model: the tiny fixture run with it off and
+/// on (`ds4_engine::dev_fixture::check_graph_variants`).
+pub struct GraphVariant {
+    pub name: &'static str,
+    /// The variant only moves work between lanes, launches or priorities, so the
+    /// logits must not change by a bit; otherwise they must agree within the fixture
+    /// tier of the numeric mode.
+    pub bit_identical: bool,
+}
+
+/// The variants that restructure the decode graph (read each one's doc at `FUSIONS`).
+pub const GRAPH_VARIANTS: &[GraphVariant] = &[
+    GraphVariant {
+        name: "comb_lane",
+        bit_identical: true,
+    },
+    GraphVariant {
+        name: "shared_pair",
+        bit_identical: true,
+    },
+    // head_norm_rope inside the attention: the norm sums in another order.
+    GraphVariant {
+        name: "q_norm",
+        bit_identical: false,
+    },
+    GraphVariant {
+        name: "prio",
+        bit_identical: true,
+    },
+    GraphVariant {
+        name: "shexp_late",
+        bit_identical: true,
+    },
+    GraphVariant {
+        name: "outa_early",
+        bit_identical: true,
+    },
+    // Opt-in: a launch attribute of every kernel, so only the whole model shows it.
+    GraphVariant {
+        name: "carveout",
+        bit_identical: true,
+    },
+];
+
+/// The names in `variants` that no entry of [`CHECKS`] covers and that are not in
+/// [`GRAPH_VARIANTS`].
+pub fn uncovered<'a>(variants: &[&'a str]) -> Vec<&'a str> {
+    variants
+        .iter()
+        .copied()
+        .filter(|v| {
+            !CHECKS.iter().any(|c| c.covers.contains(v))
+                && !GRAPH_VARIANTS.iter().any(|g| g.name == *v)
+        })
+        .collect()
+}
+
+/// Every check of [`CHECKS`], in order.
+pub fn check_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+    run_all(gpu, seed, &mut |_| {})
+}
+
+/// Every check of [`CHECKS`], in order, handing each result line ([`Check::line`] at
+/// [`NAME_WIDTH`]) to `line` as its group finishes; the results.
+pub fn run_all(gpu: &Gpu, seed: u64, line: &mut dyn FnMut(&str)) -> Result<Vec<Check>> {
+    let mut checks = Vec::new();
+    for c in CHECKS {
+        let group = (c.run)(gpu, seed)?;
+        for r in &group {
+            line(&r.line(NAME_WIDTH));
+        }
+        checks.extend(group);
+    }
+    Ok(checks)
+}
+
+/// Achieved bandwidth of the decode matvecs, then the prefill GEMMs, at the real
+/// model's shapes.
+pub fn bench_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
+    let mut out = bench::bench_matvecs(gpu, seed)?;
+    out.extend(bench_matmul(gpu, seed)?);
+    Ok(out)
+}
+
+/// A seed for fresh random inputs on every run.
+pub fn fresh_seed() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| d.as_nanos() as u64)
+}
+
+/// Device `ordinal` for a test target, or `None` after saying why the GPU checks are
+/// skipped (`skipped: no CUDA driver` or `skipped: no CUDA device N`, written to stderr
+/// past the test harness's capture). Any other failure to open the device is an error.
+pub fn open_for_test(ordinal: usize) -> Result<Option<Gpu>, crate::CudaError> {
+    use std::io::Write;
+    let why = match Gpu::open(ordinal) {
+        Ok(gpu) => return Ok(Some(gpu)),
+        Err(crate::CudaError::NoDriver) => "no CUDA driver".to_string(),
+        Err(crate::CudaError::NoDevice(..)) => format!("no CUDA device {ordinal}"),
+        Err(e) => return Err(e),
+    };
+    let _ = writeln!(std::io::stderr(), "skipped: {why}");
+    Ok(None)
+}
+
+/// The device line a run starts with: name, architecture, SMs, memory, L2, kernels.
+pub fn device_line(gpu: &Gpu, ordinal: usize) -> String {
+    let i = gpu.info();
+    format!(
+        "device {ordinal}: {} (sm_{}{}, {} SMs, {:.1} GiB, L2 {} MiB), kernels: {:?}",
+        i.name,
+        i.compute_capability.0,
+        i.compute_capability.1,
+        i.multiprocessors,
+        i.total_mem as f64 / (1u64 << 30) as f64,
+        i.l2_bytes >> 20,
+        i.kernels
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::{FUSIONS, FUSIONS_OPT_IN};
+
+    #[test]
+    fn every_variant_has_a_check() {
+        let all: Vec<&str> = FUSIONS.iter().chain(&FUSIONS_OPT_IN).copied().collect();
+        assert_eq!(uncovered(&all), Vec::<&str>::new());
+    }
+
+    #[test]
+    fn every_covered_name_is_a_variant() {
+        let known = |v: &str| FUSIONS.contains(&v) || FUSIONS_OPT_IN.contains(&v);
+        for c in CHECKS {
+            for v in c.covers {
+                assert!(known(v), "check {} covers unknown variant {v}", c.name);
+            }
+        }
+        for g in GRAPH_VARIANTS {
+            assert!(known(g.name), "unknown graph variant {}", g.name);
+        }
+    }
+
+    #[test]
+    fn a_variant_without_a_check_is_reported() {
+        assert_eq!(uncovered(&["iq2_rx", "no_such", "prio"]), vec!["no_such"]);
+    }
+}

@@ -1,0 +1,43 @@
+//! The tiny fixtures on the CUDA backend (`ds4_engine::dev_fixture`, what `ds4-tool
+//! gpu-selftest` runs after the kernel checks) on device 0, printing the selftest's
+//! result lines (shown with `--nocapture` or on failure). Without a CUDA driver each
+//! test says so and passes.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use ds4_cuda::selftest::{open_for_test, GRAPH_VARIANTS};
+use ds4_engine::dev_fixture::{check_graph_variants, run_fixtures, Tally};
+
+fn dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny")
+}
+
+/// Runs `check` on device 0 unless the machine has no GPU; its tally.
+fn on_gpu(
+    check: fn(
+        &Arc<ds4_engine::cuda::Gpu>,
+        &std::path::Path,
+        &mut dyn FnMut(&str),
+    ) -> anyhow::Result<Tally>,
+) -> Option<Tally> {
+    let gpu = Arc::new(open_for_test(0).expect("opening the GPU")?);
+    Some(check(&gpu, &dir(), &mut |l| println!("{l}")).expect("a check ran"))
+}
+
+#[test]
+fn tiny_fixtures_pass_on_cuda() {
+    if let Some(t) = on_gpu(run_fixtures) {
+        assert_eq!(t.failed, 0, "{t:?}");
+        // 3 models × 2 modes × (3 sequences, 3 prefill chunks, 3 snapshots, pooled).
+        assert_eq!(t.checks, 60);
+    }
+}
+
+#[test]
+fn graph_variants_keep_the_logits() {
+    if let Some(t) = on_gpu(check_graph_variants) {
+        assert_eq!(t.failed, 0, "{t:?}");
+        assert_eq!(t.checks, 2 * GRAPH_VARIANTS.len());
+    }
+}
