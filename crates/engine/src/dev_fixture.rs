@@ -166,7 +166,7 @@ pub fn check_sequence(
         if !exact && gmargins.get(i).copied().unwrap_or(0.0) < 0.75 {
             break; // beyond this step the fast tier promises nothing
         }
-        let tok = argmax(&logits) as u32;
+        let tok = argmax(&logits);
         if tok != want_tok as u32 {
             greedy_ok = false;
             break;

@@ -3,24 +3,22 @@
 //! result lines (shown with `--nocapture` or on failure). Without a CUDA driver each
 //! test says so and passes.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use ds4_cuda::selftest::{open_for_test, GRAPH_VARIANTS};
+use ds4_engine::cuda::Gpu;
 use ds4_engine::dev_fixture::{check_graph_variants, run_fixtures, Tally};
 
 fn dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny")
 }
 
+/// A fixture run of `ds4_engine::dev_fixture`.
+type FixtureRun = fn(&Arc<Gpu>, &Path, &mut dyn FnMut(&str)) -> anyhow::Result<Tally>;
+
 /// Runs `check` on device 0 unless the machine has no GPU; its tally.
-fn on_gpu(
-    check: fn(
-        &Arc<ds4_engine::cuda::Gpu>,
-        &std::path::Path,
-        &mut dyn FnMut(&str),
-    ) -> anyhow::Result<Tally>,
-) -> Option<Tally> {
+fn on_gpu(check: FixtureRun) -> Option<Tally> {
     let gpu = Arc::new(open_for_test(0).expect("opening the GPU")?);
     Some(check(&gpu, &dir(), &mut |l| println!("{l}")).expect("a check ran"))
 }

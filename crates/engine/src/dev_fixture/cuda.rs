@@ -315,8 +315,8 @@ pub fn check_graph_variants(
             Ok(out)
         };
         for gv in GRAPH_VARIANTS {
-            let off = gpu.with_fusion(gv.name, false, &run)?;
-            let on = gpu.with_fusion(gv.name, true, &run)?;
+            let off = gpu.with_fusion(gv.name, false, run)?;
+            let on = gpu.with_fusion(gv.name, true, run)?;
             let mode = format!("{numerics:?}");
             if gv.bit_identical {
                 let d = same_bits(&on, &off);
