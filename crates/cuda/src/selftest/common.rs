@@ -213,7 +213,28 @@ pub fn bit_identical(name: String, diff: BitDiff) -> Check {
 
 #[cfg(test)]
 mod tests {
-    use super::{bit_identical, same_bits};
+    use super::{bit_identical, same_bits, summary_line, Check, NAME_WIDTH};
+
+    /// The result lines keep `gpu-selftest`'s format (scripts compare runs by them).
+    #[test]
+    fn result_lines_keep_their_format() {
+        let c = Check {
+            name: "matvec Q8_0 37x512".into(),
+            rel_err: 1.234e-6,
+            bound: 2e-5,
+        };
+        assert_eq!(
+            c.line(NAME_WIDTH),
+            format!("PASS {:<44} rel err 1.23e-6 (bound 2e-5)", c.name)
+        );
+        let bad = Check {
+            rel_err: f64::NAN,
+            ..c
+        };
+        assert!(bad.line(60).starts_with("FAIL matvec Q8_0 37x512 "));
+        assert_eq!(bad.line(60).find(" rel err"), Some(5 + 60));
+        assert_eq!(summary_line(383, 1), "383 passed, 1 failed");
+    }
 
     #[test]
     fn bit_identity_reports_how_far_apart() {
