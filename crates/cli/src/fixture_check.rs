@@ -5,7 +5,8 @@
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use ds4_engine::{argmax, Backend, LogitRows, Numerics};
+use ds4_engine::dev::{Backend, LogitRows};
+use ds4_engine::{argmax, Numerics};
 
 /// One (variant, sequence, mode) comparison.
 #[derive(Clone, Debug)]

@@ -114,7 +114,7 @@ fn topk_reference(scores: &[f32], k: usize) -> Vec<i32> {
 /// for bit (exact products; the dot products agree wherever their partial sums are
 /// exact in f32, which FP4 blocks of similar scale make the rule).
 fn check_indexer_mma(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
-    use ds4_engine::ops::qat::fp4_e2m1_inplace;
+    use ds4_engine::dev::ops::qat::fp4_e2m1_inplace;
     let (heads, dim) = (64usize, 128usize);
     let mut rng = Rng::stream(seed, 0x1e, 0);
     let mut rows = normal(&mut rng, IDX_MAX_ROWS * dim, 1.0);

@@ -9,5 +9,4 @@ pub mod gpu_selftest;
 pub mod gpu_variant_check;
 pub mod rng;
 pub mod synth;
-pub mod tok;
 pub mod vocab;

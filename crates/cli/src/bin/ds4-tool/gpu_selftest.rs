@@ -4,8 +4,8 @@ use std::sync::Arc;
 
 use ds4_cli::fixture_check::{check_sequence, pooled_agreement, Manifest, VARIANTS};
 use ds4_cuda::Gpu;
-use ds4_engine::cuda::{CudaBackend, CudaWeights};
-use ds4_engine::{Backend, LoadOptions, LogitRows, Model, Numerics};
+use ds4_engine::dev::{Backend, CpuBackend, CudaBackend, CudaWeights, LoadOptions, LogitRows, Model};
+use ds4_engine::Numerics;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -198,7 +198,7 @@ fn batch_consistency(
     // The noise floor of this sequence: the CPU backend (another summation order, same
     // numerics) against the same token-by-token GPU logits.
     let cpu =
-        ds4_engine::CpuBackend::new(model, 4096, numerics).forward(&tokens, LogitRows::All)?;
+        CpuBackend::new(model, 4096, numerics).forward(&tokens, LogitRows::All)?;
     let floor = DeltaStats::new(&cpu, &want, vocab, f32::INFINITY);
     println!(
         "INFO {variant:<6} cpu   {:<6}          : |Δ| vs token-by-token median {:.1e} p95 {:.1e} max {:.1e}; argmax {}/{n}",
@@ -255,7 +255,7 @@ fn snapshot_interchange(
     let (n, split) = (160usize, 97usize);
     let tokens = spread_tokens(n, vocab, 40503, 977);
     let cuda = || CudaBackend::new(weights, 4096, numerics);
-    let cpu = || ds4_engine::CpuBackend::new(model, 4096, numerics);
+    let cpu = || CpuBackend::new(model, 4096, numerics);
     let gpu_tail = cuda()?.forward(&tokens, LogitRows::All)?[split * vocab..].to_vec();
     let cpu_tail = cpu().forward(&tokens, LogitRows::All)?[split * vocab..].to_vec();
     let m = n - split;
@@ -278,7 +278,7 @@ fn snapshot_interchange(
     // A clone of a CUDA session continues exactly like the original.
     let mut a = cuda()?;
     a.forward(&tokens[..split], LogitRows::Last)?;
-    let mut b = a.clone_box();
+    let mut b = a.try_clone_box()?;
     let ya = a.forward(&tokens[split..], LogitRows::All)?;
     let yb = b.forward(&tokens[split..], LogitRows::All)?;
     let d = DeltaStats::new(&yb, &ya, vocab, 0.0);
@@ -287,7 +287,7 @@ fn snapshot_interchange(
     let mut c = cpu();
     c.forward(&tokens[..split], LogitRows::Last)?;
     let mut g = cuda()?;
-    g.import_state(c.export_state())?;
+    g.import_state(c.export_state()?)?;
     let y = g.forward(&tokens[split..], LogitRows::All)?;
     let d = DeltaStats::new(&y, &gpu_tail, vocab, delta_bound(numerics));
     report("cpu -> cuda", d.within_floor(&floor, numerics, m), &d);
@@ -295,7 +295,7 @@ fn snapshot_interchange(
     let mut g = cuda()?;
     g.forward(&tokens[..split], LogitRows::Last)?;
     let mut c = cpu();
-    c.import_state(g.export_state())?;
+    c.import_state(g.export_state()?)?;
     let y = c.forward(&tokens[split..], LogitRows::All)?;
     let d = DeltaStats::new(&y, &cpu_tail, vocab, delta_bound(numerics));
     report("cuda -> cpu", d.within_floor(&floor, numerics, m), &d);
