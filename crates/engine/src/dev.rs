@@ -12,11 +12,11 @@ use std::sync::Arc;
 pub use crate::backend::{Backend, LogitRows};
 pub use crate::config::{Config, ConfigError};
 pub use crate::cpu::CpuBackend;
+#[cfg(feature = "cuda")]
+pub use crate::cuda::{driver_present, CudaBackend, CudaError, CudaWeights, Gpu};
 pub use crate::kv::{Frontier, KvCache, LayerCache};
 pub use crate::layout::{check_layout, ExpertQuant, LayoutIssue, Role, TensorSpec};
 pub use crate::model::{LoadOptions, Model};
-#[cfg(feature = "cuda")]
-pub use crate::cuda::{driver_present, CudaBackend, CudaError, CudaWeights, Gpu};
 
 use crate::engine::{Engine, EngineOptions};
 use crate::error::Result;

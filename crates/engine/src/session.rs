@@ -82,7 +82,6 @@ impl SessionState {
     pub fn ctx(&self) -> usize {
         self.kv.ctx
     }
-
 }
 
 impl Session {

@@ -58,7 +58,11 @@ fn a_cpu_pool_of_its_own_gives_the_same_logits() {
     let e = open("q4", BackendChoice::Cpu { threads: Some(2) }).unwrap();
     assert_eq!(e.cpu_pool().map(|p| p.current_num_threads()), Some(2));
     let toks = tokens("b");
-    let got = e.new_session(256).unwrap().prefill_all_logits(&toks).unwrap();
+    let got = e
+        .new_session(256)
+        .unwrap()
+        .prefill_all_logits(&toks)
+        .unwrap();
     let want = cpu("q4")
         .new_session(256)
         .unwrap()
@@ -79,7 +83,13 @@ fn cuda_that_cannot_run_is_an_error_not_a_fallback() {
     if !gpu_here {
         let err = open("q2", BackendChoice::Cuda { device: 0 }).unwrap_err();
         assert!(
-            matches!(err, EngineError::Unavailable { backend: "cuda", .. }),
+            matches!(
+                err,
+                EngineError::Unavailable {
+                    backend: "cuda",
+                    ..
+                }
+            ),
             "{err:?}"
         );
         let msg = err.to_string();
@@ -87,7 +97,11 @@ fn cuda_that_cannot_run_is_an_error_not_a_fallback() {
         // Auto falls back to the CPU and says why.
         let auto = open("q2", BackendChoice::Auto).unwrap();
         assert_eq!(auto.backend(), BackendKind::Cpu);
-        assert!(auto.backend_reason().contains("CUDA"), "{}", auto.backend_reason());
+        assert!(
+            auto.backend_reason().contains("CUDA"),
+            "{}",
+            auto.backend_reason()
+        );
     }
 }
 
@@ -146,11 +160,8 @@ fn exported_state_imports_and_continues_bit_identically() {
 
 #[test]
 fn errors_keep_their_kind() {
-    let missing = Engine::open(
-        dir().join("no-such-model.gguf"),
-        EngineOptions::default(),
-    )
-    .unwrap_err();
+    let missing =
+        Engine::open(dir().join("no-such-model.gguf"), EngineOptions::default()).unwrap_err();
     assert!(matches!(missing, EngineError::Open { .. }), "{missing:?}");
     assert_eq!(missing.kind(), ErrorKind::BadFile);
     assert!(std::error::Error::source(&missing).is_some());
@@ -160,7 +171,10 @@ fn errors_keep_their_kind() {
     let full = s.decode(3).unwrap_err();
     assert_eq!(full.kind(), ErrorKind::ContextFull);
     let mut fresh = e.new_session(2).unwrap();
-    assert_eq!(fresh.prefill(&[9999]).unwrap_err().kind(), ErrorKind::BadInput);
+    assert_eq!(
+        fresh.prefill(&[9999]).unwrap_err().kind(),
+        ErrorKind::BadInput
+    );
     assert_eq!(e.new_session(0).unwrap_err().kind(), ErrorKind::BadInput);
     let garbage = fresh.load_payload(&mut &[0u8; 52][..]).unwrap_err();
     assert_eq!(garbage.kind(), ErrorKind::BadState, "{garbage}");

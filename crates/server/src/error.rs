@@ -166,7 +166,10 @@ mod tests {
             source: "cuMemAlloc failed".into(),
         });
         assert_eq!(oom.status(), 503);
-        assert!(oom.to_string().contains("out of cuda device memory"), "{oom}");
+        assert!(
+            oom.to_string().contains("out of cuda device memory"),
+            "{oom}"
+        );
         let bad = ServerError::from(EngineError::Payload("magic".into()));
         assert_eq!(bad.status(), 500);
     }

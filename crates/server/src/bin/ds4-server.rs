@@ -58,11 +58,7 @@ fn load_engine(args: &Args) -> Result<(Arc<Tokenizer>, Box<dyn EngineBackend>)> 
         .with_context(|| format!("tokenizer of {}", args.model.display()))?;
     tok.special_ids()
         .map_err(|e| anyhow::anyhow!("the model's vocabulary lacks the chat markers: {e}"))?;
-    log!(
-        "backend {} ({})",
-        engine.backend(),
-        engine.backend_reason()
-    );
+    log!("backend {} ({})", engine.backend(), engine.backend_reason());
     let session = engine.new_session(args.ctx)?;
     let info = engine.info();
     log!(

@@ -312,9 +312,9 @@ fn main() -> Result<()> {
         let snapshot = session.try_clone()?;
         let mut payload = Vec::new();
         snapshot.save_payload(&mut payload)?;
-        hooks.profile_take(&mut profile_prefill)?;
+        profile_prefill.add(hooks.profile_take()?);
         let gen_s = decode_greedy(&mut session, a.gen_tokens, eos)?;
-        hooks.profile_take(&mut profile_decode)?;
+        profile_decode.add(hooks.profile_take()?);
         session = snapshot;
         let row = BenchRow {
             ctx_tokens: frontier as u64,
@@ -475,11 +475,12 @@ impl GpuHooks {
         GpuHooks(gpu)
     }
 
-    fn profile_take(&self, into: &mut KernelTimes) -> Result<()> {
-        if let Some(g) = &self.0 {
-            into.add(g.profile_take()?);
+    /// The kernel times since the last call: (kernel, launches, ms).
+    fn profile_take(&self) -> Result<Vec<(&'static str, u64, f64)>> {
+        match &self.0 {
+            Some(g) => Ok(g.profile_take()?),
+            None => Ok(Vec::new()),
         }
-        Ok(())
     }
 
     fn profiling(&self) -> bool {
@@ -509,8 +510,8 @@ impl GpuHooks {
         GpuHooks
     }
 
-    fn profile_take(&self, _: &mut KernelTimes) -> Result<()> {
-        Ok(())
+    fn profile_take(&self) -> Result<Vec<(&'static str, u64, f64)>> {
+        Ok(Vec::new())
     }
 
     fn profiling(&self) -> bool {

@@ -4,7 +4,9 @@ use std::sync::Arc;
 
 use ds4_cli::fixture_check::{check_sequence, pooled_agreement, Manifest, VARIANTS};
 use ds4_cuda::Gpu;
-use ds4_engine::dev::{Backend, CpuBackend, CudaBackend, CudaWeights, LoadOptions, LogitRows, Model};
+use ds4_engine::dev::{
+    Backend, CpuBackend, CudaBackend, CudaWeights, LoadOptions, LogitRows, Model,
+};
 use ds4_engine::Numerics;
 
 #[derive(clap::Args)]
@@ -197,8 +199,7 @@ fn batch_consistency(
     let want = run(false, 1)?;
     // The noise floor of this sequence: the CPU backend (another summation order, same
     // numerics) against the same token-by-token GPU logits.
-    let cpu =
-        CpuBackend::new(model, 4096, numerics).forward(&tokens, LogitRows::All)?;
+    let cpu = CpuBackend::new(model, 4096, numerics).forward(&tokens, LogitRows::All)?;
     let floor = DeltaStats::new(&cpu, &want, vocab, f32::INFINITY);
     println!(
         "INFO {variant:<6} cpu   {:<6}          : |Δ| vs token-by-token median {:.1e} p95 {:.1e} max {:.1e}; argmax {}/{n}",
