@@ -4,5 +4,4 @@ pub mod bench_plot;
 pub mod download;
 pub mod rng;
 pub mod synth;
-pub mod tok;
 pub mod vocab;

@@ -10,8 +10,8 @@ use std::io::Write;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use ds4_engine::config::Config;
-use ds4_engine::layout::{self, ExpertQuant, Role, TensorSpec};
+use ds4_engine::dev::config::Config;
+use ds4_engine::dev::layout::{self, ExpertQuant, Role, TensorSpec};
 use ds4_gguf::quant::f32_to_f16;
 use ds4_gguf::quant::random::fill_blocks;
 use ds4_gguf::{GgmlType, GgufWriter, Layout, Value};

@@ -3,8 +3,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use ds4_engine::config::Config;
-use ds4_engine::layout::check_layout;
+use ds4_engine::dev::config::Config;
+use ds4_engine::dev::layout::check_layout;
 use ds4_gguf::GgufFile;
 
 fn tool(args: &[&str]) -> (bool, String, String) {

@@ -31,8 +31,8 @@ pub trait Backend: Send {
     /// tokens one at a time.
     fn forward(&mut self, tokens: &[u32], rows: LogitRows) -> Result<Vec<f32>>;
 
-    /// The state in host form.
-    fn export_state(&self) -> KvCache;
+    /// The state in host form (a device backend copies it back, which can fail).
+    fn export_state(&self) -> Result<KvCache>;
 
     /// Replaces the state.
     fn import_state(&mut self, state: KvCache) -> Result<()>;
@@ -40,7 +40,9 @@ pub trait Backend: Send {
     /// Forgets every position.
     fn reset(&mut self);
 
-    fn clone_box(&self) -> Box<dyn Backend>;
+    /// An independent copy of the whole state (a device backend allocates a second
+    /// state, which can run out of memory).
+    fn try_clone_box(&self) -> Result<Box<dyn Backend>>;
 
     /// Tokens per `forward` call that keep this backend efficient: callers that split
     /// a prompt (for progress or cancellation) should not pass fewer.

@@ -8,11 +8,13 @@
 use std::path::Path;
 
 use anyhow::{Context, Result};
+use crate::dev::{Backend, LogitRows};
+use crate::{argmax, Numerics};
 
-use crate::{argmax, Backend, LogitRows, Numerics};
-
+#[cfg(feature = "cuda")]
 mod cuda;
 
+#[cfg(feature = "cuda")]
 pub use cuda::{check_graph_variants, run_fixtures, Tally};
 
 /// One (variant, sequence, mode) comparison.

@@ -1,31 +1,50 @@
 //! DeepSeek V4 Flash inference engine.
 //!
-//! [`Model::load`] maps a GGUF and binds its tensors; a [`Session`] holds one
-//! sequence's state on a [`Backend`] (the CPU reference here) and runs prefill and
-//! decode in one of two [`Numerics`] modes.
-pub mod backend;
-pub mod config;
-pub mod cpu;
-pub mod cuda;
-/// Developer checks over the tiny fixtures (`ds4-tool gpu-selftest`, tests); to be
-/// folded into the developer module `dev`.
-pub mod dev_fixture;
-pub mod error;
-pub mod kv;
-pub mod layout;
-pub mod model;
-pub mod ops;
-pub mod payload;
-pub mod sampling;
-pub mod session;
-pub mod weights;
+//! The API at the crate root is narrow, in the spirit of the reference's `ds4.h`, so
+//! that the CLI and the HTTP server do not depend on tensor or device internals:
+//!
+//! * [`Engine::open`] maps a GGUF, binds its tensors and brings the model up on the
+//!   backend [`BackendChoice`] asks for (CUDA or the CPU reference, chosen in one place
+//!   and reported by [`Engine::backend`] / [`Engine::backend_reason`]). The engine
+//!   answers [`Engine::tokenizer`], [`Engine::routed_quant_bits`] and
+//!   [`Engine::info`], and creates [`Session`]s.
+//! * A [`Session`] holds one sequence's state and runs prefill and decode in one of
+//!   two [`Numerics`] modes. Its state can be copied ([`Session::try_clone`]), moved
+//!   through host memory ([`Session::export_state`] / [`Session::import_state`]) or
+//!   written as the `DSV4` payload of the disk KV cache ([`Session::save_payload`] /
+//!   [`Session::load_payload`]); all of these are fallible, since device memory can
+//!   run out.
+//! * [`EngineError`]s keep their cause; [`EngineError::kind`] sorts them.
+//! * Sampling: [`Sampler`], [`generate`], [`argmax`].
+//!
+//! Tools, benchmarks and tests that need the model internals (config, tensor layout,
+//! ops, backends, KV cache) use [`dev`], which makes no stability promise.
+//!
+//! The CUDA backend is behind the default `cuda` feature.
 
-pub use backend::{Backend, LogitRows};
-pub use config::Config;
-pub use cpu::CpuBackend;
-pub use error::{EngineError, Result};
-pub use kv::KvCache;
-pub use model::{LoadOptions, Model};
+mod backend;
+mod config;
+mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
+pub mod dev;
+mod dev_fixture;
+mod engine;
+mod error;
+mod kv;
+mod layout;
+mod model;
+mod ops;
+mod payload;
+mod sampling;
+mod session;
+mod tokenizer;
+mod weights;
+
+pub use engine::{
+    load_tokenizer, BackendChoice, BackendKind, Engine, EngineOptions, ModelInfo, UploadProgress,
+};
+pub use error::{ConfigError, EngineError, ErrorKind, Result};
 pub use ops::linear::Numerics;
 pub use sampling::{argmax, generate, Sampler, SamplerConfig, StopReason};
-pub use session::{Session, SessionOptions};
+pub use session::{Session, SessionOptions, SessionState};

@@ -17,13 +17,13 @@ pub struct LoadOptions {
     pub numerics: Numerics,
 }
 
-pub struct ModelInner {
-    pub config: Config,
-    pub weights: Weights,
+pub(crate) struct ModelInner {
+    pub(crate) config: Config,
+    pub(crate) weights: Weights,
     /// One RoPE per layer (plain or YaRN by compress ratio).
-    pub ropes: Vec<Rope>,
-    pub numerics: Numerics,
-    pub file: Arc<GgufFile>,
+    pub(crate) ropes: Vec<Rope>,
+    pub(crate) numerics: Numerics,
+    pub(crate) file: Arc<GgufFile>,
 }
 
 /// A loaded model. Cloning is cheap (shared).
@@ -84,6 +84,11 @@ impl Model {
 
     pub fn gguf(&self) -> &GgufFile {
         &self.inner.file
+    }
+
+    /// The tokenizer from the file's `tokenizer.ggml.*` metadata.
+    pub fn tokenizer(&self) -> Result<ds4_tokenizer::Tokenizer> {
+        crate::tokenizer::from_gguf(self.gguf())
     }
 
     pub(crate) fn inner(&self) -> &ModelInner {

@@ -70,8 +70,8 @@ fn comp_cap(ratios: &[usize], ctx: usize) -> usize {
 impl Session {
     /// Writes the session state in the `DSV4` payload layout.
     pub fn save_payload(&self, w: &mut impl Write) -> Result<()> {
-        let cfg = self.model().config();
-        let kv = self.backend().export_state();
+        let cfg = self.model_ref().config();
+        let kv = self.backend_ref().export_state()?;
         let raw_cap = kv.layers.first().map_or(0, |l| l.raw_cap);
         let n_raw = kv.layers.first().map_or(0, |l| l.n_raw());
         let mut logits = self.logits().to_vec();
@@ -126,7 +126,7 @@ impl Session {
     /// (on any backend). The payload's model dimensions must match; its token count
     /// must fit this session's context.
     pub fn load_payload(&mut self, r: &mut impl Read) -> Result<()> {
-        let cfg = self.model().config().clone();
+        let cfg = self.model_ref().config().clone();
         let mut h = [0u32; 13];
         for v in h.iter_mut() {
             *v = get_u32(r)?;

@@ -1,10 +1,22 @@
 //! A generation session: token history, current logits and a backend holding the state.
 
+use std::sync::Arc;
+
 use crate::backend::{Backend, LogitRows};
 use crate::cpu::CpuBackend;
 use crate::error::{EngineError, Result};
+use crate::kv::KvCache;
 use crate::model::Model;
 use crate::ops::linear::Numerics;
+
+pub(crate) fn check_ctx(ctx: usize) -> Result<()> {
+    if ctx == 0 {
+        return Err(EngineError::Invalid(
+            "context must hold at least one token".into(),
+        ));
+    }
+    Ok(())
+}
 
 #[derive(Clone, Debug)]
 pub struct SessionOptions {
@@ -26,6 +38,11 @@ impl SessionOptions {
     }
 }
 
+/// One sequence's state on the engine's backend: token history, the logits after the
+/// last token, and the KV state (in device memory on a GPU backend).
+///
+/// Sessions are not `Clone`: copying a GPU state allocates device memory, which can
+/// fail, so [`Session::try_clone`] returns a `Result`.
 pub struct Session {
     model: Model,
     backend: Box<dyn Backend>,
@@ -35,35 +52,49 @@ pub struct Session {
     prefill_chunk: usize,
 }
 
-impl Clone for Session {
-    /// A snapshot: an independent copy of the whole state.
-    fn clone(&self) -> Session {
-        Session {
-            model: self.model.clone(),
-            backend: self.backend.clone_box(),
-            tokens: self.tokens.clone(),
-            logits: self.logits.clone(),
-            numerics: self.numerics,
-            prefill_chunk: self.prefill_chunk,
-        }
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session")
+            .field("backend", &self.backend.name())
+            .field("ctx", &self.backend.ctx())
+            .field("n_tokens", &self.tokens.len())
+            .field("numerics", &self.numerics)
+            .finish()
+    }
+}
+
+/// A session's whole state in host memory, from [`Session::export_state`]: it can be
+/// imported into any session of the same model and context size, on any backend.
+#[derive(Clone, Debug)]
+pub struct SessionState {
+    kv: KvCache,
+    tokens: Vec<u32>,
+    logits: Vec<f32>,
+}
+
+impl SessionState {
+    /// The tokens the state holds.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// The context size of the session it came from.
+    pub fn ctx(&self) -> usize {
+        self.kv.ctx
     }
 }
 
 impl Session {
-    /// A CPU session with the model's numeric mode.
-    pub fn new(model: &Model, ctx: usize) -> Result<Session> {
-        Session::with_options(model, SessionOptions::new(ctx))
-    }
-
-    pub fn with_options(model: &Model, opts: SessionOptions) -> Result<Session> {
-        if opts.ctx == 0 {
-            return Err(EngineError::Invalid(
-                "context must hold at least one token".into(),
-            ));
-        }
+    /// A CPU session (in `pool`, or rayon's global pool).
+    pub(crate) fn cpu(
+        model: &Model,
+        opts: SessionOptions,
+        pool: Option<Arc<rayon::ThreadPool>>,
+    ) -> Result<Session> {
+        check_ctx(opts.ctx)?;
         let numerics = opts.numerics.unwrap_or(model.numerics());
-        let backend = Box::new(CpuBackend::new(model, opts.ctx, numerics));
-        Ok(Session::with_backend(
+        let backend = Box::new(CpuBackend::new(model, opts.ctx, numerics).with_pool(pool));
+        Ok(Session::on_backend(
             model,
             backend,
             numerics,
@@ -72,7 +103,7 @@ impl Session {
     }
 
     /// A session on another backend (which must start empty).
-    pub fn with_backend(
+    pub(crate) fn on_backend(
         model: &Model,
         backend: Box<dyn Backend>,
         numerics: Numerics,
@@ -88,7 +119,60 @@ impl Session {
         }
     }
 
-    pub fn model(&self) -> &Model {
+    /// An independent copy of the whole state (a snapshot to rewind to). On a GPU
+    /// this allocates a second device state and fails when memory runs out.
+    pub fn try_clone(&self) -> Result<Session> {
+        Ok(Session {
+            model: self.model.clone(),
+            backend: self.backend.try_clone_box()?,
+            tokens: self.tokens.clone(),
+            logits: self.logits.clone(),
+            numerics: self.numerics,
+            prefill_chunk: self.prefill_chunk,
+        })
+    }
+
+    /// The whole state in host memory.
+    pub fn export_state(&self) -> Result<SessionState> {
+        Ok(SessionState {
+            kv: self.backend.export_state()?,
+            tokens: self.tokens.clone(),
+            logits: self.logits.clone(),
+        })
+    }
+
+    /// Replaces the state with one exported from a session of the same model and
+    /// context size (on any backend).
+    pub fn import_state(&mut self, state: SessionState) -> Result<()> {
+        let cfg = self.model.config();
+        if state.kv.ctx != self.ctx() {
+            return Err(EngineError::Payload(format!(
+                "a state of a {}-token context does not fit a session of {}",
+                state.kv.ctx,
+                self.ctx()
+            )));
+        }
+        let fits = state.kv.layers.len() == cfg.n_layer
+            && state.kv.n_tokens == state.tokens.len()
+            && (state.logits.is_empty() || state.logits.len() == cfg.vocab)
+            && state
+                .kv
+                .layers
+                .iter()
+                .zip(&cfg.compress_ratios)
+                .all(|(l, &r)| l.ratio == r && l.head_dim == cfg.head_dim);
+        if !fits {
+            return Err(EngineError::Payload(
+                "the state does not match this model's dimensions".into(),
+            ));
+        }
+        self.backend.import_state(state.kv)?;
+        self.tokens = state.tokens;
+        self.logits = state.logits;
+        Ok(())
+    }
+
+    pub(crate) fn model_ref(&self) -> &Model {
         &self.model
     }
 
@@ -117,8 +201,24 @@ impl Session {
         &self.logits
     }
 
-    pub fn backend(&self) -> &dyn Backend {
+    pub(crate) fn backend_ref(&self) -> &dyn Backend {
         self.backend.as_ref()
+    }
+
+    /// The backend's name (`cpu`, `cuda`).
+    pub fn backend_name(&self) -> &str {
+        self.backend.name()
+    }
+
+    /// Tokens per `prefill` call that keep the backend efficient: callers that split
+    /// a prompt (for progress or cancellation) should not pass fewer.
+    pub fn preferred_batch(&self) -> usize {
+        self.backend.preferred_batch()
+    }
+
+    /// Logits per token (the vocabulary size).
+    pub fn vocab(&self) -> usize {
+        self.model.config().vocab
     }
 
     fn check_room(&self, adding: usize) -> Result<()> {
@@ -178,7 +278,7 @@ impl Session {
     /// Keeps the first `n` tokens. The compressed/windowed state cannot be rewound in
     /// place (the raw ring and the compressor frontiers have dropped older data), so
     /// this re-runs the kept prefix from an empty state; it is a no-op when `n` is the
-    /// current length. Callers that rewind often should keep `clone()` snapshots.
+    /// current length. Callers that rewind often should keep `try_clone()` snapshots.
     pub fn truncate(&mut self, n: usize) -> Result<()> {
         if n >= self.tokens.len() {
             return Ok(());

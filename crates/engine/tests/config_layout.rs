@@ -2,8 +2,8 @@
 
 use std::path::PathBuf;
 
-use ds4_engine::config::Config;
-use ds4_engine::layout::{check_layout, LayoutIssue};
+use ds4_engine::dev::config::Config;
+use ds4_engine::dev::layout::{check_layout, LayoutIssue};
 use ds4_gguf::GgufFile;
 
 fn open(name: &str) -> GgufFile {

@@ -6,7 +6,8 @@
 mod common;
 
 use common::*;
-use ds4_engine::{EngineError, Model, Numerics, Session, SessionOptions};
+use ds4_engine::dev::{Model, SessionExt};
+use ds4_engine::{EngineError, Numerics, Session, SessionOptions};
 
 /// Sequence b covers the raw-window wrap, the indexer's top-k (from position 35)
 /// and the first ratio-128 row (position 127).
@@ -60,10 +61,10 @@ fn check_modes(variant: &str, numerics: Numerics) {
     let cut = 130;
     let mut a = session(&model, 64);
     a.prefill(&toks[..cut]).unwrap();
-    let snap = a.clone();
+    let snap = a.try_clone().unwrap();
     a.prefill(&toks[cut..]).unwrap();
     assert!(a.logits() == &all[(n - 1) * 512..]);
-    let mut b = snap.clone();
+    let mut b = snap.try_clone().unwrap();
     for &tok in &toks[cut..] {
         b.decode(tok).unwrap();
     }
@@ -84,7 +85,7 @@ fn check_modes(variant: &str, numerics: Numerics) {
     assert!(restored.logits() == a.logits(), "restored session diverges");
 
     // Truncate back to the snapshot point and continue.
-    let mut tr = full.clone();
+    let mut tr = full.try_clone().unwrap();
     tr.truncate(cut).unwrap();
     assert_eq!(tr.n_tokens(), cut);
     assert!(tr.logits() == snap.logits());

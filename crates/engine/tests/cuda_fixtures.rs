@@ -1,20 +1,22 @@
-//! The tiny fixtures on the CUDA backend (`ds4_engine::dev_fixture`, what `ds4-tool
+//! The tiny fixtures on the CUDA backend (`ds4_engine::dev::fixture`, what `ds4-tool
 //! gpu-selftest` runs after the kernel checks) on device 0, printing the selftest's
 //! result lines (shown with `--nocapture` or on failure). Without a CUDA driver each
 //! test says so and passes.
+
+#![cfg(feature = "cuda")]
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use ds4_cuda::selftest::{open_for_test, GRAPH_VARIANTS};
-use ds4_engine::cuda::Gpu;
-use ds4_engine::dev_fixture::{check_graph_variants, run_fixtures, Tally};
+use ds4_engine::dev::Gpu;
+use ds4_engine::dev::fixture::{check_graph_variants, run_fixtures, Tally};
 
 fn dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny")
 }
 
-/// A fixture run of `ds4_engine::dev_fixture`.
+/// A fixture run of `ds4_engine::dev::fixture`.
 type FixtureRun = fn(&Arc<Gpu>, &Path, &mut dyn FnMut(&str)) -> anyhow::Result<Tally>;
 
 /// Runs `check` on device 0 unless the machine has no GPU; its tally.

@@ -3,8 +3,9 @@
 
 use std::path::PathBuf;
 
-use ds4_engine::dev_fixture::{check_sequence, pooled_agreement, Manifest};
-use ds4_engine::{Backend, CpuBackend, KvCache, LoadOptions, LogitRows, Model, Numerics};
+use ds4_engine::dev::fixture::{check_sequence, pooled_agreement, Manifest};
+use ds4_engine::dev::{Backend, CpuBackend, KvCache, LoadOptions, LogitRows, Model};
+use ds4_engine::Numerics;
 
 fn dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny")
@@ -43,7 +44,7 @@ impl Backend for Skewed {
         }
         Ok(l)
     }
-    fn export_state(&self) -> KvCache {
+    fn export_state(&self) -> ds4_engine::Result<KvCache> {
         self.0.export_state()
     }
     fn import_state(&mut self, s: KvCache) -> ds4_engine::Result<()> {
@@ -52,8 +53,8 @@ impl Backend for Skewed {
     fn reset(&mut self) {
         self.0.reset()
     }
-    fn clone_box(&self) -> Box<dyn Backend> {
-        Box::new(Skewed(self.0.clone()))
+    fn try_clone_box(&self) -> ds4_engine::Result<Box<dyn Backend>> {
+        Ok(Box::new(Skewed(self.0.clone())))
     }
 }
 

@@ -5,6 +5,7 @@
 mod common;
 
 use common::*;
+use ds4_engine::dev::SessionExt;
 use ds4_engine::{Numerics, Session};
 
 const VOCAB: usize = 512;

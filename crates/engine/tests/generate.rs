@@ -4,6 +4,7 @@
 mod common;
 
 use common::*;
+use ds4_engine::dev::SessionExt;
 use ds4_engine::{generate, Numerics, Sampler, SamplerConfig, Session, StopReason};
 
 fn greedy_tokens(seq: &str) -> Vec<u32> {
@@ -53,7 +54,7 @@ fn seeded_sampling_is_reproducible() {
         seed: 1234,
     };
     let run = |cfg: &SamplerConfig| {
-        let mut s = base.clone();
+        let mut s = base.try_clone().unwrap();
         let mut sampler = Sampler::new(cfg.clone());
         generate(&mut s, &mut sampler, 12, &[1]).unwrap().0
     };

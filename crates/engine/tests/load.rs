@@ -6,7 +6,8 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use ds4_engine::{EngineError, LoadOptions, Model, Numerics};
+use ds4_engine::dev::{LoadOptions, Model};
+use ds4_engine::{EngineError, Numerics};
 use ds4_gguf::{GgmlType, GgufFile, GgufWriter};
 
 #[test]

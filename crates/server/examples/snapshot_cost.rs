@@ -1,4 +1,4 @@
-//! Measures what a live-session snapshot (the worker's rewind point, `Session::clone`)
+//! Measures what a live-session snapshot (the worker's rewind point, `Session::try_clone`)
 //! and a KVC payload cost as the context grows, and extrapolates the per-token cost to
 //! the full DeepSeek V4 Flash layout (docs/server.md, "Snapshot cost").
 //!
@@ -7,8 +7,7 @@
 
 use std::time::Instant;
 
-use ds4_engine::cuda::CudaBackend;
-use ds4_engine::{LoadOptions, Model, Session};
+use ds4_engine::{BackendChoice, Engine, EngineOptions};
 use ds4_server::engine::{EngineBackend, RealEngine};
 
 /// Payload bytes of a DSV4 session with `n` tokens for a layout (server.md §4.4): the
@@ -52,23 +51,27 @@ fn main() {
         .to_string()
     });
     let max: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(8192);
-    let model = Model::load(&path, LoadOptions::default()).expect("model");
-    let c = model.config().clone();
+    let backend = if cuda {
+        BackendChoice::Cuda { device: 0 }
+    } else {
+        BackendChoice::Cpu { threads: None }
+    };
+    let engine = Engine::open(
+        &path,
+        EngineOptions {
+            backend,
+            ..EngineOptions::default()
+        },
+    )
+    .expect("model");
+    let c = engine.info().clone();
     println!(
         "model {path}: layers {} head_dim {} idx_dim {} vocab {} window {} ratios {:?}",
         c.n_layer, c.head_dim, c.idx_head_dim, c.vocab, c.window, c.compress_ratios
     );
-    let session = if cuda {
-        let numerics = model.numerics();
-        let b = CudaBackend::load(&model, 0, &|_| {})
-            .and_then(|w| CudaBackend::new(&w, max + 1, numerics))
-            .expect("CUDA backend");
-        Session::with_backend(&model, Box::new(b), numerics, 2048)
-    } else {
-        Session::new(&model, max + 1).expect("session")
-    };
-    println!("backend: {}", if cuda { "cuda" } else { "cpu" });
-    let mut eng = RealEngine::new(session);
+    let session = engine.new_session(max + 1).expect("session");
+    println!("backend: {}", engine.backend());
+    let mut eng = RealEngine::new(&engine, session);
     println!("tokens  clone_ms  payload_bytes  payload_ms  clone_GB/s");
     let mut rows = Vec::new();
     let mut n = 256;
@@ -81,7 +84,7 @@ fn main() {
         let reps = 5;
         let t0 = Instant::now();
         for _ in 0..reps {
-            std::hint::black_box(eng.snapshot());
+            std::hint::black_box(eng.snapshot().expect("snapshot"));
         }
         let clone_s = t0.elapsed().as_secs_f64() / reps as f64;
         let mut buf = Vec::new();

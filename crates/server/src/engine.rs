@@ -5,7 +5,7 @@ use std::io::{Read, Write};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ds4_engine::Session;
+use ds4_engine::{Engine, EngineError, Session};
 use ds4_tokenizer::Tokenizer;
 
 use crate::error::ServerError;
@@ -25,8 +25,9 @@ pub trait EngineBackend: Send {
     fn decode(&mut self, token: u32) -> Result<(), ServerError>;
     /// Forgets every token.
     fn reset(&mut self);
-    /// An independent copy of the whole state (for rewinding without a re-prefill).
-    fn snapshot(&self) -> Box<dyn EngineBackend>;
+    /// An independent copy of the whole state (for rewinding without a re-prefill);
+    /// fails when the device has no memory for a second state.
+    fn snapshot(&self) -> Result<Box<dyn EngineBackend>, ServerError>;
     /// The DSV4 session payload (architecture.md §6).
     fn save_payload(&self, w: &mut dyn Write) -> Result<(), ServerError>;
     /// Replaces the state with a payload written by `save_payload`.
@@ -44,26 +45,18 @@ pub struct RealEngine {
 }
 
 impl RealEngine {
-    pub fn new(session: Session) -> RealEngine {
-        let quant_bits = quant_bits_of(session.model().gguf());
+    /// A session of `engine`; `quant_bits` is [`Engine::routed_quant_bits`].
+    pub fn new(engine: &Engine, session: Session) -> RealEngine {
         RealEngine {
             session,
-            quant_bits,
+            quant_bits: engine.routed_quant_bits(),
         }
-    }
-}
-
-/// 2 or 4 from the routed-expert tensor type of the first layer (IQ2_XXS vs Q4_K).
-pub fn quant_bits_of(gguf: &ds4_gguf::GgufFile) -> u8 {
-    match gguf.tensor_info("blk.0.ffn_gate_exps.weight") {
-        Some(t) if format!("{:?}", t.ty).contains("Q4") => 4,
-        _ => 2,
     }
 }
 
 impl EngineBackend for RealEngine {
     fn preferred_batch(&self) -> usize {
-        self.session.backend().preferred_batch()
+        self.session.preferred_batch()
     }
     fn ctx(&self) -> usize {
         self.session.ctx()
@@ -87,11 +80,11 @@ impl EngineBackend for RealEngine {
     fn reset(&mut self) {
         self.session.reset();
     }
-    fn snapshot(&self) -> Box<dyn EngineBackend> {
-        Box::new(RealEngine {
-            session: self.session.clone(),
+    fn snapshot(&self) -> Result<Box<dyn EngineBackend>, ServerError> {
+        Ok(Box::new(RealEngine {
+            session: self.session.try_clone()?,
             quant_bits: self.quant_bits,
-        })
+        }))
     }
     fn save_payload(&self, mut w: &mut dyn Write) -> Result<(), ServerError> {
         Ok(self.session.save_payload(&mut w)?)
@@ -157,10 +150,12 @@ impl FakeEngine {
 
     fn check_room(&self, n: usize) -> Result<(), ServerError> {
         if self.tokens.len() + n > self.ctx {
-            return Err(ServerError::Engine(format!(
-                "context of {} tokens is full",
-                self.ctx
-            )));
+            return Err(EngineError::ContextFull {
+                ctx: self.ctx,
+                have: self.tokens.len(),
+                adding: n,
+            }
+            .into());
         }
         Ok(())
     }
@@ -206,8 +201,8 @@ impl EngineBackend for FakeEngine {
         self.reply.clear();
         self.gen_start = 0;
     }
-    fn snapshot(&self) -> Box<dyn EngineBackend> {
-        Box::new(self.clone())
+    fn snapshot(&self) -> Result<Box<dyn EngineBackend>, ServerError> {
+        Ok(Box::new(self.clone()))
     }
     fn save_payload(&self, w: &mut dyn Write) -> Result<(), ServerError> {
         // Same header idea as DSV4 (magic, version, count) so corrupt files are caught.
@@ -224,7 +219,7 @@ impl EngineBackend for FakeEngine {
     fn load_payload(&mut self, r: &mut dyn Read) -> Result<(), ServerError> {
         let mut all = Vec::new();
         r.read_to_end(&mut all)?;
-        let bad = || ServerError::Engine("session payload: not a fake payload".into());
+        let bad = || ServerError::from(EngineError::Payload("not a fake payload".into()));
         if all.len() < 12 || &all[..4] != b"FAKE" {
             return Err(bad());
         }
@@ -292,32 +287,4 @@ fn first_tool(prompt: &str) -> Option<(String, String)> {
 fn quoted_after(s: &str, key: &str) -> Option<String> {
     let rest = s.split(key).nth(1)?;
     Some(rest.split('"').next()?.to_string())
-}
-
-/// The tokenizer of a DS4 GGUF, from its `tokenizer.ggml.*` metadata (the same loader as
-/// the CLI's; the server cannot depend on the CLI crate).
-pub fn tokenizer_from_gguf(gguf: &ds4_gguf::GgufFile) -> Result<Tokenizer, ServerError> {
-    let strings = |key: &str| -> Result<Vec<String>, ServerError> {
-        gguf.get(key)
-            .and_then(|v| v.as_str_array())
-            .map(|v| v.into_iter().map(str::to_string).collect())
-            .ok_or_else(|| {
-                ServerError::Invalid(format!(
-                    "the model has no string array {key}; is this a DS4 GGUF?"
-                ))
-            })
-    };
-    let tokens = strings("tokenizer.ggml.tokens")?;
-    let merges = strings("tokenizer.ggml.merges")?;
-    let types = gguf
-        .get("tokenizer.ggml.token_type")
-        .and_then(|v| v.as_array())
-        .map(|(_, items)| {
-            items
-                .iter()
-                .map(|v| v.as_i64().and_then(|x| i32::try_from(x).ok()).unwrap_or(1))
-                .collect()
-        });
-    Tokenizer::from_gguf_vocab(tokens, merges, types)
-        .map_err(|e| ServerError::Invalid(e.to_string()))
 }

@@ -1,22 +1,38 @@
 //! Errors: library errors (`ServerError`) and HTTP API errors (`ApiError`), which carry a
 //! status code and are rendered in the shape of the API the client speaks.
 
+use ds4_engine::{EngineError, ErrorKind};
 use serde_json::{json, Value};
 
 /// Failures inside the server library (engine, cache files, startup).
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
+    /// An engine failure, with its kind ([`ErrorKind`]) kept for the HTTP status.
     #[error("engine: {0}")]
-    Engine(String),
+    Engine(#[from] EngineError),
+    /// The server is stopping; work in progress was abandoned.
+    #[error("shutdown requested")]
+    Shutdown,
     #[error("I/O: {0}")]
     Io(#[from] std::io::Error),
     #[error("{0}")]
     Invalid(String),
 }
 
-impl From<ds4_engine::EngineError> for ServerError {
-    fn from(e: ds4_engine::EngineError) -> Self {
-        ServerError::Engine(e.to_string())
+impl ServerError {
+    /// The HTTP status a request that hit this error is answered with: 503 when the
+    /// device ran out of memory (the request may fit later or with a shorter prompt),
+    /// 400 for input the engine refuses, 500 otherwise.
+    pub fn status(&self) -> u16 {
+        match self {
+            ServerError::Engine(e) => match e.kind() {
+                ErrorKind::OutOfMemory | ErrorKind::BackendUnavailable => 503,
+                ErrorKind::ContextFull | ErrorKind::BadInput => 400,
+                _ => 500,
+            },
+            ServerError::Shutdown => 503,
+            ServerError::Io(_) | ServerError::Invalid(_) => 500,
+        }
     }
 }
 
@@ -130,5 +146,31 @@ impl ApiError {
                 json!({ "type": "error", "error": e })
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engine_errors_keep_their_kind_in_the_status() {
+        let full = ServerError::from(EngineError::ContextFull {
+            ctx: 8,
+            have: 8,
+            adding: 1,
+        });
+        assert_eq!(full.status(), 400);
+        let oom = ServerError::from(EngineError::OutOfMemory {
+            backend: "cuda",
+            source: "cuMemAlloc failed".into(),
+        });
+        assert_eq!(oom.status(), 503);
+        assert!(
+            oom.to_string().contains("out of cuda device memory"),
+            "{oom}"
+        );
+        let bad = ServerError::from(EngineError::Payload("magic".into()));
+        assert_eq!(bad.status(), 500);
     }
 }

@@ -412,11 +412,21 @@ impl Worker {
         }
         if let Some(snap) = &self.snap {
             if let Some(m) = self.match_session(snap.as_ref(), job, false) {
-                self.engine = snap.snapshot();
-                return Ok(Synced {
-                    source: "snapshot",
-                    ..m
-                });
+                match snap.snapshot() {
+                    Ok(copy) => {
+                        self.engine = copy;
+                        return Ok(Synced {
+                            source: "snapshot",
+                            ..m
+                        });
+                    }
+                    // Out of device memory for the copy, say: the request goes on
+                    // without the snapshot (disk cache or a cold prefill).
+                    Err(e) => {
+                        log!("kv cache: cannot restore the snapshot: {e}");
+                        self.snap = None;
+                    }
+                }
             }
         }
         let live = self.engine.tokens().len();
@@ -501,7 +511,14 @@ impl Worker {
                 self.frontier = self.frontier.max(pos);
             }
             if Some(pos) == snap_at {
-                self.snap = Some(self.engine.snapshot());
+                // Without a snapshot a later rewind re-prefills: slower, not wrong.
+                self.snap = match self.engine.snapshot() {
+                    Ok(s) => Some(s),
+                    Err(e) => {
+                        log!("kv cache: no snapshot at {pos}: {e}");
+                        None
+                    }
+                };
             }
             if pos > start && self.continued_due(pos) {
                 self.save_continued();
@@ -520,7 +537,7 @@ impl Worker {
             }
             self.engine
                 .prefill(&eff[pos..end])
-                .map_err(|e| (500, e.to_string()))?;
+                .map_err(|e| (e.status(), e.to_string()))?;
             let _ = job.tx.send(GenEvent::Progress {
                 done: end - start,
                 total,

@@ -3,22 +3,23 @@
 
 mod common;
 
-use std::sync::Arc;
-
 use common::*;
-use ds4_engine::{LoadOptions, Model, Session};
+use ds4_engine::{BackendChoice, Engine, EngineOptions};
 use ds4_server::config::KvDiskConfig;
-use ds4_server::engine::{tokenizer_from_gguf, RealEngine};
+use ds4_server::engine::RealEngine;
 use ds4_server::{ServerConfig, TestServer};
 use serde_json::json;
 
 fn server(dir: &std::path::Path) -> TestServer {
-    let model = Model::load(
+    let engine = Engine::open(
         root().join("fixtures/tiny/tiny-q2.gguf"),
-        LoadOptions::default(),
+        EngineOptions {
+            backend: BackendChoice::Cpu { threads: None },
+            ..EngineOptions::default()
+        },
     )
     .expect("tiny model");
-    let tok = Arc::new(tokenizer_from_gguf(model.gguf()).expect("tokenizer"));
+    let tok = engine.tokenizer().expect("tokenizer");
     let mut cfg = ServerConfig::for_tests(1024);
     cfg.kv_disk = Some(KvDiskConfig {
         dir: dir.to_path_buf(),
@@ -30,8 +31,8 @@ fn server(dir: &std::path::Path) -> TestServer {
         align: 2048,
         reject_different_quant: true,
     });
-    let engine = RealEngine::new(Session::new(&model, 1024).expect("session"));
-    TestServer::start(cfg, tok, Box::new(engine))
+    let session = engine.new_session(1024).expect("session");
+    TestServer::start(cfg, tok, Box::new(RealEngine::new(&engine, session)))
 }
 
 #[test]

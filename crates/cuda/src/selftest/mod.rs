@@ -6,7 +6,7 @@
 //! [`CHECKS`] is the list of checks, in the order they print, each with the decode
 //! variants (`DS4_CUDA_FUSE` names) it covers. Restructurings of the decode graph
 //! rather than of one kernel are checked on the whole model instead (each off and on
-//! over a tiny fixture, `ds4_engine::dev_fixture`): [`GRAPH_VARIANTS`] lists them.
+//! over a tiny fixture, `ds4_engine::dev::fixture`): [`GRAPH_VARIANTS`] lists them.
 //! A variant that neither covers is reported by [`uncovered`], which a unit test runs
 //! over every variant, so a new variant without a check fails the build's tests.
 //!
@@ -120,7 +120,7 @@ pub const CHECKS: &[KernelCheck] = &[
 ];
 
 /// A decode variant checked on the whole model: the tiny fixture run with it off and
-/// on (`ds4_engine::dev_fixture::check_graph_variants`).
+/// on (`ds4_engine::dev::fixture::check_graph_variants`).
 pub struct GraphVariant {
     pub name: &'static str,
     /// The variant only moves work between lanes, launches or priorities, so the

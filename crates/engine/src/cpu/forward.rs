@@ -33,7 +33,7 @@ const FP4_BLOCK: usize = 32;
 const ATTN_PAR_MIN: usize = 1 << 18;
 
 /// Runs `tokens` at positions `cache.n_tokens..` and returns the requested logits.
-pub fn forward(
+pub(crate) fn forward(
     m: &ModelInner,
     numerics: Numerics,
     cache: &mut KvCache,

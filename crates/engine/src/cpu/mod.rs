@@ -1,6 +1,8 @@
 //! The CPU backend: the reference implementation of the forward pass.
 
-pub mod forward;
+pub(crate) mod forward;
+
+use std::sync::Arc;
 
 use crate::backend::{Backend, LogitRows};
 use crate::error::Result;
@@ -13,6 +15,8 @@ pub struct CpuBackend {
     model: Model,
     numerics: Numerics,
     cache: KvCache,
+    /// The thread pool of the forward pass (`None`: rayon's global pool).
+    pool: Option<Arc<rayon::ThreadPool>>,
 }
 
 impl CpuBackend {
@@ -21,7 +25,15 @@ impl CpuBackend {
             model: model.clone(),
             numerics,
             cache: KvCache::new(model.config(), ctx),
+            pool: None,
         }
+    }
+
+    /// Runs the forward pass in `pool` instead of rayon's global pool (results do
+    /// not depend on the thread count).
+    pub fn with_pool(mut self, pool: Option<Arc<rayon::ThreadPool>>) -> CpuBackend {
+        self.pool = pool;
+        self
     }
 
     pub fn cache(&self) -> &KvCache {
@@ -43,17 +55,23 @@ impl Backend for CpuBackend {
     }
 
     fn forward(&mut self, tokens: &[u32], rows: LogitRows) -> Result<Vec<f32>> {
-        forward::forward(
-            self.model.inner(),
-            self.numerics,
-            &mut self.cache,
-            tokens,
-            rows,
-        )
+        let mut run = || {
+            forward::forward(
+                self.model.inner(),
+                self.numerics,
+                &mut self.cache,
+                tokens,
+                rows,
+            )
+        };
+        match &self.pool {
+            Some(pool) => pool.install(run),
+            None => run(),
+        }
     }
 
-    fn export_state(&self) -> KvCache {
-        self.cache.clone()
+    fn export_state(&self) -> Result<KvCache> {
+        Ok(self.cache.clone())
     }
 
     fn import_state(&mut self, state: KvCache) -> Result<()> {
@@ -65,7 +83,7 @@ impl Backend for CpuBackend {
         self.cache = KvCache::new(self.model.config(), self.cache.ctx);
     }
 
-    fn clone_box(&self) -> Box<dyn Backend> {
-        Box::new(self.clone())
+    fn try_clone_box(&self) -> Result<Box<dyn Backend>> {
+        Ok(Box::new(self.clone()))
     }
 }

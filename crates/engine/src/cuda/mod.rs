@@ -22,12 +22,6 @@ use crate::ops::linear::Numerics;
 use state::DeviceState;
 pub use weights::CudaWeights;
 
-impl From<CudaError> for EngineError {
-    fn from(e: CudaError) -> Self {
-        EngineError::Backend(format!("CUDA: {e}"))
-    }
-}
-
 /// A GPU session backend.
 pub struct CudaBackend {
     weights: Arc<CudaWeights>,
@@ -145,10 +139,8 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
-    fn export_state(&self) -> KvCache {
-        self.state
-            .export(&self.weights)
-            .expect("reading the GPU state back failed (device lost?)")
+    fn export_state(&self) -> Result<KvCache> {
+        self.state.export(&self.weights)
     }
 
     fn import_state(&mut self, state: KvCache) -> Result<()> {
@@ -159,16 +151,13 @@ impl Backend for CudaBackend {
         self.state.n_tokens = 0;
     }
 
-    fn clone_box(&self) -> Box<dyn Backend> {
-        let state = self
-            .state
-            .duplicate(&self.weights)
-            .expect("copying the GPU state failed (out of device memory?)");
-        Box::new(CudaBackend {
+    fn try_clone_box(&self) -> Result<Box<dyn Backend>> {
+        let state = self.state.duplicate(&self.weights)?;
+        Ok(Box::new(CudaBackend {
             weights: self.weights.clone(),
             numerics: self.numerics,
             state,
             batched: self.batched,
-        })
+        }))
     }
 }

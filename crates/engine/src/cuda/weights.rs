@@ -118,7 +118,11 @@ impl Uploader<'_> {
         } else {
             DeviceMatrix::upload(self.gpu, m.ty, m.data(), rows, m.n_in, mats)
         }
-        .map_err(|e| CudaError::Invalid(format!("{}: {e}", m.name)))?;
+        .map_err(|e| match e {
+            // Driver errors (out of memory above all) keep their kind.
+            CudaError::Driver(_) => e,
+            e => CudaError::Invalid(format!("{}: {e}", m.name)),
+        })?;
         self.bytes += d.bytes();
         (self.progress)(m.data().len());
         Ok(d)

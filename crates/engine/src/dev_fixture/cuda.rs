@@ -13,8 +13,9 @@ use ds4_cuda::selftest::{same_bits, GRAPH_VARIANTS};
 use super::{
     check_sequence, pooled_agreement, position_deltas, spread, within_tier, Manifest, VARIANTS,
 };
-use crate::cuda::{CudaBackend, CudaWeights, Gpu};
-use crate::{argmax, Backend, CpuBackend, LoadOptions, LogitRows, Model, Numerics};
+use crate::dev::{CudaBackend, CudaWeights, Gpu};
+use crate::dev::{Backend, CpuBackend, LoadOptions, LogitRows, Model};
+use crate::{argmax, Numerics};
 
 /// How many checks a run made and how many failed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -142,7 +143,7 @@ fn snapshot_interchange(
     // A clone of a CUDA session continues exactly like the original.
     let mut a = cuda()?;
     a.forward(&tokens[..split], LogitRows::Last)?;
-    let mut b = a.clone_box();
+    let mut b = a.try_clone_box()?;
     let ya = a.forward(&tokens[split..], LogitRows::All)?;
     let yb = b.forward(&tokens[split..], LogitRows::All)?;
     let d = DeltaStats::new(&yb, &ya, vocab, 0.0);
@@ -151,7 +152,7 @@ fn snapshot_interchange(
     let mut c = cpu();
     c.forward(&tokens[..split], LogitRows::Last)?;
     let mut g = cuda()?;
-    g.import_state(c.export_state())?;
+    g.import_state(c.export_state()?)?;
     let y = g.forward(&tokens[split..], LogitRows::All)?;
     let d = DeltaStats::new(&y, &gpu_tail, vocab, delta_bound(numerics));
     report("cpu -> cuda", d.within_floor(&floor, numerics, m), &d);
@@ -159,7 +160,7 @@ fn snapshot_interchange(
     let mut g = cuda()?;
     g.forward(&tokens[..split], LogitRows::Last)?;
     let mut c = cpu();
-    c.import_state(g.export_state())?;
+    c.import_state(g.export_state()?)?;
     let y = c.forward(&tokens[split..], LogitRows::All)?;
     let d = DeltaStats::new(&y, &cpu_tail, vocab, delta_bound(numerics));
     report("cuda -> cpu", d.within_floor(&floor, numerics, m), &d);

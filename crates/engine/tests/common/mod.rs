@@ -4,7 +4,8 @@
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use ds4_engine::{LoadOptions, Model, Numerics};
+use ds4_engine::dev::{LoadOptions, Model};
+use ds4_engine::Numerics;
 use serde_json::Value;
 
 pub fn dir() -> PathBuf {

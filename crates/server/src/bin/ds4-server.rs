@@ -4,8 +4,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use ds4_engine::cuda::{driver_present, CudaBackend};
-use ds4_engine::{LoadOptions, Model, Numerics, Session, SessionOptions};
+use ds4_engine::{BackendChoice, Engine, EngineOptions, Numerics};
 use ds4_server::engine::{default_script, FakeEngine, RealEngine};
 use ds4_server::worker::spawn_worker;
 use ds4_server::{lock, log, Args, EngineBackend, Shared};
@@ -31,12 +30,6 @@ fn load_engine(args: &Args) -> Result<(Arc<Tokenizer>, Box<dyn EngineBackend>)> 
     } else {
         Numerics::Fast
     };
-    let model = Model::load(&args.model, LoadOptions { numerics })
-        .with_context(|| format!("cannot load {}", args.model.display()))?;
-    let tok = ds4_server::engine::tokenizer_from_gguf(model.gguf())
-        .map_err(|e| anyhow::anyhow!("tokenizer of {}: {e}", args.model.display()))?;
-    tok.special_ids()
-        .map_err(|e| anyhow::anyhow!("the model's vocabulary lacks the chat markers: {e}"))?;
     let want = if args.cpu {
         Some("cpu")
     } else if args.cuda {
@@ -44,38 +37,38 @@ fn load_engine(args: &Args) -> Result<(Arc<Tokenizer>, Box<dyn EngineBackend>)> 
     } else {
         args.backend.as_deref()
     };
-    let opts = SessionOptions {
-        numerics: Some(numerics),
-        ..SessionOptions::new(args.ctx)
+    let backend = match want {
+        None => BackendChoice::Auto,
+        // `-t` already sized rayon's global pool, which the CPU backend uses.
+        Some("cpu") => BackendChoice::Cpu { threads: None },
+        Some("cuda") => BackendChoice::Cuda { device: 0 },
+        Some(b) => bail!("unknown backend {b} (use cpu or cuda)"),
     };
-    let session = match want {
-        Some("cpu") => Session::with_options(&model, opts)?,
-        Some(b) if b != "cuda" => bail!("unknown backend {b} (use cpu or cuda)"),
-        _ if !driver_present() => {
-            if want == Some("cuda") {
-                log!("no CUDA driver on this machine; using the CPU backend");
-            }
-            Session::with_options(&model, opts)?
-        }
-        _ => match CudaBackend::load(&model, 0, &|_| {})
-            .and_then(|w| CudaBackend::new(&w, args.ctx, numerics))
-        {
-            Ok(b) => Session::with_backend(&model, Box::new(b), numerics, opts.prefill_chunk),
-            Err(e) => {
-                log!("CUDA backend unavailable ({e}); using the CPU backend");
-                Session::with_options(&model, opts)?
-            }
+    let engine = Engine::open(
+        &args.model,
+        EngineOptions {
+            backend,
+            numerics,
+            ..EngineOptions::default()
         },
-    };
-    let c = model.config();
+    )
+    .with_context(|| format!("cannot load {}", args.model.display()))?;
+    let tok = engine
+        .tokenizer()
+        .with_context(|| format!("tokenizer of {}", args.model.display()))?;
+    tok.special_ids()
+        .map_err(|e| anyhow::anyhow!("the model's vocabulary lacks the chat markers: {e}"))?;
+    log!("backend {} ({})", engine.backend(), engine.backend_reason());
+    let session = engine.new_session(args.ctx)?;
+    let info = engine.info();
     log!(
         "model {}: {} layers, vocab {}, ctx {}",
         args.model.display(),
-        c.n_layer,
-        c.vocab,
+        info.n_layer,
+        info.vocab,
         args.ctx
     );
-    Ok((Arc::new(tok), Box::new(RealEngine::new(session))))
+    Ok((tok, Box::new(RealEngine::new(&engine, session))))
 }
 
 fn main() {

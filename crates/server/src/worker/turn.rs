@@ -149,12 +149,16 @@ impl Worker {
             Plan::Keep => return,
             Plan::Extend => live_len,
             Plan::Rebuild { .. } => {
-                let snap_ok = self
+                let snap = self
                     .snap
                     .as_ref()
-                    .is_some_and(|s| target.starts_with(s.tokens()));
-                if let (true, Some(s)) = (snap_ok, &self.snap) {
-                    self.engine = s.snapshot();
+                    .filter(|s| target.starts_with(s.tokens()))
+                    .map(|s| s.snapshot());
+                if let Some(Err(e)) = &snap {
+                    log!("request {}: cannot restore the snapshot: {e}", job.id);
+                }
+                if let Some(Ok(copy)) = snap {
+                    self.engine = copy;
                 } else if let Some(hit) = self
                     .disk
                     .as_ref()
@@ -195,7 +199,7 @@ impl Worker {
     fn prefill_plain(&mut self, toks: &[u32]) -> Result<(), ServerError> {
         for c in toks.chunks(self.prefill_step()) {
             if self.shared.stop_now.load(Relaxed) {
-                return Err(ServerError::Engine("shutdown requested".into()));
+                return Err(ServerError::Shutdown);
             }
             self.engine.prefill(c)?;
         }

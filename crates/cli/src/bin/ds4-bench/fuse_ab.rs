@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use ds4_engine::cuda::CudaBackend;
-use ds4_engine::{Model, Session};
+use ds4_engine::dev::{CudaBackend, Model, SessionExt};
+use ds4_engine::Session;
 
 use crate::{bar, decode_greedy, eos_token, prompt_tokens, Args};
 

@@ -16,17 +16,18 @@ use clap::{Parser, ValueEnum};
 use ds4_cli::bench_plot::{self, BenchRow, CSV_HEADER};
 use ds4_cli::synth::Plan;
 use ds4_cli::vocab::Vocab;
-use ds4_engine::config::Config;
-use ds4_engine::cuda::{driver_present, CudaBackend};
-use ds4_engine::layout::ExpertQuant;
-use ds4_engine::{LoadOptions, Model, Numerics, Session, SessionOptions};
+use ds4_engine::dev::config::Config;
+use ds4_engine::dev::layout::ExpertQuant;
+use ds4_engine::dev::{EngineExt, LoadOptions, Model};
+use ds4_engine::{BackendChoice, BackendKind, Engine, EngineOptions, Numerics, Session};
 use ds4_gguf::GgufFile;
 use indicatif::{ProgressBar, ProgressStyle};
 
+#[cfg(feature = "cuda")]
 mod fuse_ab;
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
-enum BackendKind {
+enum BackendArg {
     Cpu,
     Cuda,
 }
@@ -67,8 +68,9 @@ struct Args {
         default_value = "You are a helpful assistant."
     )]
     system: String,
+    /// Backend (default: cuda when a GPU is usable, else cpu).
     #[arg(long, value_enum)]
-    backend: Option<BackendKind>,
+    backend: Option<BackendArg>,
     /// CPU threads.
     #[arg(short = 't', long)]
     threads: Option<usize>,
@@ -176,7 +178,7 @@ fn prompt_tokens(a: &Args, model: &Model, need: usize) -> Result<Vec<u32>> {
     };
     let mut tokens = match text {
         Some(t) => {
-            let tok = ds4_cli::tok::from_gguf(model.gguf())?;
+            let tok = model.tokenizer()?;
             if a.chat_prompt_file.is_some() {
                 let bos = tok.token_to_id("<｜begin▁of▁sentence｜>").unwrap_or(0);
                 let mut ids = vec![bos];
@@ -254,49 +256,40 @@ fn main() -> Result<()> {
             .build_global()
             .ok();
     }
-    let specs = fuse_ab::parse_specs(&a.fuse_ab)?;
-    if !specs.is_empty() && a.backend == Some(BackendKind::Cpu) {
-        bail!("--fuse-ab times CUDA decode graphs: leave out --backend cpu");
-    }
+    // The --fuse-ab settings are checked before the (long) model load.
+    let fuse = fuse_ab_specs(&a)?;
     let model = load_model(&a)?;
-    let numerics = model.numerics();
-    if !specs.is_empty() {
-        return fuse_ab::run(&a, &model, &specs, alloc);
+    if let Some(specs) = fuse {
+        return run_fuse_ab(&a, &model, specs, alloc);
     }
-    let backend = a.backend.unwrap_or(if driver_present() {
-        BackendKind::Cuda
-    } else {
-        BackendKind::Cpu
-    });
-    let mut gpu_for_profile = None;
-    let mut session = match backend {
-        BackendKind::Cpu => Session::with_options(
-            &model,
-            SessionOptions {
-                numerics: Some(numerics),
-                ..SessionOptions::new(alloc)
-            },
-        )?,
-        BackendKind::Cuda => {
-            let total: u64 = model.gguf().tensor_bytes();
-            let b = bar(total, "uploading weights to the GPU");
-            let done = AtomicU64::new(0);
-            let weights = CudaBackend::load(&model, a.device, &|n| {
-                b.set_position(done.fetch_add(n as u64, Ordering::Relaxed) + n as u64)
-            })
-            .context("CUDA backend unavailable (use --backend cpu)")?;
-            b.finish_and_clear();
-            if !weights.gpu.skipped().is_empty() {
-                eprintln!(
-                    "ds4-bench: DS4_CUDA_SKIP: {} not launched — timing diagnosis only, the outputs are wrong",
-                    weights.gpu.skipped().join(", ")
-                );
-            }
-            gpu_for_profile = Some(weights.gpu.clone());
-            let be = CudaBackend::new(&weights, alloc, numerics)?;
-            Session::with_backend(&model, Box::new(be), numerics, 2048)
-        }
+    let backend = match a.backend {
+        None => BackendChoice::Auto,
+        // `-t` already sized rayon's global pool, which the CPU backend uses.
+        Some(BackendArg::Cpu) => BackendChoice::Cpu { threads: None },
+        Some(BackendArg::Cuda) => BackendChoice::Cuda { device: a.device },
     };
+    let b = bar(model.gguf().tensor_bytes(), "uploading weights to the GPU");
+    let progress = {
+        let b = b.clone();
+        Box::new(move |done: u64, _total: u64| b.set_position(done))
+    };
+    let engine = Engine::from_model(
+        model.clone(),
+        EngineOptions {
+            backend,
+            numerics: model.numerics(),
+            progress: Some(progress),
+        },
+    )
+    .context("cannot start the backend (use --backend cpu)")?;
+    b.finish_and_clear();
+    eprintln!(
+        "ds4-bench: backend {} ({})",
+        engine.backend(),
+        engine.backend_reason()
+    );
+    let hooks = GpuHooks::of(&engine);
+    let mut session = engine.new_session(alloc)?;
     let prompt = prompt_tokens(&a, &model, a.ctx_max)?;
     let eos = eos_token(&model);
 
@@ -316,16 +309,12 @@ fn main() -> Result<()> {
         let t = Instant::now();
         session.prefill(&prompt[have..frontier])?;
         let prefill_s = t.elapsed().as_secs_f64();
-        let snapshot = session.clone();
+        let snapshot = session.try_clone()?;
         let mut payload = Vec::new();
         snapshot.save_payload(&mut payload)?;
-        if let Some(g) = &gpu_for_profile {
-            profile_prefill.add(g.profile_take()?);
-        }
+        profile_prefill.add(hooks.profile_take()?);
         let gen_s = decode_greedy(&mut session, a.gen_tokens, eos)?;
-        if let Some(g) = &gpu_for_profile {
-            profile_decode.add(g.profile_take()?);
-        }
+        profile_decode.add(hooks.profile_take()?);
         session = snapshot;
         let row = BenchRow {
             ctx_tokens: frontier as u64,
@@ -347,22 +336,15 @@ fn main() -> Result<()> {
             (frontier + a.step_incr).min(a.ctx_max)
         };
     }
-    if let Some(g) = &gpu_for_profile {
-        if let Some((path, n)) = g.trace_finish()? {
-            eprintln!(
-                "ds4-bench: kernel trace of {n} launches in {}",
-                path.display()
-            );
-        }
-    }
-    if gpu_for_profile.as_ref().is_some_and(|g| g.profiling()) {
+    hooks.finish()?;
+    if hooks.profiling() {
         profile_prefill.print("prefill (and the snapshots)");
         profile_decode.print(&format!("decode ({} tokens per frontier)", a.gen_tokens));
     }
     if let Some(p) = &a.plot {
         let title = format!(
             "ds4-bench {} ({})",
-            if backend == BackendKind::Cuda {
+            if engine.backend() == BackendKind::Cuda {
                 "CUDA"
             } else {
                 "CPU"
@@ -440,5 +422,103 @@ impl KernelTimes {
                 100.0 * ms / total
             );
         }
+    }
+}
+
+/// The `--fuse-ab` settings (`None`: a plain benchmark).
+#[cfg(feature = "cuda")]
+fn fuse_ab_specs(a: &Args) -> Result<Option<Vec<fuse_ab::Spec>>> {
+    let specs = fuse_ab::parse_specs(&a.fuse_ab)?;
+    if specs.is_empty() {
+        return Ok(None);
+    }
+    if a.backend == Some(BackendArg::Cpu) {
+        bail!("--fuse-ab times CUDA decode graphs: leave out --backend cpu");
+    }
+    Ok(Some(specs))
+}
+
+#[cfg(feature = "cuda")]
+fn run_fuse_ab(a: &Args, model: &Model, specs: Vec<fuse_ab::Spec>, alloc: usize) -> Result<()> {
+    fuse_ab::run(a, model, &specs, alloc)
+}
+
+/// Without CUDA there are no settings to compare: `--fuse-ab` is refused.
+#[cfg(not(feature = "cuda"))]
+fn fuse_ab_specs(a: &Args) -> Result<Option<std::convert::Infallible>> {
+    if !a.fuse_ab.is_empty() {
+        bail!("--fuse-ab times CUDA decode graphs: this build has no CUDA support");
+    }
+    Ok(None)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_fuse_ab(_: &Args, _: &Model, specs: std::convert::Infallible, _: usize) -> Result<()> {
+    match specs {}
+}
+
+/// The GPU's kernel profile (`DS4_CUDA_PROFILE`) and trace (`DS4_CUDA_TRACE`) when the
+/// engine runs on CUDA.
+#[cfg(feature = "cuda")]
+struct GpuHooks(Option<Arc<ds4_engine::dev::Gpu>>);
+
+#[cfg(feature = "cuda")]
+impl GpuHooks {
+    fn of(engine: &Engine) -> GpuHooks {
+        let gpu = engine.cuda_weights().map(|w| w.gpu.clone());
+        if let Some(g) = gpu.as_ref().filter(|g| !g.skipped().is_empty()) {
+            eprintln!(
+                "ds4-bench: DS4_CUDA_SKIP: {} not launched — timing diagnosis only, the outputs are wrong",
+                g.skipped().join(", ")
+            );
+        }
+        GpuHooks(gpu)
+    }
+
+    /// The kernel times since the last call: (kernel, launches, ms).
+    fn profile_take(&self) -> Result<Vec<(&'static str, u64, f64)>> {
+        match &self.0 {
+            Some(g) => Ok(g.profile_take()?),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    fn profiling(&self) -> bool {
+        self.0.as_ref().is_some_and(|g| g.profiling())
+    }
+
+    fn finish(&self) -> Result<()> {
+        if let Some(g) = &self.0 {
+            if let Some((path, n)) = g.trace_finish()? {
+                eprintln!(
+                    "ds4-bench: kernel trace of {n} launches in {}",
+                    path.display()
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Without CUDA there is nothing to profile.
+#[cfg(not(feature = "cuda"))]
+struct GpuHooks;
+
+#[cfg(not(feature = "cuda"))]
+impl GpuHooks {
+    fn of(_: &Engine) -> GpuHooks {
+        GpuHooks
+    }
+
+    fn profile_take(&self) -> Result<Vec<(&'static str, u64, f64)>> {
+        Ok(Vec::new())
+    }
+
+    fn profiling(&self) -> bool {
+        false
+    }
+
+    fn finish(&self) -> Result<()> {
+        Ok(())
     }
 }

@@ -1,12 +1,12 @@
 //! `ds4-tool gpu-selftest`: the kernel checks of `ds4_cuda::selftest`, the tiny
-//! fixtures on the GPU (`ds4_engine::dev_fixture`), and the kernel timings.
+//! fixtures on the GPU (`ds4_engine::dev::fixture`), and the kernel timings.
 
 use std::sync::Arc;
 
 use anyhow::{bail, Result};
 use ds4_cuda::selftest::{self, summary_line, Check, Timing};
 use ds4_cuda::Gpu;
-use ds4_engine::dev_fixture;
+use ds4_engine::dev::fixture as dev_fixture;
 
 #[derive(clap::Args)]
 pub struct Args {

@@ -1,8 +1,8 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use ds4_engine::config::Config;
-use ds4_engine::layout::check_layout;
+use ds4_engine::dev::config::Config;
+use ds4_engine::dev::layout::check_layout;
 use ds4_gguf::{GgmlType, GgufFile};
 
 #[derive(clap::Args)]

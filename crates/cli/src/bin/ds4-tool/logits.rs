@@ -5,8 +5,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use ds4_engine::cuda::{driver_present, CudaBackend};
-use ds4_engine::{LoadOptions, Model, Numerics, Session, SessionOptions};
+use ds4_engine::{BackendChoice, Engine, EngineOptions, Numerics};
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum BackendArg {
@@ -25,7 +24,7 @@ pub struct Args {
     /// Output file: positions × vocab little-endian f32.
     #[arg(long)]
     out: PathBuf,
-    /// Backend (default: cpu; cuda falls back to cpu with a message when no GPU is usable).
+    /// Backend (default: cpu; cuda is an error when no GPU is usable).
     #[arg(long, value_enum, default_value = "cpu")]
     backend: BackendArg,
     /// Exact f32 numerics (the official math) instead of ds4's quantised activations.
@@ -65,41 +64,24 @@ pub fn run(a: Args) -> Result<()> {
     } else {
         Numerics::Fast
     };
-    let model = Model::load(&a.model, LoadOptions { numerics })
-        .with_context(|| format!("cannot load {}", a.model.display()))?;
-    let vocab = model.config().vocab;
+    let backend = match a.backend {
+        BackendArg::Cpu => BackendChoice::Cpu { threads: None },
+        BackendArg::Cuda => BackendChoice::Cuda { device: 0 },
+    };
+    let engine = Engine::open(
+        &a.model,
+        EngineOptions {
+            backend,
+            numerics,
+            ..EngineOptions::default()
+        },
+    )
+    .with_context(|| format!("cannot load {}", a.model.display()))?;
+    let vocab = engine.info().vocab;
     if let Some(&t) = ids.iter().find(|&&t| t as usize >= vocab) {
         bail!("token {t} is outside the vocabulary of {vocab}");
     }
-    let opts = SessionOptions {
-        numerics: Some(numerics),
-        ..SessionOptions::new(ids.len())
-    };
-    let cuda = if a.backend == BackendArg::Cuda {
-        if !driver_present() {
-            eprintln!("ds4-tool: no CUDA driver on this machine; using the CPU backend");
-            None
-        } else {
-            match CudaBackend::load(&model, 0, &|_| {}) {
-                Ok(w) => Some(w),
-                Err(e) => {
-                    eprintln!("ds4-tool: CUDA unavailable ({e}); using the CPU backend");
-                    None
-                }
-            }
-        }
-    } else {
-        None
-    };
-    let mut session = match &cuda {
-        Some(w) => Session::with_backend(
-            &model,
-            Box::new(CudaBackend::new(w, ids.len(), numerics)?),
-            numerics,
-            opts.prefill_chunk,
-        ),
-        None => Session::with_options(&model, opts)?,
-    };
+    let mut session = engine.new_session(ids.len())?;
     let logits = session.prefill_all_logits(&ids)?;
     let mut w = std::io::BufWriter::new(
         std::fs::File::create(&a.out)
@@ -112,7 +94,7 @@ pub fn run(a: Args) -> Result<()> {
     eprintln!(
         "{} positions × {vocab} logits ({} backend, {:?}) → {}",
         ids.len(),
-        session.backend().name(),
+        session.backend_name(),
         numerics,
         a.out.display()
     );

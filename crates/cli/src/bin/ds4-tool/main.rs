@@ -2,6 +2,7 @@
 
 mod download;
 mod dump;
+#[cfg(feature = "cuda")]
 mod gpu_selftest;
 mod inspect;
 mod logits;
@@ -30,6 +31,7 @@ enum Command {
     /// Write one tensor dequantized to raw little-endian f32 (GGUF element order).
     DumpTensor(dump::Args),
     /// Check every CUDA kernel against the CPU on random inputs (and time them with --bench).
+    #[cfg(feature = "cuda")]
     GpuSelftest(gpu_selftest::Args),
     /// Download a published GGUF from Hugging Face (resumable) and link ./ds4flash.gguf.
     Download(download::Args),
@@ -47,6 +49,7 @@ fn main() -> anyhow::Result<()> {
         Command::Inspect(a) => inspect::run(a),
         Command::Synth(a) => synth::run(a),
         Command::DumpTensor(a) => dump::run(a),
+        #[cfg(feature = "cuda")]
         Command::GpuSelftest(a) => gpu_selftest::run(a),
         Command::Download(a) => download::run(a),
         Command::Tokenize(a) => tokenize::run_tokenize(a),

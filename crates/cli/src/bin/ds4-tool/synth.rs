@@ -6,8 +6,8 @@ use anyhow::{Context, Result};
 use clap::ValueEnum;
 use ds4_cli::synth::Plan;
 use ds4_cli::vocab::Vocab;
-use ds4_engine::config::Config;
-use ds4_engine::layout::ExpertQuant;
+use ds4_engine::dev::config::Config;
+use ds4_engine::dev::layout::ExpertQuant;
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Clone, Copy, ValueEnum)]

@@ -25,8 +25,7 @@ pub fn load_tokenizer(path: &Path) -> anyhow::Result<Tokenizer> {
         let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
         return Ok(Tokenizer::from_tokenizer_json(&bytes)?);
     }
-    let gguf = ds4_gguf::GgufFile::open(path)?;
-    ds4_cli::tok::from_gguf(&gguf).with_context(|| path.display().to_string())
+    ds4_engine::load_tokenizer(path).with_context(|| path.display().to_string())
 }
 
 fn io() -> (impl BufRead, impl Write) {

@@ -5,11 +5,10 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use ds4_engine::argmax;
-use ds4_gguf::GgufFile;
 use ds4_tokenizer::Tokenizer;
 
 use crate::args::Args;
-use crate::engine::{check_model_exists, tokenizer_from_gguf, Engine};
+use crate::engine::{check_model_exists, Engine};
 use crate::generate::{budget, prefill};
 use crate::render::prompt_tokens;
 
@@ -17,8 +16,8 @@ use crate::render::prompt_tokens;
 /// the vocabulary is loaded). Prints `[id, id, …]`, then `%6d  <vocab string>` lines.
 pub fn dump_tokens(model: &Path, text: &str) -> Result<()> {
     check_model_exists(model)?;
-    let gguf = GgufFile::open(model).with_context(|| format!("cannot open {}", model.display()))?;
-    let tok = tokenizer_from_gguf(&gguf)?;
+    let tok = ds4_engine::load_tokenizer(model)
+        .with_context(|| format!("tokenizer of {}", model.display()))?;
     let ids = tok.encode(text);
     let stdout = std::io::stdout();
     let mut w = std::io::BufWriter::new(stdout.lock());
@@ -198,7 +197,7 @@ pub fn perplexity(engine: &Engine, args: &Args, path: &Path) -> Result<()> {
     session
         .prefill(&tokens[..PPL_PREFIX])
         .context("perplexity: the context prefix failed")?;
-    let vocab = engine.model.config().vocab;
+    let vocab = session.vocab();
     let mut nll = 0.0f64;
     let logprob = |row: &[f32], t: u32| -> f64 {
         let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
@@ -231,17 +230,16 @@ pub fn perplexity(engine: &Engine, args: &Args, path: &Path) -> Result<()> {
 
 /// `--inspect`: what the model is and how it will run.
 pub fn inspect(engine: &Engine, args: &Args) -> Result<()> {
-    let c = engine.model.config();
-    let g = engine.model.gguf();
+    let c = engine.info();
     println!("model: {}", args.model.display());
     if let Some(name) = &c.name {
         println!("name: {name}");
     }
     println!(
         "file: {} bytes, {} tensors, {:.2} GiB of tensor data",
-        g.len(),
-        g.tensors().len(),
-        g.tensor_bytes() as f64 / (1u64 << 30) as f64
+        c.file_bytes,
+        c.n_tensors,
+        c.tensor_bytes as f64 / (1u64 << 30) as f64
     );
     println!(
         "layers: {} (compress ratios {:?})",
@@ -255,27 +253,22 @@ pub fn inspect(engine: &Engine, args: &Args) -> Result<()> {
         "experts: {} routed ({} used, width {}), {} shared, {} hash layers",
         c.n_expert, c.n_expert_used, c.n_ff_exp, c.n_expert_shared, c.n_hash_layer
     );
-    if let Some(t) = g
-        .tensors()
-        .iter()
-        .find(|t| t.name.ends_with("ffn_gate_exps.weight"))
-    {
-        println!("routed expert quantisation: {}", t.ty.name());
+    if let Some(q) = c.routed_quant {
+        println!("routed expert quantisation: {q}");
     }
     println!(
         "window {}, indexer {} heads × {} (top {}), hyper-connections {}",
         c.window, c.idx_heads, c.idx_head_dim, c.idx_topk, c.n_hc
     );
-    if let Some(n) = c.context_length {
+    if let Some(n) = c.trained_ctx {
         println!("trained context: {n}");
     }
-    let dev = c.profile_deviations();
-    if dev.is_empty() {
+    if c.profile_deviations.is_empty() {
         println!("profile: DeepSeek V4 Flash");
     } else {
         println!(
             "profile: differs from DeepSeek V4 Flash in {} hyperparameters",
-            dev.len()
+            c.profile_deviations.len()
         );
     }
     let sp = engine.specials();
@@ -286,7 +279,7 @@ pub fn inspect(engine: &Engine, args: &Args) -> Result<()> {
     println!(
         "backend: {}, numerics: {:?}, ctx: {}",
         engine.backend_name(),
-        engine.numerics,
+        engine.numerics(),
         args.ctx
     );
     Ok(())

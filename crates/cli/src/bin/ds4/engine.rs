@@ -1,13 +1,11 @@
-//! Loading the model and tokenizer, choosing the backend, creating sessions.
+//! Opening the model on the chosen backend, its tokenizer, creating sessions.
 
 use std::io::IsTerminal;
 use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use ds4_engine::cuda::{driver_present, CudaBackend, CudaWeights};
-use ds4_engine::{LoadOptions, Model, Numerics, Session, SessionOptions};
-use ds4_gguf::GgufFile;
+use ds4_engine::{BackendChoice, EngineOptions, ModelInfo, Numerics, Session};
 use ds4_tokenizer::{SpecialIds, Tokenizer};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -27,58 +25,57 @@ pub fn check_model_exists(path: &Path) -> Result<()> {
     )
 }
 
-/// The tokenizer of a DS4 GGUF, from its `tokenizer.ggml.*` metadata.
-pub fn tokenizer_from_gguf(gguf: &GgufFile) -> Result<Tokenizer> {
-    ds4_cli::tok::from_gguf(gguf)
-}
-
-/// Everything a run needs: model, tokenizer, backend choice.
+/// Everything a run needs: the engine (model on its backend) and the tokenizer.
 pub struct Engine {
-    pub model: Model,
-    pub tok: Tokenizer,
-    pub numerics: Numerics,
-    cuda: Option<Arc<CudaWeights>>,
+    engine: ds4_engine::Engine,
+    pub tok: Arc<Tokenizer>,
 }
 
 impl Engine {
     pub fn load(path: &Path, numerics: Numerics, want: Option<BackendArg>) -> Result<Engine> {
         check_model_exists(path)?;
-        let model = Model::load(path, LoadOptions { numerics })
-            .with_context(|| format!("cannot load {}", path.display()))?;
-        let tok = tokenizer_from_gguf(model.gguf())
+        let backend = match want {
+            None => BackendChoice::Auto,
+            // `-t` already sized rayon's global pool, which the CPU backend uses.
+            Some(BackendArg::Cpu) => BackendChoice::Cpu { threads: None },
+            Some(BackendArg::Cuda) => BackendChoice::Cuda { device: 0 },
+        };
+        let bar = upload_bar();
+        let progress = {
+            let bar = bar.clone();
+            Box::new(move |done: u64, total: u64| {
+                bar.set_length(total);
+                bar.set_position(done);
+            })
+        };
+        let engine = ds4_engine::Engine::open(
+            path,
+            EngineOptions {
+                backend,
+                numerics,
+                progress: Some(progress),
+            },
+        )
+        .with_context(|| format!("cannot load {}", path.display()))?;
+        bar.finish_and_clear();
+        let tok = engine
+            .tokenizer()
             .with_context(|| format!("tokenizer of {}", path.display()))?;
         tok.special_ids()
             .context("the model's vocabulary lacks the chat markers")?;
-        let cuda = match want {
-            Some(BackendArg::Cpu) => None,
-            _ if !driver_present() => {
-                if want == Some(BackendArg::Cuda) {
-                    eprintln!("ds4: no CUDA driver on this machine; using the CPU backend");
-                }
-                None
-            }
-            _ => match upload(&model) {
-                Ok(w) => Some(w),
-                Err(e) => {
-                    eprintln!("ds4: CUDA backend unavailable ({e:#}); using the CPU backend");
-                    None
-                }
-            },
-        };
-        Ok(Engine {
-            model,
-            tok,
-            numerics,
-            cuda,
-        })
+        Ok(Engine { engine, tok })
     }
 
     pub fn backend_name(&self) -> &'static str {
-        if self.cuda.is_some() {
-            "cuda"
-        } else {
-            "cpu"
-        }
+        self.engine.backend().name()
+    }
+
+    pub fn numerics(&self) -> Numerics {
+        self.engine.numerics()
+    }
+
+    pub fn info(&self) -> &ModelInfo {
+        self.engine.info()
     }
 
     pub fn specials(&self) -> &SpecialIds {
@@ -89,33 +86,19 @@ impl Engine {
 
     /// A fresh, empty session of `ctx` tokens on the chosen backend.
     pub fn session(&self, ctx: usize) -> Result<Session> {
-        let opts = SessionOptions {
-            numerics: Some(self.numerics),
-            ..SessionOptions::new(ctx)
-        };
-        match &self.cuda {
-            None => Ok(Session::with_options(&self.model, opts)?),
-            Some(w) => {
-                let b = CudaBackend::new(w, ctx, self.numerics)?;
-                Ok(Session::with_backend(
-                    &self.model,
-                    Box::new(b),
-                    self.numerics,
-                    opts.prefill_chunk,
-                ))
-            }
-        }
+        Ok(self.engine.new_session(ctx)?)
     }
 
     /// One line for stderr at startup.
     pub fn describe(&self) -> String {
-        let c = self.model.config();
+        let c = self.info();
         format!(
-            "ds4: {} layers, vocab {}, backend {}, {} numerics",
+            "ds4: {} layers, vocab {}, backend {} ({}), {} numerics",
             c.n_layer,
             c.vocab,
             self.backend_name(),
-            match self.numerics {
+            self.engine.backend_reason(),
+            match self.numerics() {
                 Numerics::Exact => "exact (--quality)",
                 Numerics::Fast => "fast",
             }
@@ -123,10 +106,10 @@ impl Engine {
     }
 }
 
-fn upload(model: &Model) -> Result<Arc<CudaWeights>> {
-    let total = model.gguf().tensor_bytes();
+/// The weight-upload bar (hidden unless stderr is a terminal).
+fn upload_bar() -> ProgressBar {
     let bar = if std::io::stderr().is_terminal() {
-        ProgressBar::new(total)
+        ProgressBar::new(0)
     } else {
         ProgressBar::hidden()
     };
@@ -136,7 +119,5 @@ fn upload(model: &Model) -> Result<Arc<CudaWeights>> {
         )
         .expect("valid template"),
     );
-    let w = CudaBackend::load(model, 0, &|bytes| bar.inc(bytes as u64))?;
-    bar.finish_and_clear();
-    Ok(w)
+    bar
 }

@@ -39,7 +39,7 @@ pub fn prefill(session: &mut Session, tokens: &[u32], stop: Option<&AtomicBool>)
     // Progress steps no shorter than the backend's efficient batch (the CUDA prefill
     // chunk streams every routed expert once).
     let step = PROGRESS_STEP
-        .max(session.backend().preferred_batch())
+        .max(session.preferred_batch())
         .min(session.prefill_chunk())
         .max(1);
     for chunk in tokens.chunks(step) {

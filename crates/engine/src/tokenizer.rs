@@ -1,18 +1,20 @@
 //! The tokenizer of a DS4 GGUF, from its `tokenizer.ggml.*` metadata.
 
-use anyhow::{bail, Result};
 use ds4_gguf::GgufFile;
 use ds4_tokenizer::Tokenizer;
 
-pub fn from_gguf(gguf: &GgufFile) -> Result<Tokenizer> {
+use crate::error::{EngineError, Result};
+
+pub(crate) fn from_gguf(gguf: &GgufFile) -> Result<Tokenizer> {
     let strings = |key: &str| -> Result<Vec<String>> {
         match gguf.get(key).and_then(|v| v.as_str_array()) {
             Some(v) => Ok(v.into_iter().map(str::to_string).collect()),
-            None => bail!("the model has no string array {key}; is this a DS4 GGUF?"),
+            None => Err(EngineError::NoTokenizer { key: key.into() }),
         }
     };
     let tokens = strings("tokenizer.ggml.tokens")?;
     let merges = strings("tokenizer.ggml.merges")?;
+    // A missing or odd type entry counts as a normal token (type 1), as in llama.cpp.
     let types = gguf
         .get("tokenizer.ggml.token_type")
         .and_then(|v| v.as_array())

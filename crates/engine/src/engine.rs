@@ -1,0 +1,394 @@
+//! [`Engine`]: a loaded model on the backend chosen once, at open, and the sessions
+//! that run on it. This is the API the `ds4` CLI and `ds4-server` use; it names no
+//! tensor or device type (those are in [`crate::dev`]).
+
+use std::path::Path;
+use std::sync::{Arc, OnceLock};
+
+use ds4_gguf::GgmlType;
+use ds4_tokenizer::Tokenizer;
+
+use crate::error::{EngineError, Result};
+use crate::model::{LoadOptions, Model};
+use crate::ops::linear::Numerics;
+use crate::session::{Session, SessionOptions};
+
+/// Which backend [`Engine::open`] should run the model on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BackendChoice {
+    /// CUDA device 0 when a driver and a device are usable and the weights upload;
+    /// the CPU otherwise ([`Engine::backend_reason`] says why).
+    #[default]
+    Auto,
+    /// The CPU reference backend; `threads`: a pool of its own for the forward pass
+    /// (`None`: rayon's global pool).
+    Cpu { threads: Option<usize> },
+    /// CUDA device `device`. An error when it cannot be used (no fallback).
+    Cuda { device: usize },
+}
+
+/// The backend an engine runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BackendKind {
+    Cpu,
+    Cuda,
+}
+
+impl BackendKind {
+    /// `cpu` or `cuda`.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Cpu => "cpu",
+            BackendKind::Cuda => "cuda",
+        }
+    }
+}
+
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Upload progress: `(bytes done, bytes in all)` of the model's tensor data.
+pub type UploadProgress = Box<dyn Fn(u64, u64) + Send + Sync>;
+
+/// How to open a model.
+#[derive(Default)]
+pub struct EngineOptions {
+    pub backend: BackendChoice,
+    /// The numeric mode of the engine's sessions (a session may override it).
+    pub numerics: Numerics,
+    /// Called while the weights are uploaded to a device (not called on the CPU).
+    pub progress: Option<UploadProgress>,
+}
+
+impl std::fmt::Debug for EngineOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineOptions")
+            .field("backend", &self.backend)
+            .field("numerics", &self.numerics)
+            .field("progress", &self.progress.is_some())
+            .finish()
+    }
+}
+
+/// What a model file is: its hyperparameters and tensor data, for summaries.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct ModelInfo {
+    /// `general.name`.
+    pub name: Option<String>,
+    /// The context length the model was trained for (`None`: not in the file).
+    pub trained_ctx: Option<u64>,
+    pub n_layer: usize,
+    pub n_embd: usize,
+    pub vocab: usize,
+    pub n_head: usize,
+    pub head_dim: usize,
+    pub q_lora_rank: usize,
+    pub o_lora_rank: usize,
+    pub o_groups: usize,
+    /// Routed experts, used per token, their width; shared experts.
+    pub n_expert: usize,
+    pub n_expert_used: usize,
+    pub n_ff_exp: usize,
+    pub n_expert_shared: usize,
+    pub n_hash_layer: usize,
+    /// Raw sliding-window length.
+    pub window: usize,
+    pub idx_heads: usize,
+    pub idx_head_dim: usize,
+    pub idx_topk: usize,
+    /// Hyper-connection streams.
+    pub n_hc: usize,
+    /// One entry per layer: 0 (raw window only), 4 (with indexer) or another ratio.
+    pub compress_ratios: Vec<usize>,
+    /// The GGML type name of the routed experts' gate/up tensors (`IQ2_XXS`, `Q4_K`).
+    pub routed_quant: Option<&'static str>,
+    /// Every way the hyperparameters differ from DeepSeek V4 Flash (empty: none).
+    pub profile_deviations: Vec<String>,
+    /// File size, tensor count and tensor data bytes.
+    pub file_bytes: u64,
+    pub n_tensors: usize,
+    pub tensor_bytes: u64,
+}
+
+impl ModelInfo {
+    fn of(model: &Model) -> ModelInfo {
+        let c = model.config();
+        let g = model.gguf();
+        ModelInfo {
+            name: c.name.clone(),
+            trained_ctx: c.context_length,
+            n_layer: c.n_layer,
+            n_embd: c.n_embd,
+            vocab: c.vocab,
+            n_head: c.n_head,
+            head_dim: c.head_dim,
+            q_lora_rank: c.q_lora_rank,
+            o_lora_rank: c.o_lora_rank,
+            o_groups: c.o_groups,
+            n_expert: c.n_expert,
+            n_expert_used: c.n_expert_used,
+            n_ff_exp: c.n_ff_exp,
+            n_expert_shared: c.n_expert_shared,
+            n_hash_layer: c.n_hash_layer,
+            window: c.window,
+            idx_heads: c.idx_heads,
+            idx_head_dim: c.idx_head_dim,
+            idx_topk: c.idx_topk,
+            n_hc: c.n_hc,
+            compress_ratios: c.compress_ratios.clone(),
+            routed_quant: routed_type(model).map(GgmlType::name),
+            profile_deviations: c.profile_deviations(),
+            file_bytes: g.len(),
+            n_tensors: g.tensors().len(),
+            tensor_bytes: g.tensor_bytes(),
+        }
+    }
+}
+
+/// The routed experts' gate type (every layer has the same; binding checks that).
+fn routed_type(model: &Model) -> Option<GgmlType> {
+    model.weights().layers.first().map(|l| l.gate_exps.ty)
+}
+
+/// Routed-expert bits as the disk KV cache header records them: 4 for the 4-bit
+/// encodings (the published q4 file's Q4_K), 2 for everything else (the q2 file's
+/// IQ2_XXS/Q2_K, and test models).
+fn quant_bits(ty: Option<GgmlType>) -> u8 {
+    use GgmlType::*;
+    match ty {
+        Some(Q4_0 | Q4_1 | Q4_K | IQ4_NL | IQ4_XS) => 4,
+        _ => 2,
+    }
+}
+
+/// Where the sessions of an engine run.
+enum Device {
+    Cpu(Option<Arc<rayon::ThreadPool>>),
+    #[cfg(feature = "cuda")]
+    Cuda(Arc<crate::cuda::CudaWeights>),
+}
+
+/// A model loaded on one backend. Sessions share its weights.
+pub struct Engine {
+    model: Model,
+    numerics: Numerics,
+    device: Device,
+    reason: String,
+    info: ModelInfo,
+    tokenizer: OnceLock<Arc<Tokenizer>>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("model", &self.info.name)
+            .field("backend", &self.backend())
+            .field("reason", &self.reason)
+            .field("numerics", &self.numerics)
+            .finish()
+    }
+}
+
+impl Engine {
+    /// Maps the GGUF at `path`, binds its tensors and brings the model up on the
+    /// backend `opts.backend` asks for (see [`BackendChoice`]).
+    pub fn open(path: impl AsRef<Path>, opts: EngineOptions) -> Result<Engine> {
+        let model = Model::load(
+            path,
+            LoadOptions {
+                numerics: opts.numerics,
+            },
+        )?;
+        Engine::open_model(model, opts)
+    }
+
+    /// An engine over a model already loaded (in-memory models of tools and tests);
+    /// `opts.numerics` replaces the model's.
+    pub(crate) fn open_model(model: Model, opts: EngineOptions) -> Result<Engine> {
+        let (device, reason) = pick(&model, &opts)?;
+        Ok(Engine {
+            info: ModelInfo::of(&model),
+            model,
+            numerics: opts.numerics,
+            device,
+            reason,
+            tokenizer: OnceLock::new(),
+        })
+    }
+
+    /// The backend the sessions run on.
+    pub fn backend(&self) -> BackendKind {
+        match self.device {
+            Device::Cpu(_) => BackendKind::Cpu,
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => BackendKind::Cuda,
+        }
+    }
+
+    /// Why that backend: the device used, what was requested, or why `Auto` fell
+    /// back to the CPU. One line, for a startup message.
+    pub fn backend_reason(&self) -> &str {
+        &self.reason
+    }
+
+    /// The default numeric mode of the sessions.
+    pub fn numerics(&self) -> Numerics {
+        self.numerics
+    }
+
+    pub fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    /// Routed-expert quantisation bits (2 or 4), as disk KV cache headers record them.
+    pub fn routed_quant_bits(&self) -> u8 {
+        quant_bits(routed_type(&self.model))
+    }
+
+    /// The model's tokenizer, from its `tokenizer.ggml.*` metadata (built on the first
+    /// call, then shared).
+    pub fn tokenizer(&self) -> Result<Arc<Tokenizer>> {
+        if let Some(t) = self.tokenizer.get() {
+            return Ok(t.clone());
+        }
+        let t = Arc::new(self.model.tokenizer()?);
+        Ok(self.tokenizer.get_or_init(|| t).clone())
+    }
+
+    /// A new, empty session of `ctx` tokens with the engine's numerics.
+    pub fn new_session(&self, ctx: usize) -> Result<Session> {
+        self.new_session_with(SessionOptions::new(ctx))
+    }
+
+    /// A new, empty session. On CUDA the prefill chunk is the backend's own (sized to
+    /// the device memory); `opts.prefill_chunk` splits calls above it.
+    pub fn new_session_with(&self, mut opts: SessionOptions) -> Result<Session> {
+        opts.numerics = opts.numerics.or(Some(self.numerics));
+        match &self.device {
+            Device::Cpu(pool) => Session::cpu(&self.model, opts, pool.clone()),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(w) => {
+                crate::session::check_ctx(opts.ctx)?;
+                let numerics = opts.numerics.unwrap_or(self.numerics);
+                let b = crate::cuda::CudaBackend::new(w, opts.ctx, numerics)?;
+                Ok(Session::on_backend(
+                    &self.model,
+                    Box::new(b),
+                    numerics,
+                    opts.prefill_chunk,
+                ))
+            }
+        }
+    }
+
+    pub(crate) fn model_ref(&self) -> &Model {
+        &self.model
+    }
+
+    pub(crate) fn cpu_pool_ref(&self) -> Option<&Arc<rayon::ThreadPool>> {
+        match &self.device {
+            Device::Cpu(pool) => pool.as_ref(),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => None,
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    pub(crate) fn cuda_weights_ref(&self) -> Option<&Arc<crate::cuda::CudaWeights>> {
+        match &self.device {
+            Device::Cuda(w) => Some(w),
+            Device::Cpu(_) => None,
+        }
+    }
+}
+
+/// The tokenizer of the DS4 GGUF at `path`, without loading the model: the file is
+/// mapped and only its `tokenizer.ggml.*` metadata is read.
+pub fn load_tokenizer(path: impl AsRef<Path>) -> Result<Tokenizer> {
+    let path = path.as_ref();
+    let gguf = ds4_gguf::GgufFile::open(path).map_err(|source| EngineError::Open {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    crate::tokenizer::from_gguf(&gguf)
+}
+
+fn cpu(threads: Option<usize>) -> Result<Device> {
+    let pool = threads
+        .map(|n| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .build()
+                .map(Arc::new)
+                .map_err(|e| EngineError::Invalid(format!("a CPU pool of {n} threads: {e}")))
+        })
+        .transpose()?;
+    Ok(Device::Cpu(pool))
+}
+
+/// The one place that decides the backend.
+fn pick(model: &Model, opts: &EngineOptions) -> Result<(Device, String)> {
+    match opts.backend {
+        BackendChoice::Cpu { threads } => {
+            let reason = match threads {
+                Some(n) => format!("requested, {n} threads"),
+                None => "requested".to_string(),
+            };
+            Ok((cpu(threads)?, reason))
+        }
+        BackendChoice::Cuda { device } => cuda(model, device, opts),
+        BackendChoice::Auto => match cuda(model, 0, opts) {
+            Ok(found) => Ok(found),
+            Err(EngineError::Unavailable { reason, .. }) => Ok((cpu(None)?, reason)),
+            Err(e) => Ok((cpu(None)?, format!("CUDA unavailable ({e})"))),
+        },
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda(model: &Model, device: usize, opts: &EngineOptions) -> Result<(Device, String)> {
+    use crate::cuda::{driver_present, CudaBackend};
+    if !driver_present() {
+        return Err(EngineError::Unavailable {
+            backend: "cuda",
+            reason: "no CUDA driver on this machine".into(),
+        });
+    }
+    let total = model.gguf().tensor_bytes();
+    let done = std::sync::atomic::AtomicU64::new(0);
+    let progress = |n: usize| {
+        if let Some(p) = &opts.progress {
+            let now = done.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed) + n as u64;
+            p(now, total);
+        }
+    };
+    let w = CudaBackend::load(model, device, &progress)?;
+    let reason = format!("CUDA device {device} ({})", w.gpu.info().name);
+    Ok((Device::Cuda(w), reason))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda(_: &Model, _: usize, _: &EngineOptions) -> Result<(Device, String)> {
+    Err(EngineError::Unavailable {
+        backend: "cuda",
+        reason: "this build has no CUDA support (built without the `cuda` feature)".into(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quant_bits_follow_the_type() {
+        assert_eq!(quant_bits(Some(GgmlType::IQ2_XXS)), 2);
+        assert_eq!(quant_bits(Some(GgmlType::Q2_K)), 2);
+        assert_eq!(quant_bits(Some(GgmlType::Q4_K)), 4);
+        assert_eq!(quant_bits(Some(GgmlType::F32)), 2);
+        assert_eq!(quant_bits(None), 2);
+    }
+}
