@@ -1,13 +1,15 @@
 //! Shared code of the `ds4`, `ds4-tool` and `ds4-bench` programs.
 
-pub mod bench_plot;
 pub mod download;
 pub mod fixture_check;
 pub mod gpu_attention_check;
 pub mod gpu_matmul_check;
 pub mod gpu_selftest;
 pub mod gpu_variant_check;
-pub mod rng;
-pub mod synth;
+pub mod logging;
 pub mod tok;
-pub mod vocab;
+
+// The GPU kernel checks draw their random inputs from the synthetic-model generator
+// (`crate::rng::Rng`, `crate::synth::fill_blocks`), which lives in ds4-synth.
+use ds4_synth as synth;
+use ds4_synth::rng;

@@ -4,6 +4,7 @@ mod download;
 mod dump;
 mod gpu_selftest;
 mod inspect;
+mod jsonl;
 mod logits;
 mod synth;
 mod tokenize;
@@ -19,6 +20,9 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// More log output on stderr: -v info, -vv debug (RUST_LOG, when set, decides).
+    #[arg(short = 'v', long = "verbose", action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
 }
 
 #[derive(Subcommand)]
@@ -43,6 +47,7 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    ds4_cli::logging::init(cli.verbose);
     match cli.command {
         Command::Inspect(a) => inspect::run(a),
         Command::Synth(a) => synth::run(a),
