@@ -244,6 +244,8 @@ fn run(cwd: &Path, server: &Server, args: &[&str], env: &[(&str, &str)]) -> Run 
         .env_remove("HF_HOME")
         .env_remove("DS4_GGUF_DIR")
         .env_remove("DS4_DOWNLOAD_BASE_URL")
+        // The retry warnings the tests look for are log events: default level.
+        .env_remove("RUST_LOG")
         .env("HOME", cwd.join("home"));
     for (k, v) in env {
         cmd.env(k, v);
@@ -325,6 +327,31 @@ fn dropped_connection_is_resumed_by_retry() {
     assert_eq!(reqs.len(), 2, "{reqs:?}");
     assert_eq!(reqs[0].range, None);
     assert_eq!(reqs[1].range.as_deref(), Some("bytes=70000-"));
+}
+
+#[test]
+fn retry_warnings_are_log_events() {
+    // `RUST_LOG` filters them like any tracing event; the download itself is unchanged.
+    for (filter, shown) in [("off", false), ("warn", true)] {
+        let data = payload(50_000);
+        let server = Server::start(&[(MTP, data.clone())]);
+        server.with(|s| s.script.push_back(Step::Cut(10_000)));
+        let cwd = tempdir(&format!("log-{filter}"));
+        let r = run(
+            &cwd,
+            &server,
+            &["mtp", "--no-verify"],
+            &[("RUST_LOG", filter)],
+        );
+        assert!(r.ok, "{}\n{}", r.out, r.err);
+        assert_eq!(
+            r.err.contains("retrying"),
+            shown,
+            "RUST_LOG={filter}: {}",
+            r.err
+        );
+        assert_eq!(std::fs::read(cwd.join("gguf").join(MTP)).unwrap(), data);
+    }
 }
 
 #[test]

@@ -102,6 +102,9 @@ pub struct Args {
     pub dir_steering_ffn: Option<f32>,
     #[arg(long)]
     pub dir_steering_attn: Option<f32>,
+    /// More log output on stderr: -v debug, -vv trace (RUST_LOG, when set, decides).
+    #[arg(short = 'v', long = "verbose", action = clap::ArgAction::Count)]
+    pub verbose: u8,
 
     /// Testing only: a scripted engine over this tokenizer.json instead of a model
     /// (deterministic replies, a DSML tool call when the user asks for weather).

@@ -1,6 +1,11 @@
-//! Counters for `GET /metrics` (Prometheus text format) and the log timestamp helper.
+//! Counters for `GET /metrics` (Prometheus text format) and the server's log lines.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+use tracing::Level;
+use tracing_subscriber::fmt::format::Writer;
+use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
+use tracing_subscriber::registry::LookupSpan;
 
 /// `MMDD HH:MM:SS` in UTC (the reference log prefix, without a timezone library).
 pub fn timestamp() -> String {
@@ -24,12 +29,65 @@ pub fn timestamp() -> String {
     )
 }
 
-/// `log!(...)`: one stderr line with the reference prefix.
+/// `log!(...)`: one line of the server's log, an `info` event (see [`init_logging`]).
 #[macro_export]
 macro_rules! log {
     ($($arg:tt)*) => {
-        eprintln!("{} ds4-server: {}", $crate::metrics::timestamp(), format!($($arg)*))
+        $crate::metrics::__tracing::info!($($arg)*)
     };
+}
+
+/// For [`log!`] expanded in other crates.
+#[doc(hidden)]
+pub use tracing as __tracing;
+
+/// Installs the log subscriber of the `ds4-server` binary (libraries only emit events):
+/// stderr lines with the reference prefix `MMDD HH:MM:SS ds4-server: `, filtered by
+/// `RUST_LOG` when it is set, else `info` (the server's request log), `debug` with one
+/// `-v`, `trace` with `-vv` or more.
+pub fn init_logging(verbosity: u8) {
+    let default = match verbosity {
+        0 => "info",
+        1 => "debug",
+        _ => "trace",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .event_format(ReferenceLine)
+        .init();
+}
+
+/// `MMDD HH:MM:SS ds4-server: message`, the level named before the message unless it is
+/// `info`.
+struct ReferenceLine;
+
+impl<S, N> FormatEvent<S, N> for ReferenceLine
+where
+    S: tracing::Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        ctx: &FmtContext<'_, S, N>,
+        mut w: Writer<'_>,
+        event: &tracing::Event<'_>,
+    ) -> std::fmt::Result {
+        write!(w, "{} ds4-server: ", timestamp())?;
+        let level = match *event.metadata().level() {
+            Level::ERROR => "error: ",
+            Level::WARN => "warning: ",
+            Level::INFO => "",
+            Level::DEBUG => "debug: ",
+            Level::TRACE => "trace: ",
+        };
+        w.write_str(level)?;
+        ctx.field_format().format_fields(w.by_ref(), event)?;
+        writeln!(w)
+    }
 }
 
 #[derive(Debug, Default)]

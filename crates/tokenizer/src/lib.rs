@@ -10,7 +10,6 @@
 mod added;
 mod bpe;
 pub mod chat;
-pub mod cli;
 mod decode;
 pub mod dsml;
 pub mod dsml_stream;

@@ -73,6 +73,7 @@ fn load_engine(args: &Args) -> Result<(Arc<Tokenizer>, Box<dyn EngineBackend>)> 
 
 fn main() {
     let args = Args::parse();
+    ds4_server::metrics::init_logging(args.verbose);
     if let Err(e) = run(args) {
         eprintln!("ds4-server: {e:#}");
         std::process::exit(1);

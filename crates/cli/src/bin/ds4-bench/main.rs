@@ -13,18 +13,18 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
-use ds4_cli::bench_plot::{self, BenchRow, CSV_HEADER};
-use ds4_cli::synth::Plan;
-use ds4_cli::vocab::Vocab;
-use ds4_engine::dev::config::Config;
 use ds4_engine::dev::layout::ExpertQuant;
 use ds4_engine::dev::{EngineExt, LoadOptions, Model};
 use ds4_engine::{BackendChoice, BackendKind, Engine, EngineOptions, Numerics, Session};
 use ds4_gguf::GgufFile;
+use ds4_synth::{flash_config, Plan, Vocab};
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[cfg(feature = "cuda")]
 mod fuse_ab;
+mod plot;
+
+use plot::{BenchRow, CSV_HEADER};
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
 enum BackendArg {
@@ -123,6 +123,9 @@ struct Args {
     device: usize,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// More log output on stderr: -v info, -vv debug (RUST_LOG, when set, decides).
+    #[arg(short = 'v', long = "verbose", action = clap::ArgAction::Count)]
+    verbose: u8,
 }
 
 fn bar(len: u64, msg: &str) -> ProgressBar {
@@ -141,12 +144,7 @@ fn bar(len: u64, msg: &str) -> ProgressBar {
 fn load_model(a: &Args) -> Result<Model> {
     let gguf = match a.synthetic_weights {
         Some(kind) => {
-            let mut cfg = Config::flash();
-            cfg.n_layer = a.layers;
-            cfg.compress_ratios = Config::flash_ratios(a.layers);
-            cfg.swiglu_clamp = vec![10.0; a.layers];
-            cfg.swiglu_clamp_shexp = vec![10.0; a.layers];
-            cfg.n_hash_layer = cfg.n_hash_layer.min(a.layers);
+            let cfg = flash_config(a.layers);
             let experts = if kind == Synthetic::Q2 { ExpertQuant::Q2 } else { ExpertQuant::Q4 };
             let plan = Plan::new(cfg, experts, &Vocab::builtin(129_280)?, "ds4-bench synthetic weights")?;
             let b = bar(plan.layout.file_size, "generating synthetic weights");
@@ -194,7 +192,7 @@ fn prompt_tokens(a: &Args, model: &Model, need: usize) -> Result<Vec<u32>> {
                 bail!("give --prompt-file or --chat-prompt-file (or use --synthetic-weights, which bench on random tokens)");
             }
             // Random weights: the tokens' meaning is irrelevant; ids of the byte range.
-            let mut rng = ds4_cli::rng::Rng::stream(a.seed, 7, 7);
+            let mut rng = ds4_synth::Rng::stream(a.seed, 7, 7);
             (0..need).map(|_| 3 + rng.below(256) as u32).collect()
         }
     };
@@ -231,12 +229,13 @@ fn plot_csv(csv: &std::path::Path, out: &std::path::Path) -> Result<()> {
         bail!("{} has no rows", csv.display());
     }
     let title = format!("ds4-bench ({})", csv.display());
-    std::fs::write(out, bench_plot::svg(&rows, &title))
+    std::fs::write(out, plot::svg(&rows, &title))
         .with_context(|| format!("cannot write {}", out.display()))
 }
 
 fn main() -> Result<()> {
     let a = Args::parse();
+    ds4_cli::logging::init(a.verbose);
     if let (Some(csv), Some(out)) = (&a.plot_from, &a.plot) {
         return plot_csv(csv, out);
     }
@@ -354,7 +353,7 @@ fn main() -> Result<()> {
                 |k| format!("synthetic {k:?}")
             )
         );
-        std::fs::write(p, bench_plot::svg(&rows, &title))
+        std::fs::write(p, plot::svg(&rows, &title))
             .with_context(|| format!("cannot write {}", p.display()))?;
     }
     Ok(())

@@ -5,6 +5,7 @@ mod dump;
 #[cfg(feature = "cuda")]
 mod gpu_selftest;
 mod inspect;
+mod jsonl;
 mod logits;
 mod synth;
 mod tokenize;
@@ -20,6 +21,9 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// More log output on stderr: -v info, -vv debug (RUST_LOG, when set, decides).
+    #[arg(short = 'v', long = "verbose", action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
 }
 
 #[derive(Subcommand)]
@@ -45,6 +49,7 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    ds4_cli::logging::init(cli.verbose);
     match cli.command {
         Command::Inspect(a) => inspect::run(a),
         Command::Synth(a) => synth::run(a),

@@ -4,10 +4,9 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::ValueEnum;
-use ds4_cli::synth::Plan;
-use ds4_cli::vocab::Vocab;
 use ds4_engine::dev::config::Config;
 use ds4_engine::dev::layout::ExpertQuant;
+use ds4_synth::{flash_config, Plan, Vocab};
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -58,15 +57,7 @@ pub fn run(a: Args) -> Result<()> {
     anyhow::ensure!(a.layers >= 1, "--layers must be at least 1");
     let config = match a.dims {
         Dims::Tiny => Config::tiny(a.layers),
-        Dims::Full => {
-            let mut c = Config::flash();
-            c.n_layer = a.layers;
-            c.compress_ratios = Config::flash_ratios(a.layers);
-            c.swiglu_clamp = vec![10.0; a.layers];
-            c.swiglu_clamp_shexp = vec![10.0; a.layers];
-            c.n_hash_layer = c.n_hash_layer.min(a.layers);
-            c
-        }
+        Dims::Full => flash_config(a.layers),
     };
     let experts = match a.experts {
         Experts::Q2 => ExpertQuant::Q2,

@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use ds4_tokenizer::Tokenizer;
 
+use crate::jsonl;
+
 #[derive(clap::Args)]
 pub struct TokenizeArgs {
     /// A GGUF file (reads `tokenizer.ggml.*`) or a Hugging Face tokenizer.json.
@@ -38,14 +40,14 @@ fn io() -> (impl BufRead, impl Write) {
 pub fn run_tokenize(a: TokenizeArgs) -> anyhow::Result<()> {
     let tok = load_tokenizer(&a.tokenizer)?;
     let (r, mut w) = io();
-    ds4_tokenizer::cli::run_tokenize(r, &mut w, &tok)?;
+    jsonl::run_tokenize(r, &mut w, &tok)?;
     w.flush()?;
     Ok(())
 }
 
 pub fn run_render(_: RenderArgs) -> anyhow::Result<()> {
     let (r, mut w) = io();
-    ds4_tokenizer::cli::run_render(r, &mut w)?;
+    jsonl::run_render(r, &mut w)?;
     w.flush()?;
     Ok(())
 }

@@ -179,6 +179,10 @@ pub struct Args {
     /// (ds4-server's flag: refused with a pointer.)
     #[arg(long, hide = true)]
     pub server: bool,
+
+    /// More log output on stderr: -v info, -vv debug (RUST_LOG, when set, decides).
+    #[arg(short = 'v', long = "verbose", action = clap::ArgAction::Count)]
+    pub verbose: u8,
 }
 
 fn positive(s: &str) -> Result<usize, String> {

@@ -18,6 +18,7 @@ use engine::Engine;
 
 fn main() {
     let args = Args::parse_env();
+    ds4_cli::logging::init(args.verbose);
     if let Err(e) = run(&args) {
         // A closed stdout (`ds4 … | head`) ends the run quietly, like SIGPIPE would.
         let broken_pipe = e.chain().any(|c| {

@@ -1,9 +1,5 @@
-//! Synthetic DeepSeek V4 models in the exact published layout, with random weights.
-//!
-//! Every tensor is generated directly as quantised blocks (random quants, scales set
-//! for a target RMS), chunk by chunk from independent seeded streams, so a full-size
-//! file can be written by all cores at disk speed with positioned writes and is the
-//! same for the same seed whatever the thread count.
+//! The plan of a synthetic file (metadata, tensor table, layout) and its writing, to
+//! disk or to memory, chunk by chunk in parallel.
 
 use std::fs::File;
 use std::io::Write;
@@ -11,17 +7,28 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use ds4_engine::dev::config::Config;
-use ds4_engine::dev::layout::{self, ExpertQuant, Role, TensorSpec};
-use ds4_gguf::quant::f32_to_f16;
-use ds4_gguf::quant::random::fill_blocks;
+use ds4_engine::dev::layout::{self, ExpertQuant, TensorSpec};
 use ds4_gguf::{GgmlType, GgufWriter, Layout, Value};
 use rayon::prelude::*;
 
+use crate::fill::fill_tensor_chunk;
 use crate::rng::Rng;
 use crate::vocab::Vocab;
 
 /// Bytes generated per work item (a whole number of blocks of every type).
 const CHUNK_BLOCKS_BYTES: usize = 4 << 20;
+
+/// The full-size DeepSeek V4 Flash shapes cut to `layers` layers (the real model has
+/// 43), with the per-layer tables sized to match.
+pub fn flash_config(layers: usize) -> Config {
+    let mut c = Config::flash();
+    c.n_layer = layers;
+    c.compress_ratios = Config::flash_ratios(layers);
+    c.swiglu_clamp = vec![10.0; layers];
+    c.swiglu_clamp_shexp = vec![10.0; layers];
+    c.n_hash_layer = c.n_hash_layer.min(layers);
+    c
+}
 
 /// A planned synthetic file.
 pub struct Plan {
@@ -189,86 +196,6 @@ fn write_at(f: &File, mut buf: &[u8], mut off: u64) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Target RMS of a tensor's values. Projections get gain/√fan-in; output-side
-/// projections are small so the residual (HC) streams stay bounded over 43 layers.
-fn target_rms(spec: &TensorSpec) -> f32 {
-    let short = spec
-        .name
-        .rsplit_once('.')
-        .map(|(a, _)| a.rsplit('.').next().unwrap_or(a))
-        .unwrap_or(&spec.name);
-    let base = spec.name.split('.').nth(2).unwrap_or(short);
-    let fan_in = spec.dims[0] as f32;
-    let gain = match base {
-        "attn_output_b" => 0.1,
-        "ffn_down_shexp" => 0.05,
-        "ffn_down_exps" => 0.07,
-        "ffn_gate_inp" => 2.0,
-        "attn_compressor_ape" | "indexer_compressor_ape" => return 0.5,
-        _ if spec.name == "token_embd.weight" => return 1.0,
-        _ if spec.name == "output.weight" => 2.5,
-        _ => 1.0,
-    };
-    gain / fan_in.sqrt()
-}
-
-/// Fills `buf` (bytes `start..start+buf.len()` of the tensor) with random data.
-fn fill_tensor_chunk(spec: &TensorSpec, cfg: &Config, start: usize, buf: &mut [u8], rng: &mut Rng) {
-    match spec.role {
-        Role::TokenTable => fill_tid2eid(cfg, start, buf, rng),
-        Role::Vector => fill_vector(spec, buf, rng),
-        _ => fill_blocks(spec.published, target_rms(spec), buf, rng),
-    }
-}
-
-fn fill_vector(spec: &TensorSpec, buf: &mut [u8], rng: &mut Rng) {
-    let name = spec.name.as_str();
-    let gen = |rng: &mut Rng| -> f32 {
-        if name.contains("norm") {
-            1.0 + 0.1 * rng.normal()
-        } else if name.contains("attn_sinks") {
-            0.5 + rng.normal()
-        } else if name.contains("exp_probs_b") {
-            0.2 * rng.normal()
-        } else if name.contains("_scale") {
-            0.5 + 0.25 * rng.uniform()
-        } else {
-            0.5 * rng.normal()
-        }
-    };
-    match spec.published {
-        GgmlType::F32 => {
-            for c in buf.chunks_exact_mut(4) {
-                c.copy_from_slice(&gen(rng).to_le_bytes());
-            }
-        }
-        _ => {
-            for c in buf.chunks_exact_mut(2) {
-                c.copy_from_slice(&f32_to_f16(gen(rng)).to_le_bytes());
-            }
-        }
-    }
-}
-
-/// Hash routing table: each token gets `n_expert_used` distinct experts.
-fn fill_tid2eid(cfg: &Config, start: usize, buf: &mut [u8], rng: &mut Rng) {
-    let k = cfg.n_expert_used;
-    debug_assert_eq!(start % (4 * k), 0, "chunks hold whole rows");
-    let mut chosen = Vec::with_capacity(k);
-    for row in buf.chunks_exact_mut(4 * k) {
-        chosen.clear();
-        while chosen.len() < k {
-            let e = rng.below(cfg.n_expert as u64) as i32;
-            if !chosen.contains(&e) {
-                chosen.push(e);
-            }
-        }
-        for (c, e) in row.chunks_exact_mut(4).zip(&chosen) {
-            c.copy_from_slice(&e.to_le_bytes());
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -284,6 +211,20 @@ mod tests {
         let file = std::fs::read(&path).unwrap();
         std::fs::remove_file(&path).unwrap();
         assert_eq!(plan.build(9, &|_| {}), file);
+    }
+
+    #[test]
+    fn a_seed_gives_the_same_bytes_as_before() {
+        // Synthetic files are compared across versions (benchmarks, bug reports): a change
+        // to the generator must show up here, not as a silent difference in results.
+        let cfg = Config::tiny(2);
+        let vocab = Vocab::builtin(cfg.vocab).unwrap();
+        let plan = Plan::new(cfg, ExpertQuant::Q2, &vocab, "pinned").unwrap();
+        let image = plan.build(7, &|_| {});
+        let fnv1a = image.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+            (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+        });
+        assert_eq!((image.len(), fnv1a), (2_248_736, 0x031e_ad62_e605_bd72));
     }
 
     #[test]

@@ -1,5 +1,5 @@
-//! An SVG chart of a `ds4-bench` CSV: prefill and decode tokens/s against the context
-//! frontier, each on its own axis scale.
+//! The rows of a `ds4-bench` CSV and their SVG chart (`--plot`, `--plot-from`): prefill
+//! and decode tokens/s against the context frontier, each on its own axis scale.
 
 /// One CSV row (the columns ds4-bench writes).
 #[derive(Clone, Debug, PartialEq)]

@@ -1,5 +1,6 @@
 //! The logic of the `ds4-tool tokenize` and `ds4-tool render` subcommands, as functions over
-//! JSON Lines streams so they can be tested without a process.
+//! JSON Lines streams so they can be tested without a process (`tokenize.rs` wires them to
+//! stdin/stdout).
 
 use std::io::{BufRead, Write};
 
@@ -7,9 +8,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use thiserror::Error;
 
-use crate::chat::{encode_messages, EncodeOptions, Message, ReasoningEffort, ThinkingMode};
-use crate::error::ChatError;
-use crate::Tokenizer;
+use ds4_tokenizer::chat::{encode_messages, EncodeOptions, Message, ReasoningEffort, ThinkingMode};
+use ds4_tokenizer::{ChatError, Tokenizer};
 
 #[derive(Debug, Error)]
 pub enum CliError {
@@ -121,4 +121,83 @@ pub fn run_render(reader: impl BufRead, mut writer: impl Write) -> Result<usize,
         writeln!(writer, "{}", json!({ "prompt": prompt }))?;
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    //! `run_tokenize` / `run_render` over the fixture files piped in unchanged.
+
+    use std::path::PathBuf;
+
+    use super::*;
+
+    fn read_fixture(rel: &str) -> Vec<u8> {
+        let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures")
+            .join(rel);
+        std::fs::read(&p).unwrap_or_else(|e| panic!("reading {}: {e}", p.display()))
+    }
+
+    /// Non-header lines of a JSON Lines fixture.
+    fn cases(rel: &str) -> Vec<Value> {
+        let text = String::from_utf8(read_fixture(rel)).expect("fixture is UTF-8");
+        text.lines()
+            .skip(1)
+            .filter(|l| !l.is_empty())
+            .map(|l| serde_json::from_str(l).expect("case JSON"))
+            .collect()
+    }
+
+    fn official() -> Tokenizer {
+        Tokenizer::from_tokenizer_json(&read_fixture("tokenizer/tokenizer.json"))
+            .expect("official tokenizer.json loads")
+    }
+
+    #[test]
+    fn render_fixture_file() {
+        let input = read_fixture("encoding/encode_cases.jsonl");
+        let mut out = Vec::new();
+        let n = run_render(&input[..], &mut out).unwrap();
+        let cases = cases("encoding/encode_cases.jsonl");
+        assert_eq!(n, cases.len());
+        let out = String::from_utf8(out).unwrap();
+        for (line, case) in out.lines().zip(&cases) {
+            let v: Value = serde_json::from_str(line).unwrap();
+            assert_eq!(v["prompt"], case["prompt"], "{}", case["id"]);
+        }
+    }
+
+    #[test]
+    fn tokenize_fixture_file() {
+        let tok = official();
+        let input = read_fixture("tokenizer/tokenize_cases.jsonl");
+        let cases = cases("tokenizer/tokenize_cases.jsonl");
+        let encode: Vec<_> = cases.iter().filter(|c| c["kind"] == "encode").collect();
+        let lines: String = encode
+            .iter()
+            .map(|c| json!({ "text": c["text"] }).to_string() + "\n")
+            .collect();
+        let mut out = Vec::new();
+        assert_eq!(
+            run_tokenize(lines.as_bytes(), &mut out, &tok).unwrap(),
+            encode.len()
+        );
+        for (line, case) in String::from_utf8(out).unwrap().lines().zip(&encode) {
+            let v: Value = serde_json::from_str(line).unwrap();
+            assert_eq!(v["ids"], case["ids"]);
+        }
+        // The fixture file itself goes through (header skipped, every case has a "text").
+        assert_eq!(
+            run_tokenize(&input[..], &mut Vec::new(), &tok).unwrap(),
+            cases.len()
+        );
+        // A line without "text" is reported with its line number.
+        let err = run_tokenize(
+            &b"{\"text\":\"a\"}\n{\"ids\":[1]}\n"[..],
+            &mut Vec::new(),
+            &tok,
+        )
+        .unwrap_err();
+        assert!(err.to_string().starts_with("line 2:"), "{err}");
+    }
 }
