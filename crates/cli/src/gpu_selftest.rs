@@ -2,7 +2,7 @@
 //! inputs, then (with `bench`) achieved bandwidth at the real model's shapes.
 
 use anyhow::Result;
-use ds4_cuda::{DeviceMatrix, Gpu, MatSel};
+use ds4_cuda::{DeviceMatrix, Launcher, MatSel, Variant};
 use ds4_gguf::quant::dequantize_to_vec;
 use ds4_gguf::GgmlType;
 
@@ -110,7 +110,7 @@ fn reference(
 }
 
 /// Correctness checks of every matvec kernel (plain and expert-selected).
-pub fn check_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+pub fn check_kernels(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::stream(seed, 0xc0de, 0);
     let mut checks = Vec::new();
     let types = [
@@ -191,7 +191,7 @@ pub fn check_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
 
 /// The hyper-connection mix `mix[t][k] = (fn_k · h_t) / rms(h_t)` (the batched GEMM +
 /// scale path for n_tok > 1, the fused kernel for one token) against f64.
-fn check_hc_mix(gpu: &Gpu, rng: &mut Rng, ty: GgmlType, n_tok: usize) -> Result<Check> {
+fn check_hc_mix(gpu: &Launcher, rng: &mut Rng, ty: GgmlType, n_tok: usize) -> Result<Check> {
     let (rows, cols, eps) = (24usize, 16384usize, 1e-6f32);
     let w = random_matrix(ty, rows, cols, 1, rng);
     let m = DeviceMatrix::upload(gpu, ty, &w, rows, cols, 1)?;
@@ -226,7 +226,7 @@ fn check_hc_mix(gpu: &Gpu, rng: &mut Rng, ty: GgmlType, n_tok: usize) -> Result<
 }
 
 /// The GPU activation quantiser must reproduce `quantize_q8_0` bit for bit.
-fn check_quantize(gpu: &Gpu, rng: &mut Rng) -> Result<Check> {
+fn check_quantize(gpu: &Launcher, rng: &mut Rng) -> Result<Check> {
     let rows = 3;
     let cols = 4096;
     let mut x = random_vec(rows * cols, rng);
@@ -252,7 +252,7 @@ fn check_quantize(gpu: &Gpu, rng: &mut Rng) -> Result<Check> {
 
 /// The GPU Q8_K quantiser must reproduce `quantize_q8_k` bit for bit (its scale is
 /// stored once per 32 values).
-fn check_quantize_k(gpu: &Gpu, rng: &mut Rng) -> Result<Check> {
+fn check_quantize_k(gpu: &Launcher, rng: &mut Rng) -> Result<Check> {
     let (rows, cols) = (2, 2048);
     let mut x = random_vec(rows * cols, rng);
     x[256..512].fill(0.0); // an all-zero block
@@ -279,7 +279,13 @@ fn check_quantize_k(gpu: &Gpu, rng: &mut Rng) -> Result<Check> {
 
 /// Expert products with int8 activations against an f64 product of the exactly
 /// dequantized weights with the CPU-quantised activations.
-fn check_q8act(gpu: &Gpu, m: &DeviceMatrix, w: &[u8], ids: &[i32], x: &[f32]) -> Result<Check> {
+fn check_q8act(
+    gpu: &Launcher,
+    m: &DeviceMatrix,
+    w: &[u8],
+    ids: &[i32],
+    x: &[f32],
+) -> Result<Check> {
     let (rows, cols, ty) = (m.rows, m.cols, m.ty);
     let blocks = ds4_gguf::quant::quantize_q8_0_vec(x);
     let xq: Vec<f32> = blocks
@@ -307,7 +313,7 @@ fn check_q8act(gpu: &Gpu, m: &DeviceMatrix, w: &[u8], ids: &[i32], x: &[f32]) ->
 
 /// Two stacks in one launch against one launch each, bit for bit: selected matrices
 /// (`ids`), or with `ids` empty a plain pair (the Q8_0 shared expert's gate and up).
-fn check_q8act_pair(gpu: &Gpu, rng: &mut Rng, m: &DeviceMatrix, ids: &[i32]) -> Result<Check> {
+fn check_q8act_pair(gpu: &Launcher, rng: &mut Rng, m: &DeviceMatrix, ids: &[i32]) -> Result<Check> {
     let (rows, cols, ty) = (m.rows, m.cols, m.ty);
     let w2 = random_matrix(ty, rows, cols, m.n_mats, rng);
     let m2 = DeviceMatrix::upload(gpu, ty, &w2, rows, cols, m.n_mats)?;
@@ -353,7 +359,7 @@ pub(crate) fn rope_freqs(rope_dim: usize) -> Vec<f32> {
 /// `freqs` on the device and the kernels' RoPE parameters over them (the buffer must
 /// outlive every launch that takes the parameters).
 pub(crate) fn upload_rope(
-    gpu: &Gpu,
+    gpu: &Launcher,
     freqs: &[f32],
 ) -> Result<(ds4_cuda::DeviceBuf<f32>, ds4_cuda::RopeP)> {
     let buf = gpu.upload(freqs)?;
@@ -444,13 +450,13 @@ pub(crate) fn bit_identical(name: String, diff: BitDiff) -> Check {
 
 /// The expert matvecs with their activations in registers against the staged kernels,
 /// bit for bit, with per-selection inputs and one shared input: IQ2_XXS at 4096 columns
-/// (`matvec_iq2_xxs_q8_rx`, `_rx32` with 32 table copies, `_rxe` building its tables
+/// (`matvec_iq2_xxs_q8_rx`, `_rxe` building its tables
 /// before the PDL wait, `_rxp` and `probe_iq2_rxp4` loading the next row unit while
 /// computing one, `_rxt` / `_rxtp` with iq2_xxs_dot_tab's lookups), Q2_K
 /// at 2048 (`matvec_q2_k_q8_rx`), Q8_0 with its first weight loads before the PDL wait
 /// (`matvec_q8_0_q8_early`). Other shapes have only the staged kernel.
 fn check_kernel_variants(
-    gpu: &Gpu,
+    gpu: &Launcher,
     rng: &mut Rng,
     m: &DeviceMatrix,
     ids: &[i32],
@@ -461,7 +467,6 @@ fn check_kernel_variants(
             "matvec_iq2_xxs_q8",
             &[
                 "matvec_iq2_xxs_q8_rx",
-                "matvec_iq2_xxs_q8_rx32",
                 "matvec_iq2_xxs_q8_rxe",
                 "matvec_iq2_xxs_q8_rxp",
                 "probe_iq2_rxp4",
@@ -501,7 +506,11 @@ fn check_kernel_variants(
 }
 
 /// Eight rotating selections of `used` distinct-looking experts out of `mats`.
-fn expert_id_sets(gpu: &Gpu, used: usize, mats: usize) -> Result<Vec<ds4_cuda::DeviceBuf<i32>>> {
+fn expert_id_sets(
+    gpu: &Launcher,
+    used: usize,
+    mats: usize,
+) -> Result<Vec<ds4_cuda::DeviceBuf<i32>>> {
     (0..8)
         .map(|s| {
             let ids: Vec<i32> = (0..used as i32)
@@ -516,7 +525,7 @@ fn expert_id_sets(gpu: &Gpu, used: usize, mats: usize) -> Result<Vec<ds4_cuda::D
 /// of the stack `m` (input `x`: one shared row, or one row per selection), or of the
 /// IQ2_XXS probe kernel `probe` in its place.
 fn time_experts_q8act(
-    gpu: &Gpu,
+    gpu: &Launcher,
     m: &DeviceMatrix,
     x: &ds4_cuda::DeviceBuf<f32>,
     used: usize,
@@ -544,7 +553,7 @@ fn time_experts_q8act(
 
 /// Bandwidth of the decode matvecs at DeepSeek V4 Flash shapes. Several copies of
 /// each weight rotate so that the L2 cache cannot hold them.
-pub fn bench_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
+pub fn bench_kernels(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
     let mut rng = Rng::stream(seed, 0xbe4c, 0);
     let mut out = Vec::new();
     let l2 = gpu.info().l2_bytes.max(1) as usize;
@@ -701,7 +710,7 @@ pub fn bench_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
 /// with its default and with every forced split (warps per row). Each forced split's
 /// name carries its largest difference from the default's output, relative to the
 /// output's largest magnitude.
-pub fn probe_q8_splits(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
+pub fn probe_q8_splits(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
     let mut rng = Rng::stream(seed, 0xbe4e, 0);
     let mut out = Vec::new();
     let l2 = gpu.info().l2_bytes.max(1) as usize;
@@ -788,7 +797,6 @@ pub fn probe_q8_splits(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
             "probe_iq2_rxp4",
             "matvec_iq2_xxs_q8_rxt",
             "matvec_iq2_xxs_q8_rxtp",
-            "matvec_iq2_xxs_q8_rx32",
             "probe_iq2_rx_nolut",
             "probe_iq2_rx_loads",
             "probe_iq2_rxp_nolut",
@@ -850,13 +858,13 @@ pub fn probe_q8_splits(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
             y_stride: rows as i64,
         };
         let bytes = mats[0].bytes() as f64;
-        let run = |ks: Option<u32>| -> Result<(f64, Vec<f32>)> {
+        let run = |gpu: &Launcher, ks: Option<u32>| -> Result<(f64, Vec<f32>)> {
             let ms = gpu.time_ms(3, 50, |i| {
                 gpu.matvec_q8act_split(&mats[i % copies], &qa, yp, n_sel, sel, ks)
             })?;
             Ok((ms, gpu.download(&y)?))
         };
-        let (ms, want) = run(None)?;
+        let (ms, want) = run(gpu, None)?;
         out.push(Timing {
             name: format!("{name} default"),
             bytes,
@@ -864,8 +872,12 @@ pub fn probe_q8_splits(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
         });
         // The default packs 4 (≤ 1,024 columns) or 2 one-warp rows a warp (q8_rows,
         // q8_rows2); the same launch with one row a warp.
-        let rows_fusion = if cols <= 1024 { "q8_rows" } else { "q8_rows2" };
-        let (ms, got) = gpu.with_fusion(rows_fusion, false, || run(None))?;
+        let rows_fusion = if cols <= 1024 {
+            Variant::Q8Rows
+        } else {
+            Variant::Q8Rows2
+        };
+        let (ms, got) = run(&gpu.with(rows_fusion, false), None)?;
         let same = got
             .iter()
             .zip(&want)
@@ -880,7 +892,7 @@ pub fn probe_q8_splits(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
         });
         let scale = want.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-30);
         for ks in [1u32, 2, 4, 8] {
-            let (ms, got) = run(Some(ks))?;
+            let (ms, got) = run(gpu, Some(ks))?;
             let diff = got
                 .iter()
                 .zip(&want)

@@ -242,12 +242,8 @@ MM_Q8_0_KERNEL(64, 64)
 #define EXP_F_IQ2 1
 #define EXP_F_Q2K 2
 #define EXP_F_Q4K 3
-// IQ2_XXS with a 112-byte stage row (mm_exp_iq2_xxs_w_*, `exp_pitch`): the decode's
-// 8-byte reads of 8 rows (row·pitch + 8·j) fall in 16 distinct banks, where at 96 rows g
-// and g + 4 share theirs (2-way). Everything else as EXP_F_IQ2: the same sums.
-#define EXP_F_IQ2W 4
 template <int F>
-__host__ __device__ constexpr bool exp_iq2() { return F == EXP_F_IQ2 || F == EXP_F_IQ2W; }
+__host__ __device__ constexpr bool exp_iq2() { return F == EXP_F_IQ2; }
 
 template <int F>
 __host__ __device__ constexpr int exp_xpitch() { return F == EXP_F_Q8_0 ? 272 : 288; }
@@ -256,13 +252,12 @@ __host__ __device__ constexpr int exp_x_bytes() { return 32 * exp_xpitch<F>() + 
 // Weight row pitch in the stage (quant bytes).
 template <int F>
 __host__ __device__ constexpr int exp_wpitch() {
-    return F == EXP_F_Q8_0 ? 272 : F == EXP_F_Q4K ? 160 : F == EXP_F_IQ2W ? 112 : 96;
+    return F == EXP_F_Q8_0 ? 272 : F == EXP_F_Q4K ? 160 : 96;
 }
 template <int F>
 __host__ __device__ constexpr int exp_w_bytes() {
     return F == EXP_F_Q8_0 ? 128 * 272 + 128 * 16
          : F == EXP_F_IQ2  ? 128 * 96 + 128 * 4
-         : F == EXP_F_IQ2W ? 128 * 112 + 128 * 4
          : F == EXP_F_Q2K  ? 128 * 96 + 128 * 16 + 128 * 4
                            : 128 * 160;
 }
@@ -681,9 +676,6 @@ MM_EXP_KERNEL(mm_exp_q8_0_b4, EXP_F_Q8_0, 4)
 MM_EXP_KERNEL(mm_exp_iq2_xxs_b2, EXP_F_IQ2, 2)
 MM_EXP_KERNEL(mm_exp_iq2_xxs_b3, EXP_F_IQ2, 3)
 MM_EXP_KERNEL(mm_exp_iq2_xxs_b4, EXP_F_IQ2, 4)
-MM_EXP_KERNEL(mm_exp_iq2_xxs_w_b2, EXP_F_IQ2W, 2)
-MM_EXP_KERNEL(mm_exp_iq2_xxs_w_b3, EXP_F_IQ2W, 3)
-MM_EXP_KERNEL(mm_exp_iq2_xxs_w_b4, EXP_F_IQ2W, 4)
 MM_EXP_KERNEL(mm_exp_q2_k_b2, EXP_F_Q2K, 2)
 MM_EXP_KERNEL(mm_exp_q2_k_b3, EXP_F_Q2K, 3)
 MM_EXP_KERNEL(mm_exp_q2_k_b4, EXP_F_Q2K, 4)

@@ -70,17 +70,10 @@ __device__ __forceinline__ void iq2_tables(u32* codes, u32* signs, const u64* gr
 // super-block c >> 2, scale d as f16) against their int8 activations x (two int4 per
 // group) and activation scales s. PROBE 1 (gpu-selftest --probe-q8 only; 0 in
 // production) replaces the table lookups by arithmetic on the weight bits.
-//
-// COPIES 32: the tables hold 32 interleaved copies (entry e of lane l at e·32 + l), so a
-// warp's lookups never share a bank; 1: one copy (random entries: ~4-way conflicts).
-template <int PROBE, int COPIES = 1>
+template <int PROBE>
 __device__ __forceinline__ float iq2_xxs_dot(const W4 w, u16 d, const int4 (&x)[4],
                                              const float (&s)[2], const u32* codes,
                                              const u32* signs) {
-    if (COPIES > 1) {
-        codes += threadIdx.x % COPIES;
-        signs += threadIdx.x % COPIES;
-    }
     const float db = h2f(d) * 0.25f;
     const u32 words[4] = {w.a, w.b, w.c, w.d};
     float acc = 0.f;
@@ -94,8 +87,7 @@ __device__ __forceinline__ float iq2_xxs_dot(const W4 w, u16 d, const int4 (&x)[
         for (int l = 0; l < 4; ++l) {
             const u32 sel = PROBE == 1
                                 ? ((idx >> (8 * l)) ^ (sg >> (7 * l))) & 0x33333333u
-                                : codes[((idx >> (8 * l)) & 0xff) * COPIES] |
-                                      signs[((sg >> (7 * l)) & 127) * COPIES];
+                                : codes[(idx >> (8 * l)) & 0xff] | signs[(sg >> (7 * l)) & 127];
             const int vlo = (int)__byte_perm(IQ2_LUT_POS, IQ2_LUT_NEG, sel);
             const int vhi = (int)__byte_perm(IQ2_LUT_POS, IQ2_LUT_NEG, sel >> 16);
             sumi = __dp4a(vlo, xs[2 * l], sumi);
@@ -273,11 +265,6 @@ extern "C" __global__ void __launch_bounds__(256, 3) matvec_iq2_xxs_q8(IQ2_MATVE
 // SM), all of a unit's weight loads in flight at once. The sums are
 // matvec_iq2_xxs_q8's, in the same order.
 //
-// COPIES 32 (matvec_iq2_xxs_q8_rx32, opt-in until measured): the tables in 32
-// interleaved copies in dynamic shared memory (48 KB + the 1.5 KB they are copied
-// from), so no lookup waits on a bank conflict: with the activation reads gone the
-// ~16 random lookups per 16 weight bytes are this kernel's largest term.
-//
 // EARLY (matvec_iq2_xxs_q8_rxe, `iq2_early`): the tables are built before the PDL wait
 // (they come from the constant grid; the plain kernel builds them after it: an L2 load
 // and a barrier on the routed experts' chain, 43 times a token). Same sums.
@@ -318,26 +305,15 @@ __device__ __forceinline__ void iq2_rx_load_x(const i8* xq, const float* xd, i64
     }
 }
 
-template <int COPIES, bool EARLY = false>
+template <bool EARLY>
 __device__ __forceinline__ void iq2_xxs_q8_rx_body(IQ2_MATVEC_PARAMS) {
     if (!EARLY) PDL_WAIT();
     constexpr int R = EXP_ROWS_PER_WARP, S = IQ2_RX_STEPS;
     __shared__ u32 base_codes[256], base_signs[128];
-    extern __shared__ __align__(16) u32 copies[];
     iq2_tables(base_codes, base_signs, grid_g);
     __syncthreads();
     const u32* codes = base_codes;
     const u32* signs = base_signs;
-    if (COPIES > 1) {
-        const int tid = threadIdx.y * blockDim.x + threadIdx.x;
-        for (int i = tid; i < 384 * COPIES; i += blockDim.x * blockDim.y) {
-            const int e = i / COPIES;
-            copies[i] = e < 256 ? base_codes[e] : base_signs[e - 256];
-        }
-        __syncthreads();
-        codes = copies;
-        signs = copies + 256 * COPIES;
-    }
     if (EARLY) PDL_WAIT();
     (void)cols;  // S × 32 steps of 64 values (the host checks)
     const int lane = threadIdx.x;
@@ -373,7 +349,7 @@ __device__ __forceinline__ void iq2_xxs_q8_rx_body(IQ2_MATVEC_PARAMS) {
             float acc = 0.f;
 #pragma unroll
             for (int k = 0; k < S; ++k)
-                acc += iq2_xxs_dot<0, COPIES>(w[r][k], d[r][k], x[k], s[k], codes, signs);
+                acc += iq2_xxs_dot<0>(w[r][k], d[r][k], x[k], s[k], codes, signs);
             acc = warp_sum(acc);
             if (lane == 0 && row0 + r < rows) ym[yi * sel.y_stride + row0 + r] = acc;
         }
@@ -382,13 +358,10 @@ __device__ __forceinline__ void iq2_xxs_q8_rx_body(IQ2_MATVEC_PARAMS) {
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2) matvec_iq2_xxs_q8_rx(IQ2_MATVEC_PARAMS) {
-    iq2_xxs_q8_rx_body<1>(IQ2_MATVEC_ARGS);
-}
-extern "C" __global__ void __launch_bounds__(256, 2) matvec_iq2_xxs_q8_rx32(IQ2_MATVEC_PARAMS) {
-    iq2_xxs_q8_rx_body<32>(IQ2_MATVEC_ARGS);
+    iq2_xxs_q8_rx_body<false>(IQ2_MATVEC_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(256, 2) matvec_iq2_xxs_q8_rxe(IQ2_MATVEC_PARAMS) {
-    iq2_xxs_q8_rx_body<1, true>(IQ2_MATVEC_ARGS);
+    iq2_xxs_q8_rx_body<true>(IQ2_MATVEC_ARGS);
 }
 
 // The register-activation IQ2_XXS kernel with its next row unit's weights in flight

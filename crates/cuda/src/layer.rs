@@ -11,6 +11,7 @@ use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 
 use crate::device::Gpu;
 use crate::error::CudaError;
+use crate::plan::{Launcher, Variant};
 use crate::weights::DeviceMatrix;
 use ds4_gguf::GgmlType;
 
@@ -152,7 +153,7 @@ macro_rules! launch {
     }};
 }
 
-impl Gpu {
+impl Launcher<'_> {
     /// H[t][s] = embedding row of `step[t].token`, for every stream s and each of
     /// `n_tok` tokens.
     pub fn embed(
@@ -192,7 +193,7 @@ impl Gpu {
         n_out: usize,
     ) -> Result<(), CudaError> {
         let n = n as i32;
-        let name = self.kernel_for("hc_preload", "hc_mix", "hc_mix_pl");
+        let name = self.pick(Variant::HcPreload, "hc_mix", "hc_mix_pl");
         launch!(
             self,
             name,
@@ -287,7 +288,7 @@ impl Gpu {
         }
         let (nh, ne) = (n_hc as i32, n_embd as i32);
         let nm = norm.unwrap_or_default();
-        let name = self.kernel_for("hc_preload", "hc_pre", "hc_pre_pl");
+        let name = self.pick(Variant::HcPreload, "hc_pre", "hc_pre_pl");
         launch!(
             self,
             name,
@@ -359,7 +360,7 @@ impl Gpu {
     ) -> Result<(), CudaError> {
         check_hc_streams(n_hc)?;
         let (nh, ne, np) = (n_hc as i32, n_embd as i32, n_parts as i32);
-        let name = self.kernel_for("hc_preload", "hc_post", "hc_post_pl");
+        let name = self.pick(Variant::HcPreload, "hc_post", "hc_post_pl");
         launch!(
             self,
             name,
@@ -637,7 +638,7 @@ impl Gpu {
     ) -> Result<(), CudaError> {
         // One warp per head where the lanes' 4-value parts fit (`idxq_warp`).
         let tail_start = dim as i64 - rope.rope_dim as i64;
-        if dim == 128 && tail_start >= 0 && tail_start % 2 == 0 && self.fused("idxq_warp") {
+        if dim == 128 && tail_start >= 0 && tail_start % 2 == 0 && self.on(Variant::IdxqWarp) {
             let h = heads as i32;
             return launch!(
                 self,
@@ -688,7 +689,7 @@ impl Gpu {
         let (h, d, r, k) = (heads as i32, dim as i32, ratio as i32, top_k as i32);
         let ss = max_rows as i32;
         // A batch at the Flash shape on tensor cores (`idx_mma`, mma_indexer.cu).
-        if n_tok > 1 && heads == 64 && dim == 128 && self.fused("idx_mma") {
+        if n_tok > 1 && heads == 64 && dim == 128 && self.on(Variant::IdxMma) {
             // The rows and queries as bf16 [64][136] each, the dot products [64][68] f32.
             let smem = 2 * 64 * 136 * 2 + 64 * 68 * 4;
             let mut cfg = cfg2((max_rows as u32).div_ceil(64), n_tok.div_ceil(8), 128);
@@ -715,7 +716,7 @@ impl Gpu {
         let smem = (2 * dim * 68 + 16 * 64) * 4;
         let mut cfg = cfg2((max_rows as u32).div_ceil(64), n_tok, 256);
         cfg.shared_mem_bytes = smem as u32;
-        let name = self.kernel_for("idx_banks", "indexer_scores", "indexer_scores_sp");
+        let name = self.pick(Variant::IdxBanks, "indexer_scores", "indexer_scores_sp");
         self.allow_smem(name, smem)?;
         launch!(self, name, cfg, step, rows, q, wt, h, d, wscale, r, k, scores, ss)
     }
@@ -734,7 +735,7 @@ impl Gpu {
         sel: u64,
     ) -> Result<(), CudaError> {
         let (ss, r, kk) = (scores_stride as i32, ratio as i32, k as i32);
-        let name = self.kernel_for("topk_reg", "topk_select", "topk_select_rg");
+        let name = self.pick(Variant::TopkReg, "topk_select", "topk_select_rg");
         launch!(
             self,
             name,
@@ -801,10 +802,10 @@ impl Gpu {
         };
         let groups = (heads as u32).div_ceil(8);
         // A decode token's blocks stage their rows in shared memory (`att_stage`).
-        let staged = a.n_tok == 1 && self.fused("att_stage");
+        let staged = a.n_tok == 1 && self.on(Variant::AttStage);
         let (name, smem) = if staged {
-            let name = self.kernel_for(
-                "att_early",
+            let name = self.pick(
+                Variant::AttEarly,
                 "attention_split_staged",
                 "attention_split_early",
             );
@@ -830,7 +831,11 @@ impl Gpu {
                 Some(t) => (t.rope, 1i32, t.q, t.d),
                 None => (RopeP::default(), 0, 0, 0),
             };
-            let name = self.kernel_for("combine_pl", "attention_combine", "attention_combine_pl");
+            let name = self.pick(
+                Variant::CombinePl,
+                "attention_combine",
+                "attention_combine_pl",
+            );
             launch!(
                 self,
                 name,
@@ -864,11 +869,6 @@ impl Gpu {
         Ok(())
     }
 
-    /// Whether [`Gpu::attention_prefill_mma`] takes this attention shape.
-    pub fn attention_mma_shape(heads: usize, hd: usize) -> bool {
-        heads == ATT_MMA_HEADS && hd == ATT_MMA_HD
-    }
-
     /// Sink attention on tensor cores (fp16 operands, f32 sums; the fast numerics): one
     /// block per token over all its rows, output as `attention` with one chunk. Only the
     /// DeepSeek V4 Flash shape (64 heads of 512).
@@ -879,7 +879,7 @@ impl Gpu {
                 "tensor-core attention reads normed queries (no q_norm)".into(),
             ));
         }
-        if !Self::attention_mma_shape(heads, hd) || window > raw_cap || a.n_tok == 0 {
+        if !Gpu::attention_mma_shape(heads, hd) || window > raw_cap || a.n_tok == 0 {
             return Err(CudaError::Invalid(format!(
                 "tensor-core attention takes {ATT_MMA_HEADS} heads of {ATT_MMA_HD} (got {heads} of {hd}), window {window} <= ring {raw_cap}"
             )));
@@ -926,10 +926,10 @@ impl Gpu {
             )));
         }
         let (ne, kk) = (n_expert as i32, k as i32);
-        let name = if self.fused("router_split") {
+        let name = if self.on(Variant::RouterSplit) {
             "router_split"
         } else {
-            self.kernel_for("router4", "router", "router_wide")
+            self.pick(Variant::Router4, "router", "router_wide")
         };
         launch!(
             self,
@@ -1029,6 +1029,13 @@ impl Gpu {
             tmp,
             x
         )
+    }
+}
+
+impl Gpu {
+    /// Whether [`Gpu::attention_prefill_mma`] takes this attention shape.
+    pub fn attention_mma_shape(heads: usize, hd: usize) -> bool {
+        heads == ATT_MMA_HEADS && hd == ATT_MMA_HD
     }
 
     /// Copies host values into a device buffer.

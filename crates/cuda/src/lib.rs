@@ -10,17 +10,21 @@
 
 mod device;
 mod error;
+mod graph;
 mod layer;
 mod matmul;
 mod ops;
+pub mod plan;
 mod probe;
 pub mod trace;
 mod upload;
 mod weights;
 
-pub use device::{driver_present, DeviceBuf, Gpu, GpuInfo, KernelSource, TokenGraph, SIDE_LANES};
+pub use device::{driver_present, DeviceBuf, Gpu, GpuInfo, KernelSource, SIDE_LANES};
 pub use error::CudaError;
+pub use graph::TokenGraph;
 pub use layer::{AttnInput, AttnTail, HcNorm, QNorm, RopeP, WT_BF16, WT_F16, WT_F32, WT_Q8_0};
 pub use matmul::{Batch, RoutePlan};
 pub use ops::{MatSel, QuantAct};
+pub use plan::{DecodePlan, Launcher, PlanError, Variant};
 pub use weights::{repack, DeviceMatrix, Repacked};

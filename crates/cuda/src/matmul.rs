@@ -10,6 +10,7 @@ use ds4_gguf::GgmlType;
 use crate::device::Gpu;
 use crate::error::CudaError;
 use crate::ops::QuantAct;
+use crate::plan::{Launcher, Variant};
 use crate::weights::DeviceMatrix;
 
 /// How the rows of a batched product are laid out (element strides).
@@ -86,12 +87,10 @@ fn q8_stage_bytes(bm: usize, bn: usize) -> usize {
 }
 
 /// Stage bytes of the expert GEMM: weights (`exp_w_bytes`) + activations
-/// (`exp_x_bytes`) in matmul.cu; `wide`: the IQ2_XXS stage with 112-byte rows
-/// (`exp_pitch`, EXP_F_IQ2W).
-fn exp_stage_bytes(ty: GgmlType, wide: bool) -> usize {
+/// (`exp_x_bytes`) in matmul.cu.
+fn exp_stage_bytes(ty: GgmlType) -> usize {
     let w = match ty {
         GgmlType::Q8_0 => 128 * 272 + 128 * 16,
-        GgmlType::IQ2_XXS if wide => 128 * 112 + 128 * 4,
         GgmlType::IQ2_XXS => 128 * 96 + 128 * 4,
         GgmlType::Q2_K => 128 * 96 + 128 * 16 + 128 * 4,
         _ => 128 * 160,
@@ -130,6 +129,33 @@ impl DeviceMatrix {
 }
 
 impl Gpu {
+    /// A route plan for up to `max_pairs` (token, expert) pairs over `n_expert ≤ 1024`
+    /// experts.
+    pub fn alloc_route_plan(
+        &self,
+        max_pairs: usize,
+        n_expert: usize,
+    ) -> Result<RoutePlan, CudaError> {
+        if n_expert == 0 || n_expert > 1024 || max_pairs > i32::MAX as usize / 2 {
+            return Err(invalid(format!(
+                "route plan: {n_expert} experts (1..=1024), {max_pairs} pairs"
+            )));
+        }
+        let mi = max_items(max_pairs, n_expert).max(1);
+        Ok(RoutePlan {
+            n_expert,
+            max_pairs,
+            max_items: mi,
+            n_pairs: 0,
+            offsets: self.zeros(n_expert + 1)?,
+            pairs: self.zeros(max_pairs.max(1))?,
+            items: self.zeros(4 * mi)?,
+            n_items: self.zeros(1)?,
+        })
+    }
+}
+
+impl Launcher<'_> {
     /// Checks a batch layout against a matrix of `cols` inputs and `in_elems` input
     /// elements; returns the elements read.
     fn check_batch(
@@ -282,17 +308,8 @@ impl Gpu {
         variant: Option<usize>,
     ) -> Result<(), CudaError> {
         // Kernels per format with minimum 2, 3, 4 blocks per SM (register caps).
-        let wide = m.ty == GgmlType::IQ2_XXS && self.fused("exp_pitch");
         let (names, default) = match m.ty {
             GgmlType::Q8_0 => (["mm_exp_q8_0_b2", "mm_exp_q8_0_b3", "mm_exp_q8_0_b4"], 2),
-            GgmlType::IQ2_XXS if wide => (
-                [
-                    "mm_exp_iq2_xxs_w_b2",
-                    "mm_exp_iq2_xxs_w_b3",
-                    "mm_exp_iq2_xxs_w_b4",
-                ],
-                2,
-            ),
             GgmlType::IQ2_XXS => (
                 [
                     "mm_exp_iq2_xxs_b2",
@@ -320,7 +337,7 @@ impl Gpu {
                 m.cols
             )));
         }
-        let stage = exp_stage_bytes(m.ty, wide);
+        let stage = exp_stage_bytes(m.ty);
         let smem = 2 * stage + if m.ty == GgmlType::IQ2_XXS { 2048 } else { 0 };
         self.allow_smem(name, smem)?;
         let elems = m.rows * m.cols;
@@ -437,7 +454,7 @@ impl Gpu {
         let tc = tensor_cores.unwrap_or_else(|| {
             *TF32.get_or_init(|| std::env::var("DS4_CUDA_TF32").map_or(true, |v| v != "0"))
         });
-        let spread = tc && self.fused("mm_pitch");
+        let spread = tc && self.on(Variant::MmPitch);
         let names = match m.ty {
             GgmlType::F16 if spread => [
                 "mm_tc_f16_p_s1",
@@ -566,31 +583,6 @@ impl Gpu {
         self.timed(name, || {
             unsafe { l.launch(cfg) }?;
             Ok(())
-        })
-    }
-
-    /// A route plan for up to `max_pairs` (token, expert) pairs over `n_expert ≤ 1024`
-    /// experts.
-    pub fn alloc_route_plan(
-        &self,
-        max_pairs: usize,
-        n_expert: usize,
-    ) -> Result<RoutePlan, CudaError> {
-        if n_expert == 0 || n_expert > 1024 || max_pairs > i32::MAX as usize / 2 {
-            return Err(invalid(format!(
-                "route plan: {n_expert} experts (1..=1024), {max_pairs} pairs"
-            )));
-        }
-        let mi = max_items(max_pairs, n_expert).max(1);
-        Ok(RoutePlan {
-            n_expert,
-            max_pairs,
-            max_items: mi,
-            n_pairs: 0,
-            offsets: self.zeros(n_expert + 1)?,
-            pairs: self.zeros(max_pairs.max(1))?,
-            items: self.zeros(4 * mi)?,
-            n_items: self.zeros(1)?,
         })
     }
 
@@ -737,10 +729,8 @@ mod tests {
             GgmlType::Q2_K,
             GgmlType::Q4_K,
         ] {
-            for wide in [false, true] {
-                assert_eq!(exp_stage_bytes(ty, wide) % 16, 0);
-                assert!(2 * exp_stage_bytes(ty, wide) + 2048 <= 227 << 10);
-            }
+            assert_eq!(exp_stage_bytes(ty) % 16, 0);
+            assert!(2 * exp_stage_bytes(ty) + 2048 <= 227 << 10);
         }
     }
 }

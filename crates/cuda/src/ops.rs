@@ -5,6 +5,7 @@ use ds4_gguf::GgmlType;
 
 use crate::device::Gpu;
 use crate::error::CudaError;
+use crate::plan::{Launcher, Variant};
 use crate::weights::DeviceMatrix;
 
 /// Overrides of an int8-activation matvec launch (all `None`: the engine's choices).
@@ -56,8 +57,6 @@ fn iq2_rx_units(kernel: &str) -> (usize, usize) {
         _ => (EXP_ROWS_PER_WARP as usize, 2),
     }
 }
-/// The IQ2_XXS decode tables in shared memory: 256 grid codes and 128 sign masks (u32).
-const IQ2_TABLE_BYTES: u32 = (256 + 128) * 4;
 
 /// Warps per row (1, 2, 4 or 8: divides ROWS_PER_BLOCK) for a product of `rows` rows
 /// and `n_sel` selections: short matrices split their columns so that the GPU holds
@@ -90,7 +89,7 @@ fn same_stack_shape(m: &DeviceMatrix, m2: &DeviceMatrix) -> bool {
     m2.ty == m.ty && (m2.rows, m2.cols, m2.n_mats) == (m.rows, m.cols, m.n_mats)
 }
 
-impl Gpu {
+impl Launcher<'_> {
     /// `y[k][row] = W[ids[k]] · x[k]` for `n_sel` selections (`n_sel = 1`, `sel =
     /// MatSel::default()` for a plain matrix-vector product).
     pub fn matvec(
@@ -131,7 +130,7 @@ impl Gpu {
         // F16 weights loaded before the PDL wait where the selection is fixed (see
         // matvec_q8act_launch).
         let kname = if m.ty == GgmlType::F16 && sel.ids == 0 {
-            self.kernel_for("f16_early", kname, "matvec_f16_early")
+            self.pick(Variant::F16Early, kname, "matvec_f16_early")
         } else {
             kname
         };
@@ -244,7 +243,9 @@ impl Gpu {
             cols,
         })
     }
+}
 
+impl Launcher<'_> {
     /// Quantises `rows × cols` floats at `x` into `qa` with one scale per 256 values
     /// (Q8_K rule, bit-identical to the CPU's `quantize_q8_k`); the scale is stored
     /// once per 32 values.
@@ -362,7 +363,7 @@ impl Gpu {
             block_dim: (if n >= 1024 { 1024 } else { 256 }, 1, 1),
             shared_mem_bytes: 0,
         };
-        let name = self.kernel_for("norm_pl", "rmsnorm_q8", "rmsnorm_q8_pl");
+        let name = self.pick(Variant::NormPl, "rmsnorm_q8", "rmsnorm_q8_pl");
         let f = self.func(name)?;
         let (q, d, nn) = (self.ptr(&qa.q), self.ptr(&qa.d), n as i32);
         let mut b = self.launch_stream().launch_builder(&f);
@@ -525,11 +526,11 @@ impl Gpu {
         self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, opts)
     }
 
-    /// [`Gpu::matvec_q8act`] through a kernel named here, whatever `DS4_CUDA_FUSE` says:
+    /// [`Gpu::matvec_q8act`] through a kernel named here, whatever the plan says:
     /// for IQ2_XXS one of the probe kernels of probe.cu (`probe_iq2_nolut`,
     /// `probe_iq2_nox`, `probe_iq2_loads`: the kernel with parts of its work taken out;
     /// outputs meaningless) for `gpu-selftest --probe-q8`, or a production kernel
-    /// (`matvec_iq2_xxs_q8`, `_rx`, `_rx32`); for Q2_K `matvec_q2_k_q8` or `_rx`; for
+    /// (`matvec_iq2_xxs_q8`, `_rx`, `_rxe`, `_rxt`, `_rxp`, `_rxtp`); for Q2_K `matvec_q2_k_q8` or `_rx`; for
     /// Q8_0 `matvec_q8_0_q8` or `_early` (the selftest's comparisons of the variants).
     #[doc(hidden)]
     pub fn matvec_q8act_kernel(
@@ -647,29 +648,27 @@ impl Gpu {
         let q2k_shape = m.ty == GgmlType::Q2_K && m.cols == 32 * 64;
         let name = match kernel {
             Some(k) => k,
-            None if iq2_shape && self.fused("iq2_rx") => {
-                if self.fused("iq2_lut32") {
-                    "matvec_iq2_xxs_q8_rx32"
-                } else if self.fused("iq2_tab") {
-                    if self.fused("iq2_pipe") {
+            None if iq2_shape && self.on(Variant::Iq2Rx) => {
+                if self.on(Variant::Iq2Tab) {
+                    if self.on(Variant::Iq2Pipe) {
                         "matvec_iq2_xxs_q8_rxtp"
                     } else {
                         "matvec_iq2_xxs_q8_rxt"
                     }
-                } else if self.fused("iq2_pipe") {
+                } else if self.on(Variant::Iq2Pipe) {
                     "matvec_iq2_xxs_q8_rxp"
-                } else if self.fused("iq2_early") {
+                } else if self.on(Variant::Iq2Early) {
                     "matvec_iq2_xxs_q8_rxe"
                 } else {
                     "matvec_iq2_xxs_q8_rx"
                 }
             }
-            None if q2k_shape && self.fused("q2k_rx") => "matvec_q2_k_q8_rx",
+            None if q2k_shape && self.on(Variant::Q2kRx) => "matvec_q2_k_q8_rx",
             // Weights loaded before the PDL wait: only where the matrix selection is
             // fixed (no ids, or the constant shared-expert pair), as its ids are read
             // before the wait too.
             None if m.ty == GgmlType::Q8_0
-                && self.fused("q8_early")
+                && self.on(Variant::Q8Early)
                 && (sel.ids == 0 || sel.ids == self.ptr(&self.pair_ids) || self.ids_constant()) =>
             {
                 "matvec_q8_0_q8_early"
@@ -684,15 +683,6 @@ impl Gpu {
                 m.ty, m.cols
             )));
         }
-        // rx32: the tables' 32 copies in dynamic shared memory, beside the static one.
-        let rx_smem = if name == "matvec_iq2_xxs_q8_rx32" {
-            32 * IQ2_TABLE_BYTES
-        } else {
-            0
-        };
-        if rx_smem > 0 {
-            self.allow_smem(name, (rx_smem + IQ2_TABLE_BYTES) as usize)?;
-        }
         // Q8_0: warps per row (see matvec_q8_0_q8). Where one warp takes a row of the
         // early kernel, `q8_rows` / `q8_rows2` give it 4 rows (≤ 1,024 columns: q_b) or 2
         // (H200 2k decode 166.3 -> 168.2 tok/s; an older kernel lost with several rows
@@ -703,9 +693,9 @@ impl Gpu {
             1
         };
         let early_ks1 = name == "matvec_q8_0_q8_early" && kernel.is_none() && ks == 1;
-        let name = if early_ks1 && m.cols <= 1024 && self.fused("q8_rows") {
+        let name = if early_ks1 && m.cols <= 1024 && self.on(Variant::Q8Rows) {
             "matvec_q8_0_q8_r4"
-        } else if early_ks1 && m.cols > 1024 && self.fused("q8_rows2") {
+        } else if early_ks1 && m.cols > 1024 && self.on(Variant::Q8Rows2) {
             "matvec_q8_0_q8_r2"
         } else {
             name
@@ -732,7 +722,7 @@ impl Gpu {
             LaunchConfig {
                 grid_dim: (blocks as u32, 1, 1),
                 block_dim: (32, ROWS_PER_BLOCK, 1),
-                shared_mem_bytes: rx_smem,
+                shared_mem_bytes: 0,
             }
         } else {
             LaunchConfig {

@@ -3,7 +3,7 @@ use ds4_cli::gpu_selftest::{bench_kernels, check_kernels};
 use std::sync::Arc;
 
 use ds4_cli::fixture_check::{check_sequence, pooled_agreement, Manifest, VARIANTS};
-use ds4_cuda::Gpu;
+use ds4_cuda::{DecodePlan, Gpu, Launcher};
 use ds4_engine::cuda::{CudaBackend, CudaWeights};
 use ds4_engine::{Backend, LoadOptions, LogitRows, Model, Numerics};
 
@@ -36,6 +36,9 @@ pub fn run(a: Args) -> Result<()> {
         Ok(g) => Arc::new(g),
         Err(e) => bail!("no usable GPU: {e}"),
     };
+    // The kernel checks launch under DS4_CUDA_FUSE's plan (the defaults when unset);
+    // each variant check turns its variant off and on itself.
+    let l = &gpu.launcher(DecodePlan::from_env()?);
     let i = gpu.info();
     println!(
         "device {}: {} (sm_{}{}, {} SMs, {:.1} GiB, L2 {} MiB), kernels: {:?}",
@@ -59,7 +62,7 @@ pub fn run(a: Args) -> Result<()> {
             "\n{:<56} {:>12} {:>10} {:>10}",
             "kernel", "bytes", "us", "GB/s"
         );
-        for t in ds4_cli::gpu_selftest::probe_q8_splits(&gpu, seed)? {
+        for t in ds4_cli::gpu_selftest::probe_q8_splits(l, seed)? {
             println!(
                 "{:<56} {:>12.0} {:>10.1} {:>10.0}",
                 t.name,
@@ -68,18 +71,16 @@ pub fn run(a: Args) -> Result<()> {
                 t.gbps()
             );
         }
-        for (name, ms) in ds4_cli::gpu_attention_check::bench_attention(&gpu, seed)? {
+        for (name, ms) in ds4_cli::gpu_attention_check::bench_attention(l, seed)? {
             println!("{name:<56} {:>12} {:>10.1}", "", ms * 1e3);
         }
         return Ok(());
     }
     if a.only_matmul {
-        return run_matmul(&gpu, seed, a.bench);
+        return run_matmul(l, seed, a.bench);
     }
-    let mut checks = check_kernels(&gpu, seed)?;
-    checks.extend(ds4_cli::gpu_attention_check::check_attention_mma(
-        &gpu, seed,
-    )?);
+    let mut checks = check_kernels(l, seed)?;
+    checks.extend(ds4_cli::gpu_attention_check::check_attention_mma(l, seed)?);
     let mut failed = 0;
     for c in &checks {
         let ok = c.passed();
@@ -100,7 +101,7 @@ pub fn run(a: Args) -> Result<()> {
             "\n{:<40} {:>12} {:>10} {:>10}",
             "decode kernel", "bytes", "us", "GB/s"
         );
-        for t in bench_kernels(&gpu, seed)? {
+        for t in bench_kernels(l, seed)? {
             println!(
                 "{:<40} {:>12.0} {:>10.1} {:>10.0}",
                 t.name,
@@ -140,7 +141,7 @@ fn print_checks(checks: &[ds4_cli::gpu_selftest::Check]) -> usize {
 }
 
 /// `--only-matmul`: the prefill GEMM checks and bench alone.
-fn run_matmul(gpu: &Gpu, seed: u64, bench: bool) -> Result<()> {
+fn run_matmul(gpu: &Launcher, seed: u64, bench: bool) -> Result<()> {
     let checks = ds4_cli::gpu_matmul_check::check_matmul(gpu, seed)?;
     let failed = print_checks(&checks);
     if bench {

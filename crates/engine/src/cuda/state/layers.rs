@@ -1,7 +1,7 @@
 //! One layer's launches (attention and FFN sublayers) for a batch of tokens, and the
 //! projection helpers they share (GEMM for batches, matvec for one token).
 
-use ds4_cuda::{Batch, CudaError, DeviceBuf, Gpu, MatSel, QuantAct};
+use ds4_cuda::{Batch, CudaError, DecodePlan, DeviceBuf, Gpu, Launcher, MatSel, QuantAct, Variant};
 use ds4_gguf::GgmlType;
 
 use super::{att_splits, comp_cap, LayerState, Scratch, Work};
@@ -47,7 +47,7 @@ fn f32_gemm_format(ty: GgmlType) -> bool {
 /// f32 activations × `m` for `n` tokens laid out by `b`: a GEMM for batches, the
 /// matvec otherwise.
 fn dense_f32(
-    g: &Gpu,
+    g: &Launcher,
     m: &ds4_cuda::DeviceMatrix,
     x: u64,
     y: u64,
@@ -71,6 +71,8 @@ pub(super) struct KvView<'a> {
     pub(super) window: usize,
     pub(super) raw_cap: usize,
     pub(super) ctx: usize,
+    /// The session's plan: the layers launch through `gpu.launcher(plan)`.
+    pub(super) plan: DecodePlan,
 }
 
 /// The sublayer input `s.y` from the streams `h`, and its RMS norm (weights `norm_w`)
@@ -80,7 +82,7 @@ pub(super) struct KvView<'a> {
 fn hc_pre_norm(
     s: &Scratch,
     n_tok: usize,
-    g: &Gpu,
+    g: &Launcher,
     c: &Config,
     hc: &crate::cuda::weights::HcDev,
     h: u64,
@@ -123,7 +125,7 @@ fn hc_pre_norm(
 fn hc_comb(
     s: &Scratch,
     n_tok: usize,
-    g: &Gpu,
+    g: &Launcher,
     c: &Config,
     hc: &crate::cuda::weights::HcDev,
 ) -> Result<(), CudaError> {
@@ -148,7 +150,7 @@ impl KvView<'_> {
         b: &mut Work,
         n_tok: usize,
     ) -> Result<()> {
-        let g = &*w.gpu;
+        let g = &w.gpu.launcher(self.plan);
         let c = &w.config;
         let s = &b.s;
         g.embed(
@@ -175,7 +177,7 @@ impl KvView<'_> {
         b: &mut Work,
         n: usize,
     ) -> Result<()> {
-        let g = &*w.gpu;
+        let g = &w.gpu.launcher(self.plan);
         let c = &w.config;
         let l: &LayerDev = &w.layers[il];
         let st = &self.layers[il];
@@ -203,7 +205,7 @@ impl KvView<'_> {
         // rows, side lane 2 the indexer's compressed rows and then (once the main lane
         // has q_r) the top-k selection, and the main lane builds the queries. Each is a
         // chain of small kernels that cannot fill the GPU alone.
-        let comb_lane = g.fused("comb_lane");
+        let comb_lane = g.on(Variant::CombLane);
         if comb_lane {
             g.branch(3, || g.background(|| hc_comb(s, n, g, c, &l.hc_attn)))?;
         }
@@ -346,7 +348,7 @@ impl KvView<'_> {
         // are latency-bound and the attention waits for them too.
         g.background(|| mv(g, &l.q_b, p(&s.qr), &mut qb.qr, qr_q8, p(&s.q), n, fast))?;
         // A decode token's attention norms and rotates its own queries.
-        let q_norm = (n == 1 && g.fused("q_norm")).then_some(ds4_cuda::QNorm {
+        let q_norm = (n == 1 && g.on(Variant::QNorm)).then_some(ds4_cuda::QNorm {
             eps: c.rms_eps,
             rope,
         });
@@ -470,7 +472,7 @@ impl KvView<'_> {
         b: &mut Work,
         n: usize,
     ) -> Result<()> {
-        let g = &*w.gpu;
+        let g = &w.gpu.launcher(self.plan);
         let c = &w.config;
         let l: &LayerDev = &w.layers[il];
         let (s, qb) = (&b.s, &mut b.q8);
@@ -492,7 +494,7 @@ impl KvView<'_> {
         // The shared expert needs only the normed input: it runs on side lane 1 (after
         // hc_post's comb matrix) while the router and the routed experts run on the
         // main lane.
-        let comb_lane = g.fused("comb_lane");
+        let comb_lane = g.on(Variant::CombLane);
         if comb_lane {
             g.branch(3, || g.background(|| hc_comb(s, n, g, c, &l.hc_ffn)))?;
         }
@@ -506,7 +508,7 @@ impl KvView<'_> {
                 }
                 let ffs = c.n_ff_exp * c.n_expert_shared;
                 // n_q8: Q8_0 gate and up in the fast numerics, their input quantised by the norm.
-                if n == 1 && n_q8 && g.fused("shared_pair") {
+                if n == 1 && n_q8 && g.on(Variant::SharedPair) {
                     g.matvec_q8act_pair(
                         &l.gate_sh,
                         &l.up_sh,
@@ -579,7 +581,7 @@ impl KvView<'_> {
             Some(f) => g.branch(1, f),
             None => Ok(()),
         };
-        let late = n == 1 && g.fused("shexp_late");
+        let late = n == 1 && g.on(Variant::ShexpLate);
         if !late {
             fork_shared()?;
         }
@@ -719,7 +721,7 @@ impl KvView<'_> {
 /// The compressor's kv and gate projections of `n` tokens: token t's kv at
 /// out + t·2w, its gate scores right after.
 fn compressor_inputs(
-    g: &Gpu,
+    g: &Launcher,
     cw: &crate::cuda::weights::CompressorDev,
     x: u64,
     out: u64,
@@ -737,7 +739,7 @@ fn compressor_inputs(
 /// Advances a compressor by `n` tokens (one: the graph-captured decode step).
 #[allow(clippy::too_many_arguments)]
 fn compress(
-    g: &Gpu,
+    g: &Launcher,
     c: &Config,
     n: usize,
     step: u64,
@@ -813,7 +815,7 @@ fn rows(m: &ds4_cuda::DeviceMatrix) -> MatSel {
 /// Returns whether `xq` now holds `y`.
 #[allow(clippy::too_many_arguments)]
 fn norm(
-    g: &Gpu,
+    g: &Launcher,
     x: u64,
     w: u64,
     n: usize,
@@ -836,7 +838,7 @@ fn norm(
 /// the CPU.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn mv(
-    g: &Gpu,
+    g: &Launcher,
     m: &ds4_cuda::DeviceMatrix,
     x: u64,
     xq: &mut QuantAct,
@@ -863,7 +865,7 @@ pub(super) fn mv(
 /// sel.x_stride; `xq` already holds their Q8_0 form when `quantized`).
 #[allow(clippy::too_many_arguments)]
 fn mv_sel(
-    g: &Gpu,
+    g: &Launcher,
     m: &ds4_cuda::DeviceMatrix,
     x: u64,
     xq: &mut QuantAct,
