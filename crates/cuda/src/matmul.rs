@@ -1,4 +1,5 @@
-//! Batched (prefill) matrix-matrix products: launchers of `kernels/matmul.cu`.
+//! Batched (prefill) matrix-matrix products: launchers of `kernels/matmul.cu` and
+//! `kernels/matmul_f32.cu`.
 //!
 //! Every launcher validates its sizes (returning [`CudaError::Invalid`]), enqueues on the
 //! GPU's stream without synchronising, and allocates nothing: the route plan is allocated
@@ -578,7 +579,7 @@ impl Launcher<'_> {
             .arg(&x_grp)
             .arg(&y_tok)
             .arg(&y_grp);
-        // SAFETY: argument order matches mm_f32_* in matmul.cu; x and y extents are the
+        // SAFETY: argument order matches mm_f32_* in matmul_f32.cu; x and y extents are the
         // caller's contract (raw addresses).
         self.timed(name, || {
             unsafe { l.launch(cfg) }?;

@@ -375,7 +375,7 @@ impl Launcher<'_> {
             .arg(&y)
             .arg(&q)
             .arg(&d);
-        // SAFETY: matches rmsnorm_q8(_pl) in matvec_q8act.cu; x/y hold rows × n floats
+        // SAFETY: matches rmsnorm_q8(_pl) in matvec_q8act_fused.cu; x/y hold rows × n floats
         // (caller), q/d are sized by alloc_quant_act (checked above).
         self.timed(name, || {
             unsafe { b.launch(cfg) }?;
