@@ -340,9 +340,10 @@ fn load_kernels(
         match ctx.load_module(Ptx::from_binary(FATBIN.to_vec())) {
             Ok(m) => return Ok((m, KernelSource::Fatbin)),
             // A GPU older than sm_90 cannot use the fatbin: compile for it instead.
-            Err(e) if cc.0 < 9 => eprintln!(
-                "ds4: prebuilt kernels do not load on sm_{}{} ({e}); compiling with NVRTC",
-                cc.0, cc.1
+            Err(e) if cc.0 < 9 => tracing::warn!(
+                "prebuilt kernels do not load on sm_{}{} ({e}); compiling with NVRTC",
+                cc.0,
+                cc.1
             ),
             Err(e) => return Err(e.into()),
         }

@@ -298,7 +298,7 @@ fn parse_att_splits(v: Option<&str>) -> usize {
         None => ATT_SPLITS,
         Some(Ok(n)) if (1..=128).contains(&n) => n,
         Some(_) => {
-            eprintln!("ds4: DS4_CUDA_ATT_SPLITS must be 1 to 128; using {ATT_SPLITS}");
+            tracing::warn!("DS4_CUDA_ATT_SPLITS must be 1 to 128; using {ATT_SPLITS}");
             ATT_SPLITS
         }
     }
