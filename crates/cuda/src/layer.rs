@@ -55,6 +55,32 @@ pub struct HcNorm {
     pub d: u64,
 }
 
+/// A KV compressor's launch ([`Launcher::compressor`]; device addresses): `kvs[t]` =
+/// the token's new kv (lanes·d) then its new gate scores (lanes·d); `ape` (type
+/// `ape_type`) the positional bias, `skv` / `ssc` the frontier state, `ratio` tokens per
+/// row over `lanes` lanes of `d` values; each completed row is RMS-normed (`norm_w` of
+/// `norm_type`, `eps`), roped, (`indexer`: Hadamard and FP4; `f16_round`: rounded to
+/// f16) and written to `rows` at its row index.
+#[derive(Clone, Copy, Debug)]
+pub struct Compressor {
+    pub step: u64,
+    pub kvs: u64,
+    pub ape: u64,
+    pub ape_type: i32,
+    pub skv: u64,
+    pub ssc: u64,
+    pub ratio: usize,
+    pub lanes: usize,
+    pub d: usize,
+    pub norm_w: u64,
+    pub norm_type: i32,
+    pub eps: f32,
+    pub rope: RopeP,
+    pub indexer: bool,
+    pub f16_round: bool,
+    pub rows: u64,
+}
+
 /// The hyper-connection kernels keep a token's streams in fixed register arrays.
 fn check_hc_streams(n_hc: usize) -> Result<(), CudaError> {
     if n_hc > HC_MAX {
@@ -413,138 +439,69 @@ impl Launcher<'_> {
         )
     }
 
-    /// One compressor step; `kvs` = new kv (lanes·d) then new gate scores (lanes·d).
-    pub fn compressor_step(
-        &self,
-        step: u64,
-        kvs: u64,
-        ape: u64,
-        ape_type: i32,
-        skv: u64,
-        ssc: u64,
-        ratio: usize,
-        lanes: usize,
-        d: usize,
-        norm_w: u64,
-        norm_type: i32,
-        eps: f32,
-        rope: RopeP,
-        indexer: bool,
-        f16_round: bool,
-        rows: u64,
-    ) -> Result<(), CudaError> {
-        if d > 1024 || (indexer && !d.is_power_of_two()) {
+    /// The KV compressor over `n_tok` tokens starting at step[0].pos: one token
+    /// through `compressor_step`; a batch emits every row completed in it
+    /// (`compressor_emit`), then advances the frontier state (`compressor_state`),
+    /// exactly as `compressor_step` per token.
+    pub fn compressor(&self, n_tok: usize, c: &Compressor) -> Result<(), CudaError> {
+        let (ratio, lanes, d) = (c.ratio, c.lanes, c.d);
+        if d > 1024 || (c.indexer && !d.is_power_of_two()) {
             return Err(CudaError::Invalid(format!(
                 "compressor width {d} unsupported"
             )));
         }
-        let (r, l, dd, mode, fr) = (
-            ratio as i32,
-            lanes as i32,
-            d as i32,
-            indexer as i32,
-            f16_round as i32,
-        );
-        launch!(
-            self,
-            "compressor_step",
-            cfg(1, 1024),
-            step,
-            kvs,
-            ape,
-            ape_type,
-            skv,
-            ssc,
-            r,
-            l,
-            dd,
-            norm_w,
-            norm_type,
-            eps,
-            rope,
-            mode,
-            fr,
-            rows
-        )
-    }
-
-    /// The compressor over a batch of `n_tok` tokens starting at step[0].pos: emits
-    /// every row completed in the batch, then advances the frontier state, exactly as
-    /// `compressor_step` per token. `kvs[t]` = kv (lanes·d) then raw gate scores.
-    pub fn compressor_batch(
-        &self,
-        n_tok: usize,
-        step: u64,
-        kvs: u64,
-        ape: u64,
-        ape_type: i32,
-        skv: u64,
-        ssc: u64,
-        ratio: usize,
-        lanes: usize,
-        d: usize,
-        norm_w: u64,
-        norm_type: i32,
-        eps: f32,
-        rope: RopeP,
-        indexer: bool,
-        f16_round: bool,
-        rows: u64,
-    ) -> Result<(), CudaError> {
-        if d > 1024 || (indexer && !d.is_power_of_two()) || ratio == 0 || !(1..=2).contains(&lanes)
-        {
+        if n_tok == 1 {
+            return self.compressor_launch("compressor_step", cfg(1, 1024), None, c, true);
+        }
+        if ratio == 0 || !(1..=2).contains(&lanes) {
             return Err(CudaError::Invalid(format!(
                 "compressor width {d} / ratio {ratio} / {lanes} lanes unsupported"
             )));
         }
-        let (nt, r, l, dd, mode, fr) = (
-            n_tok as i32,
-            ratio as i32,
-            lanes as i32,
-            d as i32,
-            indexer as i32,
-            f16_round as i32,
-        );
         // Rows completed in the batch: at most n_tok / ratio + 1.
         let emits = (n_tok / ratio + 1) as u32;
-        launch!(
-            self,
-            "compressor_emit",
-            cfg(emits, 1024),
-            step,
-            nt,
-            kvs,
-            ape,
-            ape_type,
-            skv,
-            ssc,
-            r,
-            l,
-            dd,
-            norm_w,
-            norm_type,
-            eps,
-            rope,
-            mode,
-            fr,
-            rows
-        )?;
+        let nt = Some(n_tok as i32);
+        self.compressor_launch("compressor_emit", cfg(emits, 1024), nt, c, true)?;
         let cells = (ratio * lanes * d) as u32;
-        launch!(
-            self,
-            "compressor_state",
-            cfg(cells.div_ceil(256).min(4096), 256),
-            step,
-            nt,
-            kvs,
-            ape,
-            ape_type,
-            skv,
-            ssc,
-            r,
-            l,
-            dd
-        )
+        let grid = cfg(cells.div_ceil(256).min(4096), 256);
+        self.compressor_launch("compressor_state", grid, nt, c, false)
+    }
+
+    /// Launches a compressor kernel: `step`, then (batch kernels) `n_tok`, then the
+    /// state arguments through `d`, then (with `rows`) the row-finishing arguments.
+    fn compressor_launch(
+        &self,
+        name: &'static str,
+        grid: LaunchConfig,
+        n_tok: Option<i32>,
+        c: &Compressor,
+        rows: bool,
+    ) -> Result<(), CudaError> {
+        let (r, l, dd) = (c.ratio as i32, c.lanes as i32, c.d as i32);
+        let (mode, fr) = (c.indexer as i32, c.f16_round as i32);
+        let f = self.func(name)?;
+        self.timed(name, || {
+            let mut b = self.launch_stream().launch_builder(&f);
+            b.arg(&c.step);
+            if let Some(nt) = &n_tok {
+                b.arg(nt);
+            }
+            b.arg(&c.kvs)
+                .arg(&c.ape)
+                .arg(&c.ape_type)
+                .arg(&c.skv)
+                .arg(&c.ssc);
+            b.arg(&r).arg(&l).arg(&dd);
+            if rows {
+                b.arg(&c.norm_w).arg(&c.norm_type).arg(&c.eps).arg(&c.rope);
+                b.arg(&mode).arg(&fr).arg(&c.rows);
+            }
+            // SAFETY: the parameters of compressor_step / _emit / _state in
+            // layer_kv.cu, in order and with the same types; buffer sizes are the
+            // caller's contract (see Compressor).
+            unsafe { b.launch(grid) }?;
+            Ok(())
+        })
     }
 
     /// Expert selection and weights of each token (`tid2eid = 0`: top-k routing,

@@ -75,11 +75,13 @@ pub(super) struct KvView<'a> {
     pub(super) plan: DecodePlan,
 }
 
-/// The sublayer input `s.y` from the streams `h`, and its RMS norm (weights `norm_w`)
-/// into `s.n` in the same launch; with `quantize` also into `xq` (Q8_0). Returns
-/// whether `xq` now holds `s.n`.
+/// A sublayer's start: the input `s.y` from the streams `h`, and its RMS norm (weights
+/// `norm_w`) into `s.n` in the same launch; with `quantize` also into `xq` (Q8_0).
+/// Under `comb_lane`, hc_post's comb matrix is forked to side lane 3 as background work
+/// (joined before hc_post). Returns whether `xq` now holds `s.n`, and whether the comb
+/// matrix was forked (else the caller forms it on a lane of its own choosing).
 #[allow(clippy::too_many_arguments)]
-fn hc_pre_norm(
+fn sublayer_begin(
     s: &Scratch,
     n_tok: usize,
     g: &Launcher,
@@ -89,7 +91,7 @@ fn hc_pre_norm(
     norm_w: u64,
     xq: &mut QuantAct,
     quantize: bool,
-) -> Result<bool, CudaError> {
+) -> Result<(bool, bool), CudaError> {
     if quantize && (xq.cols != c.n_embd || xq.rows < n_tok) {
         return Err(CudaError::Invalid(format!(
             "hc_pre: {n_tok}×{} into activations of {}×{}",
@@ -117,10 +119,14 @@ fn hc_pre_norm(
         g.ptr(&s.y),
         Some(norm),
     )?;
-    Ok(quantize)
+    let comb_lane = g.on(Variant::CombLane);
+    if comb_lane {
+        g.branch(3, || g.background(|| hc_comb(s, n_tok, g, c, hc)))?;
+    }
+    Ok((quantize, comb_lane))
 }
 
-/// post and comb (`s.hcp`, read by hc_post) from the mix of `hc_pre_norm`: launched on a
+/// post and comb (`s.hcp`, read by hc_post) from the mix of `sublayer_begin`: launched on a
 /// side lane, beside the sublayer.
 fn hc_comb(
     s: &Scratch,
@@ -189,7 +195,7 @@ impl KvView<'_> {
         let f32t = ds4_cuda::WT_F32;
         let hd = c.head_dim;
 
-        let n_q8 = hc_pre_norm(
+        let (n_q8, comb_lane) = sublayer_begin(
             s,
             n,
             g,
@@ -205,10 +211,6 @@ impl KvView<'_> {
         // rows, side lane 2 the indexer's compressed rows and then (once the main lane
         // has q_r) the top-k selection, and the main lane builds the queries. Each is a
         // chain of small kernels that cannot fill the GPU alone.
-        let comb_lane = g.on(Variant::CombLane);
-        if comb_lane {
-            g.branch(3, || g.background(|| hc_comb(s, n, g, c, &l.hc_attn)))?;
-        }
         g.branch(1, || {
             if !comb_lane {
                 hc_comb(s, n, g, c, &l.hc_attn)?;
@@ -480,7 +482,7 @@ impl KvView<'_> {
         let (k, ff, e) = (c.n_expert_used, c.n_ff_exp, c.n_embd);
         let fast = numerics == Numerics::Fast;
         let p = |b: &DeviceBuf<f32>| g.ptr(b);
-        let n_q8 = hc_pre_norm(
+        let (n_q8, comb_lane) = sublayer_begin(
             s,
             n,
             g,
@@ -494,10 +496,6 @@ impl KvView<'_> {
         // The shared expert needs only the normed input: it runs on side lane 1 (after
         // hc_post's comb matrix) while the router and the routed experts run on the
         // main lane.
-        let comb_lane = g.on(Variant::CombLane);
-        if comb_lane {
-            g.branch(3, || g.background(|| hc_comb(s, n, g, c, &l.hc_ffn)))?;
-        }
         // Background work under `prio`: the routed chain gets the SMs first. With
         // `shexp_late` a decode token forks it only after the router's matvec, which
         // otherwise shares the memory bandwidth with the shared expert's 27 MB.
@@ -755,46 +753,25 @@ fn compress(
     let skv = g.ptr(skv.expect("compressed layer state"));
     let ssc = g.ptr(ssc.expect("compressed layer state"));
     let f32t = ds4_cuda::WT_F32;
-    if n == 1 {
-        g.compressor_step(
-            step,
-            kvs,
-            g.ptr(&cw.ape),
-            f32t,
-            skv,
-            ssc,
-            cw.ratio,
-            cw.lanes,
-            cw.dim,
-            g.ptr(&cw.norm),
-            f32t,
-            c.rms_eps,
-            rope,
-            indexer,
-            fast,
-            rows_out,
-        )
-    } else {
-        g.compressor_batch(
-            n,
-            step,
-            kvs,
-            g.ptr(&cw.ape),
-            f32t,
-            skv,
-            ssc,
-            cw.ratio,
-            cw.lanes,
-            cw.dim,
-            g.ptr(&cw.norm),
-            f32t,
-            c.rms_eps,
-            rope,
-            indexer,
-            fast,
-            rows_out,
-        )
-    }
+    let launch = ds4_cuda::Compressor {
+        step,
+        kvs,
+        ape: g.ptr(&cw.ape),
+        ape_type: f32t,
+        skv,
+        ssc,
+        ratio: cw.ratio,
+        lanes: cw.lanes,
+        d: cw.dim,
+        norm_w: g.ptr(&cw.norm),
+        norm_type: f32t,
+        eps: c.rms_eps,
+        rope,
+        indexer,
+        f16_round: fast,
+        rows: rows_out,
+    };
+    g.compressor(n, &launch)
 }
 
 /// `n` packed input rows of `m` to `n` packed output rows.
