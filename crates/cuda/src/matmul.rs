@@ -5,7 +5,7 @@
 //! GPU's stream without synchronising, and allocates nothing: the route plan is allocated
 //! once by [`Gpu::alloc_route_plan`].
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchArgs, LaunchConfig, PushKernelArg};
 use ds4_gguf::GgmlType;
 
 use crate::device::Gpu;
@@ -98,6 +98,29 @@ fn exp_stage_bytes(ty: GgmlType) -> usize {
     };
     let x_pitch = if ty == GgmlType::Q8_0 { 272 } else { 288 };
     w + 32 * x_pitch + 8 * 32 * 4
+}
+
+/// The arguments that end every GEMM kernel's signature: `n_tok` (i32), then the token
+/// and group strides of x and y (i64).
+struct BatchTail {
+    n_tok: i32,
+    strides: [i64; 4],
+}
+
+impl BatchTail {
+    fn of(b: &Batch) -> BatchTail {
+        BatchTail {
+            n_tok: b.n_tok as i32,
+            strides: [b.x_tok, b.x_grp, b.y_tok, b.y_grp].map(|v| v as i64),
+        }
+    }
+
+    fn push<'a>(&'a self, l: &mut LaunchArgs<'a>) {
+        l.arg(&self.n_tok);
+        for s in &self.strides {
+            l.arg(s);
+        }
+    }
 }
 
 fn invalid(msg: String) -> CudaError {
@@ -264,13 +287,8 @@ impl Launcher<'_> {
         let mat_q = (m.rows * m.cols) as i64;
         let mat_d = mat_q / 32;
         let (xqp, xdp) = (self.ptr(&xq.q), self.ptr(&xq.d));
-        let (rows, cols, n_tok) = (m.rows as i32, m.cols as i32, b.n_tok as i32);
-        let (x_tok, x_grp, y_tok, y_grp) = (
-            b.x_tok as i64,
-            b.x_grp as i64,
-            b.y_tok as i64,
-            b.y_grp as i64,
-        );
+        let (rows, cols) = (m.rows as i32, m.cols as i32);
+        let tail = BatchTail::of(&b);
         let f = self.func(name)?;
         let mut l = self.launch_stream().launch_builder(&f);
         l.arg(&qs)
@@ -281,12 +299,8 @@ impl Launcher<'_> {
             .arg(&xdp)
             .arg(&y)
             .arg(&rows)
-            .arg(&cols)
-            .arg(&n_tok)
-            .arg(&x_tok)
-            .arg(&x_grp)
-            .arg(&y_tok)
-            .arg(&y_grp);
+            .arg(&cols);
+        tail.push(&mut l);
         // SAFETY: argument order matches mm_q8_0_* in matmul.cu; the input extent was
         // checked above, the output extent is the caller's contract.
         self.timed(name, || {
@@ -365,13 +379,7 @@ impl Launcher<'_> {
             None => (0, 0, 0, b.n_tok.div_ceil(EXP_TILE), b.n_groups),
         };
         let k_div = k_div as i32;
-        let n_tok = b.n_tok as i32;
-        let (x_tok, x_grp, y_tok, y_grp) = (
-            b.x_tok as i64,
-            b.x_grp as i64,
-            b.y_tok as i64,
-            b.y_grp as i64,
-        );
+        let tail = BatchTail::of(b);
         let cfg = LaunchConfig {
             grid_dim: (
                 m.rows.div_ceil(EXP_ROWS) as u32,
@@ -398,12 +406,8 @@ impl Launcher<'_> {
             .arg(&items)
             .arg(&n_items)
             .arg(&pairs)
-            .arg(&k_div)
-            .arg(&n_tok)
-            .arg(&x_tok)
-            .arg(&x_grp)
-            .arg(&y_tok)
-            .arg(&y_grp);
+            .arg(&k_div);
+        tail.push(&mut l);
         // SAFETY: argument order matches mm_exp_* in matmul.cu; inputs were checked by
         // the callers, the plan's items index pairs < n_pairs.
         self.timed(name, || {
@@ -548,13 +552,8 @@ impl Launcher<'_> {
             GgmlType::F32 => (self.ptr(&m.parts[0]), 0, elems * 4, 0),
             _ => (self.ptr(&m.parts[0]), 0, elems * 2, 0),
         };
-        let (rows, cols, n_tok) = (m.rows as i32, m.cols as i32, b.n_tok as i32);
-        let (x_tok, x_grp, y_tok, y_grp) = (
-            b.x_tok as i64,
-            b.x_grp as i64,
-            b.y_tok as i64,
-            b.y_grp as i64,
-        );
+        let (rows, cols) = (m.rows as i32, m.cols as i32);
+        let tail = BatchTail::of(&b);
         let cfg = LaunchConfig {
             grid_dim: (
                 b.n_tok.div_ceil(64) as u32,
@@ -573,12 +572,8 @@ impl Launcher<'_> {
             .arg(&x)
             .arg(&y)
             .arg(&rows)
-            .arg(&cols)
-            .arg(&n_tok)
-            .arg(&x_tok)
-            .arg(&x_grp)
-            .arg(&y_tok)
-            .arg(&y_grp);
+            .arg(&cols);
+        tail.push(&mut l);
         // SAFETY: argument order matches mm_f32_* in matmul_f32.cu; x and y extents are the
         // caller's contract (raw addresses).
         self.timed(name, || {

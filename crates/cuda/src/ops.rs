@@ -1,6 +1,6 @@
 //! Kernel launchers.
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg};
 use ds4_gguf::GgmlType;
 
 use crate::device::Gpu;
@@ -84,6 +84,25 @@ fn split_k_q8(rows: usize, n_sel: usize) -> u32 {
     }
 }
 
+/// Pushes a matvec kernel's weight arguments for `ty` (they lead every matvec
+/// signature): the parts `p` and the per-matrix strides `s` (Q8_0: int8 values and
+/// scales; IQ2_XXS: quant words and scales, then the grid table; Q2_K after its three
+/// parts, the others after their one: the stride in elements or blocks).
+fn push_weights<'a>(
+    b: &mut LaunchArgs<'a>,
+    ty: GgmlType,
+    p: &'a [u64],
+    s: &'a (i64, i64),
+    grid: &'a u64,
+) {
+    match ty {
+        GgmlType::Q8_0 => b.arg(&p[0]).arg(&p[1]).arg(&s.0).arg(&s.1),
+        GgmlType::IQ2_XXS => b.arg(&p[0]).arg(&p[1]).arg(&s.0).arg(&s.1).arg(grid),
+        GgmlType::Q2_K => b.arg(&p[0]).arg(&p[1]).arg(&p[2]).arg(&s.0),
+        _ => b.arg(&p[0]).arg(&s.0),
+    };
+}
+
 /// Two stacks of one format and shape: one pair launch can serve both.
 fn same_stack_shape(m: &DeviceMatrix, m2: &DeviceMatrix) -> bool {
     m2.ty == m.ty && (m2.rows, m2.cols, m2.n_mats) == (m.rows, m.cols, m.n_mats)
@@ -143,20 +162,8 @@ impl Launcher<'_> {
             _ => (elems, 0),
         };
         let grid = self.iq2_grid()?;
-        match m.ty {
-            GgmlType::Q8_0 => {
-                b.arg(&p[0]).arg(&p[1]).arg(&mat_a).arg(&mat_b);
-            }
-            GgmlType::IQ2_XXS => {
-                b.arg(&p[0]).arg(&p[1]).arg(&mat_a).arg(&mat_b).arg(&grid);
-            }
-            GgmlType::Q2_K => {
-                b.arg(&p[0]).arg(&p[1]).arg(&p[2]).arg(&mat_a);
-            }
-            _ => {
-                b.arg(&p[0]).arg(&mat_a);
-            }
-        }
+        let strides = (mat_a, mat_b);
+        push_weights(&mut b, m.ty, &p, &strides, &grid);
         b.arg(&x).arg(&y).arg(&rows).arg(&cols).arg(&sel);
         let ks_arg = ks as i32;
         if m.ty == GgmlType::F16 {
@@ -734,21 +741,12 @@ impl Launcher<'_> {
         let mut b = self.launch_stream().launch_builder(&f);
         let grid = self.ptr(&self.iq2_grid);
         let (mat_q, mat_d, mat_blocks) = (elems / 256 * 64, elems / 256, elems / 256);
-        let (q8_q, q8_d) = strides.unwrap_or((elems, elems / 32));
-        match m.ty {
-            GgmlType::Q8_0 => {
-                b.arg(&p[0]).arg(&p[1]).arg(&q8_q).arg(&q8_d);
-            }
-            GgmlType::IQ2_XXS => {
-                b.arg(&p[0]).arg(&p[1]).arg(&mat_q).arg(&mat_d).arg(&grid);
-            }
-            GgmlType::Q2_K => {
-                b.arg(&p[0]).arg(&p[1]).arg(&p[2]).arg(&mat_blocks);
-            }
-            _ => {
-                b.arg(&p[0]).arg(&mat_blocks);
-            }
-        }
+        let strides = match m.ty {
+            GgmlType::Q8_0 => strides.unwrap_or((elems, elems / 32)),
+            GgmlType::IQ2_XXS => (mat_q, mat_d),
+            _ => (mat_blocks, 0),
+        };
+        push_weights(&mut b, m.ty, &p, &strides, &grid);
         b.arg(&xq_p)
             .arg(&xd_p)
             .arg(&y)
