@@ -32,7 +32,7 @@ __device__ __forceinline__ void stage_x(i8* sq, float* sd, const i8* q, const fl
 // before computing the current one, so each lane keeps 2 × EXP_ROWS_PER_WARP 16-byte
 // loads in flight, the first step's issued before the shared-memory staging (H200,
 // 6-expert gate: 17.5 -> 16.4 µs; the rest is shared-memory grid lookups).
-#define EXP_ROWS_PER_WARP 4
+// (EXP_ROWS_PER_WARP: ds4_consts.h.)
 
 
 // IQ2_XXS grid values are 8, 25 or 43 and sign bits flip them: a grid entry becomes 8
@@ -268,7 +268,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) matvec_iq2_xxs_q8(IQ2_MATVE
 // EARLY (matvec_iq2_xxs_q8_rxe, `iq2_early`): the tables are built before the PDL wait
 // (they come from the constant grid; the plain kernel builds them after it: an L2 load
 // and a barrier on the routed experts' chain, 43 times a token). Same sums.
-#define IQ2_RX_STEPS 2
+// (IQ2_RX_STEPS: ds4_consts.h.)
 
 // The register-activation kernels' loads. A unit: R consecutive rows from row0 of the
 // matrix at (q, dw) (rows past the last repeat it), lane's steps lane + 32k, k < S.
@@ -794,7 +794,7 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8_early(Q8_0_Q8_P
 // 1 KiB and a reduction, and runs ~4 waves of blocks; here each warp has 4 KiB in flight
 // and the grid is a quarter. Per row the same steps in the same order and the same
 // warp_sum: the same sums.
-#define Q8_ROWS_PER_WARP 4
+// (Q8_ROWS_PER_WARP: ds4_consts.h.)
 template <int R>
 __device__ __forceinline__ void matvec_q8_0_q8_rows_body(
     const i8* __restrict__ qs, const u16* __restrict__ dw, i64 mat_q, i64 mat_d,

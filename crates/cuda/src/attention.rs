@@ -68,17 +68,14 @@ impl AttnTail {
     }
 }
 
-/// Rows per shared-memory batch of `attention_split_staged` (ATT_STAGE_ROWS in
-/// layer_attention.cu).
-const ATT_STAGE_ROWS: usize = 32;
-/// The attention shape of `attention_prefill_mma` (AMMA_HEADS / AMMA_HD).
-const ATT_MMA_HEADS: usize = 64;
-const ATT_MMA_HD: usize = 512;
+// Rows per shared-memory batch of `attention_split_staged` (ATT_STAGE_ROWS), the
+// attention shape of `attention_prefill_mma` (AMMA_HEADS × AMMA_HD).
+use crate::consts::{AMMA_HD, AMMA_HEADS, ATT_STAGE_ROWS};
 
 impl Gpu {
     /// Whether [`Gpu::attention_prefill_mma`] takes this attention shape.
     pub fn attention_mma_shape(heads: usize, hd: usize) -> bool {
-        heads == ATT_MMA_HEADS && hd == ATT_MMA_HD
+        heads == AMMA_HEADS && hd == AMMA_HD
     }
 }
 
@@ -338,12 +335,12 @@ impl Launcher<'_> {
         }
         if !Gpu::attention_mma_shape(heads, hd) || window > raw_cap || a.n_tok == 0 {
             return Err(CudaError::Invalid(format!(
-                "tensor-core attention takes {ATT_MMA_HEADS} heads of {ATT_MMA_HD} (got {heads} of {hd}), window {window} <= ring {raw_cap}"
+                "tensor-core attention takes {AMMA_HEADS} heads of {AMMA_HD} (got {heads} of {hd}), window {window} <= ring {raw_cap}"
             )));
         }
         const NAME: &str = "attention_prefill_mma";
         // Q + the fp16 row tile (rows padded by 8 halves) + the f32 tile in flight.
-        let smem = (ATT_MMA_HEADS + 32) * (ATT_MMA_HD + 8) * 2 + 32 * ATT_MMA_HD * 4;
+        let smem = (AMMA_HEADS + 32) * (AMMA_HD + 8) * 2 + 32 * AMMA_HD * 4;
         self.allow_smem(NAME, smem)?;
         let cfg = LaunchConfig {
             grid_dim: (a.n_tok as u32, 1, 1),

@@ -16,9 +16,9 @@ use crate::weights::DeviceMatrix;
 use ds4_gguf::GgmlType;
 
 /// Storage type codes of small dense tensors passed to the layer kernels.
-pub const WT_F32: i32 = 0;
-pub const WT_F16: i32 = 1;
-pub const WT_BF16: i32 = 2;
+pub const WT_F32: i32 = crate::consts::WT_F32;
+pub const WT_F16: i32 = crate::consts::WT_F16;
+pub const WT_BF16: i32 = crate::consts::WT_BF16;
 pub const WT_Q8_0: i32 = 8;
 
 /// RoPE parameters (mirrors `RopeP` in layer.cu).
@@ -38,10 +38,9 @@ pub(crate) fn cfg(grid: u32, block: u32) -> LaunchConfig {
     cfg2(grid, 1, block)
 }
 
-/// Most hyper-connection streams the kernels take (HC_MAX in layer.cu).
-const HC_MAX: usize = 5;
-/// Value groups of 4 per thread in hc_pre (HC_PRE_VEC in layer.cu).
-const HC_PRE_VEC: usize = 2;
+// Most hyper-connection streams the kernels take (HC_MAX), value groups of 4 per
+// thread in hc_pre (HC_PRE_VEC).
+use crate::consts::{HC_MAX, HC_PRE_VEC};
 
 /// The sublayer RMS norm fused into `hc_pre`: `out = rmsnorm(y)·w` per token and, with
 /// `q` / `d` ≠ 0, its Q8_0 form (int8 values, one f32 scale per 32).

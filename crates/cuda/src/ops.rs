@@ -36,14 +36,10 @@ pub struct MatSel {
 // SAFETY: plain repr(C) data with the layout of the CUDA struct.
 unsafe impl DeviceRepr for MatSel {}
 
-const ROWS_PER_BLOCK: u32 = 8;
-/// Rows per warp of the int8 expert kernels (EXP_ROWS_PER_WARP in matvec_q8act.cu;
-/// Q2K_RX_ROWS, the row unit of matvec_q2_k_q8_rx, is the same).
-const EXP_ROWS_PER_WARP: u32 = 4;
-/// Steps of 32 lanes per row of `matvec_iq2_xxs_q8_rx` (IQ2_RX_STEPS in matvec_q8act.cu).
-const IQ2_RX_STEPS: usize = 2;
-/// Rows per warp of `matvec_q8_0_q8_r4` (Q8_ROWS_PER_WARP in matvec_q8act.cu).
-const Q8_ROWS_PER_WARP: u32 = 4;
+// EXP_ROWS_PER_WARP: rows per warp of the int8 expert kernels (Q2K_RX_ROWS, the row
+// unit of matvec_q2_k_q8_rx, is the same); IQ2_RX_STEPS: steps of 32 lanes per row of
+// `matvec_iq2_xxs_q8_rx`; Q8_ROWS_PER_WARP: rows per warp of `matvec_q8_0_q8_r4`.
+use crate::consts::{EXP_ROWS_PER_WARP, IQ2_RX_STEPS, Q8_ROWS_PER_WARP, ROWS_PER_BLOCK};
 
 /// Rows per warp unit and blocks per SM of a register-activation expert kernel: units
 /// of EXP_ROWS_PER_WARP at two blocks per SM, except the pipelined IQ2_XXS kernels
