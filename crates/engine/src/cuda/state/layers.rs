@@ -240,14 +240,12 @@ impl KvView<'_> {
                 self.raw_cap,
             )?;
             if let (Some(cw), Some(comp)) = (&l.compressor, &st.comp) {
-                let ckv = p(&s.ckv);
-                compressor_inputs(g, cw, p(&s.n), ckv, n)?;
                 compress(
                     g,
                     c,
                     n,
                     step,
-                    ckv,
+                    (p(&s.n), p(&s.ckv)),
                     cw,
                     st.skv.as_ref(),
                     st.ssc.as_ref(),
@@ -265,16 +263,13 @@ impl KvView<'_> {
         };
         if let Some((_, ix, index)) = indexer {
             g.branch(2, || {
-                let icw = &ix.compressor;
-                let icv = p(&s.icv);
-                compressor_inputs(g, icw, p(&s.n), icv, n)?;
                 compress(
                     g,
                     c,
                     n,
                     step,
-                    icv,
-                    icw,
+                    (p(&s.n), p(&s.icv)),
+                    &ix.compressor,
                     st.iskv.as_ref(),
                     st.issc.as_ref(),
                     rope,
@@ -734,14 +729,16 @@ fn compressor_inputs(
     dense_f32(g, &cw.gate, x, out + 4 * width as u64, b)
 }
 
-/// Advances a compressor by `n` tokens (one: the graph-captured decode step).
+/// Advances a compressor by `n` tokens (one: the graph-captured decode step) on the
+/// normed input `x`: its kv and gate projections into the scratch `kvs`
+/// ([`compressor_inputs`]), then the compressor kernels.
 #[allow(clippy::too_many_arguments)]
 fn compress(
     g: &Launcher,
     c: &Config,
     n: usize,
     step: u64,
-    kvs: u64,
+    (x, kvs): (u64, u64),
     cw: &crate::cuda::weights::CompressorDev,
     skv: Option<&DeviceBuf<f32>>,
     ssc: Option<&DeviceBuf<f32>>,
@@ -750,6 +747,7 @@ fn compress(
     fast: bool,
     rows_out: u64,
 ) -> Result<(), CudaError> {
+    compressor_inputs(g, cw, x, kvs, n)?;
     let skv = g.ptr(skv.expect("compressed layer state"));
     let ssc = g.ptr(ssc.expect("compressed layer state"));
     let f32t = ds4_cuda::WT_F32;
