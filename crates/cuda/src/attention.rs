@@ -73,7 +73,7 @@ impl AttnTail {
 use crate::consts::{AMMA_HD, AMMA_HEADS, ATT_STAGE_ROWS};
 
 impl Gpu {
-    /// Whether [`Gpu::attention_prefill_mma`] takes this attention shape.
+    /// Whether [`Launcher::attention_prefill_mma`] takes this attention shape.
     pub fn attention_mma_shape(heads: usize, hd: usize) -> bool {
         heads == AMMA_HEADS && hd == AMMA_HD
     }

@@ -78,7 +78,7 @@ pub struct Gpu {
     /// Launches are background work (see [`Gpu::background`]).
     pub(crate) background: std::sync::atomic::AtomicBool,
     /// Launches select their matrices through ids that no kernel writes (see
-    /// [`Gpu::constant_ids`]).
+    /// [`crate::Launcher::constant_ids`]).
     pub(crate) const_ids: std::sync::atomic::AtomicBool,
 }
 

@@ -9,7 +9,7 @@ use crate::error::CudaError;
 use crate::plan::{Launcher, Variant};
 
 /// A captured sequence of launches (one decoded token), replayed with one call. With
-/// programmatic dependencies (see [`Gpu::end_capture`]) it replays its own instance of
+/// programmatic dependencies (see [`Launcher::end_capture`]) it replays its own instance of
 /// the rewritten graph.
 pub struct TokenGraph {
     graph: cudarc::driver::CudaGraph,

@@ -153,7 +153,7 @@ impl Launcher<'_> {
         )
     }
 
-    /// [`Gpu::hc_mix`] with the weights as a matrix (`n_out` rows of `n` = m.cols, F32 /
+    /// [`Launcher::hc_mix`] with the weights as a matrix (`n_out` rows of `n` = m.cols, F32 /
     /// F16 / BF16): a batch runs the dots as one GEMM (each weight row read once per
     /// tile of tokens instead of once per token) and then scales them per token.
     pub fn hc_mix_mat(

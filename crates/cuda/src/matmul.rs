@@ -47,12 +47,12 @@ const EXP_TILE: usize = 32;
 /// Rows per block of the expert GEMM.
 const EXP_ROWS: usize = 128;
 
-/// A per-call plan of the routed-expert GEMM, built on the device by [`Gpu::route_plan`].
+/// A per-call plan of the routed-expert GEMM, built on the device by [`Launcher::route_plan`].
 pub struct RoutePlan {
     pub n_expert: usize,
     pub max_pairs: usize,
     max_items: usize,
-    /// Pairs of the last [`Gpu::route_plan`] call.
+    /// Pairs of the last [`Launcher::route_plan`] call.
     n_pairs: usize,
     /// `[n_expert + 1]`: first slot of each expert in `pairs`; the last entry is the
     /// number of valid pairs.
@@ -65,7 +65,7 @@ pub struct RoutePlan {
 }
 
 impl RoutePlan {
-    /// Pairs planned by the last [`Gpu::route_plan`] call.
+    /// Pairs planned by the last [`Launcher::route_plan`] call.
     pub fn n_pairs(&self) -> usize {
         self.n_pairs
     }
@@ -232,7 +232,7 @@ impl Launcher<'_> {
         self.matmul_q8act_tiled(m, xq, y, b, None)
     }
 
-    /// [`Gpu::matmul_q8act`] with a forced Q8_0 tile (index into 128×128, 128×64, 64×64;
+    /// [`Launcher::matmul_q8act`] with a forced Q8_0 tile (index into 128×128, 128×64, 64×64;
     /// `None` = chosen by size). For the checks.
     #[doc(hidden)]
     pub fn matmul_q8act_tiled(
@@ -423,7 +423,7 @@ impl Launcher<'_> {
         self.matmul_f32_split(m, x, y, b, None)
     }
 
-    /// [`Gpu::matmul_f32`] with a forced split-K factor (1, 2, 4 or 8 blocks of a
+    /// [`Launcher::matmul_f32`] with a forced split-K factor (1, 2, 4 or 8 blocks of a
     /// cluster share an output tile; `None` = chosen by size). For the checks.
     #[doc(hidden)]
     pub fn matmul_f32_split(
@@ -437,7 +437,7 @@ impl Launcher<'_> {
         self.matmul_f32_opts(m, x, y, b, split, None)
     }
 
-    /// [`Gpu::matmul_f32_split`] choosing the tensor-core kernels (F16 / BF16 weights:
+    /// [`Launcher::matmul_f32_split`] choosing the tensor-core kernels (F16 / BF16 weights:
     /// tf32 products of the weight with the activation's tf32 part and remainder) or
     /// the f32 SIMT ones; `None` = tensor cores unless `DS4_CUDA_TF32=0`.
     #[doc(hidden)]
@@ -631,7 +631,7 @@ impl Launcher<'_> {
     }
 
     /// Routed experts: `Y[p][r] = W_{ids[p]}·X[row(p)]` for the pairs of the last
-    /// [`Gpu::route_plan`], `row(p) = p / k` when `shared_input` (gate/up) else `p`
+    /// [`Launcher::route_plan`], `row(p) = p / k` when `shared_input` (gate/up) else `p`
     /// (down). Activation rows are `xq.cols` apart; `y` holds `n_pairs × m.rows` floats.
     pub fn matmul_experts_q8act(
         &self,
@@ -645,7 +645,7 @@ impl Launcher<'_> {
         self.matmul_experts_q8act_variant(m, xq, plan, k, shared_input, y, None)
     }
 
-    /// [`Gpu::matmul_experts_q8act`] with a forced kernel variant (minimum 2, 3 or 4
+    /// [`Launcher::matmul_experts_q8act`] with a forced kernel variant (minimum 2, 3 or 4
     /// blocks per SM for 0, 1, 2; `None` = the default per format). For the checks.
     #[doc(hidden)]
     #[allow(clippy::too_many_arguments)]

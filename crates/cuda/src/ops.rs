@@ -256,7 +256,7 @@ impl Launcher<'_> {
         self.quantize_act_k_rows(x, qa, qa.rows)
     }
 
-    /// [`Gpu::quantize_act_k`] of the first `rows` rows only.
+    /// [`Launcher::quantize_act_k`] of the first `rows` rows only.
     pub fn quantize_act_k_rows(
         &self,
         x: u64,
@@ -298,7 +298,7 @@ impl Launcher<'_> {
         self.quantize_act_rows(x, qa, qa.rows)
     }
 
-    /// [`Gpu::quantize_act`] of the first `rows` rows only.
+    /// [`Launcher::quantize_act`] of the first `rows` rows only.
     pub fn quantize_act_rows(
         &self,
         x: u64,
@@ -511,7 +511,7 @@ impl Launcher<'_> {
         self.matvec_q8act_launch(m, Some((m2, y2)), xq, y, n_sel, sel, Q8Launch::default())
     }
 
-    /// [`Gpu::matvec_q8act`] with `ks` (1, 2, 4 or 8) warps per row of a Q8_0 matrix
+    /// [`Launcher::matvec_q8act`] with `ks` (1, 2, 4 or 8) warps per row of a Q8_0 matrix
     /// instead of the measured default (for tuning).
     pub fn matvec_q8act_split(
         &self,
@@ -529,7 +529,7 @@ impl Launcher<'_> {
         self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, opts)
     }
 
-    /// [`Gpu::matvec_q8act`] through a kernel named here, whatever the plan says:
+    /// [`Launcher::matvec_q8act`] through a kernel named here, whatever the plan says:
     /// for IQ2_XXS one of the probe kernels of probe.cu (`probe_iq2_nolut`,
     /// `probe_iq2_nox`, `probe_iq2_loads`: the kernel with parts of its work taken out;
     /// outputs meaningless) for `gpu-selftest --probe-q8`, or a production kernel
@@ -566,7 +566,7 @@ impl Launcher<'_> {
         self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, opts)
     }
 
-    /// [`Gpu::matvec_q8act_pair`] for two IQ2_XXS stacks through a kernel named here
+    /// [`Launcher::matvec_q8act_pair`] for two IQ2_XXS stacks through a kernel named here
     /// (a production rx kernel or a `probe_iq2_rx*` probe): the routed experts' gate
     /// and up as decode launches them, for `gpu-selftest --probe-q8`.
     #[doc(hidden)]
