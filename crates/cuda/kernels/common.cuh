@@ -1,7 +1,8 @@
 // Shared definitions of the ds4 CUDA kernels. Built with nvcc (ahead of time) or NVRTC
 // (at run time), so it includes no system headers: fixed-width types and half
-// conversions are spelled out here.
-
+// conversions are spelled out here. build.rs puts ds4_consts.h before it (the include
+// below is for editors; build.rs drops it).
+#include "ds4_consts.h"
 
 typedef signed char i8;
 typedef unsigned char u8;
@@ -75,7 +76,7 @@ __device__ __forceinline__ float dot4_i8(u32 q, float4 x) {
 
 // A matrix-vector launch: one warp per output row, ROWS_PER_BLOCK warps per block,
 // blockIdx.y = which of the selected matrices (routed experts) to use.
-#define ROWS_PER_BLOCK 8
+// (ROWS_PER_BLOCK and the other numbers shared with Rust: ds4_consts.h.)
 
 struct MatSel {
     const i32* ids;   // matrix index per blockIdx.y, or null for matrix 0

@@ -14,9 +14,7 @@ struct Step {
 };
 
 // Weight storage types of the small dense tensors (norms, fns, embedding rows).
-#define WT_F32 0
-#define WT_F16 1
-#define WT_BF16 2
+// (WT_F32, WT_F16, WT_BF16: ds4_consts.h.)
 
 __device__ __forceinline__ float ldw(const void* w, int type, i64 i) {
     if (type == WT_F16) return h2f(reinterpret_cast<const u16*>(w)[i]);
@@ -309,8 +307,7 @@ extern "C" __global__ void __launch_bounds__(256) hc_comb(const float* mix, cons
 // chain of L2 round trips, so it makes one pass (8 threads form a Q8_0 block).
 // n_embd is a multiple of 32, at most 4·HC_PRE_VEC·blockDim; blockDim is 1024 for
 // n_embd ≥ 1024, else 256 (rmsnorm's sum order).
-#define HC_PRE_VEC 2
-#define HC_MAX 5
+// (HC_PRE_VEC, HC_MAX: ds4_consts.h.)
 #define HC_PRE_PARAMS                                                                     \
     const float *h, const float *mix, const float *scale, const float *base, int n_hc,     \
         int n_embd, float eps, float *y, const void *norm_w, int norm_type, float norm_eps, \

@@ -50,7 +50,7 @@ struct AttRows {
 // (q → norm → RoPE table) instead of following it. Same values, same sums.
 #define ATT_HEADS_PER_BLOCK 8
 #define ATT_ROWS_PER_STEP 4
-#define ATT_STAGE_ROWS 32
+// (ATT_STAGE_ROWS: ds4_consts.h.)
 #define ATT_SPLIT_PARAMS                                                                   \
     const Step *step, const float *q, const float *ring, int raw_cap, int window,           \
         const float *comp, int ratio, const i32 *sel, int top_k, const float *sinks,        \

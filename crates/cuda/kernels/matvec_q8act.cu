@@ -32,7 +32,7 @@ __device__ __forceinline__ void stage_x(i8* sq, float* sd, const i8* q, const fl
 // before computing the current one, so each lane keeps 2 × EXP_ROWS_PER_WARP 16-byte
 // loads in flight, the first step's issued before the shared-memory staging (H200,
 // 6-expert gate: 17.5 -> 16.4 µs; the rest is shared-memory grid lookups).
-#define EXP_ROWS_PER_WARP 4
+// (EXP_ROWS_PER_WARP: ds4_consts.h.)
 
 
 // IQ2_XXS grid values are 8, 25 or 43 and sign bits flip them: a grid entry becomes 8
@@ -70,17 +70,10 @@ __device__ __forceinline__ void iq2_tables(u32* codes, u32* signs, const u64* gr
 // super-block c >> 2, scale d as f16) against their int8 activations x (two int4 per
 // group) and activation scales s. PROBE 1 (gpu-selftest --probe-q8 only; 0 in
 // production) replaces the table lookups by arithmetic on the weight bits.
-//
-// COPIES 32: the tables hold 32 interleaved copies (entry e of lane l at e·32 + l), so a
-// warp's lookups never share a bank; 1: one copy (random entries: ~4-way conflicts).
-template <int PROBE, int COPIES = 1>
+template <int PROBE>
 __device__ __forceinline__ float iq2_xxs_dot(const W4 w, u16 d, const int4 (&x)[4],
                                              const float (&s)[2], const u32* codes,
                                              const u32* signs) {
-    if (COPIES > 1) {
-        codes += threadIdx.x % COPIES;
-        signs += threadIdx.x % COPIES;
-    }
     const float db = h2f(d) * 0.25f;
     const u32 words[4] = {w.a, w.b, w.c, w.d};
     float acc = 0.f;
@@ -94,8 +87,7 @@ __device__ __forceinline__ float iq2_xxs_dot(const W4 w, u16 d, const int4 (&x)[
         for (int l = 0; l < 4; ++l) {
             const u32 sel = PROBE == 1
                                 ? ((idx >> (8 * l)) ^ (sg >> (7 * l))) & 0x33333333u
-                                : codes[((idx >> (8 * l)) & 0xff) * COPIES] |
-                                      signs[((sg >> (7 * l)) & 127) * COPIES];
+                                : codes[(idx >> (8 * l)) & 0xff] | signs[(sg >> (7 * l)) & 127];
             const int vlo = (int)__byte_perm(IQ2_LUT_POS, IQ2_LUT_NEG, sel);
             const int vhi = (int)__byte_perm(IQ2_LUT_POS, IQ2_LUT_NEG, sel >> 16);
             sumi = __dp4a(vlo, xs[2 * l], sumi);
@@ -273,15 +265,10 @@ extern "C" __global__ void __launch_bounds__(256, 3) matvec_iq2_xxs_q8(IQ2_MATVE
 // SM), all of a unit's weight loads in flight at once. The sums are
 // matvec_iq2_xxs_q8's, in the same order.
 //
-// COPIES 32 (matvec_iq2_xxs_q8_rx32, opt-in until measured): the tables in 32
-// interleaved copies in dynamic shared memory (48 KB + the 1.5 KB they are copied
-// from), so no lookup waits on a bank conflict: with the activation reads gone the
-// ~16 random lookups per 16 weight bytes are this kernel's largest term.
-//
 // EARLY (matvec_iq2_xxs_q8_rxe, `iq2_early`): the tables are built before the PDL wait
 // (they come from the constant grid; the plain kernel builds them after it: an L2 load
 // and a barrier on the routed experts' chain, 43 times a token). Same sums.
-#define IQ2_RX_STEPS 2
+// (IQ2_RX_STEPS: ds4_consts.h.)
 
 // The register-activation kernels' loads. A unit: R consecutive rows from row0 of the
 // matrix at (q, dw) (rows past the last repeat it), lane's steps lane + 32k, k < S.
@@ -318,26 +305,15 @@ __device__ __forceinline__ void iq2_rx_load_x(const i8* xq, const float* xd, i64
     }
 }
 
-template <int COPIES, bool EARLY = false>
+template <bool EARLY>
 __device__ __forceinline__ void iq2_xxs_q8_rx_body(IQ2_MATVEC_PARAMS) {
     if (!EARLY) PDL_WAIT();
     constexpr int R = EXP_ROWS_PER_WARP, S = IQ2_RX_STEPS;
     __shared__ u32 base_codes[256], base_signs[128];
-    extern __shared__ __align__(16) u32 copies[];
     iq2_tables(base_codes, base_signs, grid_g);
     __syncthreads();
     const u32* codes = base_codes;
     const u32* signs = base_signs;
-    if (COPIES > 1) {
-        const int tid = threadIdx.y * blockDim.x + threadIdx.x;
-        for (int i = tid; i < 384 * COPIES; i += blockDim.x * blockDim.y) {
-            const int e = i / COPIES;
-            copies[i] = e < 256 ? base_codes[e] : base_signs[e - 256];
-        }
-        __syncthreads();
-        codes = copies;
-        signs = copies + 256 * COPIES;
-    }
     if (EARLY) PDL_WAIT();
     (void)cols;  // S × 32 steps of 64 values (the host checks)
     const int lane = threadIdx.x;
@@ -373,7 +349,7 @@ __device__ __forceinline__ void iq2_xxs_q8_rx_body(IQ2_MATVEC_PARAMS) {
             float acc = 0.f;
 #pragma unroll
             for (int k = 0; k < S; ++k)
-                acc += iq2_xxs_dot<0, COPIES>(w[r][k], d[r][k], x[k], s[k], codes, signs);
+                acc += iq2_xxs_dot<0>(w[r][k], d[r][k], x[k], s[k], codes, signs);
             acc = warp_sum(acc);
             if (lane == 0 && row0 + r < rows) ym[yi * sel.y_stride + row0 + r] = acc;
         }
@@ -382,13 +358,10 @@ __device__ __forceinline__ void iq2_xxs_q8_rx_body(IQ2_MATVEC_PARAMS) {
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2) matvec_iq2_xxs_q8_rx(IQ2_MATVEC_PARAMS) {
-    iq2_xxs_q8_rx_body<1>(IQ2_MATVEC_ARGS);
-}
-extern "C" __global__ void __launch_bounds__(256, 2) matvec_iq2_xxs_q8_rx32(IQ2_MATVEC_PARAMS) {
-    iq2_xxs_q8_rx_body<32>(IQ2_MATVEC_ARGS);
+    iq2_xxs_q8_rx_body<false>(IQ2_MATVEC_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(256, 2) matvec_iq2_xxs_q8_rxe(IQ2_MATVEC_PARAMS) {
-    iq2_xxs_q8_rx_body<1, true>(IQ2_MATVEC_ARGS);
+    iq2_xxs_q8_rx_body<true>(IQ2_MATVEC_ARGS);
 }
 
 // The register-activation IQ2_XXS kernel with its next row unit's weights in flight
@@ -556,7 +529,7 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q2_k_q8(
 }
 
 // matvec_q2_k_q8 for rows of 2048 columns (8 super-blocks: lane c takes step c, the
-// Flash experts' down projection), opt-in until measured (DS4_CUDA_FUSE=…,q2k_rx): each
+// Flash experts' down projection; `q2k_rx`): each
 // lane's 64 activation bytes and 4 scales sit in registers, read from global memory
 // when its selection changes, and each warp walks a contiguous range of Q2K_RX_ROWS-row
 // units (mostly one selection, so the activations are read about once per warp) with
@@ -821,7 +794,7 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8_early(Q8_0_Q8_P
 // 1 KiB and a reduction, and runs ~4 waves of blocks; here each warp has 4 KiB in flight
 // and the grid is a quarter. Per row the same steps in the same order and the same
 // warp_sum: the same sums.
-#define Q8_ROWS_PER_WARP 4
+// (Q8_ROWS_PER_WARP: ds4_consts.h.)
 template <int R>
 __device__ __forceinline__ void matvec_q8_0_q8_rows_body(
     const i8* __restrict__ qs, const u16* __restrict__ dw, i64 mat_q, i64 mat_d,
@@ -870,160 +843,8 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8_r4(Q8_0_Q8_PARA
     (void)ks;  // 1
     matvec_q8_0_q8_rows_body<Q8_ROWS_PER_WARP>(qs, dw, mat_q, mat_d, xq, xd, y, rows, cols, sel);
 }
-// Two rows a warp for longer rows (`q8_rows2`, opt-in).
+// Two rows a warp for longer rows (`q8_rows2`).
 extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8_r2(Q8_0_Q8_PARAMS) {
     (void)ks;  // 1
     matvec_q8_0_q8_rows_body<2>(qs, dw, mat_q, mat_d, xq, xd, y, rows, cols, sel);
-}
-
-// ---- Fused producers of quantised activations (decode launch count): each writes the
-// f32 result and its Q8_0 (per 32) or Q8_K (per 256) form, bit-identical to running
-// the plain kernel and then quantize_q8_32 / quantize_q8_k32.
-
-// rmsnorm of one row per block (n a multiple of 32), then Q8_0.
-// PRELOAD (rmsnorm_q8_pl, `norm_pl`): while n ≤ NORM_PL·blockDim, the weights (no
-// kernel writes them) are loaded before the PDL wait and x stays in registers from the
-// sum of squares to the quantised store; the plain kernel loads w and reloads x after
-// the block's reduction (one more round trip at the end of the chain). Thread t's
-// values t + u·blockDim are both the sum's order and the quantisation's warp blocks.
-#define NORM_PL 4
-template <bool PRELOAD>
-__device__ __forceinline__ void rmsnorm_q8_body(const float* x, const void* w, int w_type, int n,
-                                                float eps, float* y, i8* q, float* d) {
-    constexpr int R = PRELOAD ? NORM_PL : 1;
-    const bool pl = PRELOAD && n <= NORM_PL * (int)blockDim.x;
-    float wv[R];
-    if (pl && w) {
-#pragma unroll
-        for (int u = 0; u < R; ++u) {
-            const int i = threadIdx.x + u * blockDim.x;
-            wv[u] = i < n ? ldw(w, w_type, i) : 0.f;
-        }
-    }
-    PDL_WAIT();
-    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
-    __shared__ float red[32];
-    const float* xr = x + (i64)blockIdx.x * n;
-    float* yr = y + (i64)blockIdx.x * n;
-    const int lane = threadIdx.x % WARP, nw = blockDim.x / WARP;
-    if (pl) {
-        float xv[R];
-#pragma unroll
-        for (int u = 0; u < R; ++u) {
-            const int i = threadIdx.x + u * blockDim.x;
-            xv[u] = i < n ? xr[i] : 0.f;
-        }
-        float ss = 0.f;
-#pragma unroll
-        for (int u = 0; u < R; ++u)
-            if (threadIdx.x + u * blockDim.x < n) ss += xv[u] * xv[u];
-        ss = block_sum(ss, red);
-        const float sc = 1.0f / sqrtf(ss / (float)n + eps);
-#pragma unroll
-        for (int u = 0; u < R; ++u) {
-            const int b = threadIdx.x / WARP + u * nw;  // warp-uniform
-            if (b < n / 32) {
-                const int i = b * 32 + lane;
-                float v = xv[u] * sc;
-                if (w) v = v * wv[u];
-                yr[i] = v;
-                quant_block32(v, q + (i64)blockIdx.x * n + b * 32, d + (i64)blockIdx.x * (n / 32) + b);
-            }
-        }
-        return;
-    }
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
-    ss = block_sum(ss, red);
-    const float sc = 1.0f / sqrtf(ss / (float)n + eps);
-    for (int b = threadIdx.x / WARP; b < n / 32; b += nw) {
-        const int i = b * 32 + lane;
-        float v = xr[i] * sc;
-        if (w) v = v * ldw(w, w_type, i);
-        yr[i] = v;
-        quant_block32(v, q + (i64)blockIdx.x * n + b * 32, d + (i64)blockIdx.x * (n / 32) + b);
-    }
-}
-
-#define RMSNORM_Q8_PARAMS \
-    const float *x, const void *w, int w_type, int n, float eps, float *y, i8 *q, float *d
-extern "C" __global__ void __launch_bounds__(1024) rmsnorm_q8(RMSNORM_Q8_PARAMS) {
-    rmsnorm_q8_body<false>(x, w, w_type, n, eps, y, q, d);
-}
-extern "C" __global__ void __launch_bounds__(1024) rmsnorm_q8_pl(RMSNORM_Q8_PARAMS) {
-    rmsnorm_q8_body<true>(x, w, w_type, n, eps, y, q, d);
-}
-
-__device__ __forceinline__ float swiglu_value(const float* gate, const float* up,
-        const float* weights, int n, float clamp, i64 i) {
-    const float g = fminf(gate[i], clamp);
-    const float u = fminf(fmaxf(up[i], -clamp), clamp);
-    const float wt = weights ? weights[i / n] : 1.f;
-    return g * sigmoidf_(g) * u * wt;
-}
-
-// swiglu (as `swiglu`) then Q8_0: one warp per 32 values of the n·n_sel.
-extern "C" __global__ void swiglu_q8(const float* gate, const float* up, const float* weights,
-        int n, int n_sel, float clamp, float* mid, i8* q, float* d) {
-    PDL_WAIT();
-    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
-    const i64 b = (i64)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
-    if (b >= (i64)n * n_sel / 32) return;
-    const i64 i = b * 32 + threadIdx.x % WARP;
-    const float v = swiglu_value(gate, up, weights, n, clamp, i);
-    mid[i] = v;
-    quant_block32(v, q + b * 32, d + b);
-}
-
-// swiglu then Q8_K (the quantize_q8_k32 rule): one block of 256 threads per 256 values.
-extern "C" __global__ void __launch_bounds__(256) swiglu_q8k(const float* gate,
-        const float* up, const float* weights, int n, float clamp, float* mid, i8* q,
-        float* d) {
-    PDL_WAIT();
-    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
-    __shared__ float vals[256];
-    __shared__ float s_abs[8];
-    __shared__ int s_idx[8];
-    __shared__ float s_max;
-    const i64 base = (i64)blockIdx.x * 256;
-    const float v = swiglu_value(gate, up, weights, n, clamp, base + threadIdx.x);
-    mid[base + threadIdx.x] = v;
-    vals[threadIdx.x] = v;
-    float a = fabsf(v);
-    int idx = threadIdx.x;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float a2 = __shfl_xor_sync(0xffffffffu, a, o);
-        const int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
-        if (a2 > a || (a2 == a && i2 < idx)) {
-            a = a2;
-            idx = i2;
-        }
-    }
-    if (threadIdx.x % WARP == 0) {
-        s_abs[threadIdx.x / WARP] = a;
-        s_idx[threadIdx.x / WARP] = idx;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float ba = s_abs[0];
-        int bi = s_idx[0];
-        for (int w = 1; w < 8; ++w)
-            if (s_abs[w] > ba || (s_abs[w] == ba && s_idx[w] < bi)) {
-                ba = s_abs[w];
-                bi = s_idx[w];
-            }
-        s_max = ba == 0.f ? 0.f : vals[bi];
-    }
-    __syncthreads();
-    const float mx = s_max;
-    if (mx == 0.f) {
-        q[base + threadIdx.x] = 0;
-        if (threadIdx.x < 8) d[blockIdx.x * 8 + threadIdx.x] = 0.f;
-        return;
-    }
-    const float iscale = -127.0f / mx;
-    int qi = __float2int_rn(iscale * v);
-    q[base + threadIdx.x] = (i8)max(-128, min(127, qi));
-    if (threadIdx.x < 8) d[blockIdx.x * 8 + threadIdx.x] = 1.0f / iscale;
 }

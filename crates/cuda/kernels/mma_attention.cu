@@ -17,8 +17,7 @@
 // computes. Rows are padded to AMMA_LD halves so ldmatrix rows land on distinct banks.
 #include "common.cuh"
 
-#define AMMA_HEADS 64
-#define AMMA_HD 512
+// (AMMA_HEADS, AMMA_HD: ds4_consts.h.)
 #define AMMA_ROWS 32
 #define AMMA_LD (AMMA_HD + 8)
 

@@ -25,4 +25,7 @@ pub enum CudaError {
     },
     #[error("{0}")]
     Invalid(String),
+    /// `DS4_CUDA_FUSE` names no variant.
+    #[error(transparent)]
+    Plan(#[from] crate::plan::PlanError),
 }

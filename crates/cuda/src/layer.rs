@@ -11,13 +11,14 @@ use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 
 use crate::device::Gpu;
 use crate::error::CudaError;
+use crate::plan::{Launcher, Variant};
 use crate::weights::DeviceMatrix;
 use ds4_gguf::GgmlType;
 
 /// Storage type codes of small dense tensors passed to the layer kernels.
-pub const WT_F32: i32 = 0;
-pub const WT_F16: i32 = 1;
-pub const WT_BF16: i32 = 2;
+pub const WT_F32: i32 = crate::consts::WT_F32;
+pub const WT_F16: i32 = crate::consts::WT_F16;
+pub const WT_BF16: i32 = crate::consts::WT_BF16;
 pub const WT_Q8_0: i32 = 8;
 
 /// RoPE parameters (mirrors `RopeP` in layer.cu).
@@ -33,14 +34,13 @@ pub struct RopeP {
 // SAFETY: repr(C) plain data matching the CUDA struct.
 unsafe impl DeviceRepr for RopeP {}
 
-fn cfg(grid: u32, block: u32) -> LaunchConfig {
+pub(crate) fn cfg(grid: u32, block: u32) -> LaunchConfig {
     cfg2(grid, 1, block)
 }
 
-/// Most hyper-connection streams the kernels take (HC_MAX in layer.cu).
-const HC_MAX: usize = 5;
-/// Value groups of 4 per thread in hc_pre (HC_PRE_VEC in layer.cu).
-const HC_PRE_VEC: usize = 2;
+// Most hyper-connection streams the kernels take (HC_MAX), value groups of 4 per
+// thread in hc_pre (HC_PRE_VEC).
+use crate::consts::{HC_MAX, HC_PRE_VEC};
 
 /// The sublayer RMS norm fused into `hc_pre`: `out = rmsnorm(y)·w` per token and, with
 /// `q` / `d` ≠ 0, its Q8_0 form (int8 values, one f32 scale per 32).
@@ -54,68 +54,31 @@ pub struct HcNorm {
     pub d: u64,
 }
 
-/// What the attention launchers read for `n_tok` tokens (device addresses): queries
-/// `q` (n_tok × heads × hd), the raw ring (position p at slot p % raw_cap, the last
-/// `window` positions attended), the compressed rows of `ratio` (0 = none), the top-k
-/// selections `sel` (n_tok × top_k; 0 = none: every compressed row), per-head sinks.
+/// A KV compressor's launch ([`Launcher::compressor`]; device addresses): `kvs[t]` =
+/// the token's new kv (lanes·d) then its new gate scores (lanes·d); `ape` (type
+/// `ape_type`) the positional bias, `skv` / `ssc` the frontier state, `ratio` tokens per
+/// row over `lanes` lanes of `d` values; each completed row is RMS-normed (`norm_w` of
+/// `norm_type`, `eps`), roped, (`indexer`: Hadamard and FP4; `f16_round`: rounded to
+/// f16) and written to `rows` at its row index.
 #[derive(Clone, Copy, Debug)]
-pub struct AttnInput {
-    pub n_tok: usize,
+pub struct Compressor {
     pub step: u64,
-    pub q: u64,
-    pub ring: u64,
-    pub raw_cap: usize,
-    pub window: usize,
-    pub comp: u64,
+    pub kvs: u64,
+    pub ape: u64,
+    pub ape_type: i32,
+    pub skv: u64,
+    pub ssc: u64,
     pub ratio: usize,
-    pub sel: u64,
-    pub top_k: usize,
-    pub sinks: u64,
-    pub heads: usize,
-    pub hd: usize,
-    pub scale: f32,
-    /// `attention` applies head_norm_rope to the queries as it reads them (they are
-    /// then the q projection's raw output; decode: one launch less before attention).
-    pub q_norm: Option<QNorm>,
-}
-
-/// head_norm_rope's work (unweighted RMS norm of each head, RoPE of its tail) done by
-/// the attention on its query registers.
-#[derive(Clone, Copy, Debug)]
-pub struct QNorm {
+    pub lanes: usize,
+    pub d: usize,
+    pub norm_w: u64,
+    pub norm_type: i32,
     pub eps: f32,
     pub rope: RopeP,
+    pub indexer: bool,
+    pub f16_round: bool,
+    pub rows: u64,
 }
-
-/// What the output projection wants of the attention output, applied in the launch
-/// that writes it where it can: the inverse RoPE of each head's tail at the token's
-/// position and, with `q` / `d` ≠ 0, the Q8_0 form of the heads (n_tok × heads × hd
-/// values, contiguous blocks of 32).
-#[derive(Clone, Copy, Debug)]
-pub struct AttnTail {
-    pub rope: RopeP,
-    pub q: u64,
-    pub d: u64,
-}
-
-impl AttnTail {
-    /// Whether heads of `hd` values can take this tail (Q8_0 blocks must not straddle
-    /// heads).
-    fn check(&self, hd: usize) -> Result<(), CudaError> {
-        if self.q != 0 && !hd.is_multiple_of(32) {
-            return Err(CudaError::Invalid(format!(
-                "attention head dim {hd}: Q8_0 output needs a multiple of 32"
-            )));
-        }
-        Ok(())
-    }
-}
-
-/// The attention shape of `attention_prefill_mma` (AMMA_HEADS / AMMA_HD).
-/// Rows per shared-memory batch of `attention_split_staged` (ATT_STAGE_ROWS in layer_attention.cu).
-const ATT_STAGE_ROWS: usize = 32;
-const ATT_MMA_HEADS: usize = 64;
-const ATT_MMA_HD: usize = 512;
 
 /// The hyper-connection kernels keep a token's streams in fixed register arrays.
 fn check_hc_streams(n_hc: usize) -> Result<(), CudaError> {
@@ -128,7 +91,7 @@ fn check_hc_streams(n_hc: usize) -> Result<(), CudaError> {
 }
 
 /// `tokens` blocks in y: the token of a batch (per-token kernels).
-fn cfg2(grid: u32, tokens: usize, block: u32) -> LaunchConfig {
+pub(crate) fn cfg2(grid: u32, tokens: usize, block: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (grid.max(1), (tokens as u32).max(1), 1),
         block_dim: (block, 1, 1),
@@ -136,23 +99,7 @@ fn cfg2(grid: u32, tokens: usize, block: u32) -> LaunchConfig {
     }
 }
 
-/// Launches `name` with the listed arguments (each pushed by reference).
-macro_rules! launch {
-    ($gpu:expr, $name:expr, $cfg:expr, $($arg:expr),* $(,)?) => {{
-        let f = $gpu.func($name)?;
-        $gpu.timed($name, || {
-            let mut b = $gpu.launch_stream().launch_builder(&f);
-            $( b.arg(&$arg); )*
-            // SAFETY: each launcher passes exactly the parameters of the kernel of the
-            // same name in the layer*.cu kernels, in order and with the same types;
-            // buffer sizes are the caller's contract (documented per launcher).
-            unsafe { b.launch($cfg) }?;
-            Ok::<(), CudaError>(())
-        })
-    }};
-}
-
-impl Gpu {
+impl Launcher<'_> {
     /// H[t][s] = embedding row of `step[t].token`, for every stream s and each of
     /// `n_tok` tokens.
     pub fn embed(
@@ -192,7 +139,7 @@ impl Gpu {
         n_out: usize,
     ) -> Result<(), CudaError> {
         let n = n as i32;
-        let name = self.kernel_for("hc_preload", "hc_mix", "hc_mix_pl");
+        let name = self.pick(Variant::HcPreload, "hc_mix", "hc_mix_pl");
         launch!(
             self,
             name,
@@ -206,7 +153,7 @@ impl Gpu {
         )
     }
 
-    /// [`Gpu::hc_mix`] with the weights as a matrix (`n_out` rows of `n` = m.cols, F32 /
+    /// [`Launcher::hc_mix`] with the weights as a matrix (`n_out` rows of `n` = m.cols, F32 /
     /// F16 / BF16): a batch runs the dots as one GEMM (each weight row read once per
     /// tile of tokens instead of once per token) and then scales them per token.
     pub fn hc_mix_mat(
@@ -287,7 +234,7 @@ impl Gpu {
         }
         let (nh, ne) = (n_hc as i32, n_embd as i32);
         let nm = norm.unwrap_or_default();
-        let name = self.kernel_for("hc_preload", "hc_pre", "hc_pre_pl");
+        let name = self.pick(Variant::HcPreload, "hc_pre", "hc_pre_pl");
         launch!(
             self,
             name,
@@ -359,7 +306,7 @@ impl Gpu {
     ) -> Result<(), CudaError> {
         check_hc_streams(n_hc)?;
         let (nh, ne, np) = (n_hc as i32, n_embd as i32, n_parts as i32);
-        let name = self.kernel_for("hc_preload", "hc_post", "hc_post_pl");
+        let name = self.pick(Variant::HcPreload, "hc_post", "hc_post_pl");
         launch!(
             self,
             name,
@@ -491,418 +438,69 @@ impl Gpu {
         )
     }
 
-    /// One compressor step; `kvs` = new kv (lanes·d) then new gate scores (lanes·d).
-    pub fn compressor_step(
-        &self,
-        step: u64,
-        kvs: u64,
-        ape: u64,
-        ape_type: i32,
-        skv: u64,
-        ssc: u64,
-        ratio: usize,
-        lanes: usize,
-        d: usize,
-        norm_w: u64,
-        norm_type: i32,
-        eps: f32,
-        rope: RopeP,
-        indexer: bool,
-        f16_round: bool,
-        rows: u64,
-    ) -> Result<(), CudaError> {
-        if d > 1024 || (indexer && !d.is_power_of_two()) {
+    /// The KV compressor over `n_tok` tokens starting at step[0].pos: one token
+    /// through `compressor_step`; a batch emits every row completed in it
+    /// (`compressor_emit`), then advances the frontier state (`compressor_state`),
+    /// exactly as `compressor_step` per token.
+    pub fn compressor(&self, n_tok: usize, c: &Compressor) -> Result<(), CudaError> {
+        let (ratio, lanes, d) = (c.ratio, c.lanes, c.d);
+        if d > 1024 || (c.indexer && !d.is_power_of_two()) {
             return Err(CudaError::Invalid(format!(
                 "compressor width {d} unsupported"
             )));
         }
-        let (r, l, dd, mode, fr) = (
-            ratio as i32,
-            lanes as i32,
-            d as i32,
-            indexer as i32,
-            f16_round as i32,
-        );
-        launch!(
-            self,
-            "compressor_step",
-            cfg(1, 1024),
-            step,
-            kvs,
-            ape,
-            ape_type,
-            skv,
-            ssc,
-            r,
-            l,
-            dd,
-            norm_w,
-            norm_type,
-            eps,
-            rope,
-            mode,
-            fr,
-            rows
-        )
-    }
-
-    /// The compressor over a batch of `n_tok` tokens starting at step[0].pos: emits
-    /// every row completed in the batch, then advances the frontier state, exactly as
-    /// `compressor_step` per token. `kvs[t]` = kv (lanes·d) then raw gate scores.
-    pub fn compressor_batch(
-        &self,
-        n_tok: usize,
-        step: u64,
-        kvs: u64,
-        ape: u64,
-        ape_type: i32,
-        skv: u64,
-        ssc: u64,
-        ratio: usize,
-        lanes: usize,
-        d: usize,
-        norm_w: u64,
-        norm_type: i32,
-        eps: f32,
-        rope: RopeP,
-        indexer: bool,
-        f16_round: bool,
-        rows: u64,
-    ) -> Result<(), CudaError> {
-        if d > 1024 || (indexer && !d.is_power_of_two()) || ratio == 0 || !(1..=2).contains(&lanes)
-        {
+        if n_tok == 1 {
+            return self.compressor_launch("compressor_step", cfg(1, 1024), None, c, true);
+        }
+        if ratio == 0 || !(1..=2).contains(&lanes) {
             return Err(CudaError::Invalid(format!(
                 "compressor width {d} / ratio {ratio} / {lanes} lanes unsupported"
             )));
         }
-        let (nt, r, l, dd, mode, fr) = (
-            n_tok as i32,
-            ratio as i32,
-            lanes as i32,
-            d as i32,
-            indexer as i32,
-            f16_round as i32,
-        );
         // Rows completed in the batch: at most n_tok / ratio + 1.
         let emits = (n_tok / ratio + 1) as u32;
-        launch!(
-            self,
-            "compressor_emit",
-            cfg(emits, 1024),
-            step,
-            nt,
-            kvs,
-            ape,
-            ape_type,
-            skv,
-            ssc,
-            r,
-            l,
-            dd,
-            norm_w,
-            norm_type,
-            eps,
-            rope,
-            mode,
-            fr,
-            rows
-        )?;
+        let nt = Some(n_tok as i32);
+        self.compressor_launch("compressor_emit", cfg(emits, 1024), nt, c, true)?;
         let cells = (ratio * lanes * d) as u32;
-        launch!(
-            self,
-            "compressor_state",
-            cfg(cells.div_ceil(256).min(4096), 256),
-            step,
-            nt,
-            kvs,
-            ape,
-            ape_type,
-            skv,
-            ssc,
-            r,
-            l,
-            dd
-        )
+        let grid = cfg(cells.div_ceil(256).min(4096), 256);
+        self.compressor_launch("compressor_state", grid, nt, c, false)
     }
 
-    /// RoPE + Hadamard + FP4 on each of `heads` indexer query heads of `dim` values.
-    pub fn indexer_q(
+    /// Launches a compressor kernel: `step`, then (batch kernels) `n_tok`, then the
+    /// state arguments through `d`, then (with `rows`) the row-finishing arguments.
+    fn compressor_launch(
         &self,
-        n_tok: usize,
-        step: u64,
-        q: u64,
-        heads: usize,
-        dim: usize,
-        rope: RopeP,
+        name: &'static str,
+        grid: LaunchConfig,
+        n_tok: Option<i32>,
+        c: &Compressor,
+        rows: bool,
     ) -> Result<(), CudaError> {
-        // One warp per head where the lanes' 4-value parts fit (`idxq_warp`).
-        let tail_start = dim as i64 - rope.rope_dim as i64;
-        if dim == 128 && tail_start >= 0 && tail_start % 2 == 0 && self.fused("idxq_warp") {
-            let h = heads as i32;
-            return launch!(
-                self,
-                "indexer_q_warp",
-                cfg2((heads as u32).div_ceil(8), n_tok, 256),
-                step,
-                q,
-                h,
-                rope
-            );
-        }
-        let d = dim as i32;
-        launch!(
-            self,
-            "indexer_q",
-            cfg2(heads as u32, n_tok, 256),
-            step,
-            q,
-            d,
-            rope
-        )
-    }
-
-    /// Indexer scores of up to `max_rows` index rows per token (the live count comes
-    /// from pos); token t's scores start at t · max_rows. With `idx_mma` a batch at the
-    /// Flash shape (64 heads × 128) runs on bf16 tensor cores, which is exact only for
-    /// FP4-simulated rows and queries — what the model's indexer always feeds it.
-    pub fn indexer_scores(
-        &self,
-        n_tok: usize,
-        step: u64,
-        rows: u64,
-        q: u64,
-        wt: u64,
-        heads: usize,
-        dim: usize,
-        wscale: f32,
-        ratio: usize,
-        top_k: usize,
-        scores: u64,
-        max_rows: usize,
-    ) -> Result<(), CudaError> {
-        if heads > 64 || dim > 128 || !dim.is_multiple_of(4) {
-            return Err(CudaError::Invalid(format!(
-                "indexer of {heads} heads × {dim}: at most 64 × 128, dim a multiple of 4"
-            )));
-        }
-        let (h, d, r, k) = (heads as i32, dim as i32, ratio as i32, top_k as i32);
-        let ss = max_rows as i32;
-        // A batch at the Flash shape on tensor cores (`idx_mma`, mma_indexer.cu).
-        if n_tok > 1 && heads == 64 && dim == 128 && self.fused("idx_mma") {
-            // The rows and queries as bf16 [64][136] each, the dot products [64][68] f32.
-            let smem = 2 * 64 * 136 * 2 + 64 * 68 * 4;
-            let mut cfg = cfg2((max_rows as u32).div_ceil(64), n_tok.div_ceil(8), 128);
-            cfg.shared_mem_bytes = smem as u32;
-            self.allow_smem("indexer_scores_mma", smem)?;
-            let nt = n_tok as i32;
-            return launch!(
-                self,
-                "indexer_scores_mma",
-                cfg,
-                step,
-                rows,
-                q,
-                wt,
-                nt,
-                wscale,
-                r,
-                k,
-                scores,
-                ss
-            );
-        }
-        // qs and ks (dim × 68 floats each) and the 16 × 64 reduction.
-        let smem = (2 * dim * 68 + 16 * 64) * 4;
-        let mut cfg = cfg2((max_rows as u32).div_ceil(64), n_tok, 256);
-        cfg.shared_mem_bytes = smem as u32;
-        let name = self.kernel_for("idx_banks", "indexer_scores", "indexer_scores_sp");
-        self.allow_smem(name, smem)?;
-        launch!(self, name, cfg, step, rows, q, wt, h, d, wscale, r, k, scores, ss)
-    }
-
-    /// Per token, the indices of the `k` best of its (pos+1)/ratio scores (row t of
-    /// `scores` at t · scores_stride) into `sel[t][k]`, ascending; untouched while the
-    /// count is ≤ k (attention then uses every row).
-    pub fn topk_select(
-        &self,
-        n_tok: usize,
-        step: u64,
-        scores: u64,
-        scores_stride: usize,
-        ratio: usize,
-        k: usize,
-        sel: u64,
-    ) -> Result<(), CudaError> {
-        let (ss, r, kk) = (scores_stride as i32, ratio as i32, k as i32);
-        let name = self.kernel_for("topk_reg", "topk_select", "topk_select_rg");
-        launch!(
-            self,
-            name,
-            cfg2(1, n_tok, 1024),
-            step,
-            scores,
-            ss,
-            r,
-            kk,
-            sel
-        )
-    }
-
-    /// Sink attention of every head of each token over its raw window and its
-    /// compressed rows (see [`AttnInput`]), split into `n_chunks` chunks of
-    /// `rows_per_chunk` rows (0: the token's rows divided evenly, computed on the device
-    /// from its position); with more than one chunk the partials go to `part_acc`
-    /// (n_tok·heads·n_chunks·hd floats) and `part_ml` (twice n_tok·heads·n_chunks) and a
-    /// combine pass writes `out`.
-    pub fn attention(
-        &self,
-        a: &AttnInput,
-        rows_per_chunk: usize,
-        n_chunks: usize,
-        part_acc: u64,
-        part_ml: u64,
-        out: u64,
-        tail: Option<&AttnTail>,
-    ) -> Result<(), CudaError> {
-        let (hd, heads, raw_cap, window) = (a.hd, a.heads, a.raw_cap, a.window);
-        if let Some(t) = tail {
-            t.check(hd)?;
-        }
-        if !hd.is_multiple_of(4) || hd > 512 {
-            return Err(CudaError::Invalid(format!(
-                "attention head dim {hd}: must be a multiple of 4, at most 512"
-            )));
-        }
-        if window > raw_cap || n_chunks == 0 || n_chunks > 128 {
-            return Err(CudaError::Invalid(format!(
-                "attention window {window} / ring {raw_cap} / {n_chunks} chunks of {rows_per_chunk}"
-            )));
-        }
-        let (rc, win, r, tk, nh, hd_, rpc) = (
-            raw_cap as i32,
-            window as i32,
-            a.ratio as i32,
-            a.top_k as i32,
-            heads as i32,
-            hd as i32,
-            rows_per_chunk as i32,
-        );
-        let (q_norm, q_eps, q_rope) = match a.q_norm {
-            Some(qn) => {
-                let rd = qn.rope.rope_dim as usize;
-                if rd > hd || !rd.is_multiple_of(2) || !(hd - rd).is_multiple_of(2) {
-                    return Err(CudaError::Invalid(format!(
-                        "query RoPE of {rd} dims in heads of {hd}: needs an even tail and start"
-                    )));
-                }
-                (1i32, qn.eps, qn.rope)
+        let (r, l, dd) = (c.ratio as i32, c.lanes as i32, c.d as i32);
+        let (mode, fr) = (c.indexer as i32, c.f16_round as i32);
+        let f = self.func(name)?;
+        self.timed(name, || {
+            let mut b = self.launch_stream().launch_builder(&f);
+            b.arg(&c.step);
+            if let Some(nt) = &n_tok {
+                b.arg(nt);
             }
-            None => (0, 0.0, RopeP::default()),
-        };
-        let groups = (heads as u32).div_ceil(8);
-        // A decode token's blocks stage their rows in shared memory (`att_stage`).
-        let staged = a.n_tok == 1 && self.fused("att_stage");
-        let (name, smem) = if staged {
-            let name = self.kernel_for(
-                "att_early",
-                "attention_split_staged",
-                "attention_split_early",
-            );
-            (name, (ATT_STAGE_ROWS * hd * 4) as u32)
-        } else {
-            ("attention_split", 0)
-        };
-        if staged {
-            self.allow_smem(name, smem as usize)?;
-        }
-        let grid = LaunchConfig {
-            grid_dim: (n_chunks as u32, groups, a.n_tok as u32),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: smem,
-        };
-        launch!(
-            self, name, grid, a.step, a.q, a.ring, rc, win, a.comp, r, a.sel, tk, a.sinks, nh, hd_,
-            a.scale, rpc, part_acc, part_ml, out, q_norm, q_eps, q_rope
-        )?;
-        if n_chunks > 1 {
-            let nc = n_chunks as i32;
-            let (rope, rope_on, q, d) = match tail {
-                Some(t) => (t.rope, 1i32, t.q, t.d),
-                None => (RopeP::default(), 0, 0, 0),
-            };
-            let name = self.kernel_for("combine_pl", "attention_combine", "attention_combine_pl");
-            launch!(
-                self,
-                name,
-                cfg2(heads as u32, a.n_tok, 128),
-                part_acc,
-                part_ml,
-                a.sinks,
-                nh,
-                hd_,
-                nc,
-                out,
-                a.step,
-                rope,
-                rope_on,
-                q,
-                d
-            )?;
-        } else if let Some(t) = tail {
-            self.attention_tail(a, t, out)?;
-        }
-        Ok(())
-    }
-
-    /// The [`AttnTail`] of an attention output `out` written without it.
-    pub fn attention_tail(&self, a: &AttnInput, t: &AttnTail, out: u64) -> Result<(), CudaError> {
-        t.check(a.hd)?;
-        self.rope_tail(a.n_tok, a.step, out, a.hd, a.heads, 0, t.rope, true)?;
-        if t.q != 0 {
-            self.quantize_q8_raw(out, t.q, t.d, a.n_tok * a.heads * a.hd / 32)?;
-        }
-        Ok(())
-    }
-
-    /// Whether [`Gpu::attention_prefill_mma`] takes this attention shape.
-    pub fn attention_mma_shape(heads: usize, hd: usize) -> bool {
-        heads == ATT_MMA_HEADS && hd == ATT_MMA_HD
-    }
-
-    /// Sink attention on tensor cores (fp16 operands, f32 sums; the fast numerics): one
-    /// block per token over all its rows, output as `attention` with one chunk. Only the
-    /// DeepSeek V4 Flash shape (64 heads of 512).
-    pub fn attention_prefill_mma(&self, a: &AttnInput, out: u64) -> Result<(), CudaError> {
-        let (heads, hd, raw_cap, window) = (a.heads, a.hd, a.raw_cap, a.window);
-        if a.q_norm.is_some() {
-            return Err(CudaError::Invalid(
-                "tensor-core attention reads normed queries (no q_norm)".into(),
-            ));
-        }
-        if !Self::attention_mma_shape(heads, hd) || window > raw_cap || a.n_tok == 0 {
-            return Err(CudaError::Invalid(format!(
-                "tensor-core attention takes {ATT_MMA_HEADS} heads of {ATT_MMA_HD} (got {heads} of {hd}), window {window} <= ring {raw_cap}"
-            )));
-        }
-        const NAME: &str = "attention_prefill_mma";
-        // Q + the fp16 row tile (rows padded by 8 halves) + the f32 tile in flight.
-        let smem = (ATT_MMA_HEADS + 32) * (ATT_MMA_HD + 8) * 2 + 32 * ATT_MMA_HD * 4;
-        self.allow_smem(NAME, smem)?;
-        let cfg = LaunchConfig {
-            grid_dim: (a.n_tok as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: smem as u32,
-        };
-        let (rc, win, r, tk) = (
-            raw_cap as i32,
-            window as i32,
-            a.ratio as i32,
-            a.top_k as i32,
-        );
-        launch!(
-            self, NAME, cfg, a.step, a.q, a.ring, rc, win, a.comp, r, a.sel, tk, a.sinks, a.scale,
-            out
-        )
+            b.arg(&c.kvs)
+                .arg(&c.ape)
+                .arg(&c.ape_type)
+                .arg(&c.skv)
+                .arg(&c.ssc);
+            b.arg(&r).arg(&l).arg(&dd);
+            if rows {
+                b.arg(&c.norm_w).arg(&c.norm_type).arg(&c.eps).arg(&c.rope);
+                b.arg(&mode).arg(&fr).arg(&c.rows);
+            }
+            // SAFETY: the parameters of compressor_step / _emit / _state in
+            // layer_kv.cu, in order and with the same types; buffer sizes are the
+            // caller's contract (see Compressor).
+            unsafe { b.launch(grid) }?;
+            Ok(())
+        })
     }
 
     /// Expert selection and weights of each token (`tid2eid = 0`: top-k routing,
@@ -926,10 +524,10 @@ impl Gpu {
             )));
         }
         let (ne, kk) = (n_expert as i32, k as i32);
-        let name = if self.fused("router_split") {
+        let name = if self.on(Variant::RouterSplit) {
             "router_split"
         } else {
-            self.kernel_for("router4", "router", "router_wide")
+            self.pick(Variant::Router4, "router", "router_wide")
         };
         launch!(
             self,
@@ -1030,7 +628,9 @@ impl Gpu {
             x
         )
     }
+}
 
+impl Gpu {
     /// Copies host values into a device buffer.
     pub fn write<T: DeviceRepr>(
         &self,

@@ -1,15 +1,17 @@
-//! Batched (prefill) matrix-matrix products: launchers of `kernels/matmul.cu`.
+//! Batched (prefill) matrix-matrix products: launchers of `kernels/matmul.cu` and
+//! `kernels/matmul_f32.cu`.
 //!
 //! Every launcher validates its sizes (returning [`CudaError::Invalid`]), enqueues on the
 //! GPU's stream without synchronising, and allocates nothing: the route plan is allocated
 //! once by [`Gpu::alloc_route_plan`].
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchArgs, LaunchConfig, PushKernelArg};
 use ds4_gguf::GgmlType;
 
 use crate::device::Gpu;
 use crate::error::CudaError;
 use crate::ops::QuantAct;
+use crate::plan::{Launcher, Variant};
 use crate::weights::DeviceMatrix;
 
 /// How the rows of a batched product are laid out (element strides).
@@ -45,12 +47,12 @@ const EXP_TILE: usize = 32;
 /// Rows per block of the expert GEMM.
 const EXP_ROWS: usize = 128;
 
-/// A per-call plan of the routed-expert GEMM, built on the device by [`Gpu::route_plan`].
+/// A per-call plan of the routed-expert GEMM, built on the device by [`Launcher::route_plan`].
 pub struct RoutePlan {
     pub n_expert: usize,
     pub max_pairs: usize,
     max_items: usize,
-    /// Pairs of the last [`Gpu::route_plan`] call.
+    /// Pairs of the last [`Launcher::route_plan`] call.
     n_pairs: usize,
     /// `[n_expert + 1]`: first slot of each expert in `pairs`; the last entry is the
     /// number of valid pairs.
@@ -63,7 +65,7 @@ pub struct RoutePlan {
 }
 
 impl RoutePlan {
-    /// Pairs planned by the last [`Gpu::route_plan`] call.
+    /// Pairs planned by the last [`Launcher::route_plan`] call.
     pub fn n_pairs(&self) -> usize {
         self.n_pairs
     }
@@ -86,18 +88,39 @@ fn q8_stage_bytes(bm: usize, bn: usize) -> usize {
 }
 
 /// Stage bytes of the expert GEMM: weights (`exp_w_bytes`) + activations
-/// (`exp_x_bytes`) in matmul.cu; `wide`: the IQ2_XXS stage with 112-byte rows
-/// (`exp_pitch`, EXP_F_IQ2W).
-fn exp_stage_bytes(ty: GgmlType, wide: bool) -> usize {
+/// (`exp_x_bytes`) in matmul.cu.
+fn exp_stage_bytes(ty: GgmlType) -> usize {
     let w = match ty {
         GgmlType::Q8_0 => 128 * 272 + 128 * 16,
-        GgmlType::IQ2_XXS if wide => 128 * 112 + 128 * 4,
         GgmlType::IQ2_XXS => 128 * 96 + 128 * 4,
         GgmlType::Q2_K => 128 * 96 + 128 * 16 + 128 * 4,
         _ => 128 * 160,
     };
     let x_pitch = if ty == GgmlType::Q8_0 { 272 } else { 288 };
     w + 32 * x_pitch + 8 * 32 * 4
+}
+
+/// The arguments that end every GEMM kernel's signature: `n_tok` (i32), then the token
+/// and group strides of x and y (i64).
+struct BatchTail {
+    n_tok: i32,
+    strides: [i64; 4],
+}
+
+impl BatchTail {
+    fn of(b: &Batch) -> BatchTail {
+        BatchTail {
+            n_tok: b.n_tok as i32,
+            strides: [b.x_tok, b.x_grp, b.y_tok, b.y_grp].map(|v| v as i64),
+        }
+    }
+
+    fn push<'a>(&'a self, l: &mut LaunchArgs<'a>) {
+        l.arg(&self.n_tok);
+        for s in &self.strides {
+            l.arg(s);
+        }
+    }
 }
 
 fn invalid(msg: String) -> CudaError {
@@ -130,6 +153,33 @@ impl DeviceMatrix {
 }
 
 impl Gpu {
+    /// A route plan for up to `max_pairs` (token, expert) pairs over `n_expert ≤ 1024`
+    /// experts.
+    pub fn alloc_route_plan(
+        &self,
+        max_pairs: usize,
+        n_expert: usize,
+    ) -> Result<RoutePlan, CudaError> {
+        if n_expert == 0 || n_expert > 1024 || max_pairs > i32::MAX as usize / 2 {
+            return Err(invalid(format!(
+                "route plan: {n_expert} experts (1..=1024), {max_pairs} pairs"
+            )));
+        }
+        let mi = max_items(max_pairs, n_expert).max(1);
+        Ok(RoutePlan {
+            n_expert,
+            max_pairs,
+            max_items: mi,
+            n_pairs: 0,
+            offsets: self.zeros(n_expert + 1)?,
+            pairs: self.zeros(max_pairs.max(1))?,
+            items: self.zeros(4 * mi)?,
+            n_items: self.zeros(1)?,
+        })
+    }
+}
+
+impl Launcher<'_> {
     /// Checks a batch layout against a matrix of `cols` inputs and `in_elems` input
     /// elements; returns the elements read.
     fn check_batch(
@@ -182,7 +232,7 @@ impl Gpu {
         self.matmul_q8act_tiled(m, xq, y, b, None)
     }
 
-    /// [`Gpu::matmul_q8act`] with a forced Q8_0 tile (index into 128×128, 128×64, 64×64;
+    /// [`Launcher::matmul_q8act`] with a forced Q8_0 tile (index into 128×128, 128×64, 64×64;
     /// `None` = chosen by size). For the checks.
     #[doc(hidden)]
     pub fn matmul_q8act_tiled(
@@ -237,13 +287,8 @@ impl Gpu {
         let mat_q = (m.rows * m.cols) as i64;
         let mat_d = mat_q / 32;
         let (xqp, xdp) = (self.ptr(&xq.q), self.ptr(&xq.d));
-        let (rows, cols, n_tok) = (m.rows as i32, m.cols as i32, b.n_tok as i32);
-        let (x_tok, x_grp, y_tok, y_grp) = (
-            b.x_tok as i64,
-            b.x_grp as i64,
-            b.y_tok as i64,
-            b.y_grp as i64,
-        );
+        let (rows, cols) = (m.rows as i32, m.cols as i32);
+        let tail = BatchTail::of(&b);
         let f = self.func(name)?;
         let mut l = self.launch_stream().launch_builder(&f);
         l.arg(&qs)
@@ -254,12 +299,8 @@ impl Gpu {
             .arg(&xdp)
             .arg(&y)
             .arg(&rows)
-            .arg(&cols)
-            .arg(&n_tok)
-            .arg(&x_tok)
-            .arg(&x_grp)
-            .arg(&y_tok)
-            .arg(&y_grp);
+            .arg(&cols);
+        tail.push(&mut l);
         // SAFETY: argument order matches mm_q8_0_* in matmul.cu; the input extent was
         // checked above, the output extent is the caller's contract.
         self.timed(name, || {
@@ -282,17 +323,8 @@ impl Gpu {
         variant: Option<usize>,
     ) -> Result<(), CudaError> {
         // Kernels per format with minimum 2, 3, 4 blocks per SM (register caps).
-        let wide = m.ty == GgmlType::IQ2_XXS && self.fused("exp_pitch");
         let (names, default) = match m.ty {
             GgmlType::Q8_0 => (["mm_exp_q8_0_b2", "mm_exp_q8_0_b3", "mm_exp_q8_0_b4"], 2),
-            GgmlType::IQ2_XXS if wide => (
-                [
-                    "mm_exp_iq2_xxs_w_b2",
-                    "mm_exp_iq2_xxs_w_b3",
-                    "mm_exp_iq2_xxs_w_b4",
-                ],
-                2,
-            ),
             GgmlType::IQ2_XXS => (
                 [
                     "mm_exp_iq2_xxs_b2",
@@ -320,7 +352,7 @@ impl Gpu {
                 m.cols
             )));
         }
-        let stage = exp_stage_bytes(m.ty, wide);
+        let stage = exp_stage_bytes(m.ty);
         let smem = 2 * stage + if m.ty == GgmlType::IQ2_XXS { 2048 } else { 0 };
         self.allow_smem(name, smem)?;
         let elems = m.rows * m.cols;
@@ -347,13 +379,7 @@ impl Gpu {
             None => (0, 0, 0, b.n_tok.div_ceil(EXP_TILE), b.n_groups),
         };
         let k_div = k_div as i32;
-        let n_tok = b.n_tok as i32;
-        let (x_tok, x_grp, y_tok, y_grp) = (
-            b.x_tok as i64,
-            b.x_grp as i64,
-            b.y_tok as i64,
-            b.y_grp as i64,
-        );
+        let tail = BatchTail::of(b);
         let cfg = LaunchConfig {
             grid_dim: (
                 m.rows.div_ceil(EXP_ROWS) as u32,
@@ -380,12 +406,8 @@ impl Gpu {
             .arg(&items)
             .arg(&n_items)
             .arg(&pairs)
-            .arg(&k_div)
-            .arg(&n_tok)
-            .arg(&x_tok)
-            .arg(&x_grp)
-            .arg(&y_tok)
-            .arg(&y_grp);
+            .arg(&k_div);
+        tail.push(&mut l);
         // SAFETY: argument order matches mm_exp_* in matmul.cu; inputs were checked by
         // the callers, the plan's items index pairs < n_pairs.
         self.timed(name, || {
@@ -401,7 +423,7 @@ impl Gpu {
         self.matmul_f32_split(m, x, y, b, None)
     }
 
-    /// [`Gpu::matmul_f32`] with a forced split-K factor (1, 2, 4 or 8 blocks of a
+    /// [`Launcher::matmul_f32`] with a forced split-K factor (1, 2, 4 or 8 blocks of a
     /// cluster share an output tile; `None` = chosen by size). For the checks.
     #[doc(hidden)]
     pub fn matmul_f32_split(
@@ -415,7 +437,7 @@ impl Gpu {
         self.matmul_f32_opts(m, x, y, b, split, None)
     }
 
-    /// [`Gpu::matmul_f32_split`] choosing the tensor-core kernels (F16 / BF16 weights:
+    /// [`Launcher::matmul_f32_split`] choosing the tensor-core kernels (F16 / BF16 weights:
     /// tf32 products of the weight with the activation's tf32 part and remainder) or
     /// the f32 SIMT ones; `None` = tensor cores unless `DS4_CUDA_TF32=0`.
     #[doc(hidden)]
@@ -437,7 +459,7 @@ impl Gpu {
         let tc = tensor_cores.unwrap_or_else(|| {
             *TF32.get_or_init(|| std::env::var("DS4_CUDA_TF32").map_or(true, |v| v != "0"))
         });
-        let spread = tc && self.fused("mm_pitch");
+        let spread = tc && self.on(Variant::MmPitch);
         let names = match m.ty {
             GgmlType::F16 if spread => [
                 "mm_tc_f16_p_s1",
@@ -530,13 +552,8 @@ impl Gpu {
             GgmlType::F32 => (self.ptr(&m.parts[0]), 0, elems * 4, 0),
             _ => (self.ptr(&m.parts[0]), 0, elems * 2, 0),
         };
-        let (rows, cols, n_tok) = (m.rows as i32, m.cols as i32, b.n_tok as i32);
-        let (x_tok, x_grp, y_tok, y_grp) = (
-            b.x_tok as i64,
-            b.x_grp as i64,
-            b.y_tok as i64,
-            b.y_grp as i64,
-        );
+        let (rows, cols) = (m.rows as i32, m.cols as i32);
+        let tail = BatchTail::of(&b);
         let cfg = LaunchConfig {
             grid_dim: (
                 b.n_tok.div_ceil(64) as u32,
@@ -555,42 +572,13 @@ impl Gpu {
             .arg(&x)
             .arg(&y)
             .arg(&rows)
-            .arg(&cols)
-            .arg(&n_tok)
-            .arg(&x_tok)
-            .arg(&x_grp)
-            .arg(&y_tok)
-            .arg(&y_grp);
-        // SAFETY: argument order matches mm_f32_* in matmul.cu; x and y extents are the
+            .arg(&cols);
+        tail.push(&mut l);
+        // SAFETY: argument order matches mm_f32_* in matmul_f32.cu; x and y extents are the
         // caller's contract (raw addresses).
         self.timed(name, || {
             unsafe { l.launch(cfg) }?;
             Ok(())
-        })
-    }
-
-    /// A route plan for up to `max_pairs` (token, expert) pairs over `n_expert ≤ 1024`
-    /// experts.
-    pub fn alloc_route_plan(
-        &self,
-        max_pairs: usize,
-        n_expert: usize,
-    ) -> Result<RoutePlan, CudaError> {
-        if n_expert == 0 || n_expert > 1024 || max_pairs > i32::MAX as usize / 2 {
-            return Err(invalid(format!(
-                "route plan: {n_expert} experts (1..=1024), {max_pairs} pairs"
-            )));
-        }
-        let mi = max_items(max_pairs, n_expert).max(1);
-        Ok(RoutePlan {
-            n_expert,
-            max_pairs,
-            max_items: mi,
-            n_pairs: 0,
-            offsets: self.zeros(n_expert + 1)?,
-            pairs: self.zeros(max_pairs.max(1))?,
-            items: self.zeros(4 * mi)?,
-            n_items: self.zeros(1)?,
         })
     }
 
@@ -643,7 +631,7 @@ impl Gpu {
     }
 
     /// Routed experts: `Y[p][r] = W_{ids[p]}·X[row(p)]` for the pairs of the last
-    /// [`Gpu::route_plan`], `row(p) = p / k` when `shared_input` (gate/up) else `p`
+    /// [`Launcher::route_plan`], `row(p) = p / k` when `shared_input` (gate/up) else `p`
     /// (down). Activation rows are `xq.cols` apart; `y` holds `n_pairs × m.rows` floats.
     pub fn matmul_experts_q8act(
         &self,
@@ -657,7 +645,7 @@ impl Gpu {
         self.matmul_experts_q8act_variant(m, xq, plan, k, shared_input, y, None)
     }
 
-    /// [`Gpu::matmul_experts_q8act`] with a forced kernel variant (minimum 2, 3 or 4
+    /// [`Launcher::matmul_experts_q8act`] with a forced kernel variant (minimum 2, 3 or 4
     /// blocks per SM for 0, 1, 2; `None` = the default per format). For the checks.
     #[doc(hidden)]
     #[allow(clippy::too_many_arguments)]
@@ -737,10 +725,8 @@ mod tests {
             GgmlType::Q2_K,
             GgmlType::Q4_K,
         ] {
-            for wide in [false, true] {
-                assert_eq!(exp_stage_bytes(ty, wide) % 16, 0);
-                assert!(2 * exp_stage_bytes(ty, wide) + 2048 <= 227 << 10);
-            }
+            assert_eq!(exp_stage_bytes(ty) % 16, 0);
+            assert!(2 * exp_stage_bytes(ty) + 2048 <= 227 << 10);
         }
     }
 }

@@ -1,10 +1,11 @@
 //! Kernel launchers.
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg};
 use ds4_gguf::GgmlType;
 
 use crate::device::Gpu;
 use crate::error::CudaError;
+use crate::plan::{Launcher, Variant};
 use crate::weights::DeviceMatrix;
 
 /// Overrides of an int8-activation matvec launch (all `None`: the engine's choices).
@@ -35,14 +36,10 @@ pub struct MatSel {
 // SAFETY: plain repr(C) data with the layout of the CUDA struct.
 unsafe impl DeviceRepr for MatSel {}
 
-const ROWS_PER_BLOCK: u32 = 8;
-/// Rows per warp of the int8 expert kernels (EXP_ROWS_PER_WARP in matvec_q8act.cu;
-/// Q2K_RX_ROWS, the row unit of matvec_q2_k_q8_rx, is the same).
-const EXP_ROWS_PER_WARP: u32 = 4;
-/// Steps of 32 lanes per row of `matvec_iq2_xxs_q8_rx` (IQ2_RX_STEPS in matvec_q8act.cu).
-const IQ2_RX_STEPS: usize = 2;
-/// Rows per warp of `matvec_q8_0_q8_r4` (Q8_ROWS_PER_WARP in matvec_q8act.cu).
-const Q8_ROWS_PER_WARP: u32 = 4;
+// EXP_ROWS_PER_WARP: rows per warp of the int8 expert kernels (Q2K_RX_ROWS, the row
+// unit of matvec_q2_k_q8_rx, is the same); IQ2_RX_STEPS: steps of 32 lanes per row of
+// `matvec_iq2_xxs_q8_rx`; Q8_ROWS_PER_WARP: rows per warp of `matvec_q8_0_q8_r4`.
+use crate::consts::{EXP_ROWS_PER_WARP, IQ2_RX_STEPS, Q8_ROWS_PER_WARP, ROWS_PER_BLOCK};
 
 /// Rows per warp unit and blocks per SM of a register-activation expert kernel: units
 /// of EXP_ROWS_PER_WARP at two blocks per SM, except the pipelined IQ2_XXS kernels
@@ -56,8 +53,6 @@ fn iq2_rx_units(kernel: &str) -> (usize, usize) {
         _ => (EXP_ROWS_PER_WARP as usize, 2),
     }
 }
-/// The IQ2_XXS decode tables in shared memory: 256 grid codes and 128 sign masks (u32).
-const IQ2_TABLE_BYTES: u32 = (256 + 128) * 4;
 
 /// Warps per row (1, 2, 4 or 8: divides ROWS_PER_BLOCK) for a product of `rows` rows
 /// and `n_sel` selections: short matrices split their columns so that the GPU holds
@@ -85,12 +80,31 @@ fn split_k_q8(rows: usize, n_sel: usize) -> u32 {
     }
 }
 
+/// Pushes a matvec kernel's weight arguments for `ty` (they lead every matvec
+/// signature): the parts `p` and the per-matrix strides `s` (Q8_0: int8 values and
+/// scales; IQ2_XXS: quant words and scales, then the grid table; Q2_K after its three
+/// parts, the others after their one: the stride in elements or blocks).
+fn push_weights<'a>(
+    b: &mut LaunchArgs<'a>,
+    ty: GgmlType,
+    p: &'a [u64],
+    s: &'a (i64, i64),
+    grid: &'a u64,
+) {
+    match ty {
+        GgmlType::Q8_0 => b.arg(&p[0]).arg(&p[1]).arg(&s.0).arg(&s.1),
+        GgmlType::IQ2_XXS => b.arg(&p[0]).arg(&p[1]).arg(&s.0).arg(&s.1).arg(grid),
+        GgmlType::Q2_K => b.arg(&p[0]).arg(&p[1]).arg(&p[2]).arg(&s.0),
+        _ => b.arg(&p[0]).arg(&s.0),
+    };
+}
+
 /// Two stacks of one format and shape: one pair launch can serve both.
 fn same_stack_shape(m: &DeviceMatrix, m2: &DeviceMatrix) -> bool {
     m2.ty == m.ty && (m2.rows, m2.cols, m2.n_mats) == (m.rows, m.cols, m.n_mats)
 }
 
-impl Gpu {
+impl Launcher<'_> {
     /// `y[k][row] = W[ids[k]] · x[k]` for `n_sel` selections (`n_sel = 1`, `sel =
     /// MatSel::default()` for a plain matrix-vector product).
     pub fn matvec(
@@ -131,7 +145,7 @@ impl Gpu {
         // F16 weights loaded before the PDL wait where the selection is fixed (see
         // matvec_q8act_launch).
         let kname = if m.ty == GgmlType::F16 && sel.ids == 0 {
-            self.kernel_for("f16_early", kname, "matvec_f16_early")
+            self.pick(Variant::F16Early, kname, "matvec_f16_early")
         } else {
             kname
         };
@@ -144,20 +158,8 @@ impl Gpu {
             _ => (elems, 0),
         };
         let grid = self.iq2_grid()?;
-        match m.ty {
-            GgmlType::Q8_0 => {
-                b.arg(&p[0]).arg(&p[1]).arg(&mat_a).arg(&mat_b);
-            }
-            GgmlType::IQ2_XXS => {
-                b.arg(&p[0]).arg(&p[1]).arg(&mat_a).arg(&mat_b).arg(&grid);
-            }
-            GgmlType::Q2_K => {
-                b.arg(&p[0]).arg(&p[1]).arg(&p[2]).arg(&mat_a);
-            }
-            _ => {
-                b.arg(&p[0]).arg(&mat_a);
-            }
-        }
+        let strides = (mat_a, mat_b);
+        push_weights(&mut b, m.ty, &p, &strides, &grid);
         b.arg(&x).arg(&y).arg(&rows).arg(&cols).arg(&sel);
         let ks_arg = ks as i32;
         if m.ty == GgmlType::F16 {
@@ -244,7 +246,9 @@ impl Gpu {
             cols,
         })
     }
+}
 
+impl Launcher<'_> {
     /// Quantises `rows × cols` floats at `x` into `qa` with one scale per 256 values
     /// (Q8_K rule, bit-identical to the CPU's `quantize_q8_k`); the scale is stored
     /// once per 32 values.
@@ -252,7 +256,7 @@ impl Gpu {
         self.quantize_act_k_rows(x, qa, qa.rows)
     }
 
-    /// [`Gpu::quantize_act_k`] of the first `rows` rows only.
+    /// [`Launcher::quantize_act_k`] of the first `rows` rows only.
     pub fn quantize_act_k_rows(
         &self,
         x: u64,
@@ -294,7 +298,7 @@ impl Gpu {
         self.quantize_act_rows(x, qa, qa.rows)
     }
 
-    /// [`Gpu::quantize_act`] of the first `rows` rows only.
+    /// [`Launcher::quantize_act`] of the first `rows` rows only.
     pub fn quantize_act_rows(
         &self,
         x: u64,
@@ -362,7 +366,7 @@ impl Gpu {
             block_dim: (if n >= 1024 { 1024 } else { 256 }, 1, 1),
             shared_mem_bytes: 0,
         };
-        let name = self.kernel_for("norm_pl", "rmsnorm_q8", "rmsnorm_q8_pl");
+        let name = self.pick(Variant::NormPl, "rmsnorm_q8", "rmsnorm_q8_pl");
         let f = self.func(name)?;
         let (q, d, nn) = (self.ptr(&qa.q), self.ptr(&qa.d), n as i32);
         let mut b = self.launch_stream().launch_builder(&f);
@@ -374,7 +378,7 @@ impl Gpu {
             .arg(&y)
             .arg(&q)
             .arg(&d);
-        // SAFETY: matches rmsnorm_q8(_pl) in matvec_q8act.cu; x/y hold rows × n floats
+        // SAFETY: matches rmsnorm_q8(_pl) in matvec_q8act_fused.cu; x/y hold rows × n floats
         // (caller), q/d are sized by alloc_quant_act (checked above).
         self.timed(name, || {
             unsafe { b.launch(cfg) }?;
@@ -507,7 +511,7 @@ impl Gpu {
         self.matvec_q8act_launch(m, Some((m2, y2)), xq, y, n_sel, sel, Q8Launch::default())
     }
 
-    /// [`Gpu::matvec_q8act`] with `ks` (1, 2, 4 or 8) warps per row of a Q8_0 matrix
+    /// [`Launcher::matvec_q8act`] with `ks` (1, 2, 4 or 8) warps per row of a Q8_0 matrix
     /// instead of the measured default (for tuning).
     pub fn matvec_q8act_split(
         &self,
@@ -525,11 +529,11 @@ impl Gpu {
         self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, opts)
     }
 
-    /// [`Gpu::matvec_q8act`] through a kernel named here, whatever `DS4_CUDA_FUSE` says:
+    /// [`Launcher::matvec_q8act`] through a kernel named here, whatever the plan says:
     /// for IQ2_XXS one of the probe kernels of probe.cu (`probe_iq2_nolut`,
     /// `probe_iq2_nox`, `probe_iq2_loads`: the kernel with parts of its work taken out;
     /// outputs meaningless) for `gpu-selftest --probe-q8`, or a production kernel
-    /// (`matvec_iq2_xxs_q8`, `_rx`, `_rx32`); for Q2_K `matvec_q2_k_q8` or `_rx`; for
+    /// (`matvec_iq2_xxs_q8`, `_rx`, `_rxe`, `_rxt`, `_rxp`, `_rxtp`); for Q2_K `matvec_q2_k_q8` or `_rx`; for
     /// Q8_0 `matvec_q8_0_q8` or `_early` (the selftest's comparisons of the variants).
     #[doc(hidden)]
     pub fn matvec_q8act_kernel(
@@ -562,7 +566,7 @@ impl Gpu {
         self.matvec_q8act_launch(m, None, xq, y, n_sel, sel, opts)
     }
 
-    /// [`Gpu::matvec_q8act_pair`] for two IQ2_XXS stacks through a kernel named here
+    /// [`Launcher::matvec_q8act_pair`] for two IQ2_XXS stacks through a kernel named here
     /// (a production rx kernel or a `probe_iq2_rx*` probe): the routed experts' gate
     /// and up as decode launches them, for `gpu-selftest --probe-q8`.
     #[doc(hidden)]
@@ -647,29 +651,27 @@ impl Gpu {
         let q2k_shape = m.ty == GgmlType::Q2_K && m.cols == 32 * 64;
         let name = match kernel {
             Some(k) => k,
-            None if iq2_shape && self.fused("iq2_rx") => {
-                if self.fused("iq2_lut32") {
-                    "matvec_iq2_xxs_q8_rx32"
-                } else if self.fused("iq2_tab") {
-                    if self.fused("iq2_pipe") {
+            None if iq2_shape && self.on(Variant::Iq2Rx) => {
+                if self.on(Variant::Iq2Tab) {
+                    if self.on(Variant::Iq2Pipe) {
                         "matvec_iq2_xxs_q8_rxtp"
                     } else {
                         "matvec_iq2_xxs_q8_rxt"
                     }
-                } else if self.fused("iq2_pipe") {
+                } else if self.on(Variant::Iq2Pipe) {
                     "matvec_iq2_xxs_q8_rxp"
-                } else if self.fused("iq2_early") {
+                } else if self.on(Variant::Iq2Early) {
                     "matvec_iq2_xxs_q8_rxe"
                 } else {
                     "matvec_iq2_xxs_q8_rx"
                 }
             }
-            None if q2k_shape && self.fused("q2k_rx") => "matvec_q2_k_q8_rx",
+            None if q2k_shape && self.on(Variant::Q2kRx) => "matvec_q2_k_q8_rx",
             // Weights loaded before the PDL wait: only where the matrix selection is
             // fixed (no ids, or the constant shared-expert pair), as its ids are read
             // before the wait too.
             None if m.ty == GgmlType::Q8_0
-                && self.fused("q8_early")
+                && self.on(Variant::Q8Early)
                 && (sel.ids == 0 || sel.ids == self.ptr(&self.pair_ids) || self.ids_constant()) =>
             {
                 "matvec_q8_0_q8_early"
@@ -684,15 +686,6 @@ impl Gpu {
                 m.ty, m.cols
             )));
         }
-        // rx32: the tables' 32 copies in dynamic shared memory, beside the static one.
-        let rx_smem = if name == "matvec_iq2_xxs_q8_rx32" {
-            32 * IQ2_TABLE_BYTES
-        } else {
-            0
-        };
-        if rx_smem > 0 {
-            self.allow_smem(name, (rx_smem + IQ2_TABLE_BYTES) as usize)?;
-        }
         // Q8_0: warps per row (see matvec_q8_0_q8). Where one warp takes a row of the
         // early kernel, `q8_rows` / `q8_rows2` give it 4 rows (≤ 1,024 columns: q_b) or 2
         // (H200 2k decode 166.3 -> 168.2 tok/s; an older kernel lost with several rows
@@ -703,9 +696,9 @@ impl Gpu {
             1
         };
         let early_ks1 = name == "matvec_q8_0_q8_early" && kernel.is_none() && ks == 1;
-        let name = if early_ks1 && m.cols <= 1024 && self.fused("q8_rows") {
+        let name = if early_ks1 && m.cols <= 1024 && self.on(Variant::Q8Rows) {
             "matvec_q8_0_q8_r4"
-        } else if early_ks1 && m.cols > 1024 && self.fused("q8_rows2") {
+        } else if early_ks1 && m.cols > 1024 && self.on(Variant::Q8Rows2) {
             "matvec_q8_0_q8_r2"
         } else {
             name
@@ -732,7 +725,7 @@ impl Gpu {
             LaunchConfig {
                 grid_dim: (blocks as u32, 1, 1),
                 block_dim: (32, ROWS_PER_BLOCK, 1),
-                shared_mem_bytes: rx_smem,
+                shared_mem_bytes: 0,
             }
         } else {
             LaunchConfig {
@@ -744,21 +737,12 @@ impl Gpu {
         let mut b = self.launch_stream().launch_builder(&f);
         let grid = self.ptr(&self.iq2_grid);
         let (mat_q, mat_d, mat_blocks) = (elems / 256 * 64, elems / 256, elems / 256);
-        let (q8_q, q8_d) = strides.unwrap_or((elems, elems / 32));
-        match m.ty {
-            GgmlType::Q8_0 => {
-                b.arg(&p[0]).arg(&p[1]).arg(&q8_q).arg(&q8_d);
-            }
-            GgmlType::IQ2_XXS => {
-                b.arg(&p[0]).arg(&p[1]).arg(&mat_q).arg(&mat_d).arg(&grid);
-            }
-            GgmlType::Q2_K => {
-                b.arg(&p[0]).arg(&p[1]).arg(&p[2]).arg(&mat_blocks);
-            }
-            _ => {
-                b.arg(&p[0]).arg(&mat_blocks);
-            }
-        }
+        let strides = match m.ty {
+            GgmlType::Q8_0 => strides.unwrap_or((elems, elems / 32)),
+            GgmlType::IQ2_XXS => (mat_q, mat_d),
+            _ => (mat_blocks, 0),
+        };
+        push_weights(&mut b, m.ty, &p, &strides, &grid);
         b.arg(&xq_p)
             .arg(&xd_p)
             .arg(&y)

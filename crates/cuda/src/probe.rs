@@ -5,6 +5,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use crate::device::Gpu;
 use crate::error::CudaError;
+use crate::plan::{DecodePlan, Variant};
 
 impl Gpu {
     /// Reads every byte of `buf` once (16-byte loads, grid-stride); time it for the
@@ -56,7 +57,8 @@ impl Gpu {
             Ok(())
         };
         let captured = launch_all();
-        let graph = self.end_capture();
+        // Instantiated as the decode graphs are under the default plan.
+        let graph = self.end_capture_prio(DecodePlan::default().has(Variant::Prio));
         captured?;
         let graph = graph?;
         let ms = self.time_ms(2, reps, |_| graph.launch())?;

@@ -16,7 +16,8 @@ fn every_kernel_check_passes() {
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(selftest::fresh_seed);
     println!("seed {seed}");
-    let checks = selftest::run_all(&gpu, seed, &mut |l| println!("{l}")).expect("a check ran");
+    let l = gpu.launcher(ds4_cuda::DecodePlan::default());
+    let checks = selftest::run_all(&l, seed, &mut |l| println!("{l}")).expect("a check ran");
     let failed = checks.iter().filter(|c| !c.passed()).count();
     println!("\n{}", summary_line(checks.len() - failed, failed));
     assert_eq!(failed, 0, "{failed} GPU kernel checks failed (seed {seed})");

@@ -7,9 +7,9 @@
 
 use std::path::Path;
 
-use anyhow::{Context, Result};
 use crate::dev::{Backend, LogitRows};
 use crate::{argmax, Numerics};
+use anyhow::{Context, Result};
 
 #[cfg(feature = "cuda")]
 mod cuda;

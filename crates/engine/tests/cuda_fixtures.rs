@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use ds4_cuda::selftest::{open_for_test, GRAPH_VARIANTS};
-use ds4_engine::dev::Gpu;
 use ds4_engine::dev::fixture::{check_graph_variants, run_fixtures, Tally};
+use ds4_engine::dev::Gpu;
 
 fn dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny")

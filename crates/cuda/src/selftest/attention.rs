@@ -8,7 +8,7 @@ use ds4_gguf::quant::random::Rng;
 use super::common::{
     bit_identical, rel_err, rope_freqs, same_bits, upload_rope, Check, BOUND_F32, BOUND_FP16_MMA,
 };
-use crate::{AttnInput, DeviceBuf, Gpu};
+use crate::{AttnInput, DeviceBuf, Launcher, Variant};
 
 const HEADS: usize = 64;
 const HD: usize = 512;
@@ -44,7 +44,7 @@ struct DeviceInputs {
 impl DeviceInputs {
     #[allow(clippy::too_many_arguments)]
     fn upload(
-        gpu: &Gpu,
+        gpu: &Launcher,
         positions: impl Iterator<Item = usize>,
         q: &[f32],
         ring: &[f32],
@@ -67,7 +67,7 @@ impl DeviceInputs {
         })
     }
 
-    fn input(&self, gpu: &Gpu) -> AttnInput {
+    fn input(&self, gpu: &Launcher) -> AttnInput {
         AttnInput {
             n_tok: self.n,
             step: gpu.ptr(&self.step),
@@ -87,12 +87,12 @@ impl DeviceInputs {
         }
     }
 
-    fn mma(&self, gpu: &Gpu, out: u64) -> Result<(), crate::CudaError> {
+    fn mma(&self, gpu: &Launcher, out: u64) -> Result<(), crate::CudaError> {
         gpu.attention_prefill_mma(&self.input(gpu), out)
     }
 
     /// `attention` with one chunk of `stride` rows per token (the prefill layout).
-    fn f32(&self, gpu: &Gpu, stride: usize, out: u64) -> Result<(), crate::CudaError> {
+    fn f32(&self, gpu: &Launcher, stride: usize, out: u64) -> Result<(), crate::CudaError> {
         gpu.attention(&self.input(gpu), stride, 1, 0, 0, out, None)
     }
 }
@@ -161,7 +161,7 @@ fn reference(
 /// The tensor-core kernel (bound 2e-3: fp16 operands) and the f32 kernel (bound 1e-5)
 /// against the f64 reference, for a compressed + indexed layer (top-k selections past
 /// 512 rows), a ratio-128 layer and a window-only layer.
-pub(super) fn check_attention_mma(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+pub(super) fn check_attention_mma(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::stream(seed, 0xa77e, 0);
     let cases = [
         Case {
@@ -258,7 +258,7 @@ pub(super) fn check_attention_mma(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
 /// combine with every chunk in flight (`combine_pl`) against the plain combine, both
 /// with the decode tail (inverse RoPE and the Q8_0 output).
 fn check_decode_split(
-    gpu: &Gpu,
+    gpu: &Launcher,
     inputs: &DeviceInputs,
     want: &[f64],
     case: &str,
@@ -299,14 +299,12 @@ fn check_decode_split(
                 q: gpu.ptr(&q8) + (t * HEADS * HD) as u64,
                 d: gpu.ptr(&d8) + (t * HEADS * HD / 32 * 4) as u64,
             };
-            gpu.with_fusion("att_stage", m.staged, || {
-                gpu.with_fusion("att_early", m.early, || {
-                    gpu.with_fusion("combine_pl", m.combine_pl, || {
-                        let (acc, ml) = (gpu.ptr(&acc), gpu.ptr(&ml));
-                        gpu.attention(&a, 0, chunks, acc, ml, o, m.tail.then_some(&at))
-                    })
-                })
-            })?;
+            let g = gpu
+                .with(Variant::AttStage, m.staged)
+                .with(Variant::AttEarly, m.early)
+                .with(Variant::CombinePl, m.combine_pl);
+            let (acc, ml) = (gpu.ptr(&acc), gpu.ptr(&ml));
+            g.attention(&a, 0, chunks, acc, ml, o, m.tail.then_some(&at))?;
         }
         let mut all = gpu.download(&out)?;
         if m.tail {
@@ -362,7 +360,7 @@ fn check_decode_split(
 /// head_norm_rope followed by the plain kernel, on the same raw queries (bound 1e-5:
 /// only the norm's summation order differs).
 fn check_q_norm(
-    gpu: &Gpu,
+    gpu: &Launcher,
     inputs: &DeviceInputs,
     rng: &mut Rng,
     stride: usize,
@@ -404,7 +402,7 @@ fn check_q_norm(
 
 /// Milliseconds of the tensor-core and f32 prefill attention for 512 tokens of an
 /// indexed layer at 640 rows each (window 128 + top-k 512).
-pub fn bench_attention(gpu: &Gpu, seed: u64) -> Result<Vec<(String, f64)>> {
+pub fn bench_attention(gpu: &Launcher, seed: u64) -> Result<Vec<(String, f64)>> {
     let mut rng = Rng::stream(seed, 0xa77f, 0);
     let n = 512;
     let n_comp_rows = 4096;

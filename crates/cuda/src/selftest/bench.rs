@@ -8,10 +8,10 @@ use ds4_gguf::quant::random::Rng;
 use ds4_gguf::GgmlType;
 
 use super::common::{random_matrix, random_vec, Timing};
-use crate::{DeviceBuf, DeviceMatrix, Gpu, MatSel};
+use crate::{DeviceBuf, DeviceMatrix, Launcher, MatSel, Variant};
 
 /// Eight rotating selections of `used` distinct-looking experts out of `mats`.
-fn expert_id_sets(gpu: &Gpu, used: usize, mats: usize) -> Result<Vec<DeviceBuf<i32>>> {
+fn expert_id_sets(gpu: &Launcher, used: usize, mats: usize) -> Result<Vec<DeviceBuf<i32>>> {
     (0..8)
         .map(|s| {
             let ids: Vec<i32> = (0..used as i32)
@@ -26,7 +26,7 @@ fn expert_id_sets(gpu: &Gpu, used: usize, mats: usize) -> Result<Vec<DeviceBuf<i
 /// of the stack `m` (input `x`: one shared row, or one row per selection), or of the
 /// IQ2_XXS probe kernel `probe` in its place.
 fn time_experts_q8act(
-    gpu: &Gpu,
+    gpu: &Launcher,
     m: &DeviceMatrix,
     x: &DeviceBuf<f32>,
     used: usize,
@@ -54,7 +54,7 @@ fn time_experts_q8act(
 
 /// Bandwidth of the decode matvecs at DeepSeek V4 Flash shapes. Several copies of
 /// each weight rotate so that the L2 cache cannot hold them.
-pub fn bench_matvecs(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
+pub fn bench_matvecs(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
     let mut rng = Rng::stream(seed, 0xbe4c, 0);
     let mut out = Vec::new();
     let l2 = gpu.info().l2_bytes.max(1) as usize;
@@ -210,7 +210,7 @@ pub fn bench_matvecs(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
 /// with its default and with every forced split (warps per row). Each forced split's
 /// name carries its largest difference from the default's output, relative to the
 /// output's largest magnitude.
-pub fn probe_q8_splits(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
+pub fn probe_q8_splits(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
     let mut rng = Rng::stream(seed, 0xbe4e, 0);
     let mut out = Vec::new();
     let l2 = gpu.info().l2_bytes.max(1) as usize;
@@ -297,7 +297,6 @@ pub fn probe_q8_splits(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
             "probe_iq2_rxp4",
             "matvec_iq2_xxs_q8_rxt",
             "matvec_iq2_xxs_q8_rxtp",
-            "matvec_iq2_xxs_q8_rx32",
             "probe_iq2_rx_nolut",
             "probe_iq2_rx_loads",
             "probe_iq2_rxp_nolut",
@@ -359,13 +358,13 @@ pub fn probe_q8_splits(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
             y_stride: rows as i64,
         };
         let bytes = mats[0].bytes() as f64;
-        let run = |ks: Option<u32>| -> Result<(f64, Vec<f32>)> {
+        let run = |gpu: &Launcher, ks: Option<u32>| -> Result<(f64, Vec<f32>)> {
             let ms = gpu.time_ms(3, 50, |i| {
                 gpu.matvec_q8act_split(&mats[i % copies], &qa, yp, n_sel, sel, ks)
             })?;
             Ok((ms, gpu.download(&y)?))
         };
-        let (ms, want) = run(None)?;
+        let (ms, want) = run(gpu, None)?;
         out.push(Timing {
             name: format!("{name} default"),
             bytes,
@@ -373,8 +372,12 @@ pub fn probe_q8_splits(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
         });
         // The default packs 4 (≤ 1,024 columns) or 2 one-warp rows a warp (q8_rows,
         // q8_rows2); the same launch with one row a warp.
-        let rows_fusion = if cols <= 1024 { "q8_rows" } else { "q8_rows2" };
-        let (ms, got) = gpu.with_fusion(rows_fusion, false, || run(None))?;
+        let rows_fusion = if cols <= 1024 {
+            Variant::Q8Rows
+        } else {
+            Variant::Q8Rows2
+        };
+        let (ms, got) = run(&gpu.with(rows_fusion, false), None)?;
         let same = got
             .iter()
             .zip(&want)
@@ -389,7 +392,7 @@ pub fn probe_q8_splits(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
         });
         let scale = want.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-30);
         for ks in [1u32, 2, 4, 8] {
-            let (ms, got) = run(Some(ks))?;
+            let (ms, got) = run(gpu, Some(ks))?;
             let diff = got
                 .iter()
                 .zip(&want)

@@ -6,7 +6,7 @@ use anyhow::Result;
 use ds4_gguf::quant::random::{fill_blocks, Rng};
 use ds4_gguf::GgmlType;
 
-use crate::Gpu;
+use crate::{Launcher, Variant};
 
 /// A matvec against the f64 product of the exactly dequantized weights: f32 sums over
 /// up to 16,384 columns in the kernel's order.
@@ -108,10 +108,10 @@ pub fn normal(rng: &mut Rng, n: usize, s: f32) -> Vec<f32> {
     (0..n).map(|_| rng.normal() * s).collect()
 }
 
-/// Runs `f` with fusion `name` off, then on; both results.
-pub fn both<T>(gpu: &Gpu, name: &'static str, f: impl Fn() -> Result<T>) -> Result<(T, T)> {
-    let plain = gpu.with_fusion(name, false, &f)?;
-    let variant = gpu.with_fusion(name, true, &f)?;
+/// Runs `f` with variant `v` off, then on; both results.
+pub fn both<T>(gpu: &Launcher, v: Variant, f: impl Fn(&Launcher) -> Result<T>) -> Result<(T, T)> {
+    let plain = f(&gpu.with(v, false))?;
+    let variant = f(&gpu.with(v, true))?;
     Ok((plain, variant))
 }
 
@@ -124,7 +124,7 @@ pub fn rope_freqs(rope_dim: usize) -> Vec<f32> {
 
 /// `freqs` on the device and the kernels' RoPE parameters over them (the buffer must
 /// outlive every launch that takes the parameters).
-pub fn upload_rope(gpu: &Gpu, freqs: &[f32]) -> Result<(crate::DeviceBuf<f32>, crate::RopeP)> {
+pub fn upload_rope(gpu: &Launcher, freqs: &[f32]) -> Result<(crate::DeviceBuf<f32>, crate::RopeP)> {
     let buf = gpu.upload(freqs)?;
     let rope = crate::RopeP {
         freqs: gpu.ptr(&buf),

@@ -15,12 +15,12 @@ use rayon::prelude::*;
 use super::common::{
     bit_identical, random_matrix, random_vec, rel_err, same_bits, Check, Timing, BOUND_F32,
 };
-use crate::{Batch, DeviceMatrix, Gpu, MatSel, QuantAct};
+use crate::{Batch, DeviceMatrix, Launcher, MatSel, QuantAct, Variant};
 
 const BOUND: f64 = BOUND_F32;
 
 fn upload(
-    gpu: &Gpu,
+    gpu: &Launcher,
     ty: GgmlType,
     w: &[u8],
     rows: usize,
@@ -43,7 +43,7 @@ fn dequant_stack(ty: GgmlType, w: &[u8], rows: usize, cols: usize, mats: usize) 
 }
 
 /// The activations the GPU uses: q·d in f64.
-fn act_values(gpu: &Gpu, qa: &QuantAct) -> Result<Vec<f64>> {
+fn act_values(gpu: &Launcher, qa: &QuantAct) -> Result<Vec<f64>> {
     let (q, d) = (gpu.download(&qa.q)?, gpu.download(&qa.d)?);
     Ok(q.iter()
         .enumerate()
@@ -95,7 +95,7 @@ fn check(name: String, rel_err: f64) -> Check {
 }
 
 /// Every check of the batched GEMMs.
-pub fn check_matmul(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+pub fn check_matmul(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::stream(seed, 0x6e4d, 0);
     let mut out = Vec::new();
     // Dense Q8_0: every tile shape, token counts 1/7/64/512, partial tiles in rows and k.
@@ -158,8 +158,7 @@ pub fn check_matmul(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
             let shape = (16, 160, 1024, n_tok);
             out.extend(check_experts(gpu, &mut rng, ty, shape, shared, true, None)?);
         }
-        // Every occupancy variant of the kernel; IQ2_XXS also on the per-k-step path
-        // (its `exp_pitch` twin is checked against every run).
+        // Every occupancy variant of the kernel; IQ2_XXS also on the per-k-step path.
         for v in 0..3 {
             for &(n_tok, shared, k_rule) in
                 &[(64usize, true, true), (512, false, true), (64, true, false)]
@@ -233,7 +232,7 @@ fn layout(rows: usize, cols: usize, n_tok: usize, groups: usize, pad: bool) -> B
 }
 
 fn check_dense(
-    gpu: &Gpu,
+    gpu: &Launcher,
     rng: &mut Rng,
     ty: GgmlType,
     (rows, cols, n_tok, groups): (usize, usize, usize, usize),
@@ -312,7 +311,7 @@ fn route(rng: &mut Rng, n_tok: usize, k: usize, n_expert: usize) -> Vec<i32> {
 }
 
 fn check_experts(
-    gpu: &Gpu,
+    gpu: &Launcher,
     rng: &mut Rng,
     ty: GgmlType,
     (n_expert, rows, cols, n_tok): (usize, usize, usize, usize),
@@ -342,7 +341,7 @@ fn check_experts(
         gpu.matmul_experts_q8act_variant(&m, &qa, &plan, k, shared, gpu.ptr(&yd), variant)?;
         Ok(gpu.download(&yd)?)
     };
-    let got = gpu.with_fusion("exp_pitch", false, run)?;
+    let got = run()?;
     let xv = act_values(gpu, &qa)?;
     let wd = dequant_stack(ty, &w, rows, cols, n_expert);
     let want: Vec<f64> = (0..n_pairs)
@@ -384,28 +383,11 @@ fn check_experts(
     gpu.matvec_q8act(&m, &qe, gpu.ptr(&y2), n_pairs, sel)?;
     let mv: Vec<f64> = gpu.download(&y2)?.iter().map(|&v| v as f64).collect();
     out.push(check(format!("{name} vs matvec_q8act"), rel_err(&got, &mv)));
-    if ty == GgmlType::IQ2_XXS {
-        out.push(check_exp_pitch(gpu, &run, &got, &name)?);
-    }
     Ok(out)
 }
 
-/// IQ2_XXS with 112-byte stage rows (`exp_pitch`, opt-in) against the plain layout
-/// (`plain`: `run`'s output with it off), bit for bit.
-fn check_exp_pitch(
-    gpu: &Gpu,
-    run: &dyn Fn() -> Result<Vec<f32>>,
-    plain: &[f32],
-    name: &str,
-) -> Result<Check> {
-    Ok(bit_identical(
-        format!("mm_exp_iq2_xxs_w = mm_exp_iq2_xxs, {name}"),
-        same_bits(&gpu.with_fusion("exp_pitch", true, run)?, plain),
-    ))
-}
-
 /// The plan lists every valid pair exactly once under its expert (bad ids dropped).
-fn check_plan(gpu: &Gpu, rng: &mut Rng) -> Result<Check> {
+fn check_plan(gpu: &Launcher, rng: &mut Rng) -> Result<Check> {
     let (n_expert, k, n_tok) = (256usize, 6usize, 512usize);
     let mut ids = route(rng, n_tok, k, n_expert);
     ids[5] = -1;
@@ -437,7 +419,7 @@ fn check_plan(gpu: &Gpu, rng: &mut Rng) -> Result<Check> {
 }
 
 fn check_f32(
-    gpu: &Gpu,
+    gpu: &Launcher,
     rng: &mut Rng,
     ty: GgmlType,
     (rows, cols, n_tok, groups): (usize, usize, usize, usize),
@@ -490,7 +472,7 @@ fn check_f32(
 /// on tensor cores also the conflict-free tile layout (`mm_pitch`) against the plain one
 /// bit for bit.
 fn check_f32_split(
-    gpu: &Gpu,
+    gpu: &Launcher,
     rng: &mut Rng,
     ty: GgmlType,
     sk: usize,
@@ -504,16 +486,14 @@ fn check_f32_split(
     let xd = gpu.upload(&x)?;
     let run = |spread: bool| -> Result<Vec<f32>> {
         let yd = gpu.upload(&vec![f32::NAN; n_tok * b.y_tok])?;
-        gpu.with_fusion("mm_pitch", spread, || {
-            gpu.matmul_f32_opts(
-                &m,
-                gpu.ptr(&xd),
-                gpu.ptr(&yd),
-                b,
-                Some(sk),
-                Some(tensor_cores),
-            )
-        })?;
+        gpu.with(Variant::MmPitch, spread).matmul_f32_opts(
+            &m,
+            gpu.ptr(&xd),
+            gpu.ptr(&yd),
+            b,
+            Some(sk),
+            Some(tensor_cores),
+        )?;
         Ok(gpu.download(&yd)?)
     };
     let plain = run(false)?;
@@ -548,7 +528,7 @@ fn check_f32_split(
 }
 
 /// Bad sizes are errors, never launches.
-fn check_invalid(gpu: &Gpu) -> Result<Check> {
+fn check_invalid(gpu: &Launcher) -> Result<Check> {
     let mut rng = Rng::stream(1, 2, 3);
     let w = random_matrix(GgmlType::Q8_0, 64, 512, 2, &mut rng);
     let m = DeviceMatrix::upload(gpu, GgmlType::Q8_0, &w, 64, 512, 2)?;
@@ -599,7 +579,7 @@ fn timing(name: String, bytes: usize, ops: f64, ms: f64, unit: &str) -> Timing {
 
 /// Prefill GEMMs at DeepSeek V4 Flash shapes, 512 tokens: µs, TOPS (2·rows·cols per
 /// token or pair), GB/s of weight bytes (each weight read once per call).
-pub fn bench_matmul(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
+pub fn bench_matmul(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
     let mut rng = Rng::stream(seed, 0xbe4d, 0);
     let mut out = Vec::new();
     let n_tok = 512;

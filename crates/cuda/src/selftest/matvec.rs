@@ -11,7 +11,7 @@ use ds4_gguf::GgmlType;
 use super::common::{
     bit_identical, random_matrix, random_vec, rel_err, same_bits, BitDiff, Check, BOUND_MATVEC,
 };
-use crate::{DeviceMatrix, Gpu, MatSel};
+use crate::{DeviceMatrix, Launcher, MatSel};
 
 /// CPU reference of `y[k] = W[ids[k]]·x[k]` in f64 over exactly dequantized weights.
 fn reference(
@@ -48,7 +48,7 @@ fn reference(
 
 /// Correctness checks of every matvec kernel (plain and expert-selected), one random
 /// stream through all of them.
-pub fn check_matvecs(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+pub fn check_matvecs(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::stream(seed, 0xc0de, 0);
     let mut checks = Vec::new();
     let types = [
@@ -127,7 +127,7 @@ pub fn check_matvecs(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
 
 /// The hyper-connection mix `mix[t][k] = (fn_k · h_t) / rms(h_t)` (the batched GEMM +
 /// scale path for n_tok > 1, the fused kernel for one token) against f64.
-fn check_hc_mix(gpu: &Gpu, rng: &mut Rng, ty: GgmlType, n_tok: usize) -> Result<Check> {
+fn check_hc_mix(gpu: &Launcher, rng: &mut Rng, ty: GgmlType, n_tok: usize) -> Result<Check> {
     let (rows, cols, eps) = (24usize, 16384usize, 1e-6f32);
     let w = random_matrix(ty, rows, cols, 1, rng);
     let m = DeviceMatrix::upload(gpu, ty, &w, rows, cols, 1)?;
@@ -162,7 +162,7 @@ fn check_hc_mix(gpu: &Gpu, rng: &mut Rng, ty: GgmlType, n_tok: usize) -> Result<
 }
 
 /// The GPU activation quantiser must reproduce `quantize_q8_0` bit for bit.
-fn check_quantize(gpu: &Gpu, rng: &mut Rng) -> Result<Check> {
+fn check_quantize(gpu: &Launcher, rng: &mut Rng) -> Result<Check> {
     let rows = 3;
     let cols = 4096;
     let mut x = random_vec(rows * cols, rng);
@@ -188,7 +188,7 @@ fn check_quantize(gpu: &Gpu, rng: &mut Rng) -> Result<Check> {
 
 /// The GPU Q8_K quantiser must reproduce `quantize_q8_k` bit for bit (its scale is
 /// stored once per 32 values).
-fn check_quantize_k(gpu: &Gpu, rng: &mut Rng) -> Result<Check> {
+fn check_quantize_k(gpu: &Launcher, rng: &mut Rng) -> Result<Check> {
     let (rows, cols) = (2, 2048);
     let mut x = random_vec(rows * cols, rng);
     x[256..512].fill(0.0); // an all-zero block
@@ -215,7 +215,13 @@ fn check_quantize_k(gpu: &Gpu, rng: &mut Rng) -> Result<Check> {
 
 /// Expert products with int8 activations against an f64 product of the exactly
 /// dequantized weights with the CPU-quantised activations.
-fn check_q8act(gpu: &Gpu, m: &DeviceMatrix, w: &[u8], ids: &[i32], x: &[f32]) -> Result<Check> {
+fn check_q8act(
+    gpu: &Launcher,
+    m: &DeviceMatrix,
+    w: &[u8],
+    ids: &[i32],
+    x: &[f32],
+) -> Result<Check> {
     let (rows, cols, ty) = (m.rows, m.cols, m.ty);
     let blocks = ds4_gguf::quant::quantize_q8_0_vec(x);
     let xq: Vec<f32> = blocks
@@ -243,7 +249,7 @@ fn check_q8act(gpu: &Gpu, m: &DeviceMatrix, w: &[u8], ids: &[i32], x: &[f32]) ->
 
 /// Two stacks in one launch against one launch each, bit for bit: selected matrices
 /// (`ids`), or with `ids` empty a plain pair (the Q8_0 shared expert's gate and up).
-fn check_q8act_pair(gpu: &Gpu, rng: &mut Rng, m: &DeviceMatrix, ids: &[i32]) -> Result<Check> {
+fn check_q8act_pair(gpu: &Launcher, rng: &mut Rng, m: &DeviceMatrix, ids: &[i32]) -> Result<Check> {
     let (rows, cols, ty) = (m.rows, m.cols, m.ty);
     let w2 = random_matrix(ty, rows, cols, m.n_mats, rng);
     let m2 = DeviceMatrix::upload(gpu, ty, &w2, rows, cols, m.n_mats)?;
@@ -281,13 +287,13 @@ fn check_q8act_pair(gpu: &Gpu, rng: &mut Rng, m: &DeviceMatrix, ids: &[i32]) -> 
 
 /// The expert matvecs with their activations in registers against the staged kernels,
 /// bit for bit, with per-selection inputs and one shared input: IQ2_XXS at 4096 columns
-/// (`matvec_iq2_xxs_q8_rx`, `_rx32` with 32 table copies, `_rxe` building its tables
+/// (`matvec_iq2_xxs_q8_rx`, `_rxe` building its tables
 /// before the PDL wait, `_rxp` and `probe_iq2_rxp4` loading the next row unit while
 /// computing one, `_rxt` / `_rxtp` with iq2_xxs_dot_tab's lookups), Q2_K
 /// at 2048 (`matvec_q2_k_q8_rx`), Q8_0 with its first weight loads before the PDL wait
 /// (`matvec_q8_0_q8_early`). Other shapes have only the staged kernel.
 fn check_kernel_variants(
-    gpu: &Gpu,
+    gpu: &Launcher,
     rng: &mut Rng,
     m: &DeviceMatrix,
     ids: &[i32],
@@ -298,7 +304,6 @@ fn check_kernel_variants(
             "matvec_iq2_xxs_q8",
             &[
                 "matvec_iq2_xxs_q8_rx",
-                "matvec_iq2_xxs_q8_rx32",
                 "matvec_iq2_xxs_q8_rxe",
                 "matvec_iq2_xxs_q8_rxp",
                 "probe_iq2_rxp4",

@@ -4,7 +4,7 @@
 //! bit, and the kernel timings (`--bench`, `--probe-q8`, `--only-matmul`).
 //!
 //! [`CHECKS`] is the list of checks, in the order they print, each with the decode
-//! variants (`DS4_CUDA_FUSE` names) it covers. Restructurings of the decode graph
+//! variants ([`Variant`]) it covers. Restructurings of the decode graph
 //! rather than of one kernel are checked on the whole model instead (each off and on
 //! over a tiny fixture, `ds4_engine::dev::fixture`): [`GRAPH_VARIANTS`] lists them.
 //! A variant that neither covers is reported by [`uncovered`], which a unit test runs
@@ -23,7 +23,7 @@ mod variants;
 
 use anyhow::Result;
 
-use crate::Gpu;
+use crate::{Gpu, Launcher, Variant};
 
 pub use attention::bench_attention;
 pub use bench::probe_q8_splits;
@@ -36,85 +36,87 @@ pub use matmul::{bench_matmul, check_matmul};
 /// One entry of [`CHECKS`]: a group of result lines and the variants it covers.
 pub struct KernelCheck {
     pub name: &'static str,
-    /// The `DS4_CUDA_FUSE` names whose kernels this group compares with their plain
-    /// twins (or against a reference).
-    pub covers: &'static [&'static str],
+    /// The variants whose kernels this group compares with their plain twins (or
+    /// against a reference).
+    pub covers: &'static [Variant],
     /// Runs the group on `gpu` with inputs drawn from `seed`.
-    pub run: fn(&Gpu, u64) -> Result<Vec<Check>>,
+    pub run: fn(&Launcher, u64) -> Result<Vec<Check>>,
 }
 
 /// Every kernel check, in the order `gpu-selftest` prints them.
 pub const CHECKS: &[KernelCheck] = &[
     KernelCheck {
         name: "matvec",
-        // iq2_lut32 (opt-in) is `matvec_iq2_xxs_q8_rx32` in check_kernel_variants'
-        // IQ2_XXS kernel list; shared_pair is `matvec_q8act_pair`.
+        // shared_pair is `matvec_q8act_pair`.
         covers: &[
-            "iq2_rx",
-            "iq2_early",
-            "iq2_tab",
-            "iq2_pipe",
-            "iq2_lut32",
-            "q2k_rx",
-            "q8_early",
-            "shared_pair",
+            Variant::Iq2Rx,
+            Variant::Iq2Early,
+            Variant::Iq2Tab,
+            Variant::Iq2Pipe,
+            Variant::Q2kRx,
+            Variant::Q8Early,
+            Variant::SharedPair,
         ],
         run: matvec::check_matvecs,
     },
     KernelCheck {
         name: "hc_preload",
-        covers: &["hc_preload"],
+        covers: &[Variant::HcPreload],
         run: variants::check_hc_preload,
     },
     KernelCheck {
         name: "router",
-        covers: &["router4", "router_split"],
+        covers: &[Variant::Router4, Variant::RouterSplit],
         run: variants::check_router_wide,
     },
     KernelCheck {
         name: "f16_early",
-        covers: &["f16_early"],
+        covers: &[Variant::F16Early],
         run: variants::check_f16_early,
     },
     KernelCheck {
         name: "q8_rows",
-        covers: &["q8_rows", "q8_rows2", "outa_early"],
+        covers: &[Variant::Q8Rows, Variant::Q8Rows2, Variant::OutaEarly],
         run: variants::check_q8_rows,
     },
     KernelCheck {
         name: "indexer_scores",
-        covers: &["idx_banks"],
+        covers: &[Variant::IdxBanks],
         run: variants::check_indexer_scores,
     },
     KernelCheck {
         name: "indexer_mma",
-        covers: &["idx_mma"],
+        covers: &[Variant::IdxMma],
         run: variants::check_indexer_mma,
     },
     KernelCheck {
         name: "topk",
-        covers: &["topk_reg"],
+        covers: &[Variant::TopkReg],
         run: variants::check_topk,
     },
     KernelCheck {
         name: "norm_pl",
-        covers: &["norm_pl"],
+        covers: &[Variant::NormPl],
         run: variants::check_norm_pl,
     },
     KernelCheck {
         name: "indexer_q",
-        covers: &["idxq_warp"],
+        covers: &[Variant::IdxqWarp],
         run: |gpu, seed| Ok(vec![variants::check_indexer_q_warp(gpu, seed)?]),
     },
     KernelCheck {
         name: "matmul",
-        // exp_pitch (opt-in): check_exp_pitch.
-        covers: &["mm_pitch", "exp_pitch"],
+        covers: &[Variant::MmPitch],
         run: matmul::check_matmul,
     },
     KernelCheck {
         name: "attention",
-        covers: &["att_stage", "att_early", "combine_pl", "q_norm"],
+        covers: &[
+            Variant::AttStage,
+            Variant::AttEarly,
+            Variant::CombinePl,
+            Variant::QNorm,
+        ],
         run: attention::check_attention_mma,
     },
 ];
@@ -122,68 +124,63 @@ pub const CHECKS: &[KernelCheck] = &[
 /// A decode variant checked on the whole model: the tiny fixture run with it off and
 /// on (`ds4_engine::dev::fixture::check_graph_variants`).
 pub struct GraphVariant {
-    pub name: &'static str,
+    pub variant: Variant,
     /// The variant only moves work between lanes, launches or priorities, so the
     /// logits must not change by a bit; otherwise they must agree within the fixture
     /// tier of the numeric mode.
     pub bit_identical: bool,
 }
 
-/// The variants that restructure the decode graph (read each one's doc at `FUSIONS`).
+/// The variants that restructure the decode graph (each one's doc: [`Variant`]).
 pub const GRAPH_VARIANTS: &[GraphVariant] = &[
     GraphVariant {
-        name: "comb_lane",
+        variant: Variant::CombLane,
         bit_identical: true,
     },
     GraphVariant {
-        name: "shared_pair",
+        variant: Variant::SharedPair,
         bit_identical: true,
     },
     // head_norm_rope inside the attention: the norm sums in another order.
     GraphVariant {
-        name: "q_norm",
+        variant: Variant::QNorm,
         bit_identical: false,
     },
     GraphVariant {
-        name: "prio",
+        variant: Variant::Prio,
         bit_identical: true,
     },
     GraphVariant {
-        name: "shexp_late",
+        variant: Variant::ShexpLate,
         bit_identical: true,
     },
     GraphVariant {
-        name: "outa_early",
-        bit_identical: true,
-    },
-    // Opt-in: a launch attribute of every kernel, so only the whole model shows it.
-    GraphVariant {
-        name: "carveout",
+        variant: Variant::OutaEarly,
         bit_identical: true,
     },
 ];
 
-/// The names in `variants` that no entry of [`CHECKS`] covers and that are not in
+/// The variants of `variants` that no entry of [`CHECKS`] covers and that are not in
 /// [`GRAPH_VARIANTS`].
-pub fn uncovered<'a>(variants: &[&'a str]) -> Vec<&'a str> {
+pub fn uncovered(variants: &[Variant]) -> Vec<Variant> {
     variants
         .iter()
         .copied()
         .filter(|v| {
             !CHECKS.iter().any(|c| c.covers.contains(v))
-                && !GRAPH_VARIANTS.iter().any(|g| g.name == *v)
+                && !GRAPH_VARIANTS.iter().any(|g| g.variant == *v)
         })
         .collect()
 }
 
 /// Every check of [`CHECKS`], in order.
-pub fn check_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+pub fn check_kernels(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     run_all(gpu, seed, &mut |_| {})
 }
 
 /// Every check of [`CHECKS`], in order, handing each result line ([`Check::line`] at
 /// [`NAME_WIDTH`]) to `line` as its group finishes; the results.
-pub fn run_all(gpu: &Gpu, seed: u64, line: &mut dyn FnMut(&str)) -> Result<Vec<Check>> {
+pub fn run_all(gpu: &Launcher, seed: u64, line: &mut dyn FnMut(&str)) -> Result<Vec<Check>> {
     let mut checks = Vec::new();
     for c in CHECKS {
         let group = (c.run)(gpu, seed)?;
@@ -197,7 +194,7 @@ pub fn run_all(gpu: &Gpu, seed: u64, line: &mut dyn FnMut(&str)) -> Result<Vec<C
 
 /// Achieved bandwidth of the decode matvecs, then the prefill GEMMs, at the real
 /// model's shapes.
-pub fn bench_kernels(gpu: &Gpu, seed: u64) -> Result<Vec<Timing>> {
+pub fn bench_kernels(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
     let mut out = bench::bench_matvecs(gpu, seed)?;
     out.extend(bench_matmul(gpu, seed)?);
     Ok(out)
@@ -243,29 +240,22 @@ pub fn device_line(gpu: &Gpu, ordinal: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::{FUSIONS, FUSIONS_OPT_IN};
 
+    /// Every variant of the plan has a check: a new `Variant` without one fails here.
     #[test]
     fn every_variant_has_a_check() {
-        let all: Vec<&str> = FUSIONS.iter().chain(&FUSIONS_OPT_IN).copied().collect();
-        assert_eq!(uncovered(&all), Vec::<&str>::new());
+        assert_eq!(uncovered(Variant::ALL), Vec::<Variant>::new());
     }
 
     #[test]
-    fn every_covered_name_is_a_variant() {
-        let known = |v: &str| FUSIONS.contains(&v) || FUSIONS_OPT_IN.contains(&v);
-        for c in CHECKS {
-            for v in c.covers {
-                assert!(known(v), "check {} covers unknown variant {v}", c.name);
-            }
-        }
-        for g in GRAPH_VARIANTS {
-            assert!(known(g.name), "unknown graph variant {}", g.name);
-        }
-    }
-
-    #[test]
-    fn a_variant_without_a_check_is_reported() {
-        assert_eq!(uncovered(&["iq2_rx", "no_such", "prio"]), vec!["no_such"]);
+    fn check_groups_and_graph_variants_are_listed_once() {
+        let mut names: Vec<&str> = CHECKS.iter().map(|c| c.name).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), CHECKS.len(), "a check group name repeats");
+        let mut graph: Vec<&str> = GRAPH_VARIANTS.iter().map(|g| g.variant.name()).collect();
+        graph.sort_unstable();
+        graph.dedup();
+        assert_eq!(graph.len(), GRAPH_VARIANTS.len(), "a graph variant repeats");
     }
 }

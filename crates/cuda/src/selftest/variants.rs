@@ -20,14 +20,14 @@ use super::common::{
     bit_identical, both, normal, random_matrix, random_vec, rel_err, rope_freqs, same_bits,
     upload_rope, Check,
 };
-use crate::{DeviceMatrix, Gpu, HcNorm, MatSel, WT_F16, WT_F32};
+use crate::{DeviceMatrix, HcNorm, Launcher, MatSel, Variant, WT_F16, WT_F32};
 
 const N_HC: usize = 4;
 const N_EMBD: usize = 4096;
 
 /// The indexer query (64 heads of 128, RoPE on the last 64 dims) of three tokens at
 /// different positions, through the launcher with `idxq_warp` off and on.
-pub(super) fn check_indexer_q_warp(gpu: &Gpu, seed: u64) -> Result<Check> {
+pub(super) fn check_indexer_q_warp(gpu: &Launcher, seed: u64) -> Result<Check> {
     let mut rng = Rng::stream(seed, 0x1a, 0);
     let (heads, dim) = (64usize, 128usize);
     let positions = [0i32, 2100, 65_537];
@@ -36,7 +36,7 @@ pub(super) fn check_indexer_q_warp(gpu: &Gpu, seed: u64) -> Result<Check> {
     let (_freqs, rope) = upload_rope(gpu, &rope_freqs(64))?;
     let steps: Vec<i32> = positions.iter().flat_map(|&p| [p, 0]).collect();
     let steps = gpu.upload(&steps)?;
-    let (a, b) = both(gpu, "idxq_warp", || {
+    let (a, b) = both(gpu, Variant::IdxqWarp, |gpu| {
         let d_q = gpu.upload(&q)?;
         gpu.indexer_q(n_tok, gpu.ptr(&steps), gpu.ptr(&d_q), heads, dim, rope)?;
         Ok(gpu.download(&d_q)?)
@@ -49,7 +49,7 @@ pub(super) fn check_indexer_q_warp(gpu: &Gpu, seed: u64) -> Result<Check> {
 
 /// rmsnorm_q8 rows at the model's widths (512 and 1024: the kv and q_a norms; 4096 at
 /// four values a thread; 8192 past the register path), weighted and not, two rows.
-pub(super) fn check_norm_pl(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+pub(super) fn check_norm_pl(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::stream(seed, 0x40, 0);
     let mut checks = Vec::new();
     let rows = 2;
@@ -57,7 +57,7 @@ pub(super) fn check_norm_pl(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
         let x = gpu.upload(&normal(&mut rng, rows * n, 1.0))?;
         let w = gpu.upload(&normal(&mut rng, n, 0.5))?;
         for weighted in [true, false] {
-            let (a, b) = both(gpu, "norm_pl", || {
+            let (a, b) = both(gpu, Variant::NormPl, |gpu| {
                 let y = gpu.upload(&vec![f32::NAN; rows * n])?;
                 let mut qa = gpu.alloc_quant_act(rows, n)?;
                 let wp = if weighted { gpu.ptr(&w) } else { 0 };
@@ -92,7 +92,7 @@ fn topk_reference(scores: &[f32], k: usize) -> Vec<i32> {
 /// as the model makes them: against the f64 reference, and against the FMA kernel bit
 /// for bit (exact products; the dot products agree wherever their partial sums are
 /// exact in f32, which FP4 blocks of similar scale make the rule).
-pub(super) fn check_indexer_mma(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+pub(super) fn check_indexer_mma(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     let (heads, dim) = (64usize, 128usize);
     let mut rng = Rng::stream(seed, 0x1e, 0);
     let mut rows = normal(&mut rng, IDX_MAX_ROWS * dim, 1.0);
@@ -111,7 +111,7 @@ pub(super) fn check_indexer_mma(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
         dim,
     };
     let d_rows = gpu.upload(&rows)?;
-    let (plain, mma) = batch.run_both(gpu, gpu.ptr(&d_rows), "idx_mma")?;
+    let (plain, mma) = batch.run_both(gpu, gpu.ptr(&d_rows), Variant::IdxMma)?;
     let shape = format!("{heads}x{dim} FP4, {n_tok} tokens");
     Ok(vec![
         batch.reference_check(
@@ -129,7 +129,7 @@ pub(super) fn check_indexer_mma(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
 /// Top-512 selections for tokens with 525 to 6,000 rows (the register path up to 4,096,
 /// the memory path past it, one token with no more rows than k: untouched), with many
 /// exact ties and both signs, against a sort; `topk_select_rg` against the plain kernel.
-pub(super) fn check_topk(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+pub(super) fn check_topk(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     const K: usize = 512;
     const RATIO: usize = 4;
     const STRIDE: usize = 6000;
@@ -143,7 +143,7 @@ pub(super) fn check_topk(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     }
     let steps: Vec<i32> = positions.iter().flat_map(|&p| [p as i32, 0]).collect();
     let (d_steps, d_scores) = (gpu.upload(&steps)?, gpu.upload(&scores)?);
-    let (a, b) = both(gpu, "topk_reg", || {
+    let (a, b) = both(gpu, Variant::TopkReg, |gpu| {
         let sel = gpu.upload(&vec![-1i32; n_tok * K])?;
         gpu.topk_select(
             n_tok,
@@ -228,9 +228,9 @@ impl IndexerBatch<'_> {
     /// The scores (rows of IDX_MAX_ROWS, NaN where untouched) with `fusion` off, then on.
     fn run_both(
         &self,
-        gpu: &Gpu,
+        gpu: &Launcher,
         d_rows: u64,
-        fusion: &'static str,
+        fusion: Variant,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
         let n_tok = self.positions.len();
         let steps: Vec<i32> = self.positions.iter().flat_map(|&p| [p as i32, 0]).collect();
@@ -239,7 +239,7 @@ impl IndexerBatch<'_> {
             gpu.upload(self.q)?,
             gpu.upload(self.wt)?,
         );
-        both(gpu, fusion, || {
+        both(gpu, fusion, |gpu| {
             let scores = gpu.upload(&vec![f32::NAN; n_tok * IDX_MAX_ROWS])?;
             gpu.indexer_scores(
                 n_tok,
@@ -295,7 +295,7 @@ impl IndexerBatch<'_> {
 /// batch of three (one with no more rows than top-k: left untouched), against the f64
 /// reference, and the conflict-free staging (`idx_banks`) against the plain one, on
 /// the FMA kernels.
-pub(super) fn check_indexer_scores(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+pub(super) fn check_indexer_scores(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::stream(seed, 0x1d, 0);
     let mut checks = Vec::new();
     for (heads, dim) in [(64usize, 128usize), (48, 96)] {
@@ -316,9 +316,11 @@ pub(super) fn check_indexer_scores(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
             // Unrounded operands: the FMA kernels (a batch at the Flash shape would go
             // to tensor cores, exact only for the FP4 values the model feeds it:
             // check_indexer_mma).
-            let (a, b) = gpu.with_fusion("idx_mma", false, || {
-                batch.run_both(gpu, gpu.ptr(&d_rows), "idx_banks")
-            })?;
+            let (a, b) = batch.run_both(
+                &gpu.with(Variant::IdxMma, false),
+                gpu.ptr(&d_rows),
+                Variant::IdxBanks,
+            )?;
             let shape = format!("{heads}x{dim}, {n_tok} token(s)");
             // Live rows against the reference; a token with n ≤ top-k stays untouched.
             checks.push(batch.reference_check(
@@ -339,7 +341,7 @@ pub(super) fn check_indexer_scores(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
 /// `matvec_q8_0_q8_early` at one warp a row:
 /// the q_b shape, a ragged row count (a warp's last rows past the end), rows shorter
 /// than a warp step (16 blocks) and rows of two steps.
-pub(super) fn check_q8_rows(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+pub(super) fn check_q8_rows(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::stream(seed, 0x48, 0);
     let mut checks = Vec::new();
     for (rows, cols) in [
@@ -397,14 +399,14 @@ pub(super) fn check_q8_rows(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
 
 /// Plain products with F16 matrices of the selftest's shapes, and one with eight
 /// 16-byte steps per lane at split 8 (the early loads and the loop after them).
-pub(super) fn check_f16_early(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+pub(super) fn check_f16_early(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::stream(seed, 0xf16, 0);
     let mut checks = Vec::new();
     for (rows, cols) in [(37usize, 512usize), (256, 4096), (129, 2048), (16, 16384)] {
         let w = random_matrix(GgmlType::F16, rows, cols, 1, &mut rng);
         let m = DeviceMatrix::upload(gpu, GgmlType::F16, &w, rows, cols, 1)?;
         let x = gpu.upload(&random_vec(cols, &mut rng))?;
-        let (a, b) = both(gpu, "f16_early", || {
+        let (a, b) = both(gpu, Variant::F16Early, |gpu| {
             let y = gpu.upload(&vec![f32::NAN; rows])?;
             gpu.matvec(&m, gpu.ptr(&x), gpu.ptr(&y), 1, MatSel::default())?;
             Ok(gpu.download(&y)?)
@@ -421,17 +423,17 @@ pub(super) fn check_f16_early(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
 /// through `router_wide` (`router4`, against `router`, with `router_split` held off:
 /// it takes precedence) and `router_split` (against `router_wide`, also at 260 experts
 /// — a partial last tile — and 250, its scalar fallback).
-pub(super) fn check_router_wide(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+pub(super) fn check_router_wide(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::stream(seed, 0x7e, 0);
     let mut checks = Vec::new();
     // (fusion toggled, fusions held off, experts, with a bias, with the hash table)
-    let cases: [(&'static str, &[&'static str], usize, bool, bool); 6] = [
-        ("router4", &["router_split"], 256, false, false),
-        ("router_split", &[], 256, false, false),
-        ("router_split", &[], 260, false, false),
-        ("router_split", &[], 250, false, false),
-        ("router_split", &[], 256, true, false),
-        ("router_split", &[], 256, false, true),
+    let cases: [(Variant, &[Variant], usize, bool, bool); 6] = [
+        (Variant::Router4, &[Variant::RouterSplit], 256, false, false),
+        (Variant::RouterSplit, &[], 256, false, false),
+        (Variant::RouterSplit, &[], 260, false, false),
+        (Variant::RouterSplit, &[], 250, false, false),
+        (Variant::RouterSplit, &[], 256, true, false),
+        (Variant::RouterSplit, &[], 256, false, true),
     ];
     for (fusion, held_off, n_expert, with_bias, hashed) in cases {
         let (n_tok, k) = (5usize, 6usize);
@@ -459,8 +461,8 @@ pub(super) fn check_router_wide(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
             .collect();
         let table = gpu.upload(&table)?;
         let (steps, logits) = (gpu.upload(&steps)?, gpu.upload(&logits)?);
-        let run = || {
-            both(gpu, fusion, || {
+        let run = |gpu: &Launcher| {
+            both(gpu, fusion, |gpu| {
                 let ids = gpu.zeros::<i32>(n_tok * k)?;
                 let w = gpu.upload(&vec![f32::NAN; n_tok * k])?;
                 gpu.router(
@@ -480,13 +482,10 @@ pub(super) fn check_router_wide(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
                 Ok(all)
             })
         };
-        let (a, b) = match held_off {
-            [] => run()?,
-            [x] => gpu.with_fusion(x, false, run)?,
-            [x, y, ..] => gpu.with_fusion(x, false, || gpu.with_fusion(y, false, run))?,
-        };
+        let held = held_off.iter().fold(*gpu, |g, &x| g.with(x, false));
+        let (a, b) = run(&held)?;
         let (variant, plain) = match fusion {
-            "router4" => ("router_wide", "router"),
+            Variant::Router4 => ("router_wide", "router"),
             _ => ("router_split", "router_wide"),
         };
         let extra = match (with_bias, hashed) {
@@ -502,7 +501,7 @@ pub(super) fn check_router_wide(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     Ok(checks)
 }
 
-pub(super) fn check_hc_preload(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
+pub(super) fn check_hc_preload(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::stream(seed, 0x4c, 0);
     let mut checks = Vec::new();
     let h = gpu.upload(&normal(&mut rng, N_HC * N_EMBD, 1.0))?;
@@ -519,7 +518,7 @@ pub(super) fn check_hc_preload(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
         (WT_F32, gpu.ptr(&w32), "F32"),
         (WT_F16, gpu.ptr(&w16), "F16"),
     ] {
-        let (a, b) = both(gpu, "hc_preload", || {
+        let (a, b) = both(gpu, Variant::HcPreload, |gpu| {
             let mix = gpu.upload(&[f32::NAN; 24])?;
             gpu.hc_mix(1, gpu.ptr(&h), n, w, ty, 1e-6, gpu.ptr(&mix), 24)?;
             Ok(gpu.download(&mix)?)
@@ -535,7 +534,7 @@ pub(super) fn check_hc_preload(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     let scale = gpu.upload(&normal(&mut rng, 3, 0.5))?;
     let base = gpu.upload(&normal(&mut rng, (2 + N_HC) * N_HC, 0.5))?;
     let norm_w = gpu.upload(&normal(&mut rng, N_EMBD, 1.0))?;
-    let (a, b) = both(gpu, "hc_preload", || {
+    let (a, b) = both(gpu, Variant::HcPreload, |gpu| {
         let y = gpu.upload(&vec![f32::NAN; N_EMBD])?;
         let out = gpu.upload(&vec![f32::NAN; N_EMBD])?;
         let q = gpu.zeros::<i8>(N_EMBD)?;
@@ -577,7 +576,7 @@ pub(super) fn check_hc_preload(gpu: &Gpu, seed: u64) -> Result<Vec<Check>> {
     let parts = gpu.upload(&normal(&mut rng, 7 * N_EMBD, 1.0))?;
     let hcp = gpu.upload(&normal(&mut rng, N_HC + N_HC * N_HC, 0.5))?;
     for (parts_p, n_parts) in [(0u64, 0usize), (gpu.ptr(&parts), 7)] {
-        let (a, b) = both(gpu, "hc_preload", || {
+        let (a, b) = both(gpu, Variant::HcPreload, |gpu| {
             let h_out = gpu.upload(&vec![f32::NAN; N_HC * N_EMBD])?;
             gpu.hc_post(
                 1,

@@ -36,12 +36,24 @@ fn batched_default() -> bool {
 }
 
 impl CudaBackend {
-    /// A new empty session on `weights` (uploaded once with [`CudaWeights::upload`]).
+    /// A new empty session on `weights` (uploaded once with [`CudaWeights::upload`]),
+    /// launching under the weights' plan (`DS4_CUDA_FUSE`).
     pub fn new(weights: &Arc<CudaWeights>, ctx: usize, numerics: Numerics) -> Result<CudaBackend> {
+        Self::with_plan(weights, ctx, numerics, weights.plan)
+    }
+
+    /// [`CudaBackend::new`] launching under `plan` (`ds4-bench --fuse-ab`: sessions of
+    /// several plans on one weight upload).
+    pub fn with_plan(
+        weights: &Arc<CudaWeights>,
+        ctx: usize,
+        numerics: Numerics,
+        plan: ds4_cuda::DecodePlan,
+    ) -> Result<CudaBackend> {
         Ok(CudaBackend {
             weights: weights.clone(),
             numerics,
-            state: DeviceState::new(weights, ctx)?,
+            state: DeviceState::new(weights, ctx, plan)?,
             batched: batched_default(),
         })
     }

@@ -1,7 +1,7 @@
 //! Per-session device state (KV rows, compressor frontiers, scratch) and the decode
 //! of one token.
 
-use ds4_cuda::{CudaError, DeviceBuf, Gpu, QuantAct, RoutePlan, TokenGraph};
+use ds4_cuda::{CudaError, DecodePlan, DeviceBuf, Gpu, Launcher, QuantAct, RoutePlan, TokenGraph};
 
 mod layers;
 mod snapshot;
@@ -246,6 +246,8 @@ pub(super) struct DeviceState {
     graphs: [Option<TokenGraph>; 2],
     graph_numerics: Option<Numerics>,
     use_graphs: bool,
+    /// The variants this session's launches use.
+    plan: DecodePlan,
 }
 
 fn comp_cap(ctx: usize, ratio: usize) -> usize {
@@ -296,14 +298,14 @@ fn parse_att_splits(v: Option<&str>) -> usize {
         None => ATT_SPLITS,
         Some(Ok(n)) if (1..=128).contains(&n) => n,
         Some(_) => {
-            eprintln!("ds4: DS4_CUDA_ATT_SPLITS must be 1 to 128; using {ATT_SPLITS}");
+            tracing::warn!("DS4_CUDA_ATT_SPLITS must be 1 to 128; using {ATT_SPLITS}");
             ATT_SPLITS
         }
     }
 }
 
 impl DeviceState {
-    pub fn new(w: &CudaWeights, ctx: usize) -> Result<DeviceState> {
+    pub fn new(w: &CudaWeights, ctx: usize, plan: DecodePlan) -> Result<DeviceState> {
         let g = &w.gpu;
         let c = &w.config;
         let window = c.window.max(1);
@@ -376,6 +378,7 @@ impl DeviceState {
             graph_numerics: None,
             use_graphs: !g.profiling()
                 && std::env::var("DS4_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+            plan,
         })
     }
 
@@ -458,7 +461,7 @@ impl DeviceState {
         token: u32,
         head: bool,
     ) -> Result<()> {
-        let g = &*w.gpu;
+        let g = &w.gpu.launcher(self.plan);
         let pos = self.n_tokens as i32;
         g.write(&mut self.s.s.step, &[pos, token as i32])?;
         if self.use_graphs {
@@ -491,6 +494,7 @@ impl DeviceState {
             window: self.window,
             raw_cap: self.raw_cap,
             ctx: self.ctx,
+            plan: self.plan,
         }
     }
 
@@ -501,11 +505,12 @@ impl DeviceState {
             window: self.window,
             raw_cap: self.raw_cap,
             ctx: self.ctx,
+            plan: self.plan,
         };
         kv.enqueue(w, numerics, &mut self.s, 1)?;
         if head {
             let h = w.gpu.ptr(&self.s.s.h);
-            head_logits(w, numerics, &mut self.s, h)?;
+            head_logits(&w.gpu.launcher(self.plan), w, numerics, &mut self.s, h)?;
         }
         Ok(())
     }
@@ -522,7 +527,7 @@ impl DeviceState {
 
     /// The logits of the HC state at `h` into the decode scratch.
     fn head(&mut self, w: &CudaWeights, numerics: Numerics, h: u64) -> Result<()> {
-        head_logits(w, numerics, &mut self.s, h)
+        head_logits(&w.gpu.launcher(self.plan), w, numerics, &mut self.s, h)
     }
 
     pub fn logits(&self, w: &CudaWeights) -> Result<Vec<f32>> {
@@ -531,9 +536,14 @@ impl DeviceState {
 }
 
 /// The output head on one token's HC state `h`, into `s.logits`.
-fn head_logits(w: &CudaWeights, numerics: Numerics, b: &mut Work, h: u64) -> Result<()> {
+fn head_logits(
+    g: &Launcher,
+    w: &CudaWeights,
+    numerics: Numerics,
+    b: &mut Work,
+    h: u64,
+) -> Result<()> {
     let (s, q8) = (&b.s, &mut b.q8);
-    let g = &*w.gpu;
     let c = &w.config;
     let p = |b: &DeviceBuf<f32>| g.ptr(b);
     g.hc_mix_mat(1, h, &w.head_hc.fn_, c.rms_eps, p(&s.mix))?;

@@ -2,7 +2,9 @@
 
 use std::sync::Arc;
 
-use ds4_cuda::{CudaError, DeviceBuf, DeviceMatrix, Gpu, RopeP, WT_BF16, WT_F16, WT_F32, WT_Q8_0};
+use ds4_cuda::{
+    CudaError, DecodePlan, DeviceBuf, DeviceMatrix, Gpu, RopeP, WT_BF16, WT_F16, WT_F32, WT_Q8_0,
+};
 use ds4_gguf::GgmlType;
 
 use crate::config::Config;
@@ -78,6 +80,8 @@ pub struct CudaWeights {
     /// 0..o_groups, the matrix ids of the grouped output projection.
     pub group_ids: DeviceBuf<i32>,
     pub bytes: usize,
+    /// The decode plan new sessions follow ([`DecodePlan::from_env`], read once here).
+    pub plan: DecodePlan,
 }
 
 fn wt_code(ty: GgmlType) -> Result<i32, CudaError> {
@@ -172,6 +176,8 @@ impl CudaWeights {
         model: &Model,
         progress: &dyn Fn(usize),
     ) -> Result<CudaWeights, CudaError> {
+        // A misspelt DS4_CUDA_FUSE fails here, before the upload.
+        let plan = DecodePlan::from_env()?;
         // Fail before uploading anything when the weights cannot fit (the q2 file on an
         // 80 GB card): otherwise the allocation fails a minute later, near the end.
         let need = model.gguf().tensor_bytes() as usize;
@@ -250,6 +256,7 @@ impl CudaWeights {
             group_ids: gpu.upload(&group_ids)?,
             bytes: up.bytes,
             config: cfg,
+            plan,
         };
         gpu.release_staging()?;
         Ok(weights)

@@ -9,12 +9,13 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use ds4_cuda::selftest::{same_bits, GRAPH_VARIANTS};
+use ds4_cuda::DecodePlan;
 
 use super::{
     check_sequence, pooled_agreement, position_deltas, spread, within_tier, Manifest, VARIANTS,
 };
-use crate::dev::{CudaBackend, CudaWeights, Gpu};
 use crate::dev::{Backend, CpuBackend, LoadOptions, LogitRows, Model};
+use crate::dev::{CudaBackend, CudaWeights, Gpu};
 use crate::{argmax, Numerics};
 
 /// How many checks a run made and how many failed.
@@ -308,16 +309,16 @@ pub fn check_graph_variants(
         tokens.len() - split
     ));
     for numerics in [Numerics::Exact, Numerics::Fast] {
-        let run = || -> Result<Vec<f32>> {
-            let mut b = CudaBackend::new(&weights, 4096, numerics)?;
+        let run = |plan: DecodePlan| -> Result<Vec<f32>> {
+            let mut b = CudaBackend::with_plan(&weights, 4096, numerics, plan)?;
             let mut out = b.forward(&tokens[..split], LogitRows::All)?;
             b.set_batched(false);
             out.extend(b.forward(&tokens[split..], LogitRows::All)?);
             Ok(out)
         };
         for gv in GRAPH_VARIANTS {
-            let off = gpu.with_fusion(gv.name, false, run)?;
-            let on = gpu.with_fusion(gv.name, true, run)?;
+            let off = run(weights.plan.with(gv.variant, false))?;
+            let on = run(weights.plan.with(gv.variant, true))?;
             let mode = format!("{numerics:?}");
             if gv.bit_identical {
                 let d = same_bits(&on, &off);
@@ -333,7 +334,10 @@ pub fn check_graph_variants(
                 tally.record(
                     line,
                     ok,
-                    format_args!("{variant:<6} graph {mode:<6} {:<12}: {what}", gv.name),
+                    format_args!(
+                        "{variant:<6} graph {mode:<6} {:<12}: {what}",
+                        gv.variant.name()
+                    ),
                 );
             } else {
                 let ok_len = on.len() == off.len();
@@ -344,7 +348,7 @@ pub fn check_graph_variants(
                     ok,
                     format_args!(
                         "{variant:<6} graph {mode:<6} {:<12}: |Δ| median {median:.1e} p99 {p99:.1e} max {max:.1e} (fixture tier)",
-                        gv.name
+                        gv.variant.name()
                     ),
                 );
             }

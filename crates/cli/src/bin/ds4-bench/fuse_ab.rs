@@ -1,25 +1,27 @@
-//! `ds4-bench --fuse-ab LABEL=SETTING …`: decode speed of several `DS4_CUDA_FUSE`
-//! settings in one process. The weights are generated and uploaded once (most of a
-//! full-size run), then each setting, in interleaved rounds, gets a fresh session
-//! whose decode graph is captured under it.
+//! `ds4-bench --fuse-ab LABEL=SETTING …`: decode speed of several decode plans
+//! (`DS4_CUDA_FUSE` values) in one process. The weights are generated and uploaded once
+//! (most of a full-size run), then each plan, in interleaved rounds, gets a fresh
+//! session of its own whose decode graph is captured under it.
 
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use ds4_cuda::DecodePlan;
 use ds4_engine::dev::{CudaBackend, Model, SessionExt};
 use ds4_engine::Session;
 
 use crate::{bar, decode_greedy, eos_token, prompt_tokens, Args};
 
-/// One setting: its label and the `DS4_CUDA_FUSE` value (`None`: the defaults).
+/// One setting: its label and the plan its `DS4_CUDA_FUSE` value names.
 pub struct Spec {
     label: String,
-    setting: Option<String>,
+    plan: DecodePlan,
 }
 
-/// `LABEL=SETTING` per option; `all` means the defaults.
+/// `LABEL=SETTING` per option; `all` means the defaults. A setting that names no
+/// variant is an error listing the valid names.
 pub fn parse_specs(args: &[String]) -> Result<Vec<Spec>> {
     args.iter()
         .map(|a| {
@@ -31,9 +33,11 @@ pub fn parse_specs(args: &[String]) -> Result<Vec<Spec>> {
             if label.is_empty() || label.contains(',') {
                 bail!("--fuse-ab {a}: the label must be non-empty and without commas");
             }
+            let plan = DecodePlan::parse((setting != "all").then_some(setting))
+                .with_context(|| format!("--fuse-ab {a}"))?;
             Ok(Spec {
                 label: label.to_string(),
-                setting: (setting != "all").then(|| setting.to_string()),
+                plan,
             })
         })
         .collect()
@@ -48,7 +52,6 @@ pub fn run(a: &Args, model: &Model, specs: &[Spec], alloc: usize) -> Result<()> 
     })
     .context("CUDA backend unavailable")?;
     b.finish_and_clear();
-    let gpu = weights.gpu.clone();
     let numerics = model.numerics();
     let prompt = prompt_tokens(a, model, a.ctx_start)?;
     let eos = eos_token(model);
@@ -70,12 +73,11 @@ pub fn run(a: &Args, model: &Model, specs: &[Spec], alloc: usize) -> Result<()> 
             if failed[si] {
                 continue;
             }
-            let kept = gpu.set_fusions(spec.setting.as_deref());
             if round == 1 {
-                eprintln!("ds4-bench: {} = {}", spec.label, kept.join(","));
+                eprintln!("ds4-bench: {} = {}", spec.label, spec.plan);
             }
             let run = || -> Result<(f64, f64)> {
-                let be = CudaBackend::new(&weights, alloc, numerics)?;
+                let be = CudaBackend::with_plan(&weights, alloc, numerics, spec.plan)?;
                 let mut session = Session::with_backend(model, Box::new(be), numerics, 2048);
                 let t = Instant::now();
                 session.prefill(&prompt)?;
@@ -103,7 +105,6 @@ pub fn run(a: &Args, model: &Model, specs: &[Spec], alloc: usize) -> Result<()> 
             out.flush()?;
         }
     }
-    gpu.set_fusions(None);
     for line in summary(specs, &gen, "decode") {
         eprintln!("{line}");
     }
@@ -144,7 +145,7 @@ fn summary(specs: &[Spec], gen: &[Vec<f64>], what: &str) -> Vec<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::{parse_specs, summary};
+    use super::{parse_specs, summary, DecodePlan};
 
     #[test]
     fn summary_leaves_the_first_round_out() {
@@ -181,9 +182,11 @@ mod tests {
     fn specs_parse() {
         let s = parse_specs(&["base=all".into(), "x=q_norm,prio".into(), "none=0".into()]).unwrap();
         assert_eq!(s[0].label, "base");
-        assert_eq!(s[0].setting, None);
-        assert_eq!(s[1].setting.as_deref(), Some("q_norm,prio"));
-        assert_eq!(s[2].setting.as_deref(), Some("0"));
+        assert_eq!(s[0].plan, DecodePlan::default());
+        assert_eq!(s[1].plan.to_string(), "q_norm,prio");
+        assert_eq!(s[2].plan, DecodePlan::none());
+        let e = parse_specs(&["x=nonsense".into()]).err().unwrap();
+        assert!(format!("{e:#}").contains("q_norm"), "{e:#}");
         assert!(parse_specs(&["nolabel".into()]).is_err());
         assert!(parse_specs(&["=all".into()]).is_err());
         assert!(parse_specs(&["a,b=all".into()]).is_err());

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Result};
 use ds4_cuda::selftest::{self, summary_line, Check, Timing};
-use ds4_cuda::Gpu;
+use ds4_cuda::{DecodePlan, Gpu, Launcher};
 use ds4_engine::dev::fixture as dev_fixture;
 
 #[derive(clap::Args)]
@@ -38,6 +38,9 @@ pub fn run(a: Args) -> Result<()> {
         Ok(g) => Arc::new(g),
         Err(e) => bail!("no usable GPU: {e}"),
     };
+    // The kernel checks launch under DS4_CUDA_FUSE's plan (the defaults when unset);
+    // each variant check turns its variant off and on itself.
+    let l = &gpu.launcher(DecodePlan::from_env()?);
     println!("{}", selftest::device_line(&gpu, a.device));
     let seed = a.seed.unwrap_or_else(selftest::fresh_seed);
     println!("seed {seed}");
@@ -46,18 +49,18 @@ pub fn run(a: Args) -> Result<()> {
             "\n{:<56} {:>12} {:>10} {:>10}",
             "kernel", "bytes", "us", "GB/s"
         );
-        for t in selftest::probe_q8_splits(&gpu, seed)? {
+        for t in selftest::probe_q8_splits(l, seed)? {
             print_timing(&t, 56);
         }
-        for (name, ms) in selftest::bench_attention(&gpu, seed)? {
+        for (name, ms) in selftest::bench_attention(l, seed)? {
             println!("{name:<56} {:>12} {:>10.1}", "", ms * 1e3);
         }
         return Ok(());
     }
     if a.only_matmul {
-        return run_matmul(&gpu, seed, a.bench);
+        return run_matmul(l, seed, a.bench);
     }
-    let checks = selftest::run_all(&gpu, seed, &mut |l| println!("{l}"))?;
+    let checks = selftest::run_all(l, seed, &mut |l| println!("{l}"))?;
     let mut total = checks.len();
     let mut failed = checks.iter().filter(|c| !c.passed()).count();
     if !a.fixtures.is_empty() {
@@ -76,7 +79,7 @@ pub fn run(a: Args) -> Result<()> {
             "\n{:<40} {:>12} {:>10} {:>10}",
             "decode kernel", "bytes", "us", "GB/s"
         );
-        for t in selftest::bench_kernels(&gpu, seed)? {
+        for t in selftest::bench_kernels(l, seed)? {
             print_timing(&t, 40);
         }
     }
@@ -106,7 +109,7 @@ fn print_checks(checks: &[Check]) -> usize {
 }
 
 /// `--only-matmul`: the prefill GEMM checks and bench alone.
-fn run_matmul(gpu: &Gpu, seed: u64, bench: bool) -> Result<()> {
+fn run_matmul(gpu: &Launcher, seed: u64, bench: bool) -> Result<()> {
     let checks = selftest::check_matmul(gpu, seed)?;
     let failed = print_checks(&checks);
     if bench {

@@ -1,7 +1,7 @@
 //! One layer's launches (attention and FFN sublayers) for a batch of tokens, and the
 //! projection helpers they share (GEMM for batches, matvec for one token).
 
-use ds4_cuda::{Batch, CudaError, DeviceBuf, Gpu, MatSel, QuantAct};
+use ds4_cuda::{Batch, CudaError, DecodePlan, DeviceBuf, Gpu, Launcher, MatSel, QuantAct, Variant};
 use ds4_gguf::GgmlType;
 
 use super::{att_splits, comp_cap, LayerState, Scratch, Work};
@@ -47,7 +47,7 @@ fn f32_gemm_format(ty: GgmlType) -> bool {
 /// f32 activations × `m` for `n` tokens laid out by `b`: a GEMM for batches, the
 /// matvec otherwise.
 fn dense_f32(
-    g: &Gpu,
+    g: &Launcher,
     m: &ds4_cuda::DeviceMatrix,
     x: u64,
     y: u64,
@@ -71,23 +71,27 @@ pub(super) struct KvView<'a> {
     pub(super) window: usize,
     pub(super) raw_cap: usize,
     pub(super) ctx: usize,
+    /// The session's plan: the layers launch through `gpu.launcher(plan)`.
+    pub(super) plan: DecodePlan,
 }
 
-/// The sublayer input `s.y` from the streams `h`, and its RMS norm (weights `norm_w`)
-/// into `s.n` in the same launch; with `quantize` also into `xq` (Q8_0). Returns
-/// whether `xq` now holds `s.n`.
+/// A sublayer's start: the input `s.y` from the streams `h`, and its RMS norm (weights
+/// `norm_w`) into `s.n` in the same launch; with `quantize` also into `xq` (Q8_0).
+/// Under `comb_lane`, hc_post's comb matrix is forked to side lane 3 as background work
+/// (joined before hc_post). Returns whether `xq` now holds `s.n`, and whether the comb
+/// matrix was forked (else the caller forms it on a lane of its own choosing).
 #[allow(clippy::too_many_arguments)]
-fn hc_pre_norm(
+fn sublayer_begin(
     s: &Scratch,
     n_tok: usize,
-    g: &Gpu,
+    g: &Launcher,
     c: &Config,
     hc: &crate::cuda::weights::HcDev,
     h: u64,
     norm_w: u64,
     xq: &mut QuantAct,
     quantize: bool,
-) -> Result<bool, CudaError> {
+) -> Result<(bool, bool), CudaError> {
     if quantize && (xq.cols != c.n_embd || xq.rows < n_tok) {
         return Err(CudaError::Invalid(format!(
             "hc_pre: {n_tok}×{} into activations of {}×{}",
@@ -115,15 +119,19 @@ fn hc_pre_norm(
         g.ptr(&s.y),
         Some(norm),
     )?;
-    Ok(quantize)
+    let comb_lane = g.on(Variant::CombLane);
+    if comb_lane {
+        g.branch(3, || g.background(|| hc_comb(s, n_tok, g, c, hc)))?;
+    }
+    Ok((quantize, comb_lane))
 }
 
-/// post and comb (`s.hcp`, read by hc_post) from the mix of `hc_pre_norm`: launched on a
+/// post and comb (`s.hcp`, read by hc_post) from the mix of `sublayer_begin`: launched on a
 /// side lane, beside the sublayer.
 fn hc_comb(
     s: &Scratch,
     n_tok: usize,
-    g: &Gpu,
+    g: &Launcher,
     c: &Config,
     hc: &crate::cuda::weights::HcDev,
 ) -> Result<(), CudaError> {
@@ -148,7 +156,7 @@ impl KvView<'_> {
         b: &mut Work,
         n_tok: usize,
     ) -> Result<()> {
-        let g = &*w.gpu;
+        let g = &w.gpu.launcher(self.plan);
         let c = &w.config;
         let s = &b.s;
         g.embed(
@@ -175,7 +183,7 @@ impl KvView<'_> {
         b: &mut Work,
         n: usize,
     ) -> Result<()> {
-        let g = &*w.gpu;
+        let g = &w.gpu.launcher(self.plan);
         let c = &w.config;
         let l: &LayerDev = &w.layers[il];
         let st = &self.layers[il];
@@ -187,7 +195,7 @@ impl KvView<'_> {
         let f32t = ds4_cuda::WT_F32;
         let hd = c.head_dim;
 
-        let n_q8 = hc_pre_norm(
+        let (n_q8, comb_lane) = sublayer_begin(
             s,
             n,
             g,
@@ -203,10 +211,6 @@ impl KvView<'_> {
         // rows, side lane 2 the indexer's compressed rows and then (once the main lane
         // has q_r) the top-k selection, and the main lane builds the queries. Each is a
         // chain of small kernels that cannot fill the GPU alone.
-        let comb_lane = g.fused("comb_lane");
-        if comb_lane {
-            g.branch(3, || g.background(|| hc_comb(s, n, g, c, &l.hc_attn)))?;
-        }
         g.branch(1, || {
             if !comb_lane {
                 hc_comb(s, n, g, c, &l.hc_attn)?;
@@ -236,14 +240,12 @@ impl KvView<'_> {
                 self.raw_cap,
             )?;
             if let (Some(cw), Some(comp)) = (&l.compressor, &st.comp) {
-                let ckv = p(&s.ckv);
-                compressor_inputs(g, cw, p(&s.n), ckv, n)?;
                 compress(
                     g,
                     c,
                     n,
                     step,
-                    ckv,
+                    (p(&s.n), p(&s.ckv)),
                     cw,
                     st.skv.as_ref(),
                     st.ssc.as_ref(),
@@ -261,16 +263,13 @@ impl KvView<'_> {
         };
         if let Some((_, ix, index)) = indexer {
             g.branch(2, || {
-                let icw = &ix.compressor;
-                let icv = p(&s.icv);
-                compressor_inputs(g, icw, p(&s.n), icv, n)?;
                 compress(
                     g,
                     c,
                     n,
                     step,
-                    icv,
-                    icw,
+                    (p(&s.n), p(&s.icv)),
+                    &ix.compressor,
                     st.iskv.as_ref(),
                     st.issc.as_ref(),
                     rope,
@@ -346,7 +345,7 @@ impl KvView<'_> {
         // are latency-bound and the attention waits for them too.
         g.background(|| mv(g, &l.q_b, p(&s.qr), &mut qb.qr, qr_q8, p(&s.q), n, fast))?;
         // A decode token's attention norms and rotates its own queries.
-        let q_norm = (n == 1 && g.fused("q_norm")).then_some(ds4_cuda::QNorm {
+        let q_norm = (n == 1 && g.on(Variant::QNorm)).then_some(ds4_cuda::QNorm {
             eps: c.rms_eps,
             rope,
         });
@@ -470,7 +469,7 @@ impl KvView<'_> {
         b: &mut Work,
         n: usize,
     ) -> Result<()> {
-        let g = &*w.gpu;
+        let g = &w.gpu.launcher(self.plan);
         let c = &w.config;
         let l: &LayerDev = &w.layers[il];
         let (s, qb) = (&b.s, &mut b.q8);
@@ -478,7 +477,7 @@ impl KvView<'_> {
         let (k, ff, e) = (c.n_expert_used, c.n_ff_exp, c.n_embd);
         let fast = numerics == Numerics::Fast;
         let p = |b: &DeviceBuf<f32>| g.ptr(b);
-        let n_q8 = hc_pre_norm(
+        let (n_q8, comb_lane) = sublayer_begin(
             s,
             n,
             g,
@@ -492,10 +491,6 @@ impl KvView<'_> {
         // The shared expert needs only the normed input: it runs on side lane 1 (after
         // hc_post's comb matrix) while the router and the routed experts run on the
         // main lane.
-        let comb_lane = g.fused("comb_lane");
-        if comb_lane {
-            g.branch(3, || g.background(|| hc_comb(s, n, g, c, &l.hc_ffn)))?;
-        }
         // Background work under `prio`: the routed chain gets the SMs first. With
         // `shexp_late` a decode token forks it only after the router's matvec, which
         // otherwise shares the memory bandwidth with the shared expert's 27 MB.
@@ -506,7 +501,7 @@ impl KvView<'_> {
                 }
                 let ffs = c.n_ff_exp * c.n_expert_shared;
                 // n_q8: Q8_0 gate and up in the fast numerics, their input quantised by the norm.
-                if n == 1 && n_q8 && g.fused("shared_pair") {
+                if n == 1 && n_q8 && g.on(Variant::SharedPair) {
                     g.matvec_q8act_pair(
                         &l.gate_sh,
                         &l.up_sh,
@@ -579,7 +574,7 @@ impl KvView<'_> {
             Some(f) => g.branch(1, f),
             None => Ok(()),
         };
-        let late = n == 1 && g.fused("shexp_late");
+        let late = n == 1 && g.on(Variant::ShexpLate);
         if !late {
             fork_shared()?;
         }
@@ -719,7 +714,7 @@ impl KvView<'_> {
 /// The compressor's kv and gate projections of `n` tokens: token t's kv at
 /// out + t·2w, its gate scores right after.
 fn compressor_inputs(
-    g: &Gpu,
+    g: &Launcher,
     cw: &crate::cuda::weights::CompressorDev,
     x: u64,
     out: u64,
@@ -734,14 +729,16 @@ fn compressor_inputs(
     dense_f32(g, &cw.gate, x, out + 4 * width as u64, b)
 }
 
-/// Advances a compressor by `n` tokens (one: the graph-captured decode step).
+/// Advances a compressor by `n` tokens (one: the graph-captured decode step) on the
+/// normed input `x`: its kv and gate projections into the scratch `kvs`
+/// ([`compressor_inputs`]), then the compressor kernels.
 #[allow(clippy::too_many_arguments)]
 fn compress(
-    g: &Gpu,
+    g: &Launcher,
     c: &Config,
     n: usize,
     step: u64,
-    kvs: u64,
+    (x, kvs): (u64, u64),
     cw: &crate::cuda::weights::CompressorDev,
     skv: Option<&DeviceBuf<f32>>,
     ssc: Option<&DeviceBuf<f32>>,
@@ -750,49 +747,29 @@ fn compress(
     fast: bool,
     rows_out: u64,
 ) -> Result<(), CudaError> {
+    compressor_inputs(g, cw, x, kvs, n)?;
     let skv = g.ptr(skv.expect("compressed layer state"));
     let ssc = g.ptr(ssc.expect("compressed layer state"));
     let f32t = ds4_cuda::WT_F32;
-    if n == 1 {
-        g.compressor_step(
-            step,
-            kvs,
-            g.ptr(&cw.ape),
-            f32t,
-            skv,
-            ssc,
-            cw.ratio,
-            cw.lanes,
-            cw.dim,
-            g.ptr(&cw.norm),
-            f32t,
-            c.rms_eps,
-            rope,
-            indexer,
-            fast,
-            rows_out,
-        )
-    } else {
-        g.compressor_batch(
-            n,
-            step,
-            kvs,
-            g.ptr(&cw.ape),
-            f32t,
-            skv,
-            ssc,
-            cw.ratio,
-            cw.lanes,
-            cw.dim,
-            g.ptr(&cw.norm),
-            f32t,
-            c.rms_eps,
-            rope,
-            indexer,
-            fast,
-            rows_out,
-        )
-    }
+    let launch = ds4_cuda::Compressor {
+        step,
+        kvs,
+        ape: g.ptr(&cw.ape),
+        ape_type: f32t,
+        skv,
+        ssc,
+        ratio: cw.ratio,
+        lanes: cw.lanes,
+        d: cw.dim,
+        norm_w: g.ptr(&cw.norm),
+        norm_type: f32t,
+        eps: c.rms_eps,
+        rope,
+        indexer,
+        f16_round: fast,
+        rows: rows_out,
+    };
+    g.compressor(n, &launch)
 }
 
 /// `n` packed input rows of `m` to `n` packed output rows.
@@ -813,7 +790,7 @@ fn rows(m: &ds4_cuda::DeviceMatrix) -> MatSel {
 /// Returns whether `xq` now holds `y`.
 #[allow(clippy::too_many_arguments)]
 fn norm(
-    g: &Gpu,
+    g: &Launcher,
     x: u64,
     w: u64,
     n: usize,
@@ -836,7 +813,7 @@ fn norm(
 /// the CPU.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn mv(
-    g: &Gpu,
+    g: &Launcher,
     m: &ds4_cuda::DeviceMatrix,
     x: u64,
     xq: &mut QuantAct,
@@ -863,7 +840,7 @@ pub(super) fn mv(
 /// sel.x_stride; `xq` already holds their Q8_0 form when `quantized`).
 #[allow(clippy::too_many_arguments)]
 fn mv_sel(
-    g: &Gpu,
+    g: &Launcher,
     m: &ds4_cuda::DeviceMatrix,
     x: u64,
     xq: &mut QuantAct,

@@ -92,7 +92,7 @@ impl DeviceState {
     /// compressed rows in use move, so a long session snapshots in milliseconds instead
     /// of a host round trip.
     pub fn duplicate(&self, w: &CudaWeights) -> Result<DeviceState> {
-        let mut d = DeviceState::new(w, self.ctx)?;
+        let mut d = DeviceState::new(w, self.ctx, self.plan)?;
         if d.raw_cap != self.raw_cap || d.layers.len() != self.layers.len() {
             // The ring geometry changed (DS4_CUDA_PREFILL_CHUNK differs): go through the
             // host form, which is independent of it.

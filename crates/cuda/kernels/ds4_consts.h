@@ -1,0 +1,29 @@
+// Numbers that both the kernels and their Rust launchers use, defined once here.
+// build.rs puts this file first in the kernel source (for nvcc and NVRTC alike) and
+// writes each `#define NAME VALUE // rust: TYPE` line as `pub const NAME: TYPE = VALUE;`
+// into the crate's `consts` module, so the two sides cannot drift apart. Integer
+// literals only; what each number means is said where the kernels use it.
+
+// Warps per block of the matvec kernels (one warp per output row).
+#define ROWS_PER_BLOCK 8 // rust: u32
+// Rows per warp of the int8 expert kernels (matvec_q8act.cu).
+#define EXP_ROWS_PER_WARP 4 // rust: u32
+// Steps of 32 lanes per row of the register-activation IQ2_XXS kernels (4096 columns).
+#define IQ2_RX_STEPS 2 // rust: usize
+// Rows per warp of matvec_q8_0_q8_r4 (`q8_rows`).
+#define Q8_ROWS_PER_WARP 4 // rust: u32
+
+// Storage type codes of small dense tensors passed to the layer kernels.
+#define WT_F32 0 // rust: i32
+#define WT_F16 1 // rust: i32
+#define WT_BF16 2 // rust: i32
+// Most hyper-connection streams the kernels take, and hc_pre's value groups of 4 per
+// thread (layer.cu).
+#define HC_PRE_VEC 2 // rust: usize
+#define HC_MAX 5 // rust: usize
+
+// Rows per shared-memory batch of attention_split_staged (layer_attention.cu).
+#define ATT_STAGE_ROWS 32 // rust: usize
+// The one attention shape of attention_prefill_mma (mma_attention.cu).
+#define AMMA_HEADS 64 // rust: usize
+#define AMMA_HD 512 // rust: usize

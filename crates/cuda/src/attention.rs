@@ -1,0 +1,361 @@
+//! Launchers of the attention and indexer kernels (kernels/layer_attention.cu,
+//! layer_indexer.cu, mma_attention.cu, mma_indexer.cu), with the layer launchers'
+//! conventions (raw device addresses; see layer.rs).
+
+#![allow(clippy::too_many_arguments)]
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use crate::device::Gpu;
+use crate::error::CudaError;
+use crate::layer::{cfg2, RopeP};
+use crate::plan::{Launcher, Variant};
+
+/// What the attention launchers read for `n_tok` tokens (device addresses): queries
+/// `q` (n_tok × heads × hd), the raw ring (position p at slot p % raw_cap, the last
+/// `window` positions attended), the compressed rows of `ratio` (0 = none), the top-k
+/// selections `sel` (n_tok × top_k; 0 = none: every compressed row), per-head sinks.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnInput {
+    pub n_tok: usize,
+    pub step: u64,
+    pub q: u64,
+    pub ring: u64,
+    pub raw_cap: usize,
+    pub window: usize,
+    pub comp: u64,
+    pub ratio: usize,
+    pub sel: u64,
+    pub top_k: usize,
+    pub sinks: u64,
+    pub heads: usize,
+    pub hd: usize,
+    pub scale: f32,
+    /// `attention` applies head_norm_rope to the queries as it reads them (they are
+    /// then the q projection's raw output; decode: one launch less before attention).
+    pub q_norm: Option<QNorm>,
+}
+
+/// head_norm_rope's work (unweighted RMS norm of each head, RoPE of its tail) done by
+/// the attention on its query registers.
+#[derive(Clone, Copy, Debug)]
+pub struct QNorm {
+    pub eps: f32,
+    pub rope: RopeP,
+}
+
+/// What the output projection wants of the attention output, applied in the launch
+/// that writes it where it can: the inverse RoPE of each head's tail at the token's
+/// position and, with `q` / `d` ≠ 0, the Q8_0 form of the heads (n_tok × heads × hd
+/// values, contiguous blocks of 32).
+#[derive(Clone, Copy, Debug)]
+pub struct AttnTail {
+    pub rope: RopeP,
+    pub q: u64,
+    pub d: u64,
+}
+
+impl AttnTail {
+    /// Whether heads of `hd` values can take this tail (Q8_0 blocks must not straddle
+    /// heads).
+    fn check(&self, hd: usize) -> Result<(), CudaError> {
+        if self.q != 0 && !hd.is_multiple_of(32) {
+            return Err(CudaError::Invalid(format!(
+                "attention head dim {hd}: Q8_0 output needs a multiple of 32"
+            )));
+        }
+        Ok(())
+    }
+}
+
+// Rows per shared-memory batch of `attention_split_staged` (ATT_STAGE_ROWS), the
+// attention shape of `attention_prefill_mma` (AMMA_HEADS × AMMA_HD).
+use crate::consts::{AMMA_HD, AMMA_HEADS, ATT_STAGE_ROWS};
+
+impl Gpu {
+    /// Whether [`Launcher::attention_prefill_mma`] takes this attention shape.
+    pub fn attention_mma_shape(heads: usize, hd: usize) -> bool {
+        heads == AMMA_HEADS && hd == AMMA_HD
+    }
+}
+
+impl Launcher<'_> {
+    /// RoPE + Hadamard + FP4 on each of `heads` indexer query heads of `dim` values.
+    pub fn indexer_q(
+        &self,
+        n_tok: usize,
+        step: u64,
+        q: u64,
+        heads: usize,
+        dim: usize,
+        rope: RopeP,
+    ) -> Result<(), CudaError> {
+        // One warp per head where the lanes' 4-value parts fit (`idxq_warp`).
+        let tail_start = dim as i64 - rope.rope_dim as i64;
+        if dim == 128 && tail_start >= 0 && tail_start % 2 == 0 && self.on(Variant::IdxqWarp) {
+            let h = heads as i32;
+            return launch!(
+                self,
+                "indexer_q_warp",
+                cfg2((heads as u32).div_ceil(8), n_tok, 256),
+                step,
+                q,
+                h,
+                rope
+            );
+        }
+        let d = dim as i32;
+        launch!(
+            self,
+            "indexer_q",
+            cfg2(heads as u32, n_tok, 256),
+            step,
+            q,
+            d,
+            rope
+        )
+    }
+
+    /// Indexer scores of up to `max_rows` index rows per token (the live count comes
+    /// from pos); token t's scores start at t · max_rows. With `idx_mma` a batch at the
+    /// Flash shape (64 heads × 128) runs on bf16 tensor cores, which is exact only for
+    /// FP4-simulated rows and queries — what the model's indexer always feeds it.
+    pub fn indexer_scores(
+        &self,
+        n_tok: usize,
+        step: u64,
+        rows: u64,
+        q: u64,
+        wt: u64,
+        heads: usize,
+        dim: usize,
+        wscale: f32,
+        ratio: usize,
+        top_k: usize,
+        scores: u64,
+        max_rows: usize,
+    ) -> Result<(), CudaError> {
+        if heads > 64 || dim > 128 || !dim.is_multiple_of(4) {
+            return Err(CudaError::Invalid(format!(
+                "indexer of {heads} heads × {dim}: at most 64 × 128, dim a multiple of 4"
+            )));
+        }
+        let (h, d, r, k) = (heads as i32, dim as i32, ratio as i32, top_k as i32);
+        let ss = max_rows as i32;
+        // A batch at the Flash shape on tensor cores (`idx_mma`, mma_indexer.cu).
+        if n_tok > 1 && heads == 64 && dim == 128 && self.on(Variant::IdxMma) {
+            // The rows and queries as bf16 [64][136] each, the dot products [64][68] f32.
+            let smem = 2 * 64 * 136 * 2 + 64 * 68 * 4;
+            let mut cfg = cfg2((max_rows as u32).div_ceil(64), n_tok.div_ceil(8), 128);
+            cfg.shared_mem_bytes = smem as u32;
+            self.allow_smem("indexer_scores_mma", smem)?;
+            let nt = n_tok as i32;
+            return launch!(
+                self,
+                "indexer_scores_mma",
+                cfg,
+                step,
+                rows,
+                q,
+                wt,
+                nt,
+                wscale,
+                r,
+                k,
+                scores,
+                ss
+            );
+        }
+        // qs and ks (dim × 68 floats each) and the 16 × 64 reduction.
+        let smem = (2 * dim * 68 + 16 * 64) * 4;
+        let mut cfg = cfg2((max_rows as u32).div_ceil(64), n_tok, 256);
+        cfg.shared_mem_bytes = smem as u32;
+        let name = self.pick(Variant::IdxBanks, "indexer_scores", "indexer_scores_sp");
+        self.allow_smem(name, smem)?;
+        launch!(self, name, cfg, step, rows, q, wt, h, d, wscale, r, k, scores, ss)
+    }
+
+    /// Per token, the indices of the `k` best of its (pos+1)/ratio scores (row t of
+    /// `scores` at t · scores_stride) into `sel[t][k]`, ascending; untouched while the
+    /// count is ≤ k (attention then uses every row).
+    pub fn topk_select(
+        &self,
+        n_tok: usize,
+        step: u64,
+        scores: u64,
+        scores_stride: usize,
+        ratio: usize,
+        k: usize,
+        sel: u64,
+    ) -> Result<(), CudaError> {
+        let (ss, r, kk) = (scores_stride as i32, ratio as i32, k as i32);
+        let name = self.pick(Variant::TopkReg, "topk_select", "topk_select_rg");
+        launch!(
+            self,
+            name,
+            cfg2(1, n_tok, 1024),
+            step,
+            scores,
+            ss,
+            r,
+            kk,
+            sel
+        )
+    }
+
+    /// Sink attention of every head of each token over its raw window and its
+    /// compressed rows (see [`AttnInput`]), split into `n_chunks` chunks of
+    /// `rows_per_chunk` rows (0: the token's rows divided evenly, computed on the device
+    /// from its position); with more than one chunk the partials go to `part_acc`
+    /// (n_tok·heads·n_chunks·hd floats) and `part_ml` (twice n_tok·heads·n_chunks) and a
+    /// combine pass writes `out`.
+    pub fn attention(
+        &self,
+        a: &AttnInput,
+        rows_per_chunk: usize,
+        n_chunks: usize,
+        part_acc: u64,
+        part_ml: u64,
+        out: u64,
+        tail: Option<&AttnTail>,
+    ) -> Result<(), CudaError> {
+        let (hd, heads, raw_cap, window) = (a.hd, a.heads, a.raw_cap, a.window);
+        if let Some(t) = tail {
+            t.check(hd)?;
+        }
+        if !hd.is_multiple_of(4) || hd > 512 {
+            return Err(CudaError::Invalid(format!(
+                "attention head dim {hd}: must be a multiple of 4, at most 512"
+            )));
+        }
+        if window > raw_cap || n_chunks == 0 || n_chunks > 128 {
+            return Err(CudaError::Invalid(format!(
+                "attention window {window} / ring {raw_cap} / {n_chunks} chunks of {rows_per_chunk}"
+            )));
+        }
+        let (rc, win, r, tk, nh, hd_, rpc) = (
+            raw_cap as i32,
+            window as i32,
+            a.ratio as i32,
+            a.top_k as i32,
+            heads as i32,
+            hd as i32,
+            rows_per_chunk as i32,
+        );
+        let (q_norm, q_eps, q_rope) = match a.q_norm {
+            Some(qn) => {
+                let rd = qn.rope.rope_dim as usize;
+                if rd > hd || !rd.is_multiple_of(2) || !(hd - rd).is_multiple_of(2) {
+                    return Err(CudaError::Invalid(format!(
+                        "query RoPE of {rd} dims in heads of {hd}: needs an even tail and start"
+                    )));
+                }
+                (1i32, qn.eps, qn.rope)
+            }
+            None => (0, 0.0, RopeP::default()),
+        };
+        let groups = (heads as u32).div_ceil(8);
+        // A decode token's blocks stage their rows in shared memory (`att_stage`).
+        let staged = a.n_tok == 1 && self.on(Variant::AttStage);
+        let (name, smem) = if staged {
+            let name = self.pick(
+                Variant::AttEarly,
+                "attention_split_staged",
+                "attention_split_early",
+            );
+            (name, (ATT_STAGE_ROWS * hd * 4) as u32)
+        } else {
+            ("attention_split", 0)
+        };
+        if staged {
+            self.allow_smem(name, smem as usize)?;
+        }
+        let grid = LaunchConfig {
+            grid_dim: (n_chunks as u32, groups, a.n_tok as u32),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        launch!(
+            self, name, grid, a.step, a.q, a.ring, rc, win, a.comp, r, a.sel, tk, a.sinks, nh, hd_,
+            a.scale, rpc, part_acc, part_ml, out, q_norm, q_eps, q_rope
+        )?;
+        if n_chunks > 1 {
+            let nc = n_chunks as i32;
+            let (rope, rope_on, q, d) = match tail {
+                Some(t) => (t.rope, 1i32, t.q, t.d),
+                None => (RopeP::default(), 0, 0, 0),
+            };
+            let name = self.pick(
+                Variant::CombinePl,
+                "attention_combine",
+                "attention_combine_pl",
+            );
+            launch!(
+                self,
+                name,
+                cfg2(heads as u32, a.n_tok, 128),
+                part_acc,
+                part_ml,
+                a.sinks,
+                nh,
+                hd_,
+                nc,
+                out,
+                a.step,
+                rope,
+                rope_on,
+                q,
+                d
+            )?;
+        } else if let Some(t) = tail {
+            self.attention_tail(a, t, out)?;
+        }
+        Ok(())
+    }
+
+    /// The [`AttnTail`] of an attention output `out` written without it.
+    pub fn attention_tail(&self, a: &AttnInput, t: &AttnTail, out: u64) -> Result<(), CudaError> {
+        t.check(a.hd)?;
+        self.rope_tail(a.n_tok, a.step, out, a.hd, a.heads, 0, t.rope, true)?;
+        if t.q != 0 {
+            self.quantize_q8_raw(out, t.q, t.d, a.n_tok * a.heads * a.hd / 32)?;
+        }
+        Ok(())
+    }
+
+    /// Sink attention on tensor cores (fp16 operands, f32 sums; the fast numerics): one
+    /// block per token over all its rows, output as `attention` with one chunk. Only the
+    /// DeepSeek V4 Flash shape (64 heads of 512).
+    pub fn attention_prefill_mma(&self, a: &AttnInput, out: u64) -> Result<(), CudaError> {
+        let (heads, hd, raw_cap, window) = (a.heads, a.hd, a.raw_cap, a.window);
+        if a.q_norm.is_some() {
+            return Err(CudaError::Invalid(
+                "tensor-core attention reads normed queries (no q_norm)".into(),
+            ));
+        }
+        if !Gpu::attention_mma_shape(heads, hd) || window > raw_cap || a.n_tok == 0 {
+            return Err(CudaError::Invalid(format!(
+                "tensor-core attention takes {AMMA_HEADS} heads of {AMMA_HD} (got {heads} of {hd}), window {window} <= ring {raw_cap}"
+            )));
+        }
+        const NAME: &str = "attention_prefill_mma";
+        // Q + the fp16 row tile (rows padded by 8 halves) + the f32 tile in flight.
+        let smem = (AMMA_HEADS + 32) * (AMMA_HD + 8) * 2 + 32 * AMMA_HD * 4;
+        self.allow_smem(NAME, smem)?;
+        let cfg = LaunchConfig {
+            grid_dim: (a.n_tok as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let (rc, win, r, tk) = (
+            raw_cap as i32,
+            window as i32,
+            a.ratio as i32,
+            a.top_k as i32,
+        );
+        launch!(
+            self, NAME, cfg, a.step, a.q, a.ring, rc, win, a.comp, r, a.sel, tk, a.sinks, a.scale,
+            out
+        )
+    }
+}

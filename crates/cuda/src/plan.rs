@@ -1,0 +1,393 @@
+//! The decode plan: which kernel variants and decode-graph restructurings are on.
+//!
+//! A [`DecodePlan`] is a small `Copy` set of [`Variant`]s, built once (by the engine
+//! from `DS4_CUDA_FUSE` through [`DecodePlan::from_env`], the only place that reads it)
+//! and handed to whoever launches: kernels are launched through a [`Launcher`], a view
+//! of a [`Gpu`] together with a plan (`gpu.launcher(plan)`). The `Gpu` itself holds no
+//! plan, so sessions with different plans can share one device and one weight upload
+//! (`ds4-bench --fuse-ab`), and a check compares a variant with its plain twin by
+//! launching through `launcher.with(variant, false)` and `with(variant, true)`.
+//!
+//! The history of each variant (what it measured when it was promoted, and the
+//! variants that lost and were removed) is in `crates/cuda/NOTES.md`.
+
+use std::fmt;
+use std::ops::Deref;
+
+use crate::device::Gpu;
+
+macro_rules! variants {
+    ($($v:ident = $name:literal, $on:literal, $doc:literal;)*) => {
+        /// A kernel variant or decode-graph restructuring that the plan turns on or off.
+        ///
+        /// Every variant keeps its plain twin (the kernel or graph shape it replaces)
+        /// only because `ds4-tool gpu-selftest` compares the two bit for bit (or, for
+        /// graph restructurings, the decode outputs with it off and on): a twin with no
+        /// such check leaves the build.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub enum Variant {
+            $(#[doc = $doc] $v,)*
+        }
+
+        impl Variant {
+            /// Every variant, in bit order.
+            pub const ALL: &'static [Variant] = &[$(Variant::$v),*];
+
+            /// The name `DS4_CUDA_FUSE` uses.
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $(Variant::$v => $name,)*
+                }
+            }
+
+            /// What it does, in one line.
+            pub const fn doc(self) -> &'static str {
+                match self {
+                    $(Variant::$v => $doc,)*
+                }
+            }
+
+            /// Whether it is on when `DS4_CUDA_FUSE` is unset.
+            pub const fn default_on(self) -> bool {
+                match self {
+                    $(Variant::$v => $on,)*
+                }
+            }
+        }
+    };
+}
+
+variants! {
+    CombLane = "comb_lane", true, "hc_comb on a lane of its own, not ahead of a branch's matvecs.";
+    SharedPair = "shared_pair", true, "The shared expert's gate and up in one launch.";
+    QNorm = "q_norm", true, "head_norm_rope inside the decode attention.";
+    Iq2Rx = "iq2_rx", true, "The IQ2_XXS expert matvec with its activations in registers (matvec_iq2_xxs_q8_rx).";
+    Q2kRx = "q2k_rx", true, "The Q2_K expert down at 2048 columns with its activations in registers (matvec_q2_k_q8_rx).";
+    Q8Early = "q8_early", true, "The Q8_0 matvec's first weight loads before the PDL wait where the selection is fixed (matvec_q8_0_q8_early).";
+    Prio = "prio", true, "Decode-graph kernels at the highest priority, background work (q_b, shared expert, hc_comb) at the lowest.";
+    AttStage = "att_stage", true, "A decode token's attention blocks copy their rows into shared memory (attention_split_staged).";
+    F16Early = "f16_early", true, "The F16 matvec's first weight loads before the PDL wait where no ids select the matrix (matvec_f16_early).";
+    Router4 = "router4", true, "The router's rank loop reads four keys per shared-memory load (router_wide).";
+    HcPreload = "hc_preload", true, "The hyper-connection kernels with every load issued before the first use (hc_pre_pl, hc_mix_pl, hc_post_pl).";
+    IdxBanks = "idx_banks", true, "The indexer scores' loads staged so the transposed stores hit 32 banks (indexer_scores_sp).";
+    TopkReg = "topk_reg", true, "The top-k select with each thread's scores in registers across the radix passes (topk_select_rg).";
+    CombinePl = "combine_pl", true, "The attention combine with all 32 chunk partials in flight at once (attention_combine_pl).";
+    NormPl = "norm_pl", true, "The fused norm + Q8_0 with its weights fetched before the PDL wait (rmsnorm_q8_pl).";
+    IdxqWarp = "idxq_warp", true, "The indexer query's RoPE, Hadamard and FP4 with one warp per head (indexer_q_warp).";
+    AttEarly = "att_early", true, "With att_stage: the first row copies issued before the query's load (attention_split_early).";
+    RouterSplit = "router_split", true, "The router's rank loop split at the warp's own experts; takes the place of router4 (router_split).";
+    Iq2Early = "iq2_early", true, "With iq2_rx: the IQ2_XXS tables built before the PDL wait (matvec_iq2_xxs_q8_rxe).";
+    IdxMma = "idx_mma", true, "A batch's indexer scores on bf16 tensor cores (indexer_scores_mma).";
+    MmPitch = "mm_pitch", true, "The prefill F16/BF16 tensor-core GEMM tiles without their store bank conflicts (mm_tc_*_p).";
+    Iq2Tab = "iq2_tab", true, "With iq2_rx: the IQ2_XXS lookups in one table addressed by a single LOP3 (matvec_iq2_xxs_q8_rxt).";
+    Iq2Pipe = "iq2_pipe", true, "With iq2_rx: the next row unit's weights loaded while the current one is computed (_rxp, _rxtp).";
+    ShexpLate = "shexp_late", true, "A decode token's shared expert forked after the router's F16 matvec, not beside it.";
+    Q8Rows = "q8_rows", true, "The early-load Q8_0 matvec with 4 rows a warp for rows of up to 1,024 columns (matvec_q8_0_q8_r4).";
+    Q8Rows2 = "q8_rows2", true, "The early-load Q8_0 matvec with 2 rows a warp for longer one-warp rows (matvec_q8_0_q8_r2).";
+    OutaEarly = "outa_early", true, "The attention's grouped output projection through the early-load Q8_0 kernels (constant ids).";
+}
+
+const _: () = assert!(Variant::ALL.len() <= 64, "DecodePlan is a u64 bitset");
+
+impl Variant {
+    /// The variant `DS4_CUDA_FUSE` calls `name`.
+    pub fn from_name(name: &str) -> Option<Variant> {
+        Variant::ALL.iter().copied().find(|v| v.name() == name)
+    }
+
+    const fn bit(self) -> u64 {
+        1 << self as u32
+    }
+}
+
+impl fmt::Display for Variant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A `DS4_CUDA_FUSE` value that names no variant.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{var}: unknown variant `{name}` (valid: {valid}; `0` for none, `+name,-name` to edit the defaults)",
+    var = DecodePlan::ENV,
+    valid = valid_names()
+)]
+pub struct PlanError {
+    /// The item that named no variant.
+    pub name: String,
+}
+
+fn valid_names() -> String {
+    Variant::ALL
+        .iter()
+        .map(|v| v.name())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Which [`Variant`]s are on. `Default` is the variants that are on by default.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DecodePlan(u64);
+
+impl Default for DecodePlan {
+    fn default() -> Self {
+        Variant::ALL
+            .iter()
+            .filter(|v| v.default_on())
+            .fold(DecodePlan::none(), |p, &v| p.with(v, true))
+    }
+}
+
+impl DecodePlan {
+    /// The environment variable [`DecodePlan::from_env`] reads.
+    pub const ENV: &'static str = "DS4_CUDA_FUSE";
+
+    /// Every variant off: the plain kernels and graph.
+    pub const fn none() -> DecodePlan {
+        DecodePlan(0)
+    }
+
+    /// Whether `v` is on.
+    pub const fn has(self, v: Variant) -> bool {
+        self.0 & v.bit() != 0
+    }
+
+    /// This plan with `v` turned on or off.
+    #[must_use]
+    pub const fn with(self, v: Variant, on: bool) -> DecodePlan {
+        if on {
+            DecodePlan(self.0 | v.bit())
+        } else {
+            DecodePlan(self.0 & !v.bit())
+        }
+    }
+
+    /// The variants on, in bit order.
+    pub fn variants(self) -> impl Iterator<Item = Variant> {
+        Variant::ALL.iter().copied().filter(move |&v| self.has(v))
+    }
+
+    /// The plan `DS4_CUDA_FUSE` asks for (unset: the defaults).
+    pub fn from_env() -> Result<DecodePlan, PlanError> {
+        DecodePlan::parse(std::env::var(DecodePlan::ENV).ok().as_deref())
+    }
+
+    /// The plan a `DS4_CUDA_FUSE` value names (`None`: unset, the defaults). `0` or an
+    /// empty value: none. A plain comma list names exactly the variants on; a list whose
+    /// first item starts with `+` or `-` edits the defaults (`+a,-b`: the defaults with
+    /// `a`, without `b`; the last mention of a name decides, an unprefixed name is on).
+    /// A name that is no variant is an error that lists the valid ones.
+    pub fn parse(setting: Option<&str>) -> Result<DecodePlan, PlanError> {
+        let Some(setting) = setting else {
+            return Ok(DecodePlan::default());
+        };
+        let items: Vec<&str> = setting
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .collect();
+        if items.is_empty() || items == ["0"] {
+            return Ok(DecodePlan::none());
+        }
+        let edit = items[0].starts_with(['+', '-']);
+        let mut plan = if edit {
+            DecodePlan::default()
+        } else {
+            DecodePlan::none()
+        };
+        for item in items {
+            let (on, name) = match item.strip_prefix('-') {
+                Some(name) if edit => (false, name),
+                _ if edit => (true, item.strip_prefix('+').unwrap_or(item)),
+                _ => (true, item),
+            };
+            let v = Variant::from_name(name).ok_or_else(|| PlanError {
+                name: item.to_string(),
+            })?;
+            plan = plan.with(v, on);
+        }
+        Ok(plan)
+    }
+}
+
+/// The `DS4_CUDA_FUSE` value of this plan: its variants' names, or `0` for none.
+impl fmt::Display for DecodePlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0 == 0 {
+            return f.write_str("0");
+        }
+        let names: Vec<&str> = self.variants().map(Variant::name).collect();
+        f.write_str(&names.join(","))
+    }
+}
+
+impl fmt::Debug for DecodePlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "DecodePlan({self})")
+    }
+}
+
+/// A [`Gpu`] with the [`DecodePlan`] its launches follow: the only way to launch the
+/// ds4 kernels. Every launcher that has variants picks its kernel from `plan`; the
+/// device-wide machinery (streams, lanes, captures) is the `Gpu`'s, reached through
+/// `Deref`. Cheap to make and `Copy`: make one per plan where the plan is known
+/// (`gpu.launcher(plan)`), and pass `&Launcher` where `&Gpu` was passed before.
+#[derive(Clone, Copy)]
+pub struct Launcher<'g> {
+    gpu: &'g Gpu,
+    plan: DecodePlan,
+}
+
+impl Gpu {
+    /// This GPU launching under `plan`.
+    pub fn launcher(&self, plan: DecodePlan) -> Launcher<'_> {
+        Launcher { gpu: self, plan }
+    }
+}
+
+impl<'g> Launcher<'g> {
+    /// The plan launches follow.
+    pub fn plan(&self) -> DecodePlan {
+        self.plan
+    }
+
+    /// The device.
+    pub fn gpu(&self) -> &'g Gpu {
+        self.gpu
+    }
+
+    /// Whether variant `v` is on.
+    pub fn on(&self, v: Variant) -> bool {
+        self.plan.has(v)
+    }
+
+    /// This launcher with `v` turned on or off.
+    #[must_use]
+    pub fn with(&self, v: Variant, on: bool) -> Launcher<'g> {
+        self.gpu.launcher(self.plan.with(v, on))
+    }
+
+    /// `f` run on this launcher with `v` turned on or off: the selftest's comparisons
+    /// of a variant with its plain twin through the same launcher.
+    pub fn with_variant<T>(&self, v: Variant, on: bool, f: impl FnOnce(&Launcher<'g>) -> T) -> T {
+        f(&self.with(v, on))
+    }
+
+    /// `variant` when `v` is on, else `plain`: the kernel of a launcher with one
+    /// replacement.
+    pub(crate) fn pick(
+        &self,
+        v: Variant,
+        plain: &'static str,
+        variant: &'static str,
+    ) -> &'static str {
+        if self.on(v) {
+            variant
+        } else {
+            plain
+        }
+    }
+}
+
+impl Deref for Launcher<'_> {
+    type Target = Gpu;
+
+    fn deref(&self) -> &Gpu {
+        self.gpu
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(p: DecodePlan) -> Vec<&'static str> {
+        p.variants().map(Variant::name).collect()
+    }
+
+    #[test]
+    fn every_variant_has_a_unique_name_and_bit() {
+        for (i, a) in Variant::ALL.iter().enumerate() {
+            assert_eq!(*a as usize, i, "{a} is out of bit order");
+            assert_eq!(Variant::from_name(a.name()), Some(*a));
+            assert!(!a.doc().is_empty() && !a.doc().contains('\n'), "{a}'s doc");
+            for b in &Variant::ALL[i + 1..] {
+                assert_ne!(a.name(), b.name());
+            }
+        }
+    }
+
+    #[test]
+    fn unset_is_the_defaults() {
+        let p = DecodePlan::parse(None).unwrap();
+        assert_eq!(p, DecodePlan::default());
+        for &v in Variant::ALL {
+            assert_eq!(p.has(v), v.default_on(), "{v}");
+        }
+    }
+
+    #[test]
+    fn zero_or_empty_is_none() {
+        for s in ["0", "", " ", " 0 ", ","] {
+            assert_eq!(
+                DecodePlan::parse(Some(s)).unwrap(),
+                DecodePlan::none(),
+                "{s:?}"
+            );
+        }
+        assert_eq!(DecodePlan::none().to_string(), "0");
+    }
+
+    #[test]
+    fn a_plain_list_is_exactly_those() {
+        let p = DecodePlan::parse(Some(" q_norm ,comb_lane")).unwrap();
+        assert_eq!(names(p), ["comb_lane", "q_norm"]);
+        assert_eq!(p.to_string(), "comb_lane,q_norm");
+        assert_eq!(DecodePlan::parse(Some(&p.to_string())).unwrap(), p);
+    }
+
+    #[test]
+    fn a_signed_list_edits_the_defaults() {
+        let d = DecodePlan::default();
+        let p = DecodePlan::parse(Some("-prio")).unwrap();
+        assert_eq!(p, d.with(Variant::Prio, false));
+        let p = DecodePlan::parse(Some("-prio, q_norm,-iq2_rx")).unwrap();
+        assert_eq!(p, d.with(Variant::Prio, false).with(Variant::Iq2Rx, false));
+        // The last mention decides.
+        assert_eq!(DecodePlan::parse(Some("-q_norm,q_norm")).unwrap(), d);
+        assert_eq!(DecodePlan::parse(Some("-q_norm,+q_norm")).unwrap(), d);
+        let off = DecodePlan::parse(Some("+q_norm,-q_norm")).unwrap();
+        assert!(!off.has(Variant::QNorm));
+        // From none, a signed list builds up from the defaults, not from nothing.
+        assert_eq!(DecodePlan::parse(Some("+prio")).unwrap(), d);
+    }
+
+    #[test]
+    fn an_unknown_name_is_an_error_that_lists_the_valid_ones() {
+        for s in [
+            "nonsense",
+            "q_norm,bogus",
+            "-prio,+bogus",
+            "q_norm,-prio",
+            "0,q_norm",
+        ] {
+            let e = DecodePlan::parse(Some(s)).unwrap_err();
+            let text = e.to_string();
+            assert!(text.contains("DS4_CUDA_FUSE"), "{text}");
+            for v in Variant::ALL {
+                assert!(text.contains(v.name()), "{text} lacks {v}");
+            }
+        }
+        let e = DecodePlan::parse(Some("nonsense")).unwrap_err();
+        assert_eq!(e.name, "nonsense");
+        assert!(e.to_string().contains("`nonsense`"));
+    }
+
+    #[test]
+    fn with_turns_one_variant_on_or_off() {
+        let p = DecodePlan::none().with(Variant::IdxMma, true);
+        assert_eq!(names(p), ["idx_mma"]);
+        assert!(p.with(Variant::IdxMma, false) == DecodePlan::none());
+    }
+}
