@@ -21,14 +21,9 @@ fn server(dir: &std::path::Path) -> TestServer {
     let tok = Arc::new(tokenizer_from_gguf(model.gguf()).expect("tokenizer"));
     let mut cfg = ServerConfig::for_tests(1024);
     cfg.kv_disk = Some(KvDiskConfig {
-        dir: dir.to_path_buf(),
         budget_bytes: 256 << 20,
-        min_tokens: 16,
-        cold_max_tokens: 30000,
-        continued_interval: 0,
-        trim: 32,
-        align: 2048,
         reject_different_quant: true,
+        ..KvDiskConfig::for_tests(dir.to_path_buf())
     });
     let engine = RealEngine::new(Session::new(&model, 1024).expect("session"));
     TestServer::start(cfg, tok, Box::new(engine))

@@ -2,13 +2,12 @@
 //! (pinned in .ci/requirements.txt). Fails when the packages are missing, unless
 //! DS4_SKIP_PYTHON_TESTS=1.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
+use common::{root, stop};
 
 fn skip() -> bool {
     if std::env::var("DS4_SKIP_PYTHON_TESTS").as_deref() == Ok("1") {
@@ -52,15 +51,6 @@ fn start(args: &[&str]) -> (Child, String) {
         }
     });
     (child, url)
-}
-
-fn stop(mut child: Child) {
-    // SIGTERM: the clean shutdown path (saves the live session).
-    let _ = Command::new("kill")
-        .arg("-TERM")
-        .arg(child.id().to_string())
-        .status();
-    let _ = child.wait();
 }
 
 fn run_sdk(url: &str, extra: &[&str]) {

@@ -358,27 +358,21 @@ pub fn prepare(shared: &Shared, body: &[u8]) -> Result<(Prepared, ResponsesExtra
     if let Some(t) = get_f32(&o, "top_p")? {
         sampling.top_p = t;
     }
+    let raw = raw_request(shared, body);
     let p = Prepared {
-        kind: ApiKind::Responses,
-        model,
         stream: get_bool(&o, "stream")?.unwrap_or(false),
-        include_usage: true,
-        prompt_text: text,
-        prompt_tokens,
-        mode,
-        structured: true,
-        tools_active: conv.tools_active(),
-        max_tokens,
         sampling: sampling.for_mode(mode),
-        stops: Vec::new(),
-        raw: shared
-            .cfg
-            .trace
-            .is_some()
-            .then(|| String::from_utf8_lossy(body).into_owned()),
-        conv: Some(std::sync::Arc::new(conv)),
         summary,
         live,
+        ..Prepared::structured(
+            ApiKind::Responses,
+            model,
+            (text, prompt_tokens),
+            mode,
+            max_tokens,
+            conv,
+            raw,
+        )
     };
     Ok((p, ResponsesExtra { names, summary }))
 }
