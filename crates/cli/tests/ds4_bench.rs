@@ -1,25 +1,15 @@
 //! End-to-end tests of `ds4-bench` on the tiny fixture model (CPU backend) and of its
 //! chart of an earlier CSV.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::process::Command;
+
+use common::{model, text, tmp_dir};
 
 const DS4_BENCH: &str = env!("CARGO_BIN_EXE_ds4-bench");
 const HEADER: &str = "ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes";
-
-fn model() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny/tiny-q2.gguf")
-}
-
-fn tmp_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ds4-bench-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
 
 /// `ds4-bench --plot-from CSV --plot SVG`.
 fn plot(csv: &Path, svg: &Path) -> std::process::Output {
