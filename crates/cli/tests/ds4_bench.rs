@@ -6,7 +6,7 @@ mod common;
 use std::path::Path;
 use std::process::Command;
 
-use common::{model, text, tmp_dir};
+use common::{model, text, tmp_dir, write_file};
 
 const DS4_BENCH: &str = env!("CARGO_BIN_EXE_ds4-bench");
 const HEADER: &str = "ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes";
@@ -25,12 +25,8 @@ fn plot(csv: &Path, svg: &Path) -> std::process::Output {
 #[test]
 fn walks_frontiers_and_writes_one_row_each() {
     let d = tmp_dir("walk");
-    let prompt = d.join("prompt.txt");
-    std::fs::write(
-        &prompt,
-        "the quick brown fox jumps over the lazy dog ".repeat(20),
-    )
-    .unwrap();
+    let words = "the quick brown fox jumps over the lazy dog ".repeat(20);
+    let prompt = write_file(&d, "prompt.txt", words);
     let csv = d.join("out.csv");
     let o = Command::new(DS4_BENCH)
         .arg("-m")
@@ -72,12 +68,8 @@ fn walks_frontiers_and_writes_one_row_each() {
 #[test]
 fn draws_a_chart_of_an_earlier_csv() {
     let d = tmp_dir("plot");
-    let csv = d.join("in.csv");
-    std::fs::write(
-        &csv,
-        format!("{HEADER}\n2048,2048,4329.64,64,127.70,52184460\n4096,2048,3924.10,64,126.21,80373132\n"),
-    )
-    .unwrap();
+    let rows = "2048,2048,4329.64,64,127.70,52184460\n4096,2048,3924.10,64,126.21,80373132\n";
+    let csv = write_file(&d, "in.csv", format!("{HEADER}\n{rows}"));
     let svg = d.join("chart.svg");
     let o = plot(&csv, &svg);
     assert!(o.status.success(), "{}", text(&o.stderr));

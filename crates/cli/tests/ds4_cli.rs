@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use common::{fixtures, model, read_f32, read_json, text, tmp_dir};
+use common::{fixtures, model, read_f32, read_json, text, tmp_dir, write_file};
 
 const DS4: &str = env!("CARGO_BIN_EXE_ds4");
 const DS4_TOOL: &str = env!("CARGO_BIN_EXE_ds4-tool");
@@ -153,12 +153,8 @@ fn dump_logprobs_writes_reference_json() {
 #[test]
 fn perplexity_file_prints_the_reference_line() {
     let dir = tmp_dir("ppl");
-    let f = dir.join("text.txt");
-    std::fs::write(
-        &f,
-        "The quick brown fox jumps over the lazy dog. ".repeat(20),
-    )
-    .unwrap();
+    let words = "The quick brown fox jumps over the lazy dog. ".repeat(20);
+    let f = write_file(&dir, "text.txt", words);
     let o = ds4(&["--perplexity-file", f.to_str().unwrap(), "-n", "40"]);
     assert!(o.status.success(), "{}", text(&o.stderr));
     let out = text(&o.stdout);

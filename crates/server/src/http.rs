@@ -157,32 +157,38 @@ async fn generate<I>(
     Ok(json_response(200, &body(&ids, &r), newline))
 }
 
-async fn chat(State(app): State<App>, req: Request) -> Response {
+/// `/v1/chat/completions` and `/v1/completions`: ids `{prefix}-N`, the stream head
+/// wrapped by `stream`, the whole answer rendered by `body`.
+async fn openai_endpoint(
+    app: App,
+    req: Request,
+    endpoint: &'static str,
+    prepare: fn(&Shared, &[u8]) -> Result<Prepared, ApiError>,
+    prefix: &'static str,
+    stream: fn(openai::StreamHead) -> Box<dyn sse::SseFormatter>,
+    body: fn(&str, &str, &GenResult) -> Value,
+) -> Response {
     let flavor = ApiFlavor::OpenAi;
-    run(app, req, flavor, "chat", |app, body| async move {
-        let p: Prepared = blocking(&app, body, openai::prepare_chat).await?;
-        let id = format!("chatcmpl-{}", app.next_id());
-        let stream = |id| -> Box<dyn sse::SseFormatter> {
-            Box::new(openai::ChatStream(openai::StreamHead::new(id, &p)))
-        };
-        let body = |id: &String, r: &GenResult| openai::chat_body(id, &p.model, r);
+    run(app, req, flavor, endpoint, |app, b| async move {
+        let p = blocking(&app, b, prepare).await?;
+        let id = format!("{prefix}-{}", app.next_id());
+        let stream = |id| stream(openai::StreamHead::new(id, &p));
+        let body = |id: &String, r: &GenResult| body(id, &p.model, r);
         generate(&app, &p, flavor, id, stream, body, true).await
     })
     .await
 }
 
+async fn chat(State(app): State<App>, req: Request) -> Response {
+    let stream = |h| -> Box<dyn sse::SseFormatter> { Box::new(openai::ChatStream(h)) };
+    let (prepare, body) = (openai::prepare_chat, openai::chat_body);
+    openai_endpoint(app, req, "chat", prepare, "chatcmpl", stream, body).await
+}
+
 async fn completions(State(app): State<App>, req: Request) -> Response {
-    let flavor = ApiFlavor::OpenAi;
-    run(app, req, flavor, "completions", |app, body| async move {
-        let p = blocking(&app, body, openai::prepare_completion).await?;
-        let id = format!("cmpl-{}", app.next_id());
-        let stream = |id| -> Box<dyn sse::SseFormatter> {
-            Box::new(openai::CompletionStream(openai::StreamHead::new(id, &p)))
-        };
-        let body = |id: &String, r: &GenResult| openai::completion_body(id, &p.model, r);
-        generate(&app, &p, flavor, id, stream, body, true).await
-    })
-    .await
+    let stream = |h| -> Box<dyn sse::SseFormatter> { Box::new(openai::CompletionStream(h)) };
+    let (prepare, body) = (openai::prepare_completion, openai::completion_body);
+    openai_endpoint(app, req, "completions", prepare, "cmpl", stream, body).await
 }
 
 async fn responses_handler(State(app): State<App>, req: Request) -> Response {

@@ -23,6 +23,13 @@ pub fn tmp_dir(name: &str) -> PathBuf {
     d
 }
 
+/// Writes `contents` to `dir/name`; returns the path.
+pub fn write_file(dir: &Path, name: &str, contents: impl AsRef<[u8]>) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, contents).unwrap();
+    p
+}
+
 pub fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }

@@ -237,21 +237,14 @@ pub fn prepare(shared: &Shared, body: &[u8]) -> Result<Prepared, ApiError> {
     let max_tokens = get_usize(&o, "max_tokens")?
         .unwrap_or(shared.cfg.max_tokens)
         .min(shared.cfg.max_tokens);
-    let raw = raw_request(shared, body);
     Ok(Prepared {
         stream: get_bool(&o, "stream")?.unwrap_or(false),
         sampling: get_sampling(&o, false)?.for_mode(mode),
         stops: get_stops(&o, "stop_sequences")?,
         live,
-        ..Prepared::structured(
-            ApiKind::Anthropic,
-            model,
-            (text, prompt_tokens),
-            mode,
-            max_tokens,
-            conv,
-            raw,
-        )
+        max_tokens,
+        raw: raw_request(shared, body),
+        ..Prepared::structured(ApiKind::Anthropic, model, mode, conv, text, prompt_tokens)
     })
 }
 

@@ -199,15 +199,14 @@ pub struct Prepared {
 impl Prepared {
     /// A structured (chat-style) request over the parsed conversation `conv`, rendered
     /// to `prompt_text` / `prompt_tokens`: usage reported, no stop strings, default
-    /// sampling, no live continuation. Callers override what their API reads.
+    /// sampling, no live continuation, no trace. Callers override what their API reads.
     pub fn structured(
         kind: ApiKind,
         model: String,
-        (prompt_text, prompt_tokens): (String, Vec<u32>),
         mode: ThinkMode,
-        max_tokens: usize,
         conv: crate::render::Conversation,
-        raw: Option<String>,
+        prompt_text: String,
+        prompt_tokens: Vec<u32>,
     ) -> Prepared {
         Prepared {
             kind,
@@ -219,10 +218,10 @@ impl Prepared {
             mode,
             structured: true,
             tools_active: conv.tools_active(),
-            max_tokens,
+            max_tokens: 0,
             sampling: Sampling::default(),
             stops: Vec::new(),
-            raw,
+            raw: None,
             conv: Some(std::sync::Arc::new(conv)),
             summary: false,
             live: Default::default(),

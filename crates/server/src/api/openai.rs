@@ -139,21 +139,14 @@ pub fn prepare_chat(shared: &Shared, body: &[u8]) -> Result<Prepared, ApiError> 
         render::render_chat(&conv, mode, mem.as_deref())?
     };
     let prompt_tokens = tokenize_checked(shared, &text, "messages")?;
-    let raw = raw_request(shared, body);
     Ok(Prepared {
         stream,
         include_usage,
         sampling,
         stops,
-        ..Prepared::structured(
-            ApiKind::Chat,
-            model,
-            (text, prompt_tokens),
-            mode,
-            max_tokens,
-            conv,
-            raw,
-        )
+        max_tokens,
+        raw: raw_request(shared, body),
+        ..Prepared::structured(ApiKind::Chat, model, mode, conv, text, prompt_tokens)
     })
 }
 

@@ -358,21 +358,14 @@ pub fn prepare(shared: &Shared, body: &[u8]) -> Result<(Prepared, ResponsesExtra
     if let Some(t) = get_f32(&o, "top_p")? {
         sampling.top_p = t;
     }
-    let raw = raw_request(shared, body);
     let p = Prepared {
         stream: get_bool(&o, "stream")?.unwrap_or(false),
         sampling: sampling.for_mode(mode),
         summary,
         live,
-        ..Prepared::structured(
-            ApiKind::Responses,
-            model,
-            (text, prompt_tokens),
-            mode,
-            max_tokens,
-            conv,
-            raw,
-        )
+        max_tokens,
+        raw: raw_request(shared, body),
+        ..Prepared::structured(ApiKind::Responses, model, mode, conv, text, prompt_tokens)
     };
     Ok((p, ResponsesExtra { names, summary }))
 }
