@@ -7,7 +7,7 @@ mod common;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 
-use common::{root, stop};
+use common::{root, stop, temp_dir};
 
 fn skip() -> bool {
     if std::env::var("DS4_SKIP_PYTHON_TESTS").as_deref() == Ok("1") {
@@ -73,8 +73,7 @@ fn python_sdks_against_the_fake_engine() {
     if skip() {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("ds4-sdk-kv-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = temp_dir("sdk-kv");
     let tj = root().join("fixtures/tiny/tokenizer.json");
     let d = dir.to_str().unwrap();
     let (child, url) = start(&[
