@@ -15,7 +15,11 @@ use libfuzzer_sys::fuzz_target;
 mod streamed;
 use streamed::Streamed;
 
-fn run(text: &str, opts: StreamOptions, cuts: &[usize]) -> (Vec<StreamEvent>, ds4_tokenizer::dsml_stream::StreamOutcome) {
+fn run(
+    text: &str,
+    opts: StreamOptions,
+    cuts: &[usize],
+) -> (Vec<StreamEvent>, ds4_tokenizer::dsml_stream::StreamOutcome) {
     let mut p = StreamParser::new(opts);
     let mut ev = Vec::new();
     let mut start = 0;
@@ -67,7 +71,10 @@ fuzz_target!(|data: &[u8]| {
         args,
     } = Streamed::of(&events);
     assert_eq!(content, pieces.content);
-    assert_eq!(Some(reasoning), pieces.reasoning.clone().or(Some(String::new())));
+    assert_eq!(
+        Some(reasoning),
+        pieces.reasoning.clone().or(Some(String::new()))
+    );
     if !pieces.malformed {
         let complete: Vec<&String> = args.iter().take(pieces.tool_calls.len()).collect();
         for (call, streamed) in pieces.tool_calls.iter().zip(complete) {
