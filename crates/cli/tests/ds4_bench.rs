@@ -1,25 +1,15 @@
 //! End-to-end tests of `ds4-bench` on the tiny fixture model (CPU backend) and of its
 //! chart of an earlier CSV.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::process::Command;
+
+use common::{model, text, tmp_dir, write_file};
 
 const DS4_BENCH: &str = env!("CARGO_BIN_EXE_ds4-bench");
 const HEADER: &str = "ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes";
-
-fn model() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny/tiny-q2.gguf")
-}
-
-fn tmp_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ds4-bench-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
 
 /// `ds4-bench --plot-from CSV --plot SVG`.
 fn plot(csv: &Path, svg: &Path) -> std::process::Output {
@@ -35,12 +25,8 @@ fn plot(csv: &Path, svg: &Path) -> std::process::Output {
 #[test]
 fn walks_frontiers_and_writes_one_row_each() {
     let d = tmp_dir("walk");
-    let prompt = d.join("prompt.txt");
-    std::fs::write(
-        &prompt,
-        "the quick brown fox jumps over the lazy dog ".repeat(20),
-    )
-    .unwrap();
+    let words = "the quick brown fox jumps over the lazy dog ".repeat(20);
+    let prompt = write_file(&d, "prompt.txt", words);
     let csv = d.join("out.csv");
     let o = Command::new(DS4_BENCH)
         .arg("-m")
@@ -82,12 +68,8 @@ fn walks_frontiers_and_writes_one_row_each() {
 #[test]
 fn draws_a_chart_of_an_earlier_csv() {
     let d = tmp_dir("plot");
-    let csv = d.join("in.csv");
-    std::fs::write(
-        &csv,
-        format!("{HEADER}\n2048,2048,4329.64,64,127.70,52184460\n4096,2048,3924.10,64,126.21,80373132\n"),
-    )
-    .unwrap();
+    let rows = "2048,2048,4329.64,64,127.70,52184460\n4096,2048,3924.10,64,126.21,80373132\n";
+    let csv = write_file(&d, "in.csv", format!("{HEADER}\n{rows}"));
     let svg = d.join("chart.svg");
     let o = plot(&csv, &svg);
     assert!(o.status.success(), "{}", text(&o.stderr));

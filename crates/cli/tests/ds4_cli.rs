@@ -1,26 +1,16 @@
 //! End-to-end tests of the `ds4` CLI and `ds4-tool logits` on the tiny fixture model
 //! (random weights: the text is gibberish, but greedy decoding is deterministic).
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::process::{Command, Output};
 use std::time::Duration;
 
+use common::{fixtures, model, read_f32, read_json, text, tmp_dir, write_file};
+
 const DS4: &str = env!("CARGO_BIN_EXE_ds4");
 const DS4_TOOL: &str = env!("CARGO_BIN_EXE_ds4-tool");
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny")
-}
-
-fn model() -> PathBuf {
-    fixtures().join("tiny-q2.gguf")
-}
-
-fn tmp_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ds4-cli-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 /// `ds4 -m tiny-q2.gguf -t 1 ARGS…` with stdin closed.
 fn ds4(args: &[&str]) -> Output {
@@ -32,10 +22,6 @@ fn ds4(args: &[&str]) -> Output {
         .stdin(std::process::Stdio::null())
         .output()
         .expect("run ds4")
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
 }
 
 #[test]
@@ -117,7 +103,7 @@ fn dump_logprobs_writes_reference_json() {
         f.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", text(&o.stderr));
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&f).unwrap()).unwrap();
+    let v = read_json(&f);
     assert_eq!(v["source"], "ds4");
     assert_eq!(v["ctx"], 4096);
     assert_eq!(v["top_k"], 7);
@@ -159,7 +145,7 @@ fn dump_logprobs_writes_reference_json() {
         f.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", text(&o.stderr));
-    let w: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&f).unwrap()).unwrap();
+    let w = read_json(&f);
     assert!(w["prompt_tokens"].as_u64() < v["prompt_tokens"].as_u64());
     std::fs::remove_dir_all(dir).ok();
 }
@@ -167,12 +153,8 @@ fn dump_logprobs_writes_reference_json() {
 #[test]
 fn perplexity_file_prints_the_reference_line() {
     let dir = tmp_dir("ppl");
-    let f = dir.join("text.txt");
-    std::fs::write(
-        &f,
-        "The quick brown fox jumps over the lazy dog. ".repeat(20),
-    )
-    .unwrap();
+    let words = "The quick brown fox jumps over the lazy dog. ".repeat(20);
+    let f = write_file(&dir, "text.txt", words);
     let o = ds4(&["--perplexity-file", f.to_str().unwrap(), "-n", "40"]);
     assert!(o.status.success(), "{}", text(&o.stderr));
     let out = text(&o.stdout);
@@ -269,9 +251,7 @@ fn inspect_prints_a_summary() {
 
 #[test]
 fn logits_tool_matches_the_fixture() {
-    let manifest: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures().join("manifest.json")).unwrap())
-            .unwrap();
+    let manifest = read_json(&fixtures().join("manifest.json"));
     let ids = &manifest["sequences"]["a"]["tokens"];
     let dir = tmp_dir("logits");
     let ids_path = dir.join("a.json");
@@ -288,15 +268,8 @@ fn logits_tool_matches_the_fixture() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", text(&o.stderr));
-    let read = |p: &Path| -> Vec<f32> {
-        std::fs::read(p)
-            .unwrap()
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect()
-    };
-    let got = read(&out);
-    let want = read(&fixtures().join("expected/q2/a.logits.f32"));
+    let got = read_f32(&out);
+    let want = read_f32(&fixtures().join("expected/q2/a.logits.f32"));
     assert_eq!(got.len(), ids.as_array().unwrap().len() * 512);
     assert_eq!(got.len(), want.len());
     let max = got

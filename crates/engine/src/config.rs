@@ -462,7 +462,8 @@ impl Meta<'_> {
             .ok_or_else(|| self.invalid(key, "must be bool"))
     }
 
-    fn int_array(&self, key: &str, n: usize) -> Result<Vec<usize>, ConfigError> {
+    /// The first `n` entries (one per layer) of the array `key`.
+    fn layer_array(&self, key: &str, n: usize) -> Result<&[Value], ConfigError> {
         let (_, items) = self
             .get(key)?
             .as_array()
@@ -473,7 +474,11 @@ impl Meta<'_> {
                 &format!("has {} entries, the model has {n} layers", items.len()),
             ));
         }
-        items[..n]
+        Ok(&items[..n])
+    }
+
+    fn int_array(&self, key: &str, n: usize) -> Result<Vec<usize>, ConfigError> {
+        self.layer_array(key, n)?
             .iter()
             .map(|v| match v {
                 Value::I32(x) if *x >= 0 => Ok(*x as usize),
@@ -484,17 +489,7 @@ impl Meta<'_> {
     }
 
     fn float_array(&self, key: &str, n: usize) -> Result<Vec<f32>, ConfigError> {
-        let (_, items) = self
-            .get(key)?
-            .as_array()
-            .ok_or_else(|| self.invalid(key, "must be an array"))?;
-        if items.len() < n {
-            return Err(self.invalid(
-                key,
-                &format!("has {} entries, the model has {n} layers", items.len()),
-            ));
-        }
-        items[..n]
+        self.layer_array(key, n)?
             .iter()
             .map(|v| match v {
                 Value::F32(x) => Ok(*x),

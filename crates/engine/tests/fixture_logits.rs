@@ -51,12 +51,7 @@ fn check_variant(variant: &str, numerics: Numerics) {
 
         // Greedy continuation: row 0 is the last prefill row, row i follows i tokens.
         let g = &e["greedy"];
-        let want_tokens: Vec<u32> = g["tokens"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as u32)
-            .collect();
+        let want_tokens = ids(&g["tokens"]);
         let gmargins = floats(&g["top1_top2_margin"]);
         let want_logits = read_f32(g["logits"].as_str().unwrap());
         let mut got_tokens = Vec::new();
@@ -112,32 +107,21 @@ fn check_variant(variant: &str, numerics: Numerics) {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
-#[test]
-fn exact_plain() {
-    check_variant("plain", Numerics::Exact);
+/// One test per variant and numeric mode.
+macro_rules! variant_tests {
+    ($($name:ident: $variant:literal, $numerics:ident;)*) => {$(
+        #[test]
+        fn $name() {
+            check_variant($variant, Numerics::$numerics);
+        }
+    )*};
 }
 
-#[test]
-fn exact_q2() {
-    check_variant("q2", Numerics::Exact);
-}
-
-#[test]
-fn exact_q4() {
-    check_variant("q4", Numerics::Exact);
-}
-
-#[test]
-fn fast_plain() {
-    check_variant("plain", Numerics::Fast);
-}
-
-#[test]
-fn fast_q2() {
-    check_variant("q2", Numerics::Fast);
-}
-
-#[test]
-fn fast_q4() {
-    check_variant("q4", Numerics::Fast);
+variant_tests! {
+    exact_plain: "plain", Exact;
+    exact_q2: "q2", Exact;
+    exact_q4: "q4", Exact;
+    fast_plain: "plain", Fast;
+    fast_q2: "q2", Fast;
+    fast_q4: "q4", Fast;
 }

@@ -8,12 +8,7 @@ use ds4_engine::dev::SessionExt;
 use ds4_engine::{generate, Numerics, Sampler, SamplerConfig, Session, StopReason};
 
 fn greedy_tokens(seq: &str) -> Vec<u32> {
-    expected("q2", seq)["greedy"]["tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_u64().unwrap() as u32)
-        .collect()
+    ids(&expected("q2", seq)["greedy"]["tokens"])
 }
 
 #[test]

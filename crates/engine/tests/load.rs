@@ -68,6 +68,14 @@ fn rewrite(
     Model::from_gguf(Arc::new(file), LoadOptions::default())
 }
 
+/// [`rewrite`] with only tensor `name` changed, to the (dims, type) `f` gives.
+fn rewrite_one(
+    name: &str,
+    f: impl Fn(&[u64], GgmlType) -> (Vec<u64>, GgmlType),
+) -> Result<Model, EngineError> {
+    rewrite(|n, d, t| Some(if n == name { f(d, t) } else { (d.to_vec(), t) }))
+}
+
 #[test]
 fn unchanged_rewrite_loads() {
     rewrite(|_, d, t| Some((d.to_vec(), t))).unwrap();
@@ -91,14 +99,8 @@ fn missing_optional_bias_is_fine() {
 
 #[test]
 fn wrong_type_is_named_with_the_accepted_types() {
-    let err = rewrite(|n, d, t| {
-        Some(if n == "blk.0.attn_q_a.weight" {
-            (d.to_vec(), GgmlType::Q2_K)
-        } else {
-            (d.to_vec(), t)
-        })
-    })
-    .unwrap_err();
+    let err =
+        rewrite_one("blk.0.attn_q_a.weight", |d, _| (d.to_vec(), GgmlType::Q2_K)).unwrap_err();
     let msg = err.to_string();
     assert!(matches!(err, EngineError::TensorType { .. }), "{msg}");
     assert!(
@@ -109,14 +111,7 @@ fn wrong_type_is_named_with_the_accepted_types() {
 
 #[test]
 fn wrong_dims_are_named() {
-    let err = rewrite(|n, d, t| {
-        Some(if n == "blk.1.attn_sinks.weight" {
-            (vec![5], t)
-        } else {
-            (d.to_vec(), t)
-        })
-    })
-    .unwrap_err();
+    let err = rewrite_one("blk.1.attn_sinks.weight", |_, t| (vec![5], t)).unwrap_err();
     let msg = err.to_string();
     assert!(matches!(err, EngineError::TensorDims { .. }), "{msg}");
     assert!(msg.contains("blk.1.attn_sinks.weight"), "{msg}");
@@ -124,12 +119,8 @@ fn wrong_dims_are_named() {
 
 #[test]
 fn mixed_expert_types_are_rejected() {
-    let err = rewrite(|n, d, t| {
-        Some(if n == "blk.3.ffn_up_exps.weight" {
-            (d.to_vec(), GgmlType::Q4_K)
-        } else {
-            (d.to_vec(), t)
-        })
+    let err = rewrite_one("blk.3.ffn_up_exps.weight", |d, _| {
+        (d.to_vec(), GgmlType::Q4_K)
     })
     .unwrap_err();
     assert!(

@@ -2,10 +2,13 @@
 //! random blocks and lengths, the `_multi` forms equal the single-row dots, and the
 //! dots agree with dequantize-then-f64-dot within a small relative tolerance.
 
+mod common;
+
+use common::random_blocks;
 use ds4_gguf::quant::{self, BlockQ8K, BlockQ8_0, DotKernels, SimdLevel};
 use ds4_gguf::GgmlType;
 use rand::rngs::StdRng;
-use rand::{Rng, RngCore, SeedableRng};
+use rand::{Rng, SeedableRng};
 
 /// Finite f16 bits with a bias towards the awkward ones (zero, subnormal, tiny).
 fn f16_bits(rng: &mut StdRng) -> u16 {
@@ -19,21 +22,18 @@ fn f16_bits(rng: &mut StdRng) -> u16 {
 }
 
 fn weight_row(rng: &mut StdRng, ty: GgmlType, nb: usize) -> Vec<u8> {
-    let bb = ty.block_bytes();
-    let mut w = vec![0u8; nb * bb];
-    rng.fill_bytes(&mut w);
-    let scale_at: &[usize] = match ty {
-        GgmlType::Q8_0 | GgmlType::IQ2_XXS => &[0],
-        GgmlType::Q2_K => &[80, 82],
-        GgmlType::Q4_K => &[0, 2],
-        _ => &[],
-    };
-    for b in w.chunks_exact_mut(bb) {
-        for &at in scale_at {
-            b[at..at + 2].copy_from_slice(&f16_bits(rng).to_le_bytes());
-        }
-    }
-    w
+    random_blocks(rng, ty, nb, f16_bits)
+}
+
+/// One weight row of each quantised type: Q8_0 of `nb_0` blocks, then Q2_K, Q4_K and
+/// IQ2_XXS of `nb_k`.
+fn weight_rows(rng: &mut StdRng, nb_0: usize, nb_k: usize) -> (Vec<u8>, Vec<u8>, Vec<u8>, Vec<u8>) {
+    (
+        weight_row(rng, GgmlType::Q8_0, nb_0),
+        weight_row(rng, GgmlType::Q2_K, nb_k),
+        weight_row(rng, GgmlType::Q4_K, nb_k),
+        weight_row(rng, GgmlType::IQ2_XXS, nb_k),
+    )
 }
 
 fn q8k_row(rng: &mut StdRng, nb: usize, consistent: bool) -> Vec<BlockQ8K> {
@@ -102,10 +102,7 @@ fn quantised_dots_equal_scalar() {
         let consistent = iter % 2 == 0;
         let x8 = q8_0_row(&mut rng, nb_0);
         let xk = q8k_row(&mut rng, nb_k, consistent);
-        let w8 = weight_row(&mut rng, GgmlType::Q8_0, nb_0);
-        let w2 = weight_row(&mut rng, GgmlType::Q2_K, nb_k);
-        let w4 = weight_row(&mut rng, GgmlType::Q4_K, nb_k);
-        let wi = weight_row(&mut rng, GgmlType::IQ2_XXS, nb_k);
+        let (w8, w2, w4, wi) = weight_rows(&mut rng, nb_0, nb_k);
         let r8 = quant::dot_q8_0_q8_0_scalar(&w8, &x8);
         let r2 = quant::dot_q2_k_q8_k_scalar(&w2, &xk);
         let r4 = quant::dot_q4_k_q8_k_scalar(&w4, &xk);
@@ -133,10 +130,7 @@ fn multi_row_dots_equal_single_row() {
         let xk: Vec<_> = (0..rows).map(|_| q8k_row(&mut rng, nb_k, true)).collect();
         let x8r: Vec<&[BlockQ8_0]> = x8.iter().map(|v| v.as_slice()).collect();
         let xkr: Vec<&[BlockQ8K]> = xk.iter().map(|v| v.as_slice()).collect();
-        let w8 = weight_row(&mut rng, GgmlType::Q8_0, nb_0);
-        let w2 = weight_row(&mut rng, GgmlType::Q2_K, nb_k);
-        let w4 = weight_row(&mut rng, GgmlType::Q4_K, nb_k);
-        let wi = weight_row(&mut rng, GgmlType::IQ2_XXS, nb_k);
+        let (w8, w2, w4, wi) = weight_rows(&mut rng, nb_0, nb_k);
         for k in &levels {
             let mut out = vec![f32::NAN; rows];
             (k.q8_0_multi)(&w8, &x8r, &mut out);
@@ -149,30 +143,23 @@ fn multi_row_dots_equal_single_row() {
                     quant::dot_q8_0_q8_0_scalar(&w8, &x8[r]),
                 );
             }
-            (k.q2_k_multi)(&w2, &xkr, &mut out);
-            for (r, o) in out.iter().enumerate() {
-                same(
-                    k.level,
-                    "q2_k multi",
-                    nb_k,
-                    *o,
-                    quant::dot_q2_k_q8_k_scalar(&w2, &xk[r]),
-                );
-            }
-            (k.q4_k_multi)(&w4, &xkr, &mut out);
-            for (r, o) in out.iter().enumerate() {
-                same(
-                    k.level,
-                    "q4_k multi",
-                    nb_k,
-                    *o,
-                    quant::dot_q4_k_q8_k_scalar(&w4, &xk[r]),
-                );
-            }
-            (k.iq2_xxs_multi)(&wi, &xkr, &mut out);
-            for (r, o) in out.iter().enumerate() {
-                let want = quant::dot_iq2_xxs_q8_k_scalar(&wi, &xk[r]);
-                same(k.level, "iq2_xxs multi", nb_k, *o, want);
+            type KMulti = fn(&[u8], &[&[BlockQ8K]], &mut [f32]);
+            type KDot = fn(&[u8], &[BlockQ8K]) -> f32;
+            let k_quants: [(&str, KMulti, &[u8], KDot); 3] = [
+                ("q2_k multi", k.q2_k_multi, &w2, quant::dot_q2_k_q8_k_scalar),
+                ("q4_k multi", k.q4_k_multi, &w4, quant::dot_q4_k_q8_k_scalar),
+                (
+                    "iq2_xxs multi",
+                    k.iq2_xxs_multi,
+                    &wi,
+                    quant::dot_iq2_xxs_q8_k_scalar,
+                ),
+            ];
+            for (what, multi, w, scalar) in k_quants {
+                multi(w, &xkr, &mut out);
+                for (r, o) in out.iter().enumerate() {
+                    same(k.level, what, nb_k, *o, scalar(w, &xk[r]));
+                }
             }
         }
         let mut out = vec![0.0; rows];

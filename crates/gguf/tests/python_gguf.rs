@@ -12,9 +12,12 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+mod common;
+
+use common::random_blocks;
 use ds4_gguf::{quant, GgmlType};
 use rand::rngs::StdRng;
-use rand::{Rng, RngCore, SeedableRng};
+use rand::{Rng, SeedableRng};
 
 const BLOCKS: usize = 10_000;
 
@@ -39,25 +42,6 @@ fn f16_scale(rng: &mut StdRng) -> u16 {
         3 => sign | rng.random_range(0x400..0x7c00),
         _ => sign | rng.random_range(0x1400..0x3c00),
     }
-}
-
-/// Random blocks of `ty`; f16 scales at `scale_at` are kept finite.
-fn blocks(rng: &mut StdRng, ty: GgmlType, n_blocks: usize) -> Vec<u8> {
-    let bb = ty.block_bytes();
-    let mut v = vec![0u8; n_blocks * bb];
-    rng.fill_bytes(&mut v);
-    let scale_at: &[usize] = match ty {
-        GgmlType::Q8_0 | GgmlType::IQ2_XXS => &[0],
-        GgmlType::Q4_K => &[0, 2],
-        GgmlType::Q2_K => &[80, 82],
-        _ => &[],
-    };
-    for b in v.chunks_exact_mut(bb) {
-        for &at in scale_at {
-            b[at..at + 2].copy_from_slice(&f16_scale(rng).to_le_bytes());
-        }
-    }
-    v
 }
 
 fn python_skipped() -> bool {
@@ -105,7 +89,7 @@ fn dequantize_matches_python_gguf_bit_for_bit() {
     let dir = tmp_dir();
     let mut data = Vec::new();
     for (ty, n) in types {
-        let b = blocks(&mut rng, ty, n);
+        let b = random_blocks(&mut rng, ty, n, f16_scale);
         std::fs::write(dir.join(format!("{}.bin", ty.name())), &b).unwrap();
         data.push((ty, n, b));
     }

@@ -116,6 +116,24 @@ fn call_ids(m: &Message) -> Vec<String> {
         .collect()
 }
 
+/// Whether the tool result for call `id` needs the live binding: false when it answers
+/// a call earlier in the request (`seen`), true when it answers a live call, otherwise
+/// a 400 with the API's `unknown` message.
+fn answers_live_call(
+    id: &str,
+    seen: &HashSet<String>,
+    live_ids: Option<&[String]>,
+    unknown: impl FnOnce() -> String,
+) -> Result<bool, ApiError> {
+    if seen.contains(id) {
+        Ok(false)
+    } else if live_ids.is_some_and(|l| l.iter().any(|x| x == id)) {
+        Ok(true)
+    } else {
+        Err(ApiError::bad_request(unknown()))
+    }
+}
+
 /// Responses (§2.5, §4.2): every tool output must answer a call earlier in the input or
 /// a call of the live binding (`live_ids`); otherwise 400. The live-call-id set is the
 /// calls of the assistant message right before the trailing outputs, or the outputs'
@@ -136,16 +154,9 @@ pub fn responses_live(
         let Some(id) = m.tool_call_id.as_deref() else {
             continue;
         };
-        if seen.contains(id) {
-            continue;
-        }
-        if live_ids.is_some_and(|l| l.iter().any(|x| x == id)) {
-            live.requires_live = true;
-        } else {
-            return Err(ApiError::bad_request(format!(
-                "Responses continuation state is not available for call_id {id}; retry by replaying the full input history"
-            )));
-        }
+        live.requires_live |= answers_live_call(id, &seen, live_ids, || {
+            format!("Responses continuation state is not available for call_id {id}; retry by replaying the full input history")
+        })?;
     }
     let msgs = &conv.messages;
     let start = msgs
@@ -197,16 +208,9 @@ pub fn anthropic_live(
             seen.extend(call_ids(m));
         }
         for id in &t.results {
-            if seen.contains(id) {
-                continue;
-            }
-            if live_ids.is_some_and(|l| l.contains(id)) {
-                live.requires_live = true;
-            } else {
-                return Err(ApiError::bad_request(format!(
-                    "Anthropic continuation state is not available for tool_use_id {id}; retry by replaying the full messages history"
-                )));
-            }
+            live.requires_live |= answers_live_call(id, &seen, live_ids, || {
+                format!("Anthropic continuation state is not available for tool_use_id {id}; retry by replaying the full messages history")
+            })?;
         }
     }
     let run = turns

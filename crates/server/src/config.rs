@@ -137,6 +137,21 @@ pub struct KvDiskConfig {
 }
 
 impl KvDiskConfig {
+    /// A cache in `dir` for tests: 64 MiB, rows from 16 tokens, no continued saves,
+    /// the reference's trim and alignment.
+    pub fn for_tests(dir: PathBuf) -> KvDiskConfig {
+        KvDiskConfig {
+            dir,
+            budget_bytes: 64 << 20,
+            min_tokens: 16,
+            cold_max_tokens: 30000,
+            continued_interval: 0,
+            trim: 32,
+            align: 2048,
+            reject_different_quant: false,
+        }
+    }
+
     /// Continued-save spacing: the interval rounded up to the alignment (10000 → 10240).
     pub fn continued_step(&self) -> usize {
         if self.continued_interval == 0 {

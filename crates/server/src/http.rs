@@ -15,6 +15,7 @@ use serde_json::{json, Value};
 
 use crate::api::{self, anthropic, openai, responses, Prepared};
 use crate::error::{ApiError, ApiFlavor};
+use crate::job::GenResult;
 use crate::sse;
 use crate::worker::Shared;
 
@@ -136,125 +137,87 @@ where
     }
 }
 
-async fn chat(State(app): State<App>, req: Request) -> Response {
-    run(
-        app,
-        req,
-        ApiFlavor::OpenAi,
-        "chat",
-        |app, body| async move {
-            let p: Prepared = blocking(&app, body, openai::prepare_chat).await?;
-            let id = format!("chatcmpl-{}", app.next_id());
-            let rx = api::submit(&app, &p)?;
-            if p.stream {
-                let fmt = openai::ChatStream {
-                    id,
-                    model: p.model.clone(),
-                    include_usage: p.include_usage,
-                    created: api::unix_now(),
-                };
-                return Ok(
-                    sse::respond(rx, Box::new(fmt), app.cfg.keepalive, ApiFlavor::OpenAi).await,
-                );
-            }
-            let r = api::collect(rx).await?;
-            Ok(json_response(
-                200,
-                &openai::chat_body(&id, &p.model, &r),
-                true,
-            ))
-        },
-    )
+/// The rest of a generation endpoint once its request is parsed: queue the job, then
+/// stream it with the formatter `stream` makes, or wait for the whole answer and render
+/// it with `body` (`newline` as in [`json_response`]). `ids` go to whichever runs.
+async fn generate<I>(
+    app: &App,
+    p: &Prepared,
+    flavor: ApiFlavor,
+    ids: I,
+    stream: impl FnOnce(I) -> Box<dyn sse::SseFormatter>,
+    body: impl FnOnce(&I, &GenResult) -> Value,
+    newline: bool,
+) -> Result<Response, ApiError> {
+    let rx = api::submit(app, p)?;
+    if p.stream {
+        return Ok(sse::respond(rx, stream(ids), app.cfg.keepalive, flavor).await);
+    }
+    let r = api::collect(rx).await?;
+    Ok(json_response(200, &body(&ids, &r), newline))
+}
+
+/// `/v1/chat/completions` and `/v1/completions`: ids `{prefix}-N`, the stream head
+/// wrapped by `stream`, the whole answer rendered by `body`.
+async fn openai_endpoint(
+    app: App,
+    req: Request,
+    endpoint: &'static str,
+    prepare: fn(&Shared, &[u8]) -> Result<Prepared, ApiError>,
+    prefix: &'static str,
+    stream: fn(openai::StreamHead) -> Box<dyn sse::SseFormatter>,
+    body: fn(&str, &str, &GenResult) -> Value,
+) -> Response {
+    let flavor = ApiFlavor::OpenAi;
+    run(app, req, flavor, endpoint, |app, b| async move {
+        let p = blocking(&app, b, prepare).await?;
+        let id = format!("{prefix}-{}", app.next_id());
+        let stream = |id| stream(openai::StreamHead::new(id, &p));
+        let body = |id: &String, r: &GenResult| body(id, &p.model, r);
+        generate(&app, &p, flavor, id, stream, body, true).await
+    })
     .await
+}
+
+async fn chat(State(app): State<App>, req: Request) -> Response {
+    let stream = |h| -> Box<dyn sse::SseFormatter> { Box::new(openai::ChatStream(h)) };
+    let (prepare, body) = (openai::prepare_chat, openai::chat_body);
+    openai_endpoint(app, req, "chat", prepare, "chatcmpl", stream, body).await
 }
 
 async fn completions(State(app): State<App>, req: Request) -> Response {
-    run(
-        app,
-        req,
-        ApiFlavor::OpenAi,
-        "completions",
-        |app, body| async move {
-            let p = blocking(&app, body, openai::prepare_completion).await?;
-            let id = format!("cmpl-{}", app.next_id());
-            let rx = api::submit(&app, &p)?;
-            if p.stream {
-                let fmt = openai::CompletionStream {
-                    id,
-                    model: p.model.clone(),
-                    include_usage: p.include_usage,
-                    created: api::unix_now(),
-                };
-                return Ok(
-                    sse::respond(rx, Box::new(fmt), app.cfg.keepalive, ApiFlavor::OpenAi).await,
-                );
-            }
-            let r = api::collect(rx).await?;
-            Ok(json_response(
-                200,
-                &openai::completion_body(&id, &p.model, &r),
-                true,
-            ))
-        },
-    )
-    .await
+    let stream = |h| -> Box<dyn sse::SseFormatter> { Box::new(openai::CompletionStream(h)) };
+    let (prepare, body) = (openai::prepare_completion, openai::completion_body);
+    openai_endpoint(app, req, "completions", prepare, "cmpl", stream, body).await
 }
 
 async fn responses_handler(State(app): State<App>, req: Request) -> Response {
-    run(
-        app,
-        req,
-        ApiFlavor::OpenAi,
-        "responses",
-        |app, body| async move {
-            let (p, extra) = blocking(&app, body, responses::prepare).await?;
-            let rx = api::submit(&app, &p)?;
-            let ids = responses::Ids::new();
-            if p.stream {
-                let fmt = responses::ResponseStream::new(ids, p.model.clone(), extra);
-                return Ok(
-                    sse::respond(rx, Box::new(fmt), app.cfg.keepalive, ApiFlavor::OpenAi).await,
-                );
-            }
-            let r = api::collect(rx).await?;
-            Ok(json_response(
-                200,
-                &responses::response_body(&ids, &p.model, &extra, &r),
-                false,
-            ))
-        },
-    )
+    let flavor = ApiFlavor::OpenAi;
+    run(app, req, flavor, "responses", |app, body| async move {
+        let (p, extra) = blocking(&app, body, responses::prepare).await?;
+        let stream = |(ids, extra)| -> Box<dyn sse::SseFormatter> {
+            Box::new(responses::ResponseStream::new(ids, p.model.clone(), extra))
+        };
+        let body = |(ids, extra): &(responses::Ids, _), r: &GenResult| {
+            responses::response_body(ids, &p.model, extra, r)
+        };
+        let ids = (responses::Ids::new(), extra);
+        generate(&app, &p, flavor, ids, stream, body, false).await
+    })
     .await
 }
 
 async fn messages(State(app): State<App>, req: Request) -> Response {
-    run(
-        app,
-        req,
-        ApiFlavor::Anthropic,
-        "messages",
-        |app, body| async move {
-            let p = blocking(&app, body, anthropic::prepare).await?;
-            let id = crate::gen::random_hex("msg_", 12);
-            let rx = api::submit(&app, &p)?;
-            if p.stream {
-                let fmt = anthropic::MessageStream::new(id, p.model.clone());
-                return Ok(sse::respond(
-                    rx,
-                    Box::new(fmt),
-                    app.cfg.keepalive,
-                    ApiFlavor::Anthropic,
-                )
-                .await);
-            }
-            let r = api::collect(rx).await?;
-            Ok(json_response(
-                200,
-                &anthropic::message_body(&id, &p.model, &r),
-                true,
-            ))
-        },
-    )
+    let flavor = ApiFlavor::Anthropic;
+    run(app, req, flavor, "messages", |app, body| async move {
+        let p = blocking(&app, body, anthropic::prepare).await?;
+        let id = crate::gen::random_hex("msg_", 12);
+        let stream = |id| -> Box<dyn sse::SseFormatter> {
+            Box::new(anthropic::MessageStream::new(id, p.model.clone()))
+        };
+        let body = |id: &String, r: &GenResult| anthropic::message_body(id, &p.model, r);
+        generate(&app, &p, flavor, id, stream, body, true).await
+    })
     .await
 }
 

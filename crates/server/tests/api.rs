@@ -291,13 +291,7 @@ fn responses_tool_call_stream_and_continuation() {
         .unwrap();
     assert!(rdone < first_text, "reasoning closes before text starts");
     let done = ev.last().unwrap();
-    let fc = done["response"]["output"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|o| o["type"] == "function_call")
-        .unwrap()
-        .clone();
+    let fc = first_of(&done["response"]["output"], "function_call").clone();
     assert_eq!(fc["name"], "get_weather");
     let call_id = fc["call_id"].as_str().unwrap().to_string();
     let input = json!([
@@ -312,12 +306,7 @@ fn responses_tool_call_stream_and_continuation() {
     )
     .json();
     assert_eq!(r["status"], "completed");
-    let msg = r["output"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|o| o["type"] == "message")
-        .unwrap();
+    let msg = first_of(&r["output"], "message");
     assert_eq!(msg["content"][0]["text"], "It is sunny in Paris.");
     assert!(
         r["usage"]["input_tokens_details"]["cached_tokens"]
@@ -386,12 +375,7 @@ fn anthropic_messages_stream_tool_use_and_count_tokens() {
     let r = post(s.addr, "/v1/messages", &json!({"model": "claude", "max_tokens": 1000, "system": "Be brief.", "messages": msgs, "tools": tools})).json();
     assert_eq!(r["type"], "message");
     assert_eq!(r["stop_reason"], "end_turn");
-    let text = r["content"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|b| b["type"] == "text")
-        .unwrap();
+    let text = first_of(&r["content"], "text");
     assert_eq!(text["text"], "It is sunny in Paris.");
     assert!(
         r["usage"]["cache_read_input_tokens"].as_u64().unwrap() > 0,

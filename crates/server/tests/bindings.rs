@@ -43,13 +43,7 @@ fn responses_turn(s: &TestServer) -> (Value, Value, u64, u64) {
         &json!({"instructions": "Be brief.", "input": "weather in Paris?", "tools": responses_tools()}),
     )
     .json();
-    let fc = r["output"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|o| o["type"] == "function_call")
-        .unwrap_or_else(|| panic!("no call: {r}"))
-        .clone();
+    let fc = first_of(&r["output"], "function_call").clone();
     let p = r["usage"]["input_tokens"].as_u64().unwrap();
     let c = r["usage"]["output_tokens"].as_u64().unwrap();
     (r, fc, p, c)
@@ -229,13 +223,7 @@ fn anthropic_tool_results_continue_the_live_frontier() {
     )
     .json();
     assert_eq!(r1["stop_reason"], "tool_use", "{r1}");
-    let tu = r1["content"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|b| b["type"] == "tool_use")
-        .unwrap()
-        .clone();
+    let tu = first_of(&r1["content"], "tool_use").clone();
     let p1 = r1["usage"]["input_tokens"].as_u64().unwrap();
     let c1 = r1["usage"]["output_tokens"].as_u64().unwrap();
     // Claude Code style: no thinking block replayed, the result in a user message.
@@ -273,13 +261,7 @@ fn anthropic_result_for_a_live_call_that_the_tail_does_not_continue_is_409() {
         &json!({"max_tokens": 300, "messages": [{"role": "user", "content": "weather in Paris?"}], "tools": anthropic_tools()}),
     )
     .json();
-    let id = r1["content"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|b| b["type"] == "tool_use")
-        .unwrap()["id"]
-        .clone();
+    let id = first_of(&r1["content"], "tool_use")["id"].clone();
     // The result is known to the live frontier but followed by another user message, so
     // the trailing run carries no tool results: nothing continues the live calls.
     let body = json!({"max_tokens": 10, "tools": anthropic_tools(), "messages": [
@@ -298,14 +280,8 @@ fn anthropic_result_for_a_live_call_that_the_tail_does_not_continue_is_409() {
 fn disk_cfg(dir: &Path) -> ServerConfig {
     let mut c = cfg();
     c.kv_disk = Some(KvDiskConfig {
-        dir: dir.to_path_buf(),
-        budget_bytes: 64 << 20,
-        min_tokens: 16,
         cold_max_tokens: 0,
-        continued_interval: 0,
-        trim: 32,
-        align: 2048,
-        reject_different_quant: false,
+        ..KvDiskConfig::for_tests(dir.to_path_buf())
     });
     c
 }
@@ -323,12 +299,6 @@ fn kv_files(dir: &Path) -> Vec<(u8, String)> {
         out.push((b[6], String::from_utf8(b[52..52 + kl].to_vec()).unwrap()));
     }
     out
-}
-
-fn temp_dir(tag: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("ds4-bind-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
 }
 
 #[test]

@@ -13,22 +13,10 @@ use serde_json::json;
 fn cfg(dir: &Path) -> ServerConfig {
     let mut c = ServerConfig::for_tests(4096);
     c.kv_disk = Some(KvDiskConfig {
-        dir: dir.to_path_buf(),
-        budget_bytes: 64 << 20,
         min_tokens: 32,
-        cold_max_tokens: 30000,
-        continued_interval: 0,
-        trim: 32,
-        align: 2048,
-        reject_different_quant: false,
+        ..KvDiskConfig::for_tests(dir.to_path_buf())
     });
     c
-}
-
-fn tmpdir(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("ds4-server-test-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
 }
 
 fn kv_files(dir: &Path) -> Vec<std::path::PathBuf> {
@@ -61,7 +49,7 @@ fn read_header(bytes: &[u8]) -> (u8, u8, u8, u32, u32, u64, u32) {
 
 #[test]
 fn restart_serves_the_prefix_from_disk() {
-    let dir = tmpdir("restart");
+    let dir = temp_dir("restart");
     let system = "You are a careful assistant. ".repeat(20);
     let ask = |s: &ds4_server::TestServer, q: &str| {
         post(s.addr, "/v1/chat/completions", &json!({"model": "deepseek-chat", "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}], "max_tokens": 5})).json()
@@ -108,7 +96,7 @@ fn restart_serves_the_prefix_from_disk() {
 
 #[test]
 fn garbage_cache_files_are_ignored() {
-    let dir = tmpdir("garbage");
+    let dir = temp_dir("garbage");
     std::fs::create_dir_all(&dir).unwrap();
     let name = |c: char| dir.join(format!("{}.kv", c.to_string().repeat(40)));
     std::fs::write(name('a'), b"not a cache file at all").unwrap();

@@ -1,18 +1,18 @@
 //! The `ds4-server` binary as a process: the process lock and the KV-directory lock
 //! (server.md §3), and how reference flags without an implementation are reported.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
+use common::{root, stop, temp_dir};
 
+/// A fresh, existing scratch directory.
 fn temp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ds4-proc-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
+    let d = temp_dir(tag);
     std::fs::create_dir_all(&d).unwrap();
     d
 }
@@ -72,14 +72,6 @@ fn run_to_exit(lock: &Path, args: &[&str]) -> (Option<i32>, String) {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-}
-
-fn stop(mut child: Child) {
-    let _ = Command::new("kill")
-        .arg("-TERM")
-        .arg(child.id().to_string())
-        .status();
-    let _ = child.wait();
 }
 
 #[test]

@@ -22,14 +22,9 @@ fn server(dir: &std::path::Path) -> TestServer {
     let tok = engine.tokenizer().expect("tokenizer");
     let mut cfg = ServerConfig::for_tests(1024);
     cfg.kv_disk = Some(KvDiskConfig {
-        dir: dir.to_path_buf(),
         budget_bytes: 256 << 20,
-        min_tokens: 16,
-        cold_max_tokens: 30000,
-        continued_interval: 0,
-        trim: 32,
-        align: 2048,
         reject_different_quant: true,
+        ..KvDiskConfig::for_tests(dir.to_path_buf())
     });
     let session = engine.new_session(1024).expect("session");
     TestServer::start(cfg, tok, Box::new(RealEngine::new(&engine, session)))

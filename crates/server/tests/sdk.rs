@@ -2,13 +2,12 @@
 //! (pinned in .ci/requirements.txt). Fails when the packages are missing, unless
 //! DS4_SKIP_PYTHON_TESTS=1.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
+use common::{root, stop, temp_dir};
 
 fn skip() -> bool {
     if std::env::var("DS4_SKIP_PYTHON_TESTS").as_deref() == Ok("1") {
@@ -54,15 +53,6 @@ fn start(args: &[&str]) -> (Child, String) {
     (child, url)
 }
 
-fn stop(mut child: Child) {
-    // SIGTERM: the clean shutdown path (saves the live session).
-    let _ = Command::new("kill")
-        .arg("-TERM")
-        .arg(child.id().to_string())
-        .status();
-    let _ = child.wait();
-}
-
 fn run_sdk(url: &str, extra: &[&str]) {
     let out = Command::new("python3")
         .arg(root().join("crates/server/tests/py/sdk_test.py"))
@@ -83,8 +73,7 @@ fn python_sdks_against_the_fake_engine() {
     if skip() {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("ds4-sdk-kv-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = temp_dir("sdk-kv");
     let tj = root().join("fixtures/tiny/tokenizer.json");
     let d = dir.to_str().unwrap();
     let (child, url) = start(&[

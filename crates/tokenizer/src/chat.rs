@@ -405,6 +405,20 @@ struct Ctx {
     max_effort: bool,
 }
 
+/// The body of a system or developer message: its text, then the tools it declares and
+/// the response format, each after a blank line.
+fn push_system_text(prompt: &mut String, msg: &Msg<'_>, response_format: Option<&Value>) {
+    prompt.push_str(&msg.content_text());
+    if let Some(tools) = msg.tools.filter(|t| !t.is_empty()) {
+        prompt.push_str("\n\n");
+        prompt.push_str(&render_tools(tools));
+    }
+    if let Some(rf) = response_format {
+        prompt.push_str("\n\n");
+        prompt.push_str(&render_response_format(rf));
+    }
+}
+
 fn render_message(index: usize, messages: &[Msg<'_>], ctx: &Ctx) -> Result<String, ChatError> {
     let msg = &messages[index];
     let last_user = find_last_user_index(messages);
@@ -415,15 +429,7 @@ fn render_message(index: usize, messages: &[Msg<'_>], ctx: &Ctx) -> Result<Strin
     let response_format = msg.response_format.filter(|v| pyjson::serde_truthy(v));
     match msg.role {
         "system" => {
-            prompt.push_str(&msg.content_text());
-            if let Some(tools) = msg.tools.filter(|t| !t.is_empty()) {
-                prompt.push_str("\n\n");
-                prompt.push_str(&render_tools(tools));
-            }
-            if let Some(rf) = response_format {
-                prompt.push_str("\n\n");
-                prompt.push_str(&render_response_format(rf));
-            }
+            push_system_text(&mut prompt, msg, response_format);
         }
         "developer" => {
             if msg.content.is_none_or(Content::is_empty) {
@@ -433,15 +439,7 @@ fn render_message(index: usize, messages: &[Msg<'_>], ctx: &Ctx) -> Result<Strin
                 });
             }
             prompt.push_str(USER);
-            prompt.push_str(&msg.content_text());
-            if let Some(tools) = msg.tools.filter(|t| !t.is_empty()) {
-                prompt.push_str("\n\n");
-                prompt.push_str(&render_tools(tools));
-            }
-            if let Some(rf) = response_format {
-                prompt.push_str("\n\n");
-                prompt.push_str(&render_response_format(rf));
-            }
+            push_system_text(&mut prompt, msg, response_format);
         }
         "user" => {
             prompt.push_str(USER);

@@ -3,9 +3,10 @@
 
 mod common;
 
+use common::streamed::Streamed;
 use common::*;
 use ds4_tokenizer::chat::ThinkingMode;
-use ds4_tokenizer::dsml_stream::{StreamEvent, StreamOptions, StreamParser};
+use ds4_tokenizer::dsml_stream::{StreamOptions, StreamParser};
 use serde_json::Value;
 
 #[test]
@@ -36,20 +37,11 @@ fn streaming_agrees_with_strict_parser() {
         };
         checked += 1;
         // Streamed pieces add up to the outcome.
-        let (mut reasoning, mut content) = (String::new(), String::new());
-        let mut args: Vec<String> = Vec::new();
-        for e in &events {
-            match e {
-                StreamEvent::Reasoning(s) => reasoning.push_str(s),
-                StreamEvent::Content(s) => content.push_str(s),
-                StreamEvent::ToolCallStart { index, .. } => {
-                    assert_eq!(*index, args.len());
-                    args.push(String::new());
-                }
-                StreamEvent::ToolCallArgs { index, delta } => args[*index].push_str(delta),
-                _ => {}
-            }
-        }
+        let Streamed {
+            reasoning,
+            content,
+            args,
+        } = Streamed::of(&events);
         if out.malformed || out.unterminated {
             failures.push(format!(
                 "{name}: malformed={} unterminated={}",
@@ -101,12 +93,7 @@ fn streaming_agrees_with_strict_parser() {
         }
     }
     assert_eq!(checked, 78);
-    assert!(
-        failures.is_empty(),
-        "{} failures:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
+    assert_no_failures(&failures);
 }
 
 /// Regression (found by the fuzzer): a malformed block's raw text must not depend on how

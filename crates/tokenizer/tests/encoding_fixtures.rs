@@ -61,12 +61,7 @@ fn encode_cases_prompt_and_ids() {
         }
     }
     assert_eq!(cases.len(), 156);
-    assert!(
-        failures.is_empty(),
-        "{} failures:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
+    assert_no_failures(&failures);
 }
 
 #[test]
@@ -134,10 +129,5 @@ fn parse_cases() {
     }
     assert_eq!(cases.len(), 92);
     assert_eq!(n_err, 14);
-    assert!(
-        failures.is_empty(),
-        "{} failures:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
+    assert_no_failures(&failures);
 }

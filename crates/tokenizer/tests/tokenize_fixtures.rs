@@ -16,14 +16,18 @@ fn official_tokenizer_file_is_the_pinned_one() {
     assert_eq!(official().vocab_size(), 129_280);
 }
 
+/// The cases of `kind` (encode, decode) in tokenize_cases.jsonl.
+fn cases_of(kind: &str) -> Vec<serde_json::Value> {
+    let (_, cases) = jsonl("tokenizer/tokenize_cases.jsonl");
+    cases.into_iter().filter(|c| c["kind"] == kind).collect()
+}
+
 #[test]
 fn encode_cases_exact() {
     let tok = official();
-    let (_, cases) = jsonl("tokenizer/tokenize_cases.jsonl");
-    let mut n = 0;
+    let cases = cases_of("encode");
     let mut failures = Vec::new();
-    for c in cases.iter().filter(|c| c["kind"] == "encode") {
-        n += 1;
+    for c in &cases {
         let text = c["text"].as_str().expect("text");
         let want = ids_of(&c["ids"]);
         let got = tok.encode(text);
@@ -43,23 +47,16 @@ fn encode_cases_exact() {
             failures.push(format!("cat={} decode(encode) differs", c["cat"]));
         }
     }
-    assert_eq!(n, 1319);
-    assert!(
-        failures.is_empty(),
-        "{} failures:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
+    assert_eq!(cases.len(), 1319);
+    assert_no_failures(&failures);
 }
 
 #[test]
 fn decode_cases_exact_and_streaming() {
     let tok = official();
-    let (_, cases) = jsonl("tokenizer/tokenize_cases.jsonl");
-    let mut n = 0;
+    let cases = cases_of("decode");
     let mut failures = Vec::new();
-    for c in cases.iter().filter(|c| c["kind"] == "decode") {
-        n += 1;
+    for c in &cases {
         let ids = ids_of(&c["ids"]);
         let skip = c["skip_special_tokens"].as_bool().expect("flag");
         let want = c["text"].as_str().expect("text");
@@ -82,13 +79,8 @@ fn decode_cases_exact_and_streaming() {
             ));
         }
     }
-    assert_eq!(n, 202);
-    assert!(
-        failures.is_empty(),
-        "{} failures:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
+    assert_eq!(cases.len(), 202);
+    assert_no_failures(&failures);
 }
 
 #[test]

@@ -12,7 +12,7 @@ use rayon::prelude::*;
 use crate::backend::LogitRows;
 use crate::config::Config;
 use crate::error::{EngineError, Result};
-use crate::kv::{KvCache, LayerCache};
+use crate::kv::{Frontier, KvCache, LayerCache};
 use crate::model::ModelInner;
 use crate::ops::attention::attend_head;
 use crate::ops::compressor;
@@ -23,7 +23,7 @@ use crate::ops::moe::{route, Route};
 use crate::ops::norm::{rms_scale, rmsnorm_inplace, rmsnorm_rows_inplace, sigmoid, silu};
 use crate::ops::qat::{fp4_e2m1_inplace, fp8_e4m3_inplace, hadamard_inplace};
 use crate::ops::rope::{self, Rope, RopeAngles};
-use crate::weights::{HcWeights, LayerWeights};
+use crate::weights::{CompressorWeights, HcWeights, LayerWeights};
 
 /// FP8 simulation block of KV nope dims.
 const FP8_BLOCK: usize = 64;
@@ -224,21 +224,18 @@ impl LayerCtx<'_> {
         }
 
         // Compressor and indexer projections depend only on x / qr: batch them.
-        let comp_proj = lw.compressor.as_ref().map(|c| {
+        let project = |c: &CompressorWeights| {
             let w = c.lanes * c.dim;
             let mut k = vec![0.0f32; n * w];
             let mut g = vec![0.0f32; n * w];
             matmul_f32(c.kv.view(), &x, self.numerics, &mut k);
             matmul_f32(c.gate.view(), &x, self.numerics, &mut g);
             (k, g)
-        });
+        };
+        let comp_proj = lw.compressor.as_ref().map(project);
         let idx_proj = lw.indexer.as_ref().map(|ix| {
             let c = &ix.compressor;
-            let w = c.lanes * c.dim;
-            let mut k = vec![0.0f32; n * w];
-            let mut g = vec![0.0f32; n * w];
-            matmul_f32(c.kv.view(), &x, self.numerics, &mut k);
-            matmul_f32(c.gate.view(), &x, self.numerics, &mut g);
+            let (k, g) = project(c);
             // Queries and head weights only for tokens that will see more index rows
             // than top-k (before that every compressed row is used).
             let need: Vec<usize> = (0..n)
@@ -276,37 +273,16 @@ impl LayerCtx<'_> {
             cache.push_raw(kvt);
 
             if let (Some(c), Some((k, g))) = (&lw.compressor, &comp_proj) {
-                let w = c.lanes * c.dim;
                 let st = cache
                     .comp_state
                     .as_mut()
                     .expect("compressed layer has state");
-                if let Some(mut row) = compressor::step(
-                    st,
-                    c.pool(),
-                    &k[t * w..(t + 1) * w],
-                    &g[t * w..(t + 1) * w],
-                    pos,
-                ) {
-                    self.finish_row(&mut row, &c.norm, pos, false);
-                    cache.comp.extend_from_slice(&row);
-                }
+                self.compress_step(c, st, (k, g), t, false, &mut cache.comp);
             }
             let mut allowed = None;
             if let (Some(ix), Some((k, g, iq, iw, slot))) = (&lw.indexer, &idx_proj) {
-                let c = &ix.compressor;
-                let w = c.lanes * c.dim;
                 let st = cache.index_state.as_mut().expect("indexer layer has state");
-                if let Some(mut row) = compressor::step(
-                    st,
-                    c.pool(),
-                    &k[t * w..(t + 1) * w],
-                    &g[t * w..(t + 1) * w],
-                    pos,
-                ) {
-                    self.finish_row(&mut row, &c.norm, pos, true);
-                    cache.index.extend_from_slice(&row);
-                }
+                self.compress_step(&ix.compressor, st, (k, g), t, true, &mut cache.index);
                 if cache.n_index() > cfg.idx_topk {
                     let i = slot[t];
                     let d = cfg.idx_head_dim;
@@ -379,6 +355,27 @@ impl LayerCtx<'_> {
     }
 
     /// Norm, RoPE at the window's first position, and QAT of a freshly pooled row.
+    /// Feeds token `t` of the compressor projections `(kv, score)` (all tokens' rows) to
+    /// its frontier `st`; a row the step completes is finished (as an index row when
+    /// `index`) and appended to `out`.
+    fn compress_step(
+        &self,
+        c: &CompressorWeights,
+        st: &mut Frontier,
+        (kv, score): (&[f32], &[f32]),
+        t: usize,
+        index: bool,
+        out: &mut Vec<f32>,
+    ) {
+        let pos = self.pos0 + t;
+        let w = c.lanes * c.dim;
+        let kv = &kv[t * w..(t + 1) * w];
+        if let Some(mut row) = compressor::step(st, c.pool(), kv, &score[t * w..(t + 1) * w], pos) {
+            self.finish_row(&mut row, &c.norm, pos, index);
+            out.extend_from_slice(&row);
+        }
+    }
+
     fn finish_row(&self, row: &mut [f32], norm: &[f32], pos: usize, index: bool) {
         let rd = self.cfg.rope_dim;
         let d = row.len();

@@ -38,11 +38,15 @@ pub fn load(variant: &str, numerics: Numerics) -> Model {
 }
 
 pub fn tokens(seq: &str) -> Vec<u32> {
-    manifest()["sequences"][seq]["tokens"]
-        .as_array()
+    ids(&manifest()["sequences"][seq]["tokens"])
+}
+
+/// A JSON array of token ids.
+pub fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
         .unwrap()
         .iter()
-        .map(|v| v.as_u64().unwrap() as u32)
+        .map(|x| x.as_u64().unwrap() as u32)
         .collect()
 }
 

@@ -4,7 +4,7 @@
 //! are bit-identical to them (checked against the `gguf` Python package in tests).
 
 use super::iq2xxs_grid::IQ2XXS_GRID;
-use super::{bf16_to_f32, f16_to_f32, le_u16};
+use super::{bf16_to_f32, f16_to_f32, le_u16, le_u32};
 use crate::error::QuantError;
 use crate::types::GgmlType;
 
@@ -13,6 +13,28 @@ use crate::types::GgmlType;
 pub(crate) const fn ksigns(i: usize) -> u8 {
     (i as u8) | (((i as u8).count_ones() as u8 & 1) << 7)
 }
+
+/// `KSIGN_MASK[i]`: byte j is 0xFF when element j of an IQ2 8-group with sign index `i`
+/// is negative.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+pub(crate) static KSIGN_MASK: [u64; 128] = {
+    let mut t = [0u64; 128];
+    let mut i = 0;
+    while i < 128 {
+        let s = ksigns(i);
+        let mut m = 0u64;
+        let mut j = 0;
+        while j < 8 {
+            if s & (1 << j) != 0 {
+                m |= 0xFFu64 << (8 * j);
+            }
+            j += 1;
+        }
+        t[i] = m;
+        i += 1;
+    }
+    t
+};
 
 /// Dequantises `out.len()` elements of type `ty` from `src` (exactly the bytes of
 /// those elements).
@@ -157,7 +179,7 @@ fn dequant_iq2_xxs(b: &[u8], y: &mut [f32]) {
     let d = f16_to_f32(le_u16(b, 0));
     for g in 0..8 {
         let w = &b[2 + 8 * g..10 + 8 * g];
-        let a1 = u32::from_le_bytes([w[4], w[5], w[6], w[7]]);
+        let a1 = le_u32(w, 4);
         let db = d * (0.5 + (a1 >> 28) as f32) * 0.25;
         for l in 0..4 {
             let grid = IQ2XXS_GRID[w[l] as usize].to_le_bytes();

@@ -15,7 +15,7 @@
 use super::blocks::{BlockQ8K, BlockQ8_0, QK8_0, QK_K};
 use super::dequant::{ksigns, q4k_scale_min};
 use super::iq2xxs_grid::IQ2XXS_GRID;
-use super::{f16_to_f32, le_u16};
+use super::{f16_to_f32, le_u16, le_u32};
 
 /// Number of interleaved accumulators of the dense dots.
 pub const DENSE_LANES: usize = 16;
@@ -32,6 +32,24 @@ pub fn reduce_lanes(l: &[f32; DENSE_LANES]) -> f32 {
         w /= 2;
     }
     v[0]
+}
+
+/// Finishes a SIMD dense dot of `n` elements: the vector part left the lanes of
+/// elements `0..n / 16 * 16`; the tail continues the same lane assignment with
+/// `elem(i) = (w_i, x_i)`, then the canonical reduction.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[inline]
+pub(crate) fn dense_finish(
+    mut lanes: [f32; DENSE_LANES],
+    n: usize,
+    elem: impl Fn(usize) -> (f32, f32),
+) -> f32 {
+    for i in n / DENSE_LANES * DENSE_LANES..n {
+        let (a, b) = elem(i);
+        let l = &mut lanes[i % DENSE_LANES];
+        *l = a.mul_add(b, *l);
+    }
+    reduce_lanes(&lanes)
 }
 
 /// Q8_0 weight row · Q8_0 activations: `Σ_b (f16(d_w)·d_x)·Σ q_w·q_x`.
@@ -51,12 +69,26 @@ pub fn dot_q8_0_q8_0_scalar(w: &[u8], x: &[BlockQ8_0]) -> f32 {
 /// Q2_K weight row · Q8_K activations (ggml scalar `vec_dot_q2_K_q8_K` order).
 pub fn dot_q2_k_q8_k_scalar(w: &[u8], x: &[BlockQ8K]) -> f32 {
     debug_assert_eq!(w.len(), x.len() * 84);
+    k_quant_row(w, x, 84, 80, q2_k_block_sums)
+}
+
+/// A K-quant row (Q2_K, Q4_K): `Σ_b (d_x·f16(d))·isum − (d_x·f16(dmin))·summs` with the
+/// block sums of `sums` and the f16 pair `d`, `dmin` at byte `d_at` of each block. The
+/// SIMD kernels that keep the scalar float order share it.
+#[inline(always)]
+pub(crate) fn k_quant_row(
+    w: &[u8],
+    x: &[BlockQ8K],
+    block_bytes: usize,
+    d_at: usize,
+    sums: impl Fn(&[u8], &BlockQ8K) -> (i32, i32),
+) -> f32 {
     let mut acc = 0.0f32;
-    for (wb, xb) in w.chunks_exact(84).zip(x) {
-        let (isum, summs) = q2_k_block_sums(wb, xb);
-        let dall = xb.d * f16_to_f32(le_u16(wb, 80));
-        let dmin = xb.d * f16_to_f32(le_u16(wb, 82));
-        acc += dall * isum as f32 - dmin * summs as f32;
+    for (wb, xb) in w.chunks_exact(block_bytes).zip(x) {
+        let (isum, summs) = sums(wb, xb);
+        let d = xb.d * f16_to_f32(le_u16(wb, d_at));
+        let dmin = xb.d * f16_to_f32(le_u16(wb, d_at + 2));
+        acc += d * isum as f32 - dmin * summs as f32;
     }
     acc
 }
@@ -90,14 +122,7 @@ pub fn q2_k_block_sums(wb: &[u8], xb: &BlockQ8K) -> (i32, i32) {
 /// `Σ_b (d_x·f16(d))·Σ_j sc_j·Σq4·q8 − (d_x·f16(dmin))·Σ_j m_j·(bsum_2j + bsum_2j+1)`.
 pub fn dot_q4_k_q8_k_scalar(w: &[u8], x: &[BlockQ8K]) -> f32 {
     debug_assert_eq!(w.len(), x.len() * 144);
-    let mut acc = 0.0f32;
-    for (wb, xb) in w.chunks_exact(144).zip(x) {
-        let (isum, summs) = q4_k_block_sums(wb, xb);
-        let d = xb.d * f16_to_f32(le_u16(wb, 0));
-        let dmin = xb.d * f16_to_f32(le_u16(wb, 2));
-        acc += d * isum as f32 - dmin * summs as f32;
-    }
-    acc
+    k_quant_row(w, x, 144, 0, q4_k_block_sums)
 }
 
 /// (Σ sc·Σq4·q8, Σ m·bsums) of one Q4_K block.
@@ -141,7 +166,7 @@ pub fn iq2_xxs_block_sum(wb: &[u8], xb: &BlockQ8K) -> i32 {
     let mut bsum = 0i32;
     for g in 0..8 {
         let w = &wb[2 + 8 * g..10 + 8 * g];
-        let a1 = u32::from_le_bytes([w[4], w[5], w[6], w[7]]);
+        let a1 = le_u32(w, 4);
         let ls = 2 * (a1 >> 28) as i32 + 1;
         let mut sumi = 0i32;
         for l in 0..4 {
@@ -234,7 +259,8 @@ pub struct DotKernels {
     pub iq2_xxs_multi: QMulti<BlockQ8K>,
 }
 
-fn multi_by_rows<B>(w: &[u8], xs: &[&[B]], out: &mut [f32], f: QDot<B>) {
+/// `out[r] = f(w, xs[r])`: the multi-row kernel of levels with no dedicated one.
+pub(crate) fn multi_by_rows<B>(w: &[u8], xs: &[&[B]], out: &mut [f32], f: QDot<B>) {
     for (x, o) in xs.iter().zip(out.iter_mut()) {
         *o = f(w, x);
     }
@@ -365,53 +391,34 @@ pub fn simd_level() -> SimdLevel {
     DotKernels::best().level
 }
 
-/// Q8_0 weight row · Q8_0 activations: `Σ_b (f16(d_w)·d_x)·Σ q_w·q_x`.
-#[inline]
-pub fn dot_q8_0_q8_0(w: &[u8], x: &[BlockQ8_0]) -> f32 {
-    debug_assert_eq!(w.len(), x.len() * 34);
-    (DotKernels::best().q8_0)(w, x)
+/// The public entry points: each checks its row lengths in debug builds (`per` weight
+/// bytes per activation element or block) and calls the kernel of [`DotKernels::best`].
+macro_rules! dispatch {
+    ($($(#[$doc:meta])* $name:ident($w:ident: $wt:ty, $x:ident: $xt:ty) => $kernel:ident, $per:literal;)*) => {$(
+        $(#[$doc])*
+        #[inline]
+        pub fn $name($w: $wt, $x: $xt) -> f32 {
+            debug_assert_eq!($w.len(), $x.len() * $per);
+            (DotKernels::best().$kernel)($w, $x)
+        }
+    )*};
 }
 
-/// Q2_K weight row · Q8_K activations (ggml scalar `vec_dot_q2_K_q8_K` order).
-#[inline]
-pub fn dot_q2_k_q8_k(w: &[u8], x: &[BlockQ8K]) -> f32 {
-    debug_assert_eq!(w.len(), x.len() * 84);
-    (DotKernels::best().q2_k)(w, x)
-}
-
-/// Q4_K weight row · Q8_K activations (see [`dot_q4_k_q8_k_scalar`]).
-#[inline]
-pub fn dot_q4_k_q8_k(w: &[u8], x: &[BlockQ8K]) -> f32 {
-    debug_assert_eq!(w.len(), x.len() * 144);
-    (DotKernels::best().q4_k)(w, x)
-}
-
-/// IQ2_XXS weight row · Q8_K activations (see [`dot_iq2_xxs_q8_k_scalar`]).
-#[inline]
-pub fn dot_iq2_xxs_q8_k(w: &[u8], x: &[BlockQ8K]) -> f32 {
-    debug_assert_eq!(w.len(), x.len() * 66);
-    (DotKernels::best().iq2_xxs)(w, x)
-}
-
-/// F16 weight row · f32 activations in the canonical 16-lane FMA order.
-#[inline]
-pub fn dot_f16_f32(w: &[u8], x: &[f32]) -> f32 {
-    debug_assert_eq!(w.len(), x.len() * 2);
-    (DotKernels::best().f16_f32)(w, x)
-}
-
-/// F32 weight row · f32 activations in the canonical 16-lane FMA order.
-#[inline]
-pub fn dot_f32_f32(w: &[u8], x: &[f32]) -> f32 {
-    debug_assert_eq!(w.len(), x.len() * 4);
-    (DotKernels::best().f32_f32)(w, x)
-}
-
-/// f32 · f32 in the canonical 16-lane FMA order (attention scores, pooled sums).
-#[inline]
-pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
-    debug_assert_eq!(a.len(), b.len());
-    (DotKernels::best().f32)(a, b)
+dispatch! {
+    /// Q8_0 weight row · Q8_0 activations: `Σ_b (f16(d_w)·d_x)·Σ q_w·q_x`.
+    dot_q8_0_q8_0(w: &[u8], x: &[BlockQ8_0]) => q8_0, 34;
+    /// Q2_K weight row · Q8_K activations (ggml scalar `vec_dot_q2_K_q8_K` order).
+    dot_q2_k_q8_k(w: &[u8], x: &[BlockQ8K]) => q2_k, 84;
+    /// Q4_K weight row · Q8_K activations (see [`dot_q4_k_q8_k_scalar`]).
+    dot_q4_k_q8_k(w: &[u8], x: &[BlockQ8K]) => q4_k, 144;
+    /// IQ2_XXS weight row · Q8_K activations (see [`dot_iq2_xxs_q8_k_scalar`]).
+    dot_iq2_xxs_q8_k(w: &[u8], x: &[BlockQ8K]) => iq2_xxs, 66;
+    /// F16 weight row · f32 activations in the canonical 16-lane FMA order.
+    dot_f16_f32(w: &[u8], x: &[f32]) => f16_f32, 2;
+    /// F32 weight row · f32 activations in the canonical 16-lane FMA order.
+    dot_f32_f32(w: &[u8], x: &[f32]) => f32_f32, 4;
+    /// f32 · f32 in the canonical 16-lane FMA order (attention scores, pooled sums).
+    dot_f32(a: &[f32], b: &[f32]) => f32, 1;
 }
 
 fn check_multi<B>(w: &[u8], block_bytes: usize, xs: &[&[B]], out: &[f32]) {
@@ -427,31 +434,30 @@ fn check_multi<B>(w: &[u8], block_bytes: usize, xs: &[&[B]], out: &[f32]) {
     }
 }
 
-/// `out[r] = dot_q8_0_q8_0(w, xs[r])` for every activation row, reading `w` once.
-/// Panics unless `xs.len() == out.len()` and every row has `w.len()/34` blocks.
-pub fn dot_q8_0_q8_0_multi(w: &[u8], xs: &[&[BlockQ8_0]], out: &mut [f32]) {
-    check_multi(w, 34, xs, out);
-    (DotKernels::best().q8_0_multi)(w, xs, out)
+/// The multi-row entry points: each checks the shapes (see [`check_multi`], `$bytes`
+/// per weight block) and calls the kernel of [`DotKernels::best`].
+macro_rules! dispatch_multi {
+    ($($(#[$doc:meta])* $name:ident($block:ty) => $kernel:ident, $bytes:literal;)*) => {$(
+        $(#[$doc])*
+        pub fn $name(w: &[u8], xs: &[&[$block]], out: &mut [f32]) {
+            check_multi(w, $bytes, xs, out);
+            (DotKernels::best().$kernel)(w, xs, out)
+        }
+    )*};
 }
 
-/// `out[r] = dot_q2_k_q8_k(w, xs[r])`, each weight block unpacked once for all rows.
-/// Panics unless `xs.len() == out.len()` and every row has `w.len()/84` blocks.
-pub fn dot_q2_k_q8_k_multi(w: &[u8], xs: &[&[BlockQ8K]], out: &mut [f32]) {
-    check_multi(w, 84, xs, out);
-    (DotKernels::best().q2_k_multi)(w, xs, out)
-}
-
-/// `out[r] = dot_q4_k_q8_k(w, xs[r])`, each weight block unpacked once for all rows.
-/// Panics unless `xs.len() == out.len()` and every row has `w.len()/144` blocks.
-pub fn dot_q4_k_q8_k_multi(w: &[u8], xs: &[&[BlockQ8K]], out: &mut [f32]) {
-    check_multi(w, 144, xs, out);
-    (DotKernels::best().q4_k_multi)(w, xs, out)
-}
-
-/// `out[r] = dot_iq2_xxs_q8_k(w, xs[r])`: the grid lookups and sign expansion of each
-/// weight block (the expensive part) are done once for all rows.
-/// Panics unless `xs.len() == out.len()` and every row has `w.len()/66` blocks.
-pub fn dot_iq2_xxs_q8_k_multi(w: &[u8], xs: &[&[BlockQ8K]], out: &mut [f32]) {
-    check_multi(w, 66, xs, out);
-    (DotKernels::best().iq2_xxs_multi)(w, xs, out)
+dispatch_multi! {
+    /// `out[r] = dot_q8_0_q8_0(w, xs[r])` for every activation row, reading `w` once.
+    /// Panics unless `xs.len() == out.len()` and every row has `w.len()/34` blocks.
+    dot_q8_0_q8_0_multi(BlockQ8_0) => q8_0_multi, 34;
+    /// `out[r] = dot_q2_k_q8_k(w, xs[r])`, each weight block unpacked once for all rows.
+    /// Panics unless `xs.len() == out.len()` and every row has `w.len()/84` blocks.
+    dot_q2_k_q8_k_multi(BlockQ8K) => q2_k_multi, 84;
+    /// `out[r] = dot_q4_k_q8_k(w, xs[r])`, each weight block unpacked once for all rows.
+    /// Panics unless `xs.len() == out.len()` and every row has `w.len()/144` blocks.
+    dot_q4_k_q8_k_multi(BlockQ8K) => q4_k_multi, 144;
+    /// `out[r] = dot_iq2_xxs_q8_k(w, xs[r])`: the grid lookups and sign expansion of each
+    /// weight block (the expensive part) are done once for all rows.
+    /// Panics unless `xs.len() == out.len()` and every row has `w.len()/66` blocks.
+    dot_iq2_xxs_q8_k_multi(BlockQ8K) => iq2_xxs_multi, 66;
 }

@@ -67,3 +67,8 @@ pub fn f32_to_bf16(x: f32) -> u16 {
 pub(crate) fn le_u16(b: &[u8], at: usize) -> u16 {
     u16::from_le_bytes([b[at], b[at + 1]])
 }
+
+#[inline]
+pub(crate) fn le_u32(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}

@@ -11,35 +11,10 @@ use core::arch::aarch64::*;
 
 use super::blocks::{BlockQ8K, BlockQ8_0, IQ2_XXS_BLOCK_BYTES, Q2_K_BLOCK_BYTES};
 use super::blocks::{Q4_K_BLOCK_BYTES, Q8_0_BLOCK_BYTES};
-use super::dequant::{ksigns, q4k_scale_min};
-use super::dot::{reduce_lanes, DotKernels, SimdLevel, DENSE_LANES};
-use super::f16_to_f32;
+use super::dequant::{q4k_scale_min, KSIGN_MASK};
+use super::dot::{dense_finish, k_quant_row, multi_by_rows, DotKernels, SimdLevel};
 use super::iq2xxs_grid::IQ2XXS_GRID;
-
-/// Byte j of `KSIGN_MASK[i]` is 0xFF when element j of a sign index `i` group is negative.
-static KSIGN_MASK: [u64; 128] = {
-    let mut t = [0u64; 128];
-    let mut i = 0;
-    while i < 128 {
-        let s = ksigns(i);
-        let mut m = 0u64;
-        let mut j = 0;
-        while j < 8 {
-            if s & (1 << j) != 0 {
-                m |= 0xFFu64 << (8 * j);
-            }
-            j += 1;
-        }
-        t[i] = m;
-        i += 1;
-    }
-    t
-};
-
-#[inline(always)]
-fn rd_u16(p: &[u8], at: usize) -> u16 {
-    u16::from_le_bytes([p[at], p[at + 1]])
-}
+use super::{f16_to_f32, le_u16, le_u32};
 
 /// Σ a·b over 16 i8 pairs, exact.
 #[inline]
@@ -61,7 +36,7 @@ unsafe fn dot_q8_0(w: &[u8], x: &[BlockQ8_0]) -> f32 {
             dot16(vld1q_s8(wq.add(16)), vld1q_s8(xq.add(16))),
         );
         let isum = vaddvq_s32(s);
-        acc += (f16_to_f32(rd_u16(wb, 0)) * xb.d) * isum as f32;
+        acc += (f16_to_f32(le_u16(wb, 0)) * xb.d) * isum as f32;
     }
     acc
 }
@@ -91,14 +66,7 @@ unsafe fn q2_k_sums(wb: &[u8], xb: &BlockQ8K) -> (i32, i32) {
 
 #[target_feature(enable = "neon")]
 unsafe fn dot_q2_k(w: &[u8], x: &[BlockQ8K]) -> f32 {
-    let mut acc = 0.0f32;
-    for (wb, xb) in w.chunks_exact(Q2_K_BLOCK_BYTES).zip(x) {
-        let (isum, summs) = q2_k_sums(wb, xb);
-        let dall = xb.d * f16_to_f32(rd_u16(wb, 80));
-        let dmin = xb.d * f16_to_f32(rd_u16(wb, 82));
-        acc += dall * isum as f32 - dmin * summs as f32;
-    }
-    acc
+    k_quant_row(w, x, Q2_K_BLOCK_BYTES, 80, |wb, xb| q2_k_sums(wb, xb))
 }
 
 #[target_feature(enable = "neon")]
@@ -129,14 +97,7 @@ unsafe fn q4_k_sums(wb: &[u8], xb: &BlockQ8K) -> (i32, i32) {
 
 #[target_feature(enable = "neon")]
 unsafe fn dot_q4_k(w: &[u8], x: &[BlockQ8K]) -> f32 {
-    let mut acc = 0.0f32;
-    for (wb, xb) in w.chunks_exact(Q4_K_BLOCK_BYTES).zip(x) {
-        let (isum, summs) = q4_k_sums(wb, xb);
-        let d = xb.d * f16_to_f32(rd_u16(wb, 0));
-        let dmin = xb.d * f16_to_f32(rd_u16(wb, 2));
-        acc += d * isum as f32 - dmin * summs as f32;
-    }
-    acc
+    k_quant_row(w, x, Q4_K_BLOCK_BYTES, 0, |wb, xb| q4_k_sums(wb, xb))
 }
 
 /// Signed grid values of the 8 groups (2 × 16 bytes each) and the `2·ls+1` factors.
@@ -147,7 +108,7 @@ unsafe fn iq2_xxs_unpack(wb: &[u8]) -> ([int8x16_t; 16], [i32; 8]) {
     let mut ls = [0i32; 8];
     for g in 0..8 {
         let o = 2 + 8 * g;
-        let a1 = u32::from_le_bytes([wb[o + 4], wb[o + 5], wb[o + 6], wb[o + 7]]);
+        let a1 = le_u32(wb, o + 4);
         for h in 0..2 {
             let g0 = IQ2XXS_GRID[wb[o + 2 * h] as usize];
             let g1 = IQ2XXS_GRID[wb[o + 2 * h + 1] as usize];
@@ -184,19 +145,17 @@ unsafe fn dot_iq2_xxs(w: &[u8], x: &[BlockQ8K]) -> f32 {
     let mut acc = 0.0f32;
     for (wb, xb) in w.chunks_exact(IQ2_XXS_BLOCK_BYTES).zip(x) {
         let (sg, ls) = iq2_xxs_unpack(wb);
-        acc += (f16_to_f32(rd_u16(wb, 0)) * xb.d) * iq2_xxs_sum(&sg, &ls, xb) as f32;
+        acc += (f16_to_f32(le_u16(wb, 0)) * xb.d) * iq2_xxs_sum(&sg, &ls, xb) as f32;
     }
     0.125 * acc
 }
 
 #[target_feature(enable = "neon")]
 unsafe fn dot_iq2_xxs_multi(w: &[u8], xs: &[&[BlockQ8K]], out: &mut [f32]) {
-    for o in out.iter_mut() {
-        *o = 0.0;
-    }
+    out.fill(0.0);
     for (b, wb) in w.chunks_exact(IQ2_XXS_BLOCK_BYTES).enumerate() {
         let (sg, ls) = iq2_xxs_unpack(wb);
-        let d = f16_to_f32(rd_u16(wb, 0));
+        let d = f16_to_f32(le_u16(wb, 0));
         for (x, acc) in xs.iter().zip(out.iter_mut()) {
             *acc += (d * x[b].d) * iq2_xxs_sum(&sg, &ls, &x[b]) as f32;
         }
@@ -230,30 +189,21 @@ unsafe fn dense(n: usize, x: &[f32], load: impl Fn(usize, &mut [f32; 16])) -> [f
     lanes
 }
 
-fn dense_finish(mut lanes: [f32; 16], n: usize, elem: impl Fn(usize) -> (f32, f32)) -> f32 {
-    for i in n / 16 * 16..n {
-        let (a, b) = elem(i);
-        let l = &mut lanes[i % DENSE_LANES];
-        *l = a.mul_add(b, *l);
-    }
-    reduce_lanes(&lanes)
-}
-
 #[target_feature(enable = "neon")]
 unsafe fn dot_f16_f32(w: &[u8], x: &[f32]) -> f32 {
     let n = (w.len() / 2).min(x.len());
     let lanes = dense(n, x, |i, buf| {
         for (k, v) in buf.iter_mut().enumerate() {
-            *v = f16_to_f32(rd_u16(w, 2 * (i + k)));
+            *v = f16_to_f32(le_u16(w, 2 * (i + k)));
         }
     });
-    dense_finish(lanes, n, |i| (f16_to_f32(rd_u16(w, 2 * i)), x[i]))
+    dense_finish(lanes, n, |i| (f16_to_f32(le_u16(w, 2 * i)), x[i]))
 }
 
 #[target_feature(enable = "neon")]
 unsafe fn dot_f32_f32(w: &[u8], x: &[f32]) -> f32 {
     let n = (w.len() / 4).min(x.len());
-    let wf = |i: usize| f32::from_le_bytes([w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]]);
+    let wf = |i: usize| f32::from_bits(le_u32(w, 4 * i));
     let lanes = dense(n, x, |i, buf| {
         for (k, v) in buf.iter_mut().enumerate() {
             *v = wf(i + k);
@@ -267,12 +217,6 @@ unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
     let lanes = dense(n, b, |i, buf| buf.copy_from_slice(&a[i..i + 16]));
     dense_finish(lanes, n, |i| (a[i], b[i]))
-}
-
-fn multi<B>(w: &[u8], xs: &[&[B]], out: &mut [f32], f: fn(&[u8], &[B]) -> f32) {
-    for (x, o) in xs.iter().zip(out.iter_mut()) {
-        *o = f(w, x);
-    }
 }
 
 // SAFETY (every wrapper below): `DotKernels::get(SimdLevel::Neon)` hands this table
@@ -293,8 +237,8 @@ pub(crate) static NEON: DotKernels = DotKernels {
     f16_f32: wrap!(dot_f16_f32, w: &[u8], x: &[f32]),
     f32_f32: wrap!(dot_f32_f32, w: &[u8], x: &[f32]),
     f32: wrap!(dot_f32, a: &[f32], b: &[f32]),
-    q8_0_multi: |w, xs, out| multi(w, xs, out, wrap!(dot_q8_0, w: &[u8], x: &[_])),
-    q2_k_multi: |w, xs, out| multi(w, xs, out, wrap!(dot_q2_k, w: &[u8], x: &[_])),
-    q4_k_multi: |w, xs, out| multi(w, xs, out, wrap!(dot_q4_k, w: &[u8], x: &[_])),
+    q8_0_multi: |w, xs, out| multi_by_rows(w, xs, out, wrap!(dot_q8_0, w: &[u8], x: &[_])),
+    q2_k_multi: |w, xs, out| multi_by_rows(w, xs, out, wrap!(dot_q2_k, w: &[u8], x: &[_])),
+    q4_k_multi: |w, xs, out| multi_by_rows(w, xs, out, wrap!(dot_q4_k, w: &[u8], x: &[_])),
     iq2_xxs_multi: wrap!(dot_iq2_xxs_multi, w: &[u8], xs: &[&[_]], o: &mut [f32]),
 };

@@ -19,40 +19,10 @@ use core::arch::x86_64::*;
 
 use super::blocks::{BlockQ8K, BlockQ8_0, IQ2_XXS_BLOCK_BYTES, Q2_K_BLOCK_BYTES, QK8_0};
 use super::blocks::{Q4_K_BLOCK_BYTES, Q8_0_BLOCK_BYTES};
-use super::dequant::{ksigns, q4k_scale_min};
-use super::dot::{reduce_lanes, DENSE_LANES};
+use super::dequant::{q4k_scale_min, KSIGN_MASK};
+use super::dot::dense_finish;
 use super::iq2xxs_grid::IQ2XXS_GRID;
-
-/// `KSIGN_MASK[i]`: byte j is 0xFF when element j of an IQ2 8-group with sign index `i`
-/// is negative.
-static KSIGN_MASK: [u64; 128] = {
-    let mut t = [0u64; 128];
-    let mut i = 0;
-    while i < 128 {
-        let s = ksigns(i);
-        let mut m = 0u64;
-        let mut j = 0;
-        while j < 8 {
-            if s & (1 << j) != 0 {
-                m |= 0xFFu64 << (8 * j);
-            }
-            j += 1;
-        }
-        t[i] = m;
-        i += 1;
-    }
-    t
-};
-
-#[inline(always)]
-fn rd_u16(p: &[u8], at: usize) -> u16 {
-    u16::from_le_bytes([p[at], p[at + 1]])
-}
-
-#[inline(always)]
-fn rd_u32(p: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes([p[at], p[at + 1], p[at + 2], p[at + 3]])
-}
+use super::{f16_to_f32, le_u16, le_u32};
 
 // ---------------------------------------------------------------------------------
 // Helpers
@@ -99,14 +69,14 @@ unsafe fn reduce8(p: &[__m256i; 8]) -> __m256i {
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn f16_pair(p: &[u8], at: usize) -> (f32, f32) {
-    let v = _mm_cvtph_ps(_mm_cvtsi32_si128(rd_u32(p, at) as i32));
+    let v = _mm_cvtph_ps(_mm_cvtsi32_si128(le_u32(p, at) as i32));
     (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
 }
 
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn f16_one(p: &[u8], at: usize) -> f32 {
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(rd_u16(p, at) as i32)))
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(le_u16(p, at) as i32)))
 }
 
 // ---------------------------------------------------------------------------------
@@ -129,7 +99,7 @@ unsafe fn q8_0_partial(wq: *const u8, xq: *const i8) -> __m256i {
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn q8_0_scales8(w: &[u8], b0: usize) -> __m256 {
-    let at = |k: usize| rd_u16(w, (b0 + k) * Q8_0_BLOCK_BYTES) as i16;
+    let at = |k: usize| le_u16(w, (b0 + k) * Q8_0_BLOCK_BYTES) as i16;
     _mm256_cvtph_ps(_mm_setr_epi16(
         at(0),
         at(1),
@@ -164,8 +134,15 @@ unsafe fn q8_0_combine8(acc: &mut f32, dw: __m256, x: &[BlockQ8_0], b0: usize, i
     }
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn dot_q8_0_avx2(w: &[u8], x: &[BlockQ8_0]) -> f32 {
+/// A Q8_0 row in groups of eight blocks with `partial` as the block kernel (the AVX2
+/// and VNNI ones give the same exact i32 sums), then the rest one block at a time.
+/// Always inlined, so `partial` runs with the caller's features.
+#[inline(always)]
+unsafe fn dot_q8_0_groups(
+    w: &[u8],
+    x: &[BlockQ8_0],
+    partial: impl Fn(*const u8, *const i8) -> __m256i,
+) -> f32 {
     let nb = (w.len() / Q8_0_BLOCK_BYTES).min(x.len());
     let wp = w.as_ptr();
     let mut acc = 0.0f32;
@@ -177,13 +154,18 @@ pub(crate) unsafe fn dot_q8_0_avx2(w: &[u8], x: &[BlockQ8_0]) -> f32 {
             if k % 2 == 0 {
                 prefetch(wb);
             }
-            *pk = q8_0_partial(wb, x[b + k].qs.as_ptr());
+            *pk = partial(wb, x[b + k].qs.as_ptr());
         }
         let dw = q8_0_scales8(w, b);
         q8_0_combine8(&mut acc, dw, x, b, reduce8(&p));
         b += 8;
     }
     dot_q8_0_tail_avx2(acc, w, x, b, nb)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q8_0_avx2(w: &[u8], x: &[BlockQ8_0]) -> f32 {
+    dot_q8_0_groups(w, x, |wq, xq| q8_0_partial(wq, xq))
 }
 
 /// Blocks `b0..nb` one at a time (the part of a row short of a full group).
@@ -207,9 +189,7 @@ unsafe fn dot_q8_0_tail_avx2(mut acc: f32, w: &[u8], x: &[BlockQ8_0], b0: usize,
 pub(crate) unsafe fn dot_q8_0_multi_avx2(w: &[u8], xs: &[&[BlockQ8_0]], out: &mut [f32]) {
     let nb = w.len() / Q8_0_BLOCK_BYTES;
     let wp = w.as_ptr();
-    for o in out.iter_mut() {
-        *o = 0.0;
-    }
+    out.fill(0.0);
     let mut b = 0;
     while b + 8 <= nb {
         let mut wv = [_mm256_setzero_si256(); 16];
@@ -321,9 +301,7 @@ pub(crate) unsafe fn dot_q2_k_avx2(w: &[u8], x: &[BlockQ8K]) -> f32 {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn dot_q2_k_multi_avx2(w: &[u8], xs: &[&[BlockQ8K]], out: &mut [f32]) {
-    for o in out.iter_mut() {
-        *o = 0.0;
-    }
+    out.fill(0.0);
     for (b, wb) in w.chunks_exact(Q2_K_BLOCK_BYTES).enumerate() {
         let (q, sc, mins) = q2_k_unpack(wb.as_ptr());
         prefetch(wb.as_ptr());
@@ -402,9 +380,7 @@ pub(crate) unsafe fn dot_q4_k_avx2(w: &[u8], x: &[BlockQ8K]) -> f32 {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn dot_q4_k_multi_avx2(w: &[u8], xs: &[&[BlockQ8K]], out: &mut [f32]) {
-    for o in out.iter_mut() {
-        *o = 0.0;
-    }
+    out.fill(0.0);
     for (b, wb) in w.chunks_exact(Q4_K_BLOCK_BYTES).enumerate() {
         let (q, sc, mn) = q4_k_unpack(wb);
         prefetch(wb.as_ptr());
@@ -467,7 +443,7 @@ unsafe fn iq2_xxs_unpack_gather(wb: &[u8]) -> ([__m256i; 8], [i16; 8]) {
     let table = IQ2XXS_SIGNED.as_ptr() as *const i64;
     for g in 0..8 {
         let o = 2 + 8 * g;
-        let a1 = u32::from_le_bytes([wb[o + 4], wb[o + 5], wb[o + 6], wb[o + 7]]);
+        let a1 = le_u32(wb, o + 4);
         let grid = _mm_slli_epi32::<7>(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(
             (p.add(o) as *const i32).read_unaligned(),
         )));
@@ -512,9 +488,7 @@ pub(crate) unsafe fn dot_iq2_xxs_avx2(w: &[u8], x: &[BlockQ8K]) -> f32 {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn dot_iq2_xxs_multi_avx2(w: &[u8], xs: &[&[BlockQ8K]], out: &mut [f32]) {
-    for o in out.iter_mut() {
-        *o = 0.0;
-    }
+    out.fill(0.0);
     for (b, wb) in w.chunks_exact(IQ2_XXS_BLOCK_BYTES).enumerate() {
         let (sg, ls) = iq2_xxs_unpack_gather(wb);
         let d = f16_one(wb, 0);
@@ -532,23 +506,6 @@ pub(crate) unsafe fn dot_iq2_xxs_multi_avx2(w: &[u8], xs: &[&[BlockQ8K]], out: &
 // ---------------------------------------------------------------------------------
 // Dense
 // ---------------------------------------------------------------------------------
-
-/// Finishes a dense dot: the vector part left lanes 0..16 for elements `0..done`; the
-/// tail continues the same lane assignment, then the canonical reduction.
-#[inline]
-fn dense_finish(
-    mut lanes: [f32; DENSE_LANES],
-    done: usize,
-    n: usize,
-    elem: impl Fn(usize) -> (f32, f32),
-) -> f32 {
-    for i in done..n {
-        let (a, b) = elem(i);
-        let l = &mut lanes[i % DENSE_LANES];
-        *l = a.mul_add(b, *l);
-    }
-    reduce_lanes(&lanes)
-}
 
 /// Dense dot of `n` elements where `load(i)` gives 8 weights at element i.
 #[inline]
@@ -568,43 +525,64 @@ unsafe fn dense_avx2(n: usize, x: *const f32, load: impl Fn(usize) -> __m256) ->
     lanes
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn dot_f16_f32_avx2(w: &[u8], x: &[f32]) -> f32 {
-    let n = (w.len() / 2).min(x.len());
-    let wp = w.as_ptr();
-    let lanes = dense_avx2(n, x.as_ptr(), |i| {
-        if i % 32 == 0 {
-            prefetch(wp.wrapping_add(2 * i));
-        }
-        _mm256_cvtph_ps(_mm_loadu_si128(wp.add(2 * i) as *const __m128i))
-    });
-    dense_finish(lanes, n / 16 * 16, n, |i| {
-        (half::f16::from_bits(rd_u16(w, 2 * i)).to_f32(), x[i])
-    })
+/// 8 f16 at `p` → f32, exactly.
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn load8_f16(p: *const u8) -> __m256 {
+    _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn dot_f32_f32_avx2(w: &[u8], x: &[f32]) -> f32 {
-    let n = (w.len() / 4).min(x.len());
-    let wp = w.as_ptr() as *const f32;
-    let lanes = dense_avx2(n, x.as_ptr(), |i| {
-        if i % 16 == 0 {
-            prefetch(wp.wrapping_add(i) as *const u8);
+/// The three dense dots of one ISA level. Levels differ only in the vector kernel
+/// `$dense` (which fixes the lane assignment) and the loads; the prefetch cadence,
+/// the scalar tail ([`dense_finish`]) and the reduction are the same.
+macro_rules! dense_dots {
+    ($features:literal, $dense:ident, $load_f16:ident, $load_f32:ident,
+     $dot_f16_f32:ident, $dot_f32_f32:ident, $dot_f32:ident) => {
+        #[target_feature(enable = $features)]
+        pub(crate) unsafe fn $dot_f16_f32(w: &[u8], x: &[f32]) -> f32 {
+            let n = (w.len() / 2).min(x.len());
+            let wp = w.as_ptr();
+            let lanes = $dense(n, x.as_ptr(), |i| {
+                if i % 32 == 0 {
+                    prefetch(wp.wrapping_add(2 * i));
+                }
+                $load_f16(wp.add(2 * i))
+            });
+            dense_finish(lanes, n, |i| (f16_to_f32(le_u16(w, 2 * i)), x[i]))
         }
-        _mm256_loadu_ps(wp.add(i))
-    });
-    dense_finish(lanes, n / 16 * 16, n, |i| {
-        (f32::from_bits(rd_u32(w, 4 * i)), x[i])
-    })
+
+        #[target_feature(enable = $features)]
+        pub(crate) unsafe fn $dot_f32_f32(w: &[u8], x: &[f32]) -> f32 {
+            let n = (w.len() / 4).min(x.len());
+            let wp = w.as_ptr() as *const f32;
+            let lanes = $dense(n, x.as_ptr(), |i| {
+                if i % 16 == 0 {
+                    prefetch(wp.wrapping_add(i) as *const u8);
+                }
+                $load_f32(wp.add(i))
+            });
+            dense_finish(lanes, n, |i| (f32::from_bits(le_u32(w, 4 * i)), x[i]))
+        }
+
+        #[target_feature(enable = $features)]
+        pub(crate) unsafe fn $dot_f32(a: &[f32], b: &[f32]) -> f32 {
+            let n = a.len().min(b.len());
+            let ap = a.as_ptr();
+            let lanes = $dense(n, b.as_ptr(), |i| $load_f32(ap.add(i)));
+            dense_finish(lanes, n, |i| (a[i], b[i]))
+        }
+    };
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn dot_f32_avx2(a: &[f32], b: &[f32]) -> f32 {
-    let n = a.len().min(b.len());
-    let ap = a.as_ptr();
-    let lanes = dense_avx2(n, b.as_ptr(), |i| _mm256_loadu_ps(ap.add(i)));
-    dense_finish(lanes, n / 16 * 16, n, |i| (a[i], b[i]))
-}
+dense_dots!(
+    "avx2,fma,f16c",
+    dense_avx2,
+    load8_f16,
+    _mm256_loadu_ps,
+    dot_f16_f32_avx2,
+    dot_f32_f32_avx2,
+    dot_f32_avx2
+);
 
 // ---------------------------------------------------------------------------------
 // AVX-512 (F + BW + VL, VNNI where noted)
@@ -628,24 +606,7 @@ unsafe fn q8_0_partial_vnni(wq: *const u8, xq: *const i8) -> __m256i {
 
 #[target_feature(enable = "avx512f,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn dot_q8_0_vnni(w: &[u8], x: &[BlockQ8_0]) -> f32 {
-    let nb = (w.len() / Q8_0_BLOCK_BYTES).min(x.len());
-    let wp = w.as_ptr();
-    let mut acc = 0.0f32;
-    let mut b = 0;
-    while b + 8 <= nb {
-        let mut p = [_mm256_setzero_si256(); 8];
-        for (k, pk) in p.iter_mut().enumerate() {
-            let wb = wp.add((b + k) * Q8_0_BLOCK_BYTES + 2);
-            if k % 2 == 0 {
-                prefetch(wb);
-            }
-            *pk = q8_0_partial_vnni(wb, x[b + k].qs.as_ptr());
-        }
-        let dw = q8_0_scales8(w, b);
-        q8_0_combine8(&mut acc, dw, x, b, reduce8(&p));
-        b += 8;
-    }
-    dot_q8_0_tail_avx2(acc, w, x, b, nb)
+    dot_q8_0_groups(w, x, |wq, xq| q8_0_partial_vnni(wq, xq))
 }
 
 /// One IQ2_XXS block decoded for 512-bit kernels: signed grid values of groups
@@ -657,14 +618,41 @@ struct Iq2Zmm {
     ls: [__m512i; 4],
 }
 
+/// Groups 2h and 2h+1 of an IQ2_XXS block: their signed grid values (64 i8, one
+/// 8-index gather) and the `2·ls+1` multiplier of each group on its half of 32 i16
+/// lanes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+unsafe fn iq2_xxs_pair512(wb: &[u8; IQ2_XXS_BLOCK_BYTES], h: usize) -> (__m512i, __m512i) {
+    let shifts = _mm256_setr_epi32(0, 7, 14, 21, 0, 7, 14, 21);
+    let m127 = _mm256_set1_epi32(127);
+    let table = IQ2XXS_SIGNED.as_ptr() as *const i64;
+    let p = wb.as_ptr();
+    // Grid bytes at 2+16h and 10+16h, sign words after them.
+    let o = 2 + 16 * h;
+    let a = le_u32(wb, o + 4);
+    let b = le_u32(wb, o + 12);
+    let gi = _mm_setr_epi32(
+        (p.add(o) as *const i32).read_unaligned(),
+        (p.add(o + 8) as *const i32).read_unaligned(),
+        0,
+        0,
+    );
+    let grid = _mm256_slli_epi32::<7>(_mm256_cvtepu8_epi32(gi));
+    let words = _mm256_setr_m128i(_mm_set1_epi32(a as i32), _mm_set1_epi32(b as i32));
+    let signs = _mm256_and_si256(_mm256_srlv_epi32(words, shifts), m127);
+    let sg = _mm512_i32gather_epi64::<8>(_mm256_add_epi32(grid, signs), table);
+    let ls = _mm512_inserti64x4::<1>(
+        _mm512_castsi256_si512(_mm256_set1_epi16(2 * (a >> 28) as i16 + 1)),
+        _mm256_set1_epi16(2 * (b >> 28) as i16 + 1),
+    );
+    (sg, ls)
+}
+
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx2")]
 unsafe fn iq2_xxs_unpack512(wb: &[u8; IQ2_XXS_BLOCK_BYTES]) -> Iq2Zmm {
-    let shifts = _mm256_setr_epi32(0, 7, 14, 21, 0, 7, 14, 21);
-    let m127 = _mm256_set1_epi32(127);
     let bias = _mm512_set1_epi8(-128);
-    let table = IQ2XXS_SIGNED.as_ptr() as *const i64;
-    let p = wb.as_ptr();
     let z = _mm512_setzero_si512();
     let mut out = Iq2Zmm {
         sg: [z; 4],
@@ -672,26 +660,10 @@ unsafe fn iq2_xxs_unpack512(wb: &[u8; IQ2_XXS_BLOCK_BYTES]) -> Iq2Zmm {
         ls: [z; 4],
     };
     for h in 0..4 {
-        // Groups 2h and 2h+1: grid bytes at 2+16h and 10+16h, sign words after them.
-        let o = 2 + 16 * h;
-        let a = rd_u32(wb, o + 4);
-        let b = rd_u32(wb, o + 12);
-        let gi = _mm_setr_epi32(
-            (p.add(o) as *const i32).read_unaligned(),
-            (p.add(o + 8) as *const i32).read_unaligned(),
-            0,
-            0,
-        );
-        let grid = _mm256_slli_epi32::<7>(_mm256_cvtepu8_epi32(gi));
-        let words = _mm256_setr_m128i(_mm_set1_epi32(a as i32), _mm_set1_epi32(b as i32));
-        let signs = _mm256_and_si256(_mm256_srlv_epi32(words, shifts), m127);
-        let sg = _mm512_i32gather_epi64::<8>(_mm256_add_epi32(grid, signs), table);
+        let (sg, ls) = iq2_xxs_pair512(wb, h);
         out.sg[h] = sg;
         out.bias_term[h] = _mm512_maddubs_epi16(bias, sg);
-        out.ls[h] = _mm512_inserti64x4::<1>(
-            _mm512_castsi256_si512(_mm256_set1_epi16(2 * (a >> 28) as i16 + 1)),
-            _mm256_set1_epi16(2 * (b >> 28) as i16 + 1),
-        );
+        out.ls[h] = ls;
     }
     out
 }
@@ -719,42 +691,19 @@ unsafe fn iq2_xxs_sum512(d: &Iq2Zmm, xb: &BlockQ8K) -> i32 {
 /// each gather overlap the previous pair's arithmetic is ~15% faster for one row.
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
 pub(crate) unsafe fn dot_iq2_xxs_avx512(w: &[u8], x: &[BlockQ8K]) -> f32 {
-    let shifts = _mm256_setr_epi32(0, 7, 14, 21, 0, 7, 14, 21);
-    let m127 = _mm256_set1_epi32(127);
     let bias = _mm512_set1_epi8(-128);
-    let table = IQ2XXS_SIGNED.as_ptr() as *const i64;
     let mut acc = 0.0f32;
     for (wb, xb) in w.chunks_exact(IQ2_XXS_BLOCK_BYTES).zip(x) {
         prefetch(wb.as_ptr());
         let wb: &[u8; IQ2_XXS_BLOCK_BYTES] = wb.try_into().expect("IQ2_XXS block");
-        let p = wb.as_ptr();
         let xq = xb.qs.as_ptr();
         let mut tot = _mm512_setzero_si512();
         for h in 0..4 {
-            // Groups 2h and 2h+1: grid bytes at 2+16h and 10+16h, sign words after them.
-            let o = 2 + 16 * h;
-            let a = rd_u32(wb, o + 4);
-            let b = rd_u32(wb, o + 12);
-            let gi = _mm_setr_epi32(
-                (p.add(o) as *const i32).read_unaligned(),
-                (p.add(o + 8) as *const i32).read_unaligned(),
-                0,
-                0,
-            );
-            let grid = _mm256_slli_epi32::<7>(_mm256_cvtepu8_epi32(gi));
-            let words = _mm256_setr_m128i(_mm_set1_epi32(a as i32), _mm_set1_epi32(b as i32));
-            let signs = _mm256_and_si256(_mm256_srlv_epi32(words, shifts), m127);
-            let sg = _mm512_i32gather_epi64::<8>(_mm256_add_epi32(grid, signs), table);
+            let (sg, lsv) = iq2_xxs_pair512(wb, h);
             let xv = _mm512_loadu_si512(xq.add(64 * h) as *const _);
             let t = _mm512_sub_epi16(
                 _mm512_maddubs_epi16(_mm512_xor_si512(xv, bias), sg),
                 _mm512_maddubs_epi16(bias, sg),
-            );
-            let la = 2 * (a >> 28) as i16 + 1;
-            let lb = 2 * (b >> 28) as i16 + 1;
-            let lsv = _mm512_inserti64x4::<1>(
-                _mm512_castsi256_si512(_mm256_set1_epi16(la)),
-                _mm256_set1_epi16(lb),
             );
             tot = _mm512_add_epi32(tot, _mm512_madd_epi16(t, lsv));
         }
@@ -767,9 +716,7 @@ pub(crate) unsafe fn dot_iq2_xxs_avx512(w: &[u8], x: &[BlockQ8K]) -> f32 {
 /// Multi-row IQ2_XXS: each block is gathered and its bias term computed once.
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
 pub(crate) unsafe fn dot_iq2_xxs_multi_avx512(w: &[u8], xs: &[&[BlockQ8K]], out: &mut [f32]) {
-    for o in out.iter_mut() {
-        *o = 0.0;
-    }
+    out.fill(0.0);
     for (b, wb) in w.chunks_exact(IQ2_XXS_BLOCK_BYTES).enumerate() {
         prefetch(wb.as_ptr());
         let wb: &[u8; IQ2_XXS_BLOCK_BYTES] = wb.try_into().expect("IQ2_XXS block");
@@ -799,41 +746,22 @@ unsafe fn dense_avx512(n: usize, x: *const f32, load: impl Fn(usize) -> __m512) 
     lanes
 }
 
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
-pub(crate) unsafe fn dot_f16_f32_avx512(w: &[u8], x: &[f32]) -> f32 {
-    let n = (w.len() / 2).min(x.len());
-    let wp = w.as_ptr();
-    let lanes = dense_avx512(n, x.as_ptr(), |i| {
-        if i % 32 == 0 {
-            prefetch(wp.wrapping_add(2 * i));
-        }
-        _mm512_cvtph_ps(_mm256_loadu_si256(wp.add(2 * i) as *const __m256i))
-    });
-    dense_finish(lanes, n / 16 * 16, n, |i| {
-        (half::f16::from_bits(rd_u16(w, 2 * i)).to_f32(), x[i])
-    })
+/// 16 f16 at `p` → f32, exactly.
+#[inline]
+#[target_feature(enable = "avx512f,avx2")]
+unsafe fn load16_f16(p: *const u8) -> __m512 {
+    _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
 }
 
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
-pub(crate) unsafe fn dot_f32_f32_avx512(w: &[u8], x: &[f32]) -> f32 {
-    let n = (w.len() / 4).min(x.len());
-    let wp = w.as_ptr() as *const f32;
-    let lanes = dense_avx512(n, x.as_ptr(), |i| {
-        prefetch(wp.wrapping_add(i) as *const u8);
-        _mm512_loadu_ps(wp.add(i))
-    });
-    dense_finish(lanes, n / 16 * 16, n, |i| {
-        (f32::from_bits(rd_u32(w, 4 * i)), x[i])
-    })
-}
-
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
-pub(crate) unsafe fn dot_f32_avx512(a: &[f32], b: &[f32]) -> f32 {
-    let n = a.len().min(b.len());
-    let ap = a.as_ptr();
-    let lanes = dense_avx512(n, b.as_ptr(), |i| _mm512_loadu_ps(ap.add(i)));
-    dense_finish(lanes, n / 16 * 16, n, |i| (a[i], b[i]))
-}
+dense_dots!(
+    "avx512f,avx2,fma,f16c",
+    dense_avx512,
+    load16_f16,
+    _mm512_loadu_ps,
+    dot_f16_f32_avx512,
+    dot_f32_f32_avx512,
+    dot_f32_avx512
+);
 
 /// `QK8_0` is what the Q8_0 kernels above assume.
 const _: () = assert!(QK8_0 == 32);

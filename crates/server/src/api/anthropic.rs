@@ -238,26 +238,13 @@ pub fn prepare(shared: &Shared, body: &[u8]) -> Result<Prepared, ApiError> {
         .unwrap_or(shared.cfg.max_tokens)
         .min(shared.cfg.max_tokens);
     Ok(Prepared {
-        kind: ApiKind::Anthropic,
-        model,
         stream: get_bool(&o, "stream")?.unwrap_or(false),
-        include_usage: true,
-        prompt_text: text,
-        prompt_tokens,
-        mode,
-        structured: true,
-        tools_active: conv.tools_active(),
-        max_tokens,
         sampling: get_sampling(&o, false)?.for_mode(mode),
         stops: get_stops(&o, "stop_sequences")?,
-        raw: shared
-            .cfg
-            .trace
-            .is_some()
-            .then(|| String::from_utf8_lossy(body).into_owned()),
-        conv: Some(std::sync::Arc::new(conv)),
-        summary: false,
         live,
+        max_tokens,
+        raw: raw_request(shared, body),
+        ..Prepared::structured(ApiKind::Anthropic, model, mode, conv, text, prompt_tokens)
     })
 }
 

@@ -196,6 +196,48 @@ pub struct Prepared {
     pub live: crate::bindings::LiveRequest,
 }
 
+impl Prepared {
+    /// A structured (chat-style) request over the parsed conversation `conv`, rendered
+    /// to `prompt_text` / `prompt_tokens`: usage reported, no stop strings, default
+    /// sampling, no live continuation, no trace. Callers override what their API reads.
+    pub fn structured(
+        kind: ApiKind,
+        model: String,
+        mode: ThinkMode,
+        conv: crate::render::Conversation,
+        prompt_text: String,
+        prompt_tokens: Vec<u32>,
+    ) -> Prepared {
+        Prepared {
+            kind,
+            model,
+            stream: false,
+            include_usage: true,
+            prompt_text,
+            prompt_tokens,
+            mode,
+            structured: true,
+            tools_active: conv.tools_active(),
+            max_tokens: 0,
+            sampling: Sampling::default(),
+            stops: Vec::new(),
+            raw: None,
+            conv: Some(std::sync::Arc::new(conv)),
+            summary: false,
+            live: Default::default(),
+        }
+    }
+}
+
+/// The raw request body, kept for `--trace` only.
+pub fn raw_request(shared: &Shared, body: &[u8]) -> Option<String> {
+    shared
+        .cfg
+        .trace
+        .is_some()
+        .then(|| String::from_utf8_lossy(body).into_owned())
+}
+
 /// Tokenizes the rendered prompt and enforces the context limit (§2.2 errors).
 pub fn tokenize_checked(
     shared: &Shared,

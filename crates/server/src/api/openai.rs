@@ -140,26 +140,13 @@ pub fn prepare_chat(shared: &Shared, body: &[u8]) -> Result<Prepared, ApiError> 
     };
     let prompt_tokens = tokenize_checked(shared, &text, "messages")?;
     Ok(Prepared {
-        kind: ApiKind::Chat,
-        model,
         stream,
         include_usage,
-        prompt_text: text,
-        prompt_tokens,
-        mode,
-        structured: true,
-        tools_active: conv.tools_active(),
-        max_tokens,
         sampling,
         stops,
-        raw: shared
-            .cfg
-            .trace
-            .is_some()
-            .then(|| String::from_utf8_lossy(body).into_owned()),
-        conv: Some(std::sync::Arc::new(conv)),
-        summary: false,
-        live: Default::default(),
+        max_tokens,
+        raw: raw_request(shared, body),
+        ..Prepared::structured(ApiKind::Chat, model, mode, conv, text, prompt_tokens)
     })
 }
 
@@ -195,11 +182,7 @@ pub fn prepare_completion(shared: &Shared, body: &[u8]) -> Result<Prepared, ApiE
         max_tokens,
         sampling,
         stops,
-        raw: shared
-            .cfg
-            .trace
-            .is_some()
-            .then(|| String::from_utf8_lossy(body).into_owned()),
+        raw: raw_request(shared, body),
         conv: None,
         summary: false,
         live: Default::default(),
@@ -261,19 +244,53 @@ fn error_frame(message: &str) -> String {
 
 /// Chat stream: role chunk, reasoning/content deltas, tool-call deltas as soon as an
 /// invocation is recognised, the finish chunk, optional usage, `[DONE]`.
-pub struct ChatStream {
+pub struct ChatStream(pub StreamHead);
+
+/// What every frame of an OpenAI stream names, and whether the client asked for a
+/// usage frame at the end.
+pub struct StreamHead {
     pub id: String,
     pub model: String,
     pub include_usage: bool,
     pub created: u64,
 }
 
+impl StreamHead {
+    /// The head of a stream answering `p`, created now.
+    pub fn new(id: String, p: &Prepared) -> StreamHead {
+        StreamHead {
+            id,
+            model: p.model.clone(),
+            include_usage: p.include_usage,
+            created: unix_now(),
+        }
+    }
+
+    /// One frame of stream object type `object` carrying `choices`.
+    fn frame(&self, object: &str, choices: Value) -> String {
+        data(&json!({
+            "id": self.id, "object": object, "created": self.created, "model": self.model,
+            "choices": choices,
+        }))
+    }
+
+    /// The closing frames: the usage frame when asked for, then `[DONE]`.
+    fn close(&self, object: &str, usage: &Usage, out: &mut Vec<String>) {
+        if self.include_usage {
+            out.push(data(&json!({
+                "id": self.id, "object": object, "created": self.created, "model": self.model,
+                "choices": [], "usage": usage_json(usage),
+            })));
+        }
+        out.push("data: [DONE]\n\n".into());
+    }
+}
+
 impl ChatStream {
     fn chunk(&self, delta: Value, finish: Option<&str>) -> String {
-        data(&json!({
-            "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
-        }))
+        let choices =
+            json!([{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}]);
+        self.0.frame("chat.completion.chunk", choices)
     }
 }
 
@@ -301,13 +318,7 @@ impl SseFormatter for ChatStream {
                     }
                 }
                 out.push(self.chunk(json!({}), Some(r.finish.openai())));
-                if self.include_usage {
-                    out.push(data(&json!({
-                        "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                        "choices": [], "usage": usage_json(&r.usage),
-                    })));
-                }
-                out.push("data: [DONE]\n\n".into());
+                self.0.close("chat.completion.chunk", &r.usage, &mut out);
                 out
             }
             GenEvent::Failed { message, .. } => vec![error_frame(&message)],
@@ -317,19 +328,13 @@ impl SseFormatter for ChatStream {
 }
 
 /// Legacy completions stream: raw text deltas.
-pub struct CompletionStream {
-    pub id: String,
-    pub model: String,
-    pub include_usage: bool,
-    pub created: u64,
-}
+pub struct CompletionStream(pub StreamHead);
 
 impl CompletionStream {
     fn chunk(&self, text: &str, finish: Option<&str>) -> String {
-        data(&json!({
-            "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-            "choices": [{"text": text, "index": 0, "logprobs": null, "finish_reason": finish}],
-        }))
+        let choices =
+            json!([{"text": text, "index": 0, "logprobs": null, "finish_reason": finish}]);
+        self.0.frame("text_completion", choices)
     }
 }
 
@@ -339,13 +344,7 @@ impl SseFormatter for CompletionStream {
             GenEvent::Content(s) | GenEvent::Reasoning(s) => vec![self.chunk(&s, None)],
             GenEvent::Done(r) => {
                 let mut out = vec![self.chunk("", Some(r.finish.openai()))];
-                if self.include_usage {
-                    out.push(data(&json!({
-                        "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                        "choices": [], "usage": usage_json(&r.usage),
-                    })));
-                }
-                out.push("data: [DONE]\n\n".into());
+                self.0.close("text_completion", &r.usage, &mut out);
                 out
             }
             GenEvent::Failed { message, .. } => vec![error_frame(&message)],

@@ -359,26 +359,13 @@ pub fn prepare(shared: &Shared, body: &[u8]) -> Result<(Prepared, ResponsesExtra
         sampling.top_p = t;
     }
     let p = Prepared {
-        kind: ApiKind::Responses,
-        model,
         stream: get_bool(&o, "stream")?.unwrap_or(false),
-        include_usage: true,
-        prompt_text: text,
-        prompt_tokens,
-        mode,
-        structured: true,
-        tools_active: conv.tools_active(),
-        max_tokens,
         sampling: sampling.for_mode(mode),
-        stops: Vec::new(),
-        raw: shared
-            .cfg
-            .trace
-            .is_some()
-            .then(|| String::from_utf8_lossy(body).into_owned()),
-        conv: Some(std::sync::Arc::new(conv)),
         summary,
         live,
+        max_tokens,
+        raw: raw_request(shared, body),
+        ..Prepared::structured(ApiKind::Responses, model, mode, conv, text, prompt_tokens)
     };
     Ok((p, ResponsesExtra { names, summary }))
 }

@@ -5,6 +5,7 @@
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
+use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,6 +16,23 @@ use serde_json::Value;
 
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// A scratch path for this process and `tag`, removed if a previous run left it.
+pub fn temp_dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ds4-server-test-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// Stops a `ds4-server` process with SIGTERM (the clean shutdown path, which saves the
+/// live session) and reaps it.
+pub fn stop(mut child: Child) {
+    let _ = Command::new("kill")
+        .arg("-TERM")
+        .arg(child.id().to_string())
+        .status();
+    let _ = child.wait();
 }
 
 pub fn tokenizer() -> Arc<Tokenizer> {
@@ -170,6 +188,16 @@ pub fn post(addr: SocketAddr, path: &str, body: &Value) -> Resp {
 
 pub fn get(addr: SocketAddr, path: &str) -> Resp {
     request(addr, "GET", path, &[], b"")
+}
+
+/// The first item of the JSON array `list` whose `type` is `ty` (an output item, a
+/// content block); panics naming `ty` when there is none.
+pub fn first_of<'a>(list: &'a Value, ty: &str) -> &'a Value {
+    list.as_array()
+        .unwrap_or_else(|| panic!("not an array: {list}"))
+        .iter()
+        .find(|o| o["type"] == ty)
+        .unwrap_or_else(|| panic!("no {ty} item in {list}"))
 }
 
 pub fn weather_tool() -> Value {

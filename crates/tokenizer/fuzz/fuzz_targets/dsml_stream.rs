@@ -11,7 +11,15 @@ use ds4_tokenizer::dsml;
 use ds4_tokenizer::dsml_stream::{StreamEvent, StreamOptions, StreamParser};
 use libfuzzer_sys::fuzz_target;
 
-fn run(text: &str, opts: StreamOptions, cuts: &[usize]) -> (Vec<StreamEvent>, ds4_tokenizer::dsml_stream::StreamOutcome) {
+#[path = "../../tests/common/streamed.rs"]
+mod streamed;
+use streamed::Streamed;
+
+fn run(
+    text: &str,
+    opts: StreamOptions,
+    cuts: &[usize],
+) -> (Vec<StreamEvent>, ds4_tokenizer::dsml_stream::StreamOutcome) {
     let mut p = StreamParser::new(opts);
     let mut ev = Vec::new();
     let mut start = 0;
@@ -57,23 +65,16 @@ fuzz_target!(|data: &[u8]| {
     let (events, pieces) = run(&text, opts, &cuts);
     assert_eq!(whole, pieces, "outcome depends on the split");
 
-    let mut reasoning = String::new();
-    let mut content = String::new();
-    let mut args: Vec<String> = Vec::new();
-    for e in &events {
-        match e {
-            StreamEvent::Reasoning(s) => reasoning.push_str(s),
-            StreamEvent::Content(s) => content.push_str(s),
-            StreamEvent::ToolCallStart { index, .. } => {
-                assert_eq!(*index, args.len());
-                args.push(String::new());
-            }
-            StreamEvent::ToolCallArgs { index, delta } => args[*index].push_str(delta),
-            StreamEvent::ToolCallEnd { .. } | StreamEvent::ToolCallsAborted => {}
-        }
-    }
+    let Streamed {
+        reasoning,
+        content,
+        args,
+    } = Streamed::of(&events);
     assert_eq!(content, pieces.content);
-    assert_eq!(Some(reasoning), pieces.reasoning.clone().or(Some(String::new())));
+    assert_eq!(
+        Some(reasoning),
+        pieces.reasoning.clone().or(Some(String::new()))
+    );
     if !pieces.malformed {
         let complete: Vec<&String> = args.iter().take(pieces.tool_calls.len()).collect();
         for (call, streamed) in pieces.tool_calls.iter().zip(complete) {

@@ -6,6 +6,8 @@ use std::sync::OnceLock;
 
 use ds4_tokenizer::Tokenizer;
 
+pub mod streamed;
+
 pub fn fixture(rel: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../fixtures")
@@ -55,4 +57,14 @@ pub fn first_diff<T: PartialEq>(a: &[T], b: &[T]) -> usize {
         .zip(b)
         .position(|(x, y)| x != y)
         .unwrap_or(a.len().min(b.len()))
+}
+
+/// Fails with every collected case failure listed, one a line.
+pub fn assert_no_failures(failures: &[String]) {
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
