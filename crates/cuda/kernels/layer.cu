@@ -1,4 +1,4 @@
-// The non-matmul operations of a DeepSeek V4 layer (architecture.md §5). Every count
+// The non-matmul operations of a DeepSeek V4 layer (model-spec.md §5). Every count
 // that depends on the position (raw rows in the window, compressed rows, frontier
 // slots) is derived from `step->pos` in device memory, so one token's launches can be
 // captured in a CUDA graph and replayed. Per-token kernels take the token of a batch

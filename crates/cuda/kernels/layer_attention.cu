@@ -1,4 +1,4 @@
-// Decode sink attention (architecture.md §5.2): split over chunks of rows with an online
+// Decode sink attention (model-spec.md §5.2): split over chunks of rows with an online
 // softmax, then combined (the sink in the denominator). AttRows is shared with the
 // tensor-core prefill attention in mma_attention.cu, which the build places after this.
 // Helpers are in layer.cu, which the build places first.

@@ -1,4 +1,4 @@
-// The lightning indexer (architecture.md §5.5): its query (RoPE, Hadamard, FP4), the
+// The lightning indexer (model-spec.md §5.5): its query (RoPE, Hadamard, FP4), the
 // scores of the compressed rows, and the top-k selection the attention reads.
 // Helpers are in layer.cu, which the build places first.
 #include "common.cuh"

@@ -1,4 +1,4 @@
-// The layer's KV state (architecture.md §5.2, §5.4): the new raw row of the sliding window
+// The layer's KV state (model-spec.md §5.2, §5.4): the new raw row of the sliding window
 // and the compressors that fold rows into compressed KV, per decode token and batched.
 // Helpers (Step, ldw, block sums, RoPE, the QAT roundings) are in layer.cu, which the
 // build places first.

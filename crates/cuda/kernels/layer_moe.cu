@@ -1,4 +1,4 @@
-// The MoE block's small kernels (architecture.md §5.6): the router, SwiGLU and the row
+// The MoE block's small kernels (model-spec.md §5.6): the router, SwiGLU and the row
 // repeat of the batched path. The expert products are in matvec_q8act.cu / matmul.cu.
 // Helpers are in layer.cu, which the build places first.
 #include "common.cuh"

@@ -29,3 +29,42 @@ pub enum CudaError {
     #[error(transparent)]
     Plan(#[from] crate::plan::PlanError),
 }
+
+impl CudaError {
+    /// Device memory ran out: the weights' pre-check, or the driver's
+    /// `CUDA_ERROR_OUT_OF_MEMORY` from an allocation or launch.
+    pub fn is_out_of_memory(&self) -> bool {
+        use cudarc::driver::{sys::CUresult, DriverError};
+        matches!(
+            self,
+            CudaError::OutOfMemory { .. }
+                | CudaError::Driver(DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY))
+        )
+    }
+
+    /// The driver's out-of-memory error, as an allocation returns it (tests of callers
+    /// that sort errors by kind).
+    pub fn driver_out_of_memory() -> CudaError {
+        use cudarc::driver::{sys::CUresult, DriverError};
+        CudaError::Driver(DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn out_of_memory_is_recognised_from_the_precheck_and_the_driver() {
+        let pre = CudaError::OutOfMemory {
+            name: "GPU".into(),
+            need_gib: 81.0,
+            free_gib: 79.0,
+            total_gib: 80.0,
+        };
+        assert!(pre.is_out_of_memory());
+        assert!(CudaError::driver_out_of_memory().is_out_of_memory());
+        assert!(!CudaError::NoDriver.is_out_of_memory());
+        assert!(!CudaError::Invalid("x".into()).is_out_of_memory());
+    }
+}

@@ -68,7 +68,7 @@ pub struct Config {
 }
 
 impl Config {
-    /// DeepSeek V4 Flash as published (architecture.md §1).
+    /// DeepSeek V4 Flash as published (model-spec.md §1).
     pub fn flash() -> Config {
         let n_layer = 43;
         Config {

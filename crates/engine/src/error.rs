@@ -136,14 +136,7 @@ impl From<ds4_cuda::CudaError> for EngineError {
     /// Out-of-memory errors (the weights pre-check and the driver's own) become
     /// [`EngineError::OutOfMemory`]; the rest keep the CUDA error as [`EngineError::Device`].
     fn from(e: ds4_cuda::CudaError) -> Self {
-        use cudarc::driver::{sys::CUresult, DriverError};
-        use ds4_cuda::CudaError;
-        let oom = matches!(
-            e,
-            CudaError::OutOfMemory { .. }
-                | CudaError::Driver(DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY))
-        );
-        if oom {
+        if e.is_out_of_memory() {
             EngineError::OutOfMemory {
                 backend: "cuda",
                 source: Box::new(e),
@@ -184,7 +177,6 @@ mod tests {
     #[cfg(feature = "cuda")]
     #[test]
     fn cuda_out_of_memory_keeps_its_kind_and_source() {
-        use cudarc::driver::{sys::CUresult, DriverError};
         use ds4_cuda::CudaError;
         let precheck = EngineError::from(CudaError::OutOfMemory {
             name: "GPU".into(),
@@ -195,14 +187,10 @@ mod tests {
         assert!(precheck.is_out_of_memory(), "{precheck}");
         let src = std::error::Error::source(&precheck).expect("a source");
         assert!(src.downcast_ref::<CudaError>().is_some());
-        let driver = EngineError::from(CudaError::Driver(DriverError(
-            CUresult::CUDA_ERROR_OUT_OF_MEMORY,
-        )));
+        let driver = EngineError::from(CudaError::driver_out_of_memory());
         assert_eq!(driver.kind(), ErrorKind::OutOfMemory);
-        let other = EngineError::from(CudaError::Driver(DriverError(
-            CUresult::CUDA_ERROR_ILLEGAL_ADDRESS,
-        )));
-        assert!(matches!(other, EngineError::Device(CudaError::Driver(_))));
+        let other = EngineError::from(CudaError::Invalid("bad launch".into()));
+        assert!(matches!(other, EngineError::Device(CudaError::Invalid(_))));
         assert_eq!(other.kind(), ErrorKind::Device);
         let none = EngineError::from(CudaError::NoDriver);
         assert_eq!(none.kind(), ErrorKind::BackendUnavailable);

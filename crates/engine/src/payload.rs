@@ -1,4 +1,4 @@
-//! Session payloads (architecture.md §6): the same little-endian layout on every
+//! Session payloads (model-spec.md §6): the same little-endian layout on every
 //! backend.
 //!
 //! ```text

@@ -164,7 +164,7 @@ fn context_limit_and_bad_tokens_are_errors() {
 
 #[test]
 fn small_context_shrinks_the_raw_window() {
-    // ctx 10 < window 16: the ring holds 10 rows, like ds4 (architecture.md §8.14).
+    // ctx 10 < window 16: the ring holds 10 rows, like ds4 (model-spec.md §8.14).
     let model = load("q2", Numerics::Exact);
     let toks = tokens("b");
     let mut s = Session::new(&model, 10).unwrap();

@@ -28,7 +28,7 @@ pub trait EngineBackend: Send {
     /// An independent copy of the whole state (for rewinding without a re-prefill);
     /// fails when the device has no memory for a second state.
     fn snapshot(&self) -> Result<Box<dyn EngineBackend>, ServerError>;
-    /// The DSV4 session payload (architecture.md §6).
+    /// The DSV4 session payload (model-spec.md §6).
     fn save_payload(&self, w: &mut dyn Write) -> Result<(), ServerError>;
     /// Replaces the state with a payload written by `save_payload`.
     fn load_payload(&mut self, r: &mut dyn Read) -> Result<(), ServerError>;

@@ -1,4 +1,4 @@
-//! The CPU forward pass (architecture.md §5), layer-major over a chunk of tokens.
+//! The CPU forward pass (model-spec.md §5), layer-major over a chunk of tokens.
 //!
 //! Projections run over the whole chunk (each weight row is read once and reused for
 //! every token; routed experts are grouped by expert), while everything that reads

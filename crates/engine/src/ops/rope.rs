@@ -125,7 +125,7 @@ mod tests {
     #[test]
     fn tiny_yarn_ramp_is_pairs_7_to_13() {
         assert_eq!(yarn_range(32, 160000.0, 65536, 32.0, 1.0), (7, 13));
-        // Flash: 64 dims → 15..25 (architecture.md §5.3).
+        // Flash: 64 dims → 15..25 (model-spec.md §5.3).
         assert_eq!(yarn_range(64, 160000.0, 65536, 32.0, 1.0), (15, 25));
     }
 
