@@ -94,6 +94,17 @@ fn check(name: String, rel_err: f64) -> Check {
     }
 }
 
+/// The "`name` vs f64" check of a gathered batch output; NaN (a failure) where the
+/// kernel also wrote outside its addressed slots (`canaries` false, see [`gather`]).
+fn vs_f64(name: &str, got: &[f32], want: &[f64], canaries: bool) -> Check {
+    let e = if canaries {
+        rel_err(got, want)
+    } else {
+        f64::NAN
+    };
+    check(format!("{name} vs f64"), e)
+}
+
 /// Every check of the batched GEMMs.
 pub fn check_matmul(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::stream(seed, 0x6e4d, 0);
@@ -267,12 +278,7 @@ fn check_dense(
         "matmul_q8act {ty} {groups}x{rows}x{cols} n{n_tok}{}{tname}",
         if pad { " padded" } else { "" }
     );
-    let e = if canaries {
-        rel_err(&got, &want)
-    } else {
-        f64::NAN
-    };
-    let mut out = vec![check(format!("{name} vs f64"), e)];
+    let mut out = vec![vs_f64(&name, &got, &want, canaries)];
     if !pad {
         // The decode kernel on the same int8 inputs (selection i = t·G + g).
         let ids: Vec<i32> = (0..n_tok * groups).map(|i| (i % groups) as i32).collect();
@@ -448,12 +454,7 @@ fn check_f32(
         if tensor_cores { "tc" } else { "f32" },
         if pad { " padded" } else { "" }
     );
-    let e = if canaries {
-        rel_err(&got, &want)
-    } else {
-        f64::NAN
-    };
-    let mut out = vec![check(format!("{name} vs f64"), e)];
+    let mut out = vec![vs_f64(&name, &got, &want, canaries)];
     if !pad && ty != GgmlType::BF16 {
         let y2 = gpu.upload(&vec![f32::NAN; ylen])?;
         let sel = MatSel {
@@ -506,18 +507,11 @@ fn check_f32_split(
         rows,
         cols,
     );
-    let e = if canaries {
-        rel_err(&got, &want)
-    } else {
-        f64::NAN
-    };
-    let mut out = vec![check(
-        format!(
-            "matmul_{} {ty} {groups}x{rows}x{cols} n{n_tok} padded split-K {sk} vs f64",
-            if tensor_cores { "tc" } else { "f32" }
-        ),
-        e,
-    )];
+    let name = format!(
+        "matmul_{} {ty} {groups}x{rows}x{cols} n{n_tok} padded split-K {sk}",
+        if tensor_cores { "tc" } else { "f32" }
+    );
+    let mut out = vec![vs_f64(&name, &got, &want, canaries)];
     if tensor_cores {
         out.push(bit_identical(
             format!("mm_tc_*_p = mm_tc_* {ty} {groups}x{rows}x{cols} n{n_tok} split-K {sk}"),
