@@ -14,6 +14,7 @@ use rayon::prelude::*;
 
 use super::common::{
     bit_identical, random_matrix, random_vec, rel_err, same_bits, Check, Timing, BOUND_F32,
+    Q8_SHAPES,
 };
 use crate::{Batch, DeviceMatrix, Launcher, MatSel, QuantAct, Variant};
 
@@ -578,17 +579,7 @@ pub fn bench_matmul(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
     let mut out = Vec::new();
     let n_tok = 512;
     let (warm, reps) = (3, 20);
-    let q8: &[(&str, usize, usize, usize)] = &[
-        ("attn_q_a 4096->1024", 1024, 4096, 1),
-        ("attn_q_b 1024->32768", 32768, 1024, 1),
-        ("attn_kv 4096->512", 512, 4096, 1),
-        ("attn_output_a 8x(4096->1024)", 1024, 4096, 8),
-        ("attn_output_b 8192->4096", 4096, 8192, 1),
-        ("shexp gate 4096->2048", 2048, 4096, 1),
-        ("shexp down 2048->4096", 4096, 2048, 1),
-        ("output 4096->129280", 129_280, 4096, 1),
-    ];
-    for &(name, rows, cols, groups) in q8 {
+    for &(name, rows, cols, groups) in Q8_SHAPES {
         let w = random_matrix(GgmlType::Q8_0, rows, cols, groups, &mut rng);
         let m = DeviceMatrix::upload(gpu, GgmlType::Q8_0, &w, rows, cols, groups)?;
         let b = layout(rows, cols, n_tok, groups, false);
