@@ -425,6 +425,24 @@ fn check_plan(gpu: &Launcher, rng: &mut Rng) -> Result<Check> {
     })
 }
 
+/// The f64 reference of a batch of f32 inputs `x` through the `groups` matrices `w`.
+fn f32_reference(
+    ty: GgmlType,
+    w: &[u8],
+    x: &[f32],
+    b: &Batch,
+    (rows, cols, groups): (usize, usize, usize),
+) -> Vec<f64> {
+    let xv: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+    reference_batch(
+        &dequant_stack(ty, w, rows, cols, groups),
+        &xv,
+        b,
+        rows,
+        cols,
+    )
+}
+
 fn check_f32(
     gpu: &Launcher,
     rng: &mut Rng,
@@ -442,14 +460,7 @@ fn check_f32(
     let yd = gpu.upload(&vec![f32::NAN; ylen])?;
     gpu.matmul_f32_opts(&m, gpu.ptr(&xd), gpu.ptr(&yd), b, None, Some(tensor_cores))?;
     let (got, canaries) = gather(&gpu.download(&yd)?, &b, rows);
-    let xv: Vec<f64> = x.iter().map(|&v| v as f64).collect();
-    let want = reference_batch(
-        &dequant_stack(ty, &w, rows, cols, groups),
-        &xv,
-        &b,
-        rows,
-        cols,
-    );
+    let want = f32_reference(ty, &w, &x, &b, (rows, cols, groups));
     let name = format!(
         "matmul_{} {ty} {groups}x{rows}x{cols} n{n_tok}{}",
         if tensor_cores { "tc" } else { "f32" },
@@ -500,14 +511,7 @@ fn check_f32_split(
     };
     let plain = run(false)?;
     let (got, canaries) = gather(&plain, &b, rows);
-    let xv: Vec<f64> = x.iter().map(|&v| v as f64).collect();
-    let want = reference_batch(
-        &dequant_stack(ty, &w, rows, cols, groups),
-        &xv,
-        &b,
-        rows,
-        cols,
-    );
+    let want = f32_reference(ty, &w, &x, &b, (rows, cols, groups));
     let name = format!(
         "matmul_{} {ty} {groups}x{rows}x{cols} n{n_tok} padded split-K {sk}",
         if tensor_cores { "tc" } else { "f32" }
