@@ -118,3 +118,51 @@ __device__ __forceinline__ void quant_block32(float v, i8* q, float* d) {
     q[lane] = (i8)qi;
     if (lane == 0) *d = dd;
 }
+
+// The Q8_K activation rule (quantize_q8_k32's, see there) on one block of 256 threads:
+// thread t holds v == vals[t] and writes q[base + t]; d[blockIdx.x * 8 + 0..8] get the
+// scale once per 32 values. vals is read only at the winning index, so a caller may pass
+// its global input or a shared-memory copy.
+__device__ __forceinline__ void quant_q8k_block256(float v, const float* vals, i64 base, i8* q,
+                                                   float* d) {
+    __shared__ float s_abs[8];
+    __shared__ int s_idx[8];
+    __shared__ float s_max;
+    float a = fabsf(v);
+    int idx = threadIdx.x;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float a2 = __shfl_xor_sync(0xffffffffu, a, o);
+        const int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (a2 > a || (a2 == a && i2 < idx)) {
+            a = a2;
+            idx = i2;
+        }
+    }
+    if (threadIdx.x % WARP == 0) {
+        s_abs[threadIdx.x / WARP] = a;
+        s_idx[threadIdx.x / WARP] = idx;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float ba = s_abs[0];
+        int bi = s_idx[0];
+        for (int w = 1; w < 8; ++w)
+            if (s_abs[w] > ba || (s_abs[w] == ba && s_idx[w] < bi)) {
+                ba = s_abs[w];
+                bi = s_idx[w];
+            }
+        s_max = ba == 0.f ? 0.f : vals[bi];
+    }
+    __syncthreads();
+    const float mx = s_max;
+    if (mx == 0.f) {
+        q[base + threadIdx.x] = 0;
+        if (threadIdx.x < 8) d[blockIdx.x * 8 + threadIdx.x] = 0.f;
+        return;
+    }
+    const float iscale = -127.0f / mx;
+    int qi = __float2int_rn(iscale * v);
+    q[base + threadIdx.x] = (i8)max(-128, min(127, qi));
+    if (threadIdx.x < 8) d[blockIdx.x * 8 + threadIdx.x] = 1.0f / iscale;
+}

@@ -106,48 +106,9 @@ extern "C" __global__ void __launch_bounds__(256) swiglu_q8k(const float* gate,
     PDL_WAIT();
     PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     __shared__ float vals[256];
-    __shared__ float s_abs[8];
-    __shared__ int s_idx[8];
-    __shared__ float s_max;
     const i64 base = (i64)blockIdx.x * 256;
     const float v = swiglu_value(gate, up, weights, n, clamp, base + threadIdx.x);
     mid[base + threadIdx.x] = v;
     vals[threadIdx.x] = v;
-    float a = fabsf(v);
-    int idx = threadIdx.x;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float a2 = __shfl_xor_sync(0xffffffffu, a, o);
-        const int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
-        if (a2 > a || (a2 == a && i2 < idx)) {
-            a = a2;
-            idx = i2;
-        }
-    }
-    if (threadIdx.x % WARP == 0) {
-        s_abs[threadIdx.x / WARP] = a;
-        s_idx[threadIdx.x / WARP] = idx;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float ba = s_abs[0];
-        int bi = s_idx[0];
-        for (int w = 1; w < 8; ++w)
-            if (s_abs[w] > ba || (s_abs[w] == ba && s_idx[w] < bi)) {
-                ba = s_abs[w];
-                bi = s_idx[w];
-            }
-        s_max = ba == 0.f ? 0.f : vals[bi];
-    }
-    __syncthreads();
-    const float mx = s_max;
-    if (mx == 0.f) {
-        q[base + threadIdx.x] = 0;
-        if (threadIdx.x < 8) d[blockIdx.x * 8 + threadIdx.x] = 0.f;
-        return;
-    }
-    const float iscale = -127.0f / mx;
-    int qi = __float2int_rn(iscale * v);
-    q[base + threadIdx.x] = (i8)max(-128, min(127, qi));
-    if (threadIdx.x < 8) d[blockIdx.x * 8 + threadIdx.x] = 1.0f / iscale;
+    quant_q8k_block256(v, vals, base, q, d);
 }

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaStream};
+use cudarc::driver::{sys, CudaStream, LaunchArgs, LaunchConfig};
 
 use crate::device::Gpu;
 use crate::error::CudaError;
@@ -155,6 +155,24 @@ impl Launcher<'_> {
         launch: impl FnOnce() -> Result<(), CudaError>,
     ) -> Result<(), CudaError> {
         self.gpu().timed_prio(name, self.on(Variant::Prio), launch)
+    }
+
+    /// Launches the built call `b` of kernel `name` under [`Launcher::timed`].
+    ///
+    /// # Safety
+    /// `b` holds exactly the parameters of kernel `name`, in order and with its types,
+    /// over buffers as large as the kernel reads and writes with `cfg`.
+    pub(crate) unsafe fn launch_timed(
+        &self,
+        name: &'static str,
+        b: &mut LaunchArgs<'_>,
+        cfg: LaunchConfig,
+    ) -> Result<(), CudaError> {
+        self.timed(name, || {
+            // SAFETY: the caller's contract above.
+            unsafe { b.launch(cfg) }?;
+            Ok(())
+        })
     }
 
     /// Ends the recording ([`Gpu::begin_capture`]) and instantiates the graph, using

@@ -303,10 +303,7 @@ impl Launcher<'_> {
         tail.push(&mut l);
         // SAFETY: argument order matches mm_q8_0_* in matmul.cu; the input extent was
         // checked above, the output extent is the caller's contract.
-        self.timed(name, || {
-            unsafe { l.launch(cfg) }?;
-            Ok(())
-        })
+        unsafe { self.launch_timed(name, &mut l, cfg) }
     }
 
     /// The expert-layout GEMM (`mm_exp_*`): with `plan` over its work items, otherwise
@@ -410,10 +407,7 @@ impl Launcher<'_> {
         tail.push(&mut l);
         // SAFETY: argument order matches mm_exp_* in matmul.cu; inputs were checked by
         // the callers, the plan's items index pairs < n_pairs.
-        self.timed(name, || {
-            unsafe { l.launch(cfg) }?;
-            Ok(())
-        })
+        unsafe { self.launch_timed(name, &mut l, cfg) }
     }
 
     /// f32 activations × F32/F16/BF16/Q8_0 weights with f32 accumulation per 32-wide
@@ -576,10 +570,7 @@ impl Launcher<'_> {
         tail.push(&mut l);
         // SAFETY: argument order matches mm_f32_* in matmul_f32.cu; x and y extents are the
         // caller's contract (raw addresses).
-        self.timed(name, || {
-            unsafe { l.launch(cfg) }?;
-            Ok(())
-        })
+        unsafe { self.launch_timed(name, &mut l, cfg) }
     }
 
     /// Builds on the device, without a host sync, the per-expert pair lists of `n_pairs`
@@ -624,10 +615,7 @@ impl Launcher<'_> {
             .arg(&n_items);
         // SAFETY: matches route_plan_build; the plan's buffers are sized for max_pairs ≥
         // n_pairs and n_expert; ids holds n_pairs values (caller).
-        self.timed("route_plan_build", || {
-            unsafe { l.launch(cfg) }?;
-            Ok(())
-        })
+        unsafe { self.launch_timed("route_plan_build", &mut l, cfg) }
     }
 
     /// Routed experts: `Y[p][r] = W_{ids[p]}·X[row(p)]` for the pairs of the last

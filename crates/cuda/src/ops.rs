@@ -168,10 +168,7 @@ impl Launcher<'_> {
         // SAFETY: argument order and types match the kernel signatures in matvec.cu;
         // the caller passes buffers of at least n_sel × cols inputs and n_sel × rows
         // outputs (checked by the safe wrappers that use this).
-        self.timed(kname, || {
-            unsafe { b.launch(cfg) }?;
-            Ok(())
-        })?;
+        unsafe { self.launch_timed(kname, &mut b, cfg) }?;
         Ok(())
     }
 
@@ -286,10 +283,7 @@ impl Launcher<'_> {
         let mut b = self.launch_stream().launch_builder(&f);
         b.arg(&x).arg(&q).arg(&d);
         // SAFETY: x holds rows × cols floats (caller), q/d are sized by alloc_quant_act.
-        self.timed("quantize_q8_k32", || {
-            unsafe { b.launch(cfg) }?;
-            Ok(())
-        })?;
+        unsafe { self.launch_timed("quantize_q8_k32", &mut b, cfg) }?;
         Ok(())
     }
 
@@ -334,10 +328,7 @@ impl Launcher<'_> {
         let mut b = self.launch_stream().launch_builder(&f);
         b.arg(&x).arg(&q).arg(&d).arg(&blocks);
         // SAFETY: x holds n_blocks × 32 floats, q and d room for their Q8_0 form (caller).
-        self.timed("quantize_q8_32", || {
-            unsafe { b.launch(cfg) }?;
-            Ok(())
-        })?;
+        unsafe { self.launch_timed("quantize_q8_32", &mut b, cfg) }?;
         Ok(())
     }
 
@@ -380,10 +371,7 @@ impl Launcher<'_> {
             .arg(&d);
         // SAFETY: matches rmsnorm_q8(_pl) in matvec_q8act_fused.cu; x/y hold rows × n floats
         // (caller), q/d are sized by alloc_quant_act (checked above).
-        self.timed(name, || {
-            unsafe { b.launch(cfg) }?;
-            Ok(())
-        })
+        unsafe { self.launch_timed(name, &mut b, cfg) }
     }
 
     /// `swiglu` of `n_sel` rows of n into `mid` and, quantised, into `qa`: Q8_0 per 32
@@ -427,10 +415,7 @@ impl Launcher<'_> {
                 .arg(&q)
                 .arg(&d);
             // SAFETY: matches swiglu_q8k; gate/up/mid hold n·n_sel floats (caller).
-            self.timed("swiglu_q8k", || {
-                unsafe { b.launch(cfg) }?;
-                Ok(())
-            })
+            unsafe { self.launch_timed("swiglu_q8k", &mut b, cfg) }
         } else {
             let cfg = LaunchConfig {
                 grid_dim: (((total / 32) as u32).div_ceil(8).max(1), 1, 1),
@@ -449,10 +434,7 @@ impl Launcher<'_> {
                 .arg(&q)
                 .arg(&d);
             // SAFETY: matches swiglu_q8; gate/up/mid hold n·n_sel floats (caller).
-            self.timed("swiglu_q8", || {
-                unsafe { b.launch(cfg) }?;
-                Ok(())
-            })
+            unsafe { self.launch_timed("swiglu_q8", &mut b, cfg) }
         }
     }
 
@@ -767,10 +749,7 @@ impl Launcher<'_> {
         }
         // SAFETY: argument order matches matvec_q8act.cu; xq holds n_sel rows (or one
         // shared row) of m.cols values; y holds n_sel × m.rows floats (caller).
-        self.timed(name, || {
-            unsafe { b.launch(cfg) }?;
-            Ok(())
-        })?;
+        unsafe { self.launch_timed(name, &mut b, cfg) }?;
         Ok(())
     }
 }

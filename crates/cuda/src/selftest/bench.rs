@@ -7,7 +7,7 @@ use anyhow::Result;
 use ds4_gguf::quant::random::Rng;
 use ds4_gguf::GgmlType;
 
-use super::common::{random_matrix, random_vec, Timing};
+use super::common::{random_matrix, random_vec, Timing, Q8_SHAPES};
 use crate::{DeviceBuf, DeviceMatrix, Launcher, MatSel, Variant};
 
 /// Eight rotating selections of `used` distinct-looking experts out of `mats`.
@@ -326,18 +326,7 @@ pub fn probe_q8_splits(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
             });
         }
     }
-    // (name, rows, cols, selections sharing one matrix stack row count)
-    let shapes: &[(&str, usize, usize, usize)] = &[
-        ("attn_q_b 1024->32768", 32768, 1024, 1),
-        ("attn_output_a 8x(4096->1024)", 1024, 4096, 8),
-        ("attn_output_b 8192->4096", 4096, 8192, 1),
-        ("attn_q_a 4096->1024", 1024, 4096, 1),
-        ("attn_kv 4096->512", 512, 4096, 1),
-        ("shexp gate 4096->2048", 2048, 4096, 1),
-        ("shexp down 2048->4096", 4096, 2048, 1),
-        ("output 4096->129280", 129_280, 4096, 1),
-    ];
-    for &(name, rows, cols, n_sel) in shapes {
+    for &(name, rows, cols, n_sel) in Q8_SHAPES {
         let w = random_matrix(GgmlType::Q8_0, rows, cols, n_sel, &mut rng);
         let upload = || DeviceMatrix::upload(gpu, GgmlType::Q8_0, &w, rows, cols, n_sel);
         let first = upload()?;

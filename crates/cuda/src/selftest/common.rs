@@ -19,6 +19,19 @@ pub const BOUND_FP16_MMA: f64 = 2e-3;
 /// Width of the name column of `ds4-tool gpu-selftest`'s result lines.
 pub const NAME_WIDTH: usize = 44;
 
+/// The model's Q8_0 weight shapes the matvec and GEMM benchmarks time: (name, rows,
+/// cols, matrices in the stack).
+pub const Q8_SHAPES: &[(&str, usize, usize, usize)] = &[
+    ("attn_q_b 1024->32768", 32768, 1024, 1),
+    ("attn_output_a 8x(4096->1024)", 1024, 4096, 8),
+    ("attn_output_b 8192->4096", 4096, 8192, 1),
+    ("attn_q_a 4096->1024", 1024, 4096, 1),
+    ("attn_kv 4096->512", 512, 4096, 1),
+    ("shexp gate 4096->2048", 2048, 4096, 1),
+    ("shexp down 2048->4096", 4096, 2048, 1),
+    ("output 4096->129280", 129_280, 4096, 1),
+];
+
 /// One line of the report.
 #[derive(Clone, Debug)]
 pub struct Check {

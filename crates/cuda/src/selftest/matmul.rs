@@ -14,6 +14,7 @@ use rayon::prelude::*;
 
 use super::common::{
     bit_identical, random_matrix, random_vec, rel_err, same_bits, Check, Timing, BOUND_F32,
+    Q8_SHAPES,
 };
 use crate::{Batch, DeviceMatrix, Launcher, MatSel, QuantAct, Variant};
 
@@ -92,6 +93,17 @@ fn check(name: String, rel_err: f64) -> Check {
         rel_err,
         bound: BOUND,
     }
+}
+
+/// The "`name` vs f64" check of a gathered batch output; NaN (a failure) where the
+/// kernel also wrote outside its addressed slots (`canaries` false, see [`gather`]).
+fn vs_f64(name: &str, got: &[f32], want: &[f64], canaries: bool) -> Check {
+    let e = if canaries {
+        rel_err(got, want)
+    } else {
+        f64::NAN
+    };
+    check(format!("{name} vs f64"), e)
 }
 
 /// Every check of the batched GEMMs.
@@ -267,12 +279,7 @@ fn check_dense(
         "matmul_q8act {ty} {groups}x{rows}x{cols} n{n_tok}{}{tname}",
         if pad { " padded" } else { "" }
     );
-    let e = if canaries {
-        rel_err(&got, &want)
-    } else {
-        f64::NAN
-    };
-    let mut out = vec![check(format!("{name} vs f64"), e)];
+    let mut out = vec![vs_f64(&name, &got, &want, canaries)];
     if !pad {
         // The decode kernel on the same int8 inputs (selection i = t·G + g).
         let ids: Vec<i32> = (0..n_tok * groups).map(|i| (i % groups) as i32).collect();
@@ -418,6 +425,24 @@ fn check_plan(gpu: &Launcher, rng: &mut Rng) -> Result<Check> {
     })
 }
 
+/// The f64 reference of a batch of f32 inputs `x` through the `groups` matrices `w`.
+fn f32_reference(
+    ty: GgmlType,
+    w: &[u8],
+    x: &[f32],
+    b: &Batch,
+    (rows, cols, groups): (usize, usize, usize),
+) -> Vec<f64> {
+    let xv: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+    reference_batch(
+        &dequant_stack(ty, w, rows, cols, groups),
+        &xv,
+        b,
+        rows,
+        cols,
+    )
+}
+
 fn check_f32(
     gpu: &Launcher,
     rng: &mut Rng,
@@ -435,25 +460,13 @@ fn check_f32(
     let yd = gpu.upload(&vec![f32::NAN; ylen])?;
     gpu.matmul_f32_opts(&m, gpu.ptr(&xd), gpu.ptr(&yd), b, None, Some(tensor_cores))?;
     let (got, canaries) = gather(&gpu.download(&yd)?, &b, rows);
-    let xv: Vec<f64> = x.iter().map(|&v| v as f64).collect();
-    let want = reference_batch(
-        &dequant_stack(ty, &w, rows, cols, groups),
-        &xv,
-        &b,
-        rows,
-        cols,
-    );
+    let want = f32_reference(ty, &w, &x, &b, (rows, cols, groups));
     let name = format!(
         "matmul_{} {ty} {groups}x{rows}x{cols} n{n_tok}{}",
         if tensor_cores { "tc" } else { "f32" },
         if pad { " padded" } else { "" }
     );
-    let e = if canaries {
-        rel_err(&got, &want)
-    } else {
-        f64::NAN
-    };
-    let mut out = vec![check(format!("{name} vs f64"), e)];
+    let mut out = vec![vs_f64(&name, &got, &want, canaries)];
     if !pad && ty != GgmlType::BF16 {
         let y2 = gpu.upload(&vec![f32::NAN; ylen])?;
         let sel = MatSel {
@@ -498,26 +511,12 @@ fn check_f32_split(
     };
     let plain = run(false)?;
     let (got, canaries) = gather(&plain, &b, rows);
-    let xv: Vec<f64> = x.iter().map(|&v| v as f64).collect();
-    let want = reference_batch(
-        &dequant_stack(ty, &w, rows, cols, groups),
-        &xv,
-        &b,
-        rows,
-        cols,
+    let want = f32_reference(ty, &w, &x, &b, (rows, cols, groups));
+    let name = format!(
+        "matmul_{} {ty} {groups}x{rows}x{cols} n{n_tok} padded split-K {sk}",
+        if tensor_cores { "tc" } else { "f32" }
     );
-    let e = if canaries {
-        rel_err(&got, &want)
-    } else {
-        f64::NAN
-    };
-    let mut out = vec![check(
-        format!(
-            "matmul_{} {ty} {groups}x{rows}x{cols} n{n_tok} padded split-K {sk} vs f64",
-            if tensor_cores { "tc" } else { "f32" }
-        ),
-        e,
-    )];
+    let mut out = vec![vs_f64(&name, &got, &want, canaries)];
     if tensor_cores {
         out.push(bit_identical(
             format!("mm_tc_*_p = mm_tc_* {ty} {groups}x{rows}x{cols} n{n_tok} split-K {sk}"),
@@ -584,17 +583,7 @@ pub fn bench_matmul(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
     let mut out = Vec::new();
     let n_tok = 512;
     let (warm, reps) = (3, 20);
-    let q8: &[(&str, usize, usize, usize)] = &[
-        ("attn_q_a 4096->1024", 1024, 4096, 1),
-        ("attn_q_b 1024->32768", 32768, 1024, 1),
-        ("attn_kv 4096->512", 512, 4096, 1),
-        ("attn_output_a 8x(4096->1024)", 1024, 4096, 8),
-        ("attn_output_b 8192->4096", 4096, 8192, 1),
-        ("shexp gate 4096->2048", 2048, 4096, 1),
-        ("shexp down 2048->4096", 4096, 2048, 1),
-        ("output 4096->129280", 129_280, 4096, 1),
-    ];
-    for &(name, rows, cols, groups) in q8 {
+    for &(name, rows, cols, groups) in Q8_SHAPES {
         let w = random_matrix(GgmlType::Q8_0, rows, cols, groups, &mut rng);
         let m = DeviceMatrix::upload(gpu, GgmlType::Q8_0, &w, rows, cols, groups)?;
         let b = layout(rows, cols, n_tok, groups, false);
