@@ -100,28 +100,93 @@ impl Mat {
     }
 }
 
+/// Where a model's tensors live: the host (bound to the mapped file) or a device
+/// ([`crate::cuda::weights::Device`]). One field list serves both, so the host and the
+/// device layer structs cannot drift apart.
+pub trait Storage {
+    /// A weight matrix (or expert stack).
+    type Mat;
+    /// A small f32 vector (norms, biases, position tables).
+    type F32s;
+    /// A small i32 vector (the hash-routing table).
+    type I32s;
+}
+
+/// The host storage: matrices borrow the mapped file, vectors are decoded to f32.
+#[derive(Clone, Copy, Debug)]
+pub struct Host;
+
+impl Storage for Host {
+    type Mat = Mat;
+    type F32s = Vec<f32>;
+    type I32s = Vec<i32>;
+}
+
 /// Hyper-connection parameters of one sublayer (or the head).
 #[derive(Clone, Debug)]
-pub struct HcWeights {
-    pub fn_: Mat,
-    pub scale: Vec<f32>,
-    pub base: Vec<f32>,
+pub struct Hc<S: Storage> {
+    /// The mix weights: hc_mix() rows of n_hc · n_embd.
+    pub fn_: S::Mat,
+    pub scale: S::F32s,
+    pub base: S::F32s,
 }
 
 /// A KV compressor (main or indexer).
 #[derive(Clone, Debug)]
-pub struct CompressorWeights {
+pub struct Compressor<S: Storage> {
     pub ratio: usize,
     /// 2 for the overlapping ratio-4 compressor, else 1.
     pub lanes: usize,
     /// Output row width (head_dim or idx_head_dim).
     pub dim: usize,
     /// `ape[q·lanes·dim + j]`: position bias of slot q, column j.
-    pub ape: Vec<f32>,
-    pub kv: Mat,
-    pub gate: Mat,
-    pub norm: Vec<f32>,
+    pub ape: S::F32s,
+    pub kv: S::Mat,
+    pub gate: S::Mat,
+    pub norm: S::F32s,
 }
+
+pub struct Indexer<S: Storage> {
+    pub q_b: S::Mat,
+    pub proj: S::Mat,
+    pub compressor: Compressor<S>,
+}
+
+/// The tensors of one transformer layer.
+pub struct Layer<S: Storage> {
+    pub il: usize,
+    pub ratio: usize,
+    pub hc_attn: Hc<S>,
+    pub attn_norm: S::F32s,
+    pub q_a: S::Mat,
+    pub q_a_norm: S::F32s,
+    pub q_b: S::Mat,
+    pub kv: S::Mat,
+    pub kv_norm: S::F32s,
+    pub sinks: S::F32s,
+    /// `o_groups` blocks of `o_lora_rank` rows (one matrix each on the device).
+    pub out_a: S::Mat,
+    pub out_b: S::Mat,
+    pub compressor: Option<Compressor<S>>,
+    pub indexer: Option<Indexer<S>>,
+    pub hc_ffn: Hc<S>,
+    pub ffn_norm: S::F32s,
+    pub gate_inp: S::Mat,
+    pub exp_probs_b: Option<S::F32s>,
+    /// `tid2eid[token·n_expert_used + k]`.
+    pub tid2eid: Option<S::I32s>,
+    pub gate_exps: S::Mat,
+    pub up_exps: S::Mat,
+    pub down_exps: S::Mat,
+    pub gate_sh: S::Mat,
+    pub up_sh: S::Mat,
+    pub down_sh: S::Mat,
+}
+
+pub type HcWeights = Hc<Host>;
+pub type CompressorWeights = Compressor<Host>;
+pub type IndexerWeights = Indexer<Host>;
+pub type LayerWeights = Layer<Host>;
 
 impl CompressorWeights {
     pub fn pool(&self) -> crate::ops::compressor::Pool<'_> {
@@ -134,44 +199,6 @@ impl CompressorWeights {
     }
 }
 
-#[derive(Clone, Debug)]
-pub struct IndexerWeights {
-    pub q_b: Mat,
-    pub proj: Mat,
-    pub compressor: CompressorWeights,
-}
-
-#[derive(Clone, Debug)]
-pub struct LayerWeights {
-    pub il: usize,
-    pub ratio: usize,
-    pub hc_attn: HcWeights,
-    pub attn_norm: Vec<f32>,
-    pub q_a: Mat,
-    pub q_a_norm: Vec<f32>,
-    pub q_b: Mat,
-    pub kv: Mat,
-    pub kv_norm: Vec<f32>,
-    pub sinks: Vec<f32>,
-    pub out_a: Mat,
-    pub out_b: Mat,
-    pub compressor: Option<CompressorWeights>,
-    pub indexer: Option<IndexerWeights>,
-    pub hc_ffn: HcWeights,
-    pub ffn_norm: Vec<f32>,
-    pub gate_inp: Mat,
-    pub exp_probs_b: Option<Vec<f32>>,
-    /// `tid2eid[token·n_expert_used + k]`.
-    pub tid2eid: Option<Vec<i32>>,
-    pub gate_exps: Mat,
-    pub up_exps: Mat,
-    pub down_exps: Mat,
-    pub gate_sh: Mat,
-    pub up_sh: Mat,
-    pub down_sh: Mat,
-}
-
-#[derive(Clone, Debug)]
 pub struct Weights {
     pub token_embd: Mat,
     pub layers: Vec<LayerWeights>,

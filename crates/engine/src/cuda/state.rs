@@ -333,24 +333,23 @@ impl DeviceState {
             let lanes = Config::compressor_lanes(r);
             let zeros = |n: usize| g.zeros::<f32>(n);
             let neg = |n: usize| g.upload(&vec![crate::kv::NEG_INF; n]);
-            let (comp, skv, ssc) = if r != 0 {
-                let f = lanes * r * lanes * hd;
-                (
-                    Some(zeros(comp_cap(ctx, r) * hd)?),
+            // The pooled rows, window state and window scores of a compressor whose
+            // rows are d wide (the main one: head_dim; the indexer's: idx_head_dim).
+            let compressor = |d: usize| -> Result<_> {
+                let f = lanes * r * lanes * d;
+                Ok((
+                    Some(zeros(comp_cap(ctx, r) * d)?),
                     Some(zeros(f)?),
                     Some(neg(f)?),
-                )
+                ))
+            };
+            let (comp, skv, ssc) = if r != 0 {
+                compressor(hd)?
             } else {
                 (None, None, None)
             };
             let (index, iskv, issc) = if c.has_indexer(il) {
-                let d = c.idx_head_dim;
-                let f = lanes * r * lanes * d;
-                (
-                    Some(zeros(comp_cap(ctx, r) * d)?),
-                    Some(zeros(f)?),
-                    Some(neg(f)?),
-                )
+                compressor(c.idx_head_dim)?
             } else {
                 (None, None, None)
             };

@@ -9,7 +9,7 @@ use ds4_gguf::GgmlType;
 
 use crate::config::Config;
 use crate::model::Model;
-use crate::weights::{CompressorWeights, HcWeights, Mat};
+use crate::weights::{Compressor, CompressorWeights, Hc, HcWeights, Indexer, Layer, Mat, Storage};
 
 /// A small dense tensor kept in its file encoding (F32/F16/BF16) for the layer kernels.
 pub struct DenseTensor {
@@ -17,63 +17,27 @@ pub struct DenseTensor {
     pub ty: i32,
 }
 
-pub struct HcDev {
-    /// The mix weights: hc_mix() rows of n_hc · n_embd.
-    pub fn_: DeviceMatrix,
-    pub scale: DeviceBuf<f32>,
-    pub base: DeviceBuf<f32>,
+/// The device storage: every tensor a device allocation of its own.
+pub struct Device;
+
+impl Storage for Device {
+    type Mat = DeviceMatrix;
+    type F32s = DeviceBuf<f32>;
+    type I32s = DeviceBuf<i32>;
 }
 
-pub struct CompressorDev {
-    pub ratio: usize,
-    pub lanes: usize,
-    pub dim: usize,
-    pub ape: DeviceBuf<f32>,
-    pub kv: DeviceMatrix,
-    pub gate: DeviceMatrix,
-    pub norm: DeviceBuf<f32>,
-}
-
-pub struct IndexerDev {
-    pub q_b: DeviceMatrix,
-    pub proj: DeviceMatrix,
-    pub compressor: CompressorDev,
-}
-
-pub struct LayerDev {
-    pub ratio: usize,
-    pub freqs: DeviceBuf<f32>,
-    pub hc_attn: HcDev,
-    pub attn_norm: DeviceBuf<f32>,
-    pub q_a: DeviceMatrix,
-    pub q_a_norm: DeviceBuf<f32>,
-    pub q_b: DeviceMatrix,
-    pub kv: DeviceMatrix,
-    pub kv_norm: DeviceBuf<f32>,
-    pub sinks: DeviceBuf<f32>,
-    /// `o_groups` matrices of `o_lora_rank` rows.
-    pub out_a: DeviceMatrix,
-    pub out_b: DeviceMatrix,
-    pub compressor: Option<CompressorDev>,
-    pub indexer: Option<IndexerDev>,
-    pub hc_ffn: HcDev,
-    pub ffn_norm: DeviceBuf<f32>,
-    pub gate_inp: DeviceMatrix,
-    pub exp_probs_b: Option<DeviceBuf<f32>>,
-    pub tid2eid: Option<DeviceBuf<i32>>,
-    pub gate_exps: DeviceMatrix,
-    pub up_exps: DeviceMatrix,
-    pub down_exps: DeviceMatrix,
-    pub gate_sh: DeviceMatrix,
-    pub up_sh: DeviceMatrix,
-    pub down_sh: DeviceMatrix,
-}
+pub type HcDev = Hc<Device>;
+pub type CompressorDev = Compressor<Device>;
+pub type IndexerDev = Indexer<Device>;
+pub type LayerDev = Layer<Device>;
 
 pub struct CudaWeights {
     pub gpu: Arc<Gpu>,
     pub config: Config,
     pub token_embd: DenseTensor,
     pub layers: Vec<LayerDev>,
+    /// Per layer, the RoPE frequencies ([`CudaWeights::rope`]).
+    pub freqs: Vec<DeviceBuf<f32>>,
     pub head_hc: HcDev,
     pub output_norm: DeviceBuf<f32>,
     pub output: DeviceMatrix,
@@ -201,11 +165,12 @@ impl CudaWeights {
             progress,
         };
         let mut layers = Vec::with_capacity(cfg.n_layer);
+        let mut freqs = Vec::with_capacity(cfg.n_layer);
         for (il, lw) in w.layers.iter().enumerate() {
-            let freqs = up.vec(inner.ropes[il].freqs())?;
+            freqs.push(up.vec(inner.ropes[il].freqs())?);
             layers.push(LayerDev {
+                il: lw.il,
                 ratio: lw.ratio,
-                freqs,
                 hc_attn: up.hc(&lw.hc_attn)?,
                 attn_norm: up.vec(&lw.attn_norm)?,
                 q_a: up.mat(&lw.q_a)?,
@@ -250,6 +215,7 @@ impl CudaWeights {
             gpu: gpu.clone(),
             token_embd: up.dense(&w.token_embd)?,
             layers,
+            freqs,
             head_hc: up.hc(&w.head_hc)?,
             output_norm: up.vec(&w.output_norm)?,
             output: up.mat(&w.output)?,
@@ -264,7 +230,7 @@ impl CudaWeights {
 
     pub fn rope(&self, il: usize) -> RopeP {
         RopeP {
-            freqs: self.gpu.ptr(&self.layers[il].freqs),
+            freqs: self.gpu.ptr(&self.freqs[il]),
             rope_dim: self.config.rope_dim as i32,
             pad: 0,
         }
