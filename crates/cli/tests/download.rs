@@ -226,6 +226,12 @@ fn tempdir(name: &str) -> PathBuf {
     d
 }
 
+/// A partial download of MTP under `cwd/gguf/` (where `download mtp` resumes).
+fn write_part(cwd: &Path, bytes: &[u8]) {
+    std::fs::create_dir_all(cwd.join("gguf")).unwrap();
+    std::fs::write(cwd.join("gguf").join(format!("{MTP}.part")), bytes).unwrap();
+}
+
 struct Run {
     ok: bool,
     out: String,
@@ -406,13 +412,8 @@ fn server_ignoring_range_restarts_from_zero() {
     let server = Server::start(&[(MTP, data.clone())]);
     server.with(|s| s.ignore_range = true);
     let cwd = tempdir("norange");
-    std::fs::create_dir_all(cwd.join("gguf")).unwrap();
     // Garbage in the partial file proves it was discarded, not appended to.
-    std::fs::write(
-        cwd.join("gguf").join(format!("{MTP}.part")),
-        vec![0xAA; 9_999],
-    )
-    .unwrap();
+    write_part(&cwd, &[0xAA; 9_999]);
     let r = run(&cwd, &server, &["mtp", "--no-verify"], &[]);
     assert!(r.ok, "{}\n{}", r.out, r.err);
     assert!(r.err.contains("ignored the range request"), "{}", r.err);
@@ -428,8 +429,7 @@ fn complete_part_file_is_finished_on_416() {
     let data = payload(4_096);
     let server = Server::start(&[(MTP, data.clone())]);
     let cwd = tempdir("416");
-    std::fs::create_dir_all(cwd.join("gguf")).unwrap();
-    std::fs::write(cwd.join("gguf").join(format!("{MTP}.part")), &data).unwrap();
+    write_part(&cwd, &data);
     let r = run(&cwd, &server, &["mtp", "--no-verify"], &[]);
     assert!(r.ok, "{}\n{}", r.out, r.err);
     assert_eq!(std::fs::read(cwd.join("gguf").join(MTP)).unwrap(), data);
@@ -443,8 +443,7 @@ fn complete_part_file_without_content_range_is_checked_with_head() {
     let server = Server::start(&[(MTP, data.clone())]);
     server.with(|s| s.bare_416 = true);
     let cwd = tempdir("416-head");
-    std::fs::create_dir_all(cwd.join("gguf")).unwrap();
-    std::fs::write(cwd.join("gguf").join(format!("{MTP}.part")), &data).unwrap();
+    write_part(&cwd, &data);
     let r = run(&cwd, &server, &["mtp", "--no-verify"], &[]);
     assert!(r.ok, "{}\n{}", r.out, r.err);
     assert_eq!(std::fs::read(cwd.join("gguf").join(MTP)).unwrap(), data);
@@ -457,8 +456,7 @@ fn longer_part_file_than_remote_is_restarted() {
     let data = payload(4_096);
     let server = Server::start(&[(MTP, data.clone())]);
     let cwd = tempdir("416-long");
-    std::fs::create_dir_all(cwd.join("gguf")).unwrap();
-    std::fs::write(cwd.join("gguf").join(format!("{MTP}.part")), payload(5_000)).unwrap();
+    write_part(&cwd, &payload(5_000));
     let r = run(&cwd, &server, &["mtp", "--no-verify"], &[]);
     assert!(r.ok, "{}\n{}", r.out, r.err);
     assert_eq!(std::fs::read(cwd.join("gguf").join(MTP)).unwrap(), data);
@@ -553,8 +551,7 @@ fn redirect_keeps_the_range() {
     let server = Server::start(&[(MTP, data.clone())]);
     server.with(|s| s.redirect = true);
     let cwd = tempdir("redirect");
-    std::fs::create_dir_all(cwd.join("gguf")).unwrap();
-    std::fs::write(cwd.join("gguf").join(format!("{MTP}.part")), &data[..1_000]).unwrap();
+    write_part(&cwd, &data[..1_000]);
     let r = run(&cwd, &server, &["mtp", "--no-verify"], &[]);
     assert!(r.ok, "{}\n{}", r.out, r.err);
     assert_eq!(std::fs::read(cwd.join("gguf").join(MTP)).unwrap(), data);

@@ -33,16 +33,20 @@ fn tmp(name: &str) -> PathBuf {
 
 #[test]
 fn full_size_dry_run_lists_the_published_table() {
-    let (ok, out, err) = tool(&[
-        "synth",
-        "--dims",
-        "full",
-        "--layers",
-        "43",
-        "--experts",
-        "q2",
-        "--dry-run",
-    ]);
+    // The full-size table only (--dry-run): nothing is written.
+    let full_dry_run = |experts: &str| {
+        tool(&[
+            "synth",
+            "--dims",
+            "full",
+            "--layers",
+            "43",
+            "--experts",
+            experts,
+            "--dry-run",
+        ])
+    };
+    let (ok, out, err) = full_dry_run("q2");
     assert!(ok, "{err}");
     assert!(
         out.contains("1328 tensors, 86714775900 bytes of tensor data"),
@@ -57,16 +61,7 @@ fn full_size_dry_run_lists_the_published_table() {
             .count(),
         1328
     );
-    let (ok, out, _) = tool(&[
-        "synth",
-        "--dims",
-        "full",
-        "--layers",
-        "43",
-        "--experts",
-        "q4",
-        "--dry-run",
-    ]);
+    let (ok, out, _) = full_dry_run("q4");
     assert!(ok);
     assert!(
         out.contains("1328 tensors, 164628167004 bytes of tensor data"),

@@ -1,12 +1,11 @@
 //! A generation job as the worker sees it, and the events it sends back.
 
-use std::sync::Arc;
 use std::time::Instant;
 
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::bindings::LiveRequest;
-use crate::render::{Conversation, ThinkMode};
+use crate::api::Prepared;
+use crate::render::ThinkMode;
 
 /// Which endpoint a job came from (logs, metrics, tool-id prefixes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,29 +73,10 @@ impl Sampling {
 
 pub struct GenJob {
     pub id: u64,
-    pub kind: ApiKind,
-    /// The rendered prompt (markers as text) and its tokens.
-    pub prompt_text: String,
-    pub prompt_tokens: Vec<u32>,
-    pub mode: ThinkMode,
-    /// Parse the output for reasoning and DSML tool calls (false for /v1/completions).
-    pub structured: bool,
-    pub tools_active: bool,
-    pub max_tokens: usize,
-    pub sampling: Sampling,
-    pub stops: Vec<String>,
+    /// What to generate (a copy of the request the API layer prepared).
+    pub req: Prepared,
     pub tx: UnboundedSender<GenEvent>,
     pub enqueued: Instant,
-    /// Raw request JSON for `--trace`.
-    pub trace_request: Option<String>,
-    /// The parsed conversation (chat endpoints): the worker renders the visible
-    /// transcript of the turn from it (bindings, canonical rebuild).
-    pub conv: Option<Arc<Conversation>>,
-    /// Responses: the client opted into reasoning summaries (it replays reasoning on
-    /// tool turns).
-    pub summary: bool,
-    /// The request side of a live continuation (§4.2).
-    pub live: LiveRequest,
 }
 
 /// Why generation ended (internal; each API maps it, §2.2).

@@ -287,24 +287,36 @@ pub fn render_completion(prompt: &str, mode: ThinkMode) -> String {
 /// Concatenates the text of an OpenAI content value (string, null or parts array);
 /// non-text parts (images, files) are dropped.
 pub fn content_text(v: &Value) -> Result<String, ApiError> {
+    concat_parts(
+        v,
+        |p| {
+            Ok(match p {
+                Value::String(s) => s,
+                Value::Object(o) => o.get("text").and_then(Value::as_str).unwrap_or(""),
+                _ => "",
+            })
+        },
+        ApiError::invalid_json,
+    )
+}
+
+/// A content value as text: null is empty, a string is itself, an array is the
+/// concatenation of `part` over its items; any other value is `not_content()`.
+pub fn concat_parts<'a>(
+    v: &'a Value,
+    part: impl Fn(&'a Value) -> Result<&'a str, ApiError>,
+    not_content: impl FnOnce() -> ApiError,
+) -> Result<String, ApiError> {
     match v {
         Value::Null => Ok(String::new()),
         Value::String(s) => Ok(s.clone()),
         Value::Array(items) => {
             let mut out = String::new();
             for it in items {
-                match it {
-                    Value::String(s) => out.push_str(s),
-                    Value::Object(o) => {
-                        if let Some(t) = o.get("text").and_then(Value::as_str) {
-                            out.push_str(t);
-                        }
-                    }
-                    _ => {}
-                }
+                out.push_str(part(it)?);
             }
             Ok(out)
         }
-        _ => Err(ApiError::invalid_json()),
+        _ => Err(not_content()),
     }
 }

@@ -334,19 +334,19 @@ impl Worker {
             Synced::new(eff, pos, source)
         };
         let b = self.shared.bindings();
-        match job.kind {
+        match job.req.kind {
             ApiKind::Responses => {
                 let rb = b.responses.as_ref().filter(|b| b.pos == pos)?;
-                if let Some(rest) = proper_rest(&job.prompt_text, &rb.visible) {
+                if let Some(rest) = proper_rest(&job.req.prompt_text, &rb.visible) {
                     return Some(extend(rest, "responses-visible"));
                 }
-                let tail = job.live.tail.as_deref()?;
-                same_ids(&job.live.ids, &rb.ids).then(|| extend(tail, "responses-tool-output"))
+                let tail = job.req.live.tail.as_deref()?;
+                same_ids(&job.req.live.ids, &rb.ids).then(|| extend(tail, "responses-tool-output"))
             }
             ApiKind::Anthropic => {
                 let ab = b.anthropic.as_ref().filter(|b| b.pos == pos)?;
-                let tail = job.live.tail.as_deref()?;
-                same_ids(&job.live.ids, &ab.ids).then(|| extend(tail, "anthropic-tool-output"))
+                let tail = job.req.live.tail.as_deref()?;
+                same_ids(&job.req.live.ids, &ab.ids).then(|| extend(tail, "anthropic-tool-output"))
             }
             _ => None,
         }
@@ -366,7 +366,7 @@ impl Worker {
         if live.is_empty() {
             return None;
         }
-        let prompt = &job.prompt_tokens;
+        let prompt = &job.req.prompt_tokens;
         if prompt.len() >= live.len() && common_prefix(live, prompt) == live.len() {
             return Some(Synced::new(prompt.clone(), live.len(), "memory-token"));
         }
@@ -375,20 +375,20 @@ impl Worker {
             self.shared.tok.encode_into(rest, &mut eff);
             Synced::new(eff, live.len(), source)
         };
-        if is_live && matches!(job.kind, ApiKind::Chat | ApiKind::Anthropic) {
+        if is_live && matches!(job.req.kind, ApiKind::Chat | ApiKind::Anthropic) {
             let b = self.shared.bindings();
             if let Some(tb) = b.thinking.as_ref().filter(|b| b.pos == live.len()) {
-                if let Some(rest) = proper_rest(&job.prompt_text, &tb.visible) {
+                if let Some(rest) = proper_rest(&job.req.prompt_text, &tb.visible) {
                     return Some(extend(rest, "thinking-visible"));
                 }
             }
         }
         let text = self.shared.tok.decode(live, false);
-        if job.prompt_text.len() >= text.len()
-            && job.prompt_text.as_bytes().starts_with(text.as_bytes())
-            && job.prompt_text.is_char_boundary(text.len())
+        if job.req.prompt_text.len() >= text.len()
+            && job.req.prompt_text.as_bytes().starts_with(text.as_bytes())
+            && job.req.prompt_text.is_char_boundary(text.len())
         {
-            return Some(extend(&job.prompt_text[text.len()..], "memory-text"));
+            return Some(extend(&job.req.prompt_text[text.len()..], "memory-text"));
         }
         None
     }
@@ -400,8 +400,8 @@ impl Worker {
         if let Some(m) = self.match_binding(job) {
             return Ok(m);
         }
-        if job.live.requires_live {
-            let what = match job.kind {
+        if job.req.live.requires_live {
+            let what = match job.req.kind {
                 ApiKind::Anthropic => "Anthropic continuation state is not available; retry by replaying the full messages history",
                 _ => "Responses continuation state is not available; retry by replaying the full input history",
             };
@@ -431,10 +431,10 @@ impl Worker {
         }
         let live = self.engine.tokens().len();
         if live > 0 {
-            let common = common_prefix(self.engine.tokens(), &job.prompt_tokens);
+            let common = common_prefix(self.engine.tokens(), &job.req.prompt_tokens);
             log!(
                 "live kv cache miss live={live} prompt={} common={common}",
-                job.prompt_tokens.len()
+                job.req.prompt_tokens.len()
             );
             if self.disk.as_ref().is_some_and(|d| live >= d.cfg.min_tokens) {
                 self.save_live(SaveReason::Evict);
@@ -443,11 +443,11 @@ impl Worker {
         self.frontier = 0;
         self.snap = None;
         if let Some(disk) = &self.disk {
-            if let Some(hit) = disk.lookup(&job.prompt_text, self.engine.as_mut()) {
+            if let Some(hit) = disk.lookup(&job.req.prompt_text, self.engine.as_mut()) {
                 let mut eff = self.engine.tokens().to_vec();
                 self.shared
                     .tok
-                    .encode_into(&job.prompt_text[hit.key_len..], &mut eff);
+                    .encode_into(&job.req.prompt_text[hit.key_len..], &mut eff);
                 self.frontier = hit.tokens;
                 log!(
                     "kv cache: disk hit {} tokens ({} key) from {}",
@@ -462,7 +462,7 @@ impl Worker {
             }
         }
         self.engine.reset();
-        Ok(Synced::new(job.prompt_tokens.clone(), 0, "none"))
+        Ok(Synced::new(job.req.prompt_tokens.clone(), 0, "none"))
     }
 
     /// Cold-save cut (§4.4): the last `<｜User｜>` before the first `<｜Assistant｜>` keeps
@@ -583,7 +583,7 @@ impl Worker {
                 ),
             );
         }
-        if job.live.requires_live_reasoning
+        if job.req.live.requires_live_reasoning
             && !source.ends_with("-tool-output")
             && source != "responses-visible"
             && disk_kind != Some("responses-visible")
@@ -601,12 +601,12 @@ impl Worker {
         self.shared.metrics.cache_hit(source);
         log!(
             "{} ctx={cached}..{}:{} [{} tools={} think={}] queued {} ms",
-            job.kind.as_str(),
+            job.req.kind.as_str(),
             eff.len(),
             eff.len() - cached,
             source,
-            job.tools_active,
-            job.mode.as_str(),
+            job.req.tools_active,
+            job.req.mode.as_str(),
             started.duration_since(job.enqueued).as_millis()
         );
         if let Err((status, message)) = self.prefill(job, &eff, cold) {
@@ -666,8 +666,8 @@ impl Worker {
     fn generate(&mut self, job: &GenJob, eff: &[u32], cached: usize) -> GenResult {
         let tok = self.shared.tok.clone();
         let ctx = self.engine.ctx();
-        let max = job.max_tokens.min(ctx.saturating_sub(eff.len()));
-        let s = &job.sampling;
+        let max = job.req.max_tokens.min(ctx.saturating_sub(eff.len()));
+        let s = &job.req.sampling;
         let seed = if s.seed > 0 {
             s.seed
         } else {
@@ -685,11 +685,11 @@ impl Worker {
             seed,
         });
         let mut pipe = Pipeline::new(
-            job.kind,
-            job.structured,
-            job.mode.thinking(),
-            job.tools_active,
-            &job.stops,
+            job.req.kind,
+            job.req.structured,
+            job.req.mode.thinking(),
+            job.req.tools_active,
+            &job.req.stops,
         );
         let mut dec = tok.stream_decoder(false);
         let mut n = 0usize;
@@ -720,7 +720,7 @@ impl Worker {
             }
             // Greedy inside DSML syntax: a sampled typo in a tag breaks the call, while
             // argument payloads keep the request's sampling (§2.2).
-            let t = if job.tools_active && pipe.in_dsml_syntax() {
+            let t = if job.req.tools_active && pipe.in_dsml_syntax() {
                 argmax(logits)
             } else {
                 sampler.sample(logits)
@@ -816,19 +816,19 @@ impl Worker {
         ));
         s.push_str(&format!(
             "kind: {}\nthink_mode: {}\ntools: {}\nprompt_tokens: {}\neffective_prompt_tokens: {}\ncached_tokens: {cached}\nmax_tokens: {}\ntemperature: {}\ntop_k: {}\ntop_p: {}\nmin_p: {}\nseed: {}\n",
-            job.kind.as_str(), job.mode.as_str(), job.tools_active, job.prompt_tokens.len(), eff.len(),
-            job.max_tokens, job.sampling.temperature, job.sampling.top_k, job.sampling.top_p, job.sampling.min_p, job.sampling.seed
+            job.req.kind.as_str(), job.req.mode.as_str(), job.req.tools_active, job.req.prompt_tokens.len(), eff.len(),
+            job.req.max_tokens, job.req.sampling.temperature, job.req.sampling.top_k, job.req.sampling.top_p, job.req.sampling.min_p, job.req.sampling.seed
         ));
         s.push_str(&format!(
             "--- cache decision ---\ncache_source: {source}\ncached_tokens: {cached}\n"
         ));
-        if let Some(raw) = &job.trace_request {
+        if let Some(raw) = &job.req.raw {
             s.push_str("--- raw request json ---\n");
             s.push_str(raw);
             s.push('\n');
         }
         s.push_str("--- rendered prompt ---\n");
-        s.push_str(&job.prompt_text);
+        s.push_str(&job.req.prompt_text);
         s.push_str("\n--- parsed message ---\n");
         s.push_str(&format!(
             "finish: {}\ngenerated_tokens: {}\n",

@@ -130,6 +130,38 @@ fn make_qkx2_quants(
     (scale, -min)
 }
 
+/// Fits each of the `N` equal sub-blocks of one super-block `xb` with
+/// `make_qkx2_quants` (`fit` = nmax, rmin, nstep, use_mad; rdelta is 0.1 for both
+/// K-quants), its levels into `l`. Returns the scales, the mins and their maxima.
+fn fit_sub_blocks<const N: usize>(
+    xb: &[f32],
+    l: &mut [u8; QK_K],
+    fit: (i32, f32, i32, bool),
+    weights: impl Fn(&[f32]) -> Vec<f32>,
+) -> ([f32; N], [f32; N], f32, f32) {
+    let (nmax, rmin, nstep, use_mad) = fit;
+    let len = QK_K / N;
+    let mut scales = [0.0f32; N];
+    let mut mins = [0.0f32; N];
+    for j in 0..N {
+        let xs = &xb[len * j..len * j + len];
+        let w = weights(xs);
+        (scales[j], mins[j]) = make_qkx2_quants(
+            nmax,
+            xs,
+            &w,
+            &mut l[len * j..len * j + len],
+            rmin,
+            0.1,
+            nstep,
+            use_mad,
+        );
+    }
+    let max_scale = scales.iter().fold(0.0f32, |m, &v| m.max(v));
+    let max_min = mins.iter().fold(0.0f32, |m, &v| m.max(v));
+    (scales, mins, max_scale, max_min)
+}
+
 /// Q2_K weights (llama.cpp `quantize_row_q2_K_ref`): 16 sub-blocks of 16 with 4-bit
 /// scale and min, fitted with absolute-error weights `|x|`.
 pub fn quantize_q2_k(x: &[f32], out: &mut [u8]) {
@@ -139,16 +171,10 @@ pub fn quantize_q2_k(x: &[f32], out: &mut [u8]) {
         .zip(out.chunks_exact_mut(Q2_K_BLOCK_BYTES))
     {
         let mut l = [0u8; QK_K];
-        let mut scales = [0.0f32; 16];
-        let mut mins = [0.0f32; 16];
-        for j in 0..16 {
-            let xs = &xb[16 * j..16 * j + 16];
-            let w: Vec<f32> = xs.iter().map(|v| v.abs()).collect();
-            (scales[j], mins[j]) =
-                make_qkx2_quants(3, xs, &w, &mut l[16 * j..16 * j + 16], -0.5, 0.1, 15, true);
-        }
-        let max_scale = scales.iter().fold(0.0f32, |m, &v| m.max(v));
-        let max_min = mins.iter().fold(0.0f32, |m, &v| m.max(v));
+        let (scales, mins, max_scale, max_min) =
+            fit_sub_blocks::<16>(xb, &mut l, (3, -0.5, 15, true), |xs| {
+                xs.iter().map(|v| v.abs()).collect()
+            });
         let mut sc = [0u8; 16];
         let mut d = 0u16;
         let mut dmin = 0u16;
@@ -198,25 +224,11 @@ pub fn quantize_q4_k(x: &[f32], out: &mut [u8]) {
         .zip(out.chunks_exact_mut(Q4_K_BLOCK_BYTES))
     {
         let mut l = [0u8; QK_K];
-        let mut scales = [0.0f32; 8];
-        let mut mins = [0.0f32; 8];
-        for j in 0..8 {
-            let xs = &xb[32 * j..32 * j + 32];
-            let av_x = (xs.iter().map(|v| v * v).sum::<f32>() / 32.0).sqrt();
-            let w: Vec<f32> = xs.iter().map(|v| av_x + v.abs()).collect();
-            (scales[j], mins[j]) = make_qkx2_quants(
-                15,
-                xs,
-                &w,
-                &mut l[32 * j..32 * j + 32],
-                -1.0,
-                0.1,
-                20,
-                false,
-            );
-        }
-        let max_scale = scales.iter().fold(0.0f32, |m, &v| m.max(v));
-        let max_min = mins.iter().fold(0.0f32, |m, &v| m.max(v));
+        let (scales, mins, max_scale, max_min) =
+            fit_sub_blocks::<8>(xb, &mut l, (15, -1.0, 20, false), |xs| {
+                let av_x = (xs.iter().map(|v| v * v).sum::<f32>() / 32.0).sqrt();
+                xs.iter().map(|v| av_x + v.abs()).collect()
+            });
         let inv_scale = if max_scale > 0.0 {
             63.0 / max_scale
         } else {

@@ -234,11 +234,44 @@ pub(crate) unsafe fn dot_q8_0_multi_avx2(w: &[u8], xs: &[&[BlockQ8_0]], out: &mu
 // Q2_K × Q8_K
 // ---------------------------------------------------------------------------------
 
+/// The single- and multi-activation K-quant dots over `$unpack` (one weight block),
+/// `$sums` (its integer sums against one Q8_K block) and `$combine` (the scaled f32
+/// update): the multi form unpacks each weight block once for every activation.
+macro_rules! k_quant_dots {
+    ($dot:ident, $dot_multi:ident, $block_bytes:expr, $unpack:ident, $sums:ident, $combine:ident) => {
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(crate) unsafe fn $dot(w: &[u8], x: &[BlockQ8K]) -> f32 {
+            let mut acc = 0.0f32;
+            for (wb, xb) in w.chunks_exact($block_bytes).zip(x) {
+                prefetch(wb.as_ptr());
+                let u = $unpack(wb);
+                let (isum, summs) = $sums(&u, xb);
+                $combine(&mut acc, wb, xb, isum, summs);
+            }
+            acc
+        }
+
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(crate) unsafe fn $dot_multi(w: &[u8], xs: &[&[BlockQ8K]], out: &mut [f32]) {
+            out.fill(0.0);
+            for (b, wb) in w.chunks_exact($block_bytes).enumerate() {
+                let u = $unpack(wb);
+                prefetch(wb.as_ptr());
+                for (x, acc) in xs.iter().zip(out.iter_mut()) {
+                    let (isum, summs) = $sums(&u, &x[b]);
+                    $combine(acc, wb, &x[b], isum, summs);
+                }
+            }
+        }
+    };
+}
+
 /// The 2-bit values of one Q2_K block as 8 vectors of 32 bytes (vector `4k + j` holds
 /// elements `128k + 32j ..`), and the low-nibble scales broadcast to both lanes.
 #[inline]
 #[target_feature(enable = "avx2")]
-unsafe fn q2_k_unpack(wb: *const u8) -> ([__m256i; 8], __m256i, __m128i) {
+unsafe fn q2_k_unpack(wb: &[u8]) -> ([__m256i; 8], __m256i, __m128i) {
+    let wb = wb.as_ptr();
     let m3 = _mm256_set1_epi8(3);
     let m4 = _mm_set1_epi8(0xF);
     let sc_bytes = _mm_loadu_si128(wb as *const __m128i);
@@ -258,7 +291,8 @@ unsafe fn q2_k_unpack(wb: *const u8) -> ([__m256i; 8], __m256i, __m128i) {
 /// (isum, summs) of an unpacked Q2_K block against one Q8_K block.
 #[inline]
 #[target_feature(enable = "avx2")]
-unsafe fn q2_k_sums(q: &[__m256i; 8], sc: __m256i, mins: __m128i, xb: &BlockQ8K) -> (i32, i32) {
+unsafe fn q2_k_sums(u: &([__m256i; 8], __m256i, __m128i), xb: &BlockQ8K) -> (i32, i32) {
+    let (q, sc, mins) = (&u.0, u.1, u.2);
     let bsums = _mm256_loadu_si256(xb.bsums.as_ptr() as *const __m256i);
     let summs = _mm256_madd_epi16(bsums, _mm256_cvtepu8_epi16(mins));
     let xq = xb.qs.as_ptr();
@@ -287,30 +321,14 @@ unsafe fn q2_k_combine(acc: &mut f32, wb: &[u8], xb: &BlockQ8K, isum: i32, summs
     *acc += dall * isum as f32 - dmin * summs as f32;
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn dot_q2_k_avx2(w: &[u8], x: &[BlockQ8K]) -> f32 {
-    let mut acc = 0.0f32;
-    for (wb, xb) in w.chunks_exact(Q2_K_BLOCK_BYTES).zip(x) {
-        prefetch(wb.as_ptr());
-        let (q, sc, mins) = q2_k_unpack(wb.as_ptr());
-        let (isum, summs) = q2_k_sums(&q, sc, mins, xb);
-        q2_k_combine(&mut acc, wb, xb, isum, summs);
-    }
-    acc
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn dot_q2_k_multi_avx2(w: &[u8], xs: &[&[BlockQ8K]], out: &mut [f32]) {
-    out.fill(0.0);
-    for (b, wb) in w.chunks_exact(Q2_K_BLOCK_BYTES).enumerate() {
-        let (q, sc, mins) = q2_k_unpack(wb.as_ptr());
-        prefetch(wb.as_ptr());
-        for (x, acc) in xs.iter().zip(out.iter_mut()) {
-            let (isum, summs) = q2_k_sums(&q, sc, mins, &x[b]);
-            q2_k_combine(acc, wb, &x[b], isum, summs);
-        }
-    }
-}
+k_quant_dots!(
+    dot_q2_k_avx2,
+    dot_q2_k_multi_avx2,
+    Q2_K_BLOCK_BYTES,
+    q2_k_unpack,
+    q2_k_sums,
+    q2_k_combine
+);
 
 // ---------------------------------------------------------------------------------
 // Q4_K × Q8_K
@@ -339,7 +357,8 @@ unsafe fn q4_k_unpack(wb: &[u8]) -> ([__m256i; 8], [u8; 8], [u8; 8]) {
 
 #[inline]
 #[target_feature(enable = "avx2")]
-unsafe fn q4_k_sums(q: &[__m256i; 8], sc: &[u8; 8], mn: &[u8; 8], xb: &BlockQ8K) -> (i32, i32) {
+unsafe fn q4_k_sums(u: &([__m256i; 8], [u8; 8], [u8; 8]), xb: &BlockQ8K) -> (i32, i32) {
+    let (q, sc, mn) = u;
     let xq = xb.qs.as_ptr();
     let mut acc = _mm256_setzero_si256();
     for (j, qj) in q.iter().enumerate() {
@@ -366,30 +385,14 @@ unsafe fn q4_k_combine(acc: &mut f32, wb: &[u8], xb: &BlockQ8K, isum: i32, summs
     *acc += d * isum as f32 - dmin * summs as f32;
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn dot_q4_k_avx2(w: &[u8], x: &[BlockQ8K]) -> f32 {
-    let mut acc = 0.0f32;
-    for (wb, xb) in w.chunks_exact(Q4_K_BLOCK_BYTES).zip(x) {
-        prefetch(wb.as_ptr());
-        let (q, sc, mn) = q4_k_unpack(wb);
-        let (isum, summs) = q4_k_sums(&q, &sc, &mn, xb);
-        q4_k_combine(&mut acc, wb, xb, isum, summs);
-    }
-    acc
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn dot_q4_k_multi_avx2(w: &[u8], xs: &[&[BlockQ8K]], out: &mut [f32]) {
-    out.fill(0.0);
-    for (b, wb) in w.chunks_exact(Q4_K_BLOCK_BYTES).enumerate() {
-        let (q, sc, mn) = q4_k_unpack(wb);
-        prefetch(wb.as_ptr());
-        for (x, acc) in xs.iter().zip(out.iter_mut()) {
-            let (isum, summs) = q4_k_sums(&q, &sc, &mn, &x[b]);
-            q4_k_combine(acc, wb, &x[b], isum, summs);
-        }
-    }
-}
+k_quant_dots!(
+    dot_q4_k_avx2,
+    dot_q4_k_multi_avx2,
+    Q4_K_BLOCK_BYTES,
+    q4_k_unpack,
+    q4_k_sums,
+    q4_k_combine
+);
 
 // ---------------------------------------------------------------------------------
 // IQ2_XXS × Q8_K

@@ -96,21 +96,13 @@ pub fn parse_conversation(
             let mut calls = Vec::new();
             for b in &blocks {
                 match b.get("type").and_then(Value::as_str) {
-                    Some("text") => {
-                        content.push_str(b.get("text").and_then(Value::as_str).unwrap_or(""))
-                    }
-                    Some("thinking") => {
-                        reasoning.push_str(b.get("thinking").and_then(Value::as_str).unwrap_or(""))
-                    }
+                    Some("text") => content.push_str(str_or_empty(b, "text")),
+                    Some("thinking") => reasoning.push_str(str_or_empty(b, "thinking")),
                     Some("tool_use") => calls.push(ToolCall {
                         id: b.get("id").and_then(Value::as_str).map(str::to_string),
                         kind: Some("function".into()),
                         function: FunctionCall {
-                            name: b
-                                .get("name")
-                                .and_then(Value::as_str)
-                                .unwrap_or("")
-                                .to_string(),
+                            name: str_or_empty(b, "name").to_string(),
                             arguments: Value::String(
                                 b.get("input")
                                     .cloned()
@@ -133,9 +125,7 @@ pub fn parse_conversation(
             let mut text = String::new();
             for b in &blocks {
                 match b.get("type").and_then(Value::as_str) {
-                    Some("text") => {
-                        text.push_str(b.get("text").and_then(Value::as_str).unwrap_or(""))
-                    }
+                    Some("text") => text.push_str(str_or_empty(b, "text")),
                     Some("tool_result") => {
                         let mut t = Message::new(
                             "tool",

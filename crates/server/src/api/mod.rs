@@ -64,46 +64,52 @@ fn type_error(key: &str, want: &str) -> ApiError {
     ApiError::bad_request(format!("invalid JSON request: `{key}` must be {want}"))
 }
 
-pub fn get_str<'a>(o: &'a Map<String, Value>, key: &str) -> Result<Option<&'a str>, ApiError> {
+/// `v[key]` when it is a string, else "" (lenient reads of content blocks).
+pub fn str_or_empty<'a>(v: &'a Value, key: &str) -> &'a str {
+    v.get(key).and_then(Value::as_str).unwrap_or("")
+}
+
+/// `o[key]` through `pick`: None when absent or null, 400 ("must be `want`") when
+/// `pick` rejects the value's JSON type.
+fn typed<'a, T>(
+    o: &'a Map<String, Value>,
+    key: &str,
+    want: &str,
+    pick: impl FnOnce(&'a Value) -> Option<T>,
+) -> Result<Option<T>, ApiError> {
     match o.get(key) {
         None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) => Ok(Some(s)),
-        Some(_) => Err(type_error(key, "a string")),
+        Some(v) => pick(v).map(Some).ok_or_else(|| type_error(key, want)),
     }
+}
+
+pub fn get_str<'a>(o: &'a Map<String, Value>, key: &str) -> Result<Option<&'a str>, ApiError> {
+    typed(o, key, "a string", Value::as_str)
 }
 
 pub fn get_bool(o: &Map<String, Value>, key: &str) -> Result<Option<bool>, ApiError> {
-    match o.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Bool(b)) => Ok(Some(*b)),
-        Some(_) => Err(type_error(key, "a boolean")),
-    }
+    typed(o, key, "a boolean", Value::as_bool)
 }
 
+/// Non-finite values (out of f32 range) read as absent.
 pub fn get_f32(o: &Map<String, Value>, key: &str) -> Result<Option<f32>, ApiError> {
-    match o.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Number(n)) => Ok(n.as_f64().map(|f| f as f32).filter(|f| f.is_finite())),
-        Some(_) => Err(type_error(key, "a number")),
-    }
+    let n = typed(o, key, "a number", Value::as_number)?;
+    Ok(n.and_then(|n| n.as_f64().map(|f| f as f32).filter(|f| f.is_finite())))
 }
 
 /// Integers: any number, negative values clamp to 0 (`max_tokens:-5` → 0).
 pub fn get_usize(o: &Map<String, Value>, key: &str) -> Result<Option<usize>, ApiError> {
-    match o.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Number(n)) => {
-            let f = n.as_f64().unwrap_or(0.0);
-            Ok(Some(if f <= 0.0 {
-                0
-            } else if f >= usize::MAX as f64 {
-                usize::MAX
-            } else {
-                f as usize
-            }))
+    let n = typed(o, key, "an integer", Value::as_number)?;
+    Ok(n.map(|n| {
+        let f = n.as_f64().unwrap_or(0.0);
+        if f <= 0.0 {
+            0
+        } else if f >= usize::MAX as f64 {
+            usize::MAX
+        } else {
+            f as usize
         }
-        Some(_) => Err(type_error(key, "an integer")),
-    }
+    }))
 }
 
 pub fn get_u64(o: &Map<String, Value>, key: &str) -> Result<Option<u64>, ApiError> {
@@ -114,22 +120,14 @@ pub fn get_array<'a>(
     o: &'a Map<String, Value>,
     key: &str,
 ) -> Result<Option<&'a Vec<Value>>, ApiError> {
-    match o.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Array(a)) => Ok(Some(a)),
-        Some(_) => Err(type_error(key, "an array")),
-    }
+    typed(o, key, "an array", Value::as_array)
 }
 
 pub fn get_object<'a>(
     o: &'a Map<String, Value>,
     key: &str,
 ) -> Result<Option<&'a Map<String, Value>>, ApiError> {
-    match o.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Object(m)) => Ok(Some(m)),
-        Some(_) => Err(type_error(key, "an object")),
-    }
+    typed(o, key, "an object", Value::as_object)
 }
 
 /// `stop`: a string or an array of strings (empty strings ignored).
@@ -177,22 +175,31 @@ pub fn get_sampling(o: &Map<String, Value>, min_p_seed: bool) -> Result<Sampling
 }
 
 /// What the API layer hands to the worker, plus what it needs to shape the answer.
+#[derive(Clone)]
 pub struct Prepared {
     pub kind: ApiKind,
     pub model: String,
     pub stream: bool,
     pub include_usage: bool,
+    /// The rendered prompt (markers as text) and its tokens.
     pub prompt_text: String,
     pub prompt_tokens: Vec<u32>,
     pub mode: ThinkMode,
+    /// Parse the output for reasoning and DSML tool calls (false for /v1/completions).
     pub structured: bool,
     pub tools_active: bool,
     pub max_tokens: usize,
     pub sampling: Sampling,
     pub stops: Vec<String>,
+    /// Raw request JSON for `--trace`.
     pub raw: Option<String>,
+    /// The parsed conversation (chat endpoints): the worker renders the visible
+    /// transcript of the turn from it (bindings, canonical rebuild).
     pub conv: Option<std::sync::Arc<crate::render::Conversation>>,
+    /// Responses: the client opted into reasoning summaries (it replays reasoning on
+    /// tool turns).
     pub summary: bool,
+    /// The request side of a live continuation (§4.2).
     pub live: crate::bindings::LiveRequest,
 }
 
@@ -260,21 +267,9 @@ pub fn submit(shared: &Shared, p: &Prepared) -> Result<UnboundedReceiver<GenEven
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let job = GenJob {
         id: shared.next_id(),
-        kind: p.kind,
-        prompt_text: p.prompt_text.clone(),
-        prompt_tokens: p.prompt_tokens.clone(),
-        mode: p.mode,
-        structured: p.structured,
-        tools_active: p.tools_active,
-        max_tokens: p.max_tokens,
-        sampling: p.sampling.clone(),
-        stops: p.stops.clone(),
+        req: p.clone(),
         tx,
         enqueued: Instant::now(),
-        trace_request: p.raw.clone(),
-        conv: p.conv.clone(),
-        summary: p.summary,
-        live: p.live.clone(),
     };
     shared.submit(job)?;
     Ok(rx)

@@ -87,35 +87,23 @@ fn flatten_tools(tools: &[Value], names: &mut ToolNames) -> Vec<Value> {
 }
 
 fn part_text(v: &Value) -> Result<String, ApiError> {
-    match v {
-        Value::Null => Ok(String::new()),
-        Value::String(s) => Ok(s.clone()),
-        Value::Array(a) => {
-            let mut out = String::new();
-            for p in a {
-                match p {
-                    Value::String(s) => out.push_str(s),
-                    Value::Object(o) => match o.get("type").and_then(Value::as_str) {
-                        Some(
-                            "input_text" | "output_text" | "text" | "summary_text"
-                            | "reasoning_text",
-                        ) => out.push_str(o.get("text").and_then(Value::as_str).unwrap_or("")),
-                        Some(other) => {
-                            return Err(ApiError::bad_request(format!(
-                                "unsupported content part type {other}"
-                            )))
-                        }
-                        None => return Err(ApiError::bad_request("content part without type")),
-                    },
-                    _ => return Err(ApiError::bad_request("invalid content part")),
+    crate::render::concat_parts(
+        v,
+        |p| match p {
+            Value::String(s) => Ok(s),
+            Value::Object(o) => match o.get("type").and_then(Value::as_str) {
+                Some("input_text" | "output_text" | "text" | "summary_text" | "reasoning_text") => {
+                    Ok(o.get("text").and_then(Value::as_str).unwrap_or(""))
                 }
-            }
-            Ok(out)
-        }
-        _ => Err(ApiError::bad_request(
-            "invalid JSON request: `content` must be a string or an array",
-        )),
-    }
+                Some(other) => Err(ApiError::bad_request(format!(
+                    "unsupported content part type {other}"
+                ))),
+                None => Err(ApiError::bad_request("content part without type")),
+            },
+            _ => Err(ApiError::bad_request("invalid content part")),
+        },
+        || ApiError::bad_request("invalid JSON request: `content` must be a string or an array"),
+    )
 }
 
 fn output_text(v: Option<&Value>) -> String {

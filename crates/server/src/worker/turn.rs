@@ -66,7 +66,7 @@ impl Worker {
             .cfg
             .exact_dsml_replay
             .then(|| self.shared.tool_memory());
-        render_visible(conv, job.mode, mem.as_deref(), reply)
+        render_visible(conv, job.req.mode, mem.as_deref(), reply)
     }
 
     /// Sets the bindings that describe the live session after this turn (every other
@@ -79,14 +79,14 @@ impl Worker {
         let clean = !matches!(r.finish, Finish::Error | Finish::Length)
             && r.stop_sequence.is_none()
             && !r.malformed
-            && (!job.mode.thinking() || r.reasoning_closed)
+            && (!job.req.mode.thinking() || r.reasoning_closed)
             && pos > 0;
-        if let (Some(conv), true) = (job.conv.as_deref(), clean) {
+        if let (Some(conv), true) = (job.req.conv.as_deref(), clean) {
             let ids: Vec<String> = r.tool_calls.iter().map(|c| c.id.clone()).collect();
-            match job.kind {
+            match job.req.kind {
                 ApiKind::Responses => {
                     // Codex never replays reasoning; pi replays summaries on tool turns.
-                    let with_reasoning = job.summary && !ids.is_empty();
+                    let with_reasoning = job.req.summary && !ids.is_empty();
                     if let Some(visible) = self.visible(job, conv, reply_message(r, with_reasoning))
                     {
                         b.responses = Some(ResponsesBinding { pos, ids, visible });
@@ -97,9 +97,9 @@ impl Worker {
                 }
                 _ => {}
             }
-            if matches!(job.kind, ApiKind::Chat | ApiKind::Anthropic)
-                && job.mode.thinking()
-                && !job.tools_active
+            if matches!(job.req.kind, ApiKind::Chat | ApiKind::Anthropic)
+                && job.req.mode.thinking()
+                && !job.req.tools_active
                 && r.tool_calls.is_empty()
                 && !has_tool_history(conv)
             {
@@ -114,11 +114,12 @@ impl Worker {
     /// The canonical transcript of a chat/Anthropic tool-call turn (the prompt plus the
     /// turn as the client replays it, reasoning included), when one may be needed.
     pub(super) fn needs_canonical(&self, job: &GenJob, r: &GenResult) -> Option<String> {
-        if !matches!(job.kind, ApiKind::Chat | ApiKind::Anthropic) || r.finish != Finish::ToolCalls
+        if !matches!(job.req.kind, ApiKind::Chat | ApiKind::Anthropic)
+            || r.finish != Finish::ToolCalls
         {
             return None;
         }
-        let conv = job.conv.as_deref()?;
+        let conv = job.req.conv.as_deref()?;
         self.visible(job, conv, reply_message(r, true))
     }
 
@@ -135,14 +136,14 @@ impl Worker {
         }
         // Only when the live prompt is the request's own rendering (not a visible or
         // tool-tail continuation, whose history differs from the live tokens on purpose).
-        if !canon.starts_with(&job.prompt_text)
+        if !canon.starts_with(&job.req.prompt_text)
             || !self.engine.tokens().starts_with(eff)
-            || tok.decode(eff, false) != job.prompt_text
+            || tok.decode(eff, false) != job.req.prompt_text
         {
             return;
         }
         let mut target = eff.to_vec();
-        tok.encode_into(&canon[job.prompt_text.len()..], &mut target);
+        tok.encode_into(&canon[job.req.prompt_text.len()..], &mut target);
         let plan = rebuild_plan(self.engine.tokens(), &target);
         let t0 = std::time::Instant::now();
         let base = match plan {

@@ -85,35 +85,45 @@ pub fn run(a: Args) -> Result<()> {
                 "{} layers, n_embd {}, vocab {}, {} heads × {}, {} experts ({} used, width {}), ratios {:?}",
                 cfg.n_layer, cfg.n_embd, cfg.vocab, cfg.n_head, cfg.head_dim, cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp, cfg.compress_ratios
             );
+            // Fewer keys are checked than the 40 that print_findings shows.
             let dev = cfg.profile_deviations();
-            if dev.is_empty() {
-                println!("hyperparameters: DeepSeek V4 Flash (all checked keys match)");
-            } else {
-                println!(
+            print_findings(
+                "hyperparameters: DeepSeek V4 Flash (all checked keys match)",
+                format!(
                     "hyperparameters differ from DeepSeek V4 Flash in {} ways:",
                     dev.len()
-                );
-                for d in dev {
-                    println!("  {d}");
-                }
-            }
+                ),
+                dev.iter().map(|d| d.to_string()).collect(),
+            );
             let issues = check_layout(&cfg, &g);
             let fatal = issues.iter().filter(|i| i.is_fatal()).count();
-            if issues.is_empty() {
-                println!("tensor layout: exactly the published layout");
-            } else {
-                println!(
+            print_findings(
+                "tensor layout: exactly the published layout",
+                format!(
                     "tensor layout: {} differences ({fatal} prevent loading):",
                     issues.len()
-                );
-                for i in issues.iter().take(40) {
-                    println!("  {}{i}", if i.is_fatal() { "ERROR " } else { "" });
-                }
-                if issues.len() > 40 {
-                    println!("  … {} more", issues.len() - 40);
-                }
-            }
+                ),
+                issues
+                    .iter()
+                    .map(|i| format!("{}{i}", if i.is_fatal() { "ERROR " } else { "" }))
+                    .collect(),
+            );
         }
     }
     Ok(())
+}
+
+/// `clean` when there are no findings, else `header` and the first 40 of them.
+fn print_findings(clean: &str, header: String, findings: Vec<String>) {
+    if findings.is_empty() {
+        println!("{clean}");
+        return;
+    }
+    println!("{header}");
+    for f in findings.iter().take(40) {
+        println!("  {f}");
+    }
+    if findings.len() > 40 {
+        println!("  … {} more", findings.len() - 40);
+    }
 }

@@ -10,7 +10,6 @@ use ds4_tokenizer::Tokenizer;
 use crate::args::Args;
 use crate::engine::{check_model_exists, Engine};
 use crate::generate::{budget, prefill};
-use crate::render::prompt_tokens;
 
 /// `--dump-tokens`: the rendered-chat tokenizer on the text exactly as written (only
 /// the vocabulary is loaded). Prints `[id, id, …]`, then `%6d  <vocab string>` lines.
@@ -120,16 +119,8 @@ pub fn top_logprobs(logits: &[f32], k: usize) -> Vec<(u32, f32, f64)> {
 /// `--dump-logprobs FILE`: up to `-n` greedy steps (the EOS step included), each with
 /// its top-k alternatives, in the reference's JSON layout.
 pub fn dump_logprobs(engine: &Engine, args: &Args, prompt: &str, path: &Path) -> Result<()> {
-    let think = args.think_mode().effective(args.ctx);
+    let (_, tokens) = crate::oneshot::fitting_prompt(engine, args, prompt)?;
     let sp = engine.specials();
-    let tokens = prompt_tokens(&engine.tok, sp, &args.system, prompt, think);
-    if tokens.len() >= args.ctx {
-        bail!(
-            "the prompt has {} tokens, which does not fit --ctx {}",
-            tokens.len(),
-            args.ctx
-        );
-    }
     let mut session = engine.session(args.ctx)?;
     prefill(&mut session, &tokens, None)?;
     let k = args.logprobs_top_k.min(128);

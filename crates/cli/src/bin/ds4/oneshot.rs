@@ -6,7 +6,7 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use ds4_engine::{Sampler, SamplerConfig};
 
-use crate::args::Args;
+use crate::args::{Args, Think};
 use crate::engine::Engine;
 use crate::generate::{budget, generate, prefill, seed_or_clock, timing_line};
 use crate::render::{prompt_tokens, TokenPrinter};
@@ -21,10 +21,11 @@ pub fn sampler_config(args: &Args) -> SamplerConfig {
     }
 }
 
-pub fn run(engine: &Engine, args: &Args, prompt: &str) -> Result<()> {
+/// The effective thinking mode and the rendered prompt's tokens; an error when the
+/// prompt leaves no room in `--ctx` (shared by one-shot runs and `--dump-logprobs`).
+pub fn fitting_prompt(engine: &Engine, args: &Args, prompt: &str) -> Result<(Think, Vec<u32>)> {
     let think = args.think_mode().effective(args.ctx);
-    let sp = engine.specials();
-    let tokens = prompt_tokens(&engine.tok, sp, &args.system, prompt, think);
+    let tokens = prompt_tokens(&engine.tok, engine.specials(), &args.system, prompt, think);
     if tokens.len() >= args.ctx {
         bail!(
             "the prompt has {} tokens, which does not fit --ctx {}",
@@ -32,6 +33,12 @@ pub fn run(engine: &Engine, args: &Args, prompt: &str) -> Result<()> {
             args.ctx
         );
     }
+    Ok((think, tokens))
+}
+
+pub fn run(engine: &Engine, args: &Args, prompt: &str) -> Result<()> {
+    let (think, tokens) = fitting_prompt(engine, args, prompt)?;
+    let sp = engine.specials();
     let mut session = engine.session(args.ctx)?;
     let t0 = Instant::now();
     prefill(&mut session, &tokens, None)?;
