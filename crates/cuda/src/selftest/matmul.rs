@@ -16,7 +16,7 @@ use super::common::{
     bit_identical, random_matrix, random_vec, rel_err, same_bits, Check, Timing, BOUND_F32,
     Q8_SHAPES,
 };
-use crate::{Batch, DeviceMatrix, Launcher, MatSel, QuantAct, Variant};
+use crate::{Batch, DeviceBuf, DeviceMatrix, Launcher, MatSel, QuantAct, Variant};
 
 const BOUND: f64 = BOUND_F32;
 
@@ -231,6 +231,33 @@ pub fn check_matmul(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     Ok(out)
 }
 
+/// The inputs of a dense check: a random stack of `groups` matrices (host bytes and
+/// device copy), its batch layout and random f32 activations (host and device).
+struct Dense {
+    w: Vec<u8>,
+    m: DeviceMatrix,
+    b: Batch,
+    x: Vec<f32>,
+    xd: DeviceBuf<f32>,
+}
+
+impl Dense {
+    fn new(
+        gpu: &Launcher,
+        rng: &mut Rng,
+        ty: GgmlType,
+        (rows, cols, n_tok, groups): (usize, usize, usize, usize),
+        pad: bool,
+    ) -> Result<Dense> {
+        let w = random_matrix(ty, rows, cols, groups, rng);
+        let m = upload(gpu, ty, &w, rows, cols, groups)?;
+        let b = layout(rows, cols, n_tok, groups, pad);
+        let x = random_vec(n_tok * b.x_tok, rng);
+        let xd = gpu.upload(&x)?;
+        Ok(Dense { w, m, b, x, xd })
+    }
+}
+
 /// Layout of a dense check: groups side by side, optionally padded token strides.
 fn layout(rows: usize, cols: usize, n_tok: usize, groups: usize, pad: bool) -> Batch {
     Batch {
@@ -251,11 +278,7 @@ fn check_dense(
     pad: bool,
     tile: Option<usize>,
 ) -> Result<Vec<Check>> {
-    let w = random_matrix(ty, rows, cols, groups, rng);
-    let m = upload(gpu, ty, &w, rows, cols, groups)?;
-    let b = layout(rows, cols, n_tok, groups, pad);
-    let x = random_vec(n_tok * b.x_tok, rng);
-    let xd = gpu.upload(&x)?;
+    let Dense { w, m, b, xd, .. } = Dense::new(gpu, rng, ty, (rows, cols, n_tok, groups), pad)?;
     let mut qa = gpu.alloc_quant_act(n_tok, b.x_tok)?;
     if ty == GgmlType::Q8_0 {
         gpu.quantize_act(gpu.ptr(&xd), &mut qa)?;
@@ -451,11 +474,7 @@ fn check_f32(
     pad: bool,
     tensor_cores: bool,
 ) -> Result<Vec<Check>> {
-    let w = random_matrix(ty, rows, cols, groups, rng);
-    let m = upload(gpu, ty, &w, rows, cols, groups)?;
-    let b = layout(rows, cols, n_tok, groups, pad);
-    let x = random_vec(n_tok * b.x_tok, rng);
-    let xd = gpu.upload(&x)?;
+    let Dense { w, m, b, x, xd } = Dense::new(gpu, rng, ty, (rows, cols, n_tok, groups), pad)?;
     let ylen = n_tok * b.y_tok;
     let yd = gpu.upload(&vec![f32::NAN; ylen])?;
     gpu.matmul_f32_opts(&m, gpu.ptr(&xd), gpu.ptr(&yd), b, None, Some(tensor_cores))?;
@@ -492,11 +511,7 @@ fn check_f32_split(
     tensor_cores: bool,
 ) -> Result<Vec<Check>> {
     let (rows, cols, n_tok, groups) = (100, 2048, 70, 2);
-    let w = random_matrix(ty, rows, cols, groups, rng);
-    let m = upload(gpu, ty, &w, rows, cols, groups)?;
-    let b = layout(rows, cols, n_tok, groups, true);
-    let x = random_vec(n_tok * b.x_tok, rng);
-    let xd = gpu.upload(&x)?;
+    let Dense { w, m, b, x, xd } = Dense::new(gpu, rng, ty, (rows, cols, n_tok, groups), true)?;
     let run = |spread: bool| -> Result<Vec<f32>> {
         let yd = gpu.upload(&vec![f32::NAN; n_tok * b.y_tok])?;
         gpu.with(Variant::MmPitch, spread).matmul_f32_opts(

@@ -34,6 +34,31 @@ impl Tally {
     }
 }
 
+/// One fixture model in one numeric mode: what each cross-check runs on.
+#[derive(Clone, Copy)]
+struct Case<'a> {
+    model: &'a Model,
+    weights: &'a Arc<CudaWeights>,
+    variant: &'a str,
+    numerics: Numerics,
+}
+
+impl Case<'_> {
+    fn vocab(&self) -> usize {
+        self.weights.config.vocab
+    }
+
+    /// A fresh CUDA session of 4,096 positions.
+    fn cuda(&self) -> Result<CudaBackend> {
+        Ok(CudaBackend::new(self.weights, 4096, self.numerics)?)
+    }
+
+    /// A fresh CPU session of 4,096 positions (the noise floor's other side).
+    fn cpu(&self) -> CpuBackend {
+        CpuBackend::new(self.model, 4096, self.numerics)
+    }
+}
+
 /// `n` token ids spread over the vocabulary: (i·mul + add) mod vocab.
 fn spread_tokens(n: usize, vocab: usize, mul: u64, add: u64) -> Vec<u32> {
     (0..n as u64)
@@ -45,19 +70,12 @@ fn spread_tokens(n: usize, vocab: usize, mul: u64, add: u64) -> Vec<u32> {
 /// boundary, the raw ring wrapping, compressor windows split across chunks, indexer
 /// selections past top-k): per-position max |Δlogit| judged against the noise floor
 /// of the CPU backend on the same tokens.
-fn batch_consistency(
-    model: &Model,
-    weights: &Arc<CudaWeights>,
-    variant: &str,
-    numerics: Numerics,
-    tally: &mut Tally,
-    line: &mut dyn FnMut(&str),
-) -> Result<()> {
-    let vocab = weights.config.vocab;
+fn batch_consistency(case: &Case, tally: &mut Tally, line: &mut dyn FnMut(&str)) -> Result<()> {
+    let (variant, numerics, vocab) = (case.variant, case.numerics, case.vocab());
     let n = 300;
     let tokens = spread_tokens(n, vocab, 2654435761, 12345);
     let run = |batched: bool, chunk: usize| -> Result<Vec<f32>> {
-        let mut b = CudaBackend::new(weights, 4096, numerics)?;
+        let mut b = case.cuda()?;
         b.set_batched(batched);
         b.set_prefill_chunk(chunk);
         // Two calls, so a chunk also starts mid-window.
@@ -68,7 +86,7 @@ fn batch_consistency(
     let want = run(false, 1)?;
     // The noise floor of this sequence: the CPU backend (another summation order, same
     // numerics) against the same token-by-token GPU logits.
-    let cpu = CpuBackend::new(model, 4096, numerics).forward(&tokens, LogitRows::All)?;
+    let cpu = case.cpu().forward(&tokens, LogitRows::All)?;
     let floor = DeltaStats::new(&cpu, &want, vocab, f32::INFINITY);
     line(&format!(
         "INFO {variant:<6} cpu   {:<6}          : |Δ| vs token-by-token median {:.1e} p95 {:.1e} max {:.1e}; argmax {}/{n}",
@@ -112,19 +130,11 @@ fn delta_bound(numerics: Numerics) -> f32 {
 /// Session snapshots: a CUDA clone continues bit-identically to its source, and a
 /// state exported by one backend continues on the other like that backend's own run,
 /// within the CPU/GPU noise floor.
-fn snapshot_interchange(
-    model: &Model,
-    weights: &Arc<CudaWeights>,
-    variant: &str,
-    numerics: Numerics,
-    tally: &mut Tally,
-    line: &mut dyn FnMut(&str),
-) -> Result<()> {
-    let vocab = weights.config.vocab;
+fn snapshot_interchange(case: &Case, tally: &mut Tally, line: &mut dyn FnMut(&str)) -> Result<()> {
+    let (variant, numerics, vocab) = (case.variant, case.numerics, case.vocab());
     let (n, split) = (160usize, 97usize);
     let tokens = spread_tokens(n, vocab, 40503, 977);
-    let cuda = || CudaBackend::new(weights, 4096, numerics);
-    let cpu = || CpuBackend::new(model, 4096, numerics);
+    let (cuda, cpu) = (|| case.cuda(), || case.cpu());
     let gpu_tail = cuda()?.forward(&tokens, LogitRows::All)?[split * vocab..].to_vec();
     let cpu_tail = cpu().forward(&tokens, LogitRows::All)?[split * vocab..].to_vec();
     let m = n - split;
@@ -268,8 +278,14 @@ pub fn run_fixtures(gpu: &Arc<Gpu>, dir: &Path, line: &mut dyn FnMut(&str)) -> R
                 );
                 results.push(r);
             }
-            batch_consistency(&model, &weights, variant, numerics, &mut tally, line)?;
-            snapshot_interchange(&model, &weights, variant, numerics, &mut tally, line)?;
+            let case = Case {
+                model: &model,
+                weights: &weights,
+                variant,
+                numerics,
+            };
+            batch_consistency(&case, &mut tally, line)?;
+            snapshot_interchange(&case, &mut tally, line)?;
             let (frac, ok) = pooled_agreement(&results);
             let n: usize = results.iter().map(|r| r.positions).sum();
             tally.record(

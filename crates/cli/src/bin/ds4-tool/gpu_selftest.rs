@@ -45,13 +45,7 @@ pub fn run(a: Args) -> Result<()> {
     let seed = a.seed.unwrap_or_else(selftest::fresh_seed);
     println!("seed {seed}");
     if a.probe_q8 {
-        println!(
-            "\n{:<56} {:>12} {:>10} {:>10}",
-            "kernel", "bytes", "us", "GB/s"
-        );
-        for t in selftest::probe_q8_splits(l, seed)? {
-            print_timing(&t, 56);
-        }
+        print_timings("kernel", 56, &selftest::probe_q8_splits(l, seed)?);
         for (name, ms) in selftest::bench_attention(l, seed)? {
             println!("{name:<56} {:>12} {:>10.1}", "", ms * 1e3);
         }
@@ -75,19 +69,24 @@ pub fn run(a: Args) -> Result<()> {
         }
     }
     if a.bench {
-        println!(
-            "\n{:<40} {:>12} {:>10} {:>10}",
-            "decode kernel", "bytes", "us", "GB/s"
-        );
-        for t in selftest::bench_kernels(l, seed)? {
-            print_timing(&t, 40);
-        }
+        print_timings("decode kernel", 40, &selftest::bench_kernels(l, seed)?);
     }
     println!("\n{}", summary_line(total - failed, failed));
     if failed > 0 {
         bail!("{failed} GPU checks failed");
     }
     Ok(())
+}
+
+/// A table of timings under a header whose first column is `title`.
+fn print_timings(title: &str, width: usize, rows: &[Timing]) {
+    println!(
+        "\n{title:<width$} {:>12} {:>10} {:>10}",
+        "bytes", "us", "GB/s"
+    );
+    for t in rows {
+        print_timing(t, width);
+    }
 }
 
 /// A timing line: name padded to `width`, bytes, µs, GB/s.
