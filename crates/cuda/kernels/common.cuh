@@ -22,6 +22,13 @@ typedef unsigned long long u64;
 // one has passed here or exited: called after a block's last load of weights.
 #define PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
 
+// The two entry points of one kernel body templated on a bool: NAME runs BODY<false>,
+// VARIANT (the decode plan's alternative, picked by name at launch) BODY<true>. PARAMS
+// and ARGS are macros spelling the parameter list and the argument list once.
+#define KERNEL_PAIR(BOUNDS, NAME, VARIANT, BODY, PARAMS, ARGS)               \
+    extern "C" __global__ void BOUNDS NAME(PARAMS) { BODY<false>(ARGS); }    \
+    extern "C" __global__ void BOUNDS VARIANT(PARAMS) { BODY<true>(ARGS); }
+
 __device__ __forceinline__ float h2f(u16 h) {
     float f;
     asm("{ .reg .b16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));

@@ -235,15 +235,9 @@ __device__ __forceinline__ void hc_mix_body(const float* h, int n, const void* f
     }
 }
 
-extern "C" __global__ void __launch_bounds__(1024) hc_mix(const float* h, int n, const void* fn,
-                                                          int fn_type, float eps, float* mix) {
-    hc_mix_body<false>(h, n, fn, fn_type, eps, mix);
-}
-extern "C" __global__ void __launch_bounds__(1024) hc_mix_pl(const float* h, int n,
-                                                             const void* fn, int fn_type,
-                                                             float eps, float* mix) {
-    hc_mix_body<true>(h, n, fn, fn_type, eps, mix);
-}
+#define HC_MIX_PARAMS const float *h, int n, const void *fn, int fn_type, float eps, float *mix
+#define HC_MIX_ARGS h, n, fn, fn_type, eps, mix
+KERNEL_PAIR(__launch_bounds__(1024), hc_mix, hc_mix_pl, hc_mix_body, HC_MIX_PARAMS, HC_MIX_ARGS)
 
 // ---- HC mix of a batch, second half: `mix` holds the raw dots fn_k · h_t (a GEMM);
 // block t scales its n_out values by the RMS factor of h_t.
@@ -439,12 +433,7 @@ __device__ __forceinline__ void hc_pre_body(HC_PRE_PARAMS) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(1024) hc_pre(HC_PRE_PARAMS) {
-    hc_pre_body<false>(HC_PRE_ARGS);
-}
-extern "C" __global__ void __launch_bounds__(1024) hc_pre_pl(HC_PRE_PARAMS) {
-    hc_pre_body<true>(HC_PRE_ARGS);
-}
+KERNEL_PAIR(__launch_bounds__(1024), hc_pre, hc_pre_pl, hc_pre_body, HC_PRE_PARAMS, HC_PRE_ARGS)
 
 // ---- HC post: H'_j = out·post_j + Σ_i comb[i][j]·H_i.
 // With `parts` (n_parts rows of n_embd per token), the sublayer output is their sum
@@ -524,16 +513,11 @@ __device__ __forceinline__ void hc_post_body(const float* h, const float* out,
     }
 }
 
-extern "C" __global__ void hc_post(const float* h, const float* out, const float* parts,
-                                   int n_parts, const float* hcp, int n_hc, int n_embd,
-                                   float* h_out) {
-    hc_post_body<false>(h, out, parts, n_parts, hcp, n_hc, n_embd, h_out);
-}
-extern "C" __global__ void hc_post_pl(const float* h, const float* out, const float* parts,
-                                      int n_parts, const float* hcp, int n_hc, int n_embd,
-                                      float* h_out) {
-    hc_post_body<true>(h, out, parts, n_parts, hcp, n_hc, n_embd, h_out);
-}
+#define HC_POST_PARAMS                                                                     \
+    const float *h, const float *out, const float *parts, int n_parts, const float *hcp, \
+        int n_hc, int n_embd, float *h_out
+#define HC_POST_ARGS h, out, parts, n_parts, hcp, n_hc, n_embd, h_out
+KERNEL_PAIR(, hc_post, hc_post_pl, hc_post_body, HC_POST_PARAMS, HC_POST_ARGS)
 
 // ---- RMS norm of `rows` vectors of n (one block each); w may be null (unweighted).
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm(const float* x, const void* w, int w_type,

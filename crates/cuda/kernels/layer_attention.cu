@@ -375,9 +375,5 @@ __device__ __forceinline__ void attention_combine_body(ATT_COMBINE_PARAMS) {
     quant_block32_x4(s, on, q + o, qd + o / 32);
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_combine(ATT_COMBINE_PARAMS) {
-    attention_combine_body<false>(ATT_COMBINE_ARGS);
-}
-extern "C" __global__ void __launch_bounds__(128) attention_combine_pl(ATT_COMBINE_PARAMS) {
-    attention_combine_body<true>(ATT_COMBINE_ARGS);
-}
+KERNEL_PAIR(__launch_bounds__(128), attention_combine, attention_combine_pl,
+            attention_combine_body, ATT_COMBINE_PARAMS, ATT_COMBINE_ARGS)

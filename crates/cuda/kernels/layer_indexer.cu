@@ -210,12 +210,8 @@ __device__ __forceinline__ void indexer_scores_body(const Step* step, const floa
     const Step *step, const float *index_rows, const float *q, const float *wt, int heads, \
         int dim, float wscale, int ratio, int top_k, float *scores, int scores_stride
 #define IDX_ARGS step, index_rows, q, wt, heads, dim, wscale, ratio, top_k, scores, scores_stride
-extern "C" __global__ void __launch_bounds__(256) indexer_scores(IDX_PARAMS) {
-    indexer_scores_body<false>(IDX_ARGS);
-}
-extern "C" __global__ void __launch_bounds__(256) indexer_scores_sp(IDX_PARAMS) {
-    indexer_scores_body<true>(IDX_ARGS);
-}
+KERNEL_PAIR(__launch_bounds__(256), indexer_scores, indexer_scores_sp, indexer_scores_body,
+            IDX_PARAMS, IDX_ARGS)
 
 // Order-preserving key of a float (larger float → larger key).
 __device__ __forceinline__ u32 fkey(float f) {
@@ -386,9 +382,6 @@ __device__ __forceinline__ void topk_select_body(const Step* step, const float* 
 
 #define TOPK_PARAMS \
     const Step *step, const float *scores, int scores_stride, int ratio, int k, i32 *sel
-extern "C" __global__ void __launch_bounds__(1024) topk_select(TOPK_PARAMS) {
-    topk_select_body<false>(step, scores, scores_stride, ratio, k, sel);
-}
-extern "C" __global__ void __launch_bounds__(1024) topk_select_rg(TOPK_PARAMS) {
-    topk_select_body<true>(step, scores, scores_stride, ratio, k, sel);
-}
+#define TOPK_ARGS step, scores, scores_stride, ratio, k, sel
+KERNEL_PAIR(__launch_bounds__(1024), topk_select, topk_select_rg, topk_select_body, TOPK_PARAMS,
+            TOPK_ARGS)

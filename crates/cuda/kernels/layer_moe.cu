@@ -112,12 +112,7 @@ __device__ __forceinline__ void router_body(const Step* step, const float* logit
     const Step *step, const float *logits, int n_expert, int k, const float *bias,       \
         const i32 *tid2eid, float wscale, i32 *ids, float *weights
 #define ROUTER_ARGS step, logits, n_expert, k, bias, tid2eid, wscale, ids, weights
-extern "C" __global__ void __launch_bounds__(512) router(ROUTER_PARAMS) {
-    router_body<false>(ROUTER_ARGS);
-}
-extern "C" __global__ void __launch_bounds__(512) router_wide(ROUTER_PARAMS) {
-    router_body<true>(ROUTER_ARGS);
-}
+KERNEL_PAIR(__launch_bounds__(512), router, router_wide, router_body, ROUTER_PARAMS, ROUTER_ARGS)
 extern "C" __global__ void __launch_bounds__(512) router_split(ROUTER_PARAMS) {
     router_body<true, true>(ROUTER_ARGS);
 }

@@ -91,16 +91,12 @@ __device__ __forceinline__ void matvec_f16_body(const u16* __restrict__ w, i64 m
     store_split_row(acc, ks, split, row < rows, y, blockIdx.y * sel.y_stride + row, red);
 }
 
-extern "C" __global__ void __launch_bounds__(256) matvec_f16(
-    const u16* __restrict__ w, i64 mat_w, const float* __restrict__ x, float* __restrict__ y,
-    int rows, int cols, MatSel sel, int ks) {
-    matvec_f16_body<false>(w, mat_w, x, y, rows, cols, sel, ks);
-}
-extern "C" __global__ void __launch_bounds__(256) matvec_f16_early(
-    const u16* __restrict__ w, i64 mat_w, const float* __restrict__ x, float* __restrict__ y,
-    int rows, int cols, MatSel sel, int ks) {
-    matvec_f16_body<true>(w, mat_w, x, y, rows, cols, sel, ks);
-}
+#define MATVEC_F16_PARAMS                                                                      \
+    const u16 *__restrict__ w, i64 mat_w, const float *__restrict__ x, float *__restrict__ y, \
+        int rows, int cols, MatSel sel, int ks
+#define MATVEC_F16_ARGS w, mat_w, x, y, rows, cols, sel, ks
+KERNEL_PAIR(__launch_bounds__(256), matvec_f16, matvec_f16_early, matvec_f16_body,
+            MATVEC_F16_PARAMS, MATVEC_F16_ARGS)
 
 // F32: [rows][cols] f32.
 extern "C" __global__ void __launch_bounds__(256) matvec_f32(

@@ -357,12 +357,8 @@ __device__ __forceinline__ void iq2_xxs_q8_rx_body(IQ2_MATVEC_PARAMS) {
     PDL_TRIGGER();
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2) matvec_iq2_xxs_q8_rx(IQ2_MATVEC_PARAMS) {
-    iq2_xxs_q8_rx_body<false>(IQ2_MATVEC_ARGS);
-}
-extern "C" __global__ void __launch_bounds__(256, 2) matvec_iq2_xxs_q8_rxe(IQ2_MATVEC_PARAMS) {
-    iq2_xxs_q8_rx_body<true>(IQ2_MATVEC_ARGS);
-}
+KERNEL_PAIR(__launch_bounds__(256, 2), matvec_iq2_xxs_q8_rx, matvec_iq2_xxs_q8_rxe,
+            iq2_xxs_q8_rx_body, IQ2_MATVEC_PARAMS, IQ2_MATVEC_ARGS)
 
 // The register-activation IQ2_XXS kernel with its next row unit's weights in flight
 // while the current one is computed (`iq2_pipe`): the rx kernel loads a unit, waits,
@@ -742,12 +738,8 @@ __device__ __forceinline__ void matvec_q8_0_q8_body(
 // per step; weight loads skip L1 and ask the L2 for 256-byte lines. Against 16 bytes
 // per lane with plain loads this took the H200 output head from 3.79 to 4.19 TB/s and
 // attn_output_b from 16.7 to 12.6 µs (NOTES.md, session 4).
-extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8(Q8_0_Q8_PARAMS) {
-    matvec_q8_0_q8_body<false>(Q8_0_Q8_ARGS);
-}
-extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8_early(Q8_0_Q8_PARAMS) {
-    matvec_q8_0_q8_body<true>(Q8_0_Q8_ARGS);
-}
+KERNEL_PAIR(__launch_bounds__(256), matvec_q8_0_q8, matvec_q8_0_q8_early, matvec_q8_0_q8_body,
+            Q8_0_Q8_PARAMS, Q8_0_Q8_ARGS)
 
 // matvec_q8_0_q8_early with RPW rows per warp (`q8_rows`, ks 1): the warp's rows are
 // consecutive, so a lane's loads of one step cover RPW × 32 bytes of RPW rows at once.

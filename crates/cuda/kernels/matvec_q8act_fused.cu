@@ -71,12 +71,9 @@ __device__ __forceinline__ void rmsnorm_q8_body(const float* x, const void* w, i
 
 #define RMSNORM_Q8_PARAMS \
     const float *x, const void *w, int w_type, int n, float eps, float *y, i8 *q, float *d
-extern "C" __global__ void __launch_bounds__(1024) rmsnorm_q8(RMSNORM_Q8_PARAMS) {
-    rmsnorm_q8_body<false>(x, w, w_type, n, eps, y, q, d);
-}
-extern "C" __global__ void __launch_bounds__(1024) rmsnorm_q8_pl(RMSNORM_Q8_PARAMS) {
-    rmsnorm_q8_body<true>(x, w, w_type, n, eps, y, q, d);
-}
+#define RMSNORM_Q8_ARGS x, w, w_type, n, eps, y, q, d
+KERNEL_PAIR(__launch_bounds__(1024), rmsnorm_q8, rmsnorm_q8_pl, rmsnorm_q8_body, RMSNORM_Q8_PARAMS,
+            RMSNORM_Q8_ARGS)
 
 __device__ __forceinline__ float swiglu_value(const float* gate, const float* up,
         const float* weights, int n, float clamp, i64 i) {
