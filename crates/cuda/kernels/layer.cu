@@ -22,16 +22,19 @@ __device__ __forceinline__ float ldw(const void* w, int type, i64 i) {
     return reinterpret_cast<const float*>(w)[i];
 }
 
-// Block-wide sum (blockDim.x ≤ 1024, a multiple of 32). `red` holds ≥ 32 floats.
-__device__ float block_sum(float v, float* red) {
-    v = warp_sum(v);
+// Block-wide reduction (blockDim.x ≤ 1024, a multiple of 32) with the warp reduction
+// WARP_OP and its identity: each warp reduces, then warp 0 reduces the warp results.
+// `red` holds ≥ 32 floats.
+template <float (*WARP_OP)(float)>
+__device__ __forceinline__ float block_reduce(float v, float* red, float identity) {
+    v = WARP_OP(v);
     const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
     __syncthreads();
     if (lane == 0) red[wid] = v;
     __syncthreads();
     const int nw = blockDim.x / WARP;
-    v = threadIdx.x < nw ? red[threadIdx.x] : 0.f;
-    if (wid == 0) v = warp_sum(v);
+    v = threadIdx.x < nw ? red[threadIdx.x] : identity;
+    if (wid == 0) v = WARP_OP(v);
     if (threadIdx.x == 0) red[0] = v;
     __syncthreads();
     const float r = red[0];
@@ -39,20 +42,10 @@ __device__ float block_sum(float v, float* red) {
     return r;
 }
 
+__device__ float block_sum(float v, float* red) { return block_reduce<warp_sum>(v, red, 0.f); }
+
 __device__ float block_max(float v, float* red) {
-    v = warp_max(v);
-    const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
-    __syncthreads();
-    if (lane == 0) red[wid] = v;
-    __syncthreads();
-    const int nw = blockDim.x / WARP;
-    v = threadIdx.x < nw ? red[threadIdx.x] : -3.0e38f;
-    if (wid == 0) v = warp_max(v);
-    if (threadIdx.x == 0) red[0] = v;
-    __syncthreads();
-    const float r = red[0];
-    __syncthreads();
-    return r;
+    return block_reduce<warp_max>(v, red, -3.0e38f);
 }
 
 __device__ __forceinline__ float sigmoidf_(float x) {

@@ -4,6 +4,17 @@
 // build places first.
 #include "common.cuh"
 
+// y = rmsnorm(x) · norm_w over n values with the whole block (y may be x). `red` holds
+// ≥ 32 floats; the caller publishes y with a barrier.
+__device__ __forceinline__ void block_rmsnorm(const float* x, float* y, int n, const void* norm_w,
+                                              int norm_type, float eps, float* red) {
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
+    ss = block_sum(ss, red);
+    const float sc = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) y[i] = x[i] * sc * ldw(norm_w, norm_type, i);
+}
+
 // ---- The new raw KV row: rmsnorm(kv, kv_norm), RoPE, FP8 on the nope dims, (f16
 // round), stored at ring slot pos % raw_cap. One block, blockDim.x ≥ 32.
 extern "C" __global__ void __launch_bounds__(512) kv_finish(const Step* step, const float* kv,
@@ -15,11 +26,7 @@ extern "C" __global__ void __launch_bounds__(512) kv_finish(const Step* step, co
     __shared__ float red[32];
     step += blockIdx.y;
     kv += (i64)blockIdx.y * hd;
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < hd; i += blockDim.x) ss += kv[i] * kv[i];
-    ss = block_sum(ss, red);
-    const float sc = 1.0f / sqrtf(ss / (float)hd + eps);
-    for (int i = threadIdx.x; i < hd; i += blockDim.x) v[i] = kv[i] * sc * ldw(norm_w, norm_type, i);
+    block_rmsnorm(kv, v, hd, norm_w, norm_type, eps, red);
     __syncthreads();
     const float pos = (float)step->pos;
     const int nope = hd - p.rope_dim;
@@ -41,11 +48,7 @@ __device__ __forceinline__ void compressor_finish_row(float* v, float* red, int 
         const void* norm_w, int norm_type, float eps, const RopeP& p, float rope_pos, int mode,
         int f16_round, float* dst) {
     __syncthreads();
-    float ss = 0.f;
-    for (int j = threadIdx.x; j < d; j += blockDim.x) ss += v[j] * v[j];
-    ss = block_sum(ss, red);
-    const float sc = 1.0f / sqrtf(ss / (float)d + eps);
-    for (int j = threadIdx.x; j < d; j += blockDim.x) v[j] = v[j] * sc * ldw(norm_w, norm_type, j);
+    block_rmsnorm(v, v, d, norm_w, norm_type, eps, red);
     __syncthreads();
     const int nope = d - p.rope_dim;
     for (int k = threadIdx.x; k < p.rope_dim / 2; k += blockDim.x)

@@ -683,6 +683,19 @@ MM_EXP_KERNEL(mm_exp_q4_k_b2, EXP_F_Q4K, 2)
 MM_EXP_KERNEL(mm_exp_q4_k_b3, EXP_F_Q4K, 3)
 MM_EXP_KERNEL(mm_exp_q4_k_b4, EXP_F_Q4K, 4)
 
+// Inclusive prefix sums of two values across a warp at once.
+__device__ __forceinline__ void warp_scan2(int& a, int& b, int lane) {
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int va = __shfl_up_sync(0xffffffffu, a, o);
+        const int vb = __shfl_up_sync(0xffffffffu, b, o);
+        if (lane >= o) {
+            a += va;
+            b += vb;
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Route plan: one block of 1024 threads. offsets[e] = first slot of expert e in `pairs`
 // (offsets[n_expert] = valid pairs), pairs[] = pair indices grouped by expert (order
@@ -707,15 +720,7 @@ extern "C" __global__ void __launch_bounds__(1024) route_plan_build(
     const int nt = (c + tile - 1) / tile;
     // Block-wide exclusive scans of c and nt.
     int ic = c, in = nt;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int vc = __shfl_up_sync(0xffffffffu, ic, o);
-        const int vn = __shfl_up_sync(0xffffffffu, in, o);
-        if (lane >= o) {
-            ic += vc;
-            in += vn;
-        }
-    }
+    warp_scan2(ic, in, lane);
     if (lane == 31) {
         wsum[0][warp] = ic;
         wsum[1][warp] = in;
@@ -723,15 +728,7 @@ extern "C" __global__ void __launch_bounds__(1024) route_plan_build(
     __syncthreads();
     if (warp == 0) {
         int vc = wsum[0][lane], vn = wsum[1][lane];
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int uc = __shfl_up_sync(0xffffffffu, vc, o);
-            const int un = __shfl_up_sync(0xffffffffu, vn, o);
-            if (lane >= o) {
-                vc += uc;
-                vn += un;
-            }
-        }
+        warp_scan2(vc, vn, lane);
         wsum[0][lane] = vc;  // inclusive per warp
         wsum[1][lane] = vn;
     }
