@@ -41,6 +41,17 @@ __device__ __forceinline__ u16 f2h(float f) {
     return h;
 }
 
+// ACC[i][j] = FMA(a[i], b[j], ACC[i][j]) on a 4×4 register tile from the float4s A and
+// B. A macro, not a function: the GEMM loops it sits in are scheduled as written.
+#define FMA_OUTER4(ACC, A, B, FMA)                                                  \
+    do {                                                                            \
+        const float av_[4] = {(A).x, (A).y, (A).z, (A).w};                          \
+        const float bv_[4] = {(B).x, (B).y, (B).z, (B).w};                          \
+        _Pragma("unroll") for (int i_ = 0; i_ < 4; ++i_)                            \
+            _Pragma("unroll") for (int j_ = 0; j_ < 4; ++j_)                        \
+                ACC[i_][j_] = FMA(av_[i_], bv_[j_], ACC[i_][j_]);                   \
+    } while (0)
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -185,11 +185,7 @@ __device__ __forceinline__ void indexer_scores_body(const Step* step, const floa
     for (int k = 0; k < dim; ++k) {
         const float4 a = *reinterpret_cast<const float4*>(ks + k * IDX_S + rg * 4);
         const float4 b = *reinterpret_cast<const float4*>(qs + k * IDX_S + hg * 4);
-        const float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) acc[i][j] = __fmaf_rn(av[i], bv[j], acc[i][j]);
+        FMA_OUTER4(acc, a, b, __fmaf_rn);
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {

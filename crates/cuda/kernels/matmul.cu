@@ -670,18 +670,15 @@ __device__ __forceinline__ void mm_exp_body(
         mm_exp_body<F>(w0, w1, w2, mat0, mat1, mat2, grid_g, xq, xd, y, rows, cols, items,      \
                        n_items, pairs, k_div, n_tok, x_tok, x_grp, y_tok, y_grp);               \
     }
-MM_EXP_KERNEL(mm_exp_q8_0_b2, EXP_F_Q8_0, 2)
-MM_EXP_KERNEL(mm_exp_q8_0_b3, EXP_F_Q8_0, 3)
-MM_EXP_KERNEL(mm_exp_q8_0_b4, EXP_F_Q8_0, 4)
-MM_EXP_KERNEL(mm_exp_iq2_xxs_b2, EXP_F_IQ2, 2)
-MM_EXP_KERNEL(mm_exp_iq2_xxs_b3, EXP_F_IQ2, 3)
-MM_EXP_KERNEL(mm_exp_iq2_xxs_b4, EXP_F_IQ2, 4)
-MM_EXP_KERNEL(mm_exp_q2_k_b2, EXP_F_Q2K, 2)
-MM_EXP_KERNEL(mm_exp_q2_k_b3, EXP_F_Q2K, 3)
-MM_EXP_KERNEL(mm_exp_q2_k_b4, EXP_F_Q2K, 4)
-MM_EXP_KERNEL(mm_exp_q4_k_b2, EXP_F_Q4K, 2)
-MM_EXP_KERNEL(mm_exp_q4_k_b3, EXP_F_Q4K, 3)
-MM_EXP_KERNEL(mm_exp_q4_k_b4, EXP_F_Q4K, 4)
+// mm_exp_<fmt>_b2, _b3 and _b4 of one format.
+#define MM_EXP_KERNELS(FMT, F)              \
+    MM_EXP_KERNEL(mm_exp_##FMT##_b2, F, 2)  \
+    MM_EXP_KERNEL(mm_exp_##FMT##_b3, F, 3)  \
+    MM_EXP_KERNEL(mm_exp_##FMT##_b4, F, 4)
+MM_EXP_KERNELS(q8_0, EXP_F_Q8_0)
+MM_EXP_KERNELS(iq2_xxs, EXP_F_IQ2)
+MM_EXP_KERNELS(q2_k, EXP_F_Q2K)
+MM_EXP_KERNELS(q4_k, EXP_F_Q4K)
 
 // Inclusive prefix sums of two values across a warp at once.
 __device__ __forceinline__ void warp_scan2(int& a, int& b, int lane) {

@@ -182,11 +182,7 @@ __device__ __forceinline__ void mm_f32_body(const u8* __restrict__ w, const u16*
         for (int k = 0; k < 32; ++k) {
             const float4 a = *reinterpret_cast<const float4*>(&ws[s][k][4 * tr + sh(k)]);
             const float4 b = *reinterpret_cast<const float4*>(&xs[s][k][4 * tt + sh(k)]);
-            const float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) part[i][j] = fmaf(av[i], bv[j], part[i][j]);
+            FMA_OUTER4(part, a, b, fmaf);
         }
         }
 #pragma unroll
