@@ -44,6 +44,13 @@ __device__ __forceinline__ void amma_mma(float (&c)[4], u32 a0, u32 a1, u32 a2, 
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// c0 += A·B0, c1 += A·B1 for the two 8-column halves (b0 b1, b2 b3) of one ldmatrix x4.
+__device__ __forceinline__ void amma_mma2(float (&c0)[4], float (&c1)[4], u32 a0, u32 a1, u32 a2,
+                                          u32 a3, u32 b0, u32 b1, u32 b2, u32 b3) {
+    amma_mma(c0, a0, a1, a2, a3, b0, b1);
+    amma_mma(c1, a0, a1, a2, a3, b2, b3);
+}
+
 __device__ __forceinline__ void amma_wait_all() {
     asm volatile("cp.async.wait_all;" ::: "memory");
 }
@@ -126,8 +133,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) attention_prefill_mma(const
             for (int np = 0; np < 2; ++np) {
                 u32 b0, b1, b2, b3;
                 mm_ldsm4(sK_s + np * 16 * AMMA_LD * 2 + ks * 32, b0, b1, b2, b3);
-                amma_mma(s[2 * np], a0, a1, a2, a3, b0, b1);
-                amma_mma(s[2 * np + 1], a0, a1, a2, a3, b2, b3);
+                amma_mma2(s[2 * np], s[2 * np + 1], a0, a1, a2, a3, b0, b1, b2, b3);
             }
         }
         // Rows past the end score −∞; online softmax per head row.
@@ -178,8 +184,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) attention_prefill_mma(const
             for (int np = 0; np < 16; ++np) {
                 u32 b0, b1, b2, b3;
                 amma_ldsm4_t(sK_v + kk * 16 * AMMA_LD * 2 + np * 32, b0, b1, b2, b3);
-                amma_mma(o[2 * np], a0, a1, a2, a3, b0, b1);
-                amma_mma(o[2 * np + 1], a0, a1, a2, a3, b2, b3);
+                amma_mma2(o[2 * np], o[2 * np + 1], a0, a1, a2, a3, b0, b1, b2, b3);
             }
         }
     }
