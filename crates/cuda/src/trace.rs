@@ -172,9 +172,8 @@ mod tests {
 
     #[test]
     fn the_csv_has_one_row_per_kernel() {
-        let dir = std::env::temp_dir().join(format!("ds4-trace-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("t.csv");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.csv");
         let r = |name: &str, start| KernelRecord {
             name: name.into(),
             stream: 7,
@@ -192,6 +191,5 @@ mod tests {
         );
         assert_eq!(lines[1], "hc_pre,7,10,15,3,1");
         assert_eq!(lines[2], "a;b,7,20,25,3,1");
-        std::fs::remove_dir_all(dir).unwrap();
     }
 }

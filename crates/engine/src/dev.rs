@@ -23,40 +23,35 @@ use crate::error::Result;
 use crate::ops::linear::Numerics;
 use crate::session::{Session, SessionOptions};
 
-/// The hyperparameters, read from `deepseek4.*` metadata ([`Config`]).
-pub mod config {
-    pub use crate::config::*;
+/// `pub mod NAME { pub use crate::NAME::*; }`: an internal module opened to the tools
+/// (the crate keeps its modules `pub(crate)`, which cannot be re-exported as they are).
+macro_rules! reexport {
+    ($($(#[$meta:meta])* $name:ident;)*) => {
+        $(
+            $(#[$meta])*
+            pub mod $name {
+                pub use crate::$name::*;
+            }
+        )*
+    };
 }
 
-/// The expected tensor table of a config and checks of a file against it.
-pub mod layout {
-    pub use crate::layout::*;
-}
-
-/// The model's operations on the CPU (the reference math).
-pub mod ops {
-    pub use crate::ops::*;
-}
-
-/// The tensors of a loaded model, bound per layer.
-pub mod weights {
-    pub use crate::weights::*;
-}
-
-/// The host KV cache: the CPU backend's state and every backend's exported form.
-pub mod kv {
-    pub use crate::kv::*;
-}
-
-/// The `DSV4` session payload layout ([`Session::save_payload`]).
-pub mod payload {
-    pub use crate::payload::*;
-}
-
-/// The CUDA backend: device weights, sessions, the device runtime.
-#[cfg(feature = "cuda")]
-pub mod cuda {
-    pub use crate::cuda::*;
+reexport! {
+    /// The hyperparameters, read from `deepseek4.*` metadata ([`Config`]).
+    config;
+    /// The expected tensor table of a config and checks of a file against it.
+    layout;
+    /// The model's operations on the CPU (the reference math).
+    ops;
+    /// The tensors of a loaded model, bound per layer.
+    weights;
+    /// The host KV cache: the CPU backend's state and every backend's exported form.
+    kv;
+    /// The `DSV4` session payload layout ([`Session::save_payload`]).
+    payload;
+    /// The CUDA backend: device weights, sessions, the device runtime.
+    #[cfg(feature = "cuda")]
+    cuda;
 }
 
 /// Model-level constructors and accessors of [`Session`].

@@ -161,6 +161,25 @@ fn check_hc_mix(gpu: &Launcher, rng: &mut Rng, ty: GgmlType, n_tok: usize) -> Re
     })
 }
 
+/// `rows × cols` floats quantised on the GPU (Q8_K rule with `k_rule`, else Q8_0):
+/// the int8 values and the scales (one per 32 values).
+fn gpu_quantize(
+    gpu: &Launcher,
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+    k_rule: bool,
+) -> Result<(Vec<i8>, Vec<f32>)> {
+    let xd = gpu.upload(x)?;
+    let mut qa = gpu.alloc_quant_act(rows, cols)?;
+    if k_rule {
+        gpu.quantize_act_k(gpu.ptr(&xd), &mut qa)?;
+    } else {
+        gpu.quantize_act(gpu.ptr(&xd), &mut qa)?;
+    }
+    Ok((gpu.download(&qa.q)?, gpu.download(&qa.d)?))
+}
+
 /// The GPU activation quantiser must reproduce `quantize_q8_0` bit for bit.
 fn check_quantize(gpu: &Launcher, rng: &mut Rng) -> Result<Check> {
     let rows = 3;
@@ -169,10 +188,7 @@ fn check_quantize(gpu: &Launcher, rng: &mut Rng) -> Result<Check> {
     x[5] = 0.0;
     x[32..64].fill(0.0); // an all-zero block
     x[64] = 1e-30;
-    let xd = gpu.upload(&x)?;
-    let mut qa = gpu.alloc_quant_act(rows, cols)?;
-    gpu.quantize_act(gpu.ptr(&xd), &mut qa)?;
-    let (q, d) = (gpu.download(&qa.q)?, gpu.download(&qa.d)?);
+    let (q, d) = gpu_quantize(gpu, &x, rows, cols, false)?;
     let want = ds4_gguf::quant::quantize_q8_0_vec(&x);
     let mut mismatches = 0usize;
     for (b, wb) in want.iter().enumerate() {
@@ -194,10 +210,7 @@ fn check_quantize_k(gpu: &Launcher, rng: &mut Rng) -> Result<Check> {
     x[256..512].fill(0.0); // an all-zero block
     x[600] = -9.0; // the signed maximum is negative
     x[601] = 9.0; // a later tie must not win
-    let xd = gpu.upload(&x)?;
-    let mut qa = gpu.alloc_quant_act(rows, cols)?;
-    gpu.quantize_act_k(gpu.ptr(&xd), &mut qa)?;
-    let (q, d) = (gpu.download(&qa.q)?, gpu.download(&qa.d)?);
+    let (q, d) = gpu_quantize(gpu, &x, rows, cols, true)?;
     let want = ds4_gguf::quant::quantize_q8_k_vec(&x);
     let mut mismatches = 0usize;
     for (b, wb) in want.iter().enumerate() {

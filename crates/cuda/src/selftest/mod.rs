@@ -45,10 +45,10 @@ pub struct KernelCheck {
 
 /// Every kernel check, in the order `gpu-selftest` prints them.
 pub const CHECKS: &[KernelCheck] = &[
-    KernelCheck {
-        name: "matvec",
-        // shared_pair is `matvec_q8act_pair`.
-        covers: &[
+    // shared_pair is `matvec_q8act_pair`.
+    check(
+        "matvec",
+        &[
             Variant::Iq2Rx,
             Variant::Iq2Early,
             Variant::Iq2Tab,
@@ -57,69 +57,60 @@ pub const CHECKS: &[KernelCheck] = &[
             Variant::Q8Early,
             Variant::SharedPair,
         ],
-        run: matvec::check_matvecs,
-    },
-    KernelCheck {
-        name: "hc_preload",
-        covers: &[Variant::HcPreload],
-        run: variants::check_hc_preload,
-    },
-    KernelCheck {
-        name: "router",
-        covers: &[Variant::Router4, Variant::RouterSplit],
-        run: variants::check_router_wide,
-    },
-    KernelCheck {
-        name: "f16_early",
-        covers: &[Variant::F16Early],
-        run: variants::check_f16_early,
-    },
-    KernelCheck {
-        name: "q8_rows",
-        covers: &[Variant::Q8Rows, Variant::Q8Rows2, Variant::OutaEarly],
-        run: variants::check_q8_rows,
-    },
-    KernelCheck {
-        name: "indexer_scores",
-        covers: &[Variant::IdxBanks],
-        run: variants::check_indexer_scores,
-    },
-    KernelCheck {
-        name: "indexer_mma",
-        covers: &[Variant::IdxMma],
-        run: variants::check_indexer_mma,
-    },
-    KernelCheck {
-        name: "topk",
-        covers: &[Variant::TopkReg],
-        run: variants::check_topk,
-    },
-    KernelCheck {
-        name: "norm_pl",
-        covers: &[Variant::NormPl],
-        run: variants::check_norm_pl,
-    },
-    KernelCheck {
-        name: "indexer_q",
-        covers: &[Variant::IdxqWarp],
-        run: |gpu, seed| Ok(vec![variants::check_indexer_q_warp(gpu, seed)?]),
-    },
-    KernelCheck {
-        name: "matmul",
-        covers: &[Variant::MmPitch],
-        run: matmul::check_matmul,
-    },
-    KernelCheck {
-        name: "attention",
-        covers: &[
+        matvec::check_matvecs,
+    ),
+    check(
+        "hc_preload",
+        &[Variant::HcPreload],
+        variants::check_hc_preload,
+    ),
+    check(
+        "router",
+        &[Variant::Router4, Variant::RouterSplit],
+        variants::check_router_wide,
+    ),
+    check("f16_early", &[Variant::F16Early], variants::check_f16_early),
+    check(
+        "q8_rows",
+        &[Variant::Q8Rows, Variant::Q8Rows2, Variant::OutaEarly],
+        variants::check_q8_rows,
+    ),
+    check(
+        "indexer_scores",
+        &[Variant::IdxBanks],
+        variants::check_indexer_scores,
+    ),
+    check(
+        "indexer_mma",
+        &[Variant::IdxMma],
+        variants::check_indexer_mma,
+    ),
+    check("topk", &[Variant::TopkReg], variants::check_topk),
+    check("norm_pl", &[Variant::NormPl], variants::check_norm_pl),
+    check("indexer_q", &[Variant::IdxqWarp], |gpu, seed| {
+        Ok(vec![variants::check_indexer_q_warp(gpu, seed)?])
+    }),
+    check("matmul", &[Variant::MmPitch], matmul::check_matmul),
+    check(
+        "attention",
+        &[
             Variant::AttStage,
             Variant::AttEarly,
             Variant::CombinePl,
             Variant::QNorm,
         ],
-        run: attention::check_attention_mma,
-    },
+        attention::check_attention_mma,
+    ),
 ];
+
+/// A [`CHECKS`] entry.
+const fn check(
+    name: &'static str,
+    covers: &'static [Variant],
+    run: fn(&Launcher, u64) -> Result<Vec<Check>>,
+) -> KernelCheck {
+    KernelCheck { name, covers, run }
+}
 
 /// A decode variant checked on the whole model: the tiny fixture run with it off and
 /// on (`ds4_engine::dev::fixture::check_graph_variants`).
@@ -133,32 +124,22 @@ pub struct GraphVariant {
 
 /// The variants that restructure the decode graph (each one's doc: [`Variant`]).
 pub const GRAPH_VARIANTS: &[GraphVariant] = &[
-    GraphVariant {
-        variant: Variant::CombLane,
-        bit_identical: true,
-    },
-    GraphVariant {
-        variant: Variant::SharedPair,
-        bit_identical: true,
-    },
+    graph(Variant::CombLane, true),
+    graph(Variant::SharedPair, true),
     // head_norm_rope inside the attention: the norm sums in another order.
-    GraphVariant {
-        variant: Variant::QNorm,
-        bit_identical: false,
-    },
-    GraphVariant {
-        variant: Variant::Prio,
-        bit_identical: true,
-    },
-    GraphVariant {
-        variant: Variant::ShexpLate,
-        bit_identical: true,
-    },
-    GraphVariant {
-        variant: Variant::OutaEarly,
-        bit_identical: true,
-    },
+    graph(Variant::QNorm, false),
+    graph(Variant::Prio, true),
+    graph(Variant::ShexpLate, true),
+    graph(Variant::OutaEarly, true),
 ];
+
+/// A [`GRAPH_VARIANTS`] entry.
+const fn graph(variant: Variant, bit_identical: bool) -> GraphVariant {
+    GraphVariant {
+        variant,
+        bit_identical,
+    }
+}
 
 /// The variants of `variants` that no entry of [`CHECKS`] covers and that are not in
 /// [`GRAPH_VARIANTS`].

@@ -7,8 +7,7 @@
 //! These favour clarity over speed; IQ2_XXS in particular does an exhaustive grid
 //! search per 8 values (~40 × 4 × 256 candidates per 32-value group).
 
-use super::blocks::{IQ2_XXS_BLOCK_BYTES, Q2_K_BLOCK_BYTES, Q4_K_BLOCK_BYTES};
-use super::blocks::{Q8_0_BLOCK_BYTES, QK8_0, QK_K};
+use super::blocks::QK_K;
 use super::dequant::ksigns;
 use super::iq2xxs_grid::IQ2XXS_GRID;
 use super::{f16_to_f32, f32_to_f16};
@@ -21,7 +20,13 @@ fn nearest_int(x: f32) -> i32 {
     x.round_ties_even() as i32
 }
 
-fn check(ty: GgmlType, x: &[f32], out: &[u8]) {
+/// The blocks of `x` paired with their bytes in `out` (whole blocks of `ty` both; a
+/// mismatch is the caller's bug).
+fn blocks<'a>(
+    ty: GgmlType,
+    x: &'a [f32],
+    out: &'a mut [u8],
+) -> impl Iterator<Item = (&'a [f32], &'a mut [u8])> {
     let be = ty.block_elems();
     assert_eq!(
         x.len() % be,
@@ -34,16 +39,14 @@ fn check(ty: GgmlType, x: &[f32], out: &[u8]) {
         x.len() / be * ty.block_bytes(),
         "quantize {ty}: output buffer size"
     );
+    x.chunks_exact(be)
+        .zip(out.chunks_exact_mut(ty.block_bytes()))
 }
 
 /// Q8_0 weights (llama.cpp `quantize_row_q8_0_ref`): `d = amax/127` stored as f16,
 /// `q = roundf(x/d)` (half away from zero) using the unrounded `d`.
 pub fn quantize_q8_0_weights(x: &[f32], out: &mut [u8]) {
-    check(GgmlType::Q8_0, x, out);
-    for (xb, ob) in x
-        .chunks_exact(QK8_0)
-        .zip(out.chunks_exact_mut(Q8_0_BLOCK_BYTES))
-    {
+    for (xb, ob) in blocks(GgmlType::Q8_0, x, out) {
         let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
@@ -165,11 +168,7 @@ fn fit_sub_blocks<const N: usize>(
 /// Q2_K weights (llama.cpp `quantize_row_q2_K_ref`): 16 sub-blocks of 16 with 4-bit
 /// scale and min, fitted with absolute-error weights `|x|`.
 pub fn quantize_q2_k(x: &[f32], out: &mut [u8]) {
-    check(GgmlType::Q2_K, x, out);
-    for (xb, ob) in x
-        .chunks_exact(QK_K)
-        .zip(out.chunks_exact_mut(Q2_K_BLOCK_BYTES))
-    {
+    for (xb, ob) in blocks(GgmlType::Q2_K, x, out) {
         let mut l = [0u8; QK_K];
         let (scales, mins, max_scale, max_min) =
             fit_sub_blocks::<16>(xb, &mut l, (3, -0.5, 15, true), |xs| {
@@ -218,11 +217,7 @@ pub fn quantize_q2_k(x: &[f32], out: &mut [u8]) {
 /// Q4_K weights (llama.cpp `quantize_row_q4_K_ref`): 8 sub-blocks of 32 with 6-bit
 /// scale and min, fitted with weights `rms + |x|`.
 pub fn quantize_q4_k(x: &[f32], out: &mut [u8]) {
-    check(GgmlType::Q4_K, x, out);
-    for (xb, ob) in x
-        .chunks_exact(QK_K)
-        .zip(out.chunks_exact_mut(Q4_K_BLOCK_BYTES))
-    {
+    for (xb, ob) in blocks(GgmlType::Q4_K, x, out) {
         let mut l = [0u8; QK_K];
         let (scales, mins, max_scale, max_min) =
             fit_sub_blocks::<8>(xb, &mut l, (15, -1.0, 20, false), |xs| {
@@ -307,11 +302,7 @@ fn fit_group(m: f32, t: &[[f32; 8]; 4]) -> ([u8; 4], f32) {
 /// for each, then a least-squares refinement); the block's f16 `d` makes the largest
 /// group use `ls = 15`, and every group then tries all 16 `ls` against the rounded `d`.
 pub fn quantize_iq2_xxs(x: &[f32], out: &mut [u8]) {
-    check(GgmlType::IQ2_XXS, x, out);
-    for (xb, ob) in x
-        .chunks_exact(QK_K)
-        .zip(out.chunks_exact_mut(IQ2_XXS_BLOCK_BYTES))
-    {
+    for (xb, ob) in blocks(GgmlType::IQ2_XXS, x, out) {
         ob.fill(0);
         // Targets t = x·sign (≥ 0 except a parity-flipped value) and sign indices.
         let mut t = [[[0.0f32; 8]; 4]; 8];
