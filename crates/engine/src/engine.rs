@@ -27,6 +27,26 @@ pub enum BackendChoice {
     Cuda { device: usize },
 }
 
+impl std::str::FromStr for BackendChoice {
+    type Err = String;
+
+    /// The `--backend` values of every binary: `auto`, `cpu`, `cuda` (device 0) or
+    /// `cuda:N`.
+    fn from_str(s: &str) -> Result<BackendChoice, String> {
+        match s {
+            "auto" => Ok(BackendChoice::Auto),
+            "cpu" => Ok(BackendChoice::Cpu { threads: None }),
+            "cuda" => Ok(BackendChoice::Cuda { device: 0 }),
+            _ => match s.strip_prefix("cuda:").map(str::parse) {
+                Some(Ok(device)) => Ok(BackendChoice::Cuda { device }),
+                _ => Err(format!(
+                    "unknown backend `{s}` (valid: auto, cpu, cuda, cuda:N)"
+                )),
+            },
+        }
+    }
+}
+
 /// The backend an engine runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BackendKind {
@@ -61,6 +81,17 @@ pub struct EngineOptions {
     pub numerics: Numerics,
     /// Called while the weights are uploaded to a device (not called on the CPU).
     pub progress: Option<UploadProgress>,
+}
+
+impl EngineOptions {
+    /// `backend` in `numerics`, without upload progress.
+    pub fn new(backend: BackendChoice, numerics: Numerics) -> EngineOptions {
+        EngineOptions {
+            backend,
+            numerics,
+            progress: None,
+        }
+    }
 }
 
 impl std::fmt::Debug for EngineOptions {
@@ -390,5 +421,17 @@ mod tests {
         assert_eq!(quant_bits(Some(GgmlType::Q4_K)), 4);
         assert_eq!(quant_bits(Some(GgmlType::F32)), 2);
         assert_eq!(quant_bits(None), 2);
+    }
+
+    #[test]
+    fn backend_flag_values_parse() {
+        assert_eq!("auto".parse(), Ok(BackendChoice::Auto));
+        assert_eq!("cpu".parse(), Ok(BackendChoice::Cpu { threads: None }));
+        assert_eq!("cuda".parse(), Ok(BackendChoice::Cuda { device: 0 }));
+        assert_eq!("cuda:3".parse(), Ok(BackendChoice::Cuda { device: 3 }));
+        for bad in ["", "gpu", "cuda:", "cuda:x", "CPU"] {
+            let err = bad.parse::<BackendChoice>().unwrap_err();
+            assert!(err.contains("auto, cpu, cuda, cuda:N"), "{bad}: {err}");
+        }
     }
 }
