@@ -238,7 +238,7 @@ pub(crate) unsafe fn dot_q8_0_multi_avx2(w: &[u8], xs: &[&[BlockQ8_0]], out: &mu
 /// `$sums` (its integer sums against one Q8_K block) and `$combine` (the scaled f32
 /// update): the multi form unpacks each weight block once for every activation.
 macro_rules! k_quant_dots {
-    ($dot:ident, $dot_multi:ident, $block_bytes:expr, $unpack:ident, $sums:ident, $combine:ident) => {
+    ($dot:ident, $dot_multi:ident, $block_bytes:expr, $unpack:ident, $sums:ident, $combine:path) => {
         #[target_feature(enable = "avx2,fma,f16c")]
         pub(crate) unsafe fn $dot(w: &[u8], x: &[BlockQ8K]) -> f32 {
             let mut acc = 0.0f32;
@@ -312,23 +312,26 @@ unsafe fn q2_k_sums(u: &([__m256i; 8], __m256i, __m128i), xb: &BlockQ8K) -> (i32
     (hsum_i32(acc), hsum_i32(summs))
 }
 
+/// `acc += d·isum − dmin·summs` of a K-quant block whose f16 `d` and `dmin` sit at
+/// byte `D_AT` (Q2_K: 80, Q4_K: 0), both scaled by the activations' `d`.
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
-unsafe fn q2_k_combine(acc: &mut f32, wb: &[u8], xb: &BlockQ8K, isum: i32, summs: i32) {
-    let (d, dmin) = f16_pair(wb, 80);
-    let dall = xb.d * d;
+unsafe fn k_combine<const D_AT: usize>(
+    acc: &mut f32,
+    wb: &[u8],
+    xb: &BlockQ8K,
+    isum: i32,
+    summs: i32,
+) {
+    let (d, dmin) = f16_pair(wb, D_AT);
+    let d = xb.d * d;
     let dmin = xb.d * dmin;
-    *acc += dall * isum as f32 - dmin * summs as f32;
+    *acc += d * isum as f32 - dmin * summs as f32;
 }
 
-k_quant_dots!(
-    dot_q2_k_avx2,
-    dot_q2_k_multi_avx2,
-    Q2_K_BLOCK_BYTES,
-    q2_k_unpack,
-    q2_k_sums,
-    q2_k_combine
-);
+k_quant_dots! {
+    dot_q2_k_avx2, dot_q2_k_multi_avx2, Q2_K_BLOCK_BYTES, q2_k_unpack, q2_k_sums, k_combine::<80>
+}
 
 // ---------------------------------------------------------------------------------
 // Q4_K × Q8_K
@@ -376,23 +379,9 @@ unsafe fn q4_k_sums(u: &([__m256i; 8], [u8; 8], [u8; 8]), xb: &BlockQ8K) -> (i32
     (hsum_i32(acc), summs)
 }
 
-#[inline]
-#[target_feature(enable = "avx2,f16c")]
-unsafe fn q4_k_combine(acc: &mut f32, wb: &[u8], xb: &BlockQ8K, isum: i32, summs: i32) {
-    let (d, dmin) = f16_pair(wb, 0);
-    let d = xb.d * d;
-    let dmin = xb.d * dmin;
-    *acc += d * isum as f32 - dmin * summs as f32;
+k_quant_dots! {
+    dot_q4_k_avx2, dot_q4_k_multi_avx2, Q4_K_BLOCK_BYTES, q4_k_unpack, q4_k_sums, k_combine::<0>
 }
-
-k_quant_dots!(
-    dot_q4_k_avx2,
-    dot_q4_k_multi_avx2,
-    Q4_K_BLOCK_BYTES,
-    q4_k_unpack,
-    q4_k_sums,
-    q4_k_combine
-);
 
 // ---------------------------------------------------------------------------------
 // IQ2_XXS × Q8_K
