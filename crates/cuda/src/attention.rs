@@ -98,10 +98,7 @@ impl Launcher<'_> {
                 self,
                 "indexer_q_warp",
                 cfg2((heads as u32).div_ceil(8), n_tok, 256),
-                step,
-                q,
-                h,
-                rope
+                [step, q, h, rope]
             );
         }
         let d = dim as i32;
@@ -109,10 +106,7 @@ impl Launcher<'_> {
             self,
             "indexer_q",
             cfg2(heads as u32, n_tok, 256),
-            step,
-            q,
-            d,
-            rope
+            [step, q, d, rope]
         )
     }
 
@@ -154,16 +148,7 @@ impl Launcher<'_> {
                 self,
                 "indexer_scores_mma",
                 cfg,
-                step,
-                rows,
-                q,
-                wt,
-                nt,
-                wscale,
-                r,
-                k,
-                scores,
-                ss
+                [step, rows, q, wt, nt, wscale, r, k, scores, ss]
             );
         }
         // qs and ks (dim × 68 floats each) and the 16 × 64 reduction.
@@ -172,7 +157,12 @@ impl Launcher<'_> {
         cfg.shared_mem_bytes = smem as u32;
         let name = self.pick(Variant::IdxBanks, "indexer_scores", "indexer_scores_sp");
         self.allow_smem(name, smem)?;
-        launch!(self, name, cfg, step, rows, q, wt, h, d, wscale, r, k, scores, ss)
+        launch!(
+            self,
+            name,
+            cfg,
+            [step, rows, q, wt, h, d, wscale, r, k, scores, ss]
+        )
     }
 
     /// Per token, the indices of the `k` best of its (pos+1)/ratio scores (row t of
@@ -194,12 +184,7 @@ impl Launcher<'_> {
             self,
             name,
             cfg2(1, n_tok, 1024),
-            step,
-            scores,
-            ss,
-            r,
-            kk,
-            sel
+            [step, scores, ss, r, kk, sel]
         )
     }
 
@@ -276,8 +261,13 @@ impl Launcher<'_> {
             shared_mem_bytes: smem,
         };
         launch!(
-            self, name, grid, a.step, a.q, a.ring, rc, win, a.comp, r, a.sel, tk, a.sinks, nh, hd_,
-            a.scale, rpc, part_acc, part_ml, out, q_norm, q_eps, q_rope
+            self,
+            name,
+            grid,
+            [
+                a.step, a.q, a.ring, rc, win, a.comp, r, a.sel, tk, a.sinks, nh, hd_, a.scale, rpc,
+                part_acc, part_ml, out, q_norm, q_eps, q_rope
+            ]
         )?;
         if n_chunks > 1 {
             let nc = n_chunks as i32;
@@ -294,18 +284,7 @@ impl Launcher<'_> {
                 self,
                 name,
                 cfg2(heads as u32, a.n_tok, 128),
-                part_acc,
-                part_ml,
-                a.sinks,
-                nh,
-                hd_,
-                nc,
-                out,
-                a.step,
-                rope,
-                rope_on,
-                q,
-                d
+                [part_acc, part_ml, a.sinks, nh, hd_, nc, out, a.step, rope, rope_on, q, d]
             )?;
         } else if let Some(t) = tail {
             self.attention_tail(a, t, out)?;
@@ -354,8 +333,10 @@ impl Launcher<'_> {
             a.top_k as i32,
         );
         launch!(
-            self, NAME, cfg, a.step, a.q, a.ring, rc, win, a.comp, r, a.sel, tk, a.sinks, a.scale,
-            out
+            self,
+            NAME,
+            cfg,
+            [a.step, a.q, a.ring, rc, win, a.comp, r, a.sel, tk, a.sinks, a.scale, out]
         )
     }
 }

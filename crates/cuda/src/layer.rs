@@ -117,12 +117,7 @@ impl Launcher<'_> {
             self,
             "embed",
             cfg2((n_embd as u32).div_ceil(256), n_tok, 256),
-            step,
-            table,
-            ty,
-            ne,
-            nh,
-            h
+            [step, table, ty, ne, nh, h]
         )
     }
 
@@ -144,12 +139,7 @@ impl Launcher<'_> {
             self,
             name,
             cfg2(n_out as u32, n_tok, 1024),
-            h,
-            n,
-            fn_,
-            fn_type,
-            eps,
-            mix
+            [h, n, fn_, fn_type, eps, mix]
         )
     }
 
@@ -198,11 +188,7 @@ impl Launcher<'_> {
             self,
             "hc_mix_scale",
             cfg2(n_tok as u32, 1, 256),
-            h,
-            n,
-            eps,
-            mix,
-            n_out
+            [h, n, eps, mix, n_out]
         )
     }
 
@@ -239,20 +225,7 @@ impl Launcher<'_> {
             self,
             name,
             cfg2(1, n_tok, threads as u32),
-            h,
-            mix,
-            scale,
-            base,
-            nh,
-            ne,
-            eps,
-            y,
-            nm.w,
-            nm.w_type,
-            nm.eps,
-            nm.out,
-            nm.q,
-            nm.d
+            [h, mix, scale, base, nh, ne, eps, y, nm.w, nm.w_type, nm.eps, nm.out, nm.q, nm.d]
         )
     }
 
@@ -277,14 +250,7 @@ impl Launcher<'_> {
             self,
             "hc_comb",
             cfg(n_tok.div_ceil(8) as u32, 256),
-            mix,
-            scale,
-            base,
-            nh,
-            it,
-            eps,
-            hcp,
-            nt
+            [mix, scale, base, nh, it, eps, hcp, nt]
         )
     }
 
@@ -311,14 +277,7 @@ impl Launcher<'_> {
             self,
             name,
             cfg2((n_embd as u32).div_ceil(256), n_tok, 256),
-            h,
-            out,
-            parts,
-            np,
-            hcp,
-            nh,
-            ne,
-            h_out
+            [h, out, parts, np, hcp, nh, ne, h_out]
         )
     }
 
@@ -339,12 +298,7 @@ impl Launcher<'_> {
             self,
             "rmsnorm",
             cfg(rows as u32, block),
-            x,
-            w,
-            w_type,
-            n,
-            eps,
-            y
+            [x, w, w_type, n, eps, y]
         )
     }
 
@@ -366,12 +320,7 @@ impl Launcher<'_> {
             self,
             "rope_tail",
             cfg2(rows as u32, n_tok, 64),
-            step,
-            x,
-            st,
-            pos_offset,
-            rope,
-            inv
+            [step, x, st, pos_offset, rope, inv]
         )
     }
 
@@ -393,11 +342,7 @@ impl Launcher<'_> {
             self,
             "head_norm_rope",
             cfg2(rows as u32, n_tok, 256),
-            step,
-            x,
-            st,
-            eps,
-            rope
+            [step, x, st, eps, rope]
         )
     }
 
@@ -425,16 +370,7 @@ impl Launcher<'_> {
             self,
             "kv_finish",
             cfg2(1, n_tok, 512),
-            step,
-            kv,
-            norm_w,
-            norm_type,
-            hd_,
-            eps,
-            rope,
-            fr,
-            ring,
-            rc
+            [step, kv, norm_w, norm_type, hd_, eps, rope, fr, ring, rc]
         )
     }
 
@@ -533,15 +469,7 @@ impl Launcher<'_> {
             self,
             name,
             cfg(n_tok as u32, 512),
-            step,
-            logits,
-            ne,
-            kk,
-            bias,
-            tid2eid,
-            wscale,
-            ids,
-            weights
+            [step, logits, ne, kk, bias, tid2eid, wscale, ids, weights]
         )
     }
 
@@ -561,13 +489,7 @@ impl Launcher<'_> {
             self,
             "swiglu",
             cfg(((n * n_sel) as u32).div_ceil(256), 256),
-            gate,
-            up,
-            weights,
-            nn,
-            ns,
-            clamp,
-            mid
+            [gate, up, weights, nn, ns, clamp, mid]
         )
     }
 
@@ -586,10 +508,7 @@ impl Launcher<'_> {
             self,
             "repeat_rows",
             cfg2((width as u32).div_ceil(256), n * k, 256),
-            src,
-            w,
-            kk,
-            dst
+            [src, w, kk, dst]
         )
     }
 
@@ -614,18 +533,7 @@ impl Launcher<'_> {
             self,
             "head_collapse",
             cfg(1, 1024),
-            h,
-            mix,
-            scale,
-            base,
-            nh,
-            ne,
-            hc_eps,
-            norm_w,
-            norm_type,
-            eps,
-            tmp,
-            x
+            [h, mix, scale, base, nh, ne, hc_eps, norm_w, norm_type, eps, tmp, x]
         )
     }
 }

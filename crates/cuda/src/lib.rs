@@ -10,7 +10,7 @@
 
 /// Launches `name` with the listed arguments (each pushed by reference).
 macro_rules! launch {
-    ($gpu:expr, $name:expr, $cfg:expr, $($arg:expr),* $(,)?) => {{
+    ($gpu:expr, $name:expr, $cfg:expr, [$($arg:expr),* $(,)?]) => {{
         let f = $gpu.func($name)?;
         $gpu.timed($name, || {
             let mut b = $gpu.launch_stream().launch_builder(&f);
