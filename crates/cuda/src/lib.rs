@@ -8,15 +8,17 @@
 //! when nvcc is found; otherwise they are compiled at run time with NVRTC for the
 //! device's architecture and cached on disk.
 
-/// Launches `name` with the listed arguments (each pushed by reference).
+/// Launches `name` with the listed arguments (each pushed by reference), then those
+/// a `tail` pushes (`tail.push(&mut builder)`, e.g. a batch layout).
 macro_rules! launch {
-    ($gpu:expr, $name:expr, $cfg:expr, [$($arg:expr),* $(,)?]) => {{
+    ($gpu:expr, $name:expr, $cfg:expr, [$($arg:expr),* $(,)?] $(, $tail:expr)?) => {{
         let f = $gpu.func($name)?;
         $gpu.timed($name, || {
             let mut b = $gpu.launch_stream().launch_builder(&f);
             $( b.arg(&$arg); )*
+            $( $tail.push(&mut b); )?
             // SAFETY: each launcher passes exactly the parameters of the kernel of the
-            // same name in the layer*.cu kernels, in order and with the same types;
+            // same name in the kernels, in order and with the same types;
             // buffer sizes are the caller's contract (documented per launcher).
             unsafe { b.launch($cfg) }?;
             Ok::<(), CudaError>(())

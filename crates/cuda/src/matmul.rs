@@ -10,6 +10,7 @@ use ds4_gguf::GgmlType;
 
 use crate::device::Gpu;
 use crate::error::CudaError;
+use crate::layer::cfg;
 use crate::ops::QuantAct;
 use crate::plan::{Launcher, Variant};
 use crate::weights::DeviceMatrix;
@@ -121,6 +122,29 @@ impl BatchTail {
             l.arg(s);
         }
     }
+}
+
+/// The four split-K kernels `PREFIX_s1` … `PREFIX_s8` of a `matmul_f32` format.
+macro_rules! split_k_names {
+    ($prefix:literal) => {
+        [
+            concat!($prefix, "_s1"),
+            concat!($prefix, "_s2"),
+            concat!($prefix, "_s4"),
+            concat!($prefix, "_s8"),
+        ]
+    };
+}
+
+/// The expert GEMM of a format at minimum 2, 3 and 4 blocks per SM (`PREFIX_b2` …).
+macro_rules! occupancy_names {
+    ($prefix:literal) => {
+        [
+            concat!($prefix, "_b2"),
+            concat!($prefix, "_b3"),
+            concat!($prefix, "_b4"),
+        ]
+    };
 }
 
 fn invalid(msg: String) -> CudaError {
@@ -289,21 +313,14 @@ impl Launcher<'_> {
         let (xqp, xdp) = (self.ptr(&xq.q), self.ptr(&xq.d));
         let (rows, cols) = (m.rows as i32, m.cols as i32);
         let tail = BatchTail::of(&b);
-        let f = self.func(name)?;
-        let mut l = self.launch_stream().launch_builder(&f);
-        l.arg(&qs)
-            .arg(&dw)
-            .arg(&mat_q)
-            .arg(&mat_d)
-            .arg(&xqp)
-            .arg(&xdp)
-            .arg(&y)
-            .arg(&rows)
-            .arg(&cols);
-        tail.push(&mut l);
-        // SAFETY: argument order matches mm_q8_0_* in matmul.cu; the input extent was
-        // checked above, the output extent is the caller's contract.
-        unsafe { self.launch_timed(name, &mut l, cfg) }
+        // The input extent was checked above, the output extent is the caller's contract.
+        launch!(
+            self,
+            name,
+            cfg,
+            [qs, dw, mat_q, mat_d, xqp, xdp, y, rows, cols],
+            tail
+        )
     }
 
     /// The expert-layout GEMM (`mm_exp_*`): with `plan` over its work items, otherwise
@@ -321,17 +338,10 @@ impl Launcher<'_> {
     ) -> Result<(), CudaError> {
         // Kernels per format with minimum 2, 3, 4 blocks per SM (register caps).
         let (names, default) = match m.ty {
-            GgmlType::Q8_0 => (["mm_exp_q8_0_b2", "mm_exp_q8_0_b3", "mm_exp_q8_0_b4"], 2),
-            GgmlType::IQ2_XXS => (
-                [
-                    "mm_exp_iq2_xxs_b2",
-                    "mm_exp_iq2_xxs_b3",
-                    "mm_exp_iq2_xxs_b4",
-                ],
-                2,
-            ),
-            GgmlType::Q2_K => (["mm_exp_q2_k_b2", "mm_exp_q2_k_b3", "mm_exp_q2_k_b4"], 1),
-            GgmlType::Q4_K => (["mm_exp_q4_k_b2", "mm_exp_q4_k_b3", "mm_exp_q4_k_b4"], 0),
+            GgmlType::Q8_0 => (occupancy_names!("mm_exp_q8_0"), 2),
+            GgmlType::IQ2_XXS => (occupancy_names!("mm_exp_iq2_xxs"), 2),
+            GgmlType::Q2_K => (occupancy_names!("mm_exp_q2_k"), 1),
+            GgmlType::Q4_K => (occupancy_names!("mm_exp_q4_k"), 0),
             other => {
                 return Err(invalid(format!(
                     "no int8 tensor-core GEMM for {other} weights"
@@ -386,28 +396,19 @@ impl Launcher<'_> {
             block_dim: (128, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        let f = self.func(name)?;
-        let mut l = self.launch_stream().launch_builder(&f);
-        l.arg(&w[0])
-            .arg(&w[1])
-            .arg(&w[2])
-            .arg(&mats[0])
-            .arg(&mats[1])
-            .arg(&mats[2])
-            .arg(&grid_tab)
-            .arg(&xqp)
-            .arg(&xdp)
-            .arg(&y)
-            .arg(&rows)
-            .arg(&cols)
-            .arg(&items)
-            .arg(&n_items)
-            .arg(&pairs)
-            .arg(&k_div);
-        tail.push(&mut l);
-        // SAFETY: argument order matches mm_exp_* in matmul.cu; inputs were checked by
-        // the callers, the plan's items index pairs < n_pairs.
-        unsafe { self.launch_timed(name, &mut l, cfg) }
+        // Inputs were checked by the callers, the plan's items index pairs < n_pairs.
+        let [w0, w1, w2] = w;
+        let [m0, m1, m2] = mats;
+        launch!(
+            self,
+            name,
+            cfg,
+            [
+                w0, w1, w2, m0, m1, m2, grid_tab, xqp, xdp, y, rows, cols, items, n_items, pairs,
+                k_div
+            ],
+            tail
+        )
     }
 
     /// f32 activations × F32/F16/BF16/Q8_0 weights with f32 accumulation per 32-wide
@@ -455,54 +456,14 @@ impl Launcher<'_> {
         });
         let spread = tc && self.on(Variant::MmPitch);
         let names = match m.ty {
-            GgmlType::F16 if spread => [
-                "mm_tc_f16_p_s1",
-                "mm_tc_f16_p_s2",
-                "mm_tc_f16_p_s4",
-                "mm_tc_f16_p_s8",
-            ],
-            GgmlType::BF16 if spread => [
-                "mm_tc_bf16_p_s1",
-                "mm_tc_bf16_p_s2",
-                "mm_tc_bf16_p_s4",
-                "mm_tc_bf16_p_s8",
-            ],
-            GgmlType::F16 if tc => [
-                "mm_tc_f16_s1",
-                "mm_tc_f16_s2",
-                "mm_tc_f16_s4",
-                "mm_tc_f16_s8",
-            ],
-            GgmlType::BF16 if tc => [
-                "mm_tc_bf16_s1",
-                "mm_tc_bf16_s2",
-                "mm_tc_bf16_s4",
-                "mm_tc_bf16_s8",
-            ],
-            GgmlType::F32 => [
-                "mm_f32_f32_s1",
-                "mm_f32_f32_s2",
-                "mm_f32_f32_s4",
-                "mm_f32_f32_s8",
-            ],
-            GgmlType::F16 => [
-                "mm_f32_f16_s1",
-                "mm_f32_f16_s2",
-                "mm_f32_f16_s4",
-                "mm_f32_f16_s8",
-            ],
-            GgmlType::BF16 => [
-                "mm_f32_bf16_s1",
-                "mm_f32_bf16_s2",
-                "mm_f32_bf16_s4",
-                "mm_f32_bf16_s8",
-            ],
-            GgmlType::Q8_0 => [
-                "mm_f32_q8_0_s1",
-                "mm_f32_q8_0_s2",
-                "mm_f32_q8_0_s4",
-                "mm_f32_q8_0_s8",
-            ],
+            GgmlType::F16 if spread => split_k_names!("mm_tc_f16_p"),
+            GgmlType::BF16 if spread => split_k_names!("mm_tc_bf16_p"),
+            GgmlType::F16 if tc => split_k_names!("mm_tc_f16"),
+            GgmlType::BF16 if tc => split_k_names!("mm_tc_bf16"),
+            GgmlType::F32 => split_k_names!("mm_f32_f32"),
+            GgmlType::F16 => split_k_names!("mm_f32_f16"),
+            GgmlType::BF16 => split_k_names!("mm_f32_bf16"),
+            GgmlType::Q8_0 => split_k_names!("mm_f32_q8_0"),
             other => return Err(invalid(format!("{what}: no kernel for {other}"))),
         };
         // Split K until the grid covers the GPU once (at least 4 k-tiles per split):
@@ -557,20 +518,14 @@ impl Launcher<'_> {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let f = self.func(name)?;
-        let mut l = self.launch_stream().launch_builder(&f);
-        l.arg(&w)
-            .arg(&wd)
-            .arg(&mat_w)
-            .arg(&mat_d)
-            .arg(&x)
-            .arg(&y)
-            .arg(&rows)
-            .arg(&cols);
-        tail.push(&mut l);
-        // SAFETY: argument order matches mm_f32_* in matmul_f32.cu; x and y extents are the
-        // caller's contract (raw addresses).
-        unsafe { self.launch_timed(name, &mut l, cfg) }
+        // x and y extents are the caller's contract (raw addresses).
+        launch!(
+            self,
+            name,
+            cfg,
+            [w, wd, mat_w, mat_d, x, y, rows, cols],
+            tail
+        )
     }
 
     /// Builds on the device, without a host sync, the per-expert pair lists of `n_pairs`
@@ -591,11 +546,6 @@ impl Launcher<'_> {
         }
         debug_assert!(max_items(n_pairs, n_expert) <= plan.max_items);
         plan.n_pairs = n_pairs;
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (1024, 1, 1),
-            shared_mem_bytes: 0,
-        };
         let (np, ne, tile) = (n_pairs as i32, n_expert as i32, EXP_TILE as i32);
         let (off, pairs, items, n_items) = (
             self.ptr(&plan.offsets),
@@ -603,19 +553,14 @@ impl Launcher<'_> {
             self.ptr(&plan.items),
             self.ptr(&plan.n_items),
         );
-        let f = self.func("route_plan_build")?;
-        let mut l = self.launch_stream().launch_builder(&f);
-        l.arg(&ids)
-            .arg(&np)
-            .arg(&ne)
-            .arg(&tile)
-            .arg(&off)
-            .arg(&pairs)
-            .arg(&items)
-            .arg(&n_items);
-        // SAFETY: matches route_plan_build; the plan's buffers are sized for max_pairs ≥
-        // n_pairs and n_expert; ids holds n_pairs values (caller).
-        unsafe { self.launch_timed("route_plan_build", &mut l, cfg) }
+        // The plan's buffers are sized for max_pairs ≥ n_pairs and n_expert; ids holds
+        // n_pairs values (caller).
+        launch!(
+            self,
+            "route_plan_build",
+            cfg(1, 1024),
+            [ids, np, ne, tile, off, pairs, items, n_items]
+        )
     }
 
     /// Routed experts: `Y[p][r] = W_{ids[p]}·X[row(p)]` for the pairs of the last

@@ -5,6 +5,7 @@ use ds4_gguf::GgmlType;
 
 use crate::device::Gpu;
 use crate::error::CudaError;
+use crate::layer::cfg;
 use crate::plan::{Launcher, Variant};
 use crate::weights::DeviceMatrix;
 
@@ -245,6 +246,19 @@ impl Gpu {
     }
 }
 
+impl QuantAct {
+    /// An error unless the first `rows` rows exist.
+    fn check_rows(&self, rows: usize) -> Result<(), CudaError> {
+        if rows > self.rows {
+            return Err(CudaError::Invalid(format!(
+                "{rows} rows into activations of {}",
+                self.rows
+            )));
+        }
+        Ok(())
+    }
+}
+
 impl Launcher<'_> {
     /// Quantises `rows × cols` floats at `x` into `qa` with one scale per 256 values
     /// (Q8_K rule, bit-identical to the CPU's `quantize_q8_k`); the scale is stored
@@ -260,31 +274,17 @@ impl Launcher<'_> {
         qa: &mut QuantAct,
         rows: usize,
     ) -> Result<(), CudaError> {
-        if rows > qa.rows {
-            return Err(CudaError::Invalid(format!(
-                "{rows} rows into activations of {}",
-                qa.rows
-            )));
-        }
+        qa.check_rows(rows)?;
         if !qa.cols.is_multiple_of(256) {
             return Err(CudaError::Invalid(format!(
                 "{} activations are not whole 256-blocks",
                 qa.cols
             )));
         }
+        // x holds rows × cols floats (caller), q/d are sized by alloc_quant_act.
         let blocks = (rows * qa.cols / 256) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let f = self.func("quantize_q8_k32")?;
         let (q, d) = (self.ptr(&qa.q), self.ptr(&qa.d));
-        let mut b = self.launch_stream().launch_builder(&f);
-        b.arg(&x).arg(&q).arg(&d);
-        // SAFETY: x holds rows × cols floats (caller), q/d are sized by alloc_quant_act.
-        unsafe { self.launch_timed("quantize_q8_k32", &mut b, cfg) }?;
-        Ok(())
+        launch!(self, "quantize_q8_k32", cfg(blocks, 256), [x, q, d])
     }
 
     /// Quantises `rows × cols` floats at device address `x` into `qa`.
@@ -299,12 +299,7 @@ impl Launcher<'_> {
         qa: &mut QuantAct,
         rows: usize,
     ) -> Result<(), CudaError> {
-        if rows > qa.rows {
-            return Err(CudaError::Invalid(format!(
-                "{rows} rows into activations of {}",
-                qa.rows
-            )));
-        }
+        qa.check_rows(rows)?;
         self.quantize_q8_raw(x, self.ptr(&qa.q), self.ptr(&qa.d), rows * qa.cols / 32)
     }
 
@@ -317,19 +312,14 @@ impl Launcher<'_> {
         d: u64,
         n_blocks: usize,
     ) -> Result<(), CudaError> {
+        // x holds n_blocks × 32 floats, q and d room for their Q8_0 form (caller).
         let blocks = n_blocks as i32;
         let warps_per_block = 8u32;
-        let cfg = LaunchConfig {
-            grid_dim: ((blocks as u32).div_ceil(warps_per_block), 1, 1),
-            block_dim: (32 * warps_per_block, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let f = self.func("quantize_q8_32")?;
-        let mut b = self.launch_stream().launch_builder(&f);
-        b.arg(&x).arg(&q).arg(&d).arg(&blocks);
-        // SAFETY: x holds n_blocks × 32 floats, q and d room for their Q8_0 form (caller).
-        unsafe { self.launch_timed("quantize_q8_32", &mut b, cfg) }?;
-        Ok(())
+        let grid = cfg(
+            (blocks as u32).div_ceil(warps_per_block),
+            32 * warps_per_block,
+        );
+        launch!(self, "quantize_q8_32", grid, [x, q, d, blocks])
     }
 
     /// `rows` RMS norms of n values (weight `w`, 0 = none) written to `y` and quantised
@@ -352,26 +342,11 @@ impl Launcher<'_> {
                 qa.rows, qa.cols
             )));
         }
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (if n >= 1024 { 1024 } else { 256 }, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        // x/y hold rows × n floats (caller), q/d are sized by alloc_quant_act (checked).
+        let grid = cfg(rows as u32, if n >= 1024 { 1024 } else { 256 });
         let name = self.pick(Variant::NormPl, "rmsnorm_q8", "rmsnorm_q8_pl");
-        let f = self.func(name)?;
         let (q, d, nn) = (self.ptr(&qa.q), self.ptr(&qa.d), n as i32);
-        let mut b = self.launch_stream().launch_builder(&f);
-        b.arg(&x)
-            .arg(&w)
-            .arg(&w_type)
-            .arg(&nn)
-            .arg(&eps)
-            .arg(&y)
-            .arg(&q)
-            .arg(&d);
-        // SAFETY: matches rmsnorm_q8(_pl) in matvec_q8act_fused.cu; x/y hold rows × n floats
-        // (caller), q/d are sized by alloc_quant_act (checked above).
-        unsafe { self.launch_timed(name, &mut b, cfg) }
+        launch!(self, name, grid, [x, w, w_type, nn, eps, y, q, d])
     }
 
     /// `swiglu` of `n_sel` rows of n into `mid` and, quantised, into `qa`: Q8_0 per 32
@@ -398,43 +373,23 @@ impl Launcher<'_> {
             )));
         }
         let (q, d, nn, ns) = (self.ptr(&qa.q), self.ptr(&qa.d), n as i32, n_sel as i32);
+        // gate/up/mid hold n·n_sel floats (caller).
         if k_rule {
-            let cfg = LaunchConfig {
-                grid_dim: ((total / 256) as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let f = self.func("swiglu_q8k")?;
-            let mut b = self.launch_stream().launch_builder(&f);
-            b.arg(&gate)
-                .arg(&up)
-                .arg(&weights)
-                .arg(&nn)
-                .arg(&clamp)
-                .arg(&mid)
-                .arg(&q)
-                .arg(&d);
-            // SAFETY: matches swiglu_q8k; gate/up/mid hold n·n_sel floats (caller).
-            unsafe { self.launch_timed("swiglu_q8k", &mut b, cfg) }
+            let grid = cfg((total / 256) as u32, 256);
+            launch!(
+                self,
+                "swiglu_q8k",
+                grid,
+                [gate, up, weights, nn, clamp, mid, q, d]
+            )
         } else {
-            let cfg = LaunchConfig {
-                grid_dim: (((total / 32) as u32).div_ceil(8).max(1), 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let f = self.func("swiglu_q8")?;
-            let mut b = self.launch_stream().launch_builder(&f);
-            b.arg(&gate)
-                .arg(&up)
-                .arg(&weights)
-                .arg(&nn)
-                .arg(&ns)
-                .arg(&clamp)
-                .arg(&mid)
-                .arg(&q)
-                .arg(&d);
-            // SAFETY: matches swiglu_q8; gate/up/mid hold n·n_sel floats (caller).
-            unsafe { self.launch_timed("swiglu_q8", &mut b, cfg) }
+            let grid = cfg(((total / 32) as u32).div_ceil(8).max(1), 256);
+            launch!(
+                self,
+                "swiglu_q8",
+                grid,
+                [gate, up, weights, nn, ns, clamp, mid, q, d]
+            )
         }
     }
 
