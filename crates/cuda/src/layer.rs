@@ -42,6 +42,20 @@ pub(crate) fn cfg(grid: u32, block: u32) -> LaunchConfig {
 // thread in hc_pre (HC_PRE_VEC).
 use crate::consts::{HC_MAX, HC_PRE_VEC};
 
+/// A hyper-connection's per-layer weights (`scale`, `base`, device addresses of F32
+/// values) and the model's HC sizes: what `hc_pre`, `hc_comb` and `head_collapse` share.
+#[derive(Clone, Copy, Debug)]
+pub struct HcParams {
+    pub scale: u64,
+    pub base: u64,
+    /// Streams.
+    pub n_hc: usize,
+    pub n_embd: usize,
+    pub eps: f32,
+    /// Sinkhorn iterations of the comb matrix.
+    pub iters: usize,
+}
+
 /// The sublayer RMS norm fused into `hc_pre`: `out = rmsnorm(y)·w` per token and, with
 /// `q` / `d` ≠ 0, its Q8_0 form (int8 values, one f32 scale per 32).
 #[derive(Clone, Copy, Debug, Default)]
@@ -194,20 +208,22 @@ impl Launcher<'_> {
 
     /// The sublayer input `y` (pre-weighted sum of the streams) and, with `norm`, its RMS
     /// norm (and Q8_0 form), per token. post and comb come from `hc_comb`.
-    #[allow(clippy::too_many_arguments)]
     pub fn hc_pre(
         &self,
         n_tok: usize,
-        h: u64,
-        mix: u64,
-        scale: u64,
-        base: u64,
-        n_hc: usize,
-        n_embd: usize,
-        eps: f32,
+        (h, mix): (u64, u64),
+        hp: &HcParams,
         y: u64,
         norm: Option<HcNorm>,
     ) -> Result<(), CudaError> {
+        let HcParams {
+            scale,
+            base,
+            n_hc,
+            n_embd,
+            eps,
+            ..
+        } = *hp;
         check_hc_streams(n_hc)?;
         // Threads own 4 consecutive values (8 of them form a Q8_0 block); the count is
         // rmsnorm's, whose sum order the norm keeps.
@@ -232,18 +248,21 @@ impl Launcher<'_> {
     /// post (`n_hc` values) and the Sinkhorn-normalised comb matrix (`n_hc²`) of each of
     /// `n_tok` tokens from their mix into `hcp`: what hc_post needs and hc_pre does not
     /// (the engine runs it on a side lane).
-    #[allow(clippy::too_many_arguments)]
     pub fn hc_comb(
         &self,
         n_tok: usize,
         mix: u64,
-        scale: u64,
-        base: u64,
-        n_hc: usize,
-        iters: usize,
-        eps: f32,
+        hp: &HcParams,
         hcp: u64,
     ) -> Result<(), CudaError> {
+        let HcParams {
+            scale,
+            base,
+            n_hc,
+            eps,
+            iters,
+            ..
+        } = *hp;
         check_hc_streams(n_hc)?;
         let (nh, it, nt) = (n_hc as i32, iters as i32, n_tok as i32);
         launch!(
@@ -515,19 +534,22 @@ impl Launcher<'_> {
     /// The head's stream collapse and final norm into `x`.
     pub fn head_collapse(
         &self,
-        h: u64,
-        mix: u64,
-        scale: u64,
-        base: u64,
-        n_hc: usize,
-        n_embd: usize,
-        hc_eps: f32,
+        (h, mix): (u64, u64),
+        hp: &HcParams,
         norm_w: u64,
         norm_type: i32,
         eps: f32,
         tmp: u64,
         x: u64,
     ) -> Result<(), CudaError> {
+        let HcParams {
+            scale,
+            base,
+            n_hc,
+            n_embd,
+            eps: hc_eps,
+            ..
+        } = *hp;
         let (nh, ne) = (n_hc as i32, n_embd as i32);
         launch!(
             self,

@@ -51,7 +51,7 @@ pub use attention::{AttnInput, AttnTail, QNorm};
 pub use device::{driver_present, DeviceBuf, Gpu, GpuInfo, KernelSource, SIDE_LANES};
 pub use error::CudaError;
 pub use graph::TokenGraph;
-pub use layer::{Compressor, HcNorm, RopeP, WT_BF16, WT_F16, WT_F32, WT_Q8_0};
+pub use layer::{Compressor, HcNorm, HcParams, RopeP, WT_BF16, WT_F16, WT_F32, WT_Q8_0};
 pub use matmul::{Batch, RoutePlan};
 pub use ops::{MatSel, QuantAct};
 pub use plan::{DecodePlan, Launcher, PlanError, Variant};

@@ -20,7 +20,7 @@ use super::common::{
     bit_identical, both, normal, random_matrix, random_vec, rel_err, rope_freqs, same_bits,
     upload_rope, Check,
 };
-use crate::{DeviceMatrix, HcNorm, Launcher, MatSel, Variant, WT_F16, WT_F32};
+use crate::{DeviceMatrix, HcNorm, HcParams, Launcher, MatSel, Variant, WT_F16, WT_F32};
 
 const N_HC: usize = 4;
 const N_EMBD: usize = 4096;
@@ -547,15 +547,18 @@ pub(super) fn check_hc_preload(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> 
             q: gpu.ptr(&q),
             d: gpu.ptr(&d),
         };
+        let hp = HcParams {
+            scale: gpu.ptr(&scale),
+            base: gpu.ptr(&base),
+            n_hc: N_HC,
+            n_embd: N_EMBD,
+            eps: 1e-6,
+            iters: 0,
+        };
         gpu.hc_pre(
             1,
-            gpu.ptr(&h),
-            gpu.ptr(&mix),
-            gpu.ptr(&scale),
-            gpu.ptr(&base),
-            N_HC,
-            N_EMBD,
-            1e-6,
+            (gpu.ptr(&h), gpu.ptr(&mix)),
+            &hp,
             gpu.ptr(&y),
             Some(norm),
         )?;

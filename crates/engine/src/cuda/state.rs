@@ -10,7 +10,7 @@ use super::weights::CudaWeights;
 use crate::config::Config;
 use crate::error::Result;
 use crate::ops::linear::Numerics;
-use layers::{gemm, mv, Gemm, KvView};
+use layers::{gemm, hc_params, mv, Gemm, KvView};
 
 /// KV state of one layer on the device. Row counts derive from the position: the raw
 /// ring holds position p at slot p % raw_cap; compressed row i summarises tokens
@@ -547,13 +547,8 @@ fn head_logits(
     let p = |b: &DeviceBuf<f32>| g.ptr(b);
     g.hc_mix_mat(1, h, &w.head_hc.fn_, c.rms_eps, p(&s.mix))?;
     g.head_collapse(
-        h,
-        p(&s.mix),
-        p(&w.head_hc.scale),
-        p(&w.head_hc.base),
-        c.n_hc,
-        c.n_embd,
-        c.hc_eps,
+        (h, p(&s.mix)),
+        &hc_params(g, c, &w.head_hc),
         p(&w.output_norm),
         ds4_cuda::WT_F32,
         c.rms_eps,

@@ -1,12 +1,15 @@
 //! One layer's launches (attention and FFN sublayers) for a batch of tokens, and the
 //! projection helpers they share (GEMM for batches, matvec for one token).
 
-use ds4_cuda::{Batch, CudaError, DecodePlan, DeviceBuf, Gpu, Launcher, MatSel, QuantAct, Variant};
+use ds4_cuda::{
+    Batch, CudaError, DecodePlan, DeviceBuf, DeviceMatrix, Gpu, Launcher, MatSel, QuantAct,
+    RoutePlan, Variant,
+};
 use ds4_gguf::GgmlType;
 
-use super::{att_splits, comp_cap, LayerState, Scratch, Work};
+use super::{att_splits, comp_cap, LayerState, QuantBufs, Scratch, Work};
 use crate::config::Config;
-use crate::cuda::weights::{CudaWeights, LayerDev};
+use crate::cuda::weights::{CompressorDev, CudaWeights, HcDev};
 use crate::error::Result;
 use crate::ops::linear::Numerics;
 
@@ -46,13 +49,7 @@ fn f32_gemm_format(ty: GgmlType) -> bool {
 
 /// f32 activations × `m` for `n` tokens laid out by `b`: a GEMM for batches, the
 /// matvec otherwise.
-fn dense_f32(
-    g: &Launcher,
-    m: &ds4_cuda::DeviceMatrix,
-    x: u64,
-    y: u64,
-    b: Batch,
-) -> Result<(), CudaError> {
+fn dense_f32(g: &Launcher, m: &DeviceMatrix, x: u64, y: u64, b: Batch) -> Result<(), CudaError> {
     if b.n_tok > 1 && gemm(Gemm::F32) && f32_gemm_format(m.ty) && b.n_groups == 1 {
         g.matmul_f32(m, x, y, b)
     } else {
@@ -75,76 +72,200 @@ pub(super) struct KvView<'a> {
     pub(super) plan: DecodePlan,
 }
 
-/// A sublayer's start: the input `s.y` from the streams `h`, and its RMS norm (weights
-/// `norm_w`) into `s.n` in the same launch; with `quantize` also into `xq` (Q8_0).
-/// Under `comb_lane`, hc_post's comb matrix is forked to side lane 3 as background work
-/// (joined before hc_post). Returns whether `xq` now holds `s.n`, and whether the comb
-/// matrix was forked (else the caller forms it on a lane of its own choosing).
-#[allow(clippy::too_many_arguments)]
-fn sublayer_begin(
-    s: &Scratch,
-    n_tok: usize,
-    g: &Launcher,
-    c: &Config,
-    hc: &crate::cuda::weights::HcDev,
-    h: u64,
-    norm_w: u64,
-    xq: &mut QuantAct,
-    quantize: bool,
-) -> Result<(bool, bool), CudaError> {
-    if quantize && (xq.cols != c.n_embd || xq.rows < n_tok) {
-        return Err(CudaError::Invalid(format!(
-            "hc_pre: {n_tok}×{} into activations of {}×{}",
-            c.n_embd, xq.rows, xq.cols
-        )));
-    }
-    g.hc_mix_mat(n_tok, h, &hc.fn_, c.rms_eps, g.ptr(&s.mix))?;
-    let norm = ds4_cuda::HcNorm {
-        w: norm_w,
-        w_type: ds4_cuda::WT_F32,
-        eps: c.rms_eps,
-        out: g.ptr(&s.n),
-        q: if quantize { g.ptr(&xq.q) } else { 0 },
-        d: if quantize { g.ptr(&xq.d) } else { 0 },
-    };
-    g.hc_pre(
-        n_tok,
-        h,
-        g.ptr(&s.mix),
-        g.ptr(&hc.scale),
-        g.ptr(&hc.base),
-        c.n_hc,
-        c.n_embd,
-        c.hc_eps,
-        g.ptr(&s.y),
-        Some(norm),
-    )?;
-    let comb_lane = g.on(Variant::CombLane);
-    if comb_lane {
-        g.branch(3, || g.background(|| hc_comb(s, n_tok, g, c, hc)))?;
-    }
-    Ok((quantize, comb_lane))
+/// What the launches of one sublayer over a batch of `n` tokens share: the launcher,
+/// the config, the scratch buffers, the tokens' step records, the layer's RoPE and the
+/// numeric mode.
+struct Pass<'a> {
+    g: Launcher<'a>,
+    c: &'a Config,
+    s: &'a Scratch,
+    /// The layer.
+    il: usize,
+    n: usize,
+    step: u64,
+    rope: ds4_cuda::RopeP,
+    fast: bool,
 }
 
-/// post and comb (`s.hcp`, read by hc_post) from the mix of `sublayer_begin`: launched on a
-/// side lane, beside the sublayer.
-fn hc_comb(
-    s: &Scratch,
-    n_tok: usize,
-    g: &Launcher,
-    c: &Config,
-    hc: &crate::cuda::weights::HcDev,
-) -> Result<(), CudaError> {
-    g.hc_comb(
-        n_tok,
-        g.ptr(&s.mix),
-        g.ptr(&hc.scale),
-        g.ptr(&hc.base),
-        c.n_hc,
-        c.sinkhorn_iters,
-        c.hc_eps,
-        g.ptr(&s.hcp),
-    )
+impl Pass<'_> {
+    /// A sublayer's start: the input `s.y` from the streams `h`, and its RMS norm (weights
+    /// `norm_w`) into `s.n` in the same launch; with `quantize` also into `xq` (Q8_0).
+    /// Under `comb_lane`, hc_post's comb matrix is forked to side lane 3 as background
+    /// work (joined before hc_post). Returns whether `xq` now holds `s.n`, and whether
+    /// the comb matrix was forked (else the caller forms it on a lane of its choosing).
+    fn sublayer_begin(
+        &self,
+        hc: &HcDev,
+        h: u64,
+        norm_w: u64,
+        xq: &mut QuantAct,
+        quantize: bool,
+    ) -> Result<(bool, bool), CudaError> {
+        let (g, c, s, n_tok) = (&self.g, self.c, self.s, self.n);
+        if quantize && (xq.cols != c.n_embd || xq.rows < n_tok) {
+            return Err(CudaError::Invalid(format!(
+                "hc_pre: {n_tok}×{} into activations of {}×{}",
+                c.n_embd, xq.rows, xq.cols
+            )));
+        }
+        g.hc_mix_mat(n_tok, h, &hc.fn_, c.rms_eps, g.ptr(&s.mix))?;
+        let norm = ds4_cuda::HcNorm {
+            w: norm_w,
+            w_type: ds4_cuda::WT_F32,
+            eps: c.rms_eps,
+            out: g.ptr(&s.n),
+            q: if quantize { g.ptr(&xq.q) } else { 0 },
+            d: if quantize { g.ptr(&xq.d) } else { 0 },
+        };
+        let (mix, y) = (g.ptr(&s.mix), g.ptr(&s.y));
+        g.hc_pre(n_tok, (h, mix), &self.hc(hc), y, Some(norm))?;
+        let comb_lane = g.on(Variant::CombLane);
+        if comb_lane {
+            g.branch(3, || g.background(|| self.hc_comb(hc)))?;
+        }
+        Ok((quantize, comb_lane))
+    }
+
+    /// The launch parameters of the hyper-connection `hc`.
+    fn hc(&self, hc: &HcDev) -> ds4_cuda::HcParams {
+        hc_params(&self.g, self.c, hc)
+    }
+
+    /// post and comb (`s.hcp`, read by hc_post) from the mix of `sublayer_begin`: launched
+    /// on a side lane, beside the sublayer.
+    fn hc_comb(&self, hc: &HcDev) -> Result<(), CudaError> {
+        let (g, s) = (&self.g, self.s);
+        g.hc_comb(self.n, g.ptr(&s.mix), &self.hc(hc), g.ptr(&s.hcp))
+    }
+
+    /// A sublayer's end: hc_post of its output `out` plus the `k` rows at `parts` (the
+    /// routed experts'; k = 0: none) from the streams `h` into `h_out`, once side lane
+    /// 3's comb matrix is in (`comb_lane`, see `sublayer_begin`).
+    fn sublayer_end(
+        &self,
+        comb_lane: bool,
+        h: u64,
+        out: u64,
+        (parts, k): (u64, usize),
+        h_out: u64,
+    ) -> Result<(), CudaError> {
+        let (g, c) = (&self.g, self.c);
+        if comb_lane {
+            g.join(3)?;
+        }
+        let hcp = g.ptr(&self.s.hcp);
+        g.hc_post(self.n, h, out, parts, k, hcp, c.n_hc, c.n_embd, h_out)
+    }
+
+    /// `mid = silu(gate)·up·w` (clamped) over `rows` rows of `width` (w = 0: none), also
+    /// quantised into `xq` (Q8_K rule with `k_rule`, else Q8_0) when given.
+    fn swiglu(
+        &self,
+        (gate, up, w): (u64, u64, u64),
+        width: usize,
+        rows: usize,
+        clamp: f32,
+        mid: u64,
+        xq: Option<(&mut QuantAct, bool)>,
+    ) -> Result<(), CudaError> {
+        let g = &self.g;
+        match xq {
+            Some((xq, k_rule)) => g.swiglu_quant(gate, up, w, width, rows, clamp, mid, xq, k_rule),
+            None => g.swiglu(gate, up, w, width, rows, clamp, mid),
+        }
+    }
+
+    /// See [`mv`]: a projection of the batch's `n` rows.
+    fn mv(
+        &self,
+        m: &DeviceMatrix,
+        x: u64,
+        xq: &mut QuantAct,
+        quantized: bool,
+        y: u64,
+    ) -> Result<(), CudaError> {
+        mv(&self.g, m, x, xq, quantized, y, self.n, self.fast)
+    }
+
+    /// A grouped projection (`n_sel` selections fixed before the token, inputs at
+    /// sel.x_stride; `xq` already holds their Q8_0 form when `quantized`).
+    #[allow(clippy::too_many_arguments)]
+    fn mv_sel(
+        &self,
+        m: &DeviceMatrix,
+        x: u64,
+        xq: &mut QuantAct,
+        quantized: bool,
+        y: u64,
+        n_sel: usize,
+        sel: MatSel,
+    ) -> Result<(), CudaError> {
+        let g = &self.g;
+        if self.fast && m.ty == GgmlType::Q8_0 {
+            if !quantized {
+                let rows_q = (n_sel * sel.x_stride as usize).div_ceil(xq.cols);
+                g.quantize_act_rows(x, xq, rows_q)?;
+            }
+            g.matvec_q8act(m, xq, y, n_sel, sel)
+        } else {
+            g.matvec(m, x, y, n_sel, sel)
+        }
+    }
+
+    /// The batch's RMS norms of `width` values (weights `w`) into `y`; with `quantize`
+    /// also into `xq` (Q8_0) in the same launch. Returns whether `xq` now holds `y`.
+    fn norm(
+        &self,
+        x: u64,
+        w: u64,
+        width: usize,
+        y: u64,
+        xq: &mut QuantAct,
+        quantize: bool,
+    ) -> Result<bool, CudaError> {
+        let (g, eps, f32t) = (&self.g, self.c.rms_eps, ds4_cuda::WT_F32);
+        if quantize {
+            g.rmsnorm_q8(x, w, f32t, width, self.n, eps, y, xq)?;
+        } else {
+            g.rmsnorm(x, w, f32t, width, self.n, eps, y)?;
+        }
+        Ok(quantize)
+    }
+
+    /// Advances a compressor by the batch (one token: the graph-captured decode step)
+    /// on the normed input `x`: its kv and gate projections into the scratch `kvs`
+    /// ([`compressor_inputs`]), then the compressor kernels; `(skv, ssc)` is its state.
+    fn compress(
+        &self,
+        (x, kvs): (u64, u64),
+        cw: &CompressorDev,
+        (skv, ssc): (Option<&DeviceBuf<f32>>, Option<&DeviceBuf<f32>>),
+        indexer: bool,
+        rows_out: u64,
+    ) -> Result<(), CudaError> {
+        let g = &self.g;
+        compressor_inputs(g, cw, x, kvs, self.n)?;
+        let f32t = ds4_cuda::WT_F32;
+        let launch = ds4_cuda::Compressor {
+            step: self.step,
+            kvs,
+            ape: g.ptr(&cw.ape),
+            ape_type: f32t,
+            skv: g.ptr(skv.expect("compressed layer state")),
+            ssc: g.ptr(ssc.expect("compressed layer state")),
+            ratio: cw.ratio,
+            lanes: cw.lanes,
+            d: cw.dim,
+            norm_w: g.ptr(&cw.norm),
+            norm_type: f32t,
+            eps: self.c.rms_eps,
+            rope: self.rope,
+            indexer,
+            f16_round: self.fast,
+            rows: rows_out,
+        };
+        g.compressor(self.n, &launch)
+    }
 }
 
 impl KvView<'_> {
@@ -169,37 +290,46 @@ impl KvView<'_> {
             g.ptr(&s.h),
         )?;
         for il in 0..c.n_layer {
-            self.attention(w, numerics, il, b, n_tok)?;
-            self.ffn(w, numerics, il, b, n_tok)?;
+            let px = self.pass(w, numerics, il, &b.s, n_tok);
+            self.attention(w, &px, &mut b.q8)?;
+            self.ffn(w, &px, &mut b.q8, b.plan.as_mut())?;
         }
         Ok(())
     }
 
-    fn attention(
+    /// The [`Pass`] of layer `il` over the `n` tokens of `s`.
+    fn pass<'a>(
         &self,
-        w: &CudaWeights,
+        w: &'a CudaWeights,
         numerics: Numerics,
         il: usize,
-        b: &mut Work,
+        s: &'a Scratch,
         n: usize,
-    ) -> Result<()> {
-        let g = &w.gpu.launcher(self.plan);
-        let c = &w.config;
-        let l: &LayerDev = &w.layers[il];
-        let st = &self.layers[il];
-        let (s, qb) = (&b.s, &mut b.q8);
-        let p = |b: &DeviceBuf<f32>| g.ptr(b);
+    ) -> Pass<'a> {
+        let g = w.gpu.launcher(self.plan);
         let step = g.ptr(&s.step);
-        let rope = w.rope(il);
-        let fast = numerics == Numerics::Fast;
+        let (c, rope, fast) = (&w.config, w.rope(il), numerics == Numerics::Fast);
+        Pass {
+            g,
+            c,
+            s,
+            il,
+            n,
+            step,
+            rope,
+            fast,
+        }
+    }
+
+    fn attention(&self, w: &CudaWeights, px: &Pass, qb: &mut QuantBufs) -> Result<()> {
+        let (g, c, s, il, n) = (&px.g, px.c, px.s, px.il, px.n);
+        let (step, rope, fast) = (px.step, px.rope, px.fast);
+        let (l, st) = (&w.layers[il], &self.layers[il]);
+        let p = |b: &DeviceBuf<f32>| g.ptr(b);
         let f32t = ds4_cuda::WT_F32;
         let hd = c.head_dim;
 
-        let (n_q8, comb_lane) = sublayer_begin(
-            s,
-            n,
-            g,
-            c,
+        let (n_q8, comb_lane) = px.sublayer_begin(
             &l.hc_attn,
             p(&s.h),
             p(&l.attn_norm),
@@ -213,18 +343,15 @@ impl KvView<'_> {
         // chain of small kernels that cannot fill the GPU alone.
         g.branch(1, || {
             if !comb_lane {
-                hc_comb(s, n, g, c, &l.hc_attn)?;
+                px.hc_comb(&l.hc_attn)?;
             }
             // The same quantised `n` as attn_q_a (quantised by the norm when Q8_0).
-            mv(
-                g,
+            px.mv(
                 &l.kv,
                 p(&s.n),
                 &mut qb.embd,
                 l.q_a.ty == GgmlType::Q8_0,
                 p(&s.kv),
-                n,
-                fast,
             )?;
             g.kv_finish(
                 n,
@@ -240,18 +367,11 @@ impl KvView<'_> {
                 self.raw_cap,
             )?;
             if let (Some(cw), Some(comp)) = (&l.compressor, &st.comp) {
-                compress(
-                    g,
-                    c,
-                    n,
-                    step,
+                px.compress(
                     (p(&s.n), p(&s.ckv)),
                     cw,
-                    st.skv.as_ref(),
-                    st.ssc.as_ref(),
-                    rope,
+                    (st.skv.as_ref(), st.ssc.as_ref()),
                     false,
-                    fast,
                     p(comp),
                 )?;
             }
@@ -263,18 +383,11 @@ impl KvView<'_> {
         };
         if let Some((_, ix, index)) = indexer {
             g.branch(2, || {
-                compress(
-                    g,
-                    c,
-                    n,
-                    step,
+                px.compress(
                     (p(&s.n), p(&s.icv)),
                     &ix.compressor,
-                    st.iskv.as_ref(),
-                    st.issc.as_ref(),
-                    rope,
+                    (st.iskv.as_ref(), st.issc.as_ref()),
                     true,
-                    fast,
                     p(index),
                 )?;
                 dense_f32(g, &ix.proj, p(&s.n), p(&s.wt), plain(&ix.proj, n))
@@ -283,23 +396,11 @@ impl KvView<'_> {
         // attn_q_a reads `n` as quantised by the norm: the kv branch only quantises
         // its own copy when q_a is not Q8_0 (then q_a does not read it).
         let q_a_xq_ready = n_q8;
-        mv(
-            g,
-            &l.q_a,
-            p(&s.n),
-            &mut qb.embd,
-            q_a_xq_ready,
-            p(&s.qa),
-            n,
-            fast,
-        )?;
-        let qr_q8 = norm(
-            g,
+        px.mv(&l.q_a, p(&s.n), &mut qb.embd, q_a_xq_ready, p(&s.qa))?;
+        let qr_q8 = px.norm(
             p(&s.qa),
             p(&l.q_a_norm),
             c.q_lora_rank,
-            n,
-            c.rms_eps,
             p(&s.qr),
             &mut qb.qr,
             fast && l.q_b.ty == GgmlType::Q8_0,
@@ -343,7 +444,7 @@ impl KvView<'_> {
         }
         // Background work under `prio`: the indexer and compressor chains beside it
         // are latency-bound and the attention waits for them too.
-        g.background(|| mv(g, &l.q_b, p(&s.qr), &mut qb.qr, qr_q8, p(&s.q), n, fast))?;
+        g.background(|| px.mv(&l.q_b, p(&s.qr), &mut qb.qr, qr_q8, p(&s.q)))?;
         // A decode token's attention norms and rotates its own queries.
         let q_norm = (n == 1 && g.on(Variant::QNorm)).then_some(ds4_cuda::QNorm {
             eps: c.rms_eps,
@@ -430,8 +531,7 @@ impl KvView<'_> {
         } else {
             // group_ids is uploaded once, never written by the graph.
             g.constant_ids(|| {
-                mv_sel(
-                    g,
+                px.mv_sel(
                     &l.out_a,
                     p(&s.heads),
                     &mut qb.heads,
@@ -439,49 +539,27 @@ impl KvView<'_> {
                     p(&s.low),
                     n * og,
                     groups,
-                    fast,
                 )
             })?;
         }
-        mv(g, &l.out_b, p(&s.low), &mut qb.low, false, p(&s.o), n, fast)?;
-        if comb_lane {
-            g.join(3)?;
-        }
-        g.hc_post(
-            n,
-            p(&s.h),
-            p(&s.o),
-            0,
-            0,
-            p(&s.hcp),
-            c.n_hc,
-            c.n_embd,
-            p(&s.h2),
-        )?;
+        px.mv(&l.out_b, p(&s.low), &mut qb.low, false, p(&s.o))?;
+        px.sublayer_end(comb_lane, p(&s.h), p(&s.o), (0, 0), p(&s.h2))?;
         Ok(())
     }
 
     fn ffn(
         &self,
         w: &CudaWeights,
-        numerics: Numerics,
-        il: usize,
-        b: &mut Work,
-        n: usize,
+        px: &Pass,
+        qb: &mut QuantBufs,
+        route_plan: Option<&mut RoutePlan>,
     ) -> Result<()> {
-        let g = &w.gpu.launcher(self.plan);
-        let c = &w.config;
-        let l: &LayerDev = &w.layers[il];
-        let (s, qb) = (&b.s, &mut b.q8);
-        let step = g.ptr(&s.step);
+        let (g, c, s, il, n) = (&px.g, px.c, px.s, px.il, px.n);
+        let (step, fast) = (px.step, px.fast);
+        let l = &w.layers[il];
         let (k, ff, e) = (c.n_expert_used, c.n_ff_exp, c.n_embd);
-        let fast = numerics == Numerics::Fast;
         let p = |b: &DeviceBuf<f32>| g.ptr(b);
-        let (n_q8, comb_lane) = sublayer_begin(
-            s,
-            n,
-            g,
-            c,
+        let (n_q8, comb_lane) = px.sublayer_begin(
             &l.hc_ffn,
             p(&s.h2),
             p(&l.ffn_norm),
@@ -497,7 +575,7 @@ impl KvView<'_> {
         let shared_expert = || {
             g.background(|| {
                 if !comb_lane {
-                    hc_comb(s, n, g, c, &l.hc_ffn)?;
+                    px.hc_comb(&l.hc_ffn)?;
                 }
                 let ffs = c.n_ff_exp * c.n_expert_shared;
                 // n_q8: Q8_0 gate and up in the fast numerics, their input quantised by the norm.
@@ -512,60 +590,25 @@ impl KvView<'_> {
                         rows(&l.gate_sh),
                     )?;
                 } else {
-                    mv(
-                        g,
-                        &l.gate_sh,
-                        p(&s.n),
-                        &mut qb.embd,
-                        n_q8,
-                        p(&s.sg),
-                        n,
-                        fast,
-                    )?;
-                    mv(
-                        g,
+                    px.mv(&l.gate_sh, p(&s.n), &mut qb.embd, n_q8, p(&s.sg))?;
+                    px.mv(
                         &l.up_sh,
                         p(&s.n),
                         &mut qb.embd,
                         l.gate_sh.ty == GgmlType::Q8_0,
                         p(&s.su),
-                        n,
-                        fast,
                     )?;
                 }
                 let smid_q8 = fast && l.down_sh.ty == GgmlType::Q8_0;
-                if smid_q8 {
-                    g.swiglu_quant(
-                        p(&s.sg),
-                        p(&s.su),
-                        0,
-                        ffs,
-                        n,
-                        c.swiglu_clamp_shexp[il],
-                        p(&s.smid),
-                        &mut qb.shared_mid,
-                        false,
-                    )?;
-                } else {
-                    g.swiglu(
-                        p(&s.sg),
-                        p(&s.su),
-                        0,
-                        ffs,
-                        n,
-                        c.swiglu_clamp_shexp[il],
-                        p(&s.smid),
-                    )?;
-                }
-                mv(
-                    g,
+                let (gate_up, clamp) = ((p(&s.sg), p(&s.su), 0), c.swiglu_clamp_shexp[il]);
+                let xq = smid_q8.then_some((&mut qb.shared_mid, false));
+                px.swiglu(gate_up, ffs, n, clamp, p(&s.smid), xq)?;
+                px.mv(
                     &l.down_sh,
                     p(&s.smid),
                     &mut qb.shared_mid,
                     smid_q8,
                     p(&s.sh),
-                    n,
-                    fast,
                 )
             })
         };
@@ -578,9 +621,8 @@ impl KvView<'_> {
         if !late {
             fork_shared()?;
         }
-        let int8 = |m: &ds4_cuda::DeviceMatrix| {
-            numerics == Numerics::Fast
-                && matches!(m.ty, GgmlType::IQ2_XXS | GgmlType::Q2_K | GgmlType::Q4_K)
+        let int8 = |m: &DeviceMatrix| {
+            fast && matches!(m.ty, GgmlType::IQ2_XXS | GgmlType::Q2_K | GgmlType::Q4_K)
         };
         // A decode token's int8 expert input is quantised on side lane 2 while gate_inp
         // and the router run on the main lane.
@@ -604,7 +646,7 @@ impl KvView<'_> {
         )?;
         let ids = g.ptr(&s.ids);
         let expert_gemm = n > 1
-            && b.plan.is_some()
+            && route_plan.is_some()
             && int8(&l.gate_exps)
             && int8(&l.up_exps)
             && int8(&l.down_exps);
@@ -630,7 +672,7 @@ impl KvView<'_> {
         // Batches with int8 experts: grouped expert GEMMs over per-expert pair lists
         // (gate/up read each token's Q8_K row once for its k pairs); otherwise matvecs
         // over the (token, expert) pairs.
-        let plan = match b.plan.as_mut().filter(|_| expert_gemm) {
+        let plan = match route_plan.filter(|_| expert_gemm) {
             Some(plan) => {
                 g.route_plan(ids, pairs, c.n_expert, plan)?;
                 g.quantize_act_k_rows(p(&s.n), &mut qb.exp_in, n)?;
@@ -661,18 +703,11 @@ impl KvView<'_> {
                 None
             }
         };
-        if int8(&l.down_exps) {
-            g.swiglu_quant(
-                p(&s.g),
-                p(&s.u),
-                p(&s.rw),
-                ff,
-                pairs,
-                c.swiglu_clamp[il],
-                p(&s.mid),
-                &mut qb.exp_mid,
-                true,
-            )?;
+        let (gate_up_w, mid) = ((p(&s.g), p(&s.u), p(&s.rw)), p(&s.mid));
+        let (clamp, down_q8) = (c.swiglu_clamp[il], int8(&l.down_exps));
+        let xq = down_q8.then_some((&mut qb.exp_mid, true));
+        px.swiglu(gate_up_w, ff, pairs, clamp, mid, xq)?;
+        if down_q8 {
             match plan {
                 Some(plan) => {
                     g.matmul_experts_q8act(&l.down_exps, &qb.exp_mid, plan, k, false, p(&s.dn))?
@@ -680,33 +715,11 @@ impl KvView<'_> {
                 None => g.matvec_q8act(&l.down_exps, &qb.exp_mid, p(&s.dn), pairs, per_mid)?,
             }
         } else {
-            g.swiglu(
-                p(&s.g),
-                p(&s.u),
-                p(&s.rw),
-                ff,
-                pairs,
-                c.swiglu_clamp[il],
-                p(&s.mid),
-            )?;
-            g.matvec(&l.down_exps, p(&s.mid), p(&s.dn), pairs, per_mid)?;
+            g.matvec(&l.down_exps, mid, p(&s.dn), pairs, per_mid)?;
         }
         g.join(1)?;
-        if comb_lane {
-            g.join(3)?;
-        }
         // The routed experts' rows summed plus the shared expert, inside hc_post.
-        g.hc_post(
-            n,
-            p(&s.h2),
-            p(&s.sh),
-            p(&s.dn),
-            k,
-            p(&s.hcp),
-            c.n_hc,
-            c.n_embd,
-            p(&s.h),
-        )?;
+        px.sublayer_end(comb_lane, p(&s.h2), p(&s.sh), (p(&s.dn), k), p(&s.h))?;
         Ok(())
     }
 }
@@ -715,7 +728,7 @@ impl KvView<'_> {
 /// out + t·2w, its gate scores right after.
 fn compressor_inputs(
     g: &Launcher,
-    cw: &crate::cuda::weights::CompressorDev,
+    cw: &CompressorDev,
     x: u64,
     out: u64,
     n: usize,
@@ -729,83 +742,30 @@ fn compressor_inputs(
     dense_f32(g, &cw.gate, x, out + 4 * width as u64, b)
 }
 
-/// Advances a compressor by `n` tokens (one: the graph-captured decode step) on the
-/// normed input `x`: its kv and gate projections into the scratch `kvs`
-/// ([`compressor_inputs`]), then the compressor kernels.
-#[allow(clippy::too_many_arguments)]
-fn compress(
-    g: &Launcher,
-    c: &Config,
-    n: usize,
-    step: u64,
-    (x, kvs): (u64, u64),
-    cw: &crate::cuda::weights::CompressorDev,
-    skv: Option<&DeviceBuf<f32>>,
-    ssc: Option<&DeviceBuf<f32>>,
-    rope: ds4_cuda::RopeP,
-    indexer: bool,
-    fast: bool,
-    rows_out: u64,
-) -> Result<(), CudaError> {
-    compressor_inputs(g, cw, x, kvs, n)?;
-    let skv = g.ptr(skv.expect("compressed layer state"));
-    let ssc = g.ptr(ssc.expect("compressed layer state"));
-    let f32t = ds4_cuda::WT_F32;
-    let launch = ds4_cuda::Compressor {
-        step,
-        kvs,
-        ape: g.ptr(&cw.ape),
-        ape_type: f32t,
-        skv,
-        ssc,
-        ratio: cw.ratio,
-        lanes: cw.lanes,
-        d: cw.dim,
-        norm_w: g.ptr(&cw.norm),
-        norm_type: f32t,
-        eps: c.rms_eps,
-        rope,
-        indexer,
-        f16_round: fast,
-        rows: rows_out,
-    };
-    g.compressor(n, &launch)
+/// The launch parameters of the hyper-connection `hc` of a model of config `c`.
+pub(super) fn hc_params(g: &Launcher, c: &Config, hc: &HcDev) -> ds4_cuda::HcParams {
+    ds4_cuda::HcParams {
+        scale: g.ptr(&hc.scale),
+        base: g.ptr(&hc.base),
+        n_hc: c.n_hc,
+        n_embd: c.n_embd,
+        eps: c.hc_eps,
+        iters: c.sinkhorn_iters,
+    }
 }
 
 /// `n` packed input rows of `m` to `n` packed output rows.
-fn plain(m: &ds4_cuda::DeviceMatrix, n: usize) -> Batch {
+fn plain(m: &DeviceMatrix, n: usize) -> Batch {
     Batch::plain(n, m.cols, m.rows)
 }
 
 /// A plain matrix applied to `n` consecutive input rows.
-fn rows(m: &ds4_cuda::DeviceMatrix) -> MatSel {
+fn rows(m: &DeviceMatrix) -> MatSel {
     MatSel {
         ids: 0,
         x_stride: m.cols as i64,
         y_stride: m.rows as i64,
     }
-}
-
-/// `rows` RMS norms into `y`; with `quantize` also into `xq` (Q8_0) in the same launch.
-/// Returns whether `xq` now holds `y`.
-#[allow(clippy::too_many_arguments)]
-fn norm(
-    g: &Launcher,
-    x: u64,
-    w: u64,
-    n: usize,
-    rows: usize,
-    eps: f32,
-    y: u64,
-    xq: &mut QuantAct,
-    quantize: bool,
-) -> Result<bool, CudaError> {
-    if quantize {
-        g.rmsnorm_q8(x, w, ds4_cuda::WT_F32, n, rows, eps, y, xq)?;
-    } else {
-        g.rmsnorm(x, w, ds4_cuda::WT_F32, n, rows, eps, y)?;
-    }
-    Ok(quantize)
 }
 
 /// One projection of `n` input rows: in the fast numerics a Q8_0 weight gets its input
@@ -814,7 +774,7 @@ fn norm(
 #[allow(clippy::too_many_arguments)]
 pub(super) fn mv(
     g: &Launcher,
-    m: &ds4_cuda::DeviceMatrix,
+    m: &DeviceMatrix,
     x: u64,
     xq: &mut QuantAct,
     quantized: bool,
@@ -833,30 +793,5 @@ pub(super) fn mv(
         }
     } else {
         dense_f32(g, m, x, y, plain(m, n))
-    }
-}
-
-/// A grouped projection (`n_sel` selections fixed before the token, inputs at
-/// sel.x_stride; `xq` already holds their Q8_0 form when `quantized`).
-#[allow(clippy::too_many_arguments)]
-fn mv_sel(
-    g: &Launcher,
-    m: &ds4_cuda::DeviceMatrix,
-    x: u64,
-    xq: &mut QuantAct,
-    quantized: bool,
-    y: u64,
-    n_sel: usize,
-    sel: MatSel,
-    fast: bool,
-) -> Result<(), CudaError> {
-    if fast && m.ty == GgmlType::Q8_0 {
-        if !quantized {
-            let rows_q = (n_sel * sel.x_stride as usize).div_ceil(xq.cols);
-            g.quantize_act_rows(x, xq, rows_q)?;
-        }
-        g.matvec_q8act(m, xq, y, n_sel, sel)
-    } else {
-        g.matvec(m, x, y, n_sel, sel)
     }
 }
