@@ -410,14 +410,11 @@ impl Launcher<'_> {
     /// same selections and inputs in one launch when both are IQ2_XXS of one shape (the
     /// routed experts' gate and up) or both plain Q8_0 matrices of one shape applied to
     /// one input (the shared expert's), else as two launches.
-    #[allow(clippy::too_many_arguments)]
     pub fn matvec_q8act_pair(
         &self,
-        m: &DeviceMatrix,
-        m2: &DeviceMatrix,
+        (m, y): (&DeviceMatrix, u64),
+        (m2, y2): (&DeviceMatrix, u64),
         xq: &QuantAct,
-        y: u64,
-        y2: u64,
         n_sel: usize,
         sel: MatSel,
     ) -> Result<(), CudaError> {
@@ -507,16 +504,12 @@ impl Launcher<'_> {
     /// (a production rx kernel or a `probe_iq2_rx*` probe): the routed experts' gate
     /// and up as decode launches them, for `gpu-selftest --probe-q8`.
     #[doc(hidden)]
-    #[allow(clippy::too_many_arguments)]
     pub fn matvec_q8act_pair_kernel(
         &self,
-        m: &DeviceMatrix,
-        m2: &DeviceMatrix,
+        (m, y): (&DeviceMatrix, u64),
+        (m2, y2): (&DeviceMatrix, u64),
         xq: &QuantAct,
-        y: u64,
-        y2: u64,
-        n_sel: usize,
-        sel: MatSel,
+        (n_sel, sel): (usize, MatSel),
         kernel: &'static str,
     ) -> Result<(), CudaError> {
         let same_shape = same_stack_shape(m, m2);

@@ -308,16 +308,8 @@ pub fn probe_q8_splits(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
                     x_stride: 0,
                     y_stride: rows as i64,
                 };
-                gpu.matvec_q8act_pair_kernel(
-                    &gate,
-                    &up,
-                    &qa,
-                    gpu.ptr(&y),
-                    gpu.ptr(&y2),
-                    used,
-                    sel,
-                    kernel,
-                )
+                let (a, b) = ((&gate, gpu.ptr(&y)), (&up, gpu.ptr(&y2)));
+                gpu.matvec_q8act_pair_kernel(a, b, &qa, (used, sel), kernel)
             })?;
             out.push(Timing {
                 name: format!("6 experts gate+up IQ2_XXS {kernel}"),

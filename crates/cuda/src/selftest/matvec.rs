@@ -285,7 +285,7 @@ fn check_q8act_pair(gpu: &Launcher, rng: &mut Rng, m: &DeviceMatrix, ids: &[i32]
         .map(|_| gpu.upload(&vec![f32::NAN; n]))
         .collect::<Result<_, _>>()?;
     let p = |i: usize| gpu.ptr(&bufs[i]);
-    gpu.matvec_q8act_pair(m, &m2, &qa, p(0), p(1), n_sel, sel)?;
+    gpu.matvec_q8act_pair((m, p(0)), (&m2, p(1)), &qa, n_sel, sel)?;
     gpu.matvec_q8act(m, &qa, p(2), n_sel, sel)?;
     gpu.matvec_q8act(&m2, &qa, p(3), n_sel, sel)?;
     let mut got = gpu.download(&bufs[0])?;

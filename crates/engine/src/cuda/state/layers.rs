@@ -72,6 +72,10 @@ pub(super) struct KvView<'a> {
     pub(super) plan: DecodePlan,
 }
 
+/// A projection's input: f32 rows at `x`, their Q8_0 form in `xq` (already written
+/// when the flag is set; else the projection writes it where it needs it).
+type Src<'q> = (u64, &'q mut QuantAct, bool);
+
 /// What the launches of one sublayer over a batch of `n` tokens share: the launcher,
 /// the config, the scratch buffers, the tokens' step records, the layer's RoPE and the
 /// numeric mode.
@@ -89,7 +93,8 @@ struct Pass<'a> {
 
 impl Pass<'_> {
     /// A sublayer's start: the input `s.y` from the streams `h`, and its RMS norm (weights
-    /// `norm_w`) into `s.n` in the same launch; with `quantize` also into `xq` (Q8_0).
+    /// `norm_w`) into `s.n` in the same launch; in the fast numerics, when `first` (the
+    /// sublayer's first projection) is Q8_0, also into `xq` (its Q8_0 input).
     /// Under `comb_lane`, hc_post's comb matrix is forked to side lane 3 as background
     /// work (joined before hc_post). Returns whether `xq` now holds `s.n`, and whether
     /// the comb matrix was forked (else the caller forms it on a lane of its choosing).
@@ -99,9 +104,10 @@ impl Pass<'_> {
         h: u64,
         norm_w: u64,
         xq: &mut QuantAct,
-        quantize: bool,
+        first: &DeviceMatrix,
     ) -> Result<(bool, bool), CudaError> {
         let (g, c, s, n_tok) = (&self.g, self.c, self.s, self.n);
+        let quantize = self.fast && first.ty == GgmlType::Q8_0;
         if quantize && (xq.cols != c.n_embd || xq.rows < n_tok) {
             return Err(CudaError::Invalid(format!(
                 "hc_pre: {n_tok}×{} into activations of {}×{}",
@@ -175,27 +181,18 @@ impl Pass<'_> {
         }
     }
 
-    /// See [`mv`]: a projection of the batch's `n` rows.
-    fn mv(
-        &self,
-        m: &DeviceMatrix,
-        x: u64,
-        xq: &mut QuantAct,
-        quantized: bool,
-        y: u64,
-    ) -> Result<(), CudaError> {
+    /// See [`mv`]: a projection of the batch's `n` rows (`src`: x, xq, quantized).
+    fn mv(&self, m: &DeviceMatrix, src: Src, y: u64) -> Result<(), CudaError> {
+        let (x, xq, quantized) = src;
         mv(&self.g, m, x, xq, quantized, y, self.n, self.fast)
     }
 
     /// A grouped projection (`n_sel` selections fixed before the token, inputs at
     /// sel.x_stride; `xq` already holds their Q8_0 form when `quantized`).
-    #[allow(clippy::too_many_arguments)]
     fn mv_sel(
         &self,
         m: &DeviceMatrix,
-        x: u64,
-        xq: &mut QuantAct,
-        quantized: bool,
+        (x, xq, quantized): Src,
         y: u64,
         n_sel: usize,
         sel: MatSel,
@@ -329,13 +326,8 @@ impl KvView<'_> {
         let f32t = ds4_cuda::WT_F32;
         let hd = c.head_dim;
 
-        let (n_q8, comb_lane) = px.sublayer_begin(
-            &l.hc_attn,
-            p(&s.h),
-            p(&l.attn_norm),
-            &mut qb.embd,
-            fast && l.q_a.ty == GgmlType::Q8_0,
-        )?;
+        let (n_q8, comb_lane) =
+            px.sublayer_begin(&l.hc_attn, p(&s.h), p(&l.attn_norm), &mut qb.embd, &l.q_a)?;
         // Three branches from the normed input, joined before attention: side lane 1
         // forms hc_post's comb matrix and writes this token's raw row and compressed
         // rows, side lane 2 the indexer's compressed rows and then (once the main lane
@@ -348,9 +340,7 @@ impl KvView<'_> {
             // The same quantised `n` as attn_q_a (quantised by the norm when Q8_0).
             px.mv(
                 &l.kv,
-                p(&s.n),
-                &mut qb.embd,
-                l.q_a.ty == GgmlType::Q8_0,
+                (p(&s.n), &mut qb.embd, l.q_a.ty == GgmlType::Q8_0),
                 p(&s.kv),
             )?;
             g.kv_finish(
@@ -396,7 +386,7 @@ impl KvView<'_> {
         // attn_q_a reads `n` as quantised by the norm: the kv branch only quantises
         // its own copy when q_a is not Q8_0 (then q_a does not read it).
         let q_a_xq_ready = n_q8;
-        px.mv(&l.q_a, p(&s.n), &mut qb.embd, q_a_xq_ready, p(&s.qa))?;
+        px.mv(&l.q_a, (p(&s.n), &mut qb.embd, q_a_xq_ready), p(&s.qa))?;
         let qr_q8 = px.norm(
             p(&s.qa),
             p(&l.q_a_norm),
@@ -444,7 +434,7 @@ impl KvView<'_> {
         }
         // Background work under `prio`: the indexer and compressor chains beside it
         // are latency-bound and the attention waits for them too.
-        g.background(|| px.mv(&l.q_b, p(&s.qr), &mut qb.qr, qr_q8, p(&s.q)))?;
+        g.background(|| px.mv(&l.q_b, (p(&s.qr), &mut qb.qr, qr_q8), p(&s.q)))?;
         // A decode token's attention norms and rotates its own queries.
         let q_norm = (n == 1 && g.on(Variant::QNorm)).then_some(ds4_cuda::QNorm {
             eps: c.rms_eps,
@@ -533,16 +523,14 @@ impl KvView<'_> {
             g.constant_ids(|| {
                 px.mv_sel(
                     &l.out_a,
-                    p(&s.heads),
-                    &mut qb.heads,
-                    heads_q8,
+                    (p(&s.heads), &mut qb.heads, heads_q8),
                     p(&s.low),
                     n * og,
                     groups,
                 )
             })?;
         }
-        px.mv(&l.out_b, p(&s.low), &mut qb.low, false, p(&s.o))?;
+        px.mv(&l.out_b, (p(&s.low), &mut qb.low, false), p(&s.o))?;
         px.sublayer_end(comb_lane, p(&s.h), p(&s.o), (0, 0), p(&s.h2))?;
         Ok(())
     }
@@ -564,7 +552,7 @@ impl KvView<'_> {
             p(&s.h2),
             p(&l.ffn_norm),
             &mut qb.embd,
-            fast && l.gate_sh.ty == GgmlType::Q8_0,
+            &l.gate_sh,
         )?;
         // The shared expert needs only the normed input: it runs on side lane 1 (after
         // hc_post's comb matrix) while the router and the routed experts run on the
@@ -580,34 +568,21 @@ impl KvView<'_> {
                 let ffs = c.n_ff_exp * c.n_expert_shared;
                 // n_q8: Q8_0 gate and up in the fast numerics, their input quantised by the norm.
                 if n == 1 && n_q8 && g.on(Variant::SharedPair) {
-                    g.matvec_q8act_pair(
-                        &l.gate_sh,
-                        &l.up_sh,
-                        &qb.embd,
-                        p(&s.sg),
-                        p(&s.su),
-                        1,
-                        rows(&l.gate_sh),
-                    )?;
+                    let (gate, up) = ((&l.gate_sh, p(&s.sg)), (&l.up_sh, p(&s.su)));
+                    g.matvec_q8act_pair(gate, up, &qb.embd, 1, rows(&l.gate_sh))?;
                 } else {
-                    px.mv(&l.gate_sh, p(&s.n), &mut qb.embd, n_q8, p(&s.sg))?;
-                    px.mv(
-                        &l.up_sh,
-                        p(&s.n),
-                        &mut qb.embd,
-                        l.gate_sh.ty == GgmlType::Q8_0,
-                        p(&s.su),
-                    )?;
+                    // up's input is quantised once gate's (Q8_0) is.
+                    let gate_q8 = l.gate_sh.ty == GgmlType::Q8_0;
+                    px.mv(&l.gate_sh, (p(&s.n), &mut qb.embd, n_q8), p(&s.sg))?;
+                    px.mv(&l.up_sh, (p(&s.n), &mut qb.embd, gate_q8), p(&s.su))?;
                 }
-                let smid_q8 = fast && l.down_sh.ty == GgmlType::Q8_0;
+                let mid_q8 = fast && l.down_sh.ty == GgmlType::Q8_0;
                 let (gate_up, clamp) = ((p(&s.sg), p(&s.su), 0), c.swiglu_clamp_shexp[il]);
-                let xq = smid_q8.then_some((&mut qb.shared_mid, false));
+                let xq = mid_q8.then_some((&mut qb.shared_mid, false));
                 px.swiglu(gate_up, ffs, n, clamp, p(&s.smid), xq)?;
                 px.mv(
                     &l.down_sh,
-                    p(&s.smid),
-                    &mut qb.shared_mid,
-                    smid_q8,
+                    (p(&s.smid), &mut qb.shared_mid, mid_q8),
                     p(&s.sh),
                 )
             })
@@ -686,15 +661,8 @@ impl KvView<'_> {
                 } else {
                     g.quantize_act_k_rows(x_in, &mut qb.exp_in, pairs)?;
                 }
-                g.matvec_q8act_pair(
-                    &l.gate_exps,
-                    &l.up_exps,
-                    &qb.exp_in,
-                    p(&s.g),
-                    p(&s.u),
-                    pairs,
-                    gate_up,
-                )?;
+                let (gate, up) = ((&l.gate_exps, p(&s.g)), (&l.up_exps, p(&s.u)));
+                g.matvec_q8act_pair(gate, up, &qb.exp_in, pairs, gate_up)?;
                 None
             }
             None => {
