@@ -81,9 +81,7 @@ fn every_flag_has_help() {
 // of `ps`; an empty file is an error, not "no key".
 #[test]
 fn api_key_from_file() {
-    let dir = std::env::temp_dir().join(format!("ds4-apikey-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let f = dir.join("key");
+    let f = std::env::temp_dir().join(format!("ds4-apikey-{}", std::process::id()));
     std::fs::write(&f, "s3cret  \nignored\n").unwrap();
     let mut a = parse(&["--api-key-file", f.to_str().unwrap()]).unwrap();
     a.resolve_api_key().unwrap();
@@ -92,5 +90,5 @@ fn api_key_from_file() {
     let mut a = parse(&["--api-key-file", f.to_str().unwrap()]).unwrap();
     assert!(a.resolve_api_key().unwrap_err().contains("empty"));
     assert!(parse(&["--api-key", "x", "--api-key-file", "y"]).is_err());
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_file(&f);
 }

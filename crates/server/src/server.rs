@@ -237,7 +237,7 @@ pub fn raise_fd_limit() -> Option<u64> {
             }
         }
     }
-    Some(lim.rlim_cur as u64)
+    Some(lim.rlim_cur)
 }
 
 /// Serves until `shutdown` resolves, then stops the worker (queued jobs get 503, the

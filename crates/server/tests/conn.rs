@@ -48,10 +48,10 @@ fn limited(max: usize, header_secs: u64, idle_secs: u64) -> TestServer {
 #[test]
 fn idle_sockets_beyond_the_cap_are_closed_and_health_answers() {
     let s = limited(64, 600, 600);
-    let socks: Vec<TcpStream> = (0..300)
+    let socks: Vec<TcpStream> = (0..300usize)
         .map(|i| {
             let mut t = TcpStream::connect(s.addr).expect("connect");
-            if i % 3 == 0 {
+            if i.is_multiple_of(3) {
                 // Half-sent headers count as idle too.
                 t.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n").unwrap();
             }
