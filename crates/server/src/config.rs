@@ -76,7 +76,8 @@ pub struct Args {
     /// room (so /health stays reachable), or the new one when all are busy.
     #[arg(long, default_value_t = 4096, value_parser = positive)]
     pub max_connections: usize,
-    /// Seconds a client may take to send a request's headers before it is disconnected.
+    /// Seconds from a request's first byte until its headers must be complete; a slower
+    /// client is disconnected.
     #[arg(long, default_value_t = 30, value_parser = seconds)]
     pub header_read_timeout_secs: u64,
     /// Seconds an idle keep-alive connection stays open without a request.

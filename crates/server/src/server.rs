@@ -1,9 +1,9 @@
 //! Running the server: the accept loop (connection limits, graceful shutdown), the
 //! loading state answered while the model loads, and an in-process server for tests.
 //!
-//! #18 item 1: every connection is bounded. Headers must arrive within
-//! `header_read_timeout`, a connection without a request in flight closes after
-//! `idle_timeout`, and at most `max_connections` stay open: at the cap the longest-idle
+//! #18 item 1: every connection is bounded. A request's headers must arrive within
+//! `header_read_timeout` of their first byte, a connection without a request in flight
+//! closes `idle_timeout` after its last request (or its accept), and at most `max_connections` stay open: at the cap the longest-idle
 //! one is closed to admit the newcomer, so a flood of idle sockets cannot keep `/health`
 //! out; only when every connection has a request in flight is the newcomer closed.
 //!
@@ -25,7 +25,8 @@ use axum::extract::Request;
 use axum::response::Response;
 use axum::Router;
 use ds4_tokenizer::Tokenizer;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::Notify;
 use tower_service::Service;
 
@@ -116,6 +117,9 @@ struct Conn {
     busy: AtomicUsize,
     /// Milliseconds since [`Registry::t0`] of the last request start or response end.
     last: AtomicU64,
+    /// 1 + the millisecond the first byte of a request head arrived while idle; 0: none
+    /// yet. Starts the header-read deadline.
+    head_since: AtomicU64,
     /// Closes the connection (used to make room at the cap).
     close: Notify,
 }
@@ -150,6 +154,7 @@ impl Registry {
         let c = Arc::new(Conn {
             busy: AtomicUsize::new(0),
             last: AtomicU64::new(self.now_ms()),
+            head_since: AtomicU64::new(0),
             close: Notify::new(),
         });
         conns.insert(id, c.clone());
@@ -178,6 +183,7 @@ struct BusyGuard {
 impl BusyGuard {
     fn new(conn: Arc<Conn>, reg: Arc<Registry>) -> BusyGuard {
         conn.busy.fetch_add(1, Relaxed);
+        conn.head_since.store(0, Relaxed);
         conn.last.store(reg.now_ms(), Relaxed);
         BusyGuard { conn, reg }
     }
@@ -214,6 +220,77 @@ impl HttpBody for GuardedBody {
     fn size_hint(&self) -> hyper::body::SizeHint {
         self.inner.size_hint()
     }
+}
+
+/// A client socket that records when the first byte of a request arrives on an idle
+/// connection (hyper's own header timer also runs while a keep-alive connection waits,
+/// which would make it an idle timeout too).
+struct Tracked {
+    io: tokio::net::TcpStream,
+    conn: Arc<Conn>,
+    reg: Arc<Registry>,
+}
+
+impl AsyncRead for Tracked {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.io).poll_read(cx, buf);
+        let c = &self.conn;
+        if buf.filled().len() > before
+            && c.busy.load(Relaxed) == 0
+            && c.head_since.load(Relaxed) == 0
+        {
+            c.head_since.store(self.reg.now_ms() + 1, Relaxed);
+        }
+        r
+    }
+}
+
+impl AsyncWrite for Tracked {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+/// How long `conn` may still stay open, or `None` when it is due to close: no limit
+/// while a request is in flight, else the header-read deadline once a request head
+/// has started, else the idle deadline.
+fn time_left(conn: &Conn, reg: &Registry, limits: &ConnLimits) -> Option<Duration> {
+    if conn.busy.load(Relaxed) > 0 {
+        return Some(limits.idle_timeout.min(limits.header_read_timeout));
+    }
+    let (from, limit) = match conn.head_since.load(Relaxed) {
+        0 => (conn.last.load(Relaxed), limits.idle_timeout),
+        t => (t - 1, limits.header_read_timeout),
+    };
+    let elapsed = Duration::from_millis(reg.now_ms().saturating_sub(from));
+    let left = limit.checked_sub(elapsed).filter(|d| !d.is_zero())?;
+    // Re-check at least this often: a first byte may move the deadline earlier.
+    Some(left.min(limits.idle_timeout.min(limits.header_read_timeout)))
 }
 
 /// Raises the soft open-file limit to the hard one (#18 item 1) and returns it.
@@ -255,9 +332,9 @@ pub async fn serve(
     });
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut http = hyper::server::conn::http1::Builder::new();
-    http.timer(TokioTimer::new())
-        .header_read_timeout(limits.header_read_timeout)
-        .keep_alive(true);
+    // Header and idle deadlines are kept by `time_left` (hyper's header timer would
+    // also run on idle keep-alive connections).
+    http.header_read_timeout(None).keep_alive(true);
     let mut shutdown = std::pin::pin!(shutdown);
     let mut refused = 0u64;
     loop {
@@ -298,22 +375,16 @@ pub async fn serve(
                 }))
             }
         });
-        let watched = graceful.watch(http.serve_connection(TokioIo::new(stream), svc));
-        let (reg2, idle) = (reg.clone(), limits.idle_timeout);
+        let io = Tracked {
+            io: stream,
+            conn: conn.clone(),
+            reg: reg.clone(),
+        };
+        let watched = graceful.watch(http.serve_connection(TokioIo::new(io), svc));
+        let (reg2, limits) = (reg.clone(), limits.clone());
         tokio::spawn(async move {
             let mut watched = std::pin::pin!(watched);
-            loop {
-                // A connection with a request in flight is never idle; without one it
-                // may wait `idle` after its last request (or its accept).
-                let since =
-                    Duration::from_millis(reg2.now_ms().saturating_sub(conn.last.load(Relaxed)));
-                let wait = if conn.busy.load(Relaxed) > 0 {
-                    idle
-                } else if since >= idle {
-                    break;
-                } else {
-                    idle - since
-                };
+            while let Some(wait) = time_left(&conn, &reg2, &limits) {
                 tokio::select! {
                     _ = &mut watched => break,
                     _ = conn.close.notified() => break,
