@@ -477,3 +477,31 @@ impl Drop for TestServer {
         self.shutdown();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    // #18 item 1: the soft open-file limit is raised to the hard one, so idle sockets
+    // meet the connection cap long before the fd limit.
+    #[test]
+    fn fd_limit_is_raised_to_the_hard_limit() {
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit/setrlimit only read and write the struct passed.
+        unsafe {
+            assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim), 0);
+            // Start below the hard limit (other tests of this process keep plenty).
+            let low = libc::rlimit {
+                rlim_cur: lim.rlim_max - lim.rlim_max / 8,
+                rlim_max: lim.rlim_max,
+            };
+            assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &low), 0);
+        }
+        let got = super::raise_fd_limit().expect("getrlimit");
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
+        assert_eq!(lim.rlim_cur, lim.rlim_max);
+        assert_eq!(got, lim.rlim_cur);
+    }
+}

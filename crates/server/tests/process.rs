@@ -21,11 +21,14 @@ fn temp(tag: &str) -> PathBuf {
 fn command(lock: &Path, args: &[&str]) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_ds4-server"));
     c.env("DS4_LOCK_FILE", lock)
-        .arg("--fake-engine")
-        .arg(root().join("fixtures/tiny/tokenizer.json"))
         .args(args)
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
+    // The fake engine unless a model is given.
+    if !args.contains(&"-m") {
+        c.arg("--fake-engine")
+            .arg(root().join("fixtures/tiny/tokenizer.json"));
+    }
     if !args.contains(&"--port") {
         c.args(["--port", "0"]);
     }
@@ -180,9 +183,23 @@ fn addr_of(line: &str) -> std::net::SocketAddr {
 // "loading" with a progress value and the API answers 503 in its own error shape, a
 // progress line is logged every few seconds; once loaded, /health is 200.
 #[test]
-fn health_says_loading_until_the_model_is_ready() {
-    let d = temp("loading");
-    let mut child = command(&d.join("ds4.lock"), &["--fake-load-ms", "7000"])
+fn health_says_loading_until_the_fake_engine_is_ready() {
+    loading_then_ready("loading-fake", &[]);
+}
+
+// #19 item 3, with the tiny synthetic model on the CPU backend.
+#[test]
+fn health_says_loading_until_the_tiny_model_is_ready() {
+    let model = root().join("fixtures/tiny/tiny-q2.gguf");
+    let m = model.to_str().unwrap();
+    loading_then_ready("loading-tiny", &["-m", m, "--cpu", "--ctx", "4096"]);
+}
+
+fn loading_then_ready(tag: &str, extra: &[&str]) {
+    let d = temp(tag);
+    let mut args = vec!["--fake-load-ms", "7000"];
+    args.extend_from_slice(extra);
+    let mut child = command(&d.join("ds4.lock"), &args)
         .spawn()
         .expect("start ds4-server");
     let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
