@@ -387,7 +387,9 @@ pub async fn serve(
             while let Some(wait) = time_left(&conn, &reg2, &limits) {
                 tokio::select! {
                     _ = &mut watched => break,
-                    _ = conn.close.notified() => break,
+                    // Chosen as idle at the cap; a request that started since then
+                    // is finished first (the idle timeout closes it later).
+                    _ = conn.close.notified() => if conn.busy.load(Relaxed) == 0 { break },
                     _ = tokio::time::sleep(wait) => {}
                 }
             }
