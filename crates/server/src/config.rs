@@ -1,6 +1,7 @@
 //! Command-line flags (server.md §2.9 and §4.4) and the resolved configuration.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::Parser;
 
@@ -31,8 +32,10 @@ pub struct Args {
     /// Compute backend: cpu or cuda (default: cuda when a GPU is usable).
     #[arg(long)]
     pub backend: Option<String>,
+    /// Same as `--backend cpu`.
     #[arg(long, conflicts_with_all = ["backend", "cuda"])]
     pub cpu: bool,
+    /// Same as `--backend cuda`.
     #[arg(long, conflicts_with = "backend")]
     pub cuda: bool,
     /// Not supported on this engine (Apple only); rejected with a message.
@@ -41,8 +44,10 @@ pub struct Args {
     /// chdir before anything else, so relative paths resolve from DIR.
     #[arg(long)]
     pub chdir: Option<PathBuf>,
+    /// Address to listen on (`0.0.0.0` for every interface).
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
+    /// TCP port to listen on (bound before the model loads, so a busy port fails at once).
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
     /// Add permissive CORS headers to every response.
@@ -51,55 +56,86 @@ pub struct Args {
     /// Per-request trace file (truncated at start).
     #[arg(long)]
     pub trace: Option<PathBuf>,
-    /// Require this key as `Authorization: Bearer KEY` or `x-api-key: KEY` on /v1/*
-    /// (default: $DS4_API_KEY).
-    #[arg(long)]
+    /// Require this key as `Authorization: Bearer KEY` or `x-api-key: KEY` on /v1/*.
+    /// Visible to every local user in `ps`: prefer --api-key-file or $DS4_API_KEY.
+    #[arg(long, conflicts_with = "api_key_file")]
     pub api_key: Option<String>,
+    /// Read the API key from the first line of this file (keeps it out of `ps`).
+    #[arg(long, value_name = "PATH")]
+    pub api_key_file: Option<PathBuf>,
     /// Requests waiting for the engine beyond this many get 503.
     #[arg(long, default_value_t = 64, value_parser = positive)]
     pub queue_max: usize,
     /// Largest request body in MiB.
-    #[arg(long, default_value_t = 64, value_parser = positive)]
+    #[arg(long, default_value_t = 64, value_parser = mebibytes)]
     pub max_body_mb: usize,
     /// Seconds between SSE keepalive comments while a stream waits (prefill).
-    #[arg(long, default_value_t = 5, value_parser = positive, hide = true)]
-    pub keepalive_secs: usize,
+    #[arg(long, default_value_t = 5, value_parser = seconds, hide = true)]
+    pub keepalive_secs: u64,
+    /// Most open client connections; beyond it the longest-idle one is closed to make
+    /// room (so /health stays reachable), or the new one when all are busy.
+    #[arg(long, default_value_t = 4096, value_parser = positive)]
+    pub max_connections: usize,
+    /// Seconds from a request's first byte until its headers must be complete; a slower
+    /// client is disconnected.
+    #[arg(long, default_value_t = 30, value_parser = seconds)]
+    pub header_read_timeout_secs: u64,
+    /// Seconds an idle keep-alive connection stays open without a request.
+    #[arg(long, default_value_t = 60, value_parser = seconds)]
+    pub idle_timeout_secs: u64,
 
     // Disk KV cache (§4.4).
+    /// Directory of the disk KV cache (off when not given).
     #[arg(long)]
     pub kv_disk_dir: Option<PathBuf>,
-    #[arg(long, default_value_t = 4096, value_parser = positive)]
+    /// Disk KV cache budget in MiB; the oldest files are evicted beyond it.
+    #[arg(long, default_value_t = 4096, value_parser = mebibytes)]
     pub kv_disk_space_mb: usize,
+    /// Shortest prompt (tokens) worth saving to the disk cache.
     #[arg(long, default_value_t = 512, value_parser = positive)]
     pub kv_cache_min_tokens: usize,
+    /// Longest prompt (tokens) saved before generation starts (0: no limit).
     #[arg(long, default_value_t = 30000)]
     pub kv_cache_cold_max_tokens: usize,
+    /// Tokens between checkpoint saves during a long prefill (0: none).
     #[arg(long, default_value_t = 10000)]
     pub kv_cache_continued_interval_tokens: usize,
+    /// Tokens dropped from the end of a saved prompt (the part that changes next turn).
     #[arg(long, default_value_t = 32)]
     pub kv_cache_boundary_trim_tokens: usize,
+    /// Saved prompt lengths are rounded down to a multiple of this (0: no rounding).
     #[arg(long, default_value_t = 2048)]
     pub kv_cache_boundary_align_tokens: usize,
+    /// Ignore cache files written with another quantisation instead of converting them.
     #[arg(long)]
     pub kv_cache_reject_different_quant: bool,
+    /// Tool-call ids remembered for exact DSML replay.
     #[arg(long, default_value_t = 100000, value_parser = positive)]
     pub tool_memory_max_ids: usize,
+    /// Re-render earlier tool calls from JSON instead of replaying the exact DSML text.
     #[arg(long)]
     pub disable_exact_dsml_tool_replay: bool,
 
     // Accepted for command-line compatibility with the reference; not implemented here.
+    /// Reference flag: MTP draft model (not implemented; warns and decodes without it).
     #[arg(long)]
     pub mtp: Option<PathBuf>,
+    /// Reference flag: MTP draft tokens (ignored).
     #[arg(long, value_parser = positive)]
     pub mtp_draft: Option<usize>,
+    /// Reference flag: MTP acceptance margin (ignored).
     #[arg(long)]
     pub mtp_margin: Option<f32>,
+    /// Read the model file once at start so the weights sit in the page cache.
     #[arg(long)]
     pub warm_weights: bool,
+    /// Reference flag: directional steering vectors (not implemented; refused).
     #[arg(long)]
     pub dir_steering_file: Option<PathBuf>,
+    /// Reference flag: FFN steering strength (needs --dir-steering-file).
     #[arg(long)]
     pub dir_steering_ffn: Option<f32>,
+    /// Reference flag: attention steering strength (needs --dir-steering-file).
     #[arg(long)]
     pub dir_steering_attn: Option<f32>,
     /// More log output on stderr: -v debug, -vv trace (RUST_LOG, when set, decides).
@@ -110,8 +146,14 @@ pub struct Args {
     /// (deterministic replies, a DSML tool call when the user asks for weather).
     #[arg(long, hide = true)]
     pub fake_engine: Option<PathBuf>,
+    /// Testing only: milliseconds the start-up load takes at least (to watch /health
+    /// answer "loading").
+    #[arg(long, hide = true, default_value_t = 0,
+          value_parser = clap::value_parser!(u64).range(..=600_000))]
+    pub fake_load_ms: u64,
     /// Testing only: milliseconds the fake engine sleeps per token.
-    #[arg(long, hide = true, default_value_t = 0)]
+    #[arg(long, hide = true, default_value_t = 0,
+          value_parser = clap::value_parser!(u64).range(..=60_000))]
     pub fake_delay_ms: u64,
 }
 
@@ -120,6 +162,46 @@ fn positive(s: &str) -> Result<usize, String> {
         Ok(0) => Err("must be greater than 0".into()),
         Ok(v) => Ok(v),
         Err(e) => Err(e.to_string()),
+    }
+}
+
+/// A positive MiB count whose byte size fits (#18 item 10: a huge budget used to wrap
+/// to 0 and evict the whole disk cache at start).
+fn mebibytes(s: &str) -> Result<usize, String> {
+    let v = positive(s)?;
+    v.checked_mul(1 << 20)
+        .and_then(|b| u64::try_from(b).ok())
+        .map(|_| v)
+        .ok_or_else(|| format!("{v} MiB does not fit in {} bits of bytes", usize::BITS))
+}
+
+/// Longest accepted time flag: a year; beyond it deadlines overflow `Instant`.
+const MAX_SECS: u64 = 365 * 24 * 3600;
+
+fn seconds(s: &str) -> Result<u64, String> {
+    match s.parse::<u64>() {
+        Ok(0) => Err("must be greater than 0".into()),
+        Ok(v) if v > MAX_SECS => Err(format!("must be at most {MAX_SECS} (a year)")),
+        Ok(v) => Ok(v),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Connection limits of the accept loop (#18 item 1).
+#[derive(Clone, Debug)]
+pub struct ConnLimits {
+    pub max_connections: usize,
+    pub header_read_timeout: Duration,
+    pub idle_timeout: Duration,
+}
+
+impl Default for ConnLimits {
+    fn default() -> ConnLimits {
+        ConnLimits {
+            max_connections: 4096,
+            header_read_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(60),
+        }
     }
 }
 
@@ -186,6 +268,7 @@ pub struct ServerConfig {
     pub queue_max: usize,
     pub max_body_bytes: usize,
     pub keepalive: std::time::Duration,
+    pub conn: ConnLimits,
     pub kv_disk: Option<KvDiskConfig>,
     pub tool_memory_max_ids: usize,
     pub exact_dsml_replay: bool,
@@ -203,6 +286,7 @@ impl ServerConfig {
             queue_max: 64,
             max_body_bytes: 64 << 20,
             keepalive: std::time::Duration::from_secs(5),
+            conn: ConnLimits::default(),
             kv_disk: None,
             tool_memory_max_ids: 100000,
             exact_dsml_replay: true,
@@ -212,6 +296,24 @@ impl ServerConfig {
 }
 
 impl Args {
+    /// The API key: `--api-key`, else the first line of `--api-key-file`, else
+    /// `$DS4_API_KEY` (#18 item 14: the flag shows in `ps`, the other two do not).
+    pub fn resolve_api_key(&mut self) -> Result<(), String> {
+        if let Some(p) = &self.api_key_file {
+            let text = std::fs::read_to_string(p)
+                .map_err(|e| format!("--api-key-file {}: {e}", p.display()))?;
+            let key = text.lines().next().unwrap_or("").trim();
+            if key.is_empty() {
+                return Err(format!("--api-key-file {}: the file is empty", p.display()));
+            }
+            self.api_key = Some(key.to_string());
+        }
+        if self.api_key.is_none() {
+            self.api_key = std::env::var("DS4_API_KEY").ok();
+        }
+        Ok(())
+    }
+
     /// Checks cross-flag rules and builds the run-time configuration.
     pub fn to_config(&self) -> Result<ServerConfig, String> {
         if self.kv_cache_cold_max_tokens != 0
@@ -222,9 +324,21 @@ impl Args {
                 self.kv_cache_min_tokens
             ));
         }
+        let align = self.kv_cache_boundary_align_tokens.max(1);
+        if self
+            .kv_cache_continued_interval_tokens
+            .div_ceil(align)
+            .checked_mul(align)
+            .is_none()
+        {
+            return Err(
+                "--kv-cache-continued-interval-tokens is too large for its alignment".into(),
+            );
+        }
         let kv_disk = self.kv_disk_dir.as_ref().map(|dir| KvDiskConfig {
             dir: dir.clone(),
-            budget_bytes: self.kv_disk_space_mb as u64 * 1024 * 1024,
+            // `mebibytes` checked that this fits.
+            budget_bytes: (self.kv_disk_space_mb as u64) << 20,
             min_tokens: self.kv_cache_min_tokens,
             cold_max_tokens: self.kv_cache_cold_max_tokens,
             continued_interval: self.kv_cache_continued_interval_tokens,
@@ -239,7 +353,12 @@ impl Args {
             api_key: self.api_key.clone().filter(|k| !k.is_empty()),
             queue_max: self.queue_max,
             max_body_bytes: self.max_body_mb << 20,
-            keepalive: std::time::Duration::from_secs(self.keepalive_secs as u64),
+            keepalive: Duration::from_secs(self.keepalive_secs),
+            conn: ConnLimits {
+                max_connections: self.max_connections,
+                header_read_timeout: Duration::from_secs(self.header_read_timeout_secs),
+                idle_timeout: Duration::from_secs(self.idle_timeout_secs),
+            },
             kv_disk,
             tool_memory_max_ids: self.tool_memory_max_ids,
             exact_dsml_replay: !self.disable_exact_dsml_tool_replay,
@@ -247,3 +366,7 @@ impl Args {
         })
     }
 }
+
+#[cfg(test)]
+#[path = "config_tests.rs"]
+mod tests;

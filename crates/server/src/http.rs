@@ -86,6 +86,26 @@ async fn health(State(app): State<App>) -> Response {
     )
 }
 
+/// The answer to every request while the model loads (#19 item 3): `/health` says
+/// `loading` with the phase and its progress, the rest get 503 in their API's shape.
+pub fn loading_response(path: &str, phase: &str, progress: f64) -> Response {
+    if path == "/health" {
+        let p = (progress * 1000.0).round() / 1000.0;
+        return json_response(
+            503,
+            &json!({"status": "loading", "phase": phase, "progress": p, "model": MODEL_ID}),
+            true,
+        );
+    }
+    let flavor = if path.starts_with("/v1/messages") {
+        ApiFlavor::Anthropic
+    } else {
+        ApiFlavor::OpenAi
+    };
+    let e = ApiError::unavailable(format!("the model is loading ({phase})"));
+    error_response(&e, flavor)
+}
+
 async fn metrics(State(app): State<App>) -> Response {
     let mut r = Response::new(Body::from(app.metrics.render()));
     r.headers_mut().insert(

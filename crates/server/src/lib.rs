@@ -25,5 +25,5 @@ pub mod worker;
 pub use config::{Args, ServerConfig};
 pub use engine::{EngineBackend, FakeEngine, RealEngine};
 pub use error::{ApiError, ServerError};
-pub use server::{serve, TestServer};
+pub use server::{serve, Startup, TestServer};
 pub use worker::Shared;

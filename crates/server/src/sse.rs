@@ -42,6 +42,10 @@ struct State {
     queue: VecDeque<String>,
     done: bool,
     keepalive: Duration,
+    /// When the next keepalive is due: `keepalive` after the last frame sent. Events
+    /// that send nothing (prefill progress) leave it alone, or a long prefill would
+    /// keep postponing it and the client would see silence (#19 item 3).
+    due: tokio::time::Instant,
 }
 
 /// The streaming response, or an error response when the job fails before the worker
@@ -96,16 +100,18 @@ pub fn response(
         queue,
         done,
         keepalive,
+        due: tokio::time::Instant::now() + keepalive,
     };
     let stream = futures_util::stream::unfold(st, |mut s| async move {
         loop {
             if let Some(f) = s.queue.pop_front() {
+                s.due = tokio::time::Instant::now() + s.keepalive;
                 return Some((Ok::<Bytes, Infallible>(Bytes::from(f)), s));
             }
             if s.done {
                 return None;
             }
-            match tokio::time::timeout(s.keepalive, s.rx.recv()).await {
+            match tokio::time::timeout_at(s.due, s.rx.recv()).await {
                 Err(_) => s.queue.push_back(": keepalive\n\n".to_string()),
                 Ok(Some(ev)) => {
                     let terminal = matches!(ev, GenEvent::Done(_) | GenEvent::Failed { .. });

@@ -1,5 +1,6 @@
 //! The `ds4-server` binary as a process: the process lock and the KV-directory lock
-//! (server.md §3), and how reference flags without an implementation are reported.
+//! (server.md §3), how reference flags without an implementation are reported, and
+//! start-up (the port bound first, /health "loading" until the model is ready).
 
 mod common;
 
@@ -20,32 +21,46 @@ fn temp(tag: &str) -> PathBuf {
 fn command(lock: &Path, args: &[&str]) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_ds4-server"));
     c.env("DS4_LOCK_FILE", lock)
-        .arg("--fake-engine")
-        .arg(root().join("fixtures/tiny/tokenizer.json"))
-        .args(["--port", "0"])
         .args(args)
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
+    // The fake engine unless a model is given.
+    if !args.contains(&"-m") {
+        c.arg("--fake-engine")
+            .arg(root().join("fixtures/tiny/tokenizer.json"));
+    }
+    if !args.contains(&"--port") {
+        c.args(["--port", "0"]);
+    }
     c
 }
 
-/// Starts a server and waits for its `listening` line; returns it and its stderr so far.
+/// Reads `lines` into `log` until one contains `want`; returns that line.
+fn wait_for_line(
+    lines: &mut impl Iterator<Item = std::io::Result<String>>,
+    log: &mut String,
+    want: &str,
+) -> String {
+    loop {
+        let line = lines
+            .next()
+            .unwrap_or_else(|| panic!("server exited before {want:?}:\n{log}"))
+            .expect("stderr");
+        log.push_str(&line);
+        log.push('\n');
+        if line.contains(want) {
+            return line;
+        }
+    }
+}
+
+/// Starts a server and waits for its `ready` line; returns it and its stderr so far.
 fn start(lock: &Path, args: &[&str]) -> (Child, String) {
     let mut child = command(lock, args).spawn().expect("start ds4-server");
     let err = child.stderr.take().unwrap();
     let mut lines = BufReader::new(err).lines();
     let mut log = String::new();
-    loop {
-        let line = lines
-            .next()
-            .unwrap_or_else(|| panic!("server exited before listening:\n{log}"))
-            .expect("stderr");
-        log.push_str(&line);
-        log.push('\n');
-        if line.contains("listening on ") {
-            break;
-        }
-    }
+    wait_for_line(&mut lines, &mut log, "ready on ");
     std::thread::spawn(move || lines.map_while(Result::ok).for_each(drop));
     (child, log)
 }
@@ -151,5 +166,89 @@ fn unimplemented_reference_flags_warn_or_fail_by_name() {
         err.contains("--dir-steering-file dirs.f32: directional steering is not implemented"),
         "{err}"
     );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// The address in a `listening on http://ADDR ...` line.
+fn addr_of(line: &str) -> std::net::SocketAddr {
+    let rest = line.split("http://").nth(1).expect("url in line");
+    rest.split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .expect("address")
+}
+
+// #19 item 3: the port is bound before the load; meanwhile /health answers 503
+// "loading" with a progress value and the API answers 503 in its own error shape, a
+// progress line is logged every few seconds; once loaded, /health is 200.
+#[test]
+fn health_says_loading_until_the_fake_engine_is_ready() {
+    loading_then_ready("loading-fake", &[]);
+}
+
+// #19 item 3, with the tiny synthetic model on the CPU backend.
+#[test]
+fn health_says_loading_until_the_tiny_model_is_ready() {
+    let model = root().join("fixtures/tiny/tiny-q2.gguf");
+    let m = model.to_str().unwrap();
+    loading_then_ready("loading-tiny", &["-m", m, "--cpu", "--ctx", "4096"]);
+}
+
+fn loading_then_ready(tag: &str, extra: &[&str]) {
+    let d = temp(tag);
+    let mut args = vec!["--fake-load-ms", "7000"];
+    args.extend_from_slice(extra);
+    let mut child = command(&d.join("ds4.lock"), &args)
+        .spawn()
+        .expect("start ds4-server");
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut log = String::new();
+    let addr = addr_of(&wait_for_line(&mut lines, &mut log, "listening on "));
+    let h = common::get(addr, "/health");
+    assert_eq!(h.status, 503, "{}", h.text());
+    let v = h.json();
+    assert_eq!(v["status"], "loading", "{v}");
+    let p = v["progress"].as_f64().expect("progress number");
+    assert!((0.0..=1.0).contains(&p), "{v}");
+    let m = common::post(
+        addr,
+        "/v1/messages",
+        &serde_json::json!({"max_tokens": 4, "messages": []}),
+    );
+    assert_eq!(m.status, 503);
+    assert_eq!(m.json()["type"], "error", "{}", m.text());
+    let c = common::post(
+        addr,
+        "/v1/chat/completions",
+        &serde_json::json!({"messages": []}),
+    );
+    assert_eq!(c.status, 503);
+    assert!(c.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("loading"));
+    wait_for_line(&mut lines, &mut log, "ready on ");
+    assert!(log.contains("loading: "), "no progress line:\n{log}");
+    std::thread::spawn(move || lines.map_while(Result::ok).for_each(drop));
+    let h = common::get(addr, "/health");
+    assert_eq!(h.status, 200, "{}", h.text());
+    assert_eq!(h.json()["status"], "ok");
+    stop(child);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+// #19 item 3: a busy port fails at once, not after a (here 10-minute) load.
+#[test]
+fn a_busy_port_fails_before_loading() {
+    let d = temp("busyport");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let (code, err) = run_to_exit(
+        &d.join("ds4.lock"),
+        &["--port", &port, "--fake-load-ms", "600000"],
+    );
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("cannot listen on 127.0.0.1:"), "{err}");
     let _ = std::fs::remove_dir_all(&d);
 }

@@ -19,7 +19,7 @@ fn skip() -> bool {
 
 /// Starts the binary on an ephemeral port and returns it with its base URL.
 fn start(args: &[&str]) -> (Child, String) {
-    // Each instance gets its own process lock (the default /tmp/ds4.lock admits one).
+    // Each instance gets its own process lock (the default lock file admits one).
     static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let lock = std::env::temp_dir().join(format!(
         "ds4-sdk-{}-{}.lock",
@@ -38,10 +38,11 @@ fn start(args: &[&str]) -> (Child, String) {
     let url = loop {
         let line = lines
             .next()
-            .expect("server exited before listening")
+            .expect("server exited before it was ready")
             .expect("stderr");
         eprintln!("{line}");
-        if let Some(u) = line.split("listening on ").nth(1) {
+        // "ready", not "listening": the port is bound before the model loads.
+        if let Some(u) = line.split("ready on ").nth(1) {
             break u.trim().to_string();
         }
     };

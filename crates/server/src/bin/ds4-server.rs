@@ -7,10 +7,23 @@ use clap::Parser;
 use ds4_engine::{BackendChoice, Engine, EngineOptions, Numerics};
 use ds4_server::engine::{default_script, FakeEngine, RealEngine};
 use ds4_server::worker::spawn_worker;
-use ds4_server::{lock, log, Args, EngineBackend, Shared};
+use ds4_server::{lock, log, Args, EngineBackend, Shared, Startup};
 use ds4_tokenizer::Tokenizer;
 
-fn load_engine(args: &Args) -> Result<(Arc<Tokenizer>, Box<dyn EngineBackend>)> {
+/// Loads the model (or the fake engine), reporting the phase to `startup` for /health.
+fn load_engine(
+    args: &Args,
+    startup: &Arc<Startup>,
+) -> Result<(Arc<Tokenizer>, Box<dyn EngineBackend>)> {
+    startup.set_phase("loading", 0.0);
+    if args.fake_load_ms > 0 {
+        // Testing only: a slow load, so tests can watch /health say "loading".
+        let steps = 20;
+        for i in 0..steps {
+            startup.set_phase("loading", i as f64 / steps as f64);
+            std::thread::sleep(std::time::Duration::from_millis(args.fake_load_ms) / steps);
+        }
+    }
     if let Some(tj) = &args.fake_engine {
         let bytes = std::fs::read(tj).with_context(|| format!("reading {}", tj.display()))?;
         let tok = Arc::new(Tokenizer::from_tokenizer_json(&bytes)?);
@@ -44,12 +57,16 @@ fn load_engine(args: &Args) -> Result<(Arc<Tokenizer>, Box<dyn EngineBackend>)> 
         Some("cuda") => BackendChoice::Cuda { device: 0 },
         Some(b) => bail!("unknown backend {b} (use cpu or cuda)"),
     };
+    let st = startup.clone();
+    let progress: ds4_engine::UploadProgress = Box::new(move |done, total| {
+        st.set_phase("uploading", done as f64 / total.max(1) as f64);
+    });
     let engine = Engine::open(
         &args.model,
         EngineOptions {
             backend,
             numerics,
-            ..EngineOptions::default()
+            progress: Some(progress),
         },
     )
     .with_context(|| format!("cannot load {}", args.model.display()))?;
@@ -71,6 +88,11 @@ fn load_engine(args: &Args) -> Result<(Arc<Tokenizer>, Box<dyn EngineBackend>)> 
     Ok((tok, Box::new(RealEngine::new(&engine, session))))
 }
 
+/// File descriptors kept out of the connection cap: the model, cache files, logs.
+const FD_RESERVE: u64 = 64;
+/// How often a long load logs its progress.
+const PROGRESS_LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
 fn main() {
     let args = Args::parse();
     ds4_server::metrics::init_logging(args.verbose);
@@ -88,8 +110,9 @@ fn run(mut args: Args) -> Result<()> {
         eprintln!("ds4-server: --metal is not supported by this engine (use --cpu or --cuda)");
         std::process::exit(2);
     }
-    if args.api_key.is_none() {
-        args.api_key = std::env::var("DS4_API_KEY").ok();
+    if let Err(e) = args.resolve_api_key() {
+        eprintln!("ds4-server: {e}");
+        std::process::exit(2);
     }
     if let Some(f) = &args.dir_steering_file {
         // Steering changes what the model says; serving without it would quietly give
@@ -124,9 +147,58 @@ fn run(mut args: Args) -> Result<()> {
             .num_threads(n)
             .build_global();
     }
-    let (tok, engine) = load_engine(&args)?;
+    let mut limits = cfg.conn.clone();
+    // Idle sockets must run into the connection cap, never into the fd limit (#18 item 1).
+    if let Some(fds) = ds4_server::server::raise_fd_limit() {
+        let room = usize::try_from(fds.saturating_sub(FD_RESERVE)).unwrap_or(usize::MAX);
+        if room < limits.max_connections {
+            log!(
+                "warning: --max-connections {} lowered to {} (open-file limit {fds})",
+                limits.max_connections,
+                room.max(1)
+            );
+            limits.max_connections = room.max(1);
+        }
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let addr = format!(
+        "{}:{}",
+        if args.host == "localhost" {
+            "127.0.0.1"
+        } else {
+            &args.host
+        },
+        args.port
+    );
+    // Bind before loading (#19 item 3): a busy port fails at once, and /health answers
+    // "loading" meanwhile.
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind(&addr))
+        .with_context(|| format!("cannot listen on {addr}"))?;
+    let url = format!("http://{}", listener.local_addr()?);
+    log!("listening on {url} (loading the model)");
+    let startup = Startup::new();
+    let st = startup.clone();
+    let shutdown = async move {
+        shutdown_signal().await;
+        if st.shared().is_none() {
+            // Nothing to save yet: stop the load instead of waiting for it.
+            log!("interrupted while loading");
+            std::process::exit(130);
+        }
+    };
+    let server = rt.spawn(ds4_server::serve(
+        listener,
+        startup.clone(),
+        limits,
+        shutdown,
+    ));
+    rt.spawn(startup.clone().log_progress(PROGRESS_LOG_EVERY));
+    let (tok, engine) = load_engine(&args, &startup)?;
     if args.warm_weights {
-        warm_weights(&args);
+        warm_weights(&args, &startup);
     }
     if let Some(d) = &cfg.kv_disk {
         log!(
@@ -142,26 +214,9 @@ fn run(mut args: Args) -> Result<()> {
     }
     let shared = Shared::new(cfg, tok);
     let worker = spawn_worker(shared.clone(), engine);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
-    let addr = format!(
-        "{}:{}",
-        if args.host == "localhost" {
-            "127.0.0.1"
-        } else {
-            &args.host
-        },
-        args.port
-    );
-    rt.block_on(async {
-        let listener = tokio::net::TcpListener::bind(&addr)
-            .await
-            .with_context(|| format!("cannot listen on {addr}"))?;
-        log!("listening on http://{}", listener.local_addr()?);
-        ds4_server::serve(listener, shared.clone(), shutdown_signal()).await?;
-        anyhow::Ok(())
-    })?;
+    startup.ready(shared.clone());
+    log!("ready on {url}");
+    rt.block_on(server).context("server task")??;
     shared.begin_shutdown();
     let _ = worker.join();
     log!("bye");
@@ -212,7 +267,7 @@ fn take_locks(cfg: &ds4_server::ServerConfig) -> Result<Vec<lock::ProcessLock>> 
 
 /// `--warm-weights`: reads the model file once so the page cache holds the mmap'd
 /// weights before the first request (the CPU backend faults them in lazily otherwise).
-fn warm_weights(args: &Args) {
+fn warm_weights(args: &Args, startup: &Startup) {
     use std::io::Read;
     if args.fake_engine.is_some() {
         return;
@@ -220,12 +275,16 @@ fn warm_weights(args: &Args) {
     let t0 = std::time::Instant::now();
     let mut buf = vec![0u8; 16 << 20];
     let mut total = 0u64;
-    let res = std::fs::File::open(&args.model).and_then(|mut f| loop {
-        let n = f.read(&mut buf)?;
-        if n == 0 {
-            return Ok(());
+    let res = std::fs::File::open(&args.model).and_then(|mut f| {
+        let len = f.metadata()?.len().max(1);
+        loop {
+            startup.set_phase("warming", total as f64 / len as f64);
+            let n = f.read(&mut buf)?;
+            if n == 0 {
+                return Ok(());
+            }
+            total += n as u64;
         }
-        total += n as u64;
     });
     match res {
         Ok(()) => log!(
