@@ -236,12 +236,48 @@ async fn count_tokens(State(app): State<App>, req: Request) -> Response {
 }
 
 async fn not_found(req: Request) -> Response {
-    let flavor = if req.uri().path().starts_with("/v1/messages") {
+    error_response(
+        &ApiError::not_found("unknown endpoint"),
+        flavor_of(req.uri().path()),
+    )
+}
+
+/// A known path asked with a method it does not take: 405 with `Allow` (#18 item 12;
+/// it used to be a 404, which sends clients looking for a wrong URL).
+async fn method_not_allowed(req: Request) -> Response {
+    let path = req.uri().path();
+    let allow = if POST_PATHS.contains(&path) {
+        "POST, OPTIONS"
+    } else {
+        "GET, OPTIONS"
+    };
+    let e = ApiError::new(
+        405,
+        "invalid_request_error",
+        format!("method {} not allowed on {path}; use {allow}", req.method()),
+    );
+    let mut r = error_response(&e, flavor_of(path));
+    r.headers_mut()
+        .insert(header::ALLOW, HeaderValue::from_static(allow));
+    r
+}
+
+/// The endpoints that take a JSON body by POST.
+const POST_PATHS: [&str; 5] = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+];
+
+/// Anthropic paths answer errors in Anthropic's shape, the rest in OpenAI's.
+fn flavor_of(path: &str) -> ApiFlavor {
+    if path.starts_with("/v1/messages") {
         ApiFlavor::Anthropic
     } else {
         ApiFlavor::OpenAi
-    };
-    error_response(&ApiError::not_found("unknown endpoint"), flavor)
+    }
 }
 
 fn key_ok(headers: &HeaderMap, key: &str) -> bool {
@@ -275,12 +311,7 @@ async fn edge(State(app): State<App>, req: Request, next: Next) -> Response {
         if key_ok(req.headers(), key) {
             next.run(req).await
         } else {
-            let flavor = if req.uri().path().starts_with("/v1/messages") {
-                ApiFlavor::Anthropic
-            } else {
-                ApiFlavor::OpenAi
-            };
-            error_response(&ApiError::unauthorized(), flavor)
+            error_response(&ApiError::unauthorized(), flavor_of(req.uri().path()))
         }
     } else {
         next.run(req).await
@@ -312,7 +343,7 @@ pub fn router(app: App) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
-        .method_not_allowed_fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(app.clone(), edge))
         .with_state(app)
 }
