@@ -301,9 +301,108 @@ fn key_ok(headers: &HeaderMap, key: &str) -> bool {
     bearer.is_some_and(eq) || xkey.is_some_and(eq)
 }
 
-/// OPTIONS → 204, the API key on /v1/*, CORS headers on every response.
+/// The host part of a Host header or an origin's authority (`[::1]:8000` → `::1`),
+/// lowercased and without a trailing dot.
+fn host_name(authority: &str) -> String {
+    let name = match authority.strip_prefix('[') {
+        Some(rest) => rest.split(']').next().unwrap_or(""),
+        None => authority.split(':').next().unwrap_or(""),
+    };
+    name.trim_end_matches('.').to_ascii_lowercase()
+}
+
+fn is_localhost(name: &str) -> bool {
+    name == "localhost" || name.ends_with(".localhost")
+}
+
+fn listed(list: &[String], value: &str) -> bool {
+    list.iter()
+        .any(|h| h == "*" || h.trim_end_matches('/').eq_ignore_ascii_case(value))
+}
+
+/// Without an API key the server trusts whoever can reach it, so it must make sure the
+/// request is not a browser's doing on behalf of another site (#18 item 9):
+/// - Host must be an IP address, a localhost name or listed (`--host`, `--allow-host`):
+///   DNS rebinding makes a browser send `Host: attacker.example` to 127.0.0.1.
+/// - A state-changing request with an `Origin` must come from a localhost page or a
+///   listed origin (`--allow-origin`): cross-site form or fetch POSTs.
+///
+/// SDK clients and curl send neither a foreign Host nor an Origin. `/health` stays open
+/// to probes under any name.
+fn browser_check(cfg: &crate::config::ServerConfig, req: &Request) -> Result<(), ApiError> {
+    let forbidden = |m: String| ApiError::new(403, "permission_error", m);
+    let h = req.headers();
+    if req.uri().path() != "/health" {
+        if let Some(host) = h.get(header::HOST) {
+            let name = host_name(host.to_str().unwrap_or(""));
+            let ok = name.parse::<std::net::IpAddr>().is_ok()
+                || is_localhost(&name)
+                || listed(&cfg.allowed_hosts, &name);
+            if !ok {
+                return Err(forbidden(format!(
+                    "Host {name:?} is not allowed; start ds4-server with --allow-host {name} or --api-key"
+                )));
+            }
+        }
+    }
+    let safe = matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS);
+    if let (false, Some(origin)) = (safe, h.get(header::ORIGIN)) {
+        let origin = origin.to_str().unwrap_or("null");
+        let name = origin.split_once("://").map_or("", |(_, a)| a);
+        let name = host_name(name);
+        let loopback = name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+        if !(loopback || is_localhost(&name) || listed(&cfg.allowed_origins, origin)) {
+            return Err(forbidden(format!(
+                "cross-site request from origin {origin:?} refused; start ds4-server with --allow-origin {origin} or --api-key"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The generation endpoints read JSON only (#18 item 9): `text/plain` and form types are
+/// what a cross-site page can POST without a CORS preflight. No Content-Type is fine,
+/// and so is curl's default `application/x-www-form-urlencoded` (`curl -d`) as long as
+/// no browser `Origin` comes with it.
+fn content_type_check(req: &Request) -> Result<(), ApiError> {
+    if req.method() != Method::POST || !POST_PATHS.contains(&req.uri().path()) {
+        return Ok(());
+    }
+    let Some(ct) = req.headers().get(header::CONTENT_TYPE) else {
+        return Ok(());
+    };
+    let ct = ct.to_str().unwrap_or("");
+    let media = ct
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    let curl =
+        media == "application/x-www-form-urlencoded" && !req.headers().contains_key(header::ORIGIN);
+    if media == "application/json" || media.ends_with("+json") || curl {
+        return Ok(());
+    }
+    Err(ApiError::new(
+        415,
+        "invalid_request_error",
+        format!("Content-Type {ct:?} is not supported; send application/json"),
+    ))
+}
+
+/// OPTIONS → 204, the API key on /v1/* (or, without one, the browser checks), the
+/// content type of JSON endpoints, CORS headers on every response.
 async fn edge(State(app): State<App>, req: Request, next: Next) -> Response {
-    let mut resp = if req.method() == Method::OPTIONS {
+    let guard = match &app.cfg.api_key {
+        Some(_) => Ok(()),
+        None => browser_check(&app.cfg, &req),
+    }
+    .and_then(|()| content_type_check(&req));
+    let mut resp = if let Err(e) = guard {
+        error_response(&e, flavor_of(req.uri().path()))
+    } else if req.method() == Method::OPTIONS {
         let mut r = Response::new(Body::empty());
         *r.status_mut() = StatusCode::NO_CONTENT;
         r

@@ -539,7 +539,7 @@ fn disconnect_mid_stream_cancels_and_the_next_request_works() {
     let mut sock = std::net::TcpStream::connect(s.addr).unwrap();
     write!(
         sock,
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     )
     .unwrap();

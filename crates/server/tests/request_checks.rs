@@ -171,3 +171,133 @@ fn wrong_method_is_405_with_allow() {
     let r = request(s.addr, "GET", "/v1/messages", &[], b"");
     assert_eq!(r.json()["type"], "error", "Anthropic shape");
 }
+
+// #18 item 8: stop strings are limited in count and length (configurable), a clear 400.
+#[test]
+fn stop_strings_are_limited() {
+    let s = fake_server(ServerConfig {
+        max_stops: 3,
+        max_stop_bytes: 8,
+        ..cfg()
+    });
+    let chat = |stop: Value| json!({"messages": user("hi"), "max_tokens": 2, "stop": stop});
+    let (status, msg) = status_msg(
+        s.addr,
+        "/v1/chat/completions",
+        &chat(json!(["a", "b", "c", "d"])),
+    );
+    assert_eq!(status, 400);
+    assert!(msg.contains("at most 3"), "{msg}");
+    let (status, msg) = status_msg(
+        s.addr,
+        "/v1/completions",
+        &json!({"prompt": "x", "stop": "123456789"}),
+    );
+    assert_eq!(status, 400);
+    assert!(msg.contains("at most 8 bytes"), "{msg}");
+    let body =
+        json!({"max_tokens": 2, "messages": user("hi"), "stop_sequences": ["w", "x", "y", "z"]});
+    let r = post(s.addr, "/v1/messages", &body);
+    assert_eq!((r.status, r.json()["type"].as_str()), (400, Some("error")));
+    // At the limits it works.
+    let r = post(
+        s.addr,
+        "/v1/chat/completions",
+        &chat(json!(["a", "b", "12345678"])),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+}
+
+/// A POST to the chat endpoint with the given Host and extra headers.
+fn chat_with(addr: std::net::SocketAddr, host: &str, headers: &[(&str, &str)]) -> u16 {
+    let body = json!({"messages": user("hi"), "max_tokens": 1}).to_string();
+    let mut req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    req.push_str(&body);
+    raw(addr, req.as_bytes()).status
+}
+
+const JSON: (&str, &str) = ("Content-Type", "application/json");
+
+// #18 item 9: without an API key, DNS rebinding (a foreign Host), cross-site origins
+// and non-JSON bodies are refused; SDKs, curl and listed hosts/origins still work.
+#[test]
+fn browser_requests_need_a_trusted_host_origin_and_json() {
+    let s = fake_server(ServerConfig {
+        allowed_hosts: vec!["ds4.lan".into()],
+        allowed_origins: vec!["https://app.example".into()],
+        ..cfg()
+    });
+    let a = s.addr;
+    for (host, headers, want) in [
+        ("127.0.0.1:8000", vec![JSON], 200),
+        ("localhost:8000", vec![JSON], 200),
+        ("[::1]:8000", vec![JSON], 200),
+        ("ds4.lan:8000", vec![JSON], 200),
+        ("attacker.example:8000", vec![JSON], 403),
+        (
+            "localhost",
+            vec![JSON, ("Origin", "http://localhost:3000")],
+            200,
+        ),
+        (
+            "localhost",
+            vec![JSON, ("Origin", "https://app.example")],
+            200,
+        ),
+        (
+            "localhost",
+            vec![JSON, ("Origin", "https://evil.example")],
+            403,
+        ),
+        ("localhost", vec![JSON, ("Origin", "null")], 403),
+        ("localhost", vec![("Content-Type", "text/plain")], 415),
+        (
+            "localhost",
+            vec![("Content-Type", "multipart/form-data; boundary=x")],
+            415,
+        ),
+        // curl -d without -H, and no Content-Type at all.
+        (
+            "localhost",
+            vec![("Content-Type", "application/x-www-form-urlencoded")],
+            200,
+        ),
+        ("localhost", vec![], 200),
+        (
+            "localhost",
+            vec![("Content-Type", "application/json; charset=utf-8")],
+            200,
+        ),
+    ] {
+        assert_eq!(chat_with(a, host, &headers), want, "{host} {headers:?}");
+    }
+    // A foreign Host may still ask /health; reading /v1/models under it is refused.
+    let get_as = |path: &str| {
+        let req =
+            format!("GET {path} HTTP/1.1\r\nHost: attacker.example\r\nConnection: close\r\n\r\n");
+        raw(a, req.as_bytes()).status
+    };
+    assert_eq!((get_as("/health"), get_as("/v1/models")), (200, 403));
+    // With an API key the key is the protection: a foreign Host with the key works.
+    let s = fake_server(ServerConfig {
+        api_key: Some("k".into()),
+        ..cfg()
+    });
+    let auth = ("Authorization", "Bearer k");
+    assert_eq!(chat_with(s.addr, "ds4.example", &[JSON, auth]), 200);
+    assert_eq!(
+        chat_with(
+            s.addr,
+            "ds4.example",
+            &[("Content-Type", "text/plain"), auth]
+        ),
+        415
+    );
+}

@@ -253,7 +253,7 @@ pub fn prepare(shared: &Shared, body: &[u8]) -> Result<Prepared, ApiError> {
     Ok(Prepared {
         stream: get_bool(&o, "stream")?.unwrap_or(false),
         sampling: get_sampling(&o, false)?.for_mode(mode),
-        stops: get_stops(&o, "stop_sequences")?,
+        stops: get_stops(shared, &o, "stop_sequences")?,
         live,
         max_tokens,
         raw: raw_request(shared, body),

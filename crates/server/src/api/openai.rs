@@ -114,7 +114,7 @@ fn common(shared: &Shared, o: &Map<String, Value>, kind: ApiKind) -> Result<Comm
     let max_tokens =
         get_max_tokens(o, &["max_completion_tokens", "max_tokens"], cap)?.unwrap_or(cap);
     check_single_choice(o)?;
-    let stops = get_stops(o, "stop")?;
+    let stops = get_stops(shared, o, "stop")?;
     let stream = get_bool(o, "stream")?.unwrap_or(false);
     let include_usage = match get_object(o, "stream_options")? {
         Some(so) => get_bool(so, "include_usage")?.unwrap_or(false),
