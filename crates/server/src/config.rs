@@ -71,6 +71,11 @@ pub struct Args {
     /// Largest request body in MiB.
     #[arg(long, default_value_t = 64, value_parser = positive)]
     pub max_body_mb: usize,
+    /// Request bodies being received or parsed at once may hold at most this many MiB
+    /// together; a body that does not fit gets 503 (parsing a body takes several times
+    /// its size, so this bounds the memory of requests not yet queued).
+    #[arg(long, default_value_t = 256, value_parser = positive)]
+    pub max_inflight_body_mb: usize,
     /// Most stop strings one request may give (`stop`, `stop_sequences`); more is a 400.
     #[arg(long, default_value_t = 32, value_parser = positive)]
     pub max_stops: usize,
@@ -205,6 +210,8 @@ pub struct ServerConfig {
     pub allowed_origins: Vec<String>,
     pub queue_max: usize,
     pub max_body_bytes: usize,
+    /// Bytes of request bodies being received or parsed at once, all requests together.
+    pub max_inflight_body_bytes: usize,
     /// Stop-string limits per request: count and bytes each.
     pub max_stops: usize,
     pub max_stop_bytes: usize,
@@ -227,6 +234,7 @@ impl ServerConfig {
             allowed_origins: Vec::new(),
             queue_max: 64,
             max_body_bytes: 64 << 20,
+            max_inflight_body_bytes: 256 << 20,
             max_stops: 32,
             max_stop_bytes: 512,
             keepalive: std::time::Duration::from_secs(5),
@@ -270,6 +278,7 @@ impl Args {
             allowed_origins: self.allow_origins.clone(),
             queue_max: self.queue_max,
             max_body_bytes: self.max_body_mb << 20,
+            max_inflight_body_bytes: self.max_inflight_body_mb << 20,
             max_stops: self.max_stops,
             max_stop_bytes: self.max_stop_bytes,
             keepalive: std::time::Duration::from_secs(self.keepalive_secs as u64),

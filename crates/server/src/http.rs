@@ -95,39 +95,104 @@ async fn metrics(State(app): State<App>) -> Response {
     r
 }
 
-/// Reads the body under the size limit.
-async fn read_body(app: &Shared, req: Request) -> Result<bytes::Bytes, ApiError> {
-    let limit = app.cfg.max_body_bytes;
-    axum::body::to_bytes(req.into_body(), limit)
-        .await
-        .map_err(|_| {
-            ApiError::new(
-                413,
-                "invalid_request_error",
-                format!("request body larger than {limit} bytes"),
-            )
-        })
+/// The memory budget of request bodies not yet queued (#18 item 7): one permit per KiB
+/// received, held until the body is parsed and rendered. Without it, 8 concurrent 63 MB
+/// bodies took 2.3 GB before the queue limit could say no.
+pub struct BodyBudget {
+    permits: Arc<tokio::sync::Semaphore>,
+    kib: usize,
 }
 
-/// Parses and renders off the async threads (tokenizing a large prompt is CPU work).
+impl BodyBudget {
+    pub fn new(bytes: usize) -> BodyBudget {
+        let kib = bytes
+            .div_ceil(1024)
+            .min(tokio::sync::Semaphore::MAX_PERMITS);
+        BodyBudget {
+            permits: Arc::new(tokio::sync::Semaphore::new(kib)),
+            kib,
+        }
+    }
+}
+
+/// A request body and its share of the [`BodyBudget`], given back when dropped.
+pub struct ReqBody {
+    bytes: bytes::Bytes,
+    _share: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+/// Reads the body under the size limit, taking its share of the in-flight budget as it
+/// arrives: 413 past `--max-body-mb`, 503 when the budget is spent by other requests.
+async fn read_body(app: &Shared, budget: &BodyBudget, req: Request) -> Result<ReqBody, ApiError> {
+    use futures_util::StreamExt;
+    let limit = app.cfg.max_body_bytes;
+    let too_large = || {
+        ApiError::new(
+            413,
+            "invalid_request_error",
+            format!("request body larger than {limit} bytes"),
+        )
+    };
+    let mut stream = req.into_body().into_data_stream();
+    let mut buf = bytes::BytesMut::new();
+    let mut share: Option<tokio::sync::OwnedSemaphorePermit> = None;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| ApiError::bad_request(format!("reading the body: {e}")))?;
+        if buf.len() + chunk.len() > limit {
+            return Err(too_large());
+        }
+        buf.extend_from_slice(&chunk);
+        let held = share.as_ref().map_or(0, |p| p.num_permits());
+        let need = buf.len().div_ceil(1024);
+        if need > budget.kib {
+            return Err(too_large());
+        }
+        if need > held {
+            let more = u32::try_from(need - held).map_err(|_| too_large())?;
+            let p = budget
+                .permits
+                .clone()
+                .try_acquire_many_owned(more)
+                .map_err(|_| {
+                    ApiError::unavailable(
+                        "server busy: too many large request bodies in flight; retry later",
+                    )
+                })?;
+            match &mut share {
+                Some(s) => s.merge(p),
+                None => share = Some(p),
+            }
+        }
+    }
+    Ok(ReqBody {
+        bytes: buf.freeze(),
+        _share: share,
+    })
+}
+
+/// Parses and renders off the async threads (tokenizing a large prompt is CPU work);
+/// the body's budget share is given back when this is done.
 async fn blocking<T: Send + 'static>(
     app: &App,
-    body: bytes::Bytes,
+    body: ReqBody,
     f: impl FnOnce(&Shared, &[u8]) -> Result<T, ApiError> + Send + 'static,
 ) -> Result<T, ApiError> {
     let app = app.clone();
-    tokio::task::spawn_blocking(move || f(&app, &body))
+    tokio::task::spawn_blocking(move || f(&app, &body.bytes))
         .await
         .map_err(|_| ApiError::internal("request handler failed"))?
 }
 
 async fn run<F, Fut>(app: App, req: Request, flavor: ApiFlavor, endpoint: &str, f: F) -> Response
 where
-    F: FnOnce(App, bytes::Bytes) -> Fut,
+    F: FnOnce(App, ReqBody) -> Fut,
     Fut: Future<Output = Result<Response, ApiError>>,
 {
     app.metrics.endpoint(endpoint);
-    let body = match read_body(&app, req).await {
+    let Some(budget) = req.extensions().get::<Arc<BodyBudget>>().cloned() else {
+        return error_response(&ApiError::internal("no request body budget"), flavor);
+    };
+    let body = match read_body(&app, &budget, req).await {
         Ok(b) => b,
         Err(e) => return error_response(&e, flavor),
     };
@@ -444,5 +509,8 @@ pub fn router(app: App) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(app.clone(), edge))
+        .layer(axum::Extension(Arc::new(BodyBudget::new(
+            app.cfg.max_inflight_body_bytes,
+        ))))
         .with_state(app)
 }

@@ -301,3 +301,63 @@ fn browser_requests_need_a_trusted_host_origin_and_json() {
         415
     );
 }
+
+/// `f()` until it gives `want` (at most 200 tries 10 ms apart, an upper bound of waiting
+/// for the server to see a client's bytes or its leaving); the last status.
+fn until(want: u16, f: impl Fn() -> u16) -> u16 {
+    let mut status = 0;
+    for _ in 0..200 {
+        status = f();
+        if status == want {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    status
+}
+
+// #18 item 7: bodies being received share a memory budget; one that does not fit while
+// others hold it gets 503 (in the API's shape), one larger than the budget 413, and the
+// budget comes back when a body is done or its client goes away.
+#[test]
+fn inflight_bodies_share_a_bounded_budget() {
+    use std::io::{Read, Write};
+    let s = fake_server(ServerConfig {
+        max_inflight_body_bytes: 64 << 10,
+        ..cfg()
+    });
+    let a = s.addr;
+    // A slow client: announces 60 KB, sends 50 KB, waits.
+    let mut slow = std::net::TcpStream::connect(a).unwrap();
+    write!(slow, "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: 60000\r\n\r\n").unwrap();
+    slow.write_all(&[b' '; 50_000]).unwrap();
+    // Let the server take these bytes in before racing it (an upper bound of waiting:
+    // were the next body read first, the slow one would be the one refused).
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    // Its bytes are held; a 20 KB body no longer fits.
+    // 20 KB of JSON whitespace around a tiny request (a long prompt would hit the context).
+    let small = json!({"messages": user("hi"), "max_tokens": 1}).to_string();
+    let big = format!("{}{small}", " ".repeat(20_000)).into_bytes();
+    let post_big = |path: &str| request(a, "POST", path, &[], &big);
+    let status = until(503, || post_big("/v1/chat/completions").status);
+    assert_eq!(status, 503, "the in-flight budget was not enforced");
+    let r = post_big("/v1/messages");
+    assert_eq!((r.status, r.json()["type"].as_str()), (503, Some("error")));
+    // Small requests still pass.
+    let r = post(
+        a,
+        "/v1/chat/completions",
+        &json!({"messages": user("hi"), "max_tokens": 1}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    // The slow client leaves: its share comes back.
+    slow.shutdown(std::net::Shutdown::Both).unwrap();
+    let mut sink = Vec::new();
+    let _ = slow.read_to_end(&mut sink);
+    drop(slow);
+    let status = until(200, || post_big("/v1/chat/completions").status);
+    assert_eq!(status, 200, "the budget was not given back");
+    // Larger than the whole budget: 413.
+    let huge = json!({"messages": user(&"y".repeat(70_000)), "max_tokens": 1});
+    assert_eq!(post(a, "/v1/chat/completions", &huge).status, 413);
+}
