@@ -63,12 +63,34 @@ pub struct Args {
     /// Read the API key from the first line of this file (keeps it out of `ps`).
     #[arg(long, value_name = "PATH")]
     pub api_key_file: Option<PathBuf>,
+    /// Without an API key, also accept requests whose Host header names HOST (besides
+    /// IP addresses, localhost and --host); repeatable, `*` accepts any. Guards against
+    /// DNS rebinding.
+    #[arg(long = "allow-host", value_name = "HOST")]
+    pub allow_hosts: Vec<String>,
+    /// Without an API key, also accept POSTs from browser pages of ORIGIN (e.g.
+    /// `https://app.example`; besides localhost pages); repeatable, `*` accepts any.
+    /// Guards against cross-site requests.
+    #[arg(long = "allow-origin", value_name = "ORIGIN")]
+    pub allow_origins: Vec<String>,
     /// Requests waiting for the engine beyond this many get 503.
     #[arg(long, default_value_t = 64, value_parser = positive)]
     pub queue_max: usize,
     /// Largest request body in MiB.
     #[arg(long, default_value_t = 64, value_parser = mebibytes)]
     pub max_body_mb: usize,
+    /// Request bodies being received or parsed at once may hold at most this many MiB
+    /// together; a body that does not fit gets 503 (parsing a body takes several times
+    /// its size, so this bounds the memory of requests not yet queued).
+    #[arg(long, default_value_t = 256, value_parser = mebibytes)]
+    pub max_inflight_body_mb: usize,
+    /// Most stop strings one request may give (`stop`, `stop_sequences`); more is a 400.
+    #[arg(long, default_value_t = 32, value_parser = positive)]
+    pub max_stops: usize,
+    /// Longest stop string in bytes; longer is a 400. Stop matching costs about
+    /// max-stops × max-stop-bytes per generated token on the engine thread.
+    #[arg(long, default_value_t = 512, value_parser = positive)]
+    pub max_stop_bytes: usize,
     /// Seconds between SSE keepalive comments while a stream waits (prefill).
     #[arg(long, default_value_t = 5, value_parser = seconds, hide = true)]
     pub keepalive_secs: u64,
@@ -265,8 +287,16 @@ pub struct ServerConfig {
     pub max_tokens: usize,
     pub cors: bool,
     pub api_key: Option<String>,
+    /// Host names and browser origins accepted without an API key (besides loopback).
+    pub allowed_hosts: Vec<String>,
+    pub allowed_origins: Vec<String>,
     pub queue_max: usize,
     pub max_body_bytes: usize,
+    /// Bytes of request bodies being received or parsed at once, all requests together.
+    pub max_inflight_body_bytes: usize,
+    /// Stop-string limits per request: count and bytes each.
+    pub max_stops: usize,
+    pub max_stop_bytes: usize,
     pub keepalive: std::time::Duration,
     pub conn: ConnLimits,
     pub kv_disk: Option<KvDiskConfig>,
@@ -283,8 +313,13 @@ impl ServerConfig {
             max_tokens: 393216,
             cors: false,
             api_key: None,
+            allowed_hosts: Vec::new(),
+            allowed_origins: Vec::new(),
             queue_max: 64,
             max_body_bytes: 64 << 20,
+            max_inflight_body_bytes: 256 << 20,
+            max_stops: 32,
+            max_stop_bytes: 512,
             keepalive: std::time::Duration::from_secs(5),
             conn: ConnLimits::default(),
             kv_disk: None,
@@ -351,6 +386,10 @@ impl Args {
             max_tokens: self.tokens,
             cors: self.cors,
             api_key: self.api_key.clone().filter(|k| !k.is_empty()),
+            allowed_hosts: std::iter::once(self.host.clone())
+                .chain(self.allow_hosts.iter().cloned())
+                .collect(),
+            allowed_origins: self.allow_origins.clone(),
             queue_max: self.queue_max,
             max_body_bytes: self.max_body_mb << 20,
             keepalive: Duration::from_secs(self.keepalive_secs),
@@ -359,6 +398,9 @@ impl Args {
                 header_read_timeout: Duration::from_secs(self.header_read_timeout_secs),
                 idle_timeout: Duration::from_secs(self.idle_timeout_secs),
             },
+            max_inflight_body_bytes: self.max_inflight_body_mb << 20,
+            max_stops: self.max_stops,
+            max_stop_bytes: self.max_stop_bytes,
             kv_disk,
             tool_memory_max_ids: self.tool_memory_max_ids,
             exact_dsml_replay: !self.disable_exact_dsml_tool_replay,

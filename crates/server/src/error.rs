@@ -131,7 +131,9 @@ impl ApiError {
                 let kind = match self.status {
                     400 => "invalid_request_error",
                     401 => "authentication_error",
+                    403 => "permission_error",
                     404 => "not_found_error",
+                    405 | 415 => "invalid_request_error",
                     409 => "invalid_request_error",
                     413 => "request_too_large",
                     503 => "overloaded_error",

@@ -115,39 +115,104 @@ async fn metrics(State(app): State<App>) -> Response {
     r
 }
 
-/// Reads the body under the size limit.
-async fn read_body(app: &Shared, req: Request) -> Result<bytes::Bytes, ApiError> {
-    let limit = app.cfg.max_body_bytes;
-    axum::body::to_bytes(req.into_body(), limit)
-        .await
-        .map_err(|_| {
-            ApiError::new(
-                413,
-                "invalid_request_error",
-                format!("request body larger than {limit} bytes"),
-            )
-        })
+/// The memory budget of request bodies not yet queued (#18 item 7): one permit per KiB
+/// received, held until the body is parsed and rendered. Without it, 8 concurrent 63 MB
+/// bodies took 2.3 GB before the queue limit could say no.
+pub struct BodyBudget {
+    permits: Arc<tokio::sync::Semaphore>,
+    kib: usize,
 }
 
-/// Parses and renders off the async threads (tokenizing a large prompt is CPU work).
+impl BodyBudget {
+    pub fn new(bytes: usize) -> BodyBudget {
+        let kib = bytes
+            .div_ceil(1024)
+            .min(tokio::sync::Semaphore::MAX_PERMITS);
+        BodyBudget {
+            permits: Arc::new(tokio::sync::Semaphore::new(kib)),
+            kib,
+        }
+    }
+}
+
+/// A request body and its share of the [`BodyBudget`], given back when dropped.
+pub struct ReqBody {
+    bytes: bytes::Bytes,
+    _share: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+/// Reads the body under the size limit, taking its share of the in-flight budget as it
+/// arrives: 413 past `--max-body-mb`, 503 when the budget is spent by other requests.
+async fn read_body(app: &Shared, budget: &BodyBudget, req: Request) -> Result<ReqBody, ApiError> {
+    use futures_util::StreamExt;
+    let limit = app.cfg.max_body_bytes;
+    let too_large = || {
+        ApiError::new(
+            413,
+            "invalid_request_error",
+            format!("request body larger than {limit} bytes"),
+        )
+    };
+    let mut stream = req.into_body().into_data_stream();
+    let mut buf = bytes::BytesMut::new();
+    let mut share: Option<tokio::sync::OwnedSemaphorePermit> = None;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| ApiError::bad_request(format!("reading the body: {e}")))?;
+        if buf.len() + chunk.len() > limit {
+            return Err(too_large());
+        }
+        buf.extend_from_slice(&chunk);
+        let held = share.as_ref().map_or(0, |p| p.num_permits());
+        let need = buf.len().div_ceil(1024);
+        if need > budget.kib {
+            return Err(too_large());
+        }
+        if need > held {
+            let more = u32::try_from(need - held).map_err(|_| too_large())?;
+            let p = budget
+                .permits
+                .clone()
+                .try_acquire_many_owned(more)
+                .map_err(|_| {
+                    ApiError::unavailable(
+                        "server busy: too many large request bodies in flight; retry later",
+                    )
+                })?;
+            match &mut share {
+                Some(s) => s.merge(p),
+                None => share = Some(p),
+            }
+        }
+    }
+    Ok(ReqBody {
+        bytes: buf.freeze(),
+        _share: share,
+    })
+}
+
+/// Parses and renders off the async threads (tokenizing a large prompt is CPU work);
+/// the body's budget share is given back when this is done.
 async fn blocking<T: Send + 'static>(
     app: &App,
-    body: bytes::Bytes,
+    body: ReqBody,
     f: impl FnOnce(&Shared, &[u8]) -> Result<T, ApiError> + Send + 'static,
 ) -> Result<T, ApiError> {
     let app = app.clone();
-    tokio::task::spawn_blocking(move || f(&app, &body))
+    tokio::task::spawn_blocking(move || f(&app, &body.bytes))
         .await
         .map_err(|_| ApiError::internal("request handler failed"))?
 }
 
 async fn run<F, Fut>(app: App, req: Request, flavor: ApiFlavor, endpoint: &str, f: F) -> Response
 where
-    F: FnOnce(App, bytes::Bytes) -> Fut,
+    F: FnOnce(App, ReqBody) -> Fut,
     Fut: Future<Output = Result<Response, ApiError>>,
 {
     app.metrics.endpoint(endpoint);
-    let body = match read_body(&app, req).await {
+    let Some(budget) = req.extensions().get::<Arc<BodyBudget>>().cloned() else {
+        return error_response(&ApiError::internal("no request body budget"), flavor);
+    };
+    let body = match read_body(&app, &budget, req).await {
         Ok(b) => b,
         Err(e) => return error_response(&e, flavor),
     };
@@ -256,12 +321,48 @@ async fn count_tokens(State(app): State<App>, req: Request) -> Response {
 }
 
 async fn not_found(req: Request) -> Response {
-    let flavor = if req.uri().path().starts_with("/v1/messages") {
+    error_response(
+        &ApiError::not_found("unknown endpoint"),
+        flavor_of(req.uri().path()),
+    )
+}
+
+/// A known path asked with a method it does not take: 405 with `Allow` (#18 item 12;
+/// it used to be a 404, which sends clients looking for a wrong URL).
+async fn method_not_allowed(req: Request) -> Response {
+    let path = req.uri().path();
+    let allow = if POST_PATHS.contains(&path) {
+        "POST, OPTIONS"
+    } else {
+        "GET, OPTIONS"
+    };
+    let e = ApiError::new(
+        405,
+        "invalid_request_error",
+        format!("method {} not allowed on {path}; use {allow}", req.method()),
+    );
+    let mut r = error_response(&e, flavor_of(path));
+    r.headers_mut()
+        .insert(header::ALLOW, HeaderValue::from_static(allow));
+    r
+}
+
+/// The endpoints that take a JSON body by POST.
+const POST_PATHS: [&str; 5] = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+];
+
+/// Anthropic paths answer errors in Anthropic's shape, the rest in OpenAI's.
+fn flavor_of(path: &str) -> ApiFlavor {
+    if path.starts_with("/v1/messages") {
         ApiFlavor::Anthropic
     } else {
         ApiFlavor::OpenAi
-    };
-    error_response(&ApiError::not_found("unknown endpoint"), flavor)
+    }
 }
 
 fn key_ok(headers: &HeaderMap, key: &str) -> bool {
@@ -285,9 +386,108 @@ fn key_ok(headers: &HeaderMap, key: &str) -> bool {
     bearer.is_some_and(eq) || xkey.is_some_and(eq)
 }
 
-/// OPTIONS → 204, the API key on /v1/*, CORS headers on every response.
+/// The host part of a Host header or an origin's authority (`[::1]:8000` → `::1`),
+/// lowercased and without a trailing dot.
+fn host_name(authority: &str) -> String {
+    let name = match authority.strip_prefix('[') {
+        Some(rest) => rest.split(']').next().unwrap_or(""),
+        None => authority.split(':').next().unwrap_or(""),
+    };
+    name.trim_end_matches('.').to_ascii_lowercase()
+}
+
+fn is_localhost(name: &str) -> bool {
+    name == "localhost" || name.ends_with(".localhost")
+}
+
+fn listed(list: &[String], value: &str) -> bool {
+    list.iter()
+        .any(|h| h == "*" || h.trim_end_matches('/').eq_ignore_ascii_case(value))
+}
+
+/// Without an API key the server trusts whoever can reach it, so it must make sure the
+/// request is not a browser's doing on behalf of another site (#18 item 9):
+/// - Host must be an IP address, a localhost name or listed (`--host`, `--allow-host`):
+///   DNS rebinding makes a browser send `Host: attacker.example` to 127.0.0.1.
+/// - A state-changing request with an `Origin` must come from a localhost page or a
+///   listed origin (`--allow-origin`): cross-site form or fetch POSTs.
+///
+/// SDK clients and curl send neither a foreign Host nor an Origin. `/health` stays open
+/// to probes under any name.
+fn browser_check(cfg: &crate::config::ServerConfig, req: &Request) -> Result<(), ApiError> {
+    let forbidden = |m: String| ApiError::new(403, "permission_error", m);
+    let h = req.headers();
+    if req.uri().path() != "/health" {
+        if let Some(host) = h.get(header::HOST) {
+            let name = host_name(host.to_str().unwrap_or(""));
+            let ok = name.parse::<std::net::IpAddr>().is_ok()
+                || is_localhost(&name)
+                || listed(&cfg.allowed_hosts, &name);
+            if !ok {
+                return Err(forbidden(format!(
+                    "Host {name:?} is not allowed; start ds4-server with --allow-host {name} or --api-key"
+                )));
+            }
+        }
+    }
+    let safe = matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS);
+    if let (false, Some(origin)) = (safe, h.get(header::ORIGIN)) {
+        let origin = origin.to_str().unwrap_or("null");
+        let name = origin.split_once("://").map_or("", |(_, a)| a);
+        let name = host_name(name);
+        let loopback = name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+        if !(loopback || is_localhost(&name) || listed(&cfg.allowed_origins, origin)) {
+            return Err(forbidden(format!(
+                "cross-site request from origin {origin:?} refused; start ds4-server with --allow-origin {origin} or --api-key"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The generation endpoints read JSON only (#18 item 9): `text/plain` and form types are
+/// what a cross-site page can POST without a CORS preflight. No Content-Type is fine,
+/// and so is curl's default `application/x-www-form-urlencoded` (`curl -d`) as long as
+/// no browser `Origin` comes with it.
+fn content_type_check(req: &Request) -> Result<(), ApiError> {
+    if req.method() != Method::POST || !POST_PATHS.contains(&req.uri().path()) {
+        return Ok(());
+    }
+    let Some(ct) = req.headers().get(header::CONTENT_TYPE) else {
+        return Ok(());
+    };
+    let ct = ct.to_str().unwrap_or("");
+    let media = ct
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    let curl =
+        media == "application/x-www-form-urlencoded" && !req.headers().contains_key(header::ORIGIN);
+    if media == "application/json" || media.ends_with("+json") || curl {
+        return Ok(());
+    }
+    Err(ApiError::new(
+        415,
+        "invalid_request_error",
+        format!("Content-Type {ct:?} is not supported; send application/json"),
+    ))
+}
+
+/// OPTIONS → 204, the API key on /v1/* (or, without one, the browser checks), the
+/// content type of JSON endpoints, CORS headers on every response.
 async fn edge(State(app): State<App>, req: Request, next: Next) -> Response {
-    let mut resp = if req.method() == Method::OPTIONS {
+    let guard = match &app.cfg.api_key {
+        Some(_) => Ok(()),
+        None => browser_check(&app.cfg, &req),
+    }
+    .and_then(|()| content_type_check(&req));
+    let mut resp = if let Err(e) = guard {
+        error_response(&e, flavor_of(req.uri().path()))
+    } else if req.method() == Method::OPTIONS {
         let mut r = Response::new(Body::empty());
         *r.status_mut() = StatusCode::NO_CONTENT;
         r
@@ -295,12 +495,7 @@ async fn edge(State(app): State<App>, req: Request, next: Next) -> Response {
         if key_ok(req.headers(), key) {
             next.run(req).await
         } else {
-            let flavor = if req.uri().path().starts_with("/v1/messages") {
-                ApiFlavor::Anthropic
-            } else {
-                ApiFlavor::OpenAi
-            };
-            error_response(&ApiError::unauthorized(), flavor)
+            error_response(&ApiError::unauthorized(), flavor_of(req.uri().path()))
         }
     } else {
         next.run(req).await
@@ -332,7 +527,10 @@ pub fn router(app: App) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
-        .method_not_allowed_fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(app.clone(), edge))
+        .layer(axum::Extension(Arc::new(BodyBudget::new(
+            app.cfg.max_inflight_body_bytes,
+        ))))
         .with_state(app)
 }

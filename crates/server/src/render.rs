@@ -285,14 +285,20 @@ pub fn render_completion(prompt: &str, mode: ThinkMode) -> String {
 }
 
 /// Concatenates the text of an OpenAI content value (string, null or parts array);
-/// non-text parts (images, files) are dropped.
+/// image, audio and file parts are a 400 (this model reads text only).
 pub fn content_text(v: &Value) -> Result<String, ApiError> {
     concat_parts(
         v,
         |p| {
             Ok(match p {
                 Value::String(s) => s,
-                Value::Object(o) => o.get("text").and_then(Value::as_str).unwrap_or(""),
+                Value::Object(o) => {
+                    let ty = o.get("type").and_then(Value::as_str).unwrap_or("text");
+                    if let Some(e) = crate::api::media_part_error(ty) {
+                        return Err(e);
+                    }
+                    o.get("text").and_then(Value::as_str).unwrap_or("")
+                }
                 _ => "",
             })
         },

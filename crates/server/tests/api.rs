@@ -27,7 +27,7 @@ fn models_health_metrics_and_unknown_paths() {
         (r.status, r.json()["error"]["message"].as_str()),
         (404, Some("unknown endpoint"))
     );
-    assert_eq!(get(s.addr, "/v1/chat/completions").status, 404);
+    assert_eq!(get(s.addr, "/v1/chat/completions").status, 405);
     post(
         s.addr,
         "/v1/chat/completions",
@@ -122,14 +122,13 @@ fn stop_sequences_and_max_tokens() {
     let r = post(s.addr, "/v1/chat/completions", &json!({"model": "deepseek-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})).json();
     assert_eq!(r["choices"][0]["finish_reason"], "length");
     assert_eq!(r["usage"]["completion_tokens"], 3);
-    let r = post(s.addr, "/v1/chat/completions", &json!({"model": "deepseek-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -5})).json();
-    assert_eq!(
-        (
-            r["choices"][0]["finish_reason"].as_str(),
-            r["usage"]["completion_tokens"].as_u64()
-        ),
-        (Some("length"), Some(0))
+    // #18 item 12: a non-positive limit is a 400, not an empty answer.
+    let r = post(
+        s.addr,
+        "/v1/chat/completions",
+        &json!({"model": "deepseek-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}),
     );
+    assert_eq!(r.status, 400, "{}", r.text());
 }
 
 #[test]
@@ -540,7 +539,7 @@ fn disconnect_mid_stream_cancels_and_the_next_request_works() {
     let mut sock = std::net::TcpStream::connect(s.addr).unwrap();
     write!(
         sock,
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     )
     .unwrap();

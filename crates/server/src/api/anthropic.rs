@@ -25,6 +25,19 @@ fn block_text(v: &Value) -> String {
     }
 }
 
+/// Image and document blocks (also inside a `tool_result`) are a 400: this model reads
+/// text only.
+fn reject_media(b: &Value) -> Result<(), ApiError> {
+    match b
+        .get("type")
+        .and_then(Value::as_str)
+        .and_then(media_part_error)
+    {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
 fn parse_system(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
     let parts: Vec<String> = match v {
         None | Some(Value::Null) => return Ok(Vec::new()),
@@ -69,12 +82,18 @@ pub fn parse_conversation(
         system: parse_system(o.get("system"))?,
         ..Default::default()
     };
+    if msgs.is_empty() {
+        return Err(empty_messages("messages"));
+    }
     let mut turns = Vec::with_capacity(msgs.len());
     for m in msgs {
         let m = m.as_object().ok_or_else(|| {
             ApiError::bad_request("invalid JSON request: each message must be an object")
         })?;
         let role = get_str(m, "role")?.unwrap_or("user");
+        if role != "user" && role != "assistant" {
+            return Err(unknown_role(role));
+        }
         let blocks: Vec<Value> = match m.get("content") {
             None | Some(Value::Null) => Vec::new(),
             Some(Value::String(s)) => vec![json!({"type": "text", "text": s})],
@@ -124,6 +143,10 @@ pub fn parse_conversation(
             // the encoder merges into the user turn).
             let mut text = String::new();
             for b in &blocks {
+                reject_media(b)?;
+                if let Some(Value::Array(inner)) = b.get("content") {
+                    inner.iter().try_for_each(reject_media)?;
+                }
                 match b.get("type").and_then(Value::as_str) {
                     Some("text") => text.push_str(str_or_empty(b, "text")),
                     Some("tool_result") => {
@@ -224,13 +247,13 @@ pub fn prepare(shared: &Shared, body: &[u8]) -> Result<Prepared, ApiError> {
         live,
     } = render_request(shared, &o, true)?;
     let prompt_tokens = tokenize_checked(shared, &text, "messages")?;
-    let max_tokens = get_usize(&o, "max_tokens")?
-        .unwrap_or(shared.cfg.max_tokens)
-        .min(shared.cfg.max_tokens);
+    // Required, as in Anthropic's API (#18 item 12).
+    let max_tokens = get_max_tokens(&o, &["max_tokens"], shared.cfg.max_tokens)?
+        .ok_or_else(|| ApiError::bad_request("max_tokens: Field required"))?;
     Ok(Prepared {
         stream: get_bool(&o, "stream")?.unwrap_or(false),
         sampling: get_sampling(&o, false)?.for_mode(mode),
-        stops: get_stops(&o, "stop_sequences")?,
+        stops: get_stops(shared, &o, "stop_sequences")?,
         live,
         max_tokens,
         raw: raw_request(shared, body),

@@ -112,6 +112,65 @@ pub fn get_usize(o: &Map<String, Value>, key: &str) -> Result<Option<usize>, Api
     }))
 }
 
+/// The output-token limit: the first of `keys` present, which must be a positive
+/// integer (#18 item 12: `max_tokens: -1` used to clamp to 0 and answer an empty 200),
+/// capped at `cap`. None when none is given.
+pub fn get_max_tokens(
+    o: &Map<String, Value>,
+    keys: &[&str],
+    cap: usize,
+) -> Result<Option<usize>, ApiError> {
+    for &key in keys {
+        let Some(n) = typed(o, key, "an integer", Value::as_number)? else {
+            continue;
+        };
+        if n.as_f64().is_none_or(|f| f < 1.0) {
+            return Err(ApiError::bad_request(format!(
+                "`{key}` must be a positive integer"
+            )));
+        }
+        return Ok(get_usize(o, key)?.map(|v| v.min(cap)));
+    }
+    Ok(None)
+}
+
+/// `n` (OpenAI): one choice per request is all the engine makes; asking for more is a
+/// 400 rather than a silently shorter answer (#18 item 12).
+pub fn check_single_choice(o: &Map<String, Value>) -> Result<(), ApiError> {
+    match typed(o, "n", "an integer", Value::as_number)? {
+        Some(n) if n.as_f64() != Some(1.0) => Err(ApiError::bad_request("only n=1 is supported")),
+        _ => Ok(()),
+    }
+}
+
+/// A 400 for content parts this text-only model cannot read (images, audio, files),
+/// None for any other part type. Dropping them silently would answer a question the
+/// client did not ask (#18 item 12).
+pub fn media_part_error(ty: &str) -> Option<ApiError> {
+    let what = match ty {
+        "image" | "image_url" | "input_image" => "images are",
+        "audio" | "input_audio" => "audio inputs are",
+        "file" | "input_file" | "document" => "file inputs are",
+        _ => return None,
+    };
+    Some(ApiError::bad_request(format!(
+        "{what} not supported by this model (content part type {ty})"
+    )))
+}
+
+/// The 400 for a message role an API does not define (#18 item 12: unknown roles used
+/// to be skipped, leaving a prompt of BOS alone).
+pub fn unknown_role(role: &str) -> ApiError {
+    ApiError::bad_request(format!(
+        "invalid JSON request: unknown message role {role:?}"
+    ))
+}
+
+/// The 400 for an empty conversation (#18 item 12).
+pub fn empty_messages(key: &str) -> ApiError {
+    ApiError::bad_request(format!("`{key}` must not be empty"))
+}
+
 pub fn get_u64(o: &Map<String, Value>, key: &str) -> Result<Option<u64>, ApiError> {
     Ok(get_usize(o, key)?.map(|v| v as u64))
 }
@@ -130,8 +189,33 @@ pub fn get_object<'a>(
     typed(o, key, "an object", Value::as_object)
 }
 
-/// `stop`: a string or an array of strings (empty strings ignored).
-pub fn get_stops(o: &Map<String, Value>, key: &str) -> Result<Vec<String>, ApiError> {
+/// `stop`: a string or an array of strings (empty strings ignored), at most
+/// `--max-stops` of at most `--max-stop-bytes` each: the stop filter scans every one
+/// over a window as long as the longest on each token, on the only engine thread
+/// (#18 item 8: 50 × 1 MB stop strings held it 73 s).
+pub fn get_stops(
+    shared: &Shared,
+    o: &Map<String, Value>,
+    key: &str,
+) -> Result<Vec<String>, ApiError> {
+    let stops = stop_list(o, key)?;
+    let (max_n, max_len) = (shared.cfg.max_stops, shared.cfg.max_stop_bytes);
+    if stops.len() > max_n {
+        return Err(ApiError::bad_request(format!(
+            "`{key}` has {} entries; at most {max_n} are allowed",
+            stops.len()
+        )));
+    }
+    if let Some(s) = stops.iter().find(|s| s.len() > max_len) {
+        return Err(ApiError::bad_request(format!(
+            "`{key}` has an entry of {} bytes; at most {max_len} bytes are allowed",
+            s.len()
+        )));
+    }
+    Ok(stops)
+}
+
+fn stop_list(o: &Map<String, Value>, key: &str) -> Result<Vec<String>, ApiError> {
     match o.get(key) {
         None | Some(Value::Null) => Ok(Vec::new()),
         Some(Value::String(s)) => Ok(vec![s.clone()]
@@ -233,6 +317,40 @@ impl Prepared {
             summary: false,
             live: Default::default(),
         }
+    }
+}
+
+/// The generation endpoints, by the API their bodies follow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/chat/completions`
+    Chat,
+    /// `/v1/completions`
+    Completions,
+    /// `/v1/responses`
+    Responses,
+    /// `/v1/messages`
+    Messages,
+}
+
+impl Endpoint {
+    pub const ALL: [Endpoint; 4] = [
+        Endpoint::Chat,
+        Endpoint::Completions,
+        Endpoint::Responses,
+        Endpoint::Messages,
+    ];
+}
+
+/// Parses, renders and tokenizes one request body exactly as its endpoint does, with no
+/// HTTP and no engine: the `request_prompt` fuzz target drives the whole request →
+/// prompt path through this.
+pub fn prepare_request(shared: &Shared, ep: Endpoint, body: &[u8]) -> Result<Prepared, ApiError> {
+    match ep {
+        Endpoint::Chat => openai::prepare_chat(shared, body),
+        Endpoint::Completions => openai::prepare_completion(shared, body),
+        Endpoint::Responses => responses::prepare(shared, body).map(|(p, _)| p),
+        Endpoint::Messages => anthropic::prepare(shared, body),
     }
 }
 

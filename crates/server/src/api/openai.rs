@@ -33,6 +33,9 @@ fn arguments_text(v: &Value) -> String {
 fn parse_messages(o: &Map<String, Value>) -> Result<Conversation, ApiError> {
     let msgs =
         get_array(o, "messages")?.ok_or_else(|| ApiError::bad_request("missing messages"))?;
+    if msgs.is_empty() {
+        return Err(empty_messages("messages"));
+    }
     let mut conv = Conversation::default();
     for m in msgs {
         let m = m.as_object().ok_or_else(|| {
@@ -80,7 +83,7 @@ fn parse_messages(o: &Map<String, Value>) -> Result<Conversation, ApiError> {
                 }
                 conv.messages.push(msg);
             }
-            _ => {}
+            other => return Err(unknown_role(other)),
         }
     }
     if let Some(tools) = get_array(o, "tools")? {
@@ -107,11 +110,11 @@ fn common(shared: &Shared, o: &Map<String, Value>, kind: ApiKind) -> Result<Comm
         .to_string();
     let mode = resolve_think(&think_controls(o)?, &model, shared.cfg.ctx)?;
     let sampling = get_sampling(o, true)?.for_mode(mode);
-    let max_tokens = get_usize(o, "max_completion_tokens")?
-        .or(get_usize(o, "max_tokens")?)
-        .unwrap_or(shared.cfg.max_tokens)
-        .min(shared.cfg.max_tokens);
-    let stops = get_stops(o, "stop")?;
+    let cap = shared.cfg.max_tokens;
+    let max_tokens =
+        get_max_tokens(o, &["max_completion_tokens", "max_tokens"], cap)?.unwrap_or(cap);
+    check_single_choice(o)?;
+    let stops = get_stops(shared, o, "stop")?;
     let stream = get_bool(o, "stream")?.unwrap_or(false);
     let include_usage = match get_object(o, "stream_options")? {
         Some(so) => get_bool(so, "include_usage")?.unwrap_or(false),

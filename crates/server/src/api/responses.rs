@@ -95,9 +95,9 @@ fn part_text(v: &Value) -> Result<String, ApiError> {
                 Some("input_text" | "output_text" | "text" | "summary_text" | "reasoning_text") => {
                     Ok(o.get("text").and_then(Value::as_str).unwrap_or(""))
                 }
-                Some(other) => Err(ApiError::bad_request(format!(
-                    "unsupported content part type {other}"
-                ))),
+                Some(other) => Err(media_part_error(other).unwrap_or_else(|| {
+                    ApiError::bad_request(format!("unsupported content part type {other}"))
+                })),
                 None => Err(ApiError::bad_request("content part without type")),
             },
             _ => Err(ApiError::bad_request("invalid content part")),
@@ -151,6 +151,7 @@ fn parse_input(
             conv.messages.push(Message::new("user", s));
             return Ok(());
         }
+        Value::Array(a) if a.is_empty() => return Err(empty_messages("input")),
         Value::Array(a) => a,
         Value::Null => return Err(ApiError::bad_request("missing input")),
         _ => {
@@ -183,10 +184,11 @@ fn parse_input(
                         m.reasoning_content = pending.take();
                         conv.messages.push(m);
                     }
-                    _ => {
+                    "user" => {
                         flush_reasoning(conv, &mut pending);
                         conv.messages.push(Message::new("user", &text));
                     }
+                    other => return Err(unknown_role(other)),
                 }
             }
             "reasoning" => {
@@ -335,10 +337,8 @@ pub fn prepare(shared: &Shared, body: &[u8]) -> Result<(Prepared, ResponsesExtra
         (render::render_chat(&conv, mode, mem.as_deref())?.0, live)
     };
     let prompt_tokens = tokenize_checked(shared, &text, "input")?;
-    let max_tokens = get_usize(&o, "max_output_tokens")?
-        .or(get_usize(&o, "max_tokens")?)
-        .unwrap_or(shared.cfg.max_tokens)
-        .min(shared.cfg.max_tokens);
+    let cap = shared.cfg.max_tokens;
+    let max_tokens = get_max_tokens(&o, &["max_output_tokens", "max_tokens"], cap)?.unwrap_or(cap);
     let mut sampling = Sampling::default();
     if let Some(t) = get_f32(&o, "temperature")? {
         sampling.temperature = t;
