@@ -352,6 +352,13 @@ fn kill_9_during_saves_leaves_no_temp_and_no_bad_file() {
             body.len()
         )
         .unwrap();
+        if round == 0 {
+            // One complete request, so a cold save surely happened (it is written during
+            // the prefill, before the answer): the checks below then see a real file.
+            use std::io::Read;
+            s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+            let _ = s.read(&mut [0u8; 1]).unwrap();
+        }
         // Kill at a different point of the request each round (upper bound 60 ms).
         std::thread::sleep(Duration::from_millis(round * 12));
         child.kill().unwrap();
@@ -366,8 +373,14 @@ fn kill_9_during_saves_leaves_no_temp_and_no_bad_file() {
     let mut child = spawn_server(&dir, &lock);
     let _ = listening(&mut child);
     assert!(temp_files(&dir).is_empty(), "{:?}", temp_files(&dir));
-    let kv = std::fs::read_dir(&dir).unwrap().flatten().map(|e| e.path());
-    for f in kv.filter(|p| p.extension().is_some_and(|e| e == "kv")) {
+    let kv: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "kv"))
+        .collect();
+    assert!(!kv.is_empty(), "the first round's cold save is missing");
+    for f in kv {
         let b = std::fs::read(&f).unwrap();
         let parsed = parse_file(&b).unwrap_or_else(|e| panic!("{f:?}: {e}"));
         assert_eq!(
