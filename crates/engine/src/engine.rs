@@ -143,6 +143,11 @@ pub struct ModelInfo {
     pub file_bytes: u64,
     pub n_tensors: usize,
     pub tensor_bytes: u64,
+    /// The model's identity: SHA-256 of the GGUF's metadata and tensor table (every byte
+    /// before the tensor data) and the first bytes of each tensor, so another tokenizer,
+    /// config or set of weights with the same shapes gets another value. Disk KV cache
+    /// files record it and are refused by another model.
+    pub fingerprint: [u8; 32],
 }
 
 impl ModelInfo {
@@ -176,8 +181,26 @@ impl ModelInfo {
             file_bytes: g.len(),
             n_tensors: g.tensors().len(),
             tensor_bytes: g.tensor_bytes(),
+            fingerprint: fingerprint(g),
         }
     }
+}
+
+/// Tensor bytes sampled per tensor: enough to tell weights apart, while touching only
+/// one page of each tensor (the load computes this once).
+const FINGERPRINT_SAMPLE: u64 = 256;
+
+fn fingerprint(g: &ds4_gguf::GgufFile) -> [u8; 32] {
+    use sha2::{Digest, Sha256};
+    let bytes = g.bytes();
+    let mut d = Sha256::new();
+    let table_end = (g.data_offset() as usize).min(bytes.len());
+    d.update(&bytes[..table_end]);
+    for info in g.tensors() {
+        let view = g.view(info);
+        d.update(&view.data[..view.data.len().min(FINGERPRINT_SAMPLE as usize)]);
+    }
+    d.finalize().into()
 }
 
 /// The routed experts' gate type (every layer has the same; binding checks that).

@@ -105,6 +105,16 @@ fn cuda_that_cannot_run_is_an_error_not_a_fallback() {
     }
 }
 
+// #18 item 5: the model identity the disk KV cache records: stable for one file,
+// different for another model (here the q4 variant of the same tiny shapes).
+#[test]
+fn fingerprint_is_stable_per_file_and_differs_between_models() {
+    let q2 = cpu("q2").info().fingerprint;
+    assert_eq!(q2, cpu("q2").info().fingerprint);
+    assert_ne!(q2, cpu("q4").info().fingerprint);
+    assert_ne!(q2, [0; 32]);
+}
+
 #[test]
 fn routed_quant_bits_come_from_the_expert_types() {
     let q2 = cpu("q2");

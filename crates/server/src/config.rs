@@ -131,6 +131,10 @@ pub struct Args {
     /// Ignore cache files written with another quantisation instead of converting them.
     #[arg(long)]
     pub kv_cache_reject_different_quant: bool,
+    /// Load only cache files with our integrity section (checksum and model
+    /// fingerprint); the reference's files are skipped instead of trusted by shape.
+    #[arg(long)]
+    pub kv_cache_strict: bool,
     /// Tool-call ids remembered for exact DSML replay.
     #[arg(long, default_value_t = 100000, value_parser = positive)]
     pub tool_memory_max_ids: usize,
@@ -238,6 +242,8 @@ pub struct KvDiskConfig {
     pub trim: usize,
     pub align: usize,
     pub reject_different_quant: bool,
+    /// `--kv-cache-strict`: skip files without an integrity section.
+    pub strict: bool,
 }
 
 impl KvDiskConfig {
@@ -253,6 +259,7 @@ impl KvDiskConfig {
             trim: 32,
             align: 2048,
             reject_different_quant: false,
+            strict: false,
         }
     }
 
@@ -380,6 +387,7 @@ impl Args {
             trim: self.kv_cache_boundary_trim_tokens,
             align: self.kv_cache_boundary_align_tokens,
             reject_different_quant: self.kv_cache_reject_different_quant,
+            strict: self.kv_cache_strict,
         });
         Ok(ServerConfig {
             ctx: self.ctx,

@@ -16,6 +16,9 @@ pub trait EngineBackend: Send {
     fn ctx(&self) -> usize;
     /// Routed-expert quantisation bits of the model (2 or 4), written into KVC headers.
     fn quant_bits(&self) -> u8;
+    /// The model's identity ([`ds4_engine::ModelInfo::fingerprint`]), written into and
+    /// checked against the integrity section of KVC files.
+    fn fingerprint(&self) -> [u8; 32];
     fn tokens(&self) -> &[u32];
     /// Next-token logits (empty before the first token).
     fn logits(&self) -> &[f32];
@@ -42,6 +45,7 @@ pub trait EngineBackend: Send {
 pub struct RealEngine {
     session: Session,
     quant_bits: u8,
+    fingerprint: [u8; 32],
 }
 
 impl RealEngine {
@@ -50,6 +54,7 @@ impl RealEngine {
         RealEngine {
             session,
             quant_bits: engine.routed_quant_bits(),
+            fingerprint: engine.info().fingerprint,
         }
     }
 }
@@ -63,6 +68,9 @@ impl EngineBackend for RealEngine {
     }
     fn quant_bits(&self) -> u8 {
         self.quant_bits
+    }
+    fn fingerprint(&self) -> [u8; 32] {
+        self.fingerprint
     }
     fn tokens(&self) -> &[u32] {
         self.session.tokens()
@@ -84,6 +92,7 @@ impl EngineBackend for RealEngine {
         Ok(Box::new(RealEngine {
             session: self.session.try_clone()?,
             quant_bits: self.quant_bits,
+            fingerprint: self.fingerprint,
         }))
     }
     fn save_payload(&self, mut w: &mut dyn Write) -> Result<(), ServerError> {
@@ -98,6 +107,9 @@ impl EngineBackend for RealEngine {
         Ok(res?)
     }
 }
+
+/// The fake engine's model identity unless a test picks another.
+pub const FAKE_FINGERPRINT: [u8; 32] = *b"ds4 fake engine fingerprint v1\0\0";
 
 /// What the fake engine answers to a prompt (the decoded prompt text → the reply text).
 pub type Script = Arc<dyn Fn(&str) -> String + Send + Sync>;
@@ -116,6 +128,7 @@ pub struct FakeEngine {
     gen_start: usize,
     eos: u32,
     delay: Duration,
+    fingerprint: [u8; 32],
 }
 
 impl FakeEngine {
@@ -131,12 +144,19 @@ impl FakeEngine {
             gen_start: 0,
             eos,
             delay: Duration::ZERO,
+            fingerprint: FAKE_FINGERPRINT,
         }
     }
 
     /// Sleep per evaluated token (to test keepalive, cancellation and queueing).
     pub fn with_delay(mut self, delay: Duration) -> FakeEngine {
         self.delay = delay;
+        self
+    }
+
+    /// Another model identity (tests: a cache file of another model with the same shapes).
+    pub fn with_fingerprint(mut self, fingerprint: [u8; 32]) -> FakeEngine {
+        self.fingerprint = fingerprint;
         self
     }
 
@@ -167,6 +187,9 @@ impl EngineBackend for FakeEngine {
     }
     fn quant_bits(&self) -> u8 {
         2
+    }
+    fn fingerprint(&self) -> [u8; 32] {
+        self.fingerprint
     }
     fn tokens(&self) -> &[u32] {
         &self.tokens

@@ -198,7 +198,7 @@ impl Worker {
         let sp = shared.tok.special_ids().ok().cloned();
         let disk = shared.cfg.kv_disk.clone().and_then(|c| {
             let dir = c.dir.clone();
-            match DiskCache::open(c, engine.ctx(), engine.quant_bits()) {
+            match DiskCache::open(c, engine.ctx(), engine.quant_bits(), engine.fingerprint()) {
                 Ok(d) => Some(d),
                 Err(e) => {
                     log!(

@@ -64,11 +64,14 @@ fn restart_serves_the_prefix_from_disk() {
     let mut reasons = Vec::new();
     for f in &files {
         let b = std::fs::read(f).unwrap();
-        let (quant, reason, _ext, tokens, ctx, payload, key_len) = read_header(&b);
+        let (quant, reason, ext, tokens, ctx, payload, key_len) = read_header(&b);
         assert_eq!(quant, 2);
         assert_eq!(ctx, 4096);
         assert!(tokens >= 32);
-        assert_eq!(b.len() as u64, 52 + key_len as u64 + payload);
+        // #18 item 5: our files end with the 68-byte integrity section (ext bit 3).
+        assert_eq!(ext & 8, 8);
+        assert_eq!(b.len() as u64, 52 + key_len as u64 + payload + 68);
+        assert_eq!(&b[b.len() - 68..b.len() - 64], b"KVI\x01");
         let key = &b[52..52 + key_len as usize];
         assert!(key.starts_with("<｜begin▁of▁sentence｜>".as_bytes()));
         assert_eq!(
@@ -117,5 +120,11 @@ fn garbage_cache_files_are_ignored() {
     );
     assert_eq!(r.status, 200);
     drop(s);
+    // #18 item 4: invalid `.kv` files are deleted (never retried, also not after a
+    // restart); files of other names are not the cache's to touch.
+    for c in ['a', 'b', 'c'] {
+        assert!(!name(c).exists(), "{c}");
+    }
+    assert!(dir.join("README.kv").exists());
     let _ = std::fs::remove_dir_all(&dir);
 }

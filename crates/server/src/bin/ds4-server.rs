@@ -253,10 +253,11 @@ fn take_locks(cfg: &ds4_server::ServerConfig) -> Result<Vec<lock::ProcessLock>> 
     let mut locks = vec![lock::acquire(&lock::lock_file_path())
         .map_err(|e| anyhow::anyhow!("{e}; set DS4_LOCK_FILE to another file to run several"))?];
     if let Some(d) = &cfg.kv_disk {
-        // The cache itself creates the directory too; creating it here lets the lock
-        // live inside it. A failure disables the cache later, with its own log line.
-        if std::fs::create_dir_all(&d.dir).is_ok() {
-            let path = d.dir.join(lock::KV_DIR_LOCK);
+        // The cache itself prepares the directory too (the same one: a new directory is
+        // 0700, a world-writable one gets a private subdirectory); doing it here lets the
+        // lock live inside it. A failure disables the cache later, with its own log line.
+        if let Ok(dir) = ds4_server::kvcache::disk::prepare_dir(&d.dir) {
+            let path = dir.join(lock::KV_DIR_LOCK);
             locks.push(lock::acquire(&path).map_err(|e| {
                 anyhow::anyhow!("the KV cache directory {} is in use: {e}", d.dir.display())
             })?);

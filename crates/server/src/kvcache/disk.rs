@@ -1,13 +1,11 @@
-//! The disk KV cache (server.md §4.4): KVC files named by the SHA-1 of their key text.
+//! The disk KV cache (server.md §4.4): KVC files (layout in `format.rs`) named by the
+//! SHA-1 of their key text.
 //!
-//! ```text
-//! 0 "KVC" | 3 version=1 | 4 quant bits | 5 reason | 6 ext flags | 7 reserved
-//! 8 u32 tokens | 12 u32 hits | 16 u32 ctx | 20 u32 reserved
-//! 24 u64 created | 32 u64 last used | 40 u64 payload bytes | 48 u32 key length T
-//! 52 key text | 52+T payload (DSV4) | optional tool-id map ("KTM", ext bit0)
-//! ```
-//! Files are written to `<name>.tmp.<pid>` and renamed, so a crash never leaves a torn
-//! file under a valid name; anything invalid is ignored with a log line.
+//! Files are written to `<name>.kv.tmp.<pid>`, fsynced and renamed (then the directory is
+//! fsynced), so a crash never leaves a torn file under a valid name; temp files of dead
+//! processes are removed at start-up. A `.kv` file that fails a check (header, size,
+//! checksum, model fingerprint, payload) is deleted with a log line, so it is never
+//! retried, also not after a restart.
 
 use std::collections::HashSet;
 use std::fs;
@@ -15,22 +13,22 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::Mutex;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use sha1::{Digest, Sha1};
 
+pub use super::format::{
+    decode_tool_map, encode_tool_map, parse_file, Header, Integrity, EXT_INTEGRITY, EXT_TOOL_MAP,
+    HEADER_LEN, INTEGRITY_LEN,
+};
 use crate::config::KvDiskConfig;
 use crate::engine::EngineBackend;
 use crate::log;
 
-pub const HEADER_LEN: usize = 52;
-const MAGIC: &[u8; 3] = b"KVC";
-const VERSION: u8 = 1;
-pub const EXT_TOOL_MAP: u8 = 1;
-const MAX_TOOL_ID: usize = 256;
-const MAX_TOOL_DSML: usize = 512 << 20;
 /// Hit-decay half-life in seconds (6 h, fixed).
 const HALF_LIFE: f64 = 21600.0;
+/// A temp file of a live process older than this is a leftover of a recycled pid.
+const STALE_TMP: Duration = Duration::from_secs(3600);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SaveReason {
@@ -50,81 +48,6 @@ impl SaveReason {
             SaveReason::Evict => "evict",
             SaveReason::Shutdown => "shutdown",
         }
-    }
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Header {
-    pub quant: u8,
-    pub reason: u8,
-    pub ext: u8,
-    pub tokens: u32,
-    pub hits: u32,
-    pub ctx: u32,
-    pub created: u64,
-    pub last_used: u64,
-    pub payload_len: u64,
-    pub key_len: u32,
-}
-
-impl Header {
-    pub fn encode(&self) -> [u8; HEADER_LEN] {
-        let mut b = [0u8; HEADER_LEN];
-        b[..3].copy_from_slice(MAGIC);
-        b[3] = VERSION;
-        b[4] = self.quant;
-        b[5] = self.reason;
-        b[6] = self.ext;
-        b[8..12].copy_from_slice(&self.tokens.to_le_bytes());
-        b[12..16].copy_from_slice(&self.hits.to_le_bytes());
-        b[16..20].copy_from_slice(&self.ctx.to_le_bytes());
-        b[24..32].copy_from_slice(&self.created.to_le_bytes());
-        b[32..40].copy_from_slice(&self.last_used.to_le_bytes());
-        b[40..48].copy_from_slice(&self.payload_len.to_le_bytes());
-        b[48..52].copy_from_slice(&self.key_len.to_le_bytes());
-        b
-    }
-
-    pub fn decode(b: &[u8]) -> Result<Header, String> {
-        if b.len() < HEADER_LEN {
-            return Err(format!("truncated header ({} bytes)", b.len()));
-        }
-        if &b[..3] != MAGIC {
-            return Err("bad magic".into());
-        }
-        if b[3] != VERSION {
-            return Err(format!("unsupported version {}", b[3]));
-        }
-        let u32at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
-        let u64at = |o: usize| {
-            let mut x = [0u8; 8];
-            x.copy_from_slice(&b[o..o + 8]);
-            u64::from_le_bytes(x)
-        };
-        let h = Header {
-            quant: b[4],
-            reason: if b[5] > 6 { 0 } else { b[5] },
-            ext: b[6],
-            tokens: u32at(8),
-            hits: u32at(12),
-            ctx: u32at(16),
-            created: u64at(24),
-            last_used: u64at(32),
-            payload_len: u64at(40),
-            key_len: u32at(48),
-        };
-        if h.quant != 2 && h.quant != 4 {
-            return Err(format!("quant bits {} (expected 2 or 4)", h.quant));
-        }
-        if h.tokens == 0 {
-            return Err("zero tokens".into());
-        }
-        Ok(h)
-    }
-
-    /// Bytes of header + key + payload (the minimum valid file size).
-    pub fn body_len(&self) -> u64 {
-        HEADER_LEN as u64 + self.key_len as u64 + self.payload_len
     }
 }
 
@@ -202,25 +125,31 @@ pub struct DiskCache {
     pub cfg: KvDiskConfig,
     ctx: usize,
     quant: u8,
-    /// Files already reported as invalid (log once each).
+    /// The model's identity, written into and checked against integrity sections.
+    fingerprint: [u8; 32],
+    /// Files already reported as skipped (log once each).
     reported: Mutex<HashSet<String>>,
 }
 
 impl DiskCache {
-    /// Creates the directory (mode 0700) and trims the cache to its budget.
-    pub fn open(cfg: KvDiskConfig, ctx: usize, quant: u8) -> std::io::Result<DiskCache> {
-        fs::create_dir_all(&cfg.dir)?;
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::PermissionsExt;
-            let _ = fs::set_permissions(&cfg.dir, fs::Permissions::from_mode(0o700));
-        }
+    /// Prepares the directory (never changing the mode of an existing one), removes
+    /// temp files that crashed writers left, and trims the cache to its budget.
+    pub fn open(
+        cfg: KvDiskConfig,
+        ctx: usize,
+        quant: u8,
+        fingerprint: [u8; 32],
+    ) -> std::io::Result<DiskCache> {
+        let mut cfg = cfg;
+        cfg.dir = prepare_dir(&cfg.dir)?;
         let c = DiskCache {
             cfg,
             ctx,
             quant,
+            fingerprint,
             reported: Mutex::new(HashSet::new()),
         };
+        c.remove_stale_temps();
         c.evict(None);
         Ok(c)
     }
@@ -232,7 +161,30 @@ impl DiskCache {
         }
     }
 
-    /// Valid entries (`<40 hex>.kv` with a good header and a large enough file).
+    /// Deletes a `.kv` file that failed a check: it can never load, and keeping it would
+    /// make every matching request (and every restart) try it again.
+    fn quarantine(&self, path: &Path, why: &str) {
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        match fs::remove_file(path) {
+            Ok(()) => log!("kv cache: deleted invalid {name}: {why}"),
+            Err(e) => self.report(&name, &format!("{why} (cannot delete: {e})")),
+        }
+    }
+
+    /// `<name>.kv.tmp.<pid>` files whose writer is gone (not alive, or the pid is ours:
+    /// nothing is being written while the cache opens) or that are older than an hour.
+    fn remove_stale_temps(&self) {
+        let me = std::process::id();
+        for (path, pid, age) in temp_files(&self.cfg.dir) {
+            if pid == me || !pid_alive(pid) || age > STALE_TMP {
+                log!("kv cache: removing stale temp file {}", path.display());
+                let _ = fs::remove_file(&path);
+            }
+        }
+    }
+
+    /// Valid entries (`<40 hex>.kv` with a good header and a large enough file); files
+    /// with a bad header or too short are deleted.
     pub fn scan(&self) -> Vec<Entry> {
         let mut out = Vec::new();
         let Ok(rd) = fs::read_dir(&self.cfg.dir) else {
@@ -265,24 +217,24 @@ impl DiskCache {
                 }
             };
             match Header::decode(&head[..n]) {
-                Ok(h) if size >= h.body_len() => out.push(Entry {
+                Ok(h) if size >= h.min_file_len() => out.push(Entry {
                     path,
                     name: name.to_string(),
                     header: h,
                     file_size: size,
                 }),
-                Ok(h) => self.report(
-                    &fname,
-                    &format!("truncated ({size} bytes, need {})", h.body_len()),
+                Ok(h) => self.quarantine(
+                    &path,
+                    &format!("truncated ({size} bytes, need {})", h.min_file_len()),
                 ),
-                Err(e) => self.report(&fname, &e),
+                Err(e) => self.quarantine(&path, &e),
             }
         }
         out
     }
 
     /// Finds the longest checkpoint whose key is a prefix of `text` and loads it into
-    /// `engine`. On failure the engine is reset and the file is skipped (or deleted).
+    /// `engine`. On failure the engine is reset and the file is skipped or deleted.
     pub fn lookup(&self, text: &str, engine: &mut dyn EngineBackend) -> Option<Hit> {
         let mut cands: Vec<Entry> = Vec::new();
         for e in self.scan() {
@@ -308,6 +260,11 @@ impl DiskCache {
                 );
                 continue;
             }
+            if self.cfg.strict && h.ext & EXT_INTEGRITY == 0 {
+                // The reference's files are valid, only unverifiable: skip, keep.
+                self.report(&e.name, "no integrity section (--kv-cache-strict)");
+                continue;
+            }
             if !text.is_char_boundary(kl) || sha1_hex(&text.as_bytes()[..kl]) != e.name {
                 continue;
             }
@@ -321,9 +278,10 @@ impl DiskCache {
                 Ok(hit) => return Some(hit),
                 Err((msg, delete)) => {
                     engine.reset();
-                    log!("kv cache: cannot load {}: {msg}", e.name);
                     if delete {
-                        let _ = fs::remove_file(&e.path);
+                        self.quarantine(&e.path, &msg);
+                    } else {
+                        log!("kv cache: cannot load {}: {msg}", e.name);
                     }
                 }
             }
@@ -331,6 +289,7 @@ impl DiskCache {
         None
     }
 
+    /// Loads one file; the error says whether the file itself is bad (delete it).
     fn load(
         &self,
         e: &Entry,
@@ -339,21 +298,27 @@ impl DiskCache {
     ) -> Result<Hit, (String, bool)> {
         let h = &e.header;
         let data = fs::read(&e.path).map_err(|err| (err.to_string(), false))?;
+        let file = parse_file(&data).map_err(|err| (err, true))?;
+        if &file.header != h {
+            return Err(("file changed while reading".into(), false));
+        }
+        if let Some(i) = &file.integrity {
+            if i.fingerprint != self.fingerprint {
+                return Err(("written by another model".into(), true));
+            }
+        }
         let kl = h.key_len as usize;
-        let key_end = HEADER_LEN + kl;
-        let pay_end = key_end + h.payload_len as usize;
-        if data.len() < pay_end || Header::decode(&data).ok().as_ref() != Some(h) {
-            return Err(("file changed or truncated".into(), false));
+        if sha1_hex(file.key) != e.name {
+            return Err(("key does not match its name".into(), true));
         }
-        let key = &data[HEADER_LEN..key_end];
-        if sha1_hex(key) != e.name || key != &text.as_bytes()[..kl] {
-            return Err(("key does not match its name".into(), false));
+        if file.key != &text.as_bytes()[..kl] {
+            return Err(("key does not match the prompt".into(), false));
         }
-        let mut payload = &data[key_end..pay_end];
+        let mut payload = file.payload;
         engine.reset();
         engine
             .load_payload(&mut payload)
-            .map_err(|err| (err.to_string(), false))?;
+            .map_err(|err| (err.to_string(), true))?;
         if engine.tokens().len() != h.tokens as usize {
             return Err((
                 format!(
@@ -401,8 +366,8 @@ impl DiskCache {
         let now = now_secs();
         // Same key already stored: only refresh its tool map and last-used time.
         if let Ok(f) = fs::File::open(&path) {
-            if let Some(h) = self.compatible_same_key(f, key) {
-                return rewrite_trailer(&path, &h, &map, now)
+            if let Some((h, integrity)) = self.compatible_same_key(f, key) {
+                return rewrite_trailer(&path, &h, &map, &integrity, now)
                     .map(|_| path)
                     .map_err(|e| e.to_string());
             }
@@ -411,10 +376,14 @@ impl DiskCache {
         engine
             .save_payload(&mut payload)
             .map_err(|e| e.to_string())?;
+        let mut ext = (key_ext & !EXT_TOOL_MAP) | EXT_INTEGRITY;
+        if !map.is_empty() {
+            ext |= EXT_TOOL_MAP;
+        }
         let h = Header {
             quant: engine.quant_bits(),
             reason: reason as u8,
-            ext: (key_ext & !EXT_TOOL_MAP) | if map.is_empty() { 0 } else { EXT_TOOL_MAP },
+            ext,
             tokens: n as u32,
             hits: 0,
             ctx: self.ctx as u32,
@@ -423,7 +392,11 @@ impl DiskCache {
             payload_len: payload.len() as u64,
             key_len: key.len() as u32,
         };
-        let size = h.body_len() + map.len() as u64;
+        let integrity = Integrity {
+            fingerprint: self.fingerprint,
+            checksum: super::format::checksum(&h, key.as_bytes(), &payload),
+        };
+        let size = h.body_len() + map.len() as u64 + INTEGRITY_LEN as u64;
         if !fits_budget(size, self.cfg.budget_bytes) {
             return Err(format!(
                 "{size} bytes do not fit the budget of {} bytes",
@@ -440,8 +413,12 @@ impl DiskCache {
             f.write_all(key.as_bytes())?;
             f.write_all(&payload)?;
             f.write_all(&map)?;
+            f.write_all(&integrity.encode())?;
+            // Durable before it gets a valid name; the directory entry after the rename.
+            f.sync_all()?;
             drop(f);
-            fs::rename(&tmp, &path)
+            fs::rename(&tmp, &path)?;
+            fs::File::open(&self.cfg.dir)?.sync_all()
         };
         if let Err(e) = write() {
             let _ = fs::remove_file(&tmp);
@@ -456,7 +433,9 @@ impl DiskCache {
         Ok(path)
     }
 
-    fn compatible_same_key(&self, mut f: fs::File, key: &str) -> Option<Header> {
+    /// The header and integrity section of an existing file with the same key that this
+    /// model may reuse as is (a file without a section of ours is rewritten whole).
+    fn compatible_same_key(&self, mut f: fs::File, key: &str) -> Option<(Header, Integrity)> {
         let mut head = [0u8; HEADER_LEN];
         let n = read_up_to(&mut f, &mut head).ok()?;
         let h = Header::decode(&head[..n]).ok()?;
@@ -466,16 +445,29 @@ impl DiskCache {
         if self.cfg.reject_different_quant && h.quant != self.quant {
             return None;
         }
+        if h.ext & EXT_INTEGRITY == 0 || f.metadata().ok()?.len() < h.min_file_len() {
+            return None;
+        }
         let mut k = vec![0u8; key.len()];
         f.read_exact(&mut k).ok()?;
-        (k == key.as_bytes()).then_some(h)
+        f.seek(SeekFrom::End(-(INTEGRITY_LEN as i64))).ok()?;
+        let mut tail = [0u8; INTEGRITY_LEN];
+        f.read_exact(&mut tail).ok()?;
+        let i = Integrity::decode(&tail).ok()?;
+        (k == key.as_bytes() && i.fingerprint == self.fingerprint).then_some((h, i))
     }
 
     /// Deletes the lowest-scoring files until the total fits the budget; `protect` (the
     /// file just stored) goes last unless it alone exceeds the budget.
     pub fn evict(&self, protect: Option<&Path>) {
         let mut entries = self.scan();
-        let mut total: u64 = entries.iter().map(|e| e.file_size).sum();
+        // Temp files of live writers occupy the disk too (#18 item 6).
+        let temps: u64 = temp_files(&self.cfg.dir)
+            .iter()
+            .filter_map(|(p, _, _)| fs::metadata(p).ok())
+            .map(|m| m.len())
+            .sum();
+        let mut total: u64 = entries.iter().map(|e| e.file_size).sum::<u64>() + temps;
         let now = now_secs();
         while total > self.cfg.budget_bytes && !entries.is_empty() {
             let pick = entries
@@ -564,76 +556,106 @@ fn touch(path: &Path, hits: u32, now: u64) -> std::io::Result<()> {
     f.write_all(&now.to_le_bytes())
 }
 
-fn rewrite_trailer(path: &Path, h: &Header, map: &[u8], now: u64) -> std::io::Result<()> {
+fn rewrite_trailer(
+    path: &Path,
+    h: &Header,
+    map: &[u8],
+    integrity: &Integrity,
+    now: u64,
+) -> std::io::Result<()> {
     let mut f = fs::OpenOptions::new().write(true).open(path)?;
     f.set_len(h.body_len())?;
     f.seek(SeekFrom::End(0))?;
     f.write_all(map)?;
+    f.write_all(&integrity.encode())?;
     let ext = if map.is_empty() {
         h.ext & !EXT_TOOL_MAP
     } else {
         h.ext | EXT_TOOL_MAP
     };
     f.seek(SeekFrom::Start(6))?;
-    f.write_all(&[ext])?;
+    f.write_all(&[ext | EXT_INTEGRITY])?;
     f.seek(SeekFrom::Start(32))?;
-    f.write_all(&now.to_le_bytes())
+    f.write_all(&now.to_le_bytes())?;
+    f.sync_all()
 }
 
-/// `KTM`, version 1, u32 count, then (u32 id len, u32 dsml len, id, dsml) per entry.
-pub fn encode_tool_map(entries: &[(String, Arc<str>)]) -> Vec<u8> {
-    let entries: Vec<&(String, Arc<str>)> = entries
-        .iter()
-        .filter(|(id, b)| {
-            (1..=MAX_TOOL_ID).contains(&id.len()) && (1..=MAX_TOOL_DSML).contains(&b.len())
-        })
-        .collect();
-    if entries.is_empty() {
+/// `<name>.kv.tmp.<pid>` files in `dir`: (path, pid, age).
+fn temp_files(dir: &Path) -> Vec<(PathBuf, u32, Duration)> {
+    let Ok(rd) = fs::read_dir(dir) else {
         return Vec::new();
-    }
-    let mut out = Vec::new();
-    out.extend_from_slice(b"KTM");
-    out.push(1);
-    out.extend_from_slice(&(entries.len() as u32).to_le_bytes());
-    for (id, b) in entries {
-        out.extend_from_slice(&(id.len() as u32).to_le_bytes());
-        out.extend_from_slice(&(b.len() as u32).to_le_bytes());
-        out.extend_from_slice(id.as_bytes());
-        out.extend_from_slice(b.as_bytes());
-    }
-    out
+    };
+    let now = SystemTime::now();
+    rd.flatten()
+        .filter_map(|de| {
+            let fname = de.file_name().to_string_lossy().into_owned();
+            let (_, pid) = fname.split_once(".kv.tmp.")?;
+            let pid: u32 = pid.parse().ok()?;
+            let age = de
+                .metadata()
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| now.duration_since(t).ok())
+                .unwrap_or_default();
+            Some((de.path(), pid, age))
+        })
+        .collect()
 }
 
-pub fn decode_tool_map(b: &[u8], max: usize) -> Result<Vec<(String, String)>, String> {
-    if b.len() < 8 || &b[..3] != b"KTM" || b[3] != 1 {
-        return Err("bad tool map header".into());
-    }
-    let count = u32::from_le_bytes([b[4], b[5], b[6], b[7]]) as usize;
-    if count > max {
-        return Err(format!("{count} entries exceed the limit {max}"));
-    }
-    let mut pos = 8;
-    let mut out = Vec::with_capacity(count);
-    for _ in 0..count {
-        if pos + 8 > b.len() {
-            return Err("truncated".into());
+/// Whether process `pid` exists (Linux: `/proc/<pid>`; elsewhere assume alive and rely
+/// on the age limit).
+fn pid_alive(pid: u32) -> bool {
+    let proc = Path::new("/proc");
+    !proc.is_dir() || proc.join(pid.to_string()).exists()
+}
+
+/// The directory the cache files go to (#18 item 3). A missing one is created with mode
+/// 0700; an existing one is used as is, never chmodded. A world-writable one (like /tmp)
+/// gets a private subdirectory `ds4-kvcache-<uid>`, since anyone could plant or replace
+/// files there; that subdirectory must be ours and 0700.
+pub fn prepare_dir(dir: &Path) -> std::io::Result<PathBuf> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+        let mut b = fs::DirBuilder::new();
+        b.recursive(true).mode(0o700);
+        b.create(dir)?;
+        let md = fs::metadata(dir)?;
+        if md.permissions().mode() & 0o002 == 0 {
+            return Ok(dir.to_path_buf());
         }
-        let il = u32::from_le_bytes([b[pos], b[pos + 1], b[pos + 2], b[pos + 3]]) as usize;
-        let dl = u32::from_le_bytes([b[pos + 4], b[pos + 5], b[pos + 6], b[pos + 7]]) as usize;
-        pos += 8;
-        if !(1..=MAX_TOOL_ID).contains(&il)
-            || !(1..=MAX_TOOL_DSML).contains(&dl)
-            || pos + il + dl > b.len()
-        {
-            return Err("bad entry".into());
+        // The owner of a directory we just created is our effective uid.
+        let probe = dir.join(format!(".ds4-uid-probe.{}", std::process::id()));
+        let _ = fs::remove_dir(&probe);
+        fs::DirBuilder::new().mode(0o700).create(&probe)?;
+        let uid = fs::symlink_metadata(&probe)?.uid();
+        fs::remove_dir(&probe)?;
+        let sub = dir.join(format!("ds4-kvcache-{uid}"));
+        match fs::DirBuilder::new().mode(0o700).create(&sub) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
         }
-        let id = String::from_utf8(b[pos..pos + il].to_vec()).map_err(|_| "id not UTF-8")?;
-        let dsml =
-            String::from_utf8(b[pos + il..pos + il + dl].to_vec()).map_err(|_| "DSML not UTF-8")?;
-        pos += il + dl;
-        out.push((id, dsml));
+        let smd = fs::symlink_metadata(&sub)?;
+        if !smd.is_dir() || smd.uid() != uid || smd.permissions().mode() & 0o077 != 0 {
+            return Err(std::io::Error::other(format!(
+                "{} is world-writable and {} is not a private directory of ours",
+                dir.display(),
+                sub.display()
+            )));
+        }
+        log!(
+            "kv cache: {} is world-writable; using {}",
+            dir.display(),
+            sub.display()
+        );
+        Ok(sub)
     }
-    Ok(out)
+    #[cfg(not(unix))]
+    {
+        fs::create_dir_all(dir)?;
+        Ok(dir.to_path_buf())
+    }
 }
 
 #[cfg(test)]

@@ -2,5 +2,7 @@
 //! the worker, which owns the session.
 
 pub mod disk;
+pub mod format;
 
-pub use disk::{DiskCache, Header, SaveReason, HEADER_LEN};
+pub use disk::{DiskCache, SaveReason};
+pub use format::{Header, HEADER_LEN};
