@@ -225,6 +225,31 @@ fn bad_flags_exit_with_status_2() {
     }
 }
 
+// #19 item 4: `-n -5` read as an unknown flag ("unexpected argument '-5'"), and a
+// `--logprobs-top-k` above 128 was clamped without a word.
+#[test]
+fn negative_counts_and_oversized_top_k_name_the_flag_and_the_rule() {
+    for (args, want) in [
+        (
+            &["-p", "x", "-n", "-5"][..],
+            "expected a positive integer, got \"-5\"",
+        ),
+        (&["-p", "x", "-c", "-1"][..], "expected a positive integer"),
+        (
+            &["-p", "x", "--dump-logprobs", "f", "--logprobs-top-k", "500"][..],
+            "500 is above the maximum 128",
+        ),
+    ] {
+        let o = ds4(args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+        let err = text(&o.stderr);
+        assert!(
+            err.contains(want) && !err.contains("unexpected argument"),
+            "{args:?}: {err}"
+        );
+    }
+}
+
 #[test]
 fn missing_model_says_how_to_download() {
     let o = Command::new(DS4)
