@@ -304,3 +304,6 @@ impl Args {
 pub fn fail(kind: ErrorKind, msg: &str) -> ! {
     Args::command().error(kind, msg).exit()
 }
+
+// #19 item 4: every flag has `--help` text.
+ds4_cli::every_argument_has_help_text!(Args);
