@@ -250,6 +250,22 @@ fn negative_counts_and_oversized_top_k_name_the_flag_and_the_rule() {
     }
 }
 
+// #19 item 4: `--backend cuda` on a machine without a usable GPU exits 2 (a usage
+// error) and says why; with a GPU the run itself must work.
+#[test]
+fn explicit_cuda_without_a_gpu_exits_2() {
+    let o = ds4(&["--backend", "cuda", "-p", "hi", "-n", "1"]);
+    if o.status.success() {
+        return; // a GPU is present: nothing to refuse
+    }
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
+    assert!(
+        text(&o.stderr).contains("not available"),
+        "{}",
+        text(&o.stderr)
+    );
+}
+
 #[test]
 fn missing_model_says_how_to_download() {
     let o = Command::new(DS4)
