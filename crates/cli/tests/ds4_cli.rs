@@ -266,6 +266,23 @@ fn explicit_cuda_without_a_gpu_exits_2() {
     );
 }
 
+// #19 item 4: a directory given as the model read "No such device" (mmap's ENODEV).
+#[test]
+fn a_directory_as_the_model_is_named_as_such() {
+    let dir = tmp_dir("model-dir");
+    let o = Command::new(DS4)
+        .arg("-m")
+        .arg(&dir)
+        .args(["-p", "hi"])
+        .output()
+        .unwrap();
+    let err = text(&o.stderr);
+    assert!(
+        err.contains("is a directory") && !err.contains("No such device"),
+        "{err}"
+    );
+}
+
 #[test]
 fn missing_model_says_how_to_download() {
     let o = Command::new(DS4)
