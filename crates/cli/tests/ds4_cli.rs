@@ -225,6 +225,64 @@ fn bad_flags_exit_with_status_2() {
     }
 }
 
+// #19 item 4: `-n -5` read as an unknown flag ("unexpected argument '-5'"), and a
+// `--logprobs-top-k` above 128 was clamped without a word.
+#[test]
+fn negative_counts_and_oversized_top_k_name_the_flag_and_the_rule() {
+    for (args, want) in [
+        (
+            &["-p", "x", "-n", "-5"][..],
+            "expected a positive integer, got \"-5\"",
+        ),
+        (&["-p", "x", "-c", "-1"][..], "expected a positive integer"),
+        (
+            &["-p", "x", "--dump-logprobs", "f", "--logprobs-top-k", "500"][..],
+            "500 is above the maximum 128",
+        ),
+    ] {
+        let o = ds4(args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+        let err = text(&o.stderr);
+        assert!(
+            err.contains(want) && !err.contains("unexpected argument"),
+            "{args:?}: {err}"
+        );
+    }
+}
+
+// #19 item 4: `--backend cuda` on a machine without a usable GPU exits 2 (a usage
+// error) and says why; with a GPU the run itself must work.
+#[test]
+fn explicit_cuda_without_a_gpu_exits_2() {
+    let o = ds4(&["--backend", "cuda", "-p", "hi", "-n", "1"]);
+    if o.status.success() {
+        return; // a GPU is present: nothing to refuse
+    }
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
+    assert!(
+        text(&o.stderr).contains("not available"),
+        "{}",
+        text(&o.stderr)
+    );
+}
+
+// #19 item 4: a directory given as the model read "No such device" (mmap's ENODEV).
+#[test]
+fn a_directory_as_the_model_is_named_as_such() {
+    let dir = tmp_dir("model-dir");
+    let o = Command::new(DS4)
+        .arg("-m")
+        .arg(&dir)
+        .args(["-p", "hi"])
+        .output()
+        .unwrap();
+    let err = text(&o.stderr);
+    assert!(
+        err.contains("is a directory") && !err.contains("No such device"),
+        "{err}"
+    );
+}
+
 #[test]
 fn missing_model_says_how_to_download() {
     let o = Command::new(DS4)

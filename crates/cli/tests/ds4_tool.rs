@@ -174,3 +174,36 @@ fn dump_tensor_writes_dequantized_f32() {
     let (ok, _, err) = tool(&["dump-tensor", f.to_str().unwrap(), "blk.3.nope"]);
     assert!(!ok && err.contains("no tensor named"), "{err}");
 }
+
+// #19 item 4: `ds4-tool inspect … | head` panicked in `println!` once the reader left.
+#[test]
+fn a_closed_stdout_ends_quietly() {
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ds4-tool"))
+        .args(["inspect", "--full-arrays"])
+        .arg(fixture("tiny-q2.gguf"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Close the read end before the child writes: its first write meets a broken pipe.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.is_empty(), "{err}");
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(out.status.signal(), Some(13), "{:?}", out.status);
+}
+
+// #19 item 4: `ds4-tool synth` with no arguments wrote the full 86.7 GB model to a
+// default path; the output is now required (the dry run needs none).
+#[test]
+fn synth_without_an_output_path_is_refused() {
+    let out = Command::new(env!("CARGO_BIN_EXE_ds4-tool"))
+        .args(["synth", "--dims", "tiny", "--layers", "2"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--out"), "{err}");
+}

@@ -15,9 +15,31 @@ pub enum ConfigError {
     Missing { key: String },
     #[error("metadata key {key:?}: {msg}")]
     Invalid { key: String, msg: String },
-    #[error("general.architecture is {0:?}, expected \"deepseek4\"")]
+    #[error("general.architecture is {0}, expected \"deepseek4\"")]
     WrongArchitecture(String),
 }
+
+/// Upper bounds of the counts (#18 item 11): far above any real DeepSeek V4 but small
+/// enough that products of them (q_dim, hc_mix, per-layer tables) cannot overflow and a
+/// corrupt file fails at load instead of hanging or allocating terabytes.
+const MAX_COUNT: u32 = 1 << 24;
+const LIMITS: &[(&str, u32)] = &[
+    ("block_count", 4096),
+    ("attention.head_count", 1 << 16),
+    ("attention.head_count_kv", 1 << 16),
+    ("attention.key_length", 1 << 16),
+    ("rope.dimension_count", 1 << 16),
+    ("expert_count", 1 << 16),
+    ("expert_used_count", 1 << 16),
+    ("expert_shared_count", 1 << 10),
+    ("hash_layer_count", 4096),
+    ("attention.indexer.head_count", 1 << 16),
+    ("attention.indexer.key_length", 1 << 16),
+    ("attention.output_group_count", 1 << 16),
+    ("hyper_connection.count", 64),
+    // Flash uses 20; every token runs these per layer, so 2^31 would hang the model.
+    ("hyper_connection.sinkhorn_iterations", 1000),
+];
 
 /// Hyperparameters of a DeepSeek V4 model. Field names follow the GGUF keys.
 #[derive(Clone, Debug, PartialEq)]
@@ -158,9 +180,18 @@ impl Config {
     /// arrays shorter than the layer count, …) are errors.
     pub fn from_gguf(gguf: &GgufFile) -> Result<Config, ConfigError> {
         let m = Meta(gguf);
-        if let Some(arch) = gguf.get_str("general.architecture") {
-            if arch != "deepseek4" {
-                return Err(ConfigError::WrongArchitecture(arch.to_string()));
+        // #18 item 11: a non-string value used to skip this check.
+        match gguf.get("general.architecture") {
+            None => {}
+            Some(Value::String(arch)) if arch == "deepseek4" => {}
+            Some(Value::String(arch)) => {
+                return Err(ConfigError::WrongArchitecture(format!("{arch:?}")))
+            }
+            Some(other) => {
+                return Err(ConfigError::WrongArchitecture(format!(
+                    "a {}, not a string",
+                    other.value_type().name()
+                )))
             }
         }
         let n_layer = m.count("block_count")?;
@@ -209,16 +240,16 @@ impl Config {
             compress_ratios: ratios,
             swiglu_clamp: clamp,
             swiglu_clamp_shexp: clamp_sh,
-            rope_freq_base: m.float("rope.freq_base")?,
-            compress_rope_freq_base: m.float("attention.compress_rope_freq_base")?,
-            rope_scaling_factor: m.float("rope.scaling.factor")?,
+            rope_freq_base: m.positive("rope.freq_base")?,
+            compress_rope_freq_base: m.positive("attention.compress_rope_freq_base")?,
+            rope_scaling_factor: m.positive("rope.scaling.factor")?,
             rope_orig_ctx: m.uint("rope.scaling.original_context_length")?,
             yarn_beta_fast: m.float("rope.scaling.yarn_beta_fast")?,
             yarn_beta_slow: m.float("rope.scaling.yarn_beta_slow")?,
-            expert_weights_scale: m.float("expert_weights_scale")?,
+            expert_weights_scale: m.positive("expert_weights_scale")?,
             expert_weights_norm: m.bool("expert_weights_norm")?,
-            rms_eps: m.float("attention.layer_norm_rms_epsilon")?,
-            hc_eps: m.float("hyper_connection.epsilon")?,
+            rms_eps: m.positive("attention.layer_norm_rms_epsilon")?,
+            hc_eps: m.positive("hyper_connection.epsilon")?,
         };
         if let Some(v) = gguf.get(&format!("{PREFIX}attention.value_length")) {
             if v.as_i64() != Some(cfg.head_dim as i64) {
@@ -418,10 +449,15 @@ impl Meta<'_> {
         }
     }
 
-    /// A u32 count that must be positive.
+    /// A u32 count that must be positive and within its [`LIMITS`] entry.
     fn count(&self, key: &str) -> Result<usize, ConfigError> {
+        let max = LIMITS
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map_or(MAX_COUNT, |l| l.1);
         match self.u32(key)? {
             0 => Err(self.invalid(key, "must be positive")),
+            v if v > max => Err(self.invalid(key, &format!("{v} is above the limit {max}"))),
             v => Ok(v as usize),
         }
     }
@@ -450,10 +486,15 @@ impl Meta<'_> {
                 ))
             }
         };
-        if !v.is_finite() {
-            return Err(self.invalid(key, "must be finite"));
+        finite_f32(v).ok_or_else(|| self.invalid(key, "must be finite"))
+    }
+
+    /// A float that must be finite and > 0 (epsilons, rope bases and scales: #18 item 11).
+    fn positive(&self, key: &str) -> Result<f32, ConfigError> {
+        match self.float(key)? {
+            v if v > 0.0 => Ok(v),
+            v => Err(self.invalid(key, &format!("{v} must be > 0"))),
         }
-        Ok(v as f32)
     }
 
     fn bool(&self, key: &str) -> Result<bool, ConfigError> {
@@ -491,11 +532,22 @@ impl Meta<'_> {
     fn float_array(&self, key: &str, n: usize) -> Result<Vec<f32>, ConfigError> {
         self.layer_array(key, n)?
             .iter()
-            .map(|v| match v {
-                Value::F32(x) => Ok(*x),
-                Value::F64(x) => Ok(*x as f32),
-                _ => Err(self.invalid(key, "entries must be f32 or f64")),
+            .map(|v| {
+                let x = match v {
+                    Value::F32(x) => *x as f64,
+                    Value::F64(x) => *x,
+                    _ => return Err(self.invalid(key, "entries must be f32 or f64")),
+                };
+                // A NaN clamp disables clamping (every comparison is false): #18 item 11.
+                finite_f32(x)
+                    .filter(|c| *c > 0.0)
+                    .ok_or_else(|| self.invalid(key, &format!("entry {x} must be finite and > 0")))
             })
             .collect()
     }
+}
+
+/// `v` as an f32 when it is finite there too (1e300 as f64 is finite, as f32 inf).
+fn finite_f32(v: f64) -> Option<f32> {
+    Some(v as f32).filter(|x| x.is_finite())
 }

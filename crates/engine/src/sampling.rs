@@ -78,11 +78,11 @@ impl SamplerConfig {
     }
 }
 
-/// Index of the first maximum.
+/// Index of the first maximum; NaN entries are never chosen unless all are NaN.
 pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] {
+        if v > logits[best] || (logits[best].is_nan() && !v.is_nan()) {
             best = i;
         }
     }
@@ -106,7 +106,14 @@ impl Sampler {
     /// temperature softmax, top-k, top-p, min-p.
     pub fn candidates(&self, logits: &[f32]) -> Vec<(u32, f64)> {
         let c = &self.config;
-        let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+        // #18 item 11: NaN logits (a corrupt model) are dropped rather than sorted to the
+        // top, where they made every probability NaN and emptied the min-p filter.
+        let mut idx: Vec<u32> = (0..logits.len() as u32)
+            .filter(|&i| !logits[i as usize].is_nan())
+            .collect();
+        if idx.is_empty() {
+            return Vec::new();
+        }
         idx.sort_by(|&a, &b| {
             logits[b as usize]
                 .total_cmp(&logits[a as usize])
@@ -162,7 +169,8 @@ impl Sampler {
                 return id;
             }
         }
-        cands.last().expect("at least one candidate").0
+        // No candidate only when every logit is NaN; rounding may also leave u ≥ cum.
+        cands.last().map_or_else(|| argmax(logits), |c| c.0)
     }
 }
 
@@ -209,6 +217,24 @@ mod tests {
         assert_ne!(Rng::new(43).next_u64(), xs[0]);
         let mean: f64 = (0..10000).map(|_| a.next_f64()).sum::<f64>() / 10000.0;
         assert!((mean - 0.5).abs() < 0.02);
+    }
+
+    // #18 item 11: NaN logits used to panic in `sample` (min-p emptied the candidates).
+    #[test]
+    fn nan_logits_never_panic_and_are_never_chosen() {
+        let logits = [f32::NAN, 1.0, f32::NAN, 0.5];
+        assert_eq!(argmax(&logits), 1);
+        let mut s = Sampler::new(SamplerConfig {
+            temperature: 1.0,
+            min_p: 0.05,
+            top_p: 0.9,
+            ..SamplerConfig::default()
+        });
+        for _ in 0..50 {
+            assert!(matches!(s.sample(&logits), 1 | 3));
+        }
+        assert_eq!(s.sample(&[f32::NAN; 4]), 0);
+        assert!(s.candidates(&[f32::NAN; 4]).is_empty());
     }
 
     #[test]

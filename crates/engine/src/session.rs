@@ -243,6 +243,7 @@ impl Session {
                 LogitRows::None
             };
             let l = self.backend.forward(c, rows)?;
+            check_logits(&l)?;
             self.tokens.extend_from_slice(c);
             if !l.is_empty() {
                 self.logits = l;
@@ -270,7 +271,9 @@ impl Session {
     /// Appends one token; returns its logits.
     pub fn decode(&mut self, token: u32) -> Result<&[f32]> {
         self.check_room(1)?;
-        self.logits = self.backend.forward(&[token], LogitRows::Last)?;
+        let logits = self.backend.forward(&[token], LogitRows::Last)?;
+        check_logits(&logits)?;
+        self.logits = logits;
         self.tokens.push(token);
         Ok(&self.logits)
     }
@@ -298,4 +301,16 @@ impl Session {
     pub(crate) fn parts_mut(&mut self) -> (&mut Box<dyn Backend>, &mut Vec<u32>, &mut Vec<f32>) {
         (&mut self.backend, &mut self.tokens, &mut self.logits)
     }
+}
+
+/// #18 item 11: NaN logits mean corrupt weights (an inf in a quantised scale, …); saying
+/// so beats sampling token 0 forever. One pass over `vocab` floats per token is noise
+/// next to the forward pass.
+fn check_logits(logits: &[f32]) -> Result<()> {
+    if logits.iter().any(|x| x.is_nan()) {
+        return Err(EngineError::Invalid(
+            "the model produced NaN logits: its weights are corrupt (inf or NaN values)".into(),
+        ));
+    }
+    Ok(())
 }

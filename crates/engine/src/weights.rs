@@ -308,7 +308,16 @@ impl Binder<'_> {
         if self.info(name)?.is_none() {
             return Ok(None);
         }
-        Ok(Some(self.mat(name)?.to_f32()))
+        let v = self.mat(name)?.to_f32();
+        // #18 item 11: one inf/NaN in a norm or scale vector turns every logit into NaN;
+        // these vectors are small and read anyway, so the check costs nothing.
+        if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+            return Err(EngineError::TensorData {
+                name: name.to_string(),
+                msg: format!("element {i} is {} (must be finite)", v[i]),
+            });
+        }
+        Ok(Some(v))
     }
 
     fn vec(&self, name: &str) -> Result<Vec<f32>> {

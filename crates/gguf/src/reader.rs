@@ -100,7 +100,15 @@ impl GgufFile {
             source,
         };
         let file = File::open(path).map_err(io)?;
-        let len = file.metadata().map_err(io)?.len();
+        let meta = file.metadata().map_err(io)?;
+        // Mapping a directory fails with ENODEV ("No such device"): name the real problem.
+        if meta.is_dir() {
+            return Err(io(std::io::Error::new(
+                std::io::ErrorKind::IsADirectory,
+                "it is a directory, not a GGUF file",
+            )));
+        }
+        let len = meta.len();
         if len == 0 {
             return Err(GgufError::Truncated {
                 what: "magic".into(),

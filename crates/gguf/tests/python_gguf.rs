@@ -9,6 +9,9 @@
 //!
 //! Without python3 + gguf the test fails, unless `DS4_SKIP_PYTHON_TESTS=1`.
 
+#[path = "../../../tests-support/record_skip.rs"]
+mod record_skip;
+use record_skip::record_skip;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -73,7 +76,7 @@ fn same_nan_modulo_quiet_bit(a: u32, b: u32) -> bool {
 #[test]
 fn dequantize_matches_python_gguf_bit_for_bit() {
     if python_skipped() {
-        eprintln!("DS4_SKIP_PYTHON_TESTS=1: skipping the gguf Python cross-check");
+        record_skip("DS4_SKIP_PYTHON_TESTS=1: no gguf Python cross-check");
         return;
     }
     let mut rng = StdRng::seed_from_u64(0x6767_7566);

@@ -77,8 +77,10 @@ struct Args {
     /// Exact numerics (f32 activations, f32 KV).
     #[arg(long)]
     quality: bool,
+    /// The first context frontier measured (tokens).
     #[arg(long, default_value_t = 2048)]
     ctx_start: usize,
+    /// The last context frontier measured (tokens).
     #[arg(long, default_value_t = 32768)]
     ctx_max: usize,
     /// Session capacity (default ctx-max + gen-tokens + 1).
@@ -87,6 +89,7 @@ struct Args {
     /// Multiply the frontier by this (≥ 1); 1 = add --step-incr.
     #[arg(long, default_value_t = 1.0)]
     step_mul: f64,
+    /// Tokens added to the frontier per step when --step-mul is 1.
     #[arg(long, default_value_t = 2048)]
     step_incr: usize,
     /// Greedy tokens timed at each frontier (after one untimed token that carries the
@@ -121,6 +124,7 @@ struct Args {
     /// CUDA device.
     #[arg(long, default_value_t = 0)]
     device: usize,
+    /// Seed of --synthetic-weights and of the random prompt tokens.
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// More log output on stderr: -v info, -vv debug (RUST_LOG, when set, decides).
@@ -521,3 +525,6 @@ impl GpuHooks {
         Ok(())
     }
 }
+
+// #19 item 4: every flag has `--help` text.
+ds4_cli::every_argument_has_help_text!(Args);

@@ -62,3 +62,6 @@ fn main() -> anyhow::Result<()> {
         Command::Logits(a) => logits::run(a),
     }
 }
+
+// #19 item 4: every flag has `--help` text.
+ds4_cli::every_argument_has_help_text!(Cli);

@@ -29,20 +29,23 @@ enum Experts {
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Output GGUF path.
-    #[arg(short, long, default_value = "synthetic.gguf")]
-    out: PathBuf,
+    /// Output GGUF path (required unless --dry-run: a default once wrote 86.7 GB unasked).
+    #[arg(short, long, required_unless_present = "dry_run")]
+    out: Option<PathBuf>,
     /// Number of layers (the real model has 43).
     #[arg(long, default_value_t = 43)]
     layers: usize,
+    /// Tensor sizes: the published model or the tiny test width.
     #[arg(long, value_enum, default_value = "full")]
     dims: Dims,
+    /// Quantisation of the routed experts.
     #[arg(long, value_enum, default_value = "q2")]
     experts: Experts,
     /// Embed this tokenizer (HF tokenizer.json) as tokenizer.ggml.*, as the published
     /// files do; default: a built-in byte-level vocabulary of the model's size.
     #[arg(long)]
     tokenizer: Option<PathBuf>,
+    /// Seed of the random weights (the same seed writes the same file).
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// Print the tensor table and totals without writing anything.
@@ -103,9 +106,11 @@ pub fn run(a: Args) -> Result<()> {
         gib(plan.tensor_bytes()),
         plan.layout.file_size
     );
-    if a.dry_run {
+    let Some(out) = a.out.as_deref().filter(|_| !a.dry_run) else {
         return Ok(());
-    }
+    };
+    // #19 item 4: refuse before writing rather than filling the disk halfway.
+    ds4_cli::disk::ensure_free_space(out, plan.layout.file_size)?;
     if let Some(t) = a.threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(t)
@@ -120,10 +125,10 @@ pub fn run(a: Args) -> Result<()> {
         .expect("static template")
         .progress_chars("=> "),
     );
-    bar.set_message(format!("writing {}", a.out.display()));
+    bar.set_message(format!("writing {}", out.display()));
     let done = AtomicU64::new(0);
     let start = Instant::now();
-    plan.write(&a.out, a.seed, &|n| {
+    plan.write(out, a.seed, &|n| {
         let d = done.fetch_add(n, Ordering::Relaxed) + n;
         bar.set_position(d);
     })?;
@@ -131,7 +136,7 @@ pub fn run(a: Args) -> Result<()> {
     let secs = start.elapsed().as_secs_f64();
     println!(
         "wrote {} in {secs:.1} s ({:.0} MB/s)",
-        a.out.display(),
+        out.display(),
         plan.layout.file_size as f64 / secs / 1e6
     );
     Ok(())

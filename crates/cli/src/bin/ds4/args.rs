@@ -96,12 +96,12 @@ pub struct Args {
 
     /// Maximum tokens to generate (clamped to the room left in the context).
     #[arg(short = 'n', long = "tokens", value_name = "N", default_value_t = 50000,
-          value_parser = positive)]
+          value_parser = positive, allow_negative_numbers = true)]
     pub tokens: usize,
 
     /// Context size in tokens.
     #[arg(short = 'c', long = "ctx", value_name = "N", default_value_t = 32768,
-          value_parser = positive)]
+          value_parser = positive, allow_negative_numbers = true)]
     pub ctx: usize,
 
     /// Sampling temperature in [0, 100]; 0 is greedy.
@@ -136,7 +136,7 @@ pub struct Args {
     pub nothink: bool,
 
     /// CPU threads (default: all cores).
-    #[arg(short = 't', long, value_name = "N", value_parser = positive)]
+    #[arg(short = 't', long, value_name = "N", value_parser = positive, allow_negative_numbers = true)]
     pub threads: Option<usize>,
 
     /// Compute backend (default: cuda when a GPU is usable, else cpu).
@@ -163,8 +163,9 @@ pub struct Args {
     #[arg(long, value_name = "FILE")]
     pub dump_logprobs: Option<PathBuf>,
 
-    /// Alternatives per step in --dump-logprobs (at most 128).
-    #[arg(long, value_name = "N", default_value_t = 20, value_parser = positive)]
+    /// Alternatives per step in --dump-logprobs, 1 to 128.
+    #[arg(long, value_name = "N", default_value_t = 20, allow_negative_numbers = true,
+          value_parser = |s: &str| positive(s).and_then(|v| at_most(v, MAX_LOGPROBS_TOP_K)))]
     pub logprobs_top_k: usize,
 
     /// Score a raw text file: 32 context tokens, then up to -n teacher-forced tokens;
@@ -190,6 +191,16 @@ fn positive(s: &str) -> Result<usize, String> {
         Ok(v) if v > 0 && v <= i32::MAX as usize => Ok(v),
         _ => Err(format!("expected a positive integer, got {s:?}")),
     }
+}
+
+/// `--logprobs-top-k` above this was clamped silently; now it is refused (#19 item 4).
+pub const MAX_LOGPROBS_TOP_K: usize = 128;
+
+fn at_most(v: usize, max: usize) -> Result<usize, String> {
+    if v > max {
+        return Err(format!("{v} is above the maximum {max}"));
+    }
+    Ok(v)
 }
 
 fn seed(s: &str) -> Result<u64, String> {
@@ -293,3 +304,6 @@ impl Args {
 pub fn fail(kind: ErrorKind, msg: &str) -> ! {
     Args::command().error(kind, msg).exit()
 }
+
+// #19 item 4: every flag has `--help` text.
+ds4_cli::every_argument_has_help_text!(Args);

@@ -123,7 +123,7 @@ pub fn dump_logprobs(engine: &Engine, args: &Args, prompt: &str, path: &Path) ->
     let sp = engine.specials();
     let mut session = engine.session(args.ctx)?;
     prefill(&mut session, &tokens, None)?;
-    let k = args.logprobs_top_k.min(128);
+    let k = args.logprobs_top_k;
     let mut s = format!(
         "{{\n  \"source\":\"ds4\",\n  \"prompt_tokens\":{},\n  \"ctx\":{},\n  \"top_k\":{k},\n  \"steps\":[\n",
         tokens.len(),

@@ -29,7 +29,13 @@ fn main() {
             std::process::exit(141);
         }
         eprintln!("ds4: {e:#}");
-        std::process::exit(1);
+        // #19 item 4: an explicit `--backend cuda` that cannot be had is a usage error
+        // (status 2, like a bad flag); `auto` falls back to the CPU instead.
+        let unavailable = e.chain().any(|c| {
+            c.downcast_ref::<ds4_engine::EngineError>()
+                .is_some_and(|x| x.kind() == ds4_engine::ErrorKind::BackendUnavailable)
+        });
+        std::process::exit(if unavailable { 2 } else { 1 });
     }
 }
 
