@@ -33,7 +33,7 @@ function startServer() {
   assert.ok(BIN, "DS4_SERVER_BIN must name the ds4-server binary");
   const proc = spawn(BIN, [
     "--fake-engine", join(ROOT, "fixtures/tiny/tokenizer.json"), "--port", "0",
-    "--ctx", "4096", "--api-key", KEY, "--fake-delay-ms", "20",
+    "--ctx", "4096", "--api-key", KEY, "--fake-delay-ms", "25",
   ], {
     env: { ...process.env, DS4_LOCK_FILE: join(tmpdir(), `ds4-web-${process.pid}.lock`) },
     stdio: ["ignore", "ignore", "pipe"],
@@ -150,7 +150,28 @@ test("chat page: key prompt, streaming, reasoning, stop, tools, phone width, loc
     .locator(".content", { hasText: "It is sunny in Paris." }).waitFor();
   await page.locator("#status", { hasText: "Done." }).waitFor();
 
-  // 5. Phone width: nothing wider than the viewport.
+  // 5. Bad settings are reported on the page, nothing is sent; thinking off gives a
+  // reply without a reasoning block; settings survive a reload.
+  await page.fill("#tools", "[not json");
+  await page.fill("#input", "hi");
+  await page.click("#send");
+  await page.locator(".msg.assistant").last()
+    .locator(".footer.error", { hasText: "the tools setting is not valid JSON" }).waitFor();
+  await page.click("#new-chat");
+  await page.locator("#ctx", { hasText: "context 0 / 4096 tokens" }).waitFor();
+  await page.fill("#tools", "");
+  await page.selectOption("#think", "off");
+  await page.reload();
+  await page.locator("#ctx", { hasText: "context 0 / 4096 tokens" }).waitFor();
+  assert.equal(await page.inputValue("#think"), "off");
+  await page.fill("#input", "hi");
+  await page.click("#send");
+  const plain = page.locator(".msg.assistant").last();
+  await plain.locator(".content", { hasText: "Hello! I am a tiny fake model." }).waitFor();
+  assert.equal(await plain.locator("details.reasoning").count(), 0);
+  await page.locator("#status", { hasText: "Done." }).waitFor();
+
+  // 6. Phone width: nothing wider than the viewport.
   const [sw, cw] = await page.evaluate(() =>
     [document.documentElement.scrollWidth, document.documentElement.clientWidth]);
   assert.ok(sw <= cw, `no horizontal scroll at 390 px (${sw} > ${cw})`);
