@@ -40,7 +40,14 @@ async function loadModel() {
     return;
   }
   if (r.status === 401) return needKey();
+  if (r.status === 503) {
+    // Still loading the model (or busy): ask again shortly.
+    status("The server is not ready yet (loading the model?); retrying…");
+    setTimeout(loadModel, 1000);
+    return;
+  }
   if (!r.ok) return status(`/v1/models answered ${r.status}`);
+  status("");
   const m = (await r.json()).data[0];
   modelId = m.id;
   ctxSize = m.context_length;
@@ -244,8 +251,12 @@ async function generate() {
       if (ch.finish_reason) finish = ch.finish_reason;
     }
     history.push(turn.done());
-    const note = finish === "length" ? "Stopped at the token limit." : "";
-    turn.finish(note);
+    if (finish === null) {
+      turn.finish("The stream ended without a finish reason (did the server stop?).", "error");
+      status("Incomplete answer.");
+      return;
+    }
+    turn.finish(finish === "length" ? "Stopped at the token limit." : "");
     status(finish === "tool_calls" ? "The model called a tool: send its result." : "Done.");
   } catch (e) {
     if (e.name === "AbortError") {

@@ -78,18 +78,28 @@ test("chat page: key prompt, streaming, reasoning, stop, tools, phone width, loc
     }
     return route.continue();
   });
+  // The first /v1/models answers 503 as a server still loading its model does: the
+  // page says so and asks again.
+  let loading = true;
+  await context.route("**/v1/models", (route) => {
+    if (!loading) return route.fallback();
+    loading = false;
+    return route.fulfill({ status: 503, contentType: "application/json",
+      body: JSON.stringify({ error: { message: "loading", type: "server_error" } }) });
+  });
   const page = await context.newPage();
   const problems = [];
   page.on("pageerror", (e) => problems.push(`page error: ${e.message}`));
   page.on("console", (m) => {
-    // The browser logs each 401 answer; that is the key prompt's trigger, not a fault.
-    if (m.type() === "error" && !/status of 401/.test(m.text())) problems.push(m.text());
+    // The browser logs each 401 and 503 answer: the key prompt's and the retry's triggers.
+    if (m.type() === "error" && !/status of (401|503)/.test(m.text())) problems.push(m.text());
   });
 
   // 1. The page loads without the key; the API's 401 brings up the key form.
   const resp = await page.goto(url);
   assert.equal(resp.status(), 200);
   assert.match(resp.headers()["content-security-policy"], /default-src 'none'/);
+  await page.locator("#status", { hasText: "not ready yet" }).waitFor();
   await page.locator("#key-form").waitFor({ state: "visible" });
   await page.fill("#key", KEY);
   await page.click("#key-form button[type=submit]");
@@ -171,7 +181,17 @@ test("chat page: key prompt, streaming, reasoning, stop, tools, phone width, loc
   assert.equal(await plain.locator("details.reasoning").count(), 0);
   await page.locator("#status", { hasText: "Done." }).waitFor();
 
-  // 6. Phone width: nothing wider than the viewport.
+  // 6. A stream that breaks off (no finish reason, no [DONE]) is marked incomplete.
+  await page.route("**/v1/chat/completions", (route) => route.fulfill({
+    status: 200, contentType: "text/event-stream",
+    body: `data: ${JSON.stringify({ choices: [{ index: 0, delta: { content: "partial" } }] })}\n\n`,
+  }), { times: 1 });
+  await page.fill("#input", "hi");
+  await page.click("#send");
+  await page.locator(".msg.assistant").last()
+    .locator(".footer.error", { hasText: "ended without a finish reason" }).waitFor();
+
+  // 7. Phone width: nothing wider than the viewport.
   const [sw, cw] = await page.evaluate(() =>
     [document.documentElement.scrollWidth, document.documentElement.clientWidth]);
   assert.ok(sw <= cw, `no horizontal scroll at 390 px (${sw} > ${cw})`);
