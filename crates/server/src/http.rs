@@ -526,6 +526,7 @@ pub fn router(app: App) -> Router {
         .route("/v1/messages/count_tokens", post(count_tokens))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .merge(crate::web::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(app.clone(), edge))

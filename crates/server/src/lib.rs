@@ -20,6 +20,7 @@ pub mod render;
 pub mod server;
 pub mod sse;
 pub mod toolmem;
+pub mod web;
 pub mod worker;
 
 pub use config::{Args, ServerConfig};
