@@ -135,6 +135,9 @@ impl EngineBackend for SlowPrefill {
     fn quant_bits(&self) -> u8 {
         self.inner.quant_bits()
     }
+    fn fingerprint(&self) -> [u8; 32] {
+        self.inner.fingerprint()
+    }
     fn tokens(&self) -> &[u32] {
         self.inner.tokens()
     }
