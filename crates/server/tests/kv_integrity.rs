@@ -316,7 +316,7 @@ fn listening(child: &mut std::process::Child) -> String {
     let mut lines = BufReader::new(err).lines();
     let addr = loop {
         let line = lines.next().expect("server exited").expect("stderr");
-        if let Some(a) = line.split("listening on ").nth(1) {
+        if let Some(a) = line.split("ready on ").nth(1) {
             break a
                 .split_whitespace()
                 .next()
@@ -348,7 +348,7 @@ fn kill_9_during_saves_leaves_no_temp_and_no_bad_file() {
         let mut s = std::net::TcpStream::connect(&addr).unwrap();
         write!(
             s,
-            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
             body.len()
         )
         .unwrap();

@@ -20,7 +20,7 @@ fn cancelled_stream(addr: SocketAddr, body: &Value) -> bool {
     };
     let _ = s.set_read_timeout(Some(Duration::from_secs(60)));
     let req = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
     let mut buf = [0u8; 64];
