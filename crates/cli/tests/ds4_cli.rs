@@ -281,6 +281,23 @@ fn a_directory_as_the_model_is_named_as_such() {
         err.contains("is a directory") && !err.contains("No such device"),
         "{err}"
     );
+    assert_eq!(err.matches("is a directory").count(), 1, "{err}");
+}
+
+// #19: each cause is said once ("not a GGUF file …: not a GGUF file …" before).
+#[test]
+fn a_file_that_is_not_gguf_is_named_once() {
+    let p = tmp_dir("not-gguf").join("x.gguf");
+    std::fs::write(&p, b"hello world, no GGUF here").unwrap();
+    let o = Command::new(DS4)
+        .arg("-m")
+        .arg(&p)
+        .args(["-p", "hi"])
+        .output()
+        .unwrap();
+    let err = text(&o.stderr);
+    assert!(!o.status.success());
+    assert_eq!(err.matches("not a GGUF file").count(), 1, "{err}");
 }
 
 #[test]

@@ -33,7 +33,7 @@ pub enum ErrorKind {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum EngineError {
-    #[error("cannot open {path}: {source}")]
+    #[error("cannot open {path}")]
     Open {
         path: PathBuf,
         #[source]

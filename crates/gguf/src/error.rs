@@ -4,7 +4,7 @@ use std::path::PathBuf;
 /// tensor or offset so that a user can tell a truncated download from a wrong file.
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}")]
     Io {
         path: PathBuf,
         #[source]
