@@ -269,14 +269,7 @@ fn explicit_cuda_without_a_gpu_exits_2() {
 // #19 item 4: a directory given as the model read "No such device" (mmap's ENODEV).
 #[test]
 fn a_directory_as_the_model_is_named_as_such() {
-    let dir = tmp_dir("model-dir");
-    let o = Command::new(DS4)
-        .arg("-m")
-        .arg(&dir)
-        .args(["-p", "hi"])
-        .output()
-        .unwrap();
-    let err = text(&o.stderr);
+    let (_, err) = ds4_on_model(&tmp_dir("model-dir"));
     assert!(
         err.contains("is a directory") && !err.contains("No such device"),
         "{err}"
@@ -284,19 +277,24 @@ fn a_directory_as_the_model_is_named_as_such() {
     assert_eq!(err.matches("is a directory").count(), 1, "{err}");
 }
 
+/// `ds4 -m MODEL -p hi`: whether it succeeded, and its stderr.
+fn ds4_on_model(model: &std::path::Path) -> (bool, String) {
+    let o = Command::new(DS4)
+        .arg("-m")
+        .arg(model)
+        .args(["-p", "hi"])
+        .output()
+        .unwrap();
+    (o.status.success(), text(&o.stderr))
+}
+
 // #19: each cause is said once ("not a GGUF file …: not a GGUF file …" before).
 #[test]
 fn a_file_that_is_not_gguf_is_named_once() {
     let p = tmp_dir("not-gguf").join("x.gguf");
     std::fs::write(&p, b"hello world, no GGUF here").unwrap();
-    let o = Command::new(DS4)
-        .arg("-m")
-        .arg(&p)
-        .args(["-p", "hi"])
-        .output()
-        .unwrap();
-    let err = text(&o.stderr);
-    assert!(!o.status.success());
+    let (ok, err) = ds4_on_model(&p);
+    assert!(!ok);
     assert_eq!(err.matches("not a GGUF file").count(), 1, "{err}");
 }
 
