@@ -20,10 +20,10 @@ fn bin(name: &str) -> Option<PathBuf> {
     if p.exists() {
         Some(p)
     } else {
-        eprintln!(
-            "skipped: {} not found (npm install --prefix $DS4_AGENTS_DIR the agent package)",
+        record_skip(&format!(
+            "{} not found (npm install --prefix $DS4_AGENTS_DIR the agent package)",
             p.display()
-        );
+        ));
         None
     }
 }

@@ -7,11 +7,11 @@ mod common;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 
-use common::{root, stop, temp_dir};
+use common::{record_skip, root, stop, temp_dir};
 
 fn skip() -> bool {
     if std::env::var("DS4_SKIP_PYTHON_TESTS").as_deref() == Ok("1") {
-        eprintln!("skipped: DS4_SKIP_PYTHON_TESTS=1");
+        record_skip("DS4_SKIP_PYTHON_TESTS=1: the Python SDK tests");
         return true;
     }
     false

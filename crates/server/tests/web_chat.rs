@@ -8,7 +8,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{fake_server, get, request, root};
+use common::{fake_server, get, record_skip, request, root};
 use ds4_server::ServerConfig;
 
 /// The page and every asset it loads: path, content type.
@@ -83,7 +83,7 @@ fn chat_page_in_headless_chromium() {
             Ok("1"),
             "DS4_REQUIRE_WEB_TEST=1 but {why}"
         );
-        eprintln!("skipped: {why}");
+        record_skip(&why);
         return;
     }
     let out = Command::new("node")

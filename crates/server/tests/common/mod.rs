@@ -2,6 +2,11 @@
 //! (loopback only, bounded timeouts).
 #![allow(dead_code)]
 
+#[path = "../../../../tests-support/record_skip.rs"]
+mod record_skip;
+#[allow(unused_imports)]
+pub use record_skip::record_skip;
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
