@@ -47,6 +47,8 @@ reexport! {
     weights;
     /// The host KV cache: the CPU backend's state and every backend's exported form.
     kv;
+    /// The MTP draft block: its tensor layout, weights and CPU forward.
+    mtp;
     /// The `DSV4` session payload layout ([`Session::save_payload`]).
     payload;
     /// The CUDA backend: device weights, sessions, the device runtime.
