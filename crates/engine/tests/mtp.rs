@@ -11,6 +11,7 @@ use std::sync::{Arc, OnceLock};
 use ds4_engine::dev::config::Config;
 use ds4_engine::dev::layout::ExpertQuant;
 use ds4_engine::dev::mtp::layout::mtp_name;
+use ds4_engine::dev::weights::HcWeights;
 use ds4_engine::dev::{cpu_layer_forward, CpuBackend, LayerCache, LoadOptions, LogitRows, Model};
 use ds4_engine::{
     BackendChoice, Engine, EngineError, EngineOptions, ErrorKind, Mtp, MtpState, Numerics,
@@ -335,12 +336,26 @@ fn draft_input_and_head_match_an_f64_reference() {
     let mut st = mtp.new_state();
     let d = mtp.draft(&mut st, x, &g, 5).unwrap();
     assert_eq!(d.hc.len(), nhc * e);
-    let h: Vec<f64> = d.hc.iter().map(|&v| v as f64).collect();
+    let logits_ref = head64(
+        &d.hc,
+        &w.head_hc,
+        &w.norm,
+        &main.weights().output.to_f32(),
+        nhc,
+    );
+    assert_close(&d.logits, &logits_ref, 1e-5, "logits");
+}
+
+/// The output head in f64 (architecture.md §5.7): `w_s = sigmoid(fn·flat·rms·scale +
+/// base_s) + 1e-6`, the weighted stream sum, rmsnorm with `norm`, then `output`.
+fn head64(hc: &[f32], head: &HcWeights, norm: &[f32], output: &[f32], nhc: usize) -> Vec<f64> {
+    let e = hc.len() / nhc;
+    let h: Vec<f64> = hc.iter().map(|&v| v as f64).collect();
     let rs = rms64(&h);
-    let pre = matvec64(&w.head_hc.fn_.to_f32(), &h);
+    let pre = matvec64(&head.fn_.to_f32(), &h);
     let wts: Vec<f64> = (0..nhc)
         .map(|s| {
-            let z = pre[s] * rs * w.head_hc.scale[0] as f64 + w.head_hc.base[s] as f64;
+            let z = pre[s] * rs * head.scale[0] as f64 + head.base[s] as f64;
             1.0 / (1.0 + (-z).exp()) + 1e-6
         })
         .collect();
@@ -351,13 +366,25 @@ fn draft_input_and_head_match_an_f64_reference() {
         }
     }
     let rs = rms64(&y);
-    let yn: Vec<f64> = y.iter().zip(&w.norm).map(|(v, &n)| v * rs * n as f64).collect();
-    let logits_ref = matvec64(&main.weights().output.to_f32(), &yn);
-    assert_close(&d.logits, &logits_ref, 1e-5, "logits");
-    // The head is the block's own, not the main model's: the main head on the same
-    // state gives other logits.
-    let main_head_w = &main.weights().head_hc.base;
-    assert_ne!(main_head_w, &w.head_hc.base);
+    let yn: Vec<f64> = y.iter().zip(norm).map(|(v, &n)| v * rs * n as f64).collect();
+    matvec64(output, &yn)
+}
+
+#[test]
+fn the_forward_hook_returns_the_state_the_head_reads() {
+    let main = main_model();
+    let mut b = CpuBackend::new(&main, 64, Numerics::Exact);
+    let (logits, hc) = b.forward_with_hc(&[0, 60, 61, 62], LogitRows::Last).unwrap();
+    let w = main.weights();
+    let want = head64(&hc, &w.head_hc, &w.output_norm, &w.output.to_f32(), 4);
+    assert_close(&logits, &want, 1e-5, "main logits from the hooked state");
+    // The last token's state, whether it ran in a chunk or as one decode step.
+    let mut c = CpuBackend::new(&main, 64, Numerics::Exact);
+    c.forward_with_hc(&[0, 60, 61], LogitRows::None).unwrap();
+    let (_, hc1) = c.forward_with_hc(&[62], LogitRows::Last).unwrap();
+    assert!(hc1 == hc);
+    let (_, other) = c.forward_with_hc(&[63], LogitRows::Last).unwrap();
+    assert!(other != hc);
 }
 
 #[test]
