@@ -86,7 +86,7 @@ pub fn run(a: Args) -> Result<()> {
     }
     if a.main.is_some() {
         anyhow::bail!(
-            "--main is for MTP files; {} is {}",
+            "--main is for MTP files, and {} is not one: {}",
             a.file.display(),
             not_mtp_reason(&g).unwrap_or_default()
         );
@@ -168,7 +168,7 @@ fn mtp_profile(g: &GgufFile, main: Option<&std::path::Path>) -> Result<()> {
         {
             "draft input (e/h proj, norms)"
         } else {
-            "other norms"
+            "ffn_norm"
         }
     };
     let mut groups = std::collections::BTreeMap::<&str, (usize, u64, Vec<GgmlType>)>::new();
