@@ -84,7 +84,12 @@ fn tiny_mtp_file_is_written_deterministically_and_inspected_against_its_model() 
     assert!(text.contains("layout: matches"), "{text}");
 
     // --main on a file that is not an MTP file.
-    let (ok, _, err) = tool(&["inspect", main.to_str().unwrap(), "--main", main.to_str().unwrap()]);
+    let (ok, _, err) = tool(&[
+        "inspect",
+        main.to_str().unwrap(),
+        "--main",
+        main.to_str().unwrap(),
+    ]);
     assert!(!ok);
     assert!(err.contains("not one"), "{err}");
     std::fs::remove_dir_all(main.parent().unwrap()).unwrap();

@@ -84,7 +84,8 @@ fn rewrite(
         .tensors()
         .iter()
         .filter_map(|t| {
-            edit(&t.name, &t.dims, t.ty, src.view(t).data).map(|(d, ty, b)| (t.name.clone(), d, ty, b))
+            edit(&t.name, &t.dims, t.ty, src.view(t).data)
+                .map(|(d, ty, b)| (t.name.clone(), d, ty, b))
         })
         .chain(extra);
     for (name, dims, ty, bytes) in kept {
@@ -172,7 +173,11 @@ fn the_synthetic_mtp_file_loads_against_its_main_model() {
     assert!(w.layer.compressor.is_none() && w.layer.indexer.is_none());
     assert!(w.layer.tid2eid.is_none(), "the block routes top-k");
     assert!(w.layer.exp_probs_b.is_some());
-    assert_eq!(w.layer.gate_exps.ty, GgmlType::Q4_K, "the shipped expert type");
+    assert_eq!(
+        w.layer.gate_exps.ty,
+        GgmlType::Q4_K,
+        "the shipped expert type"
+    );
     assert_eq!(w.e_proj.ty, GgmlType::Q8_0);
     assert_eq!((w.e_proj.n_in, w.e_proj.n_out), (256, 256));
     assert_eq!(w.head_hc.base.len(), 4);
@@ -224,7 +229,10 @@ fn a_wrong_shape_is_refused_with_both_shapes() {
     let msg = err.to_string();
     assert!(matches!(err, EngineError::TensorDims { .. }), "{msg}");
     assert!(msg.contains("mtp.0.e_proj.weight"), "{msg}");
-    assert!(msg.contains("[256, 128]") && msg.contains("[256, 256]"), "{msg}");
+    assert!(
+        msg.contains("[256, 128]") && msg.contains("[256, 256]"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -240,7 +248,8 @@ fn an_extra_tensor_and_an_unsupported_type_are_refused() {
         )],
     ));
     assert!(
-        err.to_string().contains("mtp.0.attn_compressor_norm.weight"),
+        err.to_string()
+            .contains("mtp.0.attn_compressor_norm.weight"),
         "{err}"
     );
     let err = load_err(rewrite(
@@ -270,7 +279,10 @@ fn an_mtp_file_for_another_n_embd_is_refused() {
     assert!(matches!(err, EngineError::TensorDims { .. }), "{msg}");
     // The first block tensor: hc_attn_fn is [n_hc·n_embd, mix].
     assert!(msg.contains("mtp.0.hc_attn_fn.weight"), "{msg}");
-    assert!(msg.contains("[2048, 24]") && msg.contains("[1024, 24]"), "{msg}");
+    assert!(
+        msg.contains("[2048, 24]") && msg.contains("[1024, 24]"),
+        "{msg}"
+    );
 }
 
 // ---------------------------------------------------------------- (b) the draft math
@@ -314,17 +326,28 @@ fn draft_input_and_head_match_an_f64_reference() {
 
     // e = e_proj·rmsnorm(emb[x], enorm); g_s = h_proj·rmsnorm(G_s, hnorm); Hin_s = e + g_s.
     let mut emb = vec![0.0f32; e];
-    main.weights().token_embd.view().dequant_row(x as usize, &mut emb);
+    main.weights()
+        .token_embd
+        .view()
+        .dequant_row(x as usize, &mut emb);
     let emb: Vec<f64> = emb.iter().map(|&v| v as f64).collect();
     let rs = rms64(&emb);
-    let en: Vec<f64> = emb.iter().zip(&w.enorm).map(|(v, &n)| v * rs * n as f64).collect();
+    let en: Vec<f64> = emb
+        .iter()
+        .zip(&w.enorm)
+        .map(|(v, &n)| v * rs * n as f64)
+        .collect();
     let ev = matvec64(&w.e_proj.to_f32(), &en);
     let hp = w.h_proj.to_f32();
     let mut hin_ref = Vec::with_capacity(nhc * e);
     for s in 0..nhc {
         let gs: Vec<f64> = g[s * e..(s + 1) * e].iter().map(|&v| v as f64).collect();
         let rs = rms64(&gs);
-        let gn: Vec<f64> = gs.iter().zip(&w.hnorm).map(|(v, &n)| v * rs * n as f64).collect();
+        let gn: Vec<f64> = gs
+            .iter()
+            .zip(&w.hnorm)
+            .map(|(v, &n)| v * rs * n as f64)
+            .collect();
         let gv = matvec64(&hp, &gn);
         hin_ref.extend(ev.iter().zip(&gv).map(|(a, b)| a + b));
     }
@@ -366,7 +389,11 @@ fn head64(hc: &[f32], head: &HcWeights, norm: &[f32], output: &[f32], nhc: usize
         }
     }
     let rs = rms64(&y);
-    let yn: Vec<f64> = y.iter().zip(norm).map(|(v, &n)| v * rs * n as f64).collect();
+    let yn: Vec<f64> = y
+        .iter()
+        .zip(norm)
+        .map(|(v, &n)| v * rs * n as f64)
+        .collect();
     matvec64(output, &yn)
 }
 
@@ -374,7 +401,9 @@ fn head64(hc: &[f32], head: &HcWeights, norm: &[f32], output: &[f32], nhc: usize
 fn the_forward_hook_returns_the_state_the_head_reads() {
     let main = main_model();
     let mut b = CpuBackend::new(&main, 64, Numerics::Exact);
-    let (logits, hc) = b.forward_with_hc(&[0, 60, 61, 62], LogitRows::Last).unwrap();
+    let (logits, hc) = b
+        .forward_with_hc(&[0, 60, 61, 62], LogitRows::Last)
+        .unwrap();
     let w = main.weights();
     let want = head64(&hc, &w.head_hc, &w.output_norm, &w.output.to_f32(), 4);
     assert_close(&logits, &want, 1e-5, "main logits from the hooked state");
@@ -402,7 +431,10 @@ fn the_block_runs_exactly_the_main_layer_code_on_copied_weights() {
         let mut h = mtp.input_state(x, &g).unwrap();
         cpu_layer_forward(&main, 1, Numerics::Exact, pos, &[x], &mut h, &mut cache);
         let d = mtp.draft(&mut st, x, &g, pos).unwrap();
-        assert!(d.hc == h, "position {pos}: block output differs from main layer 1");
+        assert!(
+            d.hc == h,
+            "position {pos}: block output differs from main layer 1"
+        );
         assert!(d.logits.iter().all(|v| v.is_finite()));
         g = d.hc; // a chained draft
     }

@@ -91,7 +91,9 @@ impl Plan {
         w.add("general.architecture", Value::String("deepseek4".into()))?;
         w.add(
             "general.name",
-            Value::String(format!("DeepSeek-V4-Flash MTP synthetic ({experts:?} experts)")),
+            Value::String(format!(
+                "DeepSeek-V4-Flash MTP synthetic ({experts:?} experts)"
+            )),
         )?;
         w.add("general.description", Value::String(description.into()))?;
         w.add("general.quantization_version", Value::U32(2))?;

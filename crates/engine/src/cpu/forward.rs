@@ -166,10 +166,7 @@ pub(crate) fn head(
     for (i, hrow) in hs.chunks_exact(nhc * e).enumerate() {
         let rs = rms_scale(hrow, cfg.rms_eps);
         let pre: Vec<f32> = (0..nhc)
-            .map(|s| {
-                sigmoid(mixes[i * nhc + s] * rs * hc.scale[0] + hc.base[s])
-                    + cfg.hc_eps
-            })
+            .map(|s| sigmoid(mixes[i * nhc + s] * rs * hc.scale[0] + hc.base[s]) + cfg.hc_eps)
             .collect();
         let xi = &mut x[i * e..(i + 1) * e];
         hc::weighted_sum(hrow, &pre, xi);

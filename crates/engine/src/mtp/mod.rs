@@ -173,7 +173,10 @@ impl Mtp {
             )));
         }
         let mut emb = vec![0.0f32; e];
-        m.weights.token_embd.view().dequant_row(token as usize, &mut emb);
+        m.weights
+            .token_embd
+            .view()
+            .dequant_row(token as usize, &mut emb);
         rmsnorm_rows_inplace(&mut emb, &w.enorm, cfg.rms_eps);
         let mut ev = vec![0.0f32; e];
         matmul_f32(w.e_proj.view(), &emb, self.numerics, &mut ev);
@@ -193,7 +196,13 @@ impl Mtp {
     /// Drafts from `token` at position `pos` with incoming HC state `g` (the main
     /// model's final state at `pos`, or a previous draft's [`MtpDraft::hc`]). Appends
     /// the block's raw KV row for `pos` to `state`'s ring.
-    pub fn draft(&self, state: &mut MtpState, token: u32, g: &[f32], pos: usize) -> Result<MtpDraft> {
+    pub fn draft(
+        &self,
+        state: &mut MtpState,
+        token: u32,
+        g: &[f32],
+        pos: usize,
+    ) -> Result<MtpDraft> {
         let cfg = self.inner.main.config();
         let w = &self.inner.weights;
         let mut h = self.input_state(token, g)?;

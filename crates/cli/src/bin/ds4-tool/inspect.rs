@@ -3,7 +3,9 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use ds4_engine::dev::config::Config;
 use ds4_engine::dev::layout::check_layout;
-use ds4_engine::dev::mtp::layout::{check_mtp_layout, is_fatal_for_mtp, not_mtp_reason, MTP_MARKER};
+use ds4_engine::dev::mtp::layout::{
+    check_mtp_layout, is_fatal_for_mtp, not_mtp_reason, MTP_MARKER,
+};
 use ds4_gguf::{GgmlType, GgufFile};
 
 #[derive(clap::Args)]
