@@ -4,7 +4,8 @@
 //!
 //! A synthetic tiny main model (2 ratio-0 layers, top-k routed: no hash layers, so that
 //! the main model has a layer of the block's kind) and its matching synthetic MTP file
-//! are written to a temporary directory once; variants are built in memory.
+//! are built in memory once (byte-identical to the files `Plan::write` makes; one test
+//! writes and opens them from a temporary directory); variants are rewritten in memory.
 
 use std::sync::{Arc, OnceLock};
 
@@ -523,4 +524,25 @@ fn bad_inputs_are_errors() {
     let err = mtp.draft(&mut st, 1, &g[..256], 0).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::BadInput, "{err}");
     assert_eq!(st.n_raw(), 0, "a refused draft leaves the ring alone");
+}
+
+#[test]
+fn the_block_routes_top_k_on_a_model_whose_layer_1_is_hash_routed() {
+    // The tiny fixture has hash layers 0..3; the block still runs as layer 1 (for its
+    // per-layer tables) but binds and routes as a top-k layer.
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny");
+    let main = Model::load(dir.join("tiny-q4.gguf"), LoadOptions::default()).unwrap();
+    assert!(main.weights().layers[1].tid2eid.is_some());
+    let mtp = load_mtp(&main);
+    assert!(mtp.weights().layer.tid2eid.is_none());
+    let g = main_state(&main, &[0, 100, 101]);
+    let exact = mtp.draft(&mut mtp.new_state(), 102, &g, 3).unwrap();
+    assert!(exact.logits.iter().all(|v| v.is_finite()));
+    // Fast numerics (ds4's quantised activations) reach the block too.
+    let fast = mtp.clone().with_numerics(Numerics::Fast);
+    let f1 = fast.draft(&mut fast.new_state(), 102, &g, 3).unwrap();
+    let f2 = fast.draft(&mut fast.new_state(), 102, &g, 3).unwrap();
+    assert_eq!(f1, f2);
+    assert_ne!(f1.logits, exact.logits);
+    assert!(f1.logits.iter().all(|v| v.is_finite()));
 }
