@@ -211,6 +211,14 @@ fn a_missing_tensor_is_refused_by_name() {
         Vec::new(),
     ));
     assert!(err.to_string().contains("mtp.0.exp_probs_b.bias"), "{err}");
+    // Without the marker tensor it is still recognised as an MTP file.
+    let err = load_err(rewrite(
+        &mtp_file(),
+        |n, d, t, b| (n != "mtp.0.e_proj.weight").then(|| (d.to_vec(), t, b.to_vec())),
+        Vec::new(),
+    ));
+    assert!(matches!(err, EngineError::MissingTensor { .. }), "{err}");
+    assert!(err.to_string().contains("mtp.0.e_proj.weight"), "{err}");
 }
 
 #[test]

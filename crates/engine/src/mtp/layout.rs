@@ -11,7 +11,7 @@ use crate::layout::{expected_tensors, layer_name, ExpertQuant, LayoutIssue, Role
 /// Prefix of every tensor of the block.
 pub const MTP_PREFIX: &str = "mtp.0.";
 
-/// The tensor whose presence marks a file as an MTP file.
+/// A tensor every MTP file has (the draft's embedding projection).
 pub const MTP_MARKER: &str = "mtp.0.e_proj.weight";
 
 /// `mtp.0.NAME.weight` (`.bias` for `exp_probs_b`), like [`layer_name`].
@@ -74,15 +74,20 @@ pub fn mtp_tensors(cfg: &Config, experts: ExpertQuant) -> Vec<TensorSpec> {
     out
 }
 
-/// Why `gguf` is not an MTP file at all (`None` if it has the MTP marker tensor).
+/// Why `gguf` is not an MTP file at all (`None` if it has any `mtp.0.*` tensor; what
+/// such a file lacks is then reported tensor by tensor).
 pub fn not_mtp_reason(gguf: &GgufFile) -> Option<String> {
-    if gguf.tensor_info(MTP_MARKER).is_some() {
+    if gguf
+        .tensors()
+        .iter()
+        .any(|t| t.name.starts_with(MTP_PREFIX))
+    {
         return None;
     }
     Some(if gguf.tensor_info("token_embd.weight").is_some() {
-        format!("it has token_embd.weight and no {MTP_MARKER}: this is a main model GGUF, not the MTP GGUF")
+        "it has token_embd.weight and no mtp.0.* tensor: this is a main model GGUF, not the MTP GGUF".into()
     } else {
-        format!("it has no {MTP_MARKER}")
+        "it has no mtp.0.* tensor".into()
     })
 }
 

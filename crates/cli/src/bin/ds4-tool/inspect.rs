@@ -190,8 +190,9 @@ fn mtp_profile(g: &GgufFile, main: Option<&std::path::Path>) -> Result<()> {
             tys.join(", ")
         );
     }
-    if let Some(e) = g.tensor_info(MTP_MARKER) {
-        println!("n_embd {} (from {MTP_MARKER})", e.dims[0]);
+    match g.tensor_info(MTP_MARKER) {
+        Some(e) => println!("n_embd {} (from {MTP_MARKER})", e.dims[0]),
+        None => println!("{MTP_MARKER} is missing"),
     }
     let Some(main) = main else {
         println!("pass --main MODEL.gguf to check the block against its main model");
