@@ -47,11 +47,39 @@ reexport! {
     weights;
     /// The host KV cache: the CPU backend's state and every backend's exported form.
     kv;
+    /// The MTP draft block: its tensor layout, weights and CPU forward.
+    mtp;
     /// The `DSV4` session payload layout ([`Session::save_payload`]).
     payload;
     /// The CUDA backend: device weights, sessions, the device runtime.
     #[cfg(feature = "cuda")]
     cuda;
+}
+
+/// Runs main layer `il` of `model` on the CPU over the HC states `h`
+/// (`[n][n_hc][n_embd]`) of `tokens` at positions `pos0..`, with `cache` as its state:
+/// the layer code the forward pass and the MTP block share (tests compare the two).
+#[allow(clippy::too_many_arguments)]
+pub fn cpu_layer_forward(
+    model: &Model,
+    il: usize,
+    numerics: Numerics,
+    pos0: usize,
+    tokens: &[u32],
+    h: &mut [f32],
+    cache: &mut LayerCache,
+) {
+    let m = model.inner();
+    crate::cpu::forward::layer_forward(
+        &m.config,
+        &m.weights.layers[il],
+        &m.ropes[il],
+        numerics,
+        pos0,
+        tokens,
+        h,
+        cache,
+    );
 }
 
 /// Model-level constructors and accessors of [`Session`].

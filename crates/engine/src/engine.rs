@@ -339,6 +339,12 @@ impl Engine {
         }
     }
 
+    /// Loads the optional MTP GGUF at `path` (architecture.md §2.5), checked against
+    /// this model: a draft block that runs on the CPU whatever the engine's backend.
+    pub fn load_mtp(&self, path: impl AsRef<Path>) -> Result<crate::mtp::Mtp> {
+        Ok(crate::mtp::Mtp::load(&self.model, path)?.with_numerics(self.numerics))
+    }
+
     pub(crate) fn model_ref(&self) -> &Model {
         &self.model
     }

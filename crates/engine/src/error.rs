@@ -57,6 +57,9 @@ pub enum EngineError {
     },
     #[error("tensor {name}: {msg}")]
     TensorData { name: String, msg: String },
+    /// A file given as the MTP GGUF is not one (e.g. the main model).
+    #[error("not an MTP GGUF: {0}")]
+    NotMtp(String),
     /// The file has no `tokenizer.ggml.*` vocabulary.
     #[error("the model has no string array {key}; is this a DS4 GGUF?")]
     NoTokenizer { key: String },
@@ -107,6 +110,7 @@ impl EngineError {
             | TensorDims { .. }
             | TensorType { .. }
             | TensorData { .. }
+            | NotMtp(_)
             | NoTokenizer { .. }
             | Tokenizer(_) => ErrorKind::BadFile,
             BadToken { .. } | Invalid(_) => ErrorKind::BadInput,

@@ -16,6 +16,8 @@
 //!   run out.
 //! * [`EngineError`]s keep their cause; [`EngineError::kind`] sorts them.
 //! * Sampling: [`Sampler`], [`generate`], [`argmax`].
+//! * [`Engine::load_mtp`] loads the optional MTP GGUF as an [`Mtp`] draft block
+//!   (CPU; its own [`MtpState`], never part of a session's state).
 //!
 //! Tools, benchmarks and tests that need the model internals (config, tensor layout,
 //! ops, backends, KV cache) use [`dev`], which makes no stability promise.
@@ -34,6 +36,7 @@ mod error;
 mod kv;
 mod layout;
 mod model;
+mod mtp;
 mod ops;
 mod payload;
 mod sampling;
@@ -45,6 +48,7 @@ pub use engine::{
     load_tokenizer, BackendChoice, BackendKind, Engine, EngineOptions, ModelInfo, UploadProgress,
 };
 pub use error::{ConfigError, EngineError, ErrorKind, Result};
+pub use mtp::{Mtp, MtpDraft, MtpState};
 pub use ops::linear::Numerics;
 pub use sampling::{argmax, generate, Sampler, SamplerConfig, StopReason};
 pub use session::{Session, SessionOptions, SessionState};

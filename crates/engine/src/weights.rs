@@ -229,12 +229,19 @@ fn expected_types(role: Role) -> &'static str {
     }
 }
 
-struct Binder<'a> {
+/// Binds tensors of `file` checked against `specs` (the main layout, or the MTP
+/// block's in [`crate::mtp`]).
+pub(crate) struct Binder<'a> {
     file: &'a Arc<GgufFile>,
     specs: std::collections::HashMap<String, TensorSpec>,
 }
 
-impl Binder<'_> {
+impl<'a> Binder<'a> {
+    pub(crate) fn new(file: &'a Arc<GgufFile>, specs: Vec<TensorSpec>) -> Binder<'a> {
+        let specs = specs.into_iter().map(|s| (s.name.clone(), s)).collect();
+        Binder { file, specs }
+    }
+
     fn spec(&self, name: &str) -> &TensorSpec {
         self.specs
             .get(name)
@@ -270,7 +277,7 @@ impl Binder<'_> {
         Ok(Some(info))
     }
 
-    fn mat(&self, name: &str) -> Result<Mat> {
+    pub(crate) fn mat(&self, name: &str) -> Result<Mat> {
         let info = self.info(name)?.expect("matrices are not optional");
         let d = &info.dims;
         let n_in = d[0] as usize;
@@ -320,7 +327,7 @@ impl Binder<'_> {
         Ok(Some(v))
     }
 
-    fn vec(&self, name: &str) -> Result<Vec<f32>> {
+    pub(crate) fn vec(&self, name: &str) -> Result<Vec<f32>> {
         Ok(self.vec_opt(name)?.expect("vectors are not optional"))
     }
 
@@ -333,7 +340,7 @@ impl Binder<'_> {
             .collect())
     }
 
-    fn hc(&self, fn_: &str, scale: &str, base: &str) -> Result<HcWeights> {
+    pub(crate) fn hc(&self, fn_: &str, scale: &str, base: &str) -> Result<HcWeights> {
         Ok(HcWeights {
             fn_: self.mat(fn_)?,
             scale: self.vec(scale)?,
@@ -343,12 +350,12 @@ impl Binder<'_> {
 
     fn compressor(
         &self,
-        il: usize,
+        name: &dyn Fn(&str) -> String,
         prefix: &str,
         ratio: usize,
         dim: usize,
     ) -> Result<CompressorWeights> {
-        let n = |s: &str| layer_name(il, &format!("{prefix}{s}"));
+        let n = |s: &str| name(&format!("{prefix}{s}"));
         Ok(CompressorWeights {
             ratio,
             lanes: Config::compressor_lanes(ratio),
@@ -359,85 +366,93 @@ impl Binder<'_> {
             norm: self.vec(&n("norm"))?,
         })
     }
+
+    /// The tensors of layer `il` with compress ratio `ratio`, named by `n` (`blk.N.*`
+    /// for the main model, `mtp.0.*` for the MTP block); `hash` layers route by token.
+    pub(crate) fn layer(
+        &self,
+        cfg: &Config,
+        il: usize,
+        ratio: usize,
+        hash: bool,
+        n: &dyn Fn(&str) -> String,
+    ) -> Result<LayerWeights> {
+        let compressor = if ratio != 0 {
+            Some(self.compressor(n, "attn_compressor_", ratio, cfg.head_dim)?)
+        } else {
+            None
+        };
+        let indexer = if ratio != 0 && cfg.has_indexer(il) {
+            Some(IndexerWeights {
+                q_b: self.mat(&n("indexer.attn_q_b"))?,
+                proj: self.mat(&n("indexer.proj"))?,
+                compressor: self.compressor(n, "indexer_compressor_", ratio, cfg.idx_head_dim)?,
+            })
+        } else {
+            None
+        };
+        let lw = LayerWeights {
+            il,
+            ratio,
+            hc_attn: self.hc(&n("hc_attn_fn"), &n("hc_attn_scale"), &n("hc_attn_base"))?,
+            attn_norm: self.vec(&n("attn_norm"))?,
+            q_a: self.mat(&n("attn_q_a"))?,
+            q_a_norm: self.vec(&n("attn_q_a_norm"))?,
+            q_b: self.mat(&n("attn_q_b"))?,
+            kv: self.mat(&n("attn_kv"))?,
+            kv_norm: self.vec(&n("attn_kv_a_norm"))?,
+            sinks: self.vec(&n("attn_sinks"))?,
+            out_a: self.mat(&n("attn_output_a"))?,
+            out_b: self.mat(&n("attn_output_b"))?,
+            compressor,
+            indexer,
+            hc_ffn: self.hc(&n("hc_ffn_fn"), &n("hc_ffn_scale"), &n("hc_ffn_base"))?,
+            ffn_norm: self.vec(&n("ffn_norm"))?,
+            gate_inp: self.mat(&n("ffn_gate_inp"))?,
+            exp_probs_b: if hash {
+                None
+            } else {
+                self.vec_opt(&n("exp_probs_b"))?
+            },
+            tid2eid: if hash {
+                Some(self.i32s(&n("ffn_gate_tid2eid"))?)
+            } else {
+                None
+            },
+            gate_exps: self.mat(&n("ffn_gate_exps"))?,
+            up_exps: self.mat(&n("ffn_up_exps"))?,
+            down_exps: self.mat(&n("ffn_down_exps"))?,
+            gate_sh: self.mat(&n("ffn_gate_shexp"))?,
+            up_sh: self.mat(&n("ffn_up_shexp"))?,
+            down_sh: self.mat(&n("ffn_down_shexp"))?,
+        };
+        if lw.gate_exps.ty != lw.up_exps.ty {
+            return Err(EngineError::TensorType {
+                name: lw.up_exps.name.clone(),
+                got: lw.up_exps.ty,
+                expected: format!("the type of {} ({:?})", lw.gate_exps.name, lw.gate_exps.ty),
+            });
+        }
+        if let Some(t) = &lw.tid2eid {
+            if let Some(bad) = t.iter().find(|&&e| e < 0 || e as usize >= cfg.n_expert) {
+                return Err(EngineError::TensorData {
+                    name: n("ffn_gate_tid2eid"),
+                    msg: format!("expert id {bad} outside 0..{}", cfg.n_expert),
+                });
+            }
+        }
+        Ok(lw)
+    }
 }
 
 impl Weights {
     pub fn bind(cfg: &Config, file: &Arc<GgufFile>) -> Result<Weights> {
-        let specs = expected_tensors(cfg, ExpertQuant::Q2)
-            .into_iter()
-            .map(|s| (s.name.clone(), s))
-            .collect();
-        let b = Binder { file, specs };
+        let b = Binder::new(file, expected_tensors(cfg, ExpertQuant::Q2));
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for il in 0..cfg.n_layer {
             let n = |s: &str| layer_name(il, s);
-            let ratio = cfg.compress_ratios[il];
-            let compressor = if ratio != 0 {
-                Some(b.compressor(il, "attn_compressor_", ratio, cfg.head_dim)?)
-            } else {
-                None
-            };
-            let indexer = if cfg.has_indexer(il) {
-                Some(IndexerWeights {
-                    q_b: b.mat(&n("indexer.attn_q_b"))?,
-                    proj: b.mat(&n("indexer.proj"))?,
-                    compressor: b.compressor(il, "indexer_compressor_", ratio, cfg.idx_head_dim)?,
-                })
-            } else {
-                None
-            };
             let hash = il < cfg.n_hash_layer;
-            let lw = LayerWeights {
-                il,
-                ratio,
-                hc_attn: b.hc(&n("hc_attn_fn"), &n("hc_attn_scale"), &n("hc_attn_base"))?,
-                attn_norm: b.vec(&n("attn_norm"))?,
-                q_a: b.mat(&n("attn_q_a"))?,
-                q_a_norm: b.vec(&n("attn_q_a_norm"))?,
-                q_b: b.mat(&n("attn_q_b"))?,
-                kv: b.mat(&n("attn_kv"))?,
-                kv_norm: b.vec(&n("attn_kv_a_norm"))?,
-                sinks: b.vec(&n("attn_sinks"))?,
-                out_a: b.mat(&n("attn_output_a"))?,
-                out_b: b.mat(&n("attn_output_b"))?,
-                compressor,
-                indexer,
-                hc_ffn: b.hc(&n("hc_ffn_fn"), &n("hc_ffn_scale"), &n("hc_ffn_base"))?,
-                ffn_norm: b.vec(&n("ffn_norm"))?,
-                gate_inp: b.mat(&n("ffn_gate_inp"))?,
-                exp_probs_b: if hash {
-                    None
-                } else {
-                    b.vec_opt(&n("exp_probs_b"))?
-                },
-                tid2eid: if hash {
-                    Some(b.i32s(&n("ffn_gate_tid2eid"))?)
-                } else {
-                    None
-                },
-                gate_exps: b.mat(&n("ffn_gate_exps"))?,
-                up_exps: b.mat(&n("ffn_up_exps"))?,
-                down_exps: b.mat(&n("ffn_down_exps"))?,
-                gate_sh: b.mat(&n("ffn_gate_shexp"))?,
-                up_sh: b.mat(&n("ffn_up_shexp"))?,
-                down_sh: b.mat(&n("ffn_down_shexp"))?,
-            };
-            if lw.gate_exps.ty != lw.up_exps.ty {
-                return Err(EngineError::TensorType {
-                    name: lw.up_exps.name.clone(),
-                    got: lw.up_exps.ty,
-                    expected: format!("the type of {} ({:?})", lw.gate_exps.name, lw.gate_exps.ty),
-                });
-            }
-            if let Some(t) = &lw.tid2eid {
-                if let Some(bad) = t.iter().find(|&&e| e < 0 || e as usize >= cfg.n_expert) {
-                    return Err(EngineError::TensorData {
-                        name: n("ffn_gate_tid2eid"),
-                        msg: format!("expert id {bad} outside 0..{}", cfg.n_expert),
-                    });
-                }
-            }
-            layers.push(lw);
+            layers.push(b.layer(cfg, il, cfg.compress_ratios[il], hash, &n)?);
         }
         Ok(Weights {
             token_embd: b.mat("token_embd.weight")?,

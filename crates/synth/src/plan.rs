@@ -8,6 +8,7 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use ds4_engine::dev::config::Config;
 use ds4_engine::dev::layout::{self, ExpertQuant, TensorSpec};
+use ds4_engine::dev::mtp::layout::mtp_tensors;
 use ds4_gguf::{GgmlType, GgufWriter, Layout, Value};
 use rayon::prelude::*;
 
@@ -68,6 +69,34 @@ impl Plan {
         {
             w.add(k, v)?;
         }
+        for s in &specs {
+            w.add_tensor(&s.name, &s.dims, s.published)?;
+        }
+        let layout = w.layout();
+        Ok(Plan {
+            config,
+            experts,
+            specs,
+            writer: w,
+            layout,
+        })
+    }
+
+    /// The MTP GGUF (architecture.md §2.5) matching a main model of `config`: the
+    /// `mtp.0.*` block with `experts` routed experts (the shipped file uses Q4), no
+    /// tokenizer (the embedding and `output` come from the main file).
+    pub fn mtp(config: Config, experts: ExpertQuant, description: &str) -> Result<Plan> {
+        let specs = mtp_tensors(&config, experts);
+        let mut w = GgufWriter::new();
+        w.add("general.architecture", Value::String("deepseek4".into()))?;
+        w.add(
+            "general.name",
+            Value::String(format!(
+                "DeepSeek-V4-Flash MTP synthetic ({experts:?} experts)"
+            )),
+        )?;
+        w.add("general.description", Value::String(description.into()))?;
+        w.add("general.quantization_version", Value::U32(2))?;
         for s in &specs {
             w.add_tensor(&s.name, &s.dims, s.published)?;
         }
@@ -225,6 +254,17 @@ mod tests {
             (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
         });
         assert_eq!((image.len(), fnv1a), (2_248_736, 0x031e_ad62_e605_bd72));
+    }
+
+    #[test]
+    fn mtp_plan_matches_the_shipped_file_and_is_seeded() {
+        let p = Plan::mtp(Config::flash(), ExpertQuant::Q4, "test").unwrap();
+        // "about 3.55 GiB" for the shipped MTP-Q4K-Q8_0-F32 file (architecture.md §2.5).
+        let gib = p.tensor_bytes() as f64 / (1u64 << 30) as f64;
+        assert!((3.5..3.6).contains(&gib), "{gib}");
+        let tiny = Plan::mtp(Config::tiny(2), ExpertQuant::Q4, "t").unwrap();
+        assert_eq!(tiny.build(3, &|_| {}), tiny.build(3, &|_| {}));
+        assert_ne!(tiny.build(3, &|_| {}), tiny.build(4, &|_| {}));
     }
 
     #[test]

@@ -23,7 +23,7 @@ use crate::ops::moe::{route, Route};
 use crate::ops::norm::{rms_scale, rmsnorm_inplace, rmsnorm_rows_inplace, sigmoid, silu};
 use crate::ops::qat::{fp4_e2m1_inplace, fp8_e4m3_inplace, hadamard_inplace};
 use crate::ops::rope::{self, Rope, RopeAngles};
-use crate::weights::{CompressorWeights, HcWeights, LayerWeights};
+use crate::weights::{CompressorWeights, HcWeights, LayerWeights, Mat};
 
 /// FP8 simulation block of KV nope dims.
 const FP8_BLOCK: usize = 64;
@@ -39,6 +39,20 @@ pub(crate) fn forward(
     cache: &mut KvCache,
     tokens: &[u32],
     rows: LogitRows,
+) -> Result<Vec<f32>> {
+    forward_hc(m, numerics, cache, tokens, rows, None)
+}
+
+/// [`forward`], also returning in `last_hc` the final hyper-connection state of the
+/// last token (`[n_hc][n_embd]`, before the head collapses the streams): the input
+/// the MTP draft block needs (architecture.md, "MTP draft block").
+pub(crate) fn forward_hc(
+    m: &ModelInner,
+    numerics: Numerics,
+    cache: &mut KvCache,
+    tokens: &[u32],
+    rows: LogitRows,
+    last_hc: Option<&mut Vec<f32>>,
 ) -> Result<Vec<f32>> {
     let cfg = &m.config;
     if let Some(&t) = tokens.iter().find(|&&t| t as usize >= cfg.vocab) {
@@ -72,53 +86,94 @@ pub(crate) fn forward(
     }
     let pos0 = cache.n_tokens;
     for (il, lw) in m.weights.layers.iter().enumerate() {
-        let ctx = LayerCtx {
+        layer_forward(
             cfg,
             lw,
-            rope: &m.ropes[il],
+            &m.ropes[il],
             numerics,
             pos0,
             tokens,
-        };
-        ctx.attention(&mut h, &mut cache.layers[il]);
-        ctx.ffn(&mut h);
+            &mut h,
+            &mut cache.layers[il],
+        );
     }
     cache.n_tokens += n;
+    if let Some(out) = last_hc {
+        *out = h[(n - 1) * nhc * e..].to_vec();
+    }
     let sel: Vec<usize> = match rows {
         LogitRows::None => return Ok(Vec::new()),
         LogitRows::Last => vec![n - 1],
         LogitRows::All => (0..n).collect(),
     };
-    Ok(head(m, numerics, &h, &sel))
+    let w = &m.weights;
+    Ok(head(
+        cfg,
+        numerics,
+        &w.head_hc,
+        &w.output_norm,
+        &w.output,
+        &h,
+        &sel,
+    ))
 }
 
-/// The output head for the selected tokens: sigmoid-weighted stream collapse, norm,
-/// vocabulary projection.
-fn head(m: &ModelInner, numerics: Numerics, h: &[f32], sel: &[usize]) -> Vec<f32> {
-    let cfg = &m.config;
+/// One layer (attention then FFN sublayer) over the HC states `h` (`[n][n_hc][n_embd]`)
+/// of `tokens` at positions `pos0..`, with `cache` its state. The main model's layers
+/// and the MTP block both run through here.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn layer_forward(
+    cfg: &Config,
+    lw: &LayerWeights,
+    rope: &Rope,
+    numerics: Numerics,
+    pos0: usize,
+    tokens: &[u32],
+    h: &mut [f32],
+    cache: &mut LayerCache,
+) {
+    let ctx = LayerCtx {
+        cfg,
+        lw,
+        rope,
+        numerics,
+        pos0,
+        tokens,
+    };
+    ctx.attention(h, cache);
+    ctx.ffn(h);
+}
+
+/// The output head for the selected tokens: sigmoid-weighted stream collapse (`hc`),
+/// `norm`, vocabulary projection (`output`). The MTP block passes its own `hc`/`norm`.
+pub(crate) fn head(
+    cfg: &Config,
+    numerics: Numerics,
+    hc: &HcWeights,
+    norm: &[f32],
+    output: &Mat,
+    h: &[f32],
+    sel: &[usize],
+) -> Vec<f32> {
     let (e, nhc) = (cfg.n_embd, cfg.n_hc);
-    let w = &m.weights;
     let hs: Vec<f32> = sel
         .iter()
         .flat_map(|&t| h[t * nhc * e..(t + 1) * nhc * e].iter().copied())
         .collect();
     let mut mixes = vec![0.0f32; sel.len() * nhc];
-    matmul_f32(w.head_hc.fn_.view(), &hs, numerics, &mut mixes);
+    matmul_f32(hc.fn_.view(), &hs, numerics, &mut mixes);
     let mut x = vec![0.0f32; sel.len() * e];
     for (i, hrow) in hs.chunks_exact(nhc * e).enumerate() {
         let rs = rms_scale(hrow, cfg.rms_eps);
         let pre: Vec<f32> = (0..nhc)
-            .map(|s| {
-                sigmoid(mixes[i * nhc + s] * rs * w.head_hc.scale[0] + w.head_hc.base[s])
-                    + cfg.hc_eps
-            })
+            .map(|s| sigmoid(mixes[i * nhc + s] * rs * hc.scale[0] + hc.base[s]) + cfg.hc_eps)
             .collect();
         let xi = &mut x[i * e..(i + 1) * e];
         hc::weighted_sum(hrow, &pre, xi);
-        rmsnorm_inplace(xi, &w.output_norm, cfg.rms_eps);
+        rmsnorm_inplace(xi, norm, cfg.rms_eps);
     }
     let mut logits = vec![0.0f32; sel.len() * cfg.vocab];
-    matmul_f32(w.output.view(), &x, numerics, &mut logits);
+    matmul_f32(output.view(), &x, numerics, &mut logits);
     logits
 }
 

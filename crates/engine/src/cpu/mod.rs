@@ -39,6 +39,31 @@ impl CpuBackend {
     pub fn cache(&self) -> &KvCache {
         &self.cache
     }
+
+    /// [`Backend::forward`], also returning the final hyper-connection state of the
+    /// last token (`[n_hc][n_embd]`), which the MTP draft block takes as its input.
+    pub fn forward_with_hc(
+        &mut self,
+        tokens: &[u32],
+        rows: LogitRows,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let mut hc = Vec::new();
+        let mut run = || {
+            forward::forward_hc(
+                self.model.inner(),
+                self.numerics,
+                &mut self.cache,
+                tokens,
+                rows,
+                Some(&mut hc),
+            )
+        };
+        let logits = match &self.pool {
+            Some(pool) => pool.install(run),
+            None => run(),
+        }?;
+        Ok((logits, hc))
+    }
 }
 
 impl Backend for CpuBackend {

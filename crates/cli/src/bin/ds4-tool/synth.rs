@@ -29,9 +29,17 @@ enum Experts {
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Output GGUF path (required unless --dry-run: a default once wrote 86.7 GB unasked).
-    #[arg(short, long, required_unless_present = "dry_run")]
+    /// Output GGUF path (required unless --dry-run or --mtp-out: a default once wrote
+    /// 86.7 GB unasked).
+    #[arg(short, long, required_unless_present_any = ["dry_run", "mtp_out"])]
     out: Option<PathBuf>,
+    /// Also write the matching MTP GGUF (the `mtp.0.*` draft block, as the shipped
+    /// `…MTP-Q4K-Q8_0-F32.gguf`) here; with --dry-run, print its plan instead.
+    #[arg(long)]
+    mtp_out: Option<PathBuf>,
+    /// Quantisation of the MTP block's routed experts (the shipped file uses q4).
+    #[arg(long, value_enum, default_value = "q4")]
+    mtp_experts: Experts,
     /// Number of layers (the real model has 43).
     #[arg(long, default_value_t = 43)]
     layers: usize,
@@ -62,11 +70,12 @@ pub fn run(a: Args) -> Result<()> {
         Dims::Tiny => Config::tiny(a.layers),
         Dims::Full => flash_config(a.layers),
     };
-    let experts = match a.experts {
+    let quant = |e: Experts| match e {
         Experts::Q2 => ExpertQuant::Q2,
         Experts::Q4 => ExpertQuant::Q4,
         Experts::F32 => ExpertQuant::F32,
     };
+    let experts = quant(a.experts);
     let vocab = match &a.tokenizer {
         Some(p) => Vocab::from_tokenizer_json(
             &std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?,
@@ -77,10 +86,38 @@ pub fn run(a: Args) -> Result<()> {
         "Synthetic random weights in the DS4 GGUF layout (seed {}); not a trained model",
         a.seed
     );
+    let mtp = match &a.mtp_out {
+        Some(_) => Some(Plan::mtp(config.clone(), quant(a.mtp_experts), &desc)?),
+        None => None,
+    };
     let plan = Plan::new(config, experts, &vocab, &desc)?;
+    if let Some(t) = a.threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(t)
+            .build_global()
+            .ok();
+    }
+    // The main file is printed (and written) only when asked for, or with nothing else.
+    if a.out.is_some() || mtp.is_none() {
+        print_plan(&plan, a.dry_run);
+        if let Some(out) = a.out.as_deref().filter(|_| !a.dry_run) {
+            write_plan(&plan, out, a.seed)?;
+        }
+    }
+    if let (Some(mtp), Some(out)) = (&mtp, &a.mtp_out) {
+        println!("MTP file:");
+        print_plan(mtp, a.dry_run);
+        if !a.dry_run {
+            write_plan(mtp, out, a.seed)?;
+        }
+    }
+    Ok(())
+}
 
+/// The totals line; with `table`, the tensor table and per-type totals before it.
+fn print_plan(plan: &Plan, table: bool) {
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-    if a.dry_run {
+    if table {
         println!(
             "{:<44} {:<8} {:>22} {:>14}",
             "name", "type", "dims", "bytes"
@@ -106,17 +143,11 @@ pub fn run(a: Args) -> Result<()> {
         gib(plan.tensor_bytes()),
         plan.layout.file_size
     );
-    let Some(out) = a.out.as_deref().filter(|_| !a.dry_run) else {
-        return Ok(());
-    };
+}
+
+fn write_plan(plan: &Plan, out: &std::path::Path, seed: u64) -> Result<()> {
     // #19 item 4: refuse before writing rather than filling the disk halfway.
     ds4_cli::disk::ensure_free_space(out, plan.layout.file_size)?;
-    if let Some(t) = a.threads {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(t)
-            .build_global()
-            .ok();
-    }
     let bar = ProgressBar::new(plan.layout.file_size);
     bar.set_style(
         ProgressStyle::with_template(
@@ -128,7 +159,7 @@ pub fn run(a: Args) -> Result<()> {
     bar.set_message(format!("writing {}", out.display()));
     let done = AtomicU64::new(0);
     let start = Instant::now();
-    plan.write(out, a.seed, &|n| {
+    plan.write(out, seed, &|n| {
         let d = done.fetch_add(n, Ordering::Relaxed) + n;
         bar.set_position(d);
     })?;
