@@ -378,9 +378,37 @@ impl std::fmt::Display for LayoutIssue {
 /// reference types are taken from the file itself (layer by layer, since mixed q2/q4
 /// files exist), so a q4 expert in a q2 file is not reported.
 pub fn check_layout(cfg: &Config, gguf: &GgufFile) -> Vec<LayoutIssue> {
-    let mut issues = Vec::new();
     let specs = expected_tensors(cfg, ExpertQuant::Q2);
-    for spec in &specs {
+    let gate_up = (0..cfg.n_layer).map(|il| {
+        let name = |s| layer_name(il, s);
+        (il, name("ffn_gate_exps"), name("ffn_up_exps"))
+    });
+    check_specs(&specs, gguf, |spec, _| spec.published, gate_up)
+}
+
+/// The type the published files use for `spec`'s tensor, given the file's `ty`:
+/// experts may be the q2 or the q4 encoding, everything else has one type.
+pub(crate) fn published_type(spec: &TensorSpec, ty: GgmlType) -> bool {
+    match spec.role {
+        Role::ExpertGateUp => matches!(ty, GgmlType::IQ2_XXS | GgmlType::Q4_K),
+        Role::ExpertDown => matches!(ty, GgmlType::Q2_K | GgmlType::Q4_K),
+        _ => ty == spec.published,
+    }
+}
+
+/// Checks a tensor table against `specs`: every non-optional spec present, its dims,
+/// a supported type and a published one (experts by [`published_type`], the rest
+/// against `published(spec, ty)`, the type the published files use when the file has
+/// `ty`); the gate and up experts of each `(layer, gate, up)` of one type; no tensor
+/// that no spec names.
+pub(crate) fn check_specs(
+    specs: &[TensorSpec],
+    gguf: &GgufFile,
+    published: impl Fn(&TensorSpec, GgmlType) -> GgmlType,
+    gate_up: impl Iterator<Item = (usize, String, String)>,
+) -> Vec<LayoutIssue> {
+    let mut issues = Vec::new();
+    for spec in specs {
         let Some(info) = gguf.tensor_info(&spec.name) else {
             if !spec.optional {
                 issues.push(LayoutIssue::Missing {
@@ -403,28 +431,24 @@ pub fn check_layout(cfg: &Config, gguf: &GgufFile) -> Vec<LayoutIssue> {
             });
             continue;
         }
-        let published_ok = match spec.role {
-            Role::ExpertGateUp => matches!(info.ty, GgmlType::IQ2_XXS | GgmlType::Q4_K),
-            Role::ExpertDown => matches!(info.ty, GgmlType::Q2_K | GgmlType::Q4_K),
-            _ => info.ty == spec.published,
+        let want = published(spec, info.ty);
+        let ok = match spec.role {
+            Role::ExpertGateUp | Role::ExpertDown => published_type(spec, info.ty),
+            _ => info.ty == want,
         };
-        if !published_ok {
+        if !ok {
             issues.push(LayoutIssue::NotPublishedType {
                 name: spec.name.clone(),
                 got: info.ty,
-                want: spec.published,
+                want,
             });
         }
     }
-    for il in 0..cfg.n_layer {
-        let ty = |s| gguf.tensor_info(&layer_name(il, s)).map(|t| t.ty);
-        if let (Some(gate), Some(up)) = (ty("ffn_gate_exps"), ty("ffn_up_exps")) {
+    for (layer, gate, up) in gate_up {
+        let ty = |n: &str| gguf.tensor_info(n).map(|t| t.ty);
+        if let (Some(gate), Some(up)) = (ty(&gate), ty(&up)) {
             if gate != up {
-                issues.push(LayoutIssue::GateUpMismatch {
-                    layer: il,
-                    gate,
-                    up,
-                });
+                issues.push(LayoutIssue::GateUpMismatch { layer, gate, up });
             }
         }
     }

@@ -6,7 +6,9 @@
 use ds4_gguf::{GgmlType, GgufFile};
 
 use crate::config::Config;
-use crate::layout::{expected_tensors, layer_name, ExpertQuant, LayoutIssue, Role, TensorSpec};
+use crate::layout::{
+    check_specs, expected_tensors, layer_name, ExpertQuant, LayoutIssue, Role, TensorSpec,
+};
 
 /// Prefix of every tensor of the block.
 pub const MTP_PREFIX: &str = "mtp.0.";
@@ -97,68 +99,22 @@ pub fn not_mtp_reason(gguf: &GgufFile) -> Option<String> {
 /// since a stray tensor means the file was made for another layout.
 pub fn check_mtp_layout(cfg: &Config, gguf: &GgufFile) -> Vec<LayoutIssue> {
     let specs = mtp_tensors(cfg, ExpertQuant::Q4);
-    let mut issues = Vec::new();
-    for spec in &specs {
-        let Some(info) = gguf.tensor_info(&spec.name) else {
-            issues.push(LayoutIssue::Missing {
-                name: spec.name.clone(),
-            });
-            continue;
-        };
-        if info.dims != spec.dims {
-            issues.push(LayoutIssue::WrongDims {
-                name: spec.name.clone(),
-                got: info.dims.clone(),
-                want: spec.dims.clone(),
-            });
+    let gate_up = (
+        cfg.n_layer,
+        mtp_name("ffn_gate_exps"),
+        mtp_name("ffn_up_exps"),
+    );
+    // §2.5: hc_*_fn, hc_head_fn and ffn_gate_inp may be F16 or F32.
+    let published = |spec: &TensorSpec, ty: GgmlType| {
+        let either = (spec.name.contains("hc_") && spec.name.contains("_fn"))
+            || spec.name.ends_with("ffn_gate_inp.weight");
+        if either && matches!(ty, GgmlType::F16 | GgmlType::F32) {
+            ty
+        } else {
+            spec.published
         }
-        if !spec.accepts(info.ty) {
-            issues.push(LayoutIssue::UnsupportedType {
-                name: spec.name.clone(),
-                got: info.ty,
-            });
-            continue;
-        }
-        let published_ok = match spec.role {
-            // Q4_K is what ships; the q2 mix is accepted too (the kernels are the same).
-            Role::ExpertGateUp => matches!(info.ty, GgmlType::IQ2_XXS | GgmlType::Q4_K),
-            Role::ExpertDown => matches!(info.ty, GgmlType::Q2_K | GgmlType::Q4_K),
-            // §2.5: hc_*_fn, hc_head_fn and ffn_gate_inp may be F16 or F32.
-            _ if spec.name.contains("hc_") && spec.name.contains("_fn") => {
-                matches!(info.ty, GgmlType::F16 | GgmlType::F32)
-            }
-            _ if spec.name.ends_with("ffn_gate_inp.weight") => {
-                matches!(info.ty, GgmlType::F16 | GgmlType::F32)
-            }
-            _ => info.ty == spec.published,
-        };
-        if !published_ok {
-            issues.push(LayoutIssue::NotPublishedType {
-                name: spec.name.clone(),
-                got: info.ty,
-                want: spec.published,
-            });
-        }
-    }
-    let ty = |s: &str| gguf.tensor_info(&mtp_name(s)).map(|t| t.ty);
-    if let (Some(gate), Some(up)) = (ty("ffn_gate_exps"), ty("ffn_up_exps")) {
-        if gate != up {
-            issues.push(LayoutIssue::GateUpMismatch {
-                layer: cfg.n_layer,
-                gate,
-                up,
-            });
-        }
-    }
-    let known: std::collections::HashSet<&str> = specs.iter().map(|s| s.name.as_str()).collect();
-    for t in gguf.tensors() {
-        if !known.contains(t.name.as_str()) {
-            issues.push(LayoutIssue::Unexpected {
-                name: t.name.clone(),
-            });
-        }
-    }
-    issues
+    };
+    check_specs(&specs, gguf, published, std::iter::once(gate_up))
 }
 
 /// Whether an issue of [`check_mtp_layout`] prevents loading: the fatal ones of the
