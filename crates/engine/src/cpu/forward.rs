@@ -25,6 +25,8 @@ use crate::ops::qat::{fp4_e2m1_inplace, fp8_e4m3_inplace, hadamard_inplace};
 use crate::ops::rope::{self, Rope, RopeAngles};
 use crate::weights::{CompressorWeights, HcWeights, LayerWeights};
 
+use super::rows::LayerJournal;
+
 /// FP8 simulation block of KV nope dims.
 const FP8_BLOCK: usize = 64;
 /// FP4 simulation block of indexer vectors.
@@ -39,6 +41,20 @@ pub(crate) fn forward(
     cache: &mut KvCache,
     tokens: &[u32],
     rows: LogitRows,
+) -> Result<Vec<f32>> {
+    forward_journaled(m, numerics, cache, tokens, rows, None)
+}
+
+/// [`forward`] that also records, per layer, what a multi-row step needs to replay a
+/// prefix of the chunk (`super::rows`): the raw rows pushed and the compressor inputs.
+/// Fails before touching the cache (bad token, context full), never half-way.
+pub(crate) fn forward_journaled(
+    m: &ModelInner,
+    numerics: Numerics,
+    cache: &mut KvCache,
+    tokens: &[u32],
+    rows: LogitRows,
+    mut journal: Option<&mut Vec<LayerJournal>>,
 ) -> Result<Vec<f32>> {
     let cfg = &m.config;
     if let Some(&t) = tokens.iter().find(|&&t| t as usize >= cfg.vocab) {
@@ -80,7 +96,11 @@ pub(crate) fn forward(
             pos0,
             tokens,
         };
-        ctx.attention(&mut h, &mut cache.layers[il]);
+        let j = journal.as_deref_mut().map(|j| {
+            j.push(LayerJournal::default());
+            j.last_mut().expect("just pushed")
+        });
+        ctx.attention(&mut h, &mut cache.layers[il], j);
         ctx.ffn(&mut h);
     }
     cache.n_tokens += n;
@@ -187,7 +207,12 @@ impl LayerCtx<'_> {
         }
     }
 
-    fn attention(&self, h: &mut [f32], cache: &mut LayerCache) {
+    fn attention(
+        &self,
+        h: &mut [f32],
+        cache: &mut LayerCache,
+        mut journal: Option<&mut LayerJournal>,
+    ) {
         let cfg = self.cfg;
         let lw = self.lw;
         let n = self.n();
@@ -256,6 +281,10 @@ impl LayerCtx<'_> {
             }
             (k, g, iq, iw, slot)
         });
+        if let Some(j) = journal.as_deref_mut() {
+            j.comp = comp_proj.clone();
+            j.index = idx_proj.as_ref().map(|(k, g, ..)| (k.clone(), g.clone()));
+        }
 
         let scale = (hd as f64).powf(-0.5) as f32;
         let idx_scale =
@@ -271,6 +300,9 @@ impl LayerCtx<'_> {
             fp8_e4m3_inplace(&mut kvt[..hd - rd], FP8_BLOCK);
             self.store(kvt);
             cache.push_raw(kvt);
+            if let Some(j) = journal.as_deref_mut() {
+                j.raw.extend_from_slice(kvt);
+            }
 
             if let (Some(c), Some((k, g))) = (&lw.compressor, &comp_proj) {
                 let st = cache

@@ -1,10 +1,11 @@
 //! The CPU backend: the reference implementation of the forward pass.
 
 pub(crate) mod forward;
+pub(crate) mod rows;
 
 use std::sync::Arc;
 
-use crate::backend::{Backend, LogitRows};
+use crate::backend::{check_accepted, check_rows, no_pending, Backend, LogitRows};
 use crate::error::Result;
 use crate::kv::KvCache;
 use crate::model::Model;
@@ -17,6 +18,8 @@ pub struct CpuBackend {
     cache: KvCache,
     /// The thread pool of the forward pass (`None`: rayon's global pool).
     pool: Option<Arc<rayon::ThreadPool>>,
+    /// The pending multi-row step's undo record.
+    undo: Option<rows::Undo>,
 }
 
 impl CpuBackend {
@@ -26,6 +29,7 @@ impl CpuBackend {
             numerics,
             cache: KvCache::new(model.config(), ctx),
             pool: None,
+            undo: None,
         }
     }
 
@@ -38,6 +42,23 @@ impl CpuBackend {
 
     pub fn cache(&self) -> &KvCache {
         &self.cache
+    }
+
+    fn run(
+        &mut self,
+        tokens: &[u32],
+        rows: LogitRows,
+        journal: Option<&mut Vec<rows::LayerJournal>>,
+    ) -> Result<Vec<f32>> {
+        let (m, numerics, cache) = (self.model.inner(), self.numerics, &mut self.cache);
+        let run = || match journal {
+            None => forward::forward(m, numerics, cache, tokens, rows),
+            Some(j) => forward::forward_journaled(m, numerics, cache, tokens, rows, Some(j)),
+        };
+        match &self.pool {
+            Some(pool) => pool.install(run),
+            None => run(),
+        }
     }
 }
 
@@ -55,19 +76,32 @@ impl Backend for CpuBackend {
     }
 
     fn forward(&mut self, tokens: &[u32], rows: LogitRows) -> Result<Vec<f32>> {
-        let mut run = || {
-            forward::forward(
-                self.model.inner(),
-                self.numerics,
-                &mut self.cache,
-                tokens,
-                rows,
-            )
+        self.undo = None;
+        self.run(tokens, rows, None)
+    }
+
+    fn step_rows(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        check_rows(tokens.len())?;
+        self.undo = None;
+        let mut undo = rows::Undo::mark(&self.cache, tokens.len());
+        // The forward pass fails before touching the cache or not at all.
+        let logits = self.run(tokens, LogitRows::All, Some(&mut undo.journal))?;
+        self.undo = Some(undo);
+        Ok(logits)
+    }
+
+    fn commit_rows(&mut self, accepted: usize) -> Result<()> {
+        let Some(undo) = &self.undo else {
+            return no_pending(accepted);
         };
-        match &self.pool {
-            Some(pool) => pool.install(run),
-            None => run(),
-        }
+        check_accepted(accepted, undo.rows())?;
+        let undo = self.undo.take().expect("checked above");
+        undo.keep(self.model.inner(), &mut self.cache, accepted);
+        Ok(())
+    }
+
+    fn pending_rows(&self) -> usize {
+        self.undo.as_ref().map_or(0, |u| u.rows())
     }
 
     fn export_state(&self) -> Result<KvCache> {
@@ -75,15 +109,20 @@ impl Backend for CpuBackend {
     }
 
     fn import_state(&mut self, state: KvCache) -> Result<()> {
+        self.undo = None;
         self.cache = state;
         Ok(())
     }
 
     fn reset(&mut self) {
+        self.undo = None;
         self.cache = KvCache::new(self.model.config(), self.cache.ctx);
     }
 
+    /// The copy has no pending step (it holds every row of one).
     fn try_clone_box(&self) -> Result<Box<dyn Backend>> {
-        Ok(Box::new(self.clone()))
+        let mut c = self.clone();
+        c.undo = None;
+        Ok(Box::new(c))
     }
 }
