@@ -123,10 +123,24 @@ fn keep_layer<'w>(
         return;
     }
     l.truncate_comp(mk.n_comp + closed(l.ratio, p0, p0 + accepted));
-    replay(&mut l.comp_state, &mk.comp_state, &j.comp, pool(false), p0, accepted);
+    replay(
+        &mut l.comp_state,
+        &mk.comp_state,
+        &j.comp,
+        pool(false),
+        p0,
+        accepted,
+    );
     if l.index_state.is_some() {
         l.truncate_index(mk.n_index + closed(l.ratio, p0, p0 + accepted));
-        replay(&mut l.index_state, &mk.index_state, &j.index, pool(true), p0, accepted);
+        replay(
+            &mut l.index_state,
+            &mk.index_state,
+            &j.index,
+            pool(true),
+            p0,
+            accepted,
+        );
     }
 }
 
