@@ -318,7 +318,10 @@ fn errors_and_pending_rules() {
         s.truncate(33).unwrap();
         assert_eq!(s.pending_rows(), 0);
         let mut one = before.try_clone().unwrap();
-        one.prefill(&seq[30..33]).unwrap();
+        // Decode, not prefill: CUDA's batched prefill need not match decode bit for bit.
+        for &tok in &seq[30..33] {
+            one.decode(tok).unwrap();
+        }
         same(&s, &one);
         s.step_rows(&seq[33..37]).unwrap();
         s.truncate(20).unwrap();
