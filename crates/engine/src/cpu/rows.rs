@@ -3,7 +3,8 @@
 //!
 //! The record is O(R + frontier), never a copy of the cache: per layer the ring
 //! position and the `min(R, window)` ring slots the step overwrites, the compressed
-//! and index row counts, and the compressor frontiers as they were; plus the step's
+//! and index row counts, and the compressor frontiers as they were (only the R slots
+//! the step writes, unless it closes a window); plus the step's
 //! journal (the raw rows it pushed and the compressor inputs of every row). Keeping
 //! `a` rows rewinds all of that and replays rows `0..a` through the ring and the
 //! frontiers only — no projection, attention or FFN runs again. Compressed and index
@@ -31,8 +32,52 @@ struct LayerMark {
     raw: RawMark,
     n_comp: usize,
     n_index: usize,
-    comp_state: Option<Frontier>,
-    index_state: Option<Frontier>,
+    comp_state: Option<FrontierMark>,
+    index_state: Option<FrontierMark>,
+}
+
+/// A compressor frontier before the step.
+#[derive(Clone, Debug)]
+enum FrontierMark {
+    /// The step closes a window: the close pools, then clears or shifts every slot.
+    Whole(Frontier),
+    /// No close: the step writes only slots `first..first + R` (positions `p0..p0+R`
+    /// of one window), whose old contents these are — O(R), as on most steps of a
+    /// ratio-128 layer.
+    Slots {
+        first: usize,
+        kv: Vec<f32>,
+        score: Vec<f32>,
+    },
+}
+
+impl FrontierMark {
+    fn new(st: &Frontier, ratio: usize, p0: usize, rows: usize) -> FrontierMark {
+        if closed(ratio, p0, p0 + rows) > 0 {
+            return FrontierMark::Whole(st.clone());
+        }
+        // `compressor::step`'s slot: the current window is the second lane of an
+        // overlapping (two-lane) compressor.
+        let lanes = st.rows / ratio;
+        let first = (lanes - 1) * ratio + p0 % ratio;
+        let span = first * st.width..(first + rows) * st.width;
+        FrontierMark::Slots {
+            first,
+            kv: st.kv[span.clone()].to_vec(),
+            score: st.score[span].to_vec(),
+        }
+    }
+
+    fn restore(&self, st: &mut Frontier) {
+        match self {
+            FrontierMark::Whole(f) => st.clone_from(f),
+            FrontierMark::Slots { first, kv, score } => {
+                let at = first * st.width;
+                st.kv[at..at + kv.len()].copy_from_slice(kv);
+                st.score[at..at + score.len()].copy_from_slice(score);
+            }
+        }
+    }
 }
 
 /// A pending step's undo record.
@@ -54,12 +99,18 @@ impl Undo {
             marks: cache
                 .layers
                 .iter()
-                .map(|l| LayerMark {
-                    raw: l.raw_mark(rows),
-                    n_comp: l.n_comp(),
-                    n_index: l.n_index(),
-                    comp_state: l.comp_state.clone(),
-                    index_state: l.index_state.clone(),
+                .map(|l| {
+                    let p0 = cache.n_tokens;
+                    let mark = |f: &Option<Frontier>| {
+                        f.as_ref().map(|f| FrontierMark::new(f, l.ratio, p0, rows))
+                    };
+                    LayerMark {
+                        raw: l.raw_mark(rows),
+                        n_comp: l.n_comp(),
+                        n_index: l.n_index(),
+                        comp_state: mark(&l.comp_state),
+                        index_state: mark(&l.index_state),
+                    }
                 })
                 .collect(),
             journal: Vec::with_capacity(cache.layers.len()),
@@ -149,7 +200,7 @@ fn keep_layer<'w>(
 /// are dropped: the step already appended them).
 fn replay(
     st: &mut Option<Frontier>,
-    before: &Option<Frontier>,
+    before: &Option<FrontierMark>,
     inputs: &Option<(Vec<f32>, Vec<f32>)>,
     pool: compressor::Pool<'_>,
     p0: usize,
@@ -158,7 +209,7 @@ fn replay(
     let (Some(st), Some(before), Some((kv, score))) = (st.as_mut(), before, inputs) else {
         panic!("a compressed layer has a frontier and journaled inputs");
     };
-    st.clone_from(before);
+    before.restore(st);
     let w = pool.lanes * pool.dim;
     for t in 0..accepted {
         let _ = compressor::step(
