@@ -360,5 +360,26 @@ fn errors_and_pending_rules() {
             "{}",
             rig.name
         );
+
+        // A payload saved during a step holds every row; loading one (like importing
+        // a state) accepts the loader's own pending step first.
+        let at = s.n_tokens();
+        let mut all = s.tokens().to_vec();
+        all.extend_from_slice(&seq[at..at + 3]);
+        s.step_rows(&seq[at..at + 3]).unwrap();
+        let mut bytes = Vec::new();
+        s.save_payload(&mut bytes).unwrap();
+        assert_eq!(s.tokens(), all);
+        // A load rebuilds the ring oldest-first: compare with a fresh load.
+        let mut whole = (rig.make)(ctx);
+        whole.load_payload(&mut bytes.as_slice()).unwrap();
+        assert_eq!(whole.tokens(), all);
+        s.commit_rows(1).unwrap();
+        s.step_rows(&seq[at + 1..at + 2]).unwrap();
+        s.load_payload(&mut bytes.as_slice()).unwrap();
+        same(&s, &whole);
+        s.step_rows(&seq[at + 3..at + 5]).unwrap();
+        s.import_state(twenty.export_state().unwrap()).unwrap();
+        same(&s, &twenty);
     }
 }
