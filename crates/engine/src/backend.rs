@@ -4,7 +4,7 @@
 //! the host form [`KvCache`] only for snapshots and payloads, so the payload layout
 //! is the same on every backend.
 
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
 
 /// Which logits rows a forward call returns.
@@ -15,6 +15,40 @@ pub enum LogitRows {
     Last,
     /// One row per token (scoring, tests).
     All,
+}
+
+/// Most rows of one multi-row step ([`Backend::step_rows`]): enough to verify the
+/// drafts of multi-token prediction, few enough that the undo record stays small.
+pub const MAX_ROWS: usize = 16;
+
+/// Checks a step's row count.
+pub(crate) fn check_rows(n: usize) -> Result<()> {
+    if n == 0 || n > MAX_ROWS {
+        return Err(EngineError::Invalid(format!(
+            "a multi-row step runs 1 to {MAX_ROWS} tokens, not {n}"
+        )));
+    }
+    Ok(())
+}
+
+/// `commit_rows` when no step is pending.
+pub(crate) fn no_pending(accepted: usize) -> Result<()> {
+    if accepted != 0 {
+        return Err(EngineError::Invalid(format!(
+            "no multi-row step is pending to keep {accepted} rows of"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks `accepted` against a pending step of `rows` rows.
+pub(crate) fn check_accepted(accepted: usize, rows: usize) -> Result<()> {
+    if accepted > rows {
+        return Err(EngineError::Invalid(format!(
+            "cannot keep {accepted} rows of a {rows}-row step"
+        )));
+    }
+    Ok(())
 }
 
 pub trait Backend: Send {
@@ -30,6 +64,38 @@ pub trait Backend: Send {
     /// returns the requested logits rows (`[rows][vocab]`). Must equal running the
     /// tokens one at a time.
     fn forward(&mut self, tokens: &[u32], rows: LogitRows) -> Result<Vec<f32>>;
+
+    /// A multi-row step (docs/architecture.md, "Multi-row steps and rollback"): runs
+    /// 1..=[`MAX_ROWS`] tokens at positions `n_tokens()..` like
+    /// `forward(tokens, LogitRows::All)` — causal among themselves, bit-identical to
+    /// decoding them one by one — and keeps an undo record until
+    /// [`Backend::commit_rows`]. Meanwhile the state holds every row; any other
+    /// state-changing call (`forward`, `step_rows`, `import_state`, `reset`) first
+    /// accepts them all. On error the state is unchanged and no step is pending.
+    ///
+    /// The record belongs to this state (one sequence), so a later batched step over
+    /// several sessions' states gives each its own record and accept count.
+    fn step_rows(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let _ = tokens;
+        Err(EngineError::Invalid(format!(
+            "the {} backend has no multi-row steps",
+            self.name()
+        )))
+    }
+
+    /// Keeps the first `accepted` rows of the pending step and drops the record:
+    /// the state is then exactly the one that ran only those rows. With no pending
+    /// step only `accepted == 0` is valid (a no-op). `accepted` above the step's rows
+    /// is an error that changes nothing. If the backend fails while rewinding (a
+    /// device error) the state keeps every row, consistent, and the error is returned.
+    fn commit_rows(&mut self, accepted: usize) -> Result<()> {
+        no_pending(accepted)
+    }
+
+    /// Rows of the pending step (0: none).
+    fn pending_rows(&self) -> usize {
+        0
+    }
 
     /// The state in host form (a device backend copies it back, which can fail).
     fn export_state(&self) -> Result<KvCache>;

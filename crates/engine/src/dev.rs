@@ -79,6 +79,7 @@ pub fn cpu_layer_forward(
         tokens,
         h,
         cache,
+        None,
     );
 }
 

@@ -130,6 +130,57 @@ impl LayerCache {
             .flat_map(|i| self.raw_row(i).iter().copied())
             .collect()
     }
+
+    /// What [`LayerCache::raw_rewind`] needs to undo the next `n` pushes: the ring's
+    /// position and the slots those pushes overwrite (push `k` writes slot
+    /// `(start + len + k) % cap`, whether the ring is full or not), `min(n, cap)` rows.
+    pub fn raw_mark(&self, n: usize) -> RawMark {
+        let hd = self.head_dim;
+        let first = self.raw_start + self.raw_len;
+        let slots = (0..n.min(self.raw_cap))
+            .flat_map(|k| {
+                let s = (first + k) % self.raw_cap;
+                self.raw[s * hd..(s + 1) * hd].iter().copied()
+            })
+            .collect();
+        RawMark {
+            start: self.raw_start,
+            len: self.raw_len,
+            slots,
+        }
+    }
+
+    /// Puts the ring back where [`LayerCache::raw_mark`] found it: every slot written
+    /// since holds its old row again.
+    pub fn raw_rewind(&mut self, m: &RawMark) {
+        let hd = self.head_dim;
+        let first = m.start + m.len;
+        for (k, row) in m.slots.chunks_exact(hd).enumerate() {
+            let s = (first + k) % self.raw_cap;
+            self.raw[s * hd..(s + 1) * hd].copy_from_slice(row);
+        }
+        self.raw_start = m.start;
+        self.raw_len = m.len;
+    }
+
+    /// Keeps the first `n` compressed rows.
+    pub fn truncate_comp(&mut self, n: usize) {
+        self.comp.truncate(n * self.head_dim);
+    }
+
+    /// Keeps the first `n` index rows.
+    pub fn truncate_index(&mut self, n: usize) {
+        self.index.truncate(n * self.idx_dim);
+    }
+}
+
+/// The raw ring before a multi-row step ([`LayerCache::raw_mark`]): O(rows), not
+/// O(window).
+#[derive(Clone, Debug)]
+pub struct RawMark {
+    start: usize,
+    len: usize,
+    slots: Vec<f32>,
 }
 
 /// Everything a session must keep to continue: the cache of every layer and the
@@ -188,6 +239,29 @@ mod tests {
         m.set_raw(&rows);
         for i in 0..cfg.window {
             assert_eq!(m.raw_row(i), l.raw_row(i));
+        }
+    }
+
+    #[test]
+    fn raw_rewind_undoes_pushes_across_the_wrap() {
+        let cfg = Config::tiny(1);
+        let hd = cfg.head_dim;
+        // Before the ring fills, exactly full, and wrapped; pushes up to twice the ring.
+        for before in [0, 3, cfg.window - 2, cfg.window, cfg.window + 5] {
+            for n in [1, 2, 5, cfg.window, cfg.window + 3] {
+                let mut l = LayerCache::new(&cfg, 0, 4096);
+                for t in 0..before {
+                    l.push_raw(&vec![t as f32; hd]);
+                }
+                let want = l.clone();
+                let m = l.raw_mark(n);
+                for t in 0..n {
+                    l.push_raw(&vec![-1.0 - t as f32; hd]);
+                }
+                assert_ne!(l, want);
+                l.raw_rewind(&m);
+                assert_eq!(l, want, "{before} rows, {n} pushes");
+            }
         }
     }
 

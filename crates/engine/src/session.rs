@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crate::backend::{Backend, LogitRows};
+use crate::backend::{check_accepted, check_rows, no_pending, Backend, LogitRows};
 use crate::cpu::CpuBackend;
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
@@ -50,6 +50,18 @@ pub struct Session {
     logits: Vec<f32>,
     numerics: Numerics,
     prefill_chunk: usize,
+    /// The multi-row step awaiting [`Session::commit_rows`].
+    pending: Option<PendingRows>,
+}
+
+/// A multi-row step between [`Session::step_rows`] and [`Session::commit_rows`].
+struct PendingRows {
+    /// Tokens held before the step.
+    n_before: usize,
+    /// The session's logits before the step (restored when no row is kept).
+    logits_before: Vec<f32>,
+    /// Every row's logits, `[rows][vocab]`.
+    rows: Vec<f32>,
 }
 
 impl std::fmt::Debug for Session {
@@ -85,6 +97,9 @@ impl SessionState {
 }
 
 impl Session {
+    /// Most tokens of one [`Session::step_rows`].
+    pub const MAX_STEP_ROWS: usize = crate::backend::MAX_ROWS;
+
     /// A CPU session (in `pool`, or rayon's global pool).
     pub(crate) fn cpu(
         model: &Model,
@@ -116,11 +131,13 @@ impl Session {
             logits: Vec::new(),
             numerics,
             prefill_chunk: prefill_chunk.max(1),
+            pending: None,
         }
     }
 
     /// An independent copy of the whole state (a snapshot to rewind to). On a GPU
-    /// this allocates a second device state and fails when memory runs out.
+    /// this allocates a second device state and fails when memory runs out. The copy
+    /// has no pending multi-row step: it holds every row of one.
     pub fn try_clone(&self) -> Result<Session> {
         Ok(Session {
             model: self.model.clone(),
@@ -129,6 +146,7 @@ impl Session {
             logits: self.logits.clone(),
             numerics: self.numerics,
             prefill_chunk: self.prefill_chunk,
+            pending: None,
         })
     }
 
@@ -166,6 +184,7 @@ impl Session {
                 "the state does not match this model's dimensions".into(),
             ));
         }
+        self.accept_pending();
         self.backend.import_state(state.kv)?;
         self.tokens = state.tokens;
         self.logits = state.logits;
@@ -235,6 +254,7 @@ impl Session {
     /// Appends `tokens` in chunks of `prefill_chunk`; keeps the last token's logits.
     pub fn prefill(&mut self, tokens: &[u32]) -> Result<()> {
         self.check_room(tokens.len())?;
+        self.accept_pending();
         let chunks: Vec<&[u32]> = tokens.chunks(self.prefill_chunk).collect();
         for (i, c) in chunks.iter().enumerate() {
             let rows = if i + 1 == chunks.len() {
@@ -255,6 +275,7 @@ impl Session {
     /// Appends `tokens` and returns the logits after each of them (`[n][vocab]`).
     pub fn prefill_all_logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         self.check_room(tokens.len())?;
+        self.accept_pending();
         let vocab = self.model.config().vocab;
         let mut all = Vec::with_capacity(tokens.len() * vocab);
         for c in tokens.chunks(self.prefill_chunk) {
@@ -271,6 +292,7 @@ impl Session {
     /// Appends one token; returns its logits.
     pub fn decode(&mut self, token: u32) -> Result<&[f32]> {
         self.check_room(1)?;
+        self.accept_pending();
         let logits = self.backend.forward(&[token], LogitRows::Last)?;
         check_logits(&logits)?;
         self.logits = logits;
@@ -278,27 +300,116 @@ impl Session {
         Ok(&self.logits)
     }
 
-    /// Keeps the first `n` tokens. The compressed/windowed state cannot be rewound in
-    /// place (the raw ring and the compressor frontiers have dropped older data), so
-    /// this re-runs the kept prefix from an empty state; it is a no-op when `n` is the
-    /// current length. Callers that rewind often should keep `try_clone()` snapshots.
+    /// Keeps the first `n` tokens. Within a pending multi-row step this is
+    /// [`Session::commit_rows`] (exact and cheap). Otherwise the compressed/windowed
+    /// state cannot be rewound in place (the raw ring and the compressor frontiers
+    /// have dropped older data), so this re-runs the kept prefix from an empty state;
+    /// it is a no-op when `n` is the current length. Callers that rewind often should
+    /// keep `try_clone()` snapshots.
     pub fn truncate(&mut self, n: usize) -> Result<()> {
         if n >= self.tokens.len() {
             return Ok(());
+        }
+        if let Some(p) = &self.pending {
+            if n >= p.n_before {
+                return self.commit_rows(n - p.n_before);
+            }
         }
         let keep = self.tokens[..n].to_vec();
         self.reset();
         self.prefill(&keep)
     }
 
+    /// A multi-row step (docs/architecture.md, "Multi-row steps and rollback"): runs
+    /// 1..=[`Session::MAX_STEP_ROWS`] tokens at the next positions in one
+    /// pass over the weights, causal among themselves, and returns every row's logits
+    /// (`[rows][vocab]`; row `i` is what decoding `tokens[..=i]` one by one would give).
+    ///
+    /// The session then holds all the rows (tokens, logits of the last row) with an
+    /// undo record: [`Session::commit_rows`]`(a)` keeps the first `a` and leaves the
+    /// session exactly as if only those had been decoded. A caller that never commits
+    /// keeps every row: `decode`, `prefill`, `step_rows`, `import_state`, `reset` and
+    /// payload loads accept a pending step first, and a `try_clone` copy holds all its
+    /// rows. Invalid input (no or too many rows, a full context, a bad token) changes
+    /// nothing and leaves a pending step pending; a backend error (device memory)
+    /// leaves the earlier step accepted and no new one.
+    pub fn step_rows(&mut self, tokens: &[u32]) -> Result<&[f32]> {
+        check_rows(tokens.len())?;
+        self.check_room(tokens.len())?;
+        let vocab = self.vocab();
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::BadToken { token: t, vocab });
+        }
+        self.accept_pending();
+        let rows = self.backend.step_rows(tokens)?;
+        if let Err(e) = check_logits(&rows) {
+            // NaN logits: keep nothing (a failed rewind leaves every row, consistent).
+            if self.backend.commit_rows(0).is_err() {
+                self.tokens.extend_from_slice(tokens);
+                self.logits = rows[rows.len() - self.vocab()..].to_vec();
+            }
+            return Err(e);
+        }
+        let last = rows[rows.len() - vocab..].to_vec();
+        self.pending = Some(PendingRows {
+            n_before: self.tokens.len(),
+            logits_before: std::mem::replace(&mut self.logits, last),
+            rows,
+        });
+        self.tokens.extend_from_slice(tokens);
+        Ok(&self.pending.as_ref().expect("just set").rows)
+    }
+
+    /// Keeps the first `accepted` rows of the pending [`Session::step_rows`]: tokens,
+    /// KV state and logits (row `accepted − 1`'s, or the logits from before the step
+    /// when `accepted` is 0) are then those of a session that decoded only them.
+    /// Without a pending step only `accepted == 0` is valid (a no-op); more rows than
+    /// the step ran is an error that changes nothing. If the backend fails to rewind
+    /// (a device error) the session keeps every row, consistent, and returns the error.
+    pub fn commit_rows(&mut self, accepted: usize) -> Result<()> {
+        let Some(p) = &self.pending else {
+            return no_pending(accepted);
+        };
+        let vocab = self.vocab();
+        check_accepted(accepted, p.rows.len() / vocab)?;
+        let p = self.pending.take().expect("checked above");
+        self.backend.commit_rows(accepted)?;
+        self.tokens.truncate(p.n_before + accepted);
+        self.logits = if accepted == 0 {
+            p.logits_before
+        } else {
+            p.rows[(accepted - 1) * vocab..accepted * vocab].to_vec()
+        };
+        Ok(())
+    }
+
+    /// Rows of the pending multi-row step (0: none).
+    pub fn pending_rows(&self) -> usize {
+        self.pending
+            .as_ref()
+            .map_or(0, |p| p.rows.len() / self.vocab())
+    }
+
+    /// Accepts every row of a pending step (which never rewinds, so cannot fail).
+    fn accept_pending(&mut self) {
+        if let Some(p) = self.pending.take() {
+            let all = p.rows.len() / self.vocab();
+            let kept = self.backend.commit_rows(all);
+            debug_assert!(kept.is_ok(), "accepting every row only drops the record");
+        }
+    }
+
     /// Forgets every token.
     pub fn reset(&mut self) {
+        self.pending = None;
         self.backend.reset();
         self.tokens.clear();
         self.logits.clear();
     }
 
+    /// The state's parts, to replace them (a payload load): a pending step is accepted.
     pub(crate) fn parts_mut(&mut self) -> (&mut Box<dyn Backend>, &mut Vec<u32>, &mut Vec<f32>) {
+        self.accept_pending();
         (&mut self.backend, &mut self.tokens, &mut self.logits)
     }
 }

@@ -25,6 +25,8 @@ use crate::ops::qat::{fp4_e2m1_inplace, fp8_e4m3_inplace, hadamard_inplace};
 use crate::ops::rope::{self, Rope, RopeAngles};
 use crate::weights::{CompressorWeights, HcWeights, LayerWeights, Mat};
 
+use super::rows::LayerJournal;
+
 /// FP8 simulation block of KV nope dims.
 const FP8_BLOCK: usize = 64;
 /// FP4 simulation block of indexer vectors.
@@ -32,27 +34,28 @@ const FP4_BLOCK: usize = 32;
 /// Attention work (rows × query dims) above which heads run in parallel.
 const ATTN_PAR_MIN: usize = 1 << 18;
 
-/// Runs `tokens` at positions `cache.n_tokens..` and returns the requested logits.
+/// What a forward pass records besides the logits.
+#[derive(Default)]
+pub(crate) struct Taps<'a> {
+    /// The final hyper-connection state of the last token (`[n_hc][n_embd]`, before the
+    /// head collapses the streams): the input the MTP draft block needs
+    /// (architecture.md, "MTP draft block").
+    pub last_hc: Option<&'a mut Vec<f32>>,
+    /// Per layer, what a multi-row step needs to replay a prefix of the chunk
+    /// (`super::rows`): the raw rows pushed and the compressor inputs.
+    pub journal: Option<&'a mut Vec<LayerJournal>>,
+}
+
+/// Runs `tokens` at positions `cache.n_tokens..` and returns the requested logits,
+/// recording what `taps` asks for. Fails before touching the cache (bad token, context
+/// full), never half-way.
 pub(crate) fn forward(
     m: &ModelInner,
     numerics: Numerics,
     cache: &mut KvCache,
     tokens: &[u32],
     rows: LogitRows,
-) -> Result<Vec<f32>> {
-    forward_hc(m, numerics, cache, tokens, rows, None)
-}
-
-/// [`forward`], also returning in `last_hc` the final hyper-connection state of the
-/// last token (`[n_hc][n_embd]`, before the head collapses the streams): the input
-/// the MTP draft block needs (architecture.md, "MTP draft block").
-pub(crate) fn forward_hc(
-    m: &ModelInner,
-    numerics: Numerics,
-    cache: &mut KvCache,
-    tokens: &[u32],
-    rows: LogitRows,
-    last_hc: Option<&mut Vec<f32>>,
+    taps: Taps,
 ) -> Result<Vec<f32>> {
     let cfg = &m.config;
     if let Some(&t) = tokens.iter().find(|&&t| t as usize >= cfg.vocab) {
@@ -85,6 +88,10 @@ pub(crate) fn forward_hc(
         }
     }
     let pos0 = cache.n_tokens;
+    let Taps {
+        last_hc,
+        mut journal,
+    } = taps;
     for (il, lw) in m.weights.layers.iter().enumerate() {
         layer_forward(
             cfg,
@@ -95,6 +102,10 @@ pub(crate) fn forward_hc(
             tokens,
             &mut h,
             &mut cache.layers[il],
+            journal.as_deref_mut().map(|j| {
+                j.push(LayerJournal::default());
+                j.last_mut().expect("just pushed")
+            }),
         );
     }
     cache.n_tokens += n;
@@ -131,6 +142,7 @@ pub(crate) fn layer_forward(
     tokens: &[u32],
     h: &mut [f32],
     cache: &mut LayerCache,
+    journal: Option<&mut LayerJournal>,
 ) {
     let ctx = LayerCtx {
         cfg,
@@ -140,7 +152,7 @@ pub(crate) fn layer_forward(
         pos0,
         tokens,
     };
-    ctx.attention(h, cache);
+    ctx.attention(h, cache, journal);
     ctx.ffn(h);
 }
 
@@ -242,7 +254,12 @@ impl LayerCtx<'_> {
         }
     }
 
-    fn attention(&self, h: &mut [f32], cache: &mut LayerCache) {
+    fn attention(
+        &self,
+        h: &mut [f32],
+        cache: &mut LayerCache,
+        mut journal: Option<&mut LayerJournal>,
+    ) {
         let cfg = self.cfg;
         let lw = self.lw;
         let n = self.n();
@@ -311,6 +328,10 @@ impl LayerCtx<'_> {
             }
             (k, g, iq, iw, slot)
         });
+        if let Some(j) = journal.as_deref_mut() {
+            j.comp = comp_proj.clone();
+            j.index = idx_proj.as_ref().map(|(k, g, ..)| (k.clone(), g.clone()));
+        }
 
         let scale = (hd as f64).powf(-0.5) as f32;
         let idx_scale =
@@ -326,6 +347,9 @@ impl LayerCtx<'_> {
             fp8_e4m3_inplace(&mut kvt[..hd - rd], FP8_BLOCK);
             self.store(kvt);
             cache.push_raw(kvt);
+            if let Some(j) = journal.as_deref_mut() {
+                j.raw.extend_from_slice(kvt);
+            }
 
             if let (Some(c), Some((k, g))) = (&lw.compressor, &comp_proj) {
                 let st = cache

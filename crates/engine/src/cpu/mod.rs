@@ -1,10 +1,11 @@
 //! The CPU backend: the reference implementation of the forward pass.
 
 pub(crate) mod forward;
+pub(crate) mod rows;
 
 use std::sync::Arc;
 
-use crate::backend::{Backend, LogitRows};
+use crate::backend::{check_accepted, check_rows, no_pending, Backend, LogitRows};
 use crate::error::Result;
 use crate::kv::KvCache;
 use crate::model::Model;
@@ -17,6 +18,8 @@ pub struct CpuBackend {
     cache: KvCache,
     /// The thread pool of the forward pass (`None`: rayon's global pool).
     pool: Option<Arc<rayon::ThreadPool>>,
+    /// The pending multi-row step's undo record.
+    undo: Option<rows::Undo>,
 }
 
 impl CpuBackend {
@@ -26,6 +29,7 @@ impl CpuBackend {
             numerics,
             cache: KvCache::new(model.config(), ctx),
             pool: None,
+            undo: None,
         }
     }
 
@@ -48,21 +52,21 @@ impl CpuBackend {
         rows: LogitRows,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
         let mut hc = Vec::new();
-        let mut run = || {
-            forward::forward_hc(
-                self.model.inner(),
-                self.numerics,
-                &mut self.cache,
-                tokens,
-                rows,
-                Some(&mut hc),
-            )
+        let taps = forward::Taps {
+            last_hc: Some(&mut hc),
+            journal: None,
         };
-        let logits = match &self.pool {
+        let logits = self.run(tokens, rows, taps)?;
+        Ok((logits, hc))
+    }
+
+    fn run(&mut self, tokens: &[u32], rows: LogitRows, taps: forward::Taps) -> Result<Vec<f32>> {
+        let (m, numerics, cache) = (self.model.inner(), self.numerics, &mut self.cache);
+        let run = || forward::forward(m, numerics, cache, tokens, rows, taps);
+        match &self.pool {
             Some(pool) => pool.install(run),
             None => run(),
-        }?;
-        Ok((logits, hc))
+        }
     }
 }
 
@@ -80,19 +84,39 @@ impl Backend for CpuBackend {
     }
 
     fn forward(&mut self, tokens: &[u32], rows: LogitRows) -> Result<Vec<f32>> {
-        let mut run = || {
-            forward::forward(
-                self.model.inner(),
-                self.numerics,
-                &mut self.cache,
-                tokens,
-                rows,
-            )
+        self.undo = None;
+        self.run(tokens, rows, forward::Taps::default())
+    }
+
+    fn step_rows(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        check_rows(tokens.len())?;
+        self.undo = None;
+        let mut undo = rows::Undo::mark(&self.cache, tokens.len());
+        // The forward pass fails before touching the cache or not at all.
+        let logits = self.run(
+            tokens,
+            LogitRows::All,
+            forward::Taps {
+                last_hc: None,
+                journal: Some(&mut undo.journal),
+            },
+        )?;
+        self.undo = Some(undo);
+        Ok(logits)
+    }
+
+    fn commit_rows(&mut self, accepted: usize) -> Result<()> {
+        let Some(undo) = &self.undo else {
+            return no_pending(accepted);
         };
-        match &self.pool {
-            Some(pool) => pool.install(run),
-            None => run(),
-        }
+        check_accepted(accepted, undo.rows())?;
+        let undo = self.undo.take().expect("checked above");
+        undo.keep(self.model.inner(), &mut self.cache, accepted);
+        Ok(())
+    }
+
+    fn pending_rows(&self) -> usize {
+        self.undo.as_ref().map_or(0, |u| u.rows())
     }
 
     fn export_state(&self) -> Result<KvCache> {
@@ -100,15 +124,20 @@ impl Backend for CpuBackend {
     }
 
     fn import_state(&mut self, state: KvCache) -> Result<()> {
+        self.undo = None;
         self.cache = state;
         Ok(())
     }
 
     fn reset(&mut self) {
+        self.undo = None;
         self.cache = KvCache::new(self.model.config(), self.cache.ctx);
     }
 
+    /// The copy has no pending step (it holds every row of one).
     fn try_clone_box(&self) -> Result<Box<dyn Backend>> {
-        Ok(Box::new(self.clone()))
+        let mut c = self.clone();
+        c.undo = None;
+        Ok(Box::new(c))
     }
 }

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 pub use ds4_cuda::{driver_present, CudaError, Gpu};
 
-use crate::backend::{Backend, LogitRows};
+use crate::backend::{check_accepted, check_rows, no_pending, Backend, LogitRows};
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
 use crate::model::Model;
@@ -29,6 +29,18 @@ pub struct CudaBackend {
     state: DeviceState,
     /// Multi-token forwards run as batched prefill (`DS4_CUDA_BATCH=0`: token by token).
     batched: bool,
+    /// The pending multi-row step.
+    pending: Option<PendingRows>,
+}
+
+/// The interim multi-row step (docs/architecture.md, "Multi-row steps and rollback"):
+/// a device copy of the state from before the step and the step's tokens. Keeping `a`
+/// rows of `R < a` decodes the `a` tokens again on the copy. Correct but slow (a whole
+/// second device state, and the accepted rows run twice) until the native version
+/// keeps an undo record on the device as the CPU backend does.
+struct PendingRows {
+    before: DeviceState,
+    tokens: Vec<u32>,
 }
 
 fn batched_default() -> bool {
@@ -55,6 +67,7 @@ impl CudaBackend {
             numerics,
             state: DeviceState::new(weights, ctx, plan)?,
             batched: batched_default(),
+            pending: None,
         })
     }
 
@@ -74,6 +87,25 @@ impl CudaBackend {
     /// Tokens per batched prefill chunk.
     pub fn prefill_chunk(&self) -> usize {
         self.state.chunk()
+    }
+
+    /// Tokens in the vocabulary, and room for them in the context.
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        let cfg = &self.weights.config;
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= cfg.vocab) {
+            return Err(EngineError::BadToken {
+                token: t,
+                vocab: cfg.vocab,
+            });
+        }
+        if self.state.n_tokens + tokens.len() > self.state.ctx {
+            return Err(EngineError::ContextFull {
+                ctx: self.state.ctx,
+                have: self.state.n_tokens,
+                adding: tokens.len(),
+            });
+        }
+        Ok(())
     }
 
     /// Opens GPU `ordinal` and uploads `model`; the usual way to start.
@@ -106,20 +138,8 @@ impl Backend for CudaBackend {
     }
 
     fn forward(&mut self, tokens: &[u32], rows: LogitRows) -> Result<Vec<f32>> {
-        let cfg = &self.weights.config;
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= cfg.vocab) {
-            return Err(EngineError::BadToken {
-                token: t,
-                vocab: cfg.vocab,
-            });
-        }
-        if self.state.n_tokens + tokens.len() > self.state.ctx {
-            return Err(EngineError::ContextFull {
-                ctx: self.state.ctx,
-                have: self.state.n_tokens,
-                adding: tokens.len(),
-            });
-        }
+        self.pending = None;
+        self.check_tokens(tokens)?;
         let mut out = Vec::new();
         if tokens.len() > 1 && self.batched {
             // Batched prefill, one chunk at a time.
@@ -151,15 +171,68 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
+    /// Interim ([`PendingRows`]): the rows run through the decode path one by one,
+    /// so that they equal one-token decode bit for bit.
+    fn step_rows(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        check_rows(tokens.len())?;
+        self.pending = None;
+        self.check_tokens(tokens)?;
+        let before = self.state.duplicate(&self.weights)?;
+        let mut out = Vec::with_capacity(tokens.len() * self.weights.config.vocab);
+        for &t in tokens {
+            let row = self
+                .state
+                .decode(&self.weights, self.numerics, t, true)
+                .and_then(|()| self.state.logits(&self.weights));
+            match row {
+                Ok(l) => out.extend(l),
+                Err(e) => {
+                    // Nothing half-run stays: back to the copy.
+                    self.state = before;
+                    return Err(e);
+                }
+            }
+        }
+        self.pending = Some(PendingRows {
+            before,
+            tokens: tokens.to_vec(),
+        });
+        Ok(out)
+    }
+
+    fn commit_rows(&mut self, accepted: usize) -> Result<()> {
+        let Some(p) = &self.pending else {
+            return no_pending(accepted);
+        };
+        check_accepted(accepted, p.tokens.len())?;
+        let p = self.pending.take().expect("checked above");
+        if accepted == p.tokens.len() {
+            return Ok(());
+        }
+        // Replay on the copy; on a device error the state keeps every row.
+        let mut st = p.before;
+        for &t in &p.tokens[..accepted] {
+            st.decode(&self.weights, self.numerics, t, false)?;
+        }
+        self.state = st;
+        Ok(())
+    }
+
+    fn pending_rows(&self) -> usize {
+        self.pending.as_ref().map_or(0, |p| p.tokens.len())
+    }
+
     fn export_state(&self) -> Result<KvCache> {
         self.state.export(&self.weights)
     }
 
     fn import_state(&mut self, state: KvCache) -> Result<()> {
+        self.pending = None;
         self.state.import(&self.weights, &state)
     }
 
     fn reset(&mut self) {
+        self.pending = None;
         self.state.n_tokens = 0;
     }
 
@@ -170,6 +243,7 @@ impl Backend for CudaBackend {
             numerics: self.numerics,
             state,
             batched: self.batched,
+            pending: None,
         }))
     }
 }

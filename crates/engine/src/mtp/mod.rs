@@ -215,6 +215,7 @@ impl Mtp {
             &[token],
             &mut h,
             &mut state.cache,
+            None,
         );
         let main = &self.inner.main.inner().weights;
         let logits = head(
