@@ -135,10 +135,12 @@ fn summary(ty: GgmlType, input: &[u8], out: &[u32]) -> Value {
     let rows: Vec<Value> = row_starts(ty, out.len())
         .iter()
         .map(|&at| {
+            // One string per row keeps the pretty-printed file small.
             let vals: Vec<String> = out[at..at + ROW]
                 .iter()
                 .map(|&b| format!("{:08x}", canonical(b)))
                 .collect();
+            let vals = vals.join(" ");
             json!({ "at": at, "bits": vals })
         })
         .collect();
@@ -163,7 +165,13 @@ fn compare(ty: GgmlType, want: &Value, got: &Value) -> Vec<String> {
     }
     let (w, g) = (&want["chunk_hashes"], &got["chunk_hashes"]);
     let chunk = got["elements"].as_u64().unwrap() as usize / CHUNKS;
-    for (i, (a, b)) in w.as_array().unwrap().iter().zip(g.as_array().unwrap()).enumerate() {
+    for (i, (a, b)) in w
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(g.as_array().unwrap())
+        .enumerate()
+    {
         if a != b {
             errs.push(format!(
                 "{ty}: values {}..{} differ from the gguf package's (chunk {i})",
@@ -172,11 +180,27 @@ fn compare(ty: GgmlType, want: &Value, got: &Value) -> Vec<String> {
             ));
         }
     }
-    for (wr, gr) in want["rows"].as_array().unwrap().iter().zip(got["rows"].as_array().unwrap()) {
+    for (wr, gr) in want["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(got["rows"].as_array().unwrap())
+    {
         let at = wr["at"].as_u64().unwrap();
-        for (k, (a, b)) in wr["bits"].as_array().unwrap().iter().zip(gr["bits"].as_array().unwrap()).enumerate() {
+        let words = |r: &Value| {
+            r["bits"]
+                .as_str()
+                .unwrap()
+                .split(' ')
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        };
+        for (k, (a, b)) in words(wr).into_iter().zip(words(gr)).enumerate() {
             if a != b {
-                errs.push(format!("{ty} element {}: ours {b}, gguf {a} (f32 bits)", at + k as u64));
+                errs.push(format!(
+                    "{ty} element {}: ours {b}, gguf {a} (f32 bits)",
+                    at + k as u64
+                ));
             }
         }
     }
@@ -283,9 +307,13 @@ fn golden_file_matches_live_python_gguf() {
         let mut errs = Vec::new();
         for (name, got) in &summaries {
             let ty = data.iter().find(|(t, _, _)| t.name() == name).unwrap().0;
-            errs.extend(compare(ty, &gold["types"][name.as_str()], got).into_iter().map(|e| {
-                format!("the live oracle ({versions}) disagrees with the golden file: {e}")
-            }));
+            errs.extend(
+                compare(ty, &gold["types"][name.as_str()], got)
+                    .into_iter()
+                    .map(|e| {
+                        format!("the live oracle ({versions}) disagrees with the golden file: {e}")
+                    }),
+            );
         }
         assert!(errs.is_empty(), "{}", errs[..errs.len().min(20)].join("\n"));
     }
