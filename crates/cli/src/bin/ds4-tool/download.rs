@@ -1,3 +1,4 @@
+use ds4_cli::paths::{PathFlag, Want};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -38,6 +39,16 @@ pub struct Args {
     /// First retry delay in milliseconds, doubled on each failure in a row (tests).
     #[arg(long, hide = true, default_value_t = 2000)]
     retry_delay_ms: u64,
+}
+
+impl Args {
+    /// The path flags checked before anything is fetched (#19 item 4).
+    pub fn path_flags(&self) -> Vec<PathFlag<'_>> {
+        self.dir
+            .iter()
+            .map(|d| PathFlag::new("dir", d, Want::OutDir))
+            .collect()
+    }
 }
 
 fn targets_help() -> String {

@@ -1,3 +1,4 @@
+use ds4_cli::paths::{PathFlag, Want};
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
@@ -15,6 +16,13 @@ pub struct Args {
     /// Print every array item instead of a summary.
     #[arg(long)]
     full_arrays: bool,
+}
+
+impl Args {
+    /// The path flags checked before the file is opened (#19 item 4).
+    pub fn path_flags(&self) -> Vec<PathFlag<'_>> {
+        vec![PathFlag::new("file", &self.file, Want::Model)]
+    }
 }
 
 pub fn run(a: Args) -> Result<()> {

@@ -1,6 +1,7 @@
 //! `logits`: the f32 logits of every position of a token sequence, for comparisons
 //! against other implementations (row-major positions × vocab, little-endian).
 
+use ds4_cli::paths::{PathFlag, Want};
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -30,6 +31,17 @@ pub struct Args {
     /// Exact f32 numerics (the official math) instead of ds4's quantised activations.
     #[arg(long)]
     quality: bool,
+}
+
+impl Args {
+    /// The path flags checked before the model loads (#19 item 4).
+    pub fn path_flags(&self) -> Vec<PathFlag<'_>> {
+        vec![
+            PathFlag::new("model", &self.model, Want::Model),
+            PathFlag::new("tokens", &self.tokens, Want::File),
+            PathFlag::new("out", &self.out, Want::OutFile),
+        ]
+    }
 }
 
 fn read_ids(path: &PathBuf) -> Result<Vec<u32>> {

@@ -1,3 +1,4 @@
+use ds4_cli::paths::{PathFlag, Want};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -54,6 +55,20 @@ pub struct Args {
     /// Worker threads (default: all cores).
     #[arg(short = 't', long)]
     threads: Option<usize>,
+}
+
+impl Args {
+    /// The path flags checked before anything is generated (#19 item 4).
+    pub fn path_flags(&self) -> Vec<PathFlag<'_>> {
+        let mut v = Vec::new();
+        if let Some(t) = &self.tokenizer {
+            v.push(PathFlag::new("tokenizer", t, Want::File));
+        }
+        if let Some(o) = self.out.as_ref().filter(|_| !self.dry_run) {
+            v.push(PathFlag::new("out", o, Want::OutFile));
+        }
+        v
+    }
 }
 
 pub fn run(a: Args) -> Result<()> {
