@@ -1,11 +1,11 @@
-use ds4_cli::paths::{PathFlag, Want};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::builder::PossibleValuesParser;
+use ds4_cli::paths::{PathFlag, Want};
 use ds4_cli::download::{
-    download, file_url, part_path, resolve_token, target, update_link, DownloadOptions, LinkUpdate,
+    download, file_url, part_path, remove_if_empty, resolve_token, target, update_link, DownloadOptions, LinkUpdate,
     Outcome, DEFAULT_BASE_URL, HF_REPO, MODEL_LINK, TARGETS,
 };
 use ds4_gguf::GgufFile;
@@ -102,6 +102,21 @@ pub fn run(a: Args) -> Result<()> {
         }
         println!("If the download stops, run the same command again to resume it.");
     }
+    // Ctrl+C: the bytes fetched so far stay in the .part file for the next run; an
+    // empty one is removed.
+    let part = part_path(&dest);
+    ctrlc::set_handler(move || {
+        remove_if_empty(&part);
+        match std::fs::metadata(&part) {
+            Ok(m) => eprintln!(
+                "\nds4-tool download: interrupted; {} of {} kept: run the same command again to resume",
+                HumanBytes(m.len()),
+                part.display()
+            ),
+            Err(_) => eprintln!("\nds4-tool download: interrupted"),
+        }
+        std::process::exit(130);
+    })?;
     match download(&opts)? {
         Outcome::AlreadyPresent { bytes } => {
             println!(

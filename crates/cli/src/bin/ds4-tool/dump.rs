@@ -1,8 +1,8 @@
-use ds4_cli::paths::{PathFlag, Want};
 use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
+use ds4_cli::paths::{PathFlag, Want};
 use ds4_gguf::{quant, GgufFile};
 
 #[derive(clap::Args)]

@@ -1,11 +1,11 @@
 //! `ds4-tool gpu-selftest`: the kernel checks of `ds4_cuda::selftest`, the tiny
 //! fixtures on the GPU (`ds4_engine::dev::fixture`), and the kernel timings.
 
-use ds4_cli::paths::{PathFlag, Want};
 use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{bail, Result};
+use ds4_cli::paths::{PathFlag, Want};
 use ds4_cuda::selftest::{self, summary_line, Check, Timing};
 use ds4_cuda::{DecodePlan, Gpu, Launcher};
 use ds4_engine::dev::fixture as dev_fixture;

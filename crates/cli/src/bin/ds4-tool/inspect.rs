@@ -1,7 +1,7 @@
-use ds4_cli::paths::{PathFlag, Want};
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
+use ds4_cli::paths::{PathFlag, Want};
 use ds4_engine::dev::config::Config;
 use ds4_engine::dev::layout::check_layout;
 use ds4_gguf::{GgmlType, GgufFile};

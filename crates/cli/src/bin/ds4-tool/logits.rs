@@ -1,11 +1,11 @@
 //! `logits`: the f32 logits of every position of a token sequence, for comparisons
 //! against other implementations (row-major positions × vocab, little-endian).
 
-use ds4_cli::paths::{PathFlag, Want};
 use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
+use ds4_cli::paths::{PathFlag, Want};
 use ds4_engine::{BackendChoice, Engine, EngineOptions, Numerics};
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

@@ -1,10 +1,10 @@
-use ds4_cli::paths::{PathFlag, Want};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::ValueEnum;
+use ds4_cli::paths::{PathFlag, Want};
 use ds4_engine::dev::config::Config;
 use ds4_engine::dev::layout::ExpertQuant;
 use ds4_synth::{flash_config, Plan, Vocab};
@@ -132,6 +132,13 @@ pub fn run(a: Args) -> Result<()> {
             .build_global()
             .ok();
     }
+    // Ctrl+C: the half-written temporary file is removed (nothing resumes from it).
+    let tmp = Plan::temp_path(out);
+    ctrlc::set_handler(move || {
+        let _ = std::fs::remove_file(&tmp);
+        eprintln!("\nds4-tool synth: interrupted; removed {}", tmp.display());
+        std::process::exit(130);
+    })?;
     let bar = ProgressBar::new(plan.layout.file_size);
     bar.set_style(
         ProgressStyle::with_template(

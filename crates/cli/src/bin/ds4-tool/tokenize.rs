@@ -1,10 +1,10 @@
 //! `tokenize` and `render`: JSON Lines filters over stdin/stdout, backed by ds4-tokenizer.
 
-use ds4_cli::paths::{PathFlag, Want};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
+use ds4_cli::paths::{PathFlag, Want};
 use ds4_tokenizer::Tokenizer;
 
 use crate::jsonl;
