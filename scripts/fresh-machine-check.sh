@@ -77,7 +77,7 @@ commands=$(awk '
     inq && /^```sh/ { inb = 1; next }
     inb && /^```/ { exit }
     inb { print }
-' "$work/ds4/README.md" | sed -e 's/^[[:space:]]*#.*$//' | sed -e ':a' -e '/\\$/N; s/\\\n[[:space:]]*/ /; ta' | grep -v '^[[:space:]]*$')
+' "$work/ds4/README.md" | sed -e 's/^[[:space:]]*#.*$//' | sed -e ':a' -e '/\\$/N; s/[[:space:]]*\\\n[[:space:]]*/ /; ta' | grep -v '^[[:space:]]*$')
 n=$(printf '%s\n' "$commands" | wc -l)
 if [ "$n" -ne 2 ]; then
     echo "fresh-machine-check: expected the README's two Quickstart commands, found $n:" >&2
