@@ -149,7 +149,13 @@ pub fn flag_display(cmd: &clap::Command, id: &str) -> String {
 
 /// The clap-style error for a bad path value (`extra`, when not empty, follows on its
 /// own lines: what to do about it).
-pub fn invalid(cmd: &mut clap::Command, id: &str, path: &Path, why: &str, extra: &str) -> clap::Error {
+pub fn invalid(
+    cmd: &mut clap::Command,
+    id: &str,
+    path: &Path,
+    why: &str,
+    extra: &str,
+) -> clap::Error {
     let mut msg = format!(
         "invalid value '{}' for '{}': {why}",
         path.display(),
@@ -178,7 +184,11 @@ pub const MODEL_HINT: &str = "Download the published weights (about 81 GB) and l
 /// The model flag's check, with [`MODEL_HINT`] when the file is missing.
 pub fn validate_model(cmd: &mut clap::Command, id: &str, path: &Path) -> Result<(), clap::Error> {
     check(path, Want::Model).map_err(|why| {
-        let hint = if why == "no such file" { MODEL_HINT } else { "" };
+        let hint = if why == "no such file" {
+            MODEL_HINT
+        } else {
+            ""
+        };
         invalid(cmd, id, path, &why, hint)
     })
 }
@@ -201,14 +211,23 @@ mod tests {
         std::fs::write(&f, "x").unwrap();
         assert_eq!(check(&f, Want::File), Ok(()));
         assert_eq!(check(&f, Want::Model), Ok(()));
-        assert_eq!(check(&d.join("nope"), Want::File), Err("no such file".into()));
+        assert_eq!(
+            check(&d.join("nope"), Want::File),
+            Err("no such file".into())
+        );
         assert!(check(&d, Want::Model).unwrap_err().contains("directory"));
         assert_eq!(check(&d, Want::Dir), Ok(()));
         assert_eq!(check(&f, Want::Dir), Err("not a directory".into()));
         // A character device is an input, not a model.
         assert_eq!(check(Path::new("/dev/null"), Want::File), Ok(()));
-        assert_eq!(check(Path::new("/dev/null"), Want::Model), Err("not a regular file".into()));
-        assert_eq!(check(Path::new(""), Want::File), Err("the path is empty".into()));
+        assert_eq!(
+            check(Path::new("/dev/null"), Want::Model),
+            Err("not a regular file".into())
+        );
+        assert_eq!(
+            check(Path::new(""), Want::File),
+            Err("the path is empty".into())
+        );
         std::fs::remove_dir_all(&d).unwrap();
     }
 
@@ -219,22 +238,33 @@ mod tests {
         assert_eq!(check(Path::new("o.bin"), Want::OutFile), Ok(()));
         let e = check(&d.join("no/o.bin"), Want::OutFile).unwrap_err();
         assert!(e.contains("does not exist") && e.contains("/no"), "{e}");
-        assert!(check(&d, Want::OutFile).unwrap_err().contains("is a directory"));
+        assert!(check(&d, Want::OutFile)
+            .unwrap_err()
+            .contains("is a directory"));
         let f = d.join("f");
         std::fs::write(&f, "x").unwrap();
-        assert!(check(&f.join("o.bin"), Want::OutFile).unwrap_err().contains("not a directory"));
+        assert!(check(&f.join("o.bin"), Want::OutFile)
+            .unwrap_err()
+            .contains("not a directory"));
         // Output directories are created, below an existing writable one.
         assert_eq!(check(&d.join("a/b/c"), Want::OutDir), Ok(()));
         assert_eq!(check(&d, Want::OutDir), Ok(()));
         assert_eq!(check(&f, Want::OutDir), Err("not a directory".into()));
-        assert!(check(&f.join("sub"), Want::OutDir).unwrap_err().contains("not a directory"));
+        assert!(check(&f.join("sub"), Want::OutDir)
+            .unwrap_err()
+            .contains("not a directory"));
         std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
     fn errors_read_like_clap() {
         let mut cmd = Command::new("t")
-            .arg(Arg::new("model").short('m').long("model").value_name("FILE"))
+            .arg(
+                Arg::new("model")
+                    .short('m')
+                    .long("model")
+                    .value_name("FILE"),
+            )
             .arg(Arg::new("out").short('o'))
             .arg(Arg::new("file"));
         assert_eq!(flag_display(&cmd, "model"), "--model <FILE>");
@@ -244,7 +274,9 @@ mod tests {
         assert_eq!(e.exit_code(), 2);
         let s = e.render().to_string();
         assert!(
-            s.starts_with("error: invalid value '/nonexistent/m.gguf' for '--model <FILE>': no such file"),
+            s.starts_with(
+                "error: invalid value '/nonexistent/m.gguf' for '--model <FILE>': no such file"
+            ),
             "{s}"
         );
         assert!(s.contains("ds4-tool download q2-imatrix"), "{s}");

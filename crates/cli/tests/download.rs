@@ -643,7 +643,11 @@ fn a_file_larger_than_the_free_space_is_refused_before_writing() {
     let r = run(&cwd, &server, &["mtp"], &[]);
     assert!(!r.ok, "{}\n{}", r.out, r.err);
     assert!(r.err.contains("not enough disk space"), "{}", r.err);
-    assert!(r.err.contains(&format!("needs {} bytes", 1u64 << 60)), "{}", r.err);
+    assert!(
+        r.err.contains(&format!("needs {} bytes", 1u64 << 60)),
+        "{}",
+        r.err
+    );
     assert!(!cwd.join("gguf").join(format!("{MTP}.part")).exists());
     assert_eq!(server.requests().len(), 1, "a refusal is not retried");
 }
@@ -655,7 +659,7 @@ fn interrupt_after(tag: &str, k: usize) -> (Option<i32>, String, PathBuf) {
     server.with(|s| s.script.push_back(Step::Stall(k)));
     let cwd = tempdir(tag);
     let part = cwd.join("gguf").join(format!("{MTP}.part"));
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ds4-tool"))
+    let child = Command::new(env!("CARGO_BIN_EXE_ds4-tool"))
         .current_dir(&cwd)
         .args(["download", "mtp", "--base-url", &server.base()])
         .env_remove("HF_TOKEN")
@@ -666,13 +670,21 @@ fn interrupt_after(tag: &str, k: usize) -> (Option<i32>, String, PathBuf) {
         .unwrap();
     let t0 = std::time::Instant::now();
     while std::fs::metadata(&part).map_or(true, |m| m.len() < k as u64) {
-        assert!(t0.elapsed().as_secs() < 20, "no {} after 20 s", part.display());
+        assert!(
+            t0.elapsed().as_secs() < 20,
+            "no {} after 20 s",
+            part.display()
+        );
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     // SAFETY: kill(2) on the child's pid, which has not been waited for yet.
     assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
     let o = child.wait_with_output().unwrap();
-    (o.status.code(), String::from_utf8_lossy(&o.stderr).into_owned(), part)
+    (
+        o.status.code(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+        part,
+    )
 }
 
 // #19 item 4: Ctrl+C keeps the bytes fetched so far for the next run (they resume) and
@@ -681,9 +693,16 @@ fn interrupt_after(tag: &str, k: usize) -> (Option<i32>, String, PathBuf) {
 fn ctrl_c_keeps_fetched_bytes_and_removes_an_empty_part() {
     let (code, err, part) = interrupt_after("sigint-bytes", 1000);
     assert_eq!(code, Some(130), "{err}");
-    assert!(err.contains("interrupted") && err.contains("resume"), "{err}");
+    assert!(
+        err.contains("interrupted") && err.contains("resume"),
+        "{err}"
+    );
     assert_eq!(std::fs::read(&part).unwrap(), payload(4096)[..1000]);
     let (code, err, part) = interrupt_after("sigint-empty", 0);
     assert_eq!(code, Some(130), "{err}");
-    assert!(!part.exists(), "an empty {} was left behind", part.display());
+    assert!(
+        !part.exists(),
+        "an empty {} was left behind",
+        part.display()
+    );
 }

@@ -308,7 +308,9 @@ fn missing_model_says_how_to_download() {
     assert_eq!(o.status.code(), Some(2));
     let err = text(&o.stderr);
     assert!(
-        err.contains("invalid value '/nonexistent/ds4flash.gguf' for '--model <FILE>': no such file"),
+        err.contains(
+            "invalid value '/nonexistent/ds4flash.gguf' for '--model <FILE>': no such file"
+        ),
         "{err}"
     );
     assert!(err.contains("ds4-tool download q2-imatrix"), "{err}");

@@ -150,7 +150,10 @@ fn inspect_rejects_garbage_with_a_message() {
     assert!(err.contains("not a GGUF file"), "{err}");
     let (ok, _, err) = tool(&["inspect", "/nonexistent/x.gguf"]);
     assert!(!ok);
-    assert!(err.contains("'/nonexistent/x.gguf' for '<FILE>': no such file"), "{err}");
+    assert!(
+        err.contains("'/nonexistent/x.gguf' for '<FILE>': no such file"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -231,7 +234,9 @@ fn ctrl_c_during_synth_removes_the_temporary_file() {
     let out = dir.join("full1.gguf");
     let free = ds4_cli::disk::free_space(&out).unwrap();
     if free < 8 << 30 {
-        record_skip::record_skip(&format!("synth Ctrl+C test: {free} bytes free, 8 GiB wanted"));
+        record_skip::record_skip(&format!(
+            "synth Ctrl+C test: {free} bytes free, 8 GiB wanted"
+        ));
         return;
     }
     let tmp = ds4_synth::Plan::temp_path(&out);
@@ -244,8 +249,15 @@ fn ctrl_c_during_synth_removes_the_temporary_file() {
         .unwrap();
     let t0 = std::time::Instant::now();
     while !tmp.exists() {
-        assert!(t0.elapsed().as_secs() < 60, "no {} after 60 s", tmp.display());
-        assert!(child.try_wait().unwrap().is_none(), "synth ended before writing");
+        assert!(
+            t0.elapsed().as_secs() < 60,
+            "no {} after 60 s",
+            tmp.display()
+        );
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "synth ended before writing"
+        );
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
     // SAFETY: kill(2) on the child's pid, which has not been waited for yet.

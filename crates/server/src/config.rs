@@ -347,7 +347,10 @@ impl Args {
     pub fn check_chdir(&self) -> Result<(), clap::Error> {
         use paths::{validate, PathFlag, Want};
         match &self.chdir {
-            Some(d) => validate(&mut Args::command(), &[PathFlag::new("chdir", d, Want::Dir)]),
+            Some(d) => validate(
+                &mut Args::command(),
+                &[PathFlag::new("chdir", d, Want::Dir)],
+            ),
             None => Ok(()),
         }
     }

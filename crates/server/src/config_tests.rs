@@ -107,10 +107,22 @@ fn path_flags_are_checked_before_the_load() {
     let cases: &[(&[&str], &str)] = &[
         (&["-m", x], "'--model <MODEL>': no such file"),
         (&["-m", m, "--mtp", x], "'--mtp <MTP>': no such file"),
-        (&["-m", m, "--api-key-file", x], "'--api-key-file <PATH>': no such file"),
-        (&["-m", m, "--trace", &format!("{x}/t.log")], "'--trace <TRACE>': directory"),
-        (&["-m", m, "--kv-disk-dir", &format!("{m}/kv")], "'--kv-disk-dir <KV_DISK_DIR>'"),
-        (&["--fake-engine", x], "'--fake-engine <FAKE_ENGINE>': no such file"),
+        (
+            &["-m", m, "--api-key-file", x],
+            "'--api-key-file <PATH>': no such file",
+        ),
+        (
+            &["-m", m, "--trace", &format!("{x}/t.log")],
+            "'--trace <TRACE>': directory",
+        ),
+        (
+            &["-m", m, "--kv-disk-dir", &format!("{m}/kv")],
+            "'--kv-disk-dir <KV_DISK_DIR>'",
+        ),
+        (
+            &["--fake-engine", x],
+            "'--fake-engine <FAKE_ENGINE>': no such file",
+        ),
     ];
     for (args, want) in cases {
         let err = parse(args).unwrap().check_paths().expect_err(want);

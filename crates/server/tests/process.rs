@@ -193,13 +193,28 @@ fn bad_path_flags_exit_2_before_the_load() {
     let sub_of_file = format!("{f}/kv");
     let cases: &[(&[&str], &str)] = &[
         (&["-m", m], "for '--model <MODEL>': no such file"),
-        (&["-m", d.to_str().unwrap()], "for '--model <MODEL>': it is a directory"),
+        (
+            &["-m", d.to_str().unwrap()],
+            "for '--model <MODEL>': it is a directory",
+        ),
         (&["--mtp", m], "for '--mtp <MTP>': no such file"),
-        (&["--api-key-file", m], "for '--api-key-file <PATH>': no such file"),
-        (&["--dir-steering-file", m], "for '--dir-steering-file <DIR_STEERING_FILE>': no such file"),
+        (
+            &["--api-key-file", m],
+            "for '--api-key-file <PATH>': no such file",
+        ),
+        (
+            &["--dir-steering-file", m],
+            "for '--dir-steering-file <DIR_STEERING_FILE>': no such file",
+        ),
         (&["--trace", &out_in_missing], "does not exist"),
-        (&["--trace", &lock_s[..lock_s.len() - "/ds4.lock".len()]], "it is a directory"),
-        (&["--kv-disk-dir", f], "for '--kv-disk-dir <KV_DISK_DIR>': not a directory"),
+        (
+            &["--trace", &lock_s[..lock_s.len() - "/ds4.lock".len()]],
+            "it is a directory",
+        ),
+        (
+            &["--kv-disk-dir", f],
+            "for '--kv-disk-dir <KV_DISK_DIR>': not a directory",
+        ),
         (&["--kv-disk-dir", &sub_of_file], "not a directory"),
         (&["--chdir", m], "for '--chdir <CHDIR>': no such directory"),
     ];
@@ -217,7 +232,10 @@ fn bad_path_flags_exit_2_before_the_load() {
     let (_, err) = run_to_exit(&lock, &["-m", m]);
     assert!(err.contains("ds4-tool download q2-imatrix"), "{err}");
     // An output directory that does not exist yet is created: accepted.
-    let (a, _) = start(&lock, &["--kv-disk-dir", &format!("{}/new/kv", d.display())]);
+    let (a, _) = start(
+        &lock,
+        &["--kv-disk-dir", &format!("{}/new/kv", d.display())],
+    );
     stop(a);
     let _ = std::fs::remove_dir_all(&d);
 }

@@ -142,8 +142,7 @@ impl Plan {
         seed: u64,
         progress: &(dyn Fn(u64) + Sync),
     ) -> Result<()> {
-        let file =
-            File::create(tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+        let file = File::create(tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
         file.set_len(self.layout.file_size).with_context(|| {
             format!(
                 "cannot size {} to {} bytes (disk full?)",

@@ -268,7 +268,10 @@ fn check_args(a: &Args) -> Result<(), clap::Error> {
             "--ctx-alloc must be greater than ctx-max + gen-tokens",
         ));
     }
-    for (id, p) in [("prompt_file", &a.prompt_file), ("chat_prompt_file", &a.chat_prompt_file)] {
+    for (id, p) in [
+        ("prompt_file", &a.prompt_file),
+        ("chat_prompt_file", &a.chat_prompt_file),
+    ] {
         if let Some(p) = p {
             flags.push(PathFlag::new(id, p, Want::File));
         }

@@ -3,11 +3,11 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::builder::PossibleValuesParser;
-use ds4_cli::paths::{PathFlag, Want};
 use ds4_cli::download::{
-    download, file_url, part_path, remove_if_empty, resolve_token, target, update_link, DownloadOptions, LinkUpdate,
-    Outcome, DEFAULT_BASE_URL, HF_REPO, MODEL_LINK, TARGETS,
+    download, file_url, part_path, remove_if_empty, resolve_token, target, update_link,
+    DownloadOptions, LinkUpdate, Outcome, DEFAULT_BASE_URL, HF_REPO, MODEL_LINK, TARGETS,
 };
+use ds4_cli::paths::{PathFlag, Want};
 use ds4_gguf::GgufFile;
 use indicatif::HumanBytes;
 

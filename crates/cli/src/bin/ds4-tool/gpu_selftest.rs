@@ -41,7 +41,11 @@ impl Args {
         if self.fixtures.is_empty() {
             return Vec::new();
         }
-        vec![PathFlag::new("fixtures", Path::new(&self.fixtures), Want::Dir)]
+        vec![PathFlag::new(
+            "fixtures",
+            Path::new(&self.fixtures),
+            Want::Dir,
+        )]
     }
 }
 
