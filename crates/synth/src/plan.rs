@@ -127,12 +127,12 @@ impl Plan {
     /// `progress` is called with the number of bytes just written.
     pub fn write(&self, path: &Path, seed: u64, progress: &(dyn Fn(u64) + Sync)) -> Result<()> {
         let tmp = Plan::temp_path(path);
-        let result = self.write_via(&tmp, path, seed, progress);
-        if result.is_err() {
-            // A half-written multi-GB file is only in the way; nothing resumes from it.
-            let _ = std::fs::remove_file(&tmp);
-        }
-        result
+        // A half-written multi-GB file is only in the way (nothing resumes from it): the
+        // guard removes it on an error and on a panic alike.
+        let guard = RemoveOnDrop(&tmp);
+        self.write_via(&tmp, path, seed, progress)?;
+        std::mem::forget(guard);
+        Ok(())
     }
 
     fn write_via(
@@ -215,6 +215,15 @@ fn write_at(f: &File, mut buf: &[u8], mut off: u64) -> std::io::Result<()> {
         off += n as u64;
     }
     Ok(())
+}
+
+/// Removes the file when dropped (forgotten once the file has its final name).
+struct RemoveOnDrop<'a>(&'a Path);
+
+impl Drop for RemoveOnDrop<'_> {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(self.0);
+    }
 }
 
 #[cfg(test)]
