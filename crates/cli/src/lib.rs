@@ -3,6 +3,7 @@
 pub mod disk;
 pub mod download;
 pub mod logging;
+pub mod paths;
 
 /// Every argument of `cmd` and its subcommands that has no help text, as
 /// "command --flag" (#19 item 4: every flag of every binary has `--help` text).

@@ -22,6 +22,9 @@ enum Step {
     Status(u16),
     /// Start the normal answer but close the connection after this many body bytes.
     Cut(usize),
+    /// Start the normal answer, send this many body bytes, then hang (a stalled link,
+    /// for interrupting the client mid-transfer).
+    Stall(usize),
 }
 
 #[derive(Default)]
@@ -36,6 +39,8 @@ struct State {
     redirect: bool,
     /// Leave Content-Range out of 416 answers, so the client must ask with HEAD.
     bare_416: bool,
+    /// Announce this Content-Length in 200 answers instead of the real one.
+    claim_len: Option<u64>,
     requests: Vec<Request>,
 }
 
@@ -111,7 +116,7 @@ fn serve(conn: TcpStream, st: &Mutex<State>) {
         }
     }
 
-    let (step, data, ignore_range, always, redirect, bare_416) = {
+    let (step, data, ignore_range, always, redirect, bare_416, claim_len) = {
         let mut s = st.lock().unwrap();
         s.requests.push(Request {
             method: method.clone(),
@@ -132,10 +137,11 @@ fn serve(conn: TcpStream, st: &Mutex<State>) {
             s.always,
             redirect,
             s.bare_416,
+            s.claim_len,
         )
     };
 
-    let head = |status: &str, extra: &str, len: usize| {
+    let head = |status: &str, extra: &str, len: u64| {
         format!("HTTP/1.1 {status}\r\n{extra}Content-Length: {len}\r\nConnection: close\r\n\r\n")
     };
     let status_only = |code: u16| {
@@ -185,10 +191,10 @@ fn serve(conn: TcpStream, st: &Mutex<State>) {
         head(
             "206 Partial Content",
             &format!("Content-Range: bytes {start}-{}/{total}\r\n", total - 1),
-            total - start,
+            (total - start) as u64,
         )
     } else {
-        head("200 OK", "", total)
+        head("200 OK", "", claim_len.unwrap_or(total as u64))
     };
     let _ = out.write_all(header.as_bytes());
     if method == "HEAD" {
@@ -196,11 +202,14 @@ fn serve(conn: TcpStream, st: &Mutex<State>) {
     }
     let body = &data[start..];
     let body = match step {
-        Some(Step::Cut(k)) => &body[..k.min(body.len())],
+        Some(Step::Cut(k) | Step::Stall(k)) => &body[..k.min(body.len())],
         _ => body,
     };
     let _ = out.write_all(body);
     let _ = out.flush();
+    if let Some(Step::Stall(_)) = step {
+        std::thread::sleep(std::time::Duration::from_secs(30));
+    }
     // Dropping the stream closes it; with Cut that is mid-body, which the client must
     // see as a short read.
 }
@@ -622,4 +631,78 @@ fn a_file_that_is_not_gguf_fails_verification_and_is_not_linked() {
     assert!(!r.ok);
     assert!(r.err.contains("is not a readable GGUF file"), "{}", r.err);
     assert!(!cwd.join("ds4flash.gguf").exists());
+}
+
+// #19 item 4: the announced size is checked against the free space before any byte is
+// written; the refusal is final (no retries) and leaves no empty .part behind.
+#[test]
+fn a_file_larger_than_the_free_space_is_refused_before_writing() {
+    let server = Server::start(&[(MTP, payload(1000))]);
+    server.with(|s| s.claim_len = Some(1 << 60));
+    let cwd = tempdir("nospace");
+    let r = run(&cwd, &server, &["mtp"], &[]);
+    assert!(!r.ok, "{}\n{}", r.out, r.err);
+    assert!(r.err.contains("not enough disk space"), "{}", r.err);
+    assert!(
+        r.err.contains(&format!("needs {} bytes", 1u64 << 60)),
+        "{}",
+        r.err
+    );
+    assert!(!cwd.join("gguf").join(format!("{MTP}.part")).exists());
+    assert_eq!(server.requests().len(), 1, "a refusal is not retried");
+}
+
+/// Starts `ds4-tool download mtp` against a server that stalls after `k` body bytes,
+/// waits until the `.part` file has them, sends SIGINT; returns (status, stderr, part).
+fn interrupt_after(tag: &str, k: usize) -> (Option<i32>, String, PathBuf) {
+    let server = Server::start(&[(MTP, payload(4096))]);
+    server.with(|s| s.script.push_back(Step::Stall(k)));
+    let cwd = tempdir(tag);
+    let part = cwd.join("gguf").join(format!("{MTP}.part"));
+    let child = Command::new(env!("CARGO_BIN_EXE_ds4-tool"))
+        .current_dir(&cwd)
+        .args(["download", "mtp", "--base-url", &server.base()])
+        .env_remove("HF_TOKEN")
+        .env("HOME", cwd.join("home"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while std::fs::metadata(&part).map_or(true, |m| m.len() < k as u64) {
+        assert!(
+            t0.elapsed().as_secs() < 20,
+            "no {} after 20 s",
+            part.display()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // SAFETY: kill(2) on the child's pid, which has not been waited for yet.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    let o = child.wait_with_output().unwrap();
+    (
+        o.status.code(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+        part,
+    )
+}
+
+// #19 item 4: Ctrl+C keeps the bytes fetched so far for the next run (they resume) and
+// removes a .part file that has none.
+#[test]
+fn ctrl_c_keeps_fetched_bytes_and_removes_an_empty_part() {
+    let (code, err, part) = interrupt_after("sigint-bytes", 1000);
+    assert_eq!(code, Some(130), "{err}");
+    assert!(
+        err.contains("interrupted") && err.contains("resume"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&part).unwrap(), payload(4096)[..1000]);
+    let (code, err, part) = interrupt_after("sigint-empty", 0);
+    assert_eq!(code, Some(130), "{err}");
+    assert!(
+        !part.exists(),
+        "an empty {} was left behind",
+        part.display()
+    );
 }

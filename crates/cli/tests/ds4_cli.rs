@@ -304,10 +304,13 @@ fn missing_model_says_how_to_download() {
         .args(["-m", "/nonexistent/ds4flash.gguf", "-p", "hi"])
         .output()
         .unwrap();
-    assert_eq!(o.status.code(), Some(1));
+    // #19 item 4: a usage error found before any loading, in clap's words.
+    assert_eq!(o.status.code(), Some(2));
     let err = text(&o.stderr);
     assert!(
-        err.contains("/nonexistent/ds4flash.gguf not found"),
+        err.contains(
+            "invalid value '/nonexistent/ds4flash.gguf' for '--model <FILE>': no such file"
+        ),
         "{err}"
     );
     assert!(err.contains("ds4-tool download q2-imatrix"), "{err}");

@@ -7,6 +7,9 @@ use ds4_engine::dev::config::Config;
 use ds4_engine::dev::layout::check_layout;
 use ds4_gguf::GgufFile;
 
+#[path = "../../../tests-support/record_skip.rs"]
+mod record_skip;
+
 fn tool(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_ds4-tool"))
         .args(args)
@@ -147,7 +150,10 @@ fn inspect_rejects_garbage_with_a_message() {
     assert!(err.contains("not a GGUF file"), "{err}");
     let (ok, _, err) = tool(&["inspect", "/nonexistent/x.gguf"]);
     assert!(!ok);
-    assert!(err.contains("cannot open"), "{err}");
+    assert!(
+        err.contains("'/nonexistent/x.gguf' for '<FILE>': no such file"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -178,21 +184,31 @@ fn dump_tensor_writes_dequantized_f32() {
 // #19 item 4: `ds4-tool inspect … | head` panicked in `println!` once the reader left.
 #[test]
 fn a_closed_stdout_ends_quietly() {
-    use std::process::Stdio;
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ds4-tool"))
-        .args(["inspect", "--full-arrays"])
-        .arg(fixture("tiny-q2.gguf"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    // Close the read end before the child writes: its first write meets a broken pipe.
-    drop(child.stdout.take());
-    let out = child.wait_with_output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.is_empty(), "{err}");
     use std::os::unix::process::ExitStatusExt;
-    assert_eq!(out.status.signal(), Some(13), "{:?}", out.status);
+    use std::process::Stdio;
+    // A child that another test thread forks at the wrong moment holds a copy of the
+    // read end until its exec, and then the writes fit the pipe buffer and succeed: a
+    // few tries, of which one must see the broken pipe and none may panic.
+    let mut statuses = Vec::new();
+    for _ in 0..5 {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_ds4-tool"))
+            .args(["inspect", "--full-arrays"])
+            .arg(fixture("tiny-q2.gguf"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Close the read end before the child writes: its first write meets a broken pipe.
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.is_empty(), "{err}");
+        if out.status.signal() == Some(13) {
+            return;
+        }
+        statuses.push(out.status);
+    }
+    panic!("no SIGPIPE in 5 tries: {statuses:?}");
 }
 
 // #19 item 4: `ds4-tool synth` with no arguments wrote the full 86.7 GB model to a
@@ -206,4 +222,51 @@ fn synth_without_an_output_path_is_refused() {
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--out"), "{err}");
+}
+
+// #19 item 4: Ctrl+C during `synth` removes the half-written temporary file. A one-layer
+// full-size model (3.6 GB, written sparse) takes long enough to interrupt; the signal
+// goes out as soon as the temporary file appears, so little is actually written.
+#[test]
+fn ctrl_c_during_synth_removes_the_temporary_file() {
+    let dir = std::env::temp_dir().join(format!("ds4-tool-sigint-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("full1.gguf");
+    let free = ds4_cli::disk::free_space(&out).unwrap();
+    if free < 8 << 30 {
+        record_skip::record_skip(&format!(
+            "synth Ctrl+C test: {free} bytes free, 8 GiB wanted"
+        ));
+        return;
+    }
+    let tmp = ds4_synth::Plan::temp_path(&out);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ds4-tool"))
+        .args(["synth", "--dims", "full", "--layers", "1", "-t", "1", "-o"])
+        .arg(&out)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while !tmp.exists() {
+        assert!(
+            t0.elapsed().as_secs() < 60,
+            "no {} after 60 s",
+            tmp.display()
+        );
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "synth ended before writing"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    // SAFETY: kill(2) on the child's pid, which has not been waited for yet.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(130), "{err}");
+    assert!(err.contains("interrupted; removed"), "{err}");
+    assert!(!tmp.exists(), "{} left behind", tmp.display());
+    assert!(!out.exists());
+    std::fs::remove_dir_all(&dir).ok();
 }

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 
 /// `ds4-server` flags. Names and defaults follow the reference server so its users can
 /// switch; `--api-key`, `--queue-max`, `--max-body-mb` and `--fake-engine` are ours.
@@ -337,7 +337,55 @@ impl ServerConfig {
     }
 }
 
+// The start-up path checks shared with ds4, ds4-tool and ds4-bench; included by path
+// because this crate does not depend on ds4-cli (it needs only std, clap and libc).
+#[path = "../../cli/src/paths.rs"]
+pub mod paths;
+
 impl Args {
+    /// `--chdir` names a directory (checked before the server changes into it).
+    pub fn check_chdir(&self) -> Result<(), clap::Error> {
+        use paths::{validate, PathFlag, Want};
+        match &self.chdir {
+            Some(d) => validate(
+                &mut Args::command(),
+                &[PathFlag::new("chdir", d, Want::Dir)],
+            ),
+            None => Ok(()),
+        }
+    }
+
+    /// #19 item 4: input files exist and outputs can be written, checked after
+    /// `--chdir` and before the port is bound or the model loads; clap-style errors
+    /// (exit with status 2).
+    pub fn check_paths(&self) -> Result<(), clap::Error> {
+        use paths::{validate, validate_model, PathFlag, Want};
+        let mut cmd = Args::command();
+        let mut flags = Vec::new();
+        let inputs = [
+            ("api_key_file", &self.api_key_file),
+            ("mtp", &self.mtp),
+            ("dir_steering_file", &self.dir_steering_file),
+            ("fake_engine", &self.fake_engine),
+        ];
+        for (id, p) in inputs {
+            if let Some(p) = p {
+                flags.push(PathFlag::new(id, p, Want::File));
+            }
+        }
+        if let Some(p) = &self.trace {
+            flags.push(PathFlag::new("trace", p, Want::OutFile));
+        }
+        if let Some(p) = &self.kv_disk_dir {
+            flags.push(PathFlag::new("kv_disk_dir", p, Want::OutDir));
+        }
+        validate(&mut cmd, &flags)?;
+        if self.fake_engine.is_none() {
+            validate_model(&mut cmd, "model", &self.model)?;
+        }
+        Ok(())
+    }
+
     /// The API key: `--api-key`, else the first line of `--api-key-file`, else
     /// `$DS4_API_KEY` (#18 item 14: the flag shows in `ps`, the other two do not).
     pub fn resolve_api_key(&mut self) -> Result<(), String> {

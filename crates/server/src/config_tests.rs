@@ -92,3 +92,50 @@ fn api_key_from_file() {
     assert!(parse(&["--api-key", "x", "--api-key-file", "y"]).is_err());
     let _ = std::fs::remove_file(&f);
 }
+
+// #19 item 4: path flags are checked before the load, naming the flag as clap does.
+#[test]
+fn path_flags_are_checked_before_the_load() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny");
+    let model = root.join("tiny-q2.gguf");
+    let m = model.to_str().unwrap();
+    let missing = root.join("no-such-file");
+    let x = missing.to_str().unwrap();
+    let ok = parse(&["-m", m, "--trace", "t.log", "--kv-disk-dir", "kv/new"]).unwrap();
+    ok.check_paths().unwrap();
+    ok.check_chdir().unwrap();
+    let cases: &[(&[&str], &str)] = &[
+        (&["-m", x], "'--model <MODEL>': no such file"),
+        (&["-m", m, "--mtp", x], "'--mtp <MTP>': no such file"),
+        (
+            &["-m", m, "--api-key-file", x],
+            "'--api-key-file <PATH>': no such file",
+        ),
+        (
+            &["-m", m, "--trace", &format!("{x}/t.log")],
+            "'--trace <TRACE>': directory",
+        ),
+        (
+            &["-m", m, "--kv-disk-dir", &format!("{m}/kv")],
+            "'--kv-disk-dir <KV_DISK_DIR>'",
+        ),
+        (
+            &["--fake-engine", x],
+            "'--fake-engine <FAKE_ENGINE>': no such file",
+        ),
+    ];
+    for (args, want) in cases {
+        let err = parse(args).unwrap().check_paths().expect_err(want);
+        assert_eq!(err.exit_code(), 2);
+        let text = err.render().to_string();
+        assert!(text.contains(want), "{args:?}: {text}");
+    }
+    // The fake engine needs no model.
+    let tj = root.join("tokenizer.json");
+    parse(&["-m", x, "--fake-engine", tj.to_str().unwrap()])
+        .unwrap()
+        .check_paths()
+        .unwrap();
+    let err = parse(&["--chdir", x]).unwrap().check_chdir().unwrap_err();
+    assert!(err.render().to_string().contains("no such directory"));
+}

@@ -138,11 +138,17 @@ fn two_servers_cannot_share_a_kv_cache_directory() {
 fn unimplemented_reference_flags_warn_or_fail_by_name() {
     let d = temp("flags");
     let lock = d.join("ds4.lock");
+    // The files must exist (#19 item 4: input files are checked at start-up).
+    let mtp = d.join("mtp.gguf");
+    let dirs = d.join("dirs.f32");
+    std::fs::write(&mtp, b"").unwrap();
+    std::fs::write(&dirs, b"").unwrap();
+    let (mtp, dirs) = (mtp.to_str().unwrap(), dirs.to_str().unwrap());
     let (a, log) = start(
         &lock,
         &[
             "--mtp",
-            "mtp.gguf",
+            mtp,
             "--mtp-draft",
             "2",
             "--dir-steering-ffn",
@@ -151,7 +157,7 @@ fn unimplemented_reference_flags_warn_or_fail_by_name() {
         ],
     );
     for want in [
-        "warning: --mtp mtp.gguf: MTP speculative decoding is not implemented",
+        &format!("warning: --mtp {mtp}: MTP speculative decoding is not implemented"),
         "warning: --mtp-draft/--mtp-margin are ignored",
         "warning: --dir-steering-ffn/--dir-steering-attn have no effect without --dir-steering-file",
         "warning: --warm-weights",
@@ -160,12 +166,77 @@ fn unimplemented_reference_flags_warn_or_fail_by_name() {
     }
     stop(a);
     // Steering changes the answers: refused rather than ignored.
-    let (code, err) = run_to_exit(&lock, &["--dir-steering-file", "dirs.f32"]);
+    let (code, err) = run_to_exit(&lock, &["--dir-steering-file", dirs]);
     assert_eq!(code, Some(2), "{err}");
     assert!(
-        err.contains("--dir-steering-file dirs.f32: directional steering is not implemented"),
+        err.contains(&format!(
+            "--dir-steering-file {dirs}: directional steering is not implemented"
+        )),
         "{err}"
     );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+// #19 item 4: path flags are checked before the port is bound or the model loads, with
+// clap's wording and status 2.
+#[test]
+fn bad_path_flags_exit_2_before_the_load() {
+    let d = temp("paths");
+    let lock = d.join("ds4.lock");
+    let lock_s = lock.to_str().unwrap().to_string();
+    let missing = d.join("missing");
+    let m = missing.to_str().unwrap();
+    let out_in_missing = format!("{m}/out.txt");
+    let file = d.join("file");
+    std::fs::write(&file, b"x").unwrap();
+    let f = file.to_str().unwrap();
+    let sub_of_file = format!("{f}/kv");
+    let cases: &[(&[&str], &str)] = &[
+        (&["-m", m], "for '--model <MODEL>': no such file"),
+        (
+            &["-m", d.to_str().unwrap()],
+            "for '--model <MODEL>': it is a directory",
+        ),
+        (&["--mtp", m], "for '--mtp <MTP>': no such file"),
+        (
+            &["--api-key-file", m],
+            "for '--api-key-file <PATH>': no such file",
+        ),
+        (
+            &["--dir-steering-file", m],
+            "for '--dir-steering-file <DIR_STEERING_FILE>': no such file",
+        ),
+        (&["--trace", &out_in_missing], "does not exist"),
+        (
+            &["--trace", &lock_s[..lock_s.len() - "/ds4.lock".len()]],
+            "it is a directory",
+        ),
+        (
+            &["--kv-disk-dir", f],
+            "for '--kv-disk-dir <KV_DISK_DIR>': not a directory",
+        ),
+        (&["--kv-disk-dir", &sub_of_file], "not a directory"),
+        (&["--chdir", m], "for '--chdir <CHDIR>': no such directory"),
+    ];
+    for (args, want) in cases {
+        // `command` adds the fake engine unless -m is given.
+        let t0 = Instant::now();
+        let (code, err) = run_to_exit(&lock, args);
+        assert_eq!(code, Some(2), "{args:?}: {err}");
+        assert!(err.starts_with("error: invalid value '"), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: want {want:?} in {err}");
+        assert!(!err.contains("listening on"), "{args:?}: {err}");
+        assert!(t0.elapsed() < Duration::from_secs(10), "{args:?}");
+    }
+    // A missing model says where the weights come from.
+    let (_, err) = run_to_exit(&lock, &["-m", m]);
+    assert!(err.contains("ds4-tool download q2-imatrix"), "{err}");
+    // An output directory that does not exist yet is created: accepted.
+    let (a, _) = start(
+        &lock,
+        &["--kv-disk-dir", &format!("{}/new/kv", d.display())],
+    );
+    stop(a);
     let _ = std::fs::remove_dir_all(&d);
 }
 

@@ -3,7 +3,7 @@
 
 use std::fs::File;
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use ds4_engine::dev::config::Config;
@@ -145,12 +145,33 @@ impl Plan {
         fill_tensor_chunk(&self.specs[i], &self.config, start, buf, &mut rng);
     }
 
-    /// Writes the file at `path` (through a temporary file renamed into place).
+    /// The temporary file [`Plan::write`] fills before renaming it to `path` (callers
+    /// remove it when interrupted).
+    pub fn temp_path(path: &Path) -> PathBuf {
+        path.with_extension("gguf.tmp")
+    }
+
+    /// Writes the file at `path` (through a temporary file renamed into place; on any
+    /// error the temporary file is removed, #19 item 4).
     /// `progress` is called with the number of bytes just written.
     pub fn write(&self, path: &Path, seed: u64, progress: &(dyn Fn(u64) + Sync)) -> Result<()> {
-        let tmp = path.with_extension("gguf.tmp");
-        let file =
-            File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+        let tmp = Plan::temp_path(path);
+        // A half-written multi-GB file is only in the way (nothing resumes from it): the
+        // guard removes it on an error and on a panic alike.
+        let guard = RemoveOnDrop(&tmp);
+        self.write_via(&tmp, path, seed, progress)?;
+        std::mem::forget(guard);
+        Ok(())
+    }
+
+    fn write_via(
+        &self,
+        tmp: &Path,
+        path: &Path,
+        seed: u64,
+        progress: &(dyn Fn(u64) + Sync),
+    ) -> Result<()> {
+        let file = File::create(tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
         file.set_len(self.layout.file_size).with_context(|| {
             format!(
                 "cannot size {} to {} bytes (disk full?)",
@@ -176,7 +197,7 @@ impl Plan {
             })?;
         file.sync_all()?;
         drop(file);
-        std::fs::rename(&tmp, path)
+        std::fs::rename(tmp, path)
             .with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))?;
         Ok(())
     }
@@ -225,6 +246,15 @@ fn write_at(f: &File, mut buf: &[u8], mut off: u64) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Removes the file when dropped (forgotten once the file has its final name).
+struct RemoveOnDrop<'a>(&'a Path);
+
+impl Drop for RemoveOnDrop<'_> {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(self.0);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -240,6 +270,28 @@ mod tests {
         let file = std::fs::read(&path).unwrap();
         std::fs::remove_file(&path).unwrap();
         assert_eq!(plan.build(9, &|_| {}), file);
+    }
+
+    // #19 item 4: a failed write leaves no temporary file behind.
+    #[test]
+    fn a_failed_write_removes_its_temporary_file() {
+        let cfg = Config::tiny(1);
+        let vocab = Vocab::builtin(cfg.vocab).unwrap();
+        let plan = Plan::new(cfg, ExpertQuant::Q2, &vocab, "test").unwrap();
+        // The final name is a non-empty directory: every byte is written, then the
+        // rename fails.
+        let dir = std::env::temp_dir().join(format!("ds4-synth-fail-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("occupied")).unwrap();
+        let tmp = Plan::temp_path(&dir);
+        let err = plan.write(&dir, 1, &|_| {}).unwrap_err();
+        assert!(format!("{err:#}").contains("cannot rename"), "{err:#}");
+        assert!(!tmp.exists(), "{} left behind", tmp.display());
+        assert!(dir.join("occupied").is_dir());
+        std::fs::remove_dir_all(&dir).unwrap();
+        // A directory that does not exist: nothing is created at all.
+        let missing = std::env::temp_dir().join("ds4-synth-no-such-dir/x.gguf");
+        assert!(plan.write(&missing, 1, &|_| {}).is_err());
+        assert!(!Plan::temp_path(&missing).exists());
     }
 
     #[test]

@@ -157,6 +157,12 @@ pub(super) fn attempt(
         s => return Err(fatal(anyhow!("unexpected HTTP {s} from {}", opts.url))),
     };
 
+    if let Some(t) = total {
+        // #19 item 4: refuse before writing rather than filling the disk hours in. The
+        // bytes already in `part` stay (resumed) or are freed (restart): either way only
+        // the rest is new.
+        crate::disk::ensure_free_space(part, t.saturating_sub(have)).map_err(fatal)?;
+    }
     let mut file = OpenOptions::new()
         .create(true)
         .write(true)

@@ -17,7 +17,7 @@ mod transfer;
 pub use link::{update_link, LinkUpdate};
 pub use range::{parse_content_range, ContentRange};
 pub use token::{hf_token_file, pick_token, resolve_token};
-pub use transfer::{download, part_path, DownloadOptions, Outcome};
+pub use transfer::{download, part_path, remove_if_empty, DownloadOptions, Outcome};
 
 /// The Hugging Face model repository holding the published files.
 pub const HF_REPO: &str = "antirez/deepseek-v4-gguf";

@@ -44,7 +44,25 @@ pub fn part_path(dest: &Path) -> PathBuf {
 }
 
 /// Downloads `opts.url` to `opts.dest`, resuming any `.part` file left by an earlier run.
+///
+/// On an error the `.part` file is kept when it holds bytes (the next run resumes from
+/// them: they may be hours of transfer) and removed when it is empty.
 pub fn download(opts: &DownloadOptions) -> Result<Outcome> {
+    let result = download_inner(opts);
+    if result.is_err() {
+        remove_if_empty(&part_path(&opts.dest));
+    }
+    result
+}
+
+/// Removes `part` when it exists and holds no bytes (nothing to resume from).
+pub fn remove_if_empty(part: &Path) {
+    if std::fs::metadata(part).is_ok_and(|m| m.is_file() && m.len() == 0) {
+        let _ = std::fs::remove_file(part);
+    }
+}
+
+fn download_inner(opts: &DownloadOptions) -> Result<Outcome> {
     if let Ok(m) = std::fs::metadata(&opts.dest) {
         if m.is_file() && m.len() > 0 {
             return Ok(Outcome::AlreadyPresent { bytes: m.len() });

@@ -103,9 +103,11 @@ fn main() {
 }
 
 fn run(mut args: Args) -> Result<()> {
+    args.check_chdir().unwrap_or_else(|e| e.exit());
     if let Some(dir) = &args.chdir {
         std::env::set_current_dir(dir).with_context(|| format!("--chdir {}", dir.display()))?;
     }
+    args.check_paths().unwrap_or_else(|e| e.exit());
     if args.metal {
         eprintln!("ds4-server: --metal is not supported by this engine (use --cpu or --cuda)");
         std::process::exit(2);

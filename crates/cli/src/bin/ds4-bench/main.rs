@@ -237,22 +237,63 @@ fn plot_csv(csv: &std::path::Path, out: &std::path::Path) -> Result<()> {
         .with_context(|| format!("cannot write {}", out.display()))
 }
 
-fn main() -> Result<()> {
-    let a = Args::parse();
-    ds4_cli::logging::init(a.verbose);
-    if let (Some(csv), Some(out)) = (&a.plot_from, &a.plot) {
-        return plot_csv(csv, out);
+/// #19 item 4: flag values and paths are checked before the model loads (or synthetic
+/// weights are generated: minutes for the full size); clap-style errors, status 2.
+fn check_args(a: &Args) -> Result<(), clap::Error> {
+    use clap::error::ErrorKind::ValueValidation;
+    use clap::CommandFactory;
+    use ds4_cli::paths::{validate, validate_model, PathFlag, Want};
+    let mut cmd = Args::command();
+    let mut flags = Vec::new();
+    if let Some(p) = &a.plot_from {
+        flags.push(PathFlag::new("plot_from", p, Want::File));
+    }
+    if let Some(p) = &a.plot {
+        flags.push(PathFlag::new("plot", p, Want::OutFile));
+    }
+    if a.plot_from.is_some() {
+        // Only the chart is drawn: no model, no run.
+        return validate(&mut cmd, &flags);
     }
     if a.step_mul < 1.0 {
-        bail!("--step-mul must be at least 1");
+        return Err(cmd.error(ValueValidation, "--step-mul must be at least 1"));
     }
     if a.ctx_start == 0 || a.ctx_start > a.ctx_max {
-        bail!("need 0 < --ctx-start <= --ctx-max");
+        return Err(cmd.error(ValueValidation, "need 0 < --ctx-start <= --ctx-max"));
     }
     let alloc = a.ctx_alloc.unwrap_or(a.ctx_max + a.gen_tokens + 1);
     if alloc <= a.ctx_max + a.gen_tokens {
-        bail!("--ctx-alloc must be greater than ctx-max + gen-tokens");
+        return Err(cmd.error(
+            ValueValidation,
+            "--ctx-alloc must be greater than ctx-max + gen-tokens",
+        ));
     }
+    for (id, p) in [
+        ("prompt_file", &a.prompt_file),
+        ("chat_prompt_file", &a.chat_prompt_file),
+    ] {
+        if let Some(p) = p {
+            flags.push(PathFlag::new(id, p, Want::File));
+        }
+    }
+    if let Some(p) = &a.csv {
+        flags.push(PathFlag::new("csv", p, Want::OutFile));
+    }
+    validate(&mut cmd, &flags)?;
+    if a.synthetic_weights.is_none() {
+        validate_model(&mut cmd, "model", &a.model)?;
+    }
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let a = Args::parse();
+    ds4_cli::logging::init(a.verbose);
+    check_args(&a).unwrap_or_else(|e| e.exit());
+    if let (Some(csv), Some(out)) = (&a.plot_from, &a.plot) {
+        return plot_csv(csv, out);
+    }
+    let alloc = a.ctx_alloc.unwrap_or(a.ctx_max + a.gen_tokens + 1);
     if let Some(t) = a.threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(t)

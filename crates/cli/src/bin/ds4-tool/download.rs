@@ -4,9 +4,10 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::builder::PossibleValuesParser;
 use ds4_cli::download::{
-    download, file_url, part_path, resolve_token, target, update_link, DownloadOptions, LinkUpdate,
-    Outcome, DEFAULT_BASE_URL, HF_REPO, MODEL_LINK, TARGETS,
+    download, file_url, part_path, remove_if_empty, resolve_token, target, update_link,
+    DownloadOptions, LinkUpdate, Outcome, DEFAULT_BASE_URL, HF_REPO, MODEL_LINK, TARGETS,
 };
+use ds4_cli::paths::{PathFlag, Want};
 use ds4_gguf::GgufFile;
 use indicatif::HumanBytes;
 
@@ -38,6 +39,16 @@ pub struct Args {
     /// First retry delay in milliseconds, doubled on each failure in a row (tests).
     #[arg(long, hide = true, default_value_t = 2000)]
     retry_delay_ms: u64,
+}
+
+impl Args {
+    /// The path flags checked before anything is fetched (#19 item 4).
+    pub fn path_flags(&self) -> Vec<PathFlag<'_>> {
+        self.dir
+            .iter()
+            .map(|d| PathFlag::new("dir", d, Want::OutDir))
+            .collect()
+    }
 }
 
 fn targets_help() -> String {
@@ -91,6 +102,21 @@ pub fn run(a: Args) -> Result<()> {
         }
         println!("If the download stops, run the same command again to resume it.");
     }
+    // Ctrl+C: the bytes fetched so far stay in the .part file for the next run; an
+    // empty one is removed.
+    let part = part_path(&dest);
+    ctrlc::set_handler(move || {
+        remove_if_empty(&part);
+        match std::fs::metadata(&part) {
+            Ok(m) => eprintln!(
+                "\nds4-tool download: interrupted; {} of {} kept: run the same command again to resume",
+                HumanBytes(m.len()),
+                part.display()
+            ),
+            Err(_) => eprintln!("\nds4-tool download: interrupted"),
+        }
+        std::process::exit(130);
+    })?;
     match download(&opts)? {
         Outcome::AlreadyPresent { bytes } => {
             println!(

@@ -2,6 +2,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
+use ds4_cli::paths::{PathFlag, Want};
 use ds4_gguf::{quant, GgufFile};
 
 #[derive(clap::Args)]
@@ -13,6 +14,17 @@ pub struct Args {
     /// Write the values here (raw little-endian f32); otherwise print statistics.
     #[arg(long)]
     out: Option<PathBuf>,
+}
+
+impl Args {
+    /// The path flags checked before the file is opened (#19 item 4).
+    pub fn path_flags(&self) -> Vec<PathFlag<'_>> {
+        let mut v = vec![PathFlag::new("file", &self.file, Want::Model)];
+        if let Some(o) = &self.out {
+            v.push(PathFlag::new("out", o, Want::OutFile));
+        }
+        v
+    }
 }
 
 pub fn run(a: Args) -> Result<()> {

@@ -1,9 +1,11 @@
 //! `ds4-tool gpu-selftest`: the kernel checks of `ds4_cuda::selftest`, the tiny
 //! fixtures on the GPU (`ds4_engine::dev::fixture`), and the kernel timings.
 
+use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{bail, Result};
+use ds4_cli::paths::{PathFlag, Want};
 use ds4_cuda::selftest::{self, summary_line, Check, Timing};
 use ds4_cuda::{DecodePlan, Gpu, Launcher};
 use ds4_engine::dev::fixture as dev_fixture;
@@ -31,6 +33,20 @@ pub struct Args {
     /// expert matvecs and the prefill attention kernels.
     #[arg(long)]
     probe_q8: bool,
+}
+
+impl Args {
+    /// The path flags checked before the GPU opens (#19 item 4).
+    pub fn path_flags(&self) -> Vec<PathFlag<'_>> {
+        if self.fixtures.is_empty() {
+            return Vec::new();
+        }
+        vec![PathFlag::new(
+            "fixtures",
+            Path::new(&self.fixtures),
+            Want::Dir,
+        )]
+    }
 }
 
 pub fn run(a: Args) -> Result<()> {

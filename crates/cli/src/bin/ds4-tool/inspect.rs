@@ -1,6 +1,7 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
+use ds4_cli::paths::{PathFlag, Want};
 use ds4_engine::dev::config::Config;
 use ds4_engine::dev::layout::check_layout;
 use ds4_engine::dev::mtp::layout::{
@@ -21,6 +22,13 @@ pub struct Args {
     /// For an MTP GGUF: the main model it is for, to check the block's layout against.
     #[arg(short = 'm', long = "main")]
     main: Option<PathBuf>,
+}
+
+impl Args {
+    /// The path flags checked before the file is opened (#19 item 4).
+    pub fn path_flags(&self) -> Vec<PathFlag<'_>> {
+        vec![PathFlag::new("file", &self.file, Want::Model)]
+    }
 }
 
 pub fn run(a: Args) -> Result<()> {

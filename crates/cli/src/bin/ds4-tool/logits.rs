@@ -5,6 +5,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
+use ds4_cli::paths::{PathFlag, Want};
 use ds4_engine::{BackendChoice, Engine, EngineOptions, Numerics};
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -30,6 +31,17 @@ pub struct Args {
     /// Exact f32 numerics (the official math) instead of ds4's quantised activations.
     #[arg(long)]
     quality: bool,
+}
+
+impl Args {
+    /// The path flags checked before the model loads (#19 item 4).
+    pub fn path_flags(&self) -> Vec<PathFlag<'_>> {
+        vec![
+            PathFlag::new("model", &self.model, Want::Model),
+            PathFlag::new("tokens", &self.tokens, Want::File),
+            PathFlag::new("out", &self.out, Want::OutFile),
+        ]
+    }
 }
 
 fn read_ids(path: &PathBuf) -> Result<Vec<u32>> {

@@ -10,7 +10,7 @@ mod logits;
 mod synth;
 mod tokenize;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(
@@ -47,9 +47,32 @@ enum Command {
     Logits(logits::Args),
 }
 
+/// #19 item 4: the subcommand's files exist and its outputs can be written, checked
+/// before any work; clap-style errors, status 2.
+fn check_paths(cli: &Cli) -> Result<(), clap::Error> {
+    let (name, flags) = match &cli.command {
+        Command::Inspect(a) => ("inspect", a.path_flags()),
+        Command::Synth(a) => ("synth", a.path_flags()),
+        Command::DumpTensor(a) => ("dump-tensor", a.path_flags()),
+        #[cfg(feature = "cuda")]
+        Command::GpuSelftest(a) => ("gpu-selftest", a.path_flags()),
+        Command::Download(a) => ("download", a.path_flags()),
+        Command::Tokenize(a) => ("tokenize", a.path_flags()),
+        Command::Render(_) => ("render", Vec::new()),
+        Command::Logits(a) => ("logits", a.path_flags()),
+    };
+    let mut sub = Cli::command()
+        .find_subcommand(name)
+        .expect("the subcommand exists")
+        .clone()
+        .bin_name(format!("ds4-tool {name}"));
+    ds4_cli::paths::validate(&mut sub, &flags)
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     ds4_cli::logging::init(cli.verbose);
+    check_paths(&cli).unwrap_or_else(|e| e.exit());
     match cli.command {
         Command::Inspect(a) => inspect::run(a),
         Command::Synth(a) => synth::run(a),

@@ -4,6 +4,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::ValueEnum;
+use ds4_cli::paths::{PathFlag, Want};
 use ds4_engine::dev::config::Config;
 use ds4_engine::dev::layout::ExpertQuant;
 use ds4_synth::{flash_config, Plan, Vocab};
@@ -64,6 +65,23 @@ pub struct Args {
     threads: Option<usize>,
 }
 
+impl Args {
+    /// The path flags checked before anything is generated (#19 item 4).
+    pub fn path_flags(&self) -> Vec<PathFlag<'_>> {
+        let mut v = Vec::new();
+        if let Some(t) = &self.tokenizer {
+            v.push(PathFlag::new("tokenizer", t, Want::File));
+        }
+        if let Some(o) = self.out.as_ref().filter(|_| !self.dry_run) {
+            v.push(PathFlag::new("out", o, Want::OutFile));
+        }
+        if let Some(o) = self.mtp_out.as_ref().filter(|_| !self.dry_run) {
+            v.push(PathFlag::new("mtp-out", o, Want::OutFile));
+        }
+        v
+    }
+}
+
 pub fn run(a: Args) -> Result<()> {
     anyhow::ensure!(a.layers >= 1, "--layers must be at least 1");
     let config = match a.dims {
@@ -98,18 +116,31 @@ pub fn run(a: Args) -> Result<()> {
             .ok();
     }
     // The main file is printed (and written) only when asked for, or with nothing else.
+    let mut writes: Vec<(&Plan, &std::path::Path)> = Vec::new();
     if a.out.is_some() || mtp.is_none() {
         print_plan(&plan, a.dry_run);
-        if let Some(out) = a.out.as_deref().filter(|_| !a.dry_run) {
-            write_plan(&plan, out, a.seed)?;
-        }
+        writes.extend(a.out.as_deref().map(|o| (&plan, o)));
     }
     if let (Some(mtp), Some(out)) = (&mtp, &a.mtp_out) {
         println!("MTP file:");
         print_plan(mtp, a.dry_run);
-        if !a.dry_run {
-            write_plan(mtp, out, a.seed)?;
+        writes.push((mtp, out));
+    }
+    if a.dry_run || writes.is_empty() {
+        return Ok(());
+    }
+    // Ctrl+C: the half-written temporary files are removed (nothing resumes from them).
+    let temps: Vec<_> = writes.iter().map(|(_, o)| Plan::temp_path(o)).collect();
+    ctrlc::set_handler(move || {
+        for t in &temps {
+            if std::fs::remove_file(t).is_ok() {
+                eprintln!("\nds4-tool synth: interrupted; removed {}", t.display());
+            }
         }
+        std::process::exit(130);
+    })?;
+    for (plan, out) in writes {
+        write_plan(plan, out, a.seed)?;
     }
     Ok(())
 }

@@ -4,6 +4,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
+use ds4_cli::paths::{PathFlag, Want};
 use ds4_tokenizer::Tokenizer;
 
 use crate::jsonl;
@@ -17,6 +18,13 @@ pub struct TokenizeArgs {
 
 #[derive(clap::Args)]
 pub struct RenderArgs {}
+
+impl TokenizeArgs {
+    /// The path flags checked before stdin is read (#19 item 4).
+    pub fn path_flags(&self) -> Vec<PathFlag<'_>> {
+        vec![PathFlag::new("tokenizer", &self.tokenizer, Want::File)]
+    }
+}
 
 /// Loads a tokenizer from a GGUF's metadata or from a tokenizer.json, by magic bytes.
 pub fn load_tokenizer(path: &Path) -> anyhow::Result<Tokenizer> {

@@ -260,6 +260,26 @@ impl Args {
                 "--perplexity-file scores a file: leave out -p/--prompt-file",
             );
         }
+        self.check_paths().unwrap_or_else(|e| e.exit());
+    }
+
+    /// #19 item 4: the files exist and the outputs can be written, before the model
+    /// loads (minutes for the real one).
+    fn check_paths(&self) -> Result<(), clap::Error> {
+        use ds4_cli::paths::{validate, validate_model, PathFlag, Want};
+        let mut cmd = Args::command();
+        let mut flags = Vec::new();
+        if let Some(p) = &self.prompt_file {
+            flags.push(PathFlag::new("prompt_file", p, Want::File));
+        }
+        if let Some(p) = &self.perplexity_file {
+            flags.push(PathFlag::new("perplexity_file", p, Want::File));
+        }
+        if let Some(p) = &self.dump_logprobs {
+            flags.push(PathFlag::new("dump_logprobs", p, Want::OutFile));
+        }
+        validate(&mut cmd, &flags)?;
+        validate_model(&mut cmd, "model", &self.model)
     }
 
     pub fn has_prompt(&self) -> bool {
