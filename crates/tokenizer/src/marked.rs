@@ -96,6 +96,21 @@ impl MarkedText {
         }
     }
 
+    /// Cuts the text to `len` bytes (a character boundary), clipping the marks.
+    pub fn truncate(&mut self, len: usize) {
+        self.text.truncate(len);
+        self.plain = clip_ranges_to(&self.plain, len);
+    }
+
+    /// Removes `suffix` if the text ends with it; false otherwise.
+    pub fn strip_suffix(&mut self, suffix: &str) -> bool {
+        if !self.text.ends_with(suffix) {
+            return false;
+        }
+        self.truncate(self.text.len() - suffix.len());
+        true
+    }
+
     fn add_range(&mut self, r: Range<usize>) {
         if r.is_empty() {
             return;
@@ -159,6 +174,12 @@ mod tests {
         let prefix = MarkedText::from_parts("<a>xy".into(), vec![3..5]);
         assert!(m.starts_with_marked(&prefix));
         assert!(!m.starts_with_marked(&MarkedText::trusted("<a>xy")));
+        let mut t = m.clone();
+        assert!(t.strip_suffix("<b>w"));
+        assert_eq!((t.text(), t.plain_ranges()), ("<a>xyz", &[3..6][..]));
+        assert!(!t.strip_suffix("q"));
+        t.truncate(4);
+        assert_eq!(t.plain_ranges(), &[3..4]);
         let odd = MarkedText::from_parts("a｜b".into(), vec![2..3, 0..1]);
         // 2..3 widens to the whole `｜` (1..4) and then touches 0..1.
         assert_eq!(odd.plain_ranges(), &[0..4]);

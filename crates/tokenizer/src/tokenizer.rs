@@ -263,28 +263,29 @@ impl Tokenizer {
     /// not in where control tokens are: a control token in a cached prefix where a new
     /// prompt has client text (or the other way round) must not be reused.
     pub fn same_added_spans(&self, prefix: &[u32], full: &[u32]) -> bool {
-        let mut a = self.added_spans(prefix);
         let n: usize = prefix.iter().map(|&t| self.token_bytes(t).len()).sum();
-        let mut b = Vec::new();
-        let mut at = 0;
-        for &t in full {
-            if at >= n {
-                break;
-            }
-            let len = self.token_bytes(t).len();
-            if self.is_added(t) {
-                b.push((at, at + len));
-            }
-            at += len;
-        }
-        a.sort_unstable();
+        let a = self.added_spans(prefix, usize::MAX);
+        let b = self.added_spans(full, n);
         a == b && b.last().is_none_or(|&(_, end)| end <= n)
     }
 
-    fn added_spans(&self, ids: &[u32]) -> Vec<(usize, usize)> {
+    /// Whether the marks of `text` change nothing: `encode_marked` puts control tokens
+    /// exactly where `encode` does (no client text spells one). A text cached under
+    /// its bytes alone may then be reused for it.
+    pub fn marks_are_inert(&self, text: &str, plain: &[Range<usize>]) -> bool {
+        plain.is_empty()
+            || self.added_spans(&self.encode_marked(text, plain), usize::MAX)
+                == self.added_spans(&self.encode(text), usize::MAX)
+    }
+
+    /// Byte spans of the added tokens among `ids` that start before `limit`.
+    fn added_spans(&self, ids: &[u32], limit: usize) -> Vec<(usize, usize)> {
         let mut v = Vec::new();
         let mut at = 0;
         for &t in ids {
+            if at >= limit {
+                break;
+            }
             let len = self.token_bytes(t).len();
             if self.is_added(t) {
                 v.push((at, at + len));

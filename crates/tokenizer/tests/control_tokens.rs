@@ -205,6 +205,11 @@ fn same_added_spans_tells_trust_apart() {
     // A prefix ending in the middle of a control token of the full text does not agree.
     let head = tok.encode_plain("<｜User｜>hi<｜Assis");
     assert!(!tok.same_added_spans(&head, &tok.encode(text)));
+    // Marks are inert unless client text spells a marker (or cuts one).
+    assert!(tok.marks_are_inert(text, &[]));
+    assert!(tok.marks_are_inert(text, &[12..14]));
+    assert!(!tok.marks_are_inert(text, &[0..14]));
+    assert!(!tok.marks_are_inert(text, &[4..5]));
     // BPE differences alone are fine.
     let split: Vec<u32> = "hi"
         .bytes()
