@@ -26,7 +26,7 @@ mod vocab;
 
 pub use decode::StreamDecoder;
 pub use error::{ChatError, ParseError, TokenizerError};
-pub use marked::{clip_ranges, MarkedText};
+pub use marked::{clip_ranges, clip_ranges_to, MarkedText};
 pub use special::SpecialIds;
 pub use tokenizer::Tokenizer;
 pub use vocab::token_type;

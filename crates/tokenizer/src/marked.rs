@@ -144,7 +144,7 @@ pub fn clip_ranges(plain: &[Range<usize>], from: usize) -> Vec<Range<usize>> {
 }
 
 /// `plain` restricted to `..end`.
-fn clip_ranges_to(plain: &[Range<usize>], end: usize) -> Vec<Range<usize>> {
+pub fn clip_ranges_to(plain: &[Range<usize>], end: usize) -> Vec<Range<usize>> {
     plain
         .iter()
         .filter(|r| r.start < end)
