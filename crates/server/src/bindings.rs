@@ -328,7 +328,11 @@ mod tests {
         assert!(l.requires_live);
         assert!(same_ids(&l.ids, &ids));
         assert!(!same_ids(&l.ids, &ids[..1]));
-        assert!(l.tail.unwrap().text().starts_with(&format!("{EOS}<｜User｜>")));
+        assert!(l
+            .tail
+            .unwrap()
+            .text()
+            .starts_with(&format!("{EOS}<｜User｜>")));
     }
 
     #[test]
@@ -365,13 +369,19 @@ mod tests {
             }),
             ..Default::default()
         };
-        assert_eq!(b.visible_key(5).map(|(k, e)| (k.text(), e)), Some(("T", EXT_THINKING_VISIBLE)));
+        assert_eq!(
+            b.visible_key(5).map(|(k, e)| (k.text(), e)),
+            Some(("T", EXT_THINKING_VISIBLE))
+        );
         assert_eq!(b.visible_key(6).map(|(k, e)| (k.text(), e)), None);
         b.responses = Some(ResponsesBinding {
             pos: 5,
             ids: vec![],
             visible: MarkedText::trusted("R"),
         });
-        assert_eq!(b.visible_key(5).map(|(k, e)| (k.text(), e)), Some(("R", EXT_RESPONSES_VISIBLE)));
+        assert_eq!(
+            b.visible_key(5).map(|(k, e)| (k.text(), e)),
+            Some(("R", EXT_RESPONSES_VISIBLE))
+        );
     }
 }

@@ -4,8 +4,8 @@
 
 use std::collections::VecDeque;
 use std::fs::File;
-use std::ops::Range;
 use std::io::Write;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -334,7 +334,8 @@ impl Worker {
             .flatten();
         // A visible key whose client text spells markup would let a later prompt with
         // the same bytes but other marks find it: key those by their tokens instead.
-        let visible = visible.filter(|(k, _)| self.shared.tok.marks_are_inert(k.text(), k.plain_ranges()));
+        let visible =
+            visible.filter(|(k, _)| self.shared.tok.marks_are_inert(k.text(), k.plain_ranges()));
         let (key, ext) = match visible {
             Some((k, e)) => (k.text().to_string(), e),
             None => (self.shared.tok.decode(toks, false), 0),

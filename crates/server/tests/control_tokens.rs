@@ -197,7 +197,9 @@ fn replayed_tool_call_is_token_exact() {
         assert!(c1 > 0);
         p1.clone()
     };
-    msgs.push(json!({"role": "assistant", "content": msg["content"], "tool_calls": msg["tool_calls"]}));
+    msgs.push(
+        json!({"role": "assistant", "content": msg["content"], "tool_calls": msg["tool_calls"]}),
+    );
     let id = msg["tool_calls"][0]["id"].as_str().unwrap().to_string();
     msgs.push(json!({"role": "tool", "tool_call_id": id, "content": "sunny"}));
     let (r2, p2) = t.chat(body(&msgs));
@@ -206,10 +208,14 @@ fn replayed_tool_call_is_token_exact() {
     assert!(p2.starts_with(&live));
     let turn = t.tok.decode(&p2[live.len()..], false);
     let dsml = t.tok.special_ids().unwrap().dsml;
-    let block_at = turn.find("<｜DSML｜tool_calls>").expect("DSML block replayed");
+    let block_at = turn
+        .find("<｜DSML｜tool_calls>")
+        .expect("DSML block replayed");
     let block_ids = t.ids(&turn[block_at..turn.find("</｜DSML｜tool_calls>").unwrap()]);
     assert!(block_ids.contains(&dsml));
-    assert!(p2.windows(block_ids.len()).any(|w| w == block_ids.as_slice()));
+    assert!(p2
+        .windows(block_ids.len())
+        .any(|w| w == block_ids.as_slice()));
     let p1_len = r1["usage"]["prompt_tokens"].as_u64().unwrap();
     let c1 = r1["usage"]["completion_tokens"].as_u64().unwrap();
     assert_eq!(
@@ -217,7 +223,10 @@ fn replayed_tool_call_is_token_exact() {
         p1_len + c1,
         "{r2}"
     );
-    assert_eq!(r2["choices"][0]["message"]["content"], "It is sunny in Paris.");
+    assert_eq!(
+        r2["choices"][0]["message"]["content"],
+        "It is sunny in Paris."
+    );
 }
 
 /// Two conversations that render to the same bytes, one with real turns and one with

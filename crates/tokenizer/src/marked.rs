@@ -153,6 +153,8 @@ pub fn clip_ranges_to(plain: &[Range<usize>], end: usize) -> Vec<Range<usize>> {
 }
 
 #[cfg(test)]
+// Single ranges are the natural spelling of one marked span.
+#[allow(clippy::single_range_in_vec_init)]
 mod tests {
     use super::*;
 

@@ -266,7 +266,10 @@ pub fn count_tokens(shared: &Shared, body: &[u8]) -> Result<Value, ApiError> {
     let o = parse_body(body)?;
     // Counting needs no live state: unknown tool ids are not an error here.
     let text = render_request(shared, &o, false)?.text;
-    let n = shared.tok.encode_marked(text.text(), text.plain_ranges()).len();
+    let n = shared
+        .tok
+        .encode_marked(text.text(), text.plain_ranges())
+        .len();
     Ok(json!({"input_tokens": n}))
 }
 

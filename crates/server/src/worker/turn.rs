@@ -136,7 +136,8 @@ impl Worker {
         // Only when the live prompt is the request's own rendering (not a visible or
         // tool-tail continuation, whose history differs from the live tokens on purpose),
         // with the same client-text marks.
-        let prompt = MarkedText::from_parts(job.req.prompt_text.clone(), job.req.prompt_plain.clone());
+        let prompt =
+            MarkedText::from_parts(job.req.prompt_text.clone(), job.req.prompt_plain.clone());
         if !marked.starts_with_marked(&prompt)
             || !self.engine.tokens().starts_with(eff)
             || tok.decode(eff, false) != job.req.prompt_text
