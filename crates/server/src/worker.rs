@@ -485,25 +485,17 @@ impl Worker {
         self.frontier = 0;
         self.snap = None;
         if let Some(disk) = &self.disk {
-            let hit = disk
-                .lookup(&job.req.prompt_text, self.engine.as_mut())
-                .filter(|hit| {
-                    let fits = disk_hit_fits(
-                        &self.shared.tok,
-                        hit,
-                        self.engine.tokens(),
-                        &job.req.prompt_text,
-                        &job.req.prompt_plain,
-                        &job.req.prompt_tokens,
-                    );
-                    if !fits {
-                        log!(
-                            "kv cache: disk hit {} refused: control tokens differ from the prompt's",
-                            hit.path.display()
-                        );
-                    }
-                    fits
-                });
+            let r = &job.req;
+            let hit = disk.lookup_fitting(&r.prompt_text, self.engine.as_mut(), |hit, cached| {
+                disk_hit_fits(
+                    &self.shared.tok,
+                    hit,
+                    cached,
+                    &r.prompt_text,
+                    &r.prompt_plain,
+                    &r.prompt_tokens,
+                )
+            });
             if let Some(hit) = hit {
                 let mut eff = self.engine.tokens().to_vec();
                 let tok = &self.shared.tok;

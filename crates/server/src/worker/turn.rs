@@ -169,14 +169,11 @@ impl Worker {
                 }
                 if let Some(Ok(copy)) = snap {
                     self.engine = copy;
-                } else if let Some(hit) = self
-                    .disk
-                    .as_ref()
-                    .and_then(|d| d.lookup(canon, self.engine.as_mut()))
-                    .filter(|hit| {
-                        super::disk_hit_fits(&tok, hit, self.engine.tokens(), canon, plain, &target)
+                } else if let Some(hit) = self.disk.as_ref().and_then(|d| {
+                    d.lookup_fitting(canon, self.engine.as_mut(), |hit, cached| {
+                        super::disk_hit_fits(&tok, hit, cached, canon, plain, &target)
                     })
-                {
+                }) {
                     target = self.engine.tokens().to_vec();
                     tok.encode_marked_tail(canon, plain, hit.key_len, &mut target);
                 } else {
