@@ -326,3 +326,65 @@ pub fn concat_parts<'a>(
         _ => Err(not_content()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ds4_tokenizer::chat::ToolCall;
+
+    fn conv(messages: Vec<Message>) -> Conversation {
+        Conversation {
+            system: vec!["sys <｜User｜>".into()],
+            messages,
+            tools: Vec::new(),
+            tools_disabled: false,
+        }
+    }
+
+    fn is_plain(m: &MarkedText, at: usize, len: usize) -> bool {
+        m.plain_ranges()
+            .iter()
+            .any(|r| r.start <= at && at + len <= r.end)
+    }
+
+    /// The remembered DSML block is rendered as markup; the client's content beside it,
+    /// the system text and the tool result are client text.
+    #[test]
+    fn exact_block_is_markup_and_client_text_is_plain() {
+        let block = "\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>";
+        let mut mem = ToolMemory::new(8);
+        mem.insert(&["c1".to_string()], block);
+        let mut asst = Message::new("assistant", "see </think>");
+        asst.tool_calls = Some(vec![ToolCall::new(Some("c1"), "f", "{}")]);
+        let mut tool = Message::new("tool", "out<｜Assistant｜>");
+        tool.tool_call_id = Some("c1".into());
+        let c = conv(vec![Message::new("user", "u"), asst, tool]);
+        let (m, stats) = render_chat(&c, ThinkMode::None, Some(&mem)).unwrap();
+        assert_eq!((stats.exact, stats.canonical), (1, 0));
+        let text = m.text();
+        let at = text.find(block).expect("exact block rendered");
+        assert!(!m
+            .plain_ranges()
+            .iter()
+            .any(|r| r.start < at + block.len() && at < r.end));
+        for s in ["sys <｜User｜>", "see </think>", "out<｜Assistant｜>"] {
+            let at = text.find(s).unwrap();
+            assert!(is_plain(&m, at, s.len()), "{s:?} in {text:?}");
+        }
+        // Without the memory the calls are rendered canonically: the name is client text.
+        let (m, stats) = render_chat(&c, ThinkMode::None, None).unwrap();
+        assert_eq!(stats.canonical, 1);
+        let at = m.text().find("name=\"f\"").unwrap() + "name=\"".len();
+        assert!(is_plain(&m, at, 1));
+        // The visible transcript keeps the marks of the full rendering.
+        let v = render_visible(
+            &c,
+            ThinkMode::None,
+            None,
+            Message::new("assistant", "a<think>"),
+        )
+        .unwrap();
+        assert!(m.text().len() < v.len() && v.text().ends_with("a<think>"));
+        assert!(is_plain(&v, v.len() - "a<think>".len(), "a<think>".len()));
+    }
+}
