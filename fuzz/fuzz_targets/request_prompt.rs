@@ -33,6 +33,20 @@ fuzz_target!(|data: &[u8]| {
         Ok(p) => {
             assert!(!p.prompt_tokens.is_empty(), "a prompt without tokens");
             assert!(p.prompt_tokens.len() < CTX, "the context check let a long prompt by");
+            // Client text never becomes a control token (issue #18 item 13): the tokens
+            // spell the prompt, and no added token starts inside a client-text range.
+            let tok = &shared().tok;
+            assert_eq!(tok.decode(&p.prompt_tokens, false), p.prompt_text);
+            let mut at = 0;
+            for &t in &p.prompt_tokens {
+                if tok.is_added(t) {
+                    assert!(
+                        !p.prompt_plain.iter().any(|r| r.contains(&at)),
+                        "control token {t} at byte {at} inside client text"
+                    );
+                }
+                at += tok.token_bytes(t).len();
+            }
         }
         Err(e) => assert!((400..600).contains(&e.status), "status {}", e.status),
     }

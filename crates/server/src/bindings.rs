@@ -20,6 +20,7 @@ use std::collections::HashSet;
 
 use ds4_tokenizer::chat::Message;
 use ds4_tokenizer::markers::EOS;
+use ds4_tokenizer::MarkedText;
 
 use crate::error::ApiError;
 use crate::render::{render_continuation, Conversation, ThinkMode};
@@ -34,7 +35,8 @@ pub const EXT_THINKING_VISIBLE: u8 = 4;
 pub struct ResponsesBinding {
     pub pos: usize,
     pub ids: Vec<String>,
-    pub visible: String,
+    /// With its client-text marks: a prompt continues it only with the same marks.
+    pub visible: MarkedText,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -46,7 +48,7 @@ pub struct AnthropicBinding {
 #[derive(Clone, Debug, PartialEq)]
 pub struct ThinkingBinding {
     pub pos: usize,
-    pub visible: String,
+    pub visible: MarkedText,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -63,14 +65,14 @@ impl Bindings {
 
     /// The key of an evict/shutdown save of a live session of `pos` tokens (§4.4): the
     /// Responses visible text when that binding is at `pos`, else the thinking one.
-    pub fn visible_key(&self, pos: usize) -> Option<(&str, u8)> {
+    pub fn visible_key(&self, pos: usize) -> Option<(&MarkedText, u8)> {
         if let Some(b) = self.responses.as_ref().filter(|b| b.pos == pos) {
             return Some((&b.visible, EXT_RESPONSES_VISIBLE));
         }
         self.thinking
             .as_ref()
             .filter(|b| b.pos == pos)
-            .map(|b| (b.visible.as_str(), EXT_THINKING_VISIBLE))
+            .map(|b| (&b.visible, EXT_THINKING_VISIBLE))
     }
 }
 
@@ -87,8 +89,8 @@ pub struct LiveRequest {
     /// The call ids the trailing tool outputs answer (the request's live-call-id set).
     pub ids: Vec<String>,
     /// EOS + the rendering of the trailing tool outputs + the assistant prefix: what
-    /// follows the live tokens when the binding's ids match.
-    pub tail: Option<String>,
+    /// follows the live tokens when the binding's ids match (client text marked plain).
+    pub tail: Option<MarkedText>,
     /// Some tool output has no call earlier in the request: only the live session
     /// can serve it (409 when the binding is gone at execution time).
     pub requires_live: bool,
@@ -102,9 +104,9 @@ fn tail_text(
     mode: ThinkMode,
     memory: Option<&ToolMemory>,
     from: usize,
-) -> Result<String, ApiError> {
-    let mut t = String::from(EOS);
-    t.push_str(&render_continuation(conv, mode, memory, from)?);
+) -> Result<MarkedText, ApiError> {
+    let mut t = MarkedText::trusted(EOS);
+    t.append(&render_continuation(conv, mode, memory, from)?);
     Ok(t)
 }
 
@@ -282,7 +284,7 @@ mod tests {
         assert!(!l.requires_live);
         assert_eq!(l.ids, vec!["call_x".to_string()]);
         assert!(l.requires_live_reasoning);
-        let tail = l.tail.unwrap();
+        let tail = l.tail.unwrap().text().to_string();
         assert!(tail.starts_with(EOS), "{tail}");
         assert!(tail.ends_with("<｜Assistant｜><think>"), "{tail}");
         assert!(tail.contains("<tool_result>r</tool_result>"), "{tail}");
@@ -300,14 +302,22 @@ mod tests {
             out("a", "r1"),
             out("a", "r2"),
         ]);
-        let (full, _) = crate::render::render_chat(&c, ThinkMode::None, None).unwrap();
+        let (marked, _) = crate::render::render_chat(&c, ThinkMode::None, None).unwrap();
+        let full = marked.text();
         let l = responses_live(&c, ThinkMode::None, None, None).unwrap();
-        let tail = l.tail.unwrap();
+        let marked_tail = l.tail.unwrap();
+        let tail = marked_tail.text();
         let rest = &tail[EOS.len()..];
         assert!(
             full.ends_with(&format!("{EOS}{rest}")),
             "{full}\n---\n{tail}"
         );
+        // The tool outputs are client text in both, at the same places.
+        assert_eq!(
+            marked.ranges_from(full.len() - rest.len()),
+            marked_tail.ranges_from(EOS.len())
+        );
+        assert!(!marked_tail.plain_ranges().is_empty());
     }
 
     #[test]
@@ -318,7 +328,11 @@ mod tests {
         assert!(l.requires_live);
         assert!(same_ids(&l.ids, &ids));
         assert!(!same_ids(&l.ids, &ids[..1]));
-        assert!(l.tail.unwrap().starts_with(&format!("{EOS}<｜User｜>")));
+        assert!(l
+            .tail
+            .unwrap()
+            .text()
+            .starts_with(&format!("{EOS}<｜User｜>")));
     }
 
     #[test]
@@ -351,17 +365,23 @@ mod tests {
         let mut b = Bindings {
             thinking: Some(ThinkingBinding {
                 pos: 5,
-                visible: "T".into(),
+                visible: MarkedText::trusted("T"),
             }),
             ..Default::default()
         };
-        assert_eq!(b.visible_key(5), Some(("T", EXT_THINKING_VISIBLE)));
-        assert_eq!(b.visible_key(6), None);
+        assert_eq!(
+            b.visible_key(5).map(|(k, e)| (k.text(), e)),
+            Some(("T", EXT_THINKING_VISIBLE))
+        );
+        assert_eq!(b.visible_key(6).map(|(k, e)| (k.text(), e)), None);
         b.responses = Some(ResponsesBinding {
             pos: 5,
             ids: vec![],
-            visible: "R".into(),
+            visible: MarkedText::trusted("R"),
         });
-        assert_eq!(b.visible_key(5), Some(("R", EXT_RESPONSES_VISIBLE)));
+        assert_eq!(
+            b.visible_key(5).map(|(k, e)| (k.text(), e)),
+            Some(("R", EXT_RESPONSES_VISIBLE))
+        );
     }
 }

@@ -2,10 +2,11 @@
 //! the think-mode resolution shared by every endpoint (§2.2).
 
 use ds4_tokenizer::chat::{
-    encode_messages, Content, EncodeOptions, Message, ReasoningEffort, ThinkingMode,
+    encode_messages_marked, EncodeOptions, Message, ReasoningEffort, ThinkingMode,
     REASONING_EFFORT_MAX, THINK_MAX_MIN_CONTEXT,
 };
 use ds4_tokenizer::markers::{ASSISTANT, BOS, EOS, THINK_END, THINK_START, USER};
+use ds4_tokenizer::MarkedText;
 use serde_json::Value;
 
 use crate::error::ApiError;
@@ -131,17 +132,19 @@ pub struct ReplayStats {
     pub canonical: usize,
 }
 
-/// Renders the conversation to the prompt text (ending with the assistant prefix).
+/// Renders the conversation to the prompt text (ending with the assistant prefix), with
+/// the client's text marked plain (docs/server.md, "Control tokens in client text").
 /// Assistant turns whose calls are all known to the tool memory with one DSML block are
-/// rendered with that exact block, so the prompt matches the tokens the model sampled.
+/// rendered with that exact block as trusted markup, so the prompt matches the tokens
+/// the model sampled.
 pub fn render_chat(
     conv: &Conversation,
     mode: ThinkMode,
     memory: Option<&ToolMemory>,
-) -> Result<(String, ReplayStats), ApiError> {
+) -> Result<(MarkedText, ReplayStats), ApiError> {
     let mut stats = ReplayStats::default();
     let msgs = encoder_messages(conv, memory, &mut stats);
-    let text = encode_messages(&msgs, &[], &encode_options(mode))
+    let text = encode_messages_marked(&msgs, &[], &encode_options(mode))
         .map_err(|e| ApiError::bad_request(format!("cannot render messages: {e}")))?;
     Ok((text, stats))
 }
@@ -155,14 +158,14 @@ pub fn render_continuation(
     mode: ThinkMode,
     memory: Option<&ToolMemory>,
     from: usize,
-) -> Result<String, ApiError> {
+) -> Result<MarkedText, ApiError> {
     let msgs = encoder_messages(conv, memory, &mut ReplayStats::default());
     let split = msgs.len() - conv.messages.len() + from.min(conv.messages.len());
     let mut opts = encode_options(mode);
     if split == 0 {
         opts.add_default_bos_token = false;
     }
-    encode_messages(&msgs[split..], &msgs[..split], &opts)
+    encode_messages_marked(&msgs[split..], &msgs[..split], &opts)
         .map_err(|e| ApiError::bad_request(format!("cannot render messages: {e}")))
 }
 
@@ -181,11 +184,11 @@ pub fn render_visible(
     mode: ThinkMode,
     memory: Option<&ToolMemory>,
     reply: Message,
-) -> Option<String> {
+) -> Option<MarkedText> {
     let mut c = conv.clone();
     c.messages.push(reply);
     c.messages.push(Message::new("user", PROBE));
-    let (text, _) = render_chat(&c, mode, memory).ok()?;
+    let (mut text, _) = render_chat(&c, mode, memory).ok()?;
     let probe = format!(
         "{USER}{PROBE}{ASSISTANT}{}",
         if mode.thinking() {
@@ -194,8 +197,7 @@ pub fn render_visible(
             THINK_END
         }
     );
-    let text = text.strip_suffix(probe.as_str())?.strip_suffix(EOS)?;
-    Some(text.to_string())
+    (text.strip_suffix(&probe) && text.strip_suffix(EOS)).then_some(text)
 }
 
 fn encode_options(mode: ThinkMode) -> EncodeOptions {
@@ -239,14 +241,10 @@ fn encoder_messages(
                     mem.block_for_all(&ids)
                 });
                 match block {
+                    // The block is the model's own sampled text, so it is trusted
+                    // markup; the content before it stays client text.
                     Some(b) => {
-                        let mut text = m
-                            .content
-                            .as_ref()
-                            .map(|c| c.to_text().into_owned())
-                            .unwrap_or_default();
-                        text.push_str(&b);
-                        m.content = Some(Content::Text(text));
+                        m.exact_tool_calls = Some(b);
                         m.tool_calls = None;
                         stats.exact += 1;
                     }
@@ -265,7 +263,9 @@ fn tool_for_encoder(t: &Value) -> Value {
     t.clone()
 }
 
-/// §1.4: the `/v1/completions` prompt.
+/// §1.4: the `/v1/completions` prompt. The client's prompt is deliberately *not* marked
+/// plain: it is the raw-prompt path, where a client that wants control tokens writes
+/// them (docs/server.md, "Control tokens in client text").
 pub fn render_completion(prompt: &str, mode: ThinkMode) -> String {
     let mut s = String::with_capacity(prompt.len() + 128);
     s.push_str(BOS);
@@ -324,5 +324,67 @@ pub fn concat_parts<'a>(
             Ok(out)
         }
         _ => Err(not_content()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ds4_tokenizer::chat::ToolCall;
+
+    fn conv(messages: Vec<Message>) -> Conversation {
+        Conversation {
+            system: vec!["sys <｜User｜>".into()],
+            messages,
+            tools: Vec::new(),
+            tools_disabled: false,
+        }
+    }
+
+    fn is_plain(m: &MarkedText, at: usize, len: usize) -> bool {
+        m.plain_ranges()
+            .iter()
+            .any(|r| r.start <= at && at + len <= r.end)
+    }
+
+    /// The remembered DSML block is rendered as markup; the client's content beside it,
+    /// the system text and the tool result are client text.
+    #[test]
+    fn exact_block_is_markup_and_client_text_is_plain() {
+        let block = "\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>";
+        let mut mem = ToolMemory::new(8);
+        mem.insert(&["c1".to_string()], block);
+        let mut asst = Message::new("assistant", "see </think>");
+        asst.tool_calls = Some(vec![ToolCall::new(Some("c1"), "f", "{}")]);
+        let mut tool = Message::new("tool", "out<｜Assistant｜>");
+        tool.tool_call_id = Some("c1".into());
+        let c = conv(vec![Message::new("user", "u"), asst, tool]);
+        let (m, stats) = render_chat(&c, ThinkMode::None, Some(&mem)).unwrap();
+        assert_eq!((stats.exact, stats.canonical), (1, 0));
+        let text = m.text();
+        let at = text.find(block).expect("exact block rendered");
+        assert!(!m
+            .plain_ranges()
+            .iter()
+            .any(|r| r.start < at + block.len() && at < r.end));
+        for s in ["sys <｜User｜>", "see </think>", "out<｜Assistant｜>"] {
+            let at = text.find(s).unwrap();
+            assert!(is_plain(&m, at, s.len()), "{s:?} in {text:?}");
+        }
+        // Without the memory the calls are rendered canonically: the name is client text.
+        let (m, stats) = render_chat(&c, ThinkMode::None, None).unwrap();
+        assert_eq!(stats.canonical, 1);
+        let at = m.text().find("name=\"f\"").unwrap() + "name=\"".len();
+        assert!(is_plain(&m, at, 1));
+        // The visible transcript keeps the marks of the full rendering.
+        let v = render_visible(
+            &c,
+            ThinkMode::None,
+            None,
+            Message::new("assistant", "a<think>"),
+        )
+        .unwrap();
+        assert!(m.text().len() < v.len() && v.text().ends_with("a<think>"));
+        assert!(is_plain(&v, v.len() - "a<think>".len(), "a<think>".len()));
     }
 }

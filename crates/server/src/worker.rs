@@ -5,20 +5,23 @@
 use std::collections::VecDeque;
 use std::fs::File;
 use std::io::Write;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
 use ds4_engine::{argmax, Sampler, SamplerConfig};
-use ds4_tokenizer::Tokenizer;
+use ds4_tokenizer::{clip_ranges_to, MarkedText, Tokenizer};
 
-use crate::bindings::{same_ids, Bindings};
+use crate::api::Prepared;
+use crate::bindings::{same_ids, Bindings, EXT_RESPONSES_VISIBLE, EXT_THINKING_VISIBLE};
 use crate::config::ServerConfig;
 use crate::engine::EngineBackend;
 use crate::error::ApiError;
 use crate::gen::Pipeline;
 use crate::job::{ApiKind, Finish, GenEvent, GenJob, GenResult, Usage};
+use crate::kvcache::disk::Hit;
 use crate::kvcache::{DiskCache, SaveReason};
 use crate::log;
 use crate::metrics::Metrics;
@@ -183,9 +186,35 @@ impl Synced {
     }
 }
 
-/// The rest of `text` after `prefix`, when `prefix` is a proper prefix of it.
-fn proper_rest<'a>(text: &'a str, prefix: &str) -> Option<&'a str> {
-    (text.len() > prefix.len() && text.starts_with(prefix)).then(|| &text[prefix.len()..])
+/// Where the rest of the request's prompt starts after `prefix`, when `prefix` is a
+/// proper prefix of it with the same client-text marks (identical bytes rendered from
+/// different parts, client text spelling markup, must not continue a binding).
+fn proper_rest(req: &Prepared, prefix: &MarkedText) -> Option<usize> {
+    let text = &req.prompt_text;
+    (text.len() > prefix.len()
+        && text.starts_with(prefix.text())
+        && clip_ranges_to(&req.prompt_plain, prefix.len()) == prefix.plain_ranges())
+    .then_some(prefix.len())
+}
+
+/// Whether a disk checkpoint's tokens (`cached`, now in the engine) may serve a prompt
+/// (`text` with client-text ranges `plain`, tokenized to `full`): a token-text key must
+/// put control tokens where the prompt has them; a visible-transcript key (its tokens
+/// differ from the key text on purpose) only when no client text in the key range
+/// spells markup, as its own marks were when it was saved (`save_live`).
+fn disk_hit_fits(
+    tok: &Tokenizer,
+    hit: &Hit,
+    cached: &[u32],
+    text: &str,
+    plain: &[Range<usize>],
+    full: &[u32],
+) -> bool {
+    if hit.ext & (EXT_RESPONSES_VISIBLE | EXT_THINKING_VISIBLE) == 0 {
+        tok.same_added_spans(cached, full)
+    } else {
+        tok.marks_are_inert(&text[..hit.key_len], &clip_ranges_to(plain, hit.key_len))
+    }
 }
 
 impl Worker {
@@ -300,10 +329,17 @@ impl Worker {
                 self.shared
                     .bindings()
                     .visible_key(toks.len())
-                    .map(|(k, e)| (k.to_string(), e))
+                    .map(|(k, e)| (k.clone(), e))
             })
             .flatten();
-        let (key, ext) = visible.unwrap_or_else(|| (self.shared.tok.decode(toks, false), 0));
+        // A visible key whose client text spells markup would let a later prompt with
+        // the same bytes but other marks find it: key those by their tokens instead.
+        let visible =
+            visible.filter(|(k, _)| self.shared.tok.marks_are_inert(k.text(), k.plain_ranges()));
+        let (key, ext) = match visible {
+            Some((k, e)) => (k.text().to_string(), e),
+            None => (self.shared.tok.decode(toks, false), 0),
+        };
         let map = self.tool_map_for(&key);
         match disk.store(self.engine.as_ref(), &key, reason, &map, ext) {
             Ok(_) => {
@@ -328,24 +364,27 @@ impl Worker {
         if pos == 0 {
             return None;
         }
-        let extend = |text: &str, source: &'static str| {
+        let extend = |text: &MarkedText, source: &'static str| {
             let mut eff = live.to_vec();
-            self.shared.tok.encode_into(text, &mut eff);
+            let tok = &self.shared.tok;
+            tok.encode_marked_into(text.text(), text.plain_ranges(), &mut eff);
             Synced::new(eff, pos, source)
         };
         let b = self.shared.bindings();
         match job.req.kind {
             ApiKind::Responses => {
                 let rb = b.responses.as_ref().filter(|b| b.pos == pos)?;
-                if let Some(rest) = proper_rest(&job.req.prompt_text, &rb.visible) {
-                    return Some(extend(rest, "responses-visible"));
+                if let Some(from) = proper_rest(&job.req, &rb.visible) {
+                    let mut eff = live.to_vec();
+                    self.encode_prompt_tail(job, from, &mut eff);
+                    return Some(Synced::new(eff, pos, "responses-visible"));
                 }
-                let tail = job.req.live.tail.as_deref()?;
+                let tail = job.req.live.tail.as_ref()?;
                 same_ids(&job.req.live.ids, &rb.ids).then(|| extend(tail, "responses-tool-output"))
             }
             ApiKind::Anthropic => {
                 let ab = b.anthropic.as_ref().filter(|b| b.pos == pos)?;
-                let tail = job.req.live.tail.as_deref()?;
+                let tail = job.req.live.tail.as_ref()?;
                 same_ids(&job.req.live.ids, &ab.ids).then(|| extend(tail, "anthropic-tool-output"))
             }
             _ => None,
@@ -370,25 +409,28 @@ impl Worker {
         if prompt.len() >= live.len() && common_prefix(live, prompt) == live.len() {
             return Some(Synced::new(prompt.clone(), live.len(), "memory-token"));
         }
-        let extend = |rest: &str, source: &'static str| {
+        let extend = |from: usize, source: &'static str| {
             let mut eff = live.to_vec();
-            self.shared.tok.encode_into(rest, &mut eff);
+            self.encode_prompt_tail(job, from, &mut eff);
             Synced::new(eff, live.len(), source)
         };
         if is_live && matches!(job.req.kind, ApiKind::Chat | ApiKind::Anthropic) {
             let b = self.shared.bindings();
             if let Some(tb) = b.thinking.as_ref().filter(|b| b.pos == live.len()) {
-                if let Some(rest) = proper_rest(&job.req.prompt_text, &tb.visible) {
-                    return Some(extend(rest, "thinking-visible"));
+                if let Some(from) = proper_rest(&job.req, &tb.visible) {
+                    return Some(extend(from, "thinking-visible"));
                 }
             }
         }
         let text = self.shared.tok.decode(live, false);
+        // Same bytes, but control tokens must sit where the prompt has them: client
+        // text that spells markup never reuses a cached control token (nor the reverse).
         if job.req.prompt_text.len() >= text.len()
             && job.req.prompt_text.as_bytes().starts_with(text.as_bytes())
             && job.req.prompt_text.is_char_boundary(text.len())
+            && self.shared.tok.same_added_spans(live, prompt)
         {
-            return Some(extend(&job.req.prompt_text[text.len()..], "memory-text"));
+            return Some(extend(text.len(), "memory-text"));
         }
         None
     }
@@ -443,11 +485,26 @@ impl Worker {
         self.frontier = 0;
         self.snap = None;
         if let Some(disk) = &self.disk {
-            if let Some(hit) = disk.lookup(&job.req.prompt_text, self.engine.as_mut()) {
+            let r = &job.req;
+            let hit = disk.lookup_fitting(&r.prompt_text, self.engine.as_mut(), |hit, cached| {
+                disk_hit_fits(
+                    &self.shared.tok,
+                    hit,
+                    cached,
+                    &r.prompt_text,
+                    &r.prompt_plain,
+                    &r.prompt_tokens,
+                )
+            });
+            if let Some(hit) = hit {
                 let mut eff = self.engine.tokens().to_vec();
-                self.shared
-                    .tok
-                    .encode_into(&job.req.prompt_text[hit.key_len..], &mut eff);
+                let tok = &self.shared.tok;
+                tok.encode_marked_tail(
+                    &job.req.prompt_text,
+                    &job.req.prompt_plain,
+                    hit.key_len,
+                    &mut eff,
+                );
                 self.frontier = hit.tokens;
                 log!(
                     "kv cache: disk hit {} tokens ({} key) from {}",
@@ -463,6 +520,15 @@ impl Worker {
         }
         self.engine.reset();
         Ok(Synced::new(job.req.prompt_tokens.clone(), 0, "none"))
+    }
+
+    /// Appends the tokens of the request's prompt from byte `from` on, its client
+    /// text plain.
+    fn encode_prompt_tail(&self, job: &GenJob, from: usize, out: &mut Vec<u32>) {
+        let r = &job.req;
+        self.shared
+            .tok
+            .encode_marked_tail(&r.prompt_text, &r.prompt_plain, from, out);
     }
 
     /// Cold-save cut (§4.4): the last `<｜User｜>` before the first `<｜Assistant｜>` keeps

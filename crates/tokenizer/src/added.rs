@@ -105,4 +105,24 @@ impl Trie {
             on_text(&text[start..]);
         }
     }
+
+    /// The tokens `split` would emit for `text`, as (start, end, id) byte spans offset by
+    /// `base`, appended to `out`.
+    pub(crate) fn matches(&self, text: &str, base: usize, out: &mut Vec<(usize, usize, u32)>) {
+        let b = text.as_bytes();
+        let mut i = 0;
+        while i < b.len() {
+            if !self.first[b[i] as usize] {
+                i += 1;
+                continue;
+            }
+            match self.longest_at(b, i) {
+                Some((end, id)) => {
+                    out.push((base + i, base + end, id));
+                    i = end;
+                }
+                None => i += 1,
+            }
+        }
+    }
 }

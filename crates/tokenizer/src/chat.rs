@@ -11,6 +11,7 @@ use serde_json::{Map, Value};
 
 use crate::dsml;
 use crate::error::ChatError;
+use crate::marked::MarkedText;
 use crate::pyjson;
 use crate::special::{ASSISTANT, BOS, EOS, LATEST_REMINDER, THINK_END, THINK_START, USER};
 
@@ -47,6 +48,13 @@ pub struct Message {
     /// Leave the assistant turn open (no EOS).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wo_eos: Option<bool>,
+    /// Server-side only, never read from or written to JSON: the exact DSML block (with
+    /// its leading blank line) an assistant turn is replayed with instead of rendering
+    /// `tool_calls`, as trusted markup: a server that remembers the block it sampled
+    /// replays it token for token. Client text never becomes trusted, so this cannot
+    /// come from a request.
+    #[serde(skip)]
+    pub exact_tool_calls: Option<String>,
 }
 
 impl Message {
@@ -215,6 +223,7 @@ struct Msg<'a> {
     blocks: Option<Vec<Block<'a>>>,
     reasoning: Option<&'a str>,
     tool_calls: Option<&'a [ToolCall]>,
+    exact_tool_calls: Option<&'a str>,
     tools: Option<&'a [Value]>,
     response_format: Option<&'a Value>,
     task: Option<&'a str>,
@@ -229,6 +238,7 @@ impl<'a> Msg<'a> {
             blocks: None,
             reasoning: m.reasoning_content.as_deref(),
             tool_calls: m.tool_calls.as_deref(),
+            exact_tool_calls: m.exact_tool_calls.as_deref(),
             tools: m.tools.as_deref(),
             response_format: m.response_format.as_ref(),
             task: m.task.as_deref(),
@@ -268,6 +278,7 @@ fn merge_tool_messages(messages: &[Message]) -> Vec<Msg<'_>> {
                         blocks: Some(vec![block]),
                         reasoning: None,
                         tool_calls: None,
+                        exact_tool_calls: None,
                         tools: None,
                         response_format: None,
                         task: None,
@@ -294,6 +305,7 @@ fn merge_tool_messages(messages: &[Message]) -> Vec<Msg<'_>> {
                         blocks: Some(vec![Block::Text(text)]),
                         reasoning: None,
                         tool_calls: None,
+                        exact_tool_calls: None,
                         tools: None,
                         response_format: None,
                         task: m.task.as_deref(),
@@ -385,18 +397,23 @@ fn drop_thinking_messages<'a>(messages: &[Msg<'a>]) -> Vec<Msg<'a>> {
 
 /// Renders the `## Tools` block for a list of tool definitions.
 pub fn render_tools(tools: &[Value]) -> String {
+    render_tools_marked(tools).into_parts().0
+}
+
+/// `render_tools` with the schemas (client text) marked plain.
+pub fn render_tools_marked(tools: &[Value]) -> MarkedText {
     let schemas: Vec<String> = tools
         .iter()
         .map(|t| pyjson::dumps_serde(t.get("function").unwrap_or(t)))
         .collect();
-    dsml::tools_block(&schemas.join("\n"))
+    dsml::tools_block_marked(&schemas.join("\n"))
 }
 
-fn render_response_format(rf: &Value) -> String {
-    format!(
-        "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n{}",
-        pyjson::dumps_serde(rf)
-    )
+fn push_response_format(prompt: &mut MarkedText, rf: &Value) {
+    prompt.push_str(
+        "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n",
+    );
+    prompt.push_plain(&pyjson::dumps_serde(rf));
 }
 
 struct Ctx {
@@ -407,22 +424,25 @@ struct Ctx {
 
 /// The body of a system or developer message: its text, then the tools it declares and
 /// the response format, each after a blank line.
-fn push_system_text(prompt: &mut String, msg: &Msg<'_>, response_format: Option<&Value>) {
-    prompt.push_str(&msg.content_text());
+fn push_system_text(prompt: &mut MarkedText, msg: &Msg<'_>, response_format: Option<&Value>) {
+    prompt.push_plain(&msg.content_text());
     if let Some(tools) = msg.tools.filter(|t| !t.is_empty()) {
         prompt.push_str("\n\n");
-        prompt.push_str(&render_tools(tools));
+        prompt.append(&render_tools_marked(tools));
     }
     if let Some(rf) = response_format {
         prompt.push_str("\n\n");
-        prompt.push_str(&render_response_format(rf));
+        push_response_format(prompt, rf);
     }
 }
 
-fn render_message(index: usize, messages: &[Msg<'_>], ctx: &Ctx) -> Result<String, ChatError> {
+/// One message. Client text (contents, reasoning, tool results, schemas, call names and
+/// arguments) is pushed plain; the template's markers and the exact DSML the server
+/// remembers are trusted (docs/server.md, "Control tokens in client text").
+fn render_message(index: usize, messages: &[Msg<'_>], ctx: &Ctx) -> Result<MarkedText, ChatError> {
     let msg = &messages[index];
     let last_user = find_last_user_index(messages);
-    let mut prompt = String::new();
+    let mut prompt = MarkedText::new();
     if index == 0 && ctx.thinking && ctx.max_effort {
         prompt.push_str(REASONING_EFFORT_MAX);
     }
@@ -445,41 +465,47 @@ fn render_message(index: usize, messages: &[Msg<'_>], ctx: &Ctx) -> Result<Strin
             prompt.push_str(USER);
             match msg.blocks.as_ref().filter(|b| !b.is_empty()) {
                 Some(blocks) => {
-                    let parts: Vec<Cow<'_, str>> = blocks
-                        .iter()
-                        .map(|b| match b {
-                            Block::Text(t) => Cow::Borrowed(t.as_ref()),
-                            Block::ToolResult { content, .. } => Cow::Owned(format!(
-                                "<tool_result>{}</tool_result>",
-                                content.map_or(Cow::Borrowed(""), |c| c.to_text())
-                            )),
-                        })
-                        .collect();
-                    prompt.push_str(&parts.join("\n\n"));
+                    for (k, b) in blocks.iter().enumerate() {
+                        if k > 0 {
+                            prompt.push_str("\n\n");
+                        }
+                        match b {
+                            Block::Text(t) => prompt.push_plain(t),
+                            Block::ToolResult { content, .. } => {
+                                prompt.push_str("<tool_result>");
+                                prompt.push_plain(
+                                    &content.map_or(Cow::Borrowed(""), |c| c.to_text()),
+                                );
+                                prompt.push_str("</tool_result>");
+                            }
+                        }
+                    }
                 }
-                None => prompt.push_str(&msg.content_text()),
+                None => prompt.push_plain(&msg.content_text()),
             }
         }
         "latest_reminder" => {
             prompt.push_str(LATEST_REMINDER);
-            prompt.push_str(&msg.content_text());
+            prompt.push_plain(&msg.content_text());
         }
         "assistant" => {
-            let mut tc_content = String::new();
-            if let Some(calls) = msg.tool_calls.filter(|c| !c.is_empty()) {
+            let mut tc_content = MarkedText::new();
+            if let Some(block) = msg.exact_tool_calls {
+                tc_content.push_str(block);
+            } else if let Some(calls) = msg.tool_calls.filter(|c| !c.is_empty()) {
                 tc_content.push_str("\n\n");
-                tc_content.push_str(&dsml::render_tool_calls(calls));
+                tc_content.append(&dsml::render_tool_calls_marked(calls));
             }
             let prev_has_task = index > 0 && messages[index - 1].task.is_some();
             if ctx.thinking
                 && !prev_has_task
                 && (!ctx.drop_thinking || last_user.is_none_or(|l| index > l))
             {
-                prompt.push_str(msg.reasoning.unwrap_or(""));
+                prompt.push_plain(msg.reasoning.unwrap_or(""));
                 prompt.push_str(THINK_END);
             }
-            prompt.push_str(&msg.content_text());
-            prompt.push_str(&tc_content);
+            prompt.push_plain(&msg.content_text());
+            prompt.append(&tc_content);
             if !msg.wo_eos {
                 prompt.push_str(EOS);
             }
@@ -492,7 +518,7 @@ fn render_message(index: usize, messages: &[Msg<'_>], ctx: &Ctx) -> Result<Strin
             return Ok(prompt);
         }
     }
-    let think_token = |p: &mut String, thinking: bool| {
+    let think_token = |p: &mut MarkedText, thinking: bool| {
         p.push_str(if thinking { THINK_START } else { THINK_END });
     };
     if let Some(task) = msg.task {
@@ -523,6 +549,19 @@ pub fn encode_messages(
     context: &[Message],
     opts: &EncodeOptions,
 ) -> Result<String, ChatError> {
+    Ok(encode_messages_marked(messages, context, opts)?
+        .into_parts()
+        .0)
+}
+
+/// `encode_messages` with the client text marked: tokenize the result with
+/// [`Tokenizer::encode_marked`](crate::Tokenizer::encode_marked) so that text in message
+/// contents that spells a control token stays plain text.
+pub fn encode_messages_marked(
+    messages: &[Message],
+    context: &[Message],
+    opts: &EncodeOptions,
+) -> Result<MarkedText, ChatError> {
     let mut ctx_msgs = merge_tool_messages(context);
     let new_msgs = merge_tool_messages(messages);
     let n_ctx = ctx_msgs.len();
@@ -530,7 +569,7 @@ pub fn encode_messages(
     let mut full = ctx_msgs;
     sort_tool_results(&mut full);
 
-    let mut prompt = String::new();
+    let mut prompt = MarkedText::new();
     if opts.add_default_bos_token && n_ctx == 0 {
         prompt.push_str(BOS);
     }
@@ -554,7 +593,7 @@ pub fn encode_messages(
         max_effort: opts.reasoning_effort == Some(ReasoningEffort::Max),
     };
     for idx in first..full.len() {
-        prompt.push_str(&render_message(idx, &full, &ctx)?);
+        prompt.append(&render_message(idx, &full, &ctx)?);
     }
     Ok(prompt)
 }

@@ -10,6 +10,7 @@ use serde_json::Value;
 
 use crate::chat::{FunctionCall, ThinkingMode, ToolCall};
 use crate::error::ParseError;
+use crate::marked::MarkedText;
 use crate::pyjson::{self, PyValue};
 use crate::special::{BOS, DSML, EOS, THINK_END, THINK_START};
 
@@ -40,36 +41,45 @@ const TOOLS_TEMPLATE_TAIL: &str = "\n\nYou MUST strictly follow the above define
 
 /// The `## Tools` block around already-serialized schema lines.
 pub fn tools_block(schemas: &str) -> String {
-    let mut s = String::with_capacity(TOOLS_TEMPLATE_HEAD.len() + schemas.len() + 128);
-    s.push_str(TOOLS_TEMPLATE_HEAD);
-    s.push_str(schemas);
+    tools_block_marked(schemas).into_parts().0
+}
+
+/// `tools_block` with the schemas (client text) marked plain.
+pub fn tools_block_marked(schemas: &str) -> MarkedText {
+    let mut s = MarkedText::trusted(TOOLS_TEMPLATE_HEAD);
+    s.push_plain(schemas);
     s.push_str(TOOLS_TEMPLATE_TAIL);
     s
 }
 
-fn push_param(out: &mut String, name: &str, is_str: bool, value: &str) {
+fn push_param(out: &mut MarkedText, name: &str, is_str: bool, value: &str) {
     out.push_str(PARAMETER_START);
     out.push_str(" name=\"");
-    out.push_str(name);
+    out.push_plain(name);
     out.push_str(if is_str {
         "\" string=\"true\">"
     } else {
         "\" string=\"false\">"
     });
-    out.push_str(value);
+    out.push_plain(value);
     out.push_str(PARAMETER_END);
 }
 
 /// `encode_arguments_to_dsml`: one parameter line per argument, in key order, joined by
 /// newlines. Names and values are written unescaped.
 pub fn arguments_to_dsml(arguments: &Value) -> String {
-    let mut out = String::new();
+    arguments_to_dsml_marked(arguments).into_parts().0
+}
+
+/// `arguments_to_dsml` with names and values (client text) marked plain.
+fn arguments_to_dsml_marked(arguments: &Value) -> MarkedText {
+    let mut out = MarkedText::new();
     match arguments {
         Value::String(text) => match pyjson::loads(text) {
             Some(PyValue::Dict(items)) => {
                 for (k, (key, v)) in items.iter().enumerate() {
                     if k > 0 {
-                        out.push('\n');
+                        out.push_str("\n");
                     }
                     match v {
                         PyValue::Str(s) => push_param(&mut out, key, true, s),
@@ -90,22 +100,42 @@ pub fn arguments_to_dsml(arguments: &Value) -> String {
 
 /// One `<｜DSML｜invoke>` element.
 pub fn render_invoke(name: &str, arguments: &Value) -> String {
-    format!(
-        "{INVOKE_START} name=\"{name}\">\n{}\n{INVOKE_END}",
-        arguments_to_dsml(arguments)
-    )
+    render_invoke_marked(name, arguments).into_parts().0
+}
+
+fn render_invoke_marked(name: &str, arguments: &Value) -> MarkedText {
+    let mut s = MarkedText::trusted(INVOKE_START);
+    s.push_str(" name=\"");
+    s.push_plain(name);
+    s.push_str("\">\n");
+    s.append(&arguments_to_dsml_marked(arguments));
+    s.push_str("\n");
+    s.push_str(INVOKE_END);
+    s
 }
 
 /// The tool-calls block (without the `"\n\n"` the assistant turn puts before it).
 pub fn render_tool_calls(calls: &[ToolCall]) -> String {
-    let invokes: Vec<String> = calls
-        .iter()
-        .map(|c| render_invoke(&c.function.name, &c.function.arguments))
-        .collect();
-    format!(
-        "{TOOL_CALLS_START}\n{}\n{TOOL_CALLS_END}",
-        invokes.join("\n")
-    )
+    render_tool_calls_marked(calls).into_parts().0
+}
+
+/// `render_tool_calls` with the markup trusted and the tool names, parameter names and
+/// values (client text when a client replays `tool_calls`) marked plain.
+pub fn render_tool_calls_marked(calls: &[ToolCall]) -> MarkedText {
+    let mut s = MarkedText::trusted(TOOL_CALLS_START);
+    s.push_str("\n");
+    for (k, c) in calls.iter().enumerate() {
+        if k > 0 {
+            s.push_str("\n");
+        }
+        s.append(&render_invoke_marked(
+            &c.function.name,
+            &c.function.arguments,
+        ));
+    }
+    s.push_str("\n");
+    s.push_str(TOOL_CALLS_END);
+    s
 }
 
 /// Canonical DSML suffix of an assistant turn for calls known only as JSON (for example

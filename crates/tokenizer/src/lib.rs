@@ -3,6 +3,8 @@
 //! * [`Tokenizer`]: byte-level BPE, byte-exact with Hugging Face `tokenizers` on the
 //!   official `tokenizer.json` (added tokens matched inside text, the official
 //!   pre-tokenizer for all of Unicode), plus decoding and a streaming decoder.
+//! * [`MarkedText`] and [`Tokenizer::encode_marked`]: prompts whose client text never
+//!   becomes a control token.
 //! * [`chat`]: the official `encoding_dsv4.py` prompt renderer.
 //! * [`dsml`]: tool schemas and tool calls in DSML, the strict completion parser and an
 //!   incremental parser for streaming.
@@ -14,6 +16,7 @@ mod decode;
 pub mod dsml;
 pub mod dsml_stream;
 mod error;
+mod marked;
 mod pretokenize;
 pub mod pyjson;
 mod special;
@@ -23,6 +26,7 @@ mod vocab;
 
 pub use decode::StreamDecoder;
 pub use error::{ChatError, ParseError, TokenizerError};
+pub use marked::{clip_ranges, clip_ranges_to, MarkedText};
 pub use special::SpecialIds;
 pub use tokenizer::Tokenizer;
 pub use vocab::token_type;

@@ -1,6 +1,7 @@
 //! The tokenizer: added-token matching, pre-tokenization and BPE.
 
 use std::collections::HashMap;
+use std::ops::Range;
 
 use crate::added::Trie;
 use crate::bpe::{char_to_byte_table, Bpe};
@@ -184,6 +185,114 @@ impl Tokenizer {
                     .split(text, |s| self.trie_normalized.split(s, plain, token), token);
             }
         })
+    }
+
+    /// Encodes a rendered prompt whose byte ranges `plain` (sorted, disjoint, on character
+    /// boundaries) hold client text: added tokens are matched only in the text outside
+    /// them, each trusted stretch on its own (a token string cut by a range does not
+    /// match). Everything between two matched tokens is pre-tokenized as one piece of
+    /// text, across range boundaries, so with no token string inside the ranges the ids
+    /// are exactly `encode(text)`'s. See [`crate::MarkedText`].
+    pub fn encode_marked(&self, text: &str, plain: &[Range<usize>]) -> Vec<u32> {
+        let mut out = Vec::with_capacity(text.len() / 3 + 4);
+        self.encode_marked_into(text, plain, &mut out);
+        out
+    }
+
+    /// `encode_marked`, appending to `out`.
+    pub fn encode_marked_into(&self, text: &str, plain: &[Range<usize>], out: &mut Vec<u32>) {
+        if plain.is_empty() {
+            return self.encode_into(text, out);
+        }
+        // Token spans in every trusted stretch, with the same two passes as `encode_into`.
+        let mut found = Vec::new();
+        let mut raw = Vec::new();
+        let mut pos = 0;
+        for r in plain
+            .iter()
+            .chain(std::iter::once(&(text.len()..text.len())))
+        {
+            let (start, end) = (r.start.min(text.len()), r.end.min(text.len()));
+            if start > pos {
+                raw.clear();
+                self.trie_raw.matches(&text[pos..start], pos, &mut raw);
+                let mut gap = pos;
+                for &(a, b, id) in &raw {
+                    self.trie_normalized.matches(&text[gap..a], gap, &mut found);
+                    found.push((a, b, id));
+                    gap = b;
+                }
+                self.trie_normalized
+                    .matches(&text[gap..start], gap, &mut found);
+            }
+            pos = pos.max(end);
+        }
+        self.bpe.with_session(|sess| {
+            let mut plain_text = |s: &str, out: &mut Vec<u32>| {
+                pretokenize::split(s, |piece| sess.encode_piece(piece.as_bytes(), out));
+            };
+            let mut at = 0;
+            for &(a, b, id) in &found {
+                if at < a {
+                    plain_text(&text[at..a], out);
+                }
+                out.push(id);
+                at = b;
+            }
+            if at < text.len() {
+                plain_text(&text[at..], out);
+            }
+        })
+    }
+
+    /// `encode_marked` of `text[from..]`, with `plain` given for the whole of `text`.
+    pub fn encode_marked_tail(
+        &self,
+        text: &str,
+        plain: &[Range<usize>],
+        from: usize,
+        out: &mut Vec<u32>,
+    ) {
+        let ranges = crate::marked::clip_ranges(plain, from);
+        self.encode_marked_into(&text[from..], &ranges, out)
+    }
+
+    /// Whether the added tokens of `prefix` sit at exactly the byte spans where `full`
+    /// has them, over the bytes `prefix` covers (both as concatenated token bytes). Two
+    /// tokenizations of the same text can differ in BPE and still share a KV prefix, but
+    /// not in where control tokens are: a control token in a cached prefix where a new
+    /// prompt has client text (or the other way round) must not be reused.
+    pub fn same_added_spans(&self, prefix: &[u32], full: &[u32]) -> bool {
+        let n: usize = prefix.iter().map(|&t| self.token_bytes(t).len()).sum();
+        let a = self.added_spans(prefix, usize::MAX);
+        let b = self.added_spans(full, n);
+        a == b && b.last().is_none_or(|&(_, end)| end <= n)
+    }
+
+    /// Whether the marks of `text` change nothing: `encode_marked` puts control tokens
+    /// exactly where `encode` does (no client text spells one). A text cached under
+    /// its bytes alone may then be reused for it.
+    pub fn marks_are_inert(&self, text: &str, plain: &[Range<usize>]) -> bool {
+        plain.is_empty()
+            || self.added_spans(&self.encode_marked(text, plain), usize::MAX)
+                == self.added_spans(&self.encode(text), usize::MAX)
+    }
+
+    /// Byte spans of the added tokens among `ids` that start before `limit`.
+    fn added_spans(&self, ids: &[u32], limit: usize) -> Vec<(usize, usize)> {
+        let mut v = Vec::new();
+        let mut at = 0;
+        for &t in ids {
+            if at >= limit {
+                break;
+            }
+            let len = self.token_bytes(t).len();
+            if self.is_added(t) {
+                v.push((at, at + len));
+            }
+            at += len;
+        }
+        v
     }
 
     /// Encodes `text` as ordinary text: added-token strings are split like any other text.

@@ -3,7 +3,9 @@
 mod common;
 
 use common::*;
-use ds4_tokenizer::chat::{encode_messages, EncodeOptions, Message, ThinkingMode};
+use ds4_tokenizer::chat::{
+    encode_messages, encode_messages_marked, EncodeOptions, Message, ThinkingMode,
+};
 use ds4_tokenizer::dsml::parse_completion;
 use serde_json::Value;
 
@@ -26,6 +28,7 @@ fn encode_cases_prompt_and_ids() {
     let (header, cases) = jsonl("encoding/encode_cases.jsonl");
     assert_eq!(header["meta"]["tokenizer_sha256"], OFFICIAL_SHA256);
     let mut failures = Vec::new();
+    let mut injected = 0;
     for c in &cases {
         let mut msgs = messages(&c["messages"]);
         if let Some(tools) = c.get("tools") {
@@ -47,6 +50,33 @@ fn encode_cases_prompt_and_ids() {
                         first_diff(&ids, &want_ids)
                     ));
                 }
+                // The server's path: client text marked plain. Where no client text
+                // spells a control token the ids must not move; where some does (the
+                // official encoder then emits the control token), it stays plain text.
+                let marked = encode_messages_marked(&msgs, &context, &options(c)).unwrap();
+                assert_eq!(marked.text(), got);
+                let marked_ids = tok.encode_marked(marked.text(), marked.plain_ranges());
+                let plain = marked.plain_ranges();
+                let spelled = plain
+                    .iter()
+                    .any(|r| tok.encode(&got[r.clone()]).iter().any(|&t| tok.is_added(t)));
+                if spelled {
+                    injected += 1;
+                    let mut at = 0;
+                    for &t in &marked_ids {
+                        if tok.is_added(t) && plain.iter().any(|r| r.contains(&at)) {
+                            failures.push(format!("{label}: control token {t} at byte {at}"));
+                        }
+                        at += tok.token_bytes(t).len();
+                    }
+                    assert_eq!(tok.decode(&marked_ids, false), got, "{label}");
+                    assert_ne!(marked_ids, want_ids, "{label}");
+                } else if marked_ids != want_ids {
+                    failures.push(format!(
+                        "{label}: marked ids differ at #{}",
+                        first_diff(&marked_ids, &want_ids)
+                    ));
+                }
             }
             Ok(got) => {
                 let k = first_diff(got.as_bytes(), want.as_bytes());
@@ -61,6 +91,9 @@ fn encode_cases_prompt_and_ids() {
         }
     }
     assert_eq!(cases.len(), 156);
+    // The cases whose messages, reasoning, tool arguments or results spell markers
+    // (user_content_contains_marker_strings, string_args_markup_quotes_newlines, …).
+    assert_eq!(injected, 18);
     assert_no_failures(&failures);
 }
 

@@ -202,7 +202,7 @@ fn think_controls(o: &Map<String, Value>) -> Result<ThinkControls, ApiError> {
 
 struct Rendered {
     conv: Conversation,
-    text: String,
+    text: ds4_tokenizer::MarkedText,
     mode: crate::render::ThinkMode,
     model: String,
     live: LiveRequest,
@@ -266,7 +266,11 @@ pub fn count_tokens(shared: &Shared, body: &[u8]) -> Result<Value, ApiError> {
     let o = parse_body(body)?;
     // Counting needs no live state: unknown tool ids are not an error here.
     let text = render_request(shared, &o, false)?.text;
-    Ok(json!({"input_tokens": shared.tok.encode(&text).len()}))
+    let n = shared
+        .tok
+        .encode_marked(text.text(), text.plain_ranges())
+        .len();
+    Ok(json!({"input_tokens": n}))
 }
 
 /// (quirk fixed, §10.4) `input_tokens` counts the uncached prompt tokens instead of ≈0.

@@ -265,8 +265,11 @@ pub struct Prepared {
     pub model: String,
     pub stream: bool,
     pub include_usage: bool,
-    /// The rendered prompt (markers as text) and its tokens.
+    /// The rendered prompt (markers as text), the byte ranges of client text in it
+    /// (tokenized with no control-token matching: `Tokenizer::encode_marked`) and its
+    /// tokens. Every re-tokenization of a part of the prompt uses the same ranges.
     pub prompt_text: String,
+    pub prompt_plain: Vec<std::ops::Range<usize>>,
     pub prompt_tokens: Vec<u32>,
     pub mode: ThinkMode,
     /// Parse the output for reasoning and DSML tool calls (false for /v1/completions).
@@ -296,15 +299,17 @@ impl Prepared {
         model: String,
         mode: ThinkMode,
         conv: crate::render::Conversation,
-        prompt_text: String,
+        prompt: ds4_tokenizer::MarkedText,
         prompt_tokens: Vec<u32>,
     ) -> Prepared {
+        let (prompt_text, prompt_plain) = prompt.into_parts();
         Prepared {
             kind,
             model,
             stream: false,
             include_usage: true,
             prompt_text,
+            prompt_plain,
             prompt_tokens,
             mode,
             structured: true,
@@ -363,13 +368,14 @@ pub fn raw_request(shared: &Shared, body: &[u8]) -> Option<String> {
         .then(|| String::from_utf8_lossy(body).into_owned())
 }
 
-/// Tokenizes the rendered prompt and enforces the context limit (§2.2 errors).
+/// Tokenizes the rendered prompt (client text plain) and enforces the context limit
+/// (§2.2 errors).
 pub fn tokenize_checked(
     shared: &Shared,
-    text: &str,
+    text: &ds4_tokenizer::MarkedText,
     param: &'static str,
 ) -> Result<Vec<u32>, ApiError> {
-    let toks = shared.tok.encode(text);
+    let toks = shared.tok.encode_marked(text.text(), text.plain_ranges());
     if toks.len() >= shared.cfg.ctx {
         return Err(ApiError::context_exceeded(
             toks.len(),

@@ -170,14 +170,16 @@ pub fn prepare_completion(shared: &Shared, body: &[u8]) -> Result<Prepared, ApiE
     };
     let (model, mode, sampling, max_tokens, stops, stream, include_usage) =
         common(shared, &o, ApiKind::Completions)?;
-    let text = render::render_completion(&prompt, mode);
+    // The raw-prompt path: markers the client writes are control tokens.
+    let text = ds4_tokenizer::MarkedText::trusted(&render::render_completion(&prompt, mode));
     let prompt_tokens = tokenize_checked(shared, &text, "prompt")?;
     Ok(Prepared {
         kind: ApiKind::Completions,
         model,
         stream,
         include_usage,
-        prompt_text: text,
+        prompt_text: text.into_parts().0,
+        prompt_plain: Vec::new(),
         prompt_tokens,
         mode,
         structured: false,

@@ -236,6 +236,19 @@ impl DiskCache {
     /// Finds the longest checkpoint whose key is a prefix of `text` and loads it into
     /// `engine`. On failure the engine is reset and the file is skipped or deleted.
     pub fn lookup(&self, text: &str, engine: &mut dyn EngineBackend) -> Option<Hit> {
+        self.lookup_fitting(text, engine, |_, _| true)
+    }
+
+    /// `lookup`, skipping (with a log line) checkpoints that `fits` refuses once loaded
+    /// (given the hit and the engine's tokens): same key bytes, but control tokens
+    /// where the request has client text, or the reverse (docs/server.md, "Control
+    /// tokens in client text"). A shorter checkpoint may still serve.
+    pub fn lookup_fitting(
+        &self,
+        text: &str,
+        engine: &mut dyn EngineBackend,
+        fits: impl Fn(&Hit, &[u32]) -> bool,
+    ) -> Option<Hit> {
         let mut cands: Vec<Entry> = Vec::new();
         for e in self.scan() {
             let h = &e.header;
@@ -275,7 +288,14 @@ impl DiskCache {
         });
         for e in cands {
             match self.load(&e, text, engine) {
-                Ok(hit) => return Some(hit),
+                Ok(hit) if fits(&hit, engine.tokens()) => return Some(hit),
+                Ok(hit) => {
+                    engine.reset();
+                    log!(
+                        "kv cache: {} skipped: its control tokens differ from the request's",
+                        hit.path.display()
+                    );
+                }
                 Err((msg, delete)) => {
                     engine.reset();
                     if delete {

@@ -4,6 +4,7 @@
 use std::sync::atomic::Ordering::Relaxed;
 
 use ds4_tokenizer::chat::{Message, ToolCall};
+use ds4_tokenizer::MarkedText;
 
 use super::{common_prefix, Worker};
 use crate::bindings::{AnthropicBinding, Bindings, ResponsesBinding, ThinkingBinding};
@@ -60,7 +61,7 @@ pub(crate) fn rebuild_plan(live: &[u32], canonical: &[u32]) -> Plan {
 }
 
 impl Worker {
-    fn visible(&self, job: &GenJob, conv: &Conversation, reply: Message) -> Option<String> {
+    fn visible(&self, job: &GenJob, conv: &Conversation, reply: Message) -> Option<MarkedText> {
         let mem = self
             .shared
             .cfg
@@ -113,7 +114,7 @@ impl Worker {
 
     /// The canonical transcript of a chat/Anthropic tool-call turn (the prompt plus the
     /// turn as the client replays it, reasoning included), when one may be needed.
-    pub(super) fn needs_canonical(&self, job: &GenJob, r: &GenResult) -> Option<String> {
+    pub(super) fn needs_canonical(&self, job: &GenJob, r: &GenResult) -> Option<MarkedText> {
         if !matches!(job.req.kind, ApiKind::Chat | ApiKind::Anthropic)
             || r.finish != Finish::ToolCalls
         {
@@ -128,22 +129,30 @@ impl Worker {
     /// e.g. with exact replay disabled), extend them or rebuild from the snapshot (or
     /// the best disk checkpoint, or nothing), so the next request is a memory-token hit.
     /// The turn-ending EOS stays out, like after any turn.
-    pub(super) fn canonicalize(&mut self, job: &GenJob, eff: &[u32], canon: &str) {
+    pub(super) fn canonicalize(&mut self, job: &GenJob, eff: &[u32], marked: &MarkedText) {
         let tok = self.shared.tok.clone();
         let live_len = self.engine.tokens().len();
-        if tok.decode(self.engine.tokens(), false) == canon {
-            return;
-        }
+        let (canon, plain) = (marked.text(), marked.plain_ranges());
         // Only when the live prompt is the request's own rendering (not a visible or
-        // tool-tail continuation, whose history differs from the live tokens on purpose).
-        if !canon.starts_with(&job.req.prompt_text)
+        // tool-tail continuation, whose history differs from the live tokens on purpose),
+        // with the same client-text marks.
+        let prompt =
+            MarkedText::from_parts(job.req.prompt_text.clone(), job.req.prompt_plain.clone());
+        if !marked.starts_with_marked(&prompt)
             || !self.engine.tokens().starts_with(eff)
             || tok.decode(eff, false) != job.req.prompt_text
         {
             return;
         }
         let mut target = eff.to_vec();
-        tok.encode_into(&canon[job.req.prompt_text.len()..], &mut target);
+        tok.encode_marked_tail(canon, plain, job.req.prompt_text.len(), &mut target);
+        // The live tokens already spell the canonical text with control tokens where it
+        // has them (BPE may differ): nothing to do, as before this check compared text.
+        if tok.decode(self.engine.tokens(), false) == canon
+            && tok.same_added_spans(self.engine.tokens(), &target)
+        {
+            return;
+        }
         let plan = rebuild_plan(self.engine.tokens(), &target);
         let t0 = std::time::Instant::now();
         let base = match plan {
@@ -160,13 +169,13 @@ impl Worker {
                 }
                 if let Some(Ok(copy)) = snap {
                     self.engine = copy;
-                } else if let Some(hit) = self
-                    .disk
-                    .as_ref()
-                    .and_then(|d| d.lookup(canon, self.engine.as_mut()))
-                {
+                } else if let Some(hit) = self.disk.as_ref().and_then(|d| {
+                    d.lookup_fitting(canon, self.engine.as_mut(), |hit, cached| {
+                        super::disk_hit_fits(&tok, hit, cached, canon, plain, &target)
+                    })
+                }) {
                     target = self.engine.tokens().to_vec();
-                    tok.encode_into(&canon[hit.key_len..], &mut target);
+                    tok.encode_marked_tail(canon, plain, hit.key_len, &mut target);
                 } else {
                     self.engine.reset();
                 }
