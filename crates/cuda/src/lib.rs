@@ -55,4 +55,4 @@ pub use layer::{Compressor, HcNorm, HcParams, RopeP, WT_BF16, WT_F16, WT_F32, WT
 pub use matmul::{Batch, RoutePlan};
 pub use ops::{MatSel, QuantAct};
 pub use plan::{DecodePlan, Launcher, PlanError, Variant};
-pub use weights::{repack, DeviceMatrix, Repacked};
+pub use weights::DeviceMatrix;

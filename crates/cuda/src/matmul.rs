@@ -365,7 +365,7 @@ impl Launcher<'_> {
         let elems = m.rows * m.cols;
         let nb = (elems / 256) as i64;
         let p: Vec<u64> = m.parts.iter().map(|b| self.ptr(b)).collect();
-        // Bytes per matrix of each part (see weights.rs `repack`).
+        // Bytes per matrix of each part (see weights.rs `part_layout`).
         let (w, mats): ([u64; 3], [i64; 3]) = match m.ty {
             GgmlType::Q8_0 => ([p[0], p[1], p[0]], [elems as i64, elems as i64 / 16, 0]),
             GgmlType::IQ2_XXS => ([p[0], p[1], p[0]], [nb * 64, nb * 2, 0]),

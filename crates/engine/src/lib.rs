@@ -41,10 +41,10 @@ mod session;
 mod tokenizer;
 mod weights;
 
+pub use config::Config;
 pub use engine::{
     load_tokenizer, BackendChoice, BackendKind, Engine, EngineOptions, ModelInfo, UploadProgress,
 };
-pub use config::Config;
 pub use error::{ConfigError, EngineError, ErrorKind, Result};
 pub use ops::linear::Numerics;
 pub use sampling::{argmax, generate, Sampler, SamplerConfig, StopReason};
