@@ -314,13 +314,7 @@ impl Launcher<'_> {
         let (rows, cols) = (m.rows as i32, m.cols as i32);
         let tail = BatchTail::of(&b);
         // The input extent was checked above, the output extent is the caller's contract.
-        launch!(
-            self,
-            name,
-            cfg,
-            [qs, dw, mat_q, mat_d, xqp, xdp, y, rows, cols],
-            tail
-        )
+        launch!(self, name, cfg; qs, dw, mat_q, mat_d, xqp, xdp, y, rows, cols; tail)
     }
 
     /// The expert-layout GEMM (`mm_exp_*`): with `plan` over its work items, otherwise
@@ -399,15 +393,8 @@ impl Launcher<'_> {
         // Inputs were checked by the callers, the plan's items index pairs < n_pairs.
         let [w0, w1, w2] = w;
         let [m0, m1, m2] = mats;
-        launch!(
-            self,
-            name,
-            cfg,
-            [
-                w0, w1, w2, m0, m1, m2, grid_tab, xqp, xdp, y, rows, cols, items, n_items, pairs,
-                k_div
-            ],
-            tail
+        launch!(self, name, cfg;
+            w0, w1, w2, m0, m1, m2, grid_tab, xqp, xdp, y, rows, cols, items, n_items, pairs, k_div; tail
         )
     }
 
@@ -519,13 +506,7 @@ impl Launcher<'_> {
             shared_mem_bytes: 0,
         };
         // x and y extents are the caller's contract (raw addresses).
-        launch!(
-            self,
-            name,
-            cfg,
-            [w, wd, mat_w, mat_d, x, y, rows, cols],
-            tail
-        )
+        launch!(self, name, cfg; w, wd, mat_w, mat_d, x, y, rows, cols; tail)
     }
 
     /// Builds on the device, without a host sync, the per-expert pair lists of `n_pairs`
@@ -555,11 +536,8 @@ impl Launcher<'_> {
         );
         // The plan's buffers are sized for max_pairs ≥ n_pairs and n_expert; ids holds
         // n_pairs values (caller).
-        launch!(
-            self,
-            "route_plan_build",
-            cfg(1, 1024),
-            [ids, np, ne, tile, off, pairs, items, n_items]
+        launch!(self, "route_plan_build", cfg(1, 1024);
+            ids, np, ne, tile, off, pairs, items, n_items
         )
     }
 

@@ -284,7 +284,7 @@ impl Launcher<'_> {
         // x holds rows × cols floats (caller), q/d are sized by alloc_quant_act.
         let blocks = (rows * qa.cols / 256) as u32;
         let (q, d) = (self.ptr(&qa.q), self.ptr(&qa.d));
-        launch!(self, "quantize_q8_k32", cfg(blocks, 256), [x, q, d])
+        launch!(self, "quantize_q8_k32", cfg(blocks, 256); x, q, d)
     }
 
     /// Quantises `rows × cols` floats at device address `x` into `qa`.
@@ -319,7 +319,7 @@ impl Launcher<'_> {
             (blocks as u32).div_ceil(warps_per_block),
             32 * warps_per_block,
         );
-        launch!(self, "quantize_q8_32", grid, [x, q, d, blocks])
+        launch!(self, "quantize_q8_32", grid; x, q, d, blocks)
     }
 
     /// `rows` RMS norms of n values (weight `w`, 0 = none) written to `y` and quantised
@@ -346,7 +346,7 @@ impl Launcher<'_> {
         let grid = cfg(rows as u32, if n >= 1024 { 1024 } else { 256 });
         let name = self.pick(Variant::NormPl, "rmsnorm_q8", "rmsnorm_q8_pl");
         let (q, d, nn) = (self.ptr(&qa.q), self.ptr(&qa.d), n as i32);
-        launch!(self, name, grid, [x, w, w_type, nn, eps, y, q, d])
+        launch!(self, name, grid; x, w, w_type, nn, eps, y, q, d)
     }
 
     /// `swiglu` of `n_sel` rows of n into `mid` and, quantised, into `qa`: Q8_0 per 32
@@ -376,20 +376,10 @@ impl Launcher<'_> {
         // gate/up/mid hold n·n_sel floats (caller).
         if k_rule {
             let grid = cfg((total / 256) as u32, 256);
-            launch!(
-                self,
-                "swiglu_q8k",
-                grid,
-                [gate, up, weights, nn, clamp, mid, q, d]
-            )
+            launch!(self, "swiglu_q8k", grid; gate, up, weights, nn, clamp, mid, q, d)
         } else {
             let grid = cfg(((total / 32) as u32).div_ceil(8).max(1), 256);
-            launch!(
-                self,
-                "swiglu_q8",
-                grid,
-                [gate, up, weights, nn, ns, clamp, mid, q, d]
-            )
+            launch!(self, "swiglu_q8", grid; gate, up, weights, nn, ns, clamp, mid, q, d)
         }
     }
 
