@@ -402,26 +402,14 @@ impl Launcher<'_> {
     /// k-tile, then across tiles (the numerics of the decode matvecs up to summation order). `x` holds the
     /// addressed floats (x_tok, x_grp multiples of 4), `y` the outputs.
     pub fn matmul_f32(&self, m: &DeviceMatrix, x: u64, y: u64, b: Batch) -> Result<(), CudaError> {
-        self.matmul_f32_split(m, x, y, b, None)
+        self.matmul_f32_opts(m, x, y, b, None, None)
     }
 
     /// [`Launcher::matmul_f32`] with a forced split-K factor (1, 2, 4 or 8 blocks of a
-    /// cluster share an output tile; `None` = chosen by size). For the checks.
-    #[doc(hidden)]
-    pub fn matmul_f32_split(
-        &self,
-        m: &DeviceMatrix,
-        x: u64,
-        y: u64,
-        b: Batch,
-        split: Option<usize>,
-    ) -> Result<(), CudaError> {
-        self.matmul_f32_opts(m, x, y, b, split, None)
-    }
-
-    /// [`Launcher::matmul_f32_split`] choosing the tensor-core kernels (F16 / BF16 weights:
-    /// tf32 products of the weight with the activation's tf32 part and remainder) or
-    /// the f32 SIMT ones; `None` = tensor cores unless `DS4_CUDA_TF32=0`.
+    /// cluster share an output tile; `None` = chosen by size) and a choice between the
+    /// tensor-core kernels (F16 / BF16 weights: tf32 products of the weight with the
+    /// activation's tf32 part and remainder) and the f32 SIMT ones (`None` = tensor
+    /// cores unless `DS4_CUDA_TF32=0`). For the checks.
     #[doc(hidden)]
     pub fn matmul_f32_opts(
         &self,
@@ -544,23 +532,10 @@ impl Launcher<'_> {
     /// Routed experts: `Y[p][r] = W_{ids[p]}·X[row(p)]` for the pairs of the last
     /// [`Launcher::route_plan`], `row(p) = p / k` when `shared_input` (gate/up) else `p`
     /// (down). Activation rows are `xq.cols` apart; `y` holds `n_pairs × m.rows` floats.
-    pub fn matmul_experts_q8act(
-        &self,
-        m: &DeviceMatrix,
-        xq: &QuantAct,
-        plan: &RoutePlan,
-        k: usize,
-        shared_input: bool,
-        y: u64,
-    ) -> Result<(), CudaError> {
-        self.matmul_experts_q8act_variant(m, xq, plan, k, shared_input, y, None)
-    }
-
-    /// [`Launcher::matmul_experts_q8act`] with a forced kernel variant (minimum 2, 3 or 4
-    /// blocks per SM for 0, 1, 2; `None` = the default per format). For the checks.
-    #[doc(hidden)]
+    /// `variant` forces a kernel (minimum 2, 3 or 4 blocks per SM for 0, 1, 2; the checks
+    /// use it); `None` is the default per format.
     #[allow(clippy::too_many_arguments)]
-    pub fn matmul_experts_q8act_variant(
+    pub fn matmul_experts_q8act(
         &self,
         m: &DeviceMatrix,
         xq: &QuantAct,

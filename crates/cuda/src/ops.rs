@@ -246,6 +246,14 @@ impl Gpu {
     }
 }
 
+/// The scale rule of quantised activations: one f32 scale per 32 values (`Q8_0`), or
+/// one per 256 values stored once per 32 (`Q8K`, the K-quant and IQ2 activations).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ActRule {
+    Q8_0,
+    Q8K,
+}
+
 impl QuantAct {
     /// An error unless the first `rows` rows exist.
     fn check_rows(&self, rows: usize) -> Result<(), CudaError> {
@@ -264,17 +272,28 @@ impl Launcher<'_> {
     /// (Q8_K rule, bit-identical to the CPU's `quantize_q8_k`); the scale is stored
     /// once per 32 values.
     pub fn quantize_act_k(&self, x: u64, qa: &mut QuantAct) -> Result<(), CudaError> {
-        self.quantize_act_k_rows(x, qa, qa.rows)
+        self.quantize_rows(x, qa, qa.rows, ActRule::Q8K)
     }
 
-    /// [`Launcher::quantize_act_k`] of the first `rows` rows only.
-    pub fn quantize_act_k_rows(
+    /// Quantises `rows × cols` floats at device address `x` into `qa`.
+    pub fn quantize_act(&self, x: u64, qa: &mut QuantAct) -> Result<(), CudaError> {
+        self.quantize_rows(x, qa, qa.rows, ActRule::Q8_0)
+    }
+
+    /// [`Launcher::quantize_act`] (`Q8_0`) or [`Launcher::quantize_act_k`] (`Q8K`) of
+    /// the first `rows` rows only.
+    pub fn quantize_rows(
         &self,
         x: u64,
         qa: &mut QuantAct,
         rows: usize,
+        rule: ActRule,
     ) -> Result<(), CudaError> {
         qa.check_rows(rows)?;
+        let (q, d) = (self.ptr(&qa.q), self.ptr(&qa.d));
+        if rule == ActRule::Q8_0 {
+            return self.quantize_q8_raw(x, q, d, rows * qa.cols / 32);
+        }
         if !qa.cols.is_multiple_of(256) {
             return Err(CudaError::Invalid(format!(
                 "{} activations are not whole 256-blocks",
@@ -283,24 +302,7 @@ impl Launcher<'_> {
         }
         // x holds rows × cols floats (caller), q/d are sized by alloc_quant_act.
         let blocks = (rows * qa.cols / 256) as u32;
-        let (q, d) = (self.ptr(&qa.q), self.ptr(&qa.d));
         launch!(self, "quantize_q8_k32", cfg(blocks, 256); x, q, d)
-    }
-
-    /// Quantises `rows × cols` floats at device address `x` into `qa`.
-    pub fn quantize_act(&self, x: u64, qa: &mut QuantAct) -> Result<(), CudaError> {
-        self.quantize_act_rows(x, qa, qa.rows)
-    }
-
-    /// [`Launcher::quantize_act`] of the first `rows` rows only.
-    pub fn quantize_act_rows(
-        &self,
-        x: u64,
-        qa: &mut QuantAct,
-        rows: usize,
-    ) -> Result<(), CudaError> {
-        qa.check_rows(rows)?;
-        self.quantize_q8_raw(x, self.ptr(&qa.q), self.ptr(&qa.d), rows * qa.cols / 32)
     }
 
     /// `n_blocks` blocks of 32 floats at `x` to Q8_0 (int8 at `q`, one f32 scale per
@@ -442,8 +444,7 @@ impl Launcher<'_> {
         m: &DeviceMatrix,
         xq: &QuantAct,
         y: u64,
-        n_sel: usize,
-        sel: MatSel,
+        (n_sel, sel): (usize, MatSel),
         ks: Option<u32>,
     ) -> Result<(), CudaError> {
         let opts = Q8Launch {
@@ -465,8 +466,7 @@ impl Launcher<'_> {
         m: &DeviceMatrix,
         xq: &QuantAct,
         y: u64,
-        n_sel: usize,
-        sel: MatSel,
+        (n_sel, sel): (usize, MatSel),
         kernel: &'static str,
     ) -> Result<(), CudaError> {
         let fits = match m.ty {

@@ -349,7 +349,7 @@ pub(super) fn check_q8_rows(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
         gpu.quantize_act(gpu.ptr(&x), &mut qa)?;
         let run = |kernel: &'static str| -> Result<Vec<f32>> {
             let y = gpu.upload(&vec![f32::NAN; rows])?;
-            gpu.matvec_q8act_kernel(&m, &qa, gpu.ptr(&y), 1, MatSel::default(), kernel)?;
+            gpu.matvec_q8act_kernel(&m, &qa, gpu.ptr(&y), (1, MatSel::default()), kernel)?;
             Ok(gpu.download(&y)?)
         };
         let early = run("matvec_q8_0_q8_early")?;
@@ -376,7 +376,7 @@ pub(super) fn check_q8_rows(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     };
     let run = |kernel: &'static str| -> Result<Vec<f32>> {
         let y = gpu.upload(&vec![f32::NAN; groups * rows])?;
-        gpu.matvec_q8act_kernel(&m, &qa, gpu.ptr(&y), groups, sel, kernel)?;
+        gpu.matvec_q8act_kernel(&m, &qa, gpu.ptr(&y), (groups, sel), kernel)?;
         Ok(gpu.download(&y)?)
     };
     let plain = run("matvec_q8_0_q8")?;
