@@ -94,20 +94,12 @@ impl Launcher<'_> {
         let tail_start = dim as i64 - rope.rope_dim as i64;
         if dim == 128 && tail_start >= 0 && tail_start % 2 == 0 && self.on(Variant::IdxqWarp) {
             let h = heads as i32;
-            return launch!(
-                self,
-                "indexer_q_warp",
-                cfg2((heads as u32).div_ceil(8), n_tok, 256),
-                [step, q, h, rope]
+            return launch!(self, "indexer_q_warp", cfg2((heads as u32).div_ceil(8), n_tok, 256);
+                step, q, h, rope
             );
         }
         let d = dim as i32;
-        launch!(
-            self,
-            "indexer_q",
-            cfg2(heads as u32, n_tok, 256),
-            [step, q, d, rope]
-        )
+        launch!(self, "indexer_q", cfg2(heads as u32, n_tok, 256); step, q, d, rope)
     }
 
     /// Indexer scores of up to `max_rows` index rows per token (the live count comes
@@ -144,11 +136,8 @@ impl Launcher<'_> {
             cfg.shared_mem_bytes = smem as u32;
             self.allow_smem("indexer_scores_mma", smem)?;
             let nt = n_tok as i32;
-            return launch!(
-                self,
-                "indexer_scores_mma",
-                cfg,
-                [step, rows, q, wt, nt, wscale, r, k, scores, ss]
+            return launch!(self, "indexer_scores_mma", cfg;
+                step, rows, q, wt, nt, wscale, r, k, scores, ss
             );
         }
         // qs and ks (dim × 68 floats each) and the 16 × 64 reduction.
@@ -157,12 +146,7 @@ impl Launcher<'_> {
         cfg.shared_mem_bytes = smem as u32;
         let name = self.pick(Variant::IdxBanks, "indexer_scores", "indexer_scores_sp");
         self.allow_smem(name, smem)?;
-        launch!(
-            self,
-            name,
-            cfg,
-            [step, rows, q, wt, h, d, wscale, r, k, scores, ss]
-        )
+        launch!(self, name, cfg; step, rows, q, wt, h, d, wscale, r, k, scores, ss)
     }
 
     /// Per token, the indices of the `k` best of its (pos+1)/ratio scores (row t of
@@ -180,12 +164,7 @@ impl Launcher<'_> {
     ) -> Result<(), CudaError> {
         let (ss, r, kk) = (scores_stride as i32, ratio as i32, k as i32);
         let name = self.pick(Variant::TopkReg, "topk_select", "topk_select_rg");
-        launch!(
-            self,
-            name,
-            cfg2(1, n_tok, 1024),
-            [step, scores, ss, r, kk, sel]
-        )
+        launch!(self, name, cfg2(1, n_tok, 1024); step, scores, ss, r, kk, sel)
     }
 
     /// Sink attention of every head of each token over its raw window and its
@@ -260,14 +239,8 @@ impl Launcher<'_> {
             block_dim: (256, 1, 1),
             shared_mem_bytes: smem,
         };
-        launch!(
-            self,
-            name,
-            grid,
-            [
-                a.step, a.q, a.ring, rc, win, a.comp, r, a.sel, tk, a.sinks, nh, hd_, a.scale, rpc,
-                part_acc, part_ml, out, q_norm, q_eps, q_rope
-            ]
+        launch!(self, name, grid;
+            a.step, a.q, a.ring, rc, win, a.comp, r, a.sel, tk, a.sinks, nh, hd_, a.scale, rpc, part_acc, part_ml, out, q_norm, q_eps, q_rope
         )?;
         if n_chunks > 1 {
             let nc = n_chunks as i32;
@@ -280,11 +253,8 @@ impl Launcher<'_> {
                 "attention_combine",
                 "attention_combine_pl",
             );
-            launch!(
-                self,
-                name,
-                cfg2(heads as u32, a.n_tok, 128),
-                [part_acc, part_ml, a.sinks, nh, hd_, nc, out, a.step, rope, rope_on, q, d]
+            launch!(self, name, cfg2(heads as u32, a.n_tok, 128);
+                part_acc, part_ml, a.sinks, nh, hd_, nc, out, a.step, rope, rope_on, q, d
             )?;
         } else if let Some(t) = tail {
             self.attention_tail(a, t, out)?;
@@ -332,11 +302,8 @@ impl Launcher<'_> {
             a.ratio as i32,
             a.top_k as i32,
         );
-        launch!(
-            self,
-            NAME,
-            cfg,
-            [a.step, a.q, a.ring, rc, win, a.comp, r, a.sel, tk, a.sinks, a.scale, out]
+        launch!(self, NAME, cfg;
+            a.step, a.q, a.ring, rc, win, a.comp, r, a.sel, tk, a.sinks, a.scale, out
         )
     }
 }

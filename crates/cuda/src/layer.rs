@@ -127,11 +127,8 @@ impl Launcher<'_> {
         h: u64,
     ) -> Result<(), CudaError> {
         let (ne, nh) = (n_embd as i32, n_hc as i32);
-        launch!(
-            self,
-            "embed",
-            cfg2((n_embd as u32).div_ceil(256), n_tok, 256),
-            [step, table, ty, ne, nh, h]
+        launch!(self, "embed", cfg2((n_embd as u32).div_ceil(256), n_tok, 256);
+            step, table, ty, ne, nh, h
         )
     }
 
@@ -149,12 +146,7 @@ impl Launcher<'_> {
     ) -> Result<(), CudaError> {
         let n = n as i32;
         let name = self.pick(Variant::HcPreload, "hc_mix", "hc_mix_pl");
-        launch!(
-            self,
-            name,
-            cfg2(n_out as u32, n_tok, 1024),
-            [h, n, fn_, fn_type, eps, mix]
-        )
+        launch!(self, name, cfg2(n_out as u32, n_tok, 1024); h, n, fn_, fn_type, eps, mix)
     }
 
     /// [`Launcher::hc_mix`] with the weights as a matrix (`n_out` rows of `n` = m.cols, F32 /
@@ -198,12 +190,7 @@ impl Launcher<'_> {
         }
         self.matmul_f32(m, h, mix, crate::Batch::plain(n_tok, m.cols, m.rows))?;
         let (n, n_out) = (m.cols as i32, m.rows as i32);
-        launch!(
-            self,
-            "hc_mix_scale",
-            cfg2(n_tok as u32, 1, 256),
-            [h, n, eps, mix, n_out]
-        )
+        launch!(self, "hc_mix_scale", cfg2(n_tok as u32, 1, 256); h, n, eps, mix, n_out)
     }
 
     /// The sublayer input `y` (pre-weighted sum of the streams) and, with `norm`, its RMS
@@ -237,11 +224,8 @@ impl Launcher<'_> {
         let (nh, ne) = (n_hc as i32, n_embd as i32);
         let nm = norm.unwrap_or_default();
         let name = self.pick(Variant::HcPreload, "hc_pre", "hc_pre_pl");
-        launch!(
-            self,
-            name,
-            cfg2(1, n_tok, threads as u32),
-            [h, mix, scale, base, nh, ne, eps, y, nm.w, nm.w_type, nm.eps, nm.out, nm.q, nm.d]
+        launch!(self, name, cfg2(1, n_tok, threads as u32);
+            h, mix, scale, base, nh, ne, eps, y, nm.w, nm.w_type, nm.eps, nm.out, nm.q, nm.d
         )
     }
 
@@ -265,11 +249,8 @@ impl Launcher<'_> {
         } = *hp;
         check_hc_streams(n_hc)?;
         let (nh, it, nt) = (n_hc as i32, iters as i32, n_tok as i32);
-        launch!(
-            self,
-            "hc_comb",
-            cfg(n_tok.div_ceil(8) as u32, 256),
-            [mix, scale, base, nh, it, eps, hcp, nt]
+        launch!(self, "hc_comb", cfg(n_tok.div_ceil(8) as u32, 256);
+            mix, scale, base, nh, it, eps, hcp, nt
         )
     }
 
@@ -292,11 +273,8 @@ impl Launcher<'_> {
         check_hc_streams(n_hc)?;
         let (nh, ne, np) = (n_hc as i32, n_embd as i32, n_parts as i32);
         let name = self.pick(Variant::HcPreload, "hc_post", "hc_post_pl");
-        launch!(
-            self,
-            name,
-            cfg2((n_embd as u32).div_ceil(256), n_tok, 256),
-            [h, out, parts, np, hcp, nh, ne, h_out]
+        launch!(self, name, cfg2((n_embd as u32).div_ceil(256), n_tok, 256);
+            h, out, parts, np, hcp, nh, ne, h_out
         )
     }
 
@@ -313,12 +291,7 @@ impl Launcher<'_> {
     ) -> Result<(), CudaError> {
         let n = n as i32;
         let block = if n >= 1024 { 1024 } else { 256 };
-        launch!(
-            self,
-            "rmsnorm",
-            cfg(rows as u32, block),
-            [x, w, w_type, n, eps, y]
-        )
+        launch!(self, "rmsnorm", cfg(rows as u32, block); x, w, w_type, n, eps, y)
     }
 
     /// RoPE on the tail of `rows` vectors of `stride` floats per token, at the token's
@@ -335,11 +308,8 @@ impl Launcher<'_> {
         inverse: bool,
     ) -> Result<(), CudaError> {
         let (st, inv) = (stride as i32, inverse as i32);
-        launch!(
-            self,
-            "rope_tail",
-            cfg2(rows as u32, n_tok, 64),
-            [step, x, st, pos_offset, rope, inv]
+        launch!(self, "rope_tail", cfg2(rows as u32, n_tok, 64);
+            step, x, st, pos_offset, rope, inv
         )
     }
 
@@ -357,12 +327,7 @@ impl Launcher<'_> {
         rope: RopeP,
     ) -> Result<(), CudaError> {
         let st = stride as i32;
-        launch!(
-            self,
-            "head_norm_rope",
-            cfg2(rows as u32, n_tok, 256),
-            [step, x, st, eps, rope]
-        )
+        launch!(self, "head_norm_rope", cfg2(rows as u32, n_tok, 256); step, x, st, eps, rope)
     }
 
     /// Normalises, rotates and QAT-rounds each token's new KV row into ring slot
@@ -385,11 +350,8 @@ impl Launcher<'_> {
             return Err(CudaError::Invalid(format!("head dim {hd} > 1024")));
         }
         let (hd_, fr, rc) = (hd as i32, f16_round as i32, raw_cap as i32);
-        launch!(
-            self,
-            "kv_finish",
-            cfg2(1, n_tok, 512),
-            [step, kv, norm_w, norm_type, hd_, eps, rope, fr, ring, rc]
+        launch!(self, "kv_finish", cfg2(1, n_tok, 512);
+            step, kv, norm_w, norm_type, hd_, eps, rope, fr, ring, rc
         )
     }
 
@@ -484,11 +446,8 @@ impl Launcher<'_> {
         } else {
             self.pick(Variant::Router4, "router", "router_wide")
         };
-        launch!(
-            self,
-            name,
-            cfg(n_tok as u32, 512),
-            [step, logits, ne, kk, bias, tid2eid, wscale, ids, weights]
+        launch!(self, name, cfg(n_tok as u32, 512);
+            step, logits, ne, kk, bias, tid2eid, wscale, ids, weights
         )
     }
 
@@ -504,11 +463,8 @@ impl Launcher<'_> {
         mid: u64,
     ) -> Result<(), CudaError> {
         let (nn, ns) = (n as i32, n_sel as i32);
-        launch!(
-            self,
-            "swiglu",
-            cfg(((n * n_sel) as u32).div_ceil(256), 256),
-            [gate, up, weights, nn, ns, clamp, mid]
+        launch!(self, "swiglu", cfg(((n * n_sel) as u32).div_ceil(256), 256);
+            gate, up, weights, nn, ns, clamp, mid
         )
     }
 
@@ -523,11 +479,8 @@ impl Launcher<'_> {
         dst: u64,
     ) -> Result<(), CudaError> {
         let (w, kk) = (width as i32, k as i32);
-        launch!(
-            self,
-            "repeat_rows",
-            cfg2((width as u32).div_ceil(256), n * k, 256),
-            [src, w, kk, dst]
+        launch!(self, "repeat_rows", cfg2((width as u32).div_ceil(256), n * k, 256);
+            src, w, kk, dst
         )
     }
 
@@ -551,11 +504,8 @@ impl Launcher<'_> {
             ..
         } = *hp;
         let (nh, ne) = (n_hc as i32, n_embd as i32);
-        launch!(
-            self,
-            "head_collapse",
-            cfg(1, 1024),
-            [h, mix, scale, base, nh, ne, hc_eps, norm_w, norm_type, eps, tmp, x]
+        launch!(self, "head_collapse", cfg(1, 1024);
+            h, mix, scale, base, nh, ne, hc_eps, norm_w, norm_type, eps, tmp, x
         )
     }
 }

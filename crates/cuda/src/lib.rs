@@ -8,10 +8,13 @@
 //! when nvcc is found; otherwise they are compiled at run time with NVRTC for the
 //! device's architecture and cached on disk.
 
-/// Launches `name` with the listed arguments (each pushed by reference), then those
-/// a `tail` pushes (`tail.push(&mut builder)`, e.g. a batch layout).
+/// `launch!(gpu, name, config; args.. [; tail])`: launches `name` with the listed
+/// arguments (each pushed by reference), then those a `tail` pushes
+/// (`tail.push(&mut builder)`, e.g. a batch layout). The `;` keeps rustfmt from
+/// spreading a launch over six lines: one line names the kernel, its grid and its
+/// parameters in the kernel's order.
 macro_rules! launch {
-    ($gpu:expr, $name:expr, $cfg:expr, [$($arg:expr),* $(,)?] $(, $tail:expr)?) => {{
+    ($gpu:expr, $name:expr, $cfg:expr; $($arg:expr),* $(; $tail:expr)?) => {{
         let f = $gpu.func($name)?;
         $gpu.timed($name, || {
             let mut b = $gpu.launch_stream().launch_builder(&f);
@@ -53,6 +56,6 @@ pub use error::CudaError;
 pub use graph::TokenGraph;
 pub use layer::{Compressor, HcNorm, HcParams, RopeP, WT_BF16, WT_F16, WT_F32, WT_Q8_0};
 pub use matmul::{Batch, RoutePlan};
-pub use ops::{MatSel, QuantAct};
+pub use ops::{ActRule, MatSel, QuantAct};
 pub use plan::{DecodePlan, Launcher, PlanError, Variant};
-pub use weights::{repack, DeviceMatrix, Repacked};
+pub use weights::DeviceMatrix;

@@ -314,13 +314,7 @@ impl Launcher<'_> {
         let (rows, cols) = (m.rows as i32, m.cols as i32);
         let tail = BatchTail::of(&b);
         // The input extent was checked above, the output extent is the caller's contract.
-        launch!(
-            self,
-            name,
-            cfg,
-            [qs, dw, mat_q, mat_d, xqp, xdp, y, rows, cols],
-            tail
-        )
+        launch!(self, name, cfg; qs, dw, mat_q, mat_d, xqp, xdp, y, rows, cols; tail)
     }
 
     /// The expert-layout GEMM (`mm_exp_*`): with `plan` over its work items, otherwise
@@ -365,7 +359,7 @@ impl Launcher<'_> {
         let elems = m.rows * m.cols;
         let nb = (elems / 256) as i64;
         let p: Vec<u64> = m.parts.iter().map(|b| self.ptr(b)).collect();
-        // Bytes per matrix of each part (see weights.rs `repack`).
+        // Bytes per matrix of each part (see weights.rs `part_layout`).
         let (w, mats): ([u64; 3], [i64; 3]) = match m.ty {
             GgmlType::Q8_0 => ([p[0], p[1], p[0]], [elems as i64, elems as i64 / 16, 0]),
             GgmlType::IQ2_XXS => ([p[0], p[1], p[0]], [nb * 64, nb * 2, 0]),
@@ -399,15 +393,8 @@ impl Launcher<'_> {
         // Inputs were checked by the callers, the plan's items index pairs < n_pairs.
         let [w0, w1, w2] = w;
         let [m0, m1, m2] = mats;
-        launch!(
-            self,
-            name,
-            cfg,
-            [
-                w0, w1, w2, m0, m1, m2, grid_tab, xqp, xdp, y, rows, cols, items, n_items, pairs,
-                k_div
-            ],
-            tail
+        launch!(self, name, cfg;
+            w0, w1, w2, m0, m1, m2, grid_tab, xqp, xdp, y, rows, cols, items, n_items, pairs, k_div; tail
         )
     }
 
@@ -415,26 +402,14 @@ impl Launcher<'_> {
     /// k-tile, then across tiles (the numerics of the decode matvecs up to summation order). `x` holds the
     /// addressed floats (x_tok, x_grp multiples of 4), `y` the outputs.
     pub fn matmul_f32(&self, m: &DeviceMatrix, x: u64, y: u64, b: Batch) -> Result<(), CudaError> {
-        self.matmul_f32_split(m, x, y, b, None)
+        self.matmul_f32_opts(m, x, y, b, None, None)
     }
 
     /// [`Launcher::matmul_f32`] with a forced split-K factor (1, 2, 4 or 8 blocks of a
-    /// cluster share an output tile; `None` = chosen by size). For the checks.
-    #[doc(hidden)]
-    pub fn matmul_f32_split(
-        &self,
-        m: &DeviceMatrix,
-        x: u64,
-        y: u64,
-        b: Batch,
-        split: Option<usize>,
-    ) -> Result<(), CudaError> {
-        self.matmul_f32_opts(m, x, y, b, split, None)
-    }
-
-    /// [`Launcher::matmul_f32_split`] choosing the tensor-core kernels (F16 / BF16 weights:
-    /// tf32 products of the weight with the activation's tf32 part and remainder) or
-    /// the f32 SIMT ones; `None` = tensor cores unless `DS4_CUDA_TF32=0`.
+    /// cluster share an output tile; `None` = chosen by size) and a choice between the
+    /// tensor-core kernels (F16 / BF16 weights: tf32 products of the weight with the
+    /// activation's tf32 part and remainder) and the f32 SIMT ones (`None` = tensor
+    /// cores unless `DS4_CUDA_TF32=0`). For the checks.
     #[doc(hidden)]
     pub fn matmul_f32_opts(
         &self,
@@ -519,13 +494,7 @@ impl Launcher<'_> {
             shared_mem_bytes: 0,
         };
         // x and y extents are the caller's contract (raw addresses).
-        launch!(
-            self,
-            name,
-            cfg,
-            [w, wd, mat_w, mat_d, x, y, rows, cols],
-            tail
-        )
+        launch!(self, name, cfg; w, wd, mat_w, mat_d, x, y, rows, cols; tail)
     }
 
     /// Builds on the device, without a host sync, the per-expert pair lists of `n_pairs`
@@ -555,34 +524,18 @@ impl Launcher<'_> {
         );
         // The plan's buffers are sized for max_pairs ≥ n_pairs and n_expert; ids holds
         // n_pairs values (caller).
-        launch!(
-            self,
-            "route_plan_build",
-            cfg(1, 1024),
-            [ids, np, ne, tile, off, pairs, items, n_items]
+        launch!(self, "route_plan_build", cfg(1, 1024);
+            ids, np, ne, tile, off, pairs, items, n_items
         )
     }
 
     /// Routed experts: `Y[p][r] = W_{ids[p]}·X[row(p)]` for the pairs of the last
     /// [`Launcher::route_plan`], `row(p) = p / k` when `shared_input` (gate/up) else `p`
     /// (down). Activation rows are `xq.cols` apart; `y` holds `n_pairs × m.rows` floats.
-    pub fn matmul_experts_q8act(
-        &self,
-        m: &DeviceMatrix,
-        xq: &QuantAct,
-        plan: &RoutePlan,
-        k: usize,
-        shared_input: bool,
-        y: u64,
-    ) -> Result<(), CudaError> {
-        self.matmul_experts_q8act_variant(m, xq, plan, k, shared_input, y, None)
-    }
-
-    /// [`Launcher::matmul_experts_q8act`] with a forced kernel variant (minimum 2, 3 or 4
-    /// blocks per SM for 0, 1, 2; `None` = the default per format). For the checks.
-    #[doc(hidden)]
+    /// `variant` forces a kernel (minimum 2, 3 or 4 blocks per SM for 0, 1, 2; the checks
+    /// use it); `None` is the default per format.
     #[allow(clippy::too_many_arguments)]
-    pub fn matmul_experts_q8act_variant(
+    pub fn matmul_experts_q8act(
         &self,
         m: &DeviceMatrix,
         xq: &QuantAct,

@@ -246,6 +246,14 @@ impl Gpu {
     }
 }
 
+/// The scale rule of quantised activations: one f32 scale per 32 values (`Q8_0`), or
+/// one per 256 values stored once per 32 (`Q8K`, the K-quant and IQ2 activations).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ActRule {
+    Q8_0,
+    Q8K,
+}
+
 impl QuantAct {
     /// An error unless the first `rows` rows exist.
     fn check_rows(&self, rows: usize) -> Result<(), CudaError> {
@@ -264,17 +272,28 @@ impl Launcher<'_> {
     /// (Q8_K rule, bit-identical to the CPU's `quantize_q8_k`); the scale is stored
     /// once per 32 values.
     pub fn quantize_act_k(&self, x: u64, qa: &mut QuantAct) -> Result<(), CudaError> {
-        self.quantize_act_k_rows(x, qa, qa.rows)
+        self.quantize_rows(x, qa, qa.rows, ActRule::Q8K)
     }
 
-    /// [`Launcher::quantize_act_k`] of the first `rows` rows only.
-    pub fn quantize_act_k_rows(
+    /// Quantises `rows × cols` floats at device address `x` into `qa`.
+    pub fn quantize_act(&self, x: u64, qa: &mut QuantAct) -> Result<(), CudaError> {
+        self.quantize_rows(x, qa, qa.rows, ActRule::Q8_0)
+    }
+
+    /// [`Launcher::quantize_act`] (`Q8_0`) or [`Launcher::quantize_act_k`] (`Q8K`) of
+    /// the first `rows` rows only.
+    pub fn quantize_rows(
         &self,
         x: u64,
         qa: &mut QuantAct,
         rows: usize,
+        rule: ActRule,
     ) -> Result<(), CudaError> {
         qa.check_rows(rows)?;
+        let (q, d) = (self.ptr(&qa.q), self.ptr(&qa.d));
+        if rule == ActRule::Q8_0 {
+            return self.quantize_q8_raw(x, q, d, rows * qa.cols / 32);
+        }
         if !qa.cols.is_multiple_of(256) {
             return Err(CudaError::Invalid(format!(
                 "{} activations are not whole 256-blocks",
@@ -283,24 +302,7 @@ impl Launcher<'_> {
         }
         // x holds rows × cols floats (caller), q/d are sized by alloc_quant_act.
         let blocks = (rows * qa.cols / 256) as u32;
-        let (q, d) = (self.ptr(&qa.q), self.ptr(&qa.d));
-        launch!(self, "quantize_q8_k32", cfg(blocks, 256), [x, q, d])
-    }
-
-    /// Quantises `rows × cols` floats at device address `x` into `qa`.
-    pub fn quantize_act(&self, x: u64, qa: &mut QuantAct) -> Result<(), CudaError> {
-        self.quantize_act_rows(x, qa, qa.rows)
-    }
-
-    /// [`Launcher::quantize_act`] of the first `rows` rows only.
-    pub fn quantize_act_rows(
-        &self,
-        x: u64,
-        qa: &mut QuantAct,
-        rows: usize,
-    ) -> Result<(), CudaError> {
-        qa.check_rows(rows)?;
-        self.quantize_q8_raw(x, self.ptr(&qa.q), self.ptr(&qa.d), rows * qa.cols / 32)
+        launch!(self, "quantize_q8_k32", cfg(blocks, 256); x, q, d)
     }
 
     /// `n_blocks` blocks of 32 floats at `x` to Q8_0 (int8 at `q`, one f32 scale per
@@ -319,7 +321,7 @@ impl Launcher<'_> {
             (blocks as u32).div_ceil(warps_per_block),
             32 * warps_per_block,
         );
-        launch!(self, "quantize_q8_32", grid, [x, q, d, blocks])
+        launch!(self, "quantize_q8_32", grid; x, q, d, blocks)
     }
 
     /// `rows` RMS norms of n values (weight `w`, 0 = none) written to `y` and quantised
@@ -346,7 +348,7 @@ impl Launcher<'_> {
         let grid = cfg(rows as u32, if n >= 1024 { 1024 } else { 256 });
         let name = self.pick(Variant::NormPl, "rmsnorm_q8", "rmsnorm_q8_pl");
         let (q, d, nn) = (self.ptr(&qa.q), self.ptr(&qa.d), n as i32);
-        launch!(self, name, grid, [x, w, w_type, nn, eps, y, q, d])
+        launch!(self, name, grid; x, w, w_type, nn, eps, y, q, d)
     }
 
     /// `swiglu` of `n_sel` rows of n into `mid` and, quantised, into `qa`: Q8_0 per 32
@@ -376,20 +378,10 @@ impl Launcher<'_> {
         // gate/up/mid hold n·n_sel floats (caller).
         if k_rule {
             let grid = cfg((total / 256) as u32, 256);
-            launch!(
-                self,
-                "swiglu_q8k",
-                grid,
-                [gate, up, weights, nn, clamp, mid, q, d]
-            )
+            launch!(self, "swiglu_q8k", grid; gate, up, weights, nn, clamp, mid, q, d)
         } else {
             let grid = cfg(((total / 32) as u32).div_ceil(8).max(1), 256);
-            launch!(
-                self,
-                "swiglu_q8",
-                grid,
-                [gate, up, weights, nn, ns, clamp, mid, q, d]
-            )
+            launch!(self, "swiglu_q8", grid; gate, up, weights, nn, ns, clamp, mid, q, d)
         }
     }
 
@@ -452,8 +444,7 @@ impl Launcher<'_> {
         m: &DeviceMatrix,
         xq: &QuantAct,
         y: u64,
-        n_sel: usize,
-        sel: MatSel,
+        (n_sel, sel): (usize, MatSel),
         ks: Option<u32>,
     ) -> Result<(), CudaError> {
         let opts = Q8Launch {
@@ -475,8 +466,7 @@ impl Launcher<'_> {
         m: &DeviceMatrix,
         xq: &QuantAct,
         y: u64,
-        n_sel: usize,
-        sel: MatSel,
+        (n_sel, sel): (usize, MatSel),
         kernel: &'static str,
     ) -> Result<(), CudaError> {
         let fits = match m.ty {

@@ -8,12 +8,6 @@ use ds4_gguf::GgmlType;
 use crate::device::Gpu;
 use crate::error::CudaError;
 
-/// A repacked matrix stack on the host: up to three parts, see each kernel for layout.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Repacked {
-    pub parts: Vec<Vec<u8>>,
-}
-
 /// Per repacked part, the (offset, length) of its bytes inside each GGUF block.
 type PartSpans = &'static [(usize, usize)];
 
@@ -57,33 +51,6 @@ fn check_size(
     Ok(())
 }
 
-/// Repacks `n_mats` matrices of `rows × cols` elements of type `ty` (GGUF byte order)
-/// on the host: the layout [`DeviceMatrix::upload`] writes to the device.
-pub fn repack(
-    ty: GgmlType,
-    src: &[u8],
-    rows: usize,
-    cols: usize,
-    n_mats: usize,
-) -> Result<Repacked, CudaError> {
-    check_size(ty, src, rows, cols, n_mats)?;
-    let (block, layout) = part_layout(ty)?;
-    let parts = layout
-        .iter()
-        .map(|&(off, len)| {
-            if len == block {
-                src.to_vec()
-            } else {
-                src.chunks_exact(block)
-                    .flat_map(|b| &b[off..off + len])
-                    .copied()
-                    .collect()
-            }
-        })
-        .collect();
-    Ok(Repacked { parts })
-}
-
 /// A weight matrix (or a stack of expert matrices) resident on the GPU.
 pub struct DeviceMatrix {
     pub ty: GgmlType,
@@ -95,7 +62,8 @@ pub struct DeviceMatrix {
 
 impl DeviceMatrix {
     /// Uploads `n_mats` matrices of `rows × cols` (GGUF layout `[cols, rows, n_mats]`),
-    /// repacked on the way (see [`repack`]) through the pinned staging buffers.
+    /// repacked on the way (up to three parts, see [`part_layout`] and each kernel)
+    /// through the pinned staging buffers.
     pub fn upload(
         gpu: &Gpu,
         ty: GgmlType,
@@ -134,6 +102,32 @@ impl DeviceMatrix {
 mod tests {
     use super::*;
     use ds4_gguf::quant::dequantize_to_vec;
+
+    /// The parts of a repacked matrix stack, built on the host.
+    struct Repacked {
+        parts: Vec<Vec<u8>>,
+    }
+
+    /// The host twin of the gather [`DeviceMatrix::upload`] does on the way to the device
+    /// (`Gpu::upload_gather` with each span of [`part_layout`]).
+    fn repack(
+        ty: GgmlType,
+        src: &[u8],
+        (rows, cols, mats): (usize, usize, usize),
+    ) -> Result<Repacked, CudaError> {
+        check_size(ty, src, rows, cols, mats)?;
+        let (block, layout) = part_layout(ty)?;
+        let gather = |&(off, len): &(usize, usize)| -> Vec<u8> {
+            if len == block {
+                return src.to_vec();
+            }
+            let blocks = src.chunks_exact(block);
+            blocks.flat_map(|b| &b[off..off + len]).copied().collect()
+        };
+        Ok(Repacked {
+            parts: layout.iter().map(gather).collect(),
+        })
+    }
 
     /// Decodes the repacked layouts with the kernels' indexing, on the CPU.
     fn decode_repacked(ty: GgmlType, r: &Repacked, n: usize) -> Vec<f32> {
@@ -207,7 +201,7 @@ mod tests {
                     }
                 }
             }
-            let r = repack(ty, &src, rows, cols, mats).unwrap();
+            let r = repack(ty, &src, (rows, cols, mats)).unwrap();
             assert_eq!(
                 r.parts.iter().map(Vec::len).sum::<usize>(),
                 src.len(),
@@ -223,8 +217,8 @@ mod tests {
 
     #[test]
     fn wrong_sizes_are_errors() {
-        assert!(repack(GgmlType::Q8_0, &[0; 33], 1, 32, 1).is_err());
-        assert!(repack(GgmlType::Q8_0, &[0; 34], 1, 31, 1).is_err());
-        assert!(repack(GgmlType::Q5_K, &[0; 176], 1, 256, 1).is_err());
+        assert!(repack(GgmlType::Q8_0, &[0; 33], (1, 32, 1)).is_err());
+        assert!(repack(GgmlType::Q8_0, &[0; 34], (1, 31, 1)).is_err());
+        assert!(repack(GgmlType::Q5_K, &[0; 176], (1, 256, 1)).is_err());
     }
 }

@@ -44,47 +44,62 @@ const LIMITS: &[(&str, u32)] = &[
 /// Hyperparameters of a DeepSeek V4 model. Field names follow the GGUF keys.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Config {
+    /// `general.name`.
     pub name: Option<String>,
+    /// `context_length`: the context the model was trained for (`None`: not in the file).
     pub context_length: Option<u64>,
+    /// `block_count`.
     pub n_layer: usize,
+    /// `embedding_length`: the width of the residual stream.
     pub n_embd: usize,
+    /// `vocab_size`.
     pub vocab: usize,
+    /// `attention.head_count` query heads over `attention.head_count_kv` (= 1) KV head.
     pub n_head: usize,
     pub n_head_kv: usize,
-    /// Key (= value) length of one head.
+    /// `attention.key_length`: key (= value) length of one head.
     pub head_dim: usize,
-    /// RoPE acts on the last `rope_dim` dims of each head.
+    /// `rope.dimension_count`: RoPE acts on the last `rope_dim` dims of each head.
     pub rope_dim: usize,
+    /// `attention.q_lora_rank`, `attention.output_lora_rank`, `attention.output_group_count`.
     pub q_lora_rank: usize,
     pub o_lora_rank: usize,
     pub o_groups: usize,
+    /// `expert_count` routed experts, `expert_used_count` of them per token, each of
+    /// width `expert_feed_forward_length`; `expert_shared_count` shared experts.
     pub n_expert: usize,
     pub n_expert_used: usize,
     pub n_ff_exp: usize,
     pub n_expert_shared: usize,
-    /// Layers `0..n_hash_layer` route by token id (`ffn_gate_tid2eid`).
+    /// `hash_layer_count`: layers `0..n_hash_layer` route by token id (`ffn_gate_tid2eid`).
     pub n_hash_layer: usize,
-    /// Raw sliding window (includes the current token).
+    /// `attention.sliding_window`: the raw window (includes the current token).
     pub window: usize,
+    /// `attention.indexer.{head_count, key_length, top_k}`.
     pub idx_heads: usize,
     pub idx_head_dim: usize,
     pub idx_topk: usize,
-    /// Hyper-connection streams.
+    /// `hyper_connection.count` streams, `hyper_connection.sinkhorn_iterations`.
     pub n_hc: usize,
     pub sinkhorn_iters: usize,
-    /// One entry per layer: 0 (raw window only), 4 (overlapping compressor + indexer)
-    /// or another ratio (plain compressor).
+    /// `attention.compress_ratios`, one entry per layer: 0 (raw window only),
+    /// 4 (overlapping compressor + indexer) or another ratio (plain compressor).
     pub compress_ratios: Vec<usize>,
+    /// `swiglu_clamp_exp` per layer; `swiglu_clamp_shexp` (default: the same).
     pub swiglu_clamp: Vec<f32>,
     pub swiglu_clamp_shexp: Vec<f32>,
+    /// `rope.freq_base` (uncompressed layers), `attention.compress_rope_freq_base`.
     pub rope_freq_base: f32,
     pub compress_rope_freq_base: f32,
+    /// YaRN: `rope.scaling.{factor, original_context_length, yarn_beta_fast, yarn_beta_slow}`.
     pub rope_scaling_factor: f32,
     pub rope_orig_ctx: u64,
     pub yarn_beta_fast: f32,
     pub yarn_beta_slow: f32,
+    /// `expert_weights_scale` and `expert_weights_norm` of the routing weights.
     pub expert_weights_scale: f32,
     pub expert_weights_norm: bool,
+    /// `attention.layer_norm_rms_epsilon`, `hyper_connection.epsilon`.
     pub rms_eps: f32,
     pub hc_eps: f32,
 }

@@ -8,6 +8,7 @@ use std::sync::{Arc, OnceLock};
 use ds4_gguf::GgmlType;
 use ds4_tokenizer::Tokenizer;
 
+use crate::config::Config;
 use crate::error::{EngineError, Result};
 use crate::model::{LoadOptions, Model};
 use crate::ops::linear::Numerics;
@@ -108,33 +109,8 @@ impl std::fmt::Debug for EngineOptions {
 #[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]
 pub struct ModelInfo {
-    /// `general.name`.
-    pub name: Option<String>,
-    /// The context length the model was trained for (`None`: not in the file).
-    pub trained_ctx: Option<u64>,
-    pub n_layer: usize,
-    pub n_embd: usize,
-    pub vocab: usize,
-    pub n_head: usize,
-    pub head_dim: usize,
-    pub q_lora_rank: usize,
-    pub o_lora_rank: usize,
-    pub o_groups: usize,
-    /// Routed experts, used per token, their width; shared experts.
-    pub n_expert: usize,
-    pub n_expert_used: usize,
-    pub n_ff_exp: usize,
-    pub n_expert_shared: usize,
-    pub n_hash_layer: usize,
-    /// Raw sliding-window length.
-    pub window: usize,
-    pub idx_heads: usize,
-    pub idx_head_dim: usize,
-    pub idx_topk: usize,
-    /// Hyper-connection streams.
-    pub n_hc: usize,
-    /// One entry per layer: 0 (raw window only), 4 (with indexer) or another ratio.
-    pub compress_ratios: Vec<usize>,
+    /// The hyperparameters (GGUF keys), as the engine validated them.
+    pub hparams: Config,
     /// The GGML type name of the routed experts' gate/up tensors (`IQ2_XXS`, `Q4_K`).
     pub routed_quant: Option<&'static str>,
     /// Every way the hyperparameters differ from DeepSeek V4 Flash (empty: none).
@@ -155,27 +131,7 @@ impl ModelInfo {
         let c = model.config();
         let g = model.gguf();
         ModelInfo {
-            name: c.name.clone(),
-            trained_ctx: c.context_length,
-            n_layer: c.n_layer,
-            n_embd: c.n_embd,
-            vocab: c.vocab,
-            n_head: c.n_head,
-            head_dim: c.head_dim,
-            q_lora_rank: c.q_lora_rank,
-            o_lora_rank: c.o_lora_rank,
-            o_groups: c.o_groups,
-            n_expert: c.n_expert,
-            n_expert_used: c.n_expert_used,
-            n_ff_exp: c.n_ff_exp,
-            n_expert_shared: c.n_expert_shared,
-            n_hash_layer: c.n_hash_layer,
-            window: c.window,
-            idx_heads: c.idx_heads,
-            idx_head_dim: c.idx_head_dim,
-            idx_topk: c.idx_topk,
-            n_hc: c.n_hc,
-            compress_ratios: c.compress_ratios.clone(),
+            hparams: c.clone(),
             routed_quant: routed_type(model).map(GgmlType::name),
             profile_deviations: c.profile_deviations(),
             file_bytes: g.len(),
@@ -239,7 +195,7 @@ pub struct Engine {
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Engine")
-            .field("model", &self.info.name)
+            .field("model", &self.info.hparams.name)
             .field("backend", &self.backend())
             .field("reason", &self.reason)
             .field("numerics", &self.numerics)

@@ -44,6 +44,7 @@ mod session;
 mod tokenizer;
 mod weights;
 
+pub use config::Config;
 pub use engine::{
     load_tokenizer, BackendChoice, BackendKind, Engine, EngineOptions, ModelInfo, UploadProgress,
 };

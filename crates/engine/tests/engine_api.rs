@@ -32,9 +32,19 @@ fn cpu_engine_reports_its_backend_and_model() {
     assert!(!e.backend_reason().is_empty());
     assert_eq!(e.numerics(), Numerics::Exact);
     let info = e.info();
-    assert_eq!((info.n_layer, info.vocab, info.n_embd), (6, 512, 256));
-    assert_eq!(info.compress_ratios, vec![0, 0, 4, 128, 4, 128]);
-    assert_eq!(info.trained_ctx, e.model().config().context_length);
+    assert_eq!(
+        (
+            info.hparams.n_layer,
+            info.hparams.vocab,
+            info.hparams.n_embd
+        ),
+        (6, 512, 256)
+    );
+    assert_eq!(info.hparams.compress_ratios, vec![0, 0, 4, 128, 4, 128]);
+    assert_eq!(
+        info.hparams.context_length,
+        e.model().config().context_length
+    );
     assert!(info.n_tensors > 0 && info.tensor_bytes > 0 && info.file_bytes > info.tensor_bytes);
     // The tiny model differs from the full-size profile.
     assert!(!info.profile_deviations.is_empty());

@@ -36,41 +36,37 @@ fn weight_rows(rng: &mut StdRng, nb_0: usize, nb_k: usize) -> (Vec<u8>, Vec<u8>,
     )
 }
 
+/// A block scale in ±`max`, over eight decades.
+fn scale(rng: &mut StdRng, max: f32) -> f32 {
+    rng.random_range(-max..max) * 10f32.powi(rng.random_range(-6..2))
+}
+
 fn q8k_row(rng: &mut StdRng, nb: usize, consistent: bool) -> Vec<BlockQ8K> {
-    (0..nb)
-        .map(|_| {
-            let mut b = BlockQ8K {
-                d: rng.random_range(-2.0f32..2.0) * 10f32.powi(rng.random_range(-6..2)),
-                ..Default::default()
-            };
-            for q in b.qs.iter_mut() {
-                *q = rng.random::<i8>();
-            }
-            for (j, s) in b.bsums.iter_mut().enumerate() {
-                *s = if consistent {
-                    b.qs[16 * j..16 * j + 16].iter().map(|&q| q as i16).sum()
-                } else {
-                    rng.random::<i16>()
-                };
-            }
-            b
-        })
-        .collect()
+    let block = |rng: &mut StdRng| {
+        let mut b = BlockQ8K {
+            d: scale(rng, 2.0),
+            ..Default::default()
+        };
+        rng.fill(&mut b.qs[..]);
+        for (j, s) in b.bsums.iter_mut().enumerate() {
+            let sum = b.qs[16 * j..16 * j + 16].iter().map(|&q| q as i16).sum();
+            *s = if consistent { sum } else { rng.random::<i16>() };
+        }
+        b
+    };
+    (0..nb).map(|_| block(rng)).collect()
 }
 
 fn q8_0_row(rng: &mut StdRng, nb: usize) -> Vec<BlockQ8_0> {
-    (0..nb)
-        .map(|_| {
-            let mut b = BlockQ8_0 {
-                d: rng.random_range(-1.0f32..1.0) * 10f32.powi(rng.random_range(-6..2)),
-                ..Default::default()
-            };
-            for q in b.qs.iter_mut() {
-                *q = rng.random::<i8>();
-            }
-            b
-        })
-        .collect()
+    let block = |rng: &mut StdRng| {
+        let mut b = BlockQ8_0 {
+            d: scale(rng, 1.0),
+            ..Default::default()
+        };
+        rng.fill(&mut b.qs[..]);
+        b
+    };
+    (0..nb).map(|_| block(rng)).collect()
 }
 
 fn levels() -> Vec<&'static DotKernels> {
@@ -97,8 +93,7 @@ fn quantised_dots_equal_scalar() {
     let levels = levels();
     for iter in 0..400 {
         // Lengths cross the 8- and 16-block group boundaries of the kernels.
-        let nb_k = rng.random_range(0..12);
-        let nb_0 = rng.random_range(0..70);
+        let (nb_k, nb_0) = (rng.random_range(0..12), rng.random_range(0..70));
         let consistent = iter % 2 == 0;
         let x8 = q8_0_row(&mut rng, nb_0);
         let xk = q8k_row(&mut rng, nb_k, consistent);
@@ -124,8 +119,7 @@ fn multi_row_dots_equal_single_row() {
     let levels = levels();
     for _ in 0..60 {
         let rows = rng.random_range(0..7);
-        let nb_k = rng.random_range(0..6);
-        let nb_0 = rng.random_range(0..40);
+        let (nb_k, nb_0) = (rng.random_range(0..6), rng.random_range(0..40));
         let x8: Vec<_> = (0..rows).map(|_| q8_0_row(&mut rng, nb_0)).collect();
         let xk: Vec<_> = (0..rows).map(|_| q8k_row(&mut rng, nb_k, true)).collect();
         let x8r: Vec<&[BlockQ8_0]> = x8.iter().map(|v| v.as_slice()).collect();

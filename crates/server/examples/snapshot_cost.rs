@@ -64,7 +64,7 @@ fn main() {
         },
     )
     .expect("model");
-    let c = engine.info().clone();
+    let c = engine.info().hparams.clone();
     println!(
         "model {path}: layers {} head_dim {} idx_dim {} vocab {} window {} ratios {:?}",
         c.n_layer, c.head_dim, c.idx_head_dim, c.vocab, c.window, c.compress_ratios

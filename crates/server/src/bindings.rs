@@ -197,10 +197,10 @@ pub struct AnthropicTurn {
 /// set is every id of the trailing run of user messages that carry tool results.
 pub fn anthropic_live(
     conv: &Conversation,
-    turns: &[AnthropicTurn],
     mode: ThinkMode,
     memory: Option<&ToolMemory>,
     live_ids: Option<&[String]>,
+    turns: &[AnthropicTurn],
 ) -> Result<LiveRequest, ApiError> {
     let mut live = LiveRequest::default();
     let mut seen: HashSet<String> = HashSet::new();
@@ -350,12 +350,12 @@ mod tests {
                 results: vec!["toolu_1".into()],
             },
         ];
-        let e = anthropic_live(&c, &turns, ThinkMode::High, None, None).unwrap_err();
+        let e = anthropic_live(&c, ThinkMode::High, None, None, &turns).unwrap_err();
         assert!(e
             .message
             .contains("tool_use_id toolu_1; retry by replaying the full messages history"));
         let ids = vec!["toolu_1".to_string()];
-        let l = anthropic_live(&c, &turns, ThinkMode::High, None, Some(&ids)).unwrap();
+        let l = anthropic_live(&c, ThinkMode::High, None, Some(&ids), &turns).unwrap();
         assert!(l.requires_live);
         assert_eq!(l.ids, ids);
     }

@@ -156,12 +156,35 @@ impl Metrics {
             }
         };
         let g = |a: &AtomicU64| a.load(Relaxed) as f64;
-        metric(
-            "ds4_queue_depth",
-            "gauge",
-            "Requests waiting for the engine.",
-            vec![(String::new(), g(&self.queue_depth))],
-        );
+        let rate = |t: &AtomicU64, us: &AtomicU64| {
+            let us = us.load(Relaxed);
+            if us == 0 {
+                0.0
+            } else {
+                t.load(Relaxed) as f64 * 1e6 / us as f64
+            }
+        };
+        // The metrics without labels: (name, type, help, value); one line each.
+        #[rustfmt::skip]
+        let plain = [
+            ("ds4_queue_depth", "gauge", "Requests waiting for the engine.", g(&self.queue_depth)),
+            ("ds4_rejected_busy_total", "counter", "Requests refused with 503 because the queue was full.", g(&self.rejected_busy)),
+            ("ds4_errors_total", "counter", "Generations that ended with an error.", g(&self.errors)),
+            ("ds4_cancelled_total", "counter", "Generations cancelled because the client went away.", g(&self.cancelled)),
+            ("ds4_prompt_tokens_total", "counter", "Prompt tokens (effective prompts).", g(&self.prompt_tokens)),
+            ("ds4_cached_tokens_total", "counter", "Prompt tokens reused from the KV cache.", g(&self.cached_tokens)),
+            ("ds4_tokens_in_total", "counter", "Prompt tokens evaluated (prefill).", g(&self.prefill_tokens)),
+            ("ds4_tokens_out_total", "counter", "Generated tokens.", g(&self.completion_tokens)),
+            ("ds4_prefill_tokens_per_second", "gauge", "Average prefill throughput since start.", rate(&self.prefill_tokens, &self.prefill_micros)),
+            ("ds4_decode_tokens_per_second", "gauge", "Average decode throughput since start.", rate(&self.decode_tokens, &self.decode_micros)),
+            ("ds4_last_prefill_tokens_per_second", "gauge", "Prefill throughput of the last request.", g(&self.last_prefill_mtps) / 1000.0),
+            ("ds4_last_decode_tokens_per_second", "gauge", "Decode throughput of the last request.", g(&self.last_decode_mtps) / 1000.0),
+            ("ds4_disk_cache_saves_total", "counter", "Checkpoints written to the disk cache.", g(&self.disk_saves)),
+            ("ds4_canonical_rebuilds_total", "counter", "Turns whose live KV was rebuilt to the canonical rendering.", g(&self.canonical_rebuilds)),
+        ];
+        for (name, kind, help, v) in plain {
+            metric(name, kind, help, vec![(String::new(), v)]);
+        }
         metric(
             "ds4_requests_total",
             "counter",
@@ -171,86 +194,6 @@ impl Metrics {
                 .zip(&self.requests)
                 .map(|(e, a)| (format!("{{endpoint=\"{e}\"}}"), g(a)))
                 .collect(),
-        );
-        metric(
-            "ds4_rejected_busy_total",
-            "counter",
-            "Requests refused with 503 because the queue was full.",
-            vec![(String::new(), g(&self.rejected_busy))],
-        );
-        metric(
-            "ds4_errors_total",
-            "counter",
-            "Generations that ended with an error.",
-            vec![(String::new(), g(&self.errors))],
-        );
-        metric(
-            "ds4_cancelled_total",
-            "counter",
-            "Generations cancelled because the client went away.",
-            vec![(String::new(), g(&self.cancelled))],
-        );
-        metric(
-            "ds4_prompt_tokens_total",
-            "counter",
-            "Prompt tokens (effective prompts).",
-            vec![(String::new(), g(&self.prompt_tokens))],
-        );
-        metric(
-            "ds4_cached_tokens_total",
-            "counter",
-            "Prompt tokens reused from the KV cache.",
-            vec![(String::new(), g(&self.cached_tokens))],
-        );
-        metric(
-            "ds4_tokens_in_total",
-            "counter",
-            "Prompt tokens evaluated (prefill).",
-            vec![(String::new(), g(&self.prefill_tokens))],
-        );
-        metric(
-            "ds4_tokens_out_total",
-            "counter",
-            "Generated tokens.",
-            vec![(String::new(), g(&self.completion_tokens))],
-        );
-        let rate = |t: &AtomicU64, us: &AtomicU64| {
-            let us = us.load(Relaxed);
-            if us == 0 {
-                0.0
-            } else {
-                t.load(Relaxed) as f64 * 1e6 / us as f64
-            }
-        };
-        metric(
-            "ds4_prefill_tokens_per_second",
-            "gauge",
-            "Average prefill throughput since start.",
-            vec![(
-                String::new(),
-                rate(&self.prefill_tokens, &self.prefill_micros),
-            )],
-        );
-        metric(
-            "ds4_decode_tokens_per_second",
-            "gauge",
-            "Average decode throughput since start.",
-            vec![(
-                String::new(),
-                rate(&self.decode_tokens, &self.decode_micros),
-            )],
-        );
-        metric(
-            "ds4_last_prefill_tokens_per_second",
-            "gauge",
-            "Prefill throughput of the last request.",
-            vec![(String::new(), g(&self.last_prefill_mtps) / 1000.0)],
-        );
-        metric(
-            "ds4_last_decode_tokens_per_second",
-            "gauge",
-            "Decode throughput of the last request.",
-            vec![(String::new(), g(&self.last_decode_mtps) / 1000.0)],
         );
         let mut cache: Vec<(String, f64)> = CACHE_KINDS
             .iter()
@@ -263,18 +206,6 @@ impl Metrics {
             "counter",
             "KV reuse outcome per request, by kind.",
             cache,
-        );
-        metric(
-            "ds4_disk_cache_saves_total",
-            "counter",
-            "Checkpoints written to the disk cache.",
-            vec![(String::new(), g(&self.disk_saves))],
-        );
-        metric(
-            "ds4_canonical_rebuilds_total",
-            "counter",
-            "Turns whose live KV was rebuilt to the canonical rendering.",
-            vec![(String::new(), g(&self.canonical_rebuilds))],
         );
         s
     }

@@ -11,11 +11,26 @@ use std::time::{Duration, Instant};
 
 use common::{root, stop, temp_dir};
 
-/// A fresh, existing scratch directory.
-fn temp(tag: &str) -> PathBuf {
+/// A fresh, existing scratch directory, removed when the test ends (also on a panic).
+struct Temp(PathBuf);
+
+impl std::ops::Deref for Temp {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Temp {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn temp(tag: &str) -> Temp {
     let d = temp_dir(tag);
     std::fs::create_dir_all(&d).unwrap();
-    d
+    Temp(d)
 }
 
 fn command(lock: &Path, args: &[&str]) -> Command {
@@ -114,7 +129,6 @@ fn a_second_server_on_the_same_lock_file_exits_2_and_stale_locks_are_taken_over(
         b.id().to_string()
     );
     stop(b);
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
@@ -131,7 +145,6 @@ fn two_servers_cannot_share_a_kv_cache_directory() {
     );
     assert!(err.contains(&format!("(pid {})", a.id())), "{err}");
     stop(a);
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
@@ -174,7 +187,6 @@ fn unimplemented_reference_flags_warn_or_fail_by_name() {
         )),
         "{err}"
     );
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 // #19 item 4: path flags are checked before the port is bound or the model loads, with
@@ -306,7 +318,6 @@ fn loading_then_ready(tag: &str, extra: &[&str]) {
     assert_eq!(h.status, 200, "{}", h.text());
     assert_eq!(h.json()["status"], "ok");
     stop(child);
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 // #19 item 3: a busy port fails at once, not after a (here 10-minute) load.
@@ -321,5 +332,4 @@ fn a_busy_port_fails_before_loading() {
     );
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("cannot listen on 127.0.0.1:"), "{err}");
-    let _ = std::fs::remove_dir_all(&d);
 }

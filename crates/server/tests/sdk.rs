@@ -17,8 +17,9 @@ fn skip() -> bool {
     false
 }
 
-/// Starts the binary on an ephemeral port and returns it with its base URL.
-fn start(args: &[&str]) -> (Child, String) {
+/// Starts the binary on an ephemeral port with `paths` (flags with path values) and the
+/// whitespace-separated `flags`, and returns it with its base URL.
+fn start(paths: &[&str], flags: &str) -> (Child, String) {
     // Each instance gets its own process lock (the default lock file admits one).
     static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let lock = std::env::temp_dir().join(format!(
@@ -29,7 +30,8 @@ fn start(args: &[&str]) -> (Child, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_ds4-server"))
         .env("DS4_LOCK_FILE", &lock)
         .args(["--port", "0"])
-        .args(args)
+        .args(paths)
+        .args(flags.split_whitespace())
         .stderr(Stdio::piped())
         .spawn()
         .expect("start ds4-server");
@@ -77,16 +79,8 @@ fn python_sdks_against_the_fake_engine() {
     let dir = temp_dir("sdk-kv");
     let tj = root().join("fixtures/tiny/tokenizer.json");
     let d = dir.to_str().unwrap();
-    let (child, url) = start(&[
-        "--fake-engine",
-        tj.to_str().unwrap(),
-        "--ctx",
-        "4096",
-        "--kv-disk-dir",
-        d,
-        "--kv-cache-min-tokens",
-        "16",
-    ]);
+    let paths = ["--fake-engine", tj.to_str().unwrap(), "--kv-disk-dir", d];
+    let (child, url) = start(&paths, "--ctx 4096 --kv-cache-min-tokens 16");
     run_sdk(&url, &["--kv-dir", d]);
     stop(child);
     let _ = std::fs::remove_dir_all(&dir);
@@ -98,15 +92,7 @@ fn python_sdks_against_the_tiny_model() {
         return;
     }
     let model = root().join("fixtures/tiny/tiny-q2.gguf");
-    let (child, url) = start(&[
-        "-m",
-        model.to_str().unwrap(),
-        "--cpu",
-        "--ctx",
-        "4096",
-        "-n",
-        "24",
-    ]);
+    let (child, url) = start(&["-m", model.to_str().unwrap()], "--cpu --ctx 4096 -n 24");
     run_sdk(&url, &["--no-tools"]);
     stop(child);
 }

@@ -212,23 +212,16 @@ mod tests {
         )
         .unwrap();
         let g = ds4_gguf::GgufFile::open(dir.join("tiny-q2.gguf")).unwrap();
-        let toks = g
-            .get("tokenizer.ggml.tokens")
-            .unwrap()
-            .as_str_array()
-            .unwrap();
-        assert_eq!(v.tokens, toks);
-        let merges = g
-            .get("tokenizer.ggml.merges")
-            .unwrap()
-            .as_str_array()
-            .unwrap();
-        assert_eq!(v.merges, merges);
-        let (_, types) = g
-            .get("tokenizer.ggml.token_type")
-            .unwrap()
-            .as_array()
-            .unwrap();
+        let key = |k: &str| g.get(k).unwrap_or_else(|| panic!("{k} missing"));
+        assert_eq!(
+            v.tokens,
+            key("tokenizer.ggml.tokens").as_str_array().unwrap()
+        );
+        assert_eq!(
+            v.merges,
+            key("tokenizer.ggml.merges").as_str_array().unwrap()
+        );
+        let (_, types) = key("tokenizer.ggml.token_type").as_array().unwrap();
         let types: Vec<i32> = types.iter().map(|t| t.as_i64().unwrap() as i32).collect();
         assert_eq!(v.token_types, types);
     }

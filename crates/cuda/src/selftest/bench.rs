@@ -46,7 +46,7 @@ fn time_experts_q8act(
             y_stride: rows as i64,
         };
         match probe {
-            Some(kernel) => gpu.matvec_q8act_kernel(m, &qa, yp, used, sel, kernel),
+            Some(kernel) => gpu.matvec_q8act_kernel(m, &qa, yp, (used, sel), kernel),
             None => gpu.matvec_q8act(m, &qa, yp, used, sel),
         }
     })?)
@@ -341,7 +341,7 @@ pub fn probe_q8_splits(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
         let bytes = mats[0].bytes() as f64;
         let run = |gpu: &Launcher, ks: Option<u32>| -> Result<(f64, Vec<f32>)> {
             let ms = gpu.time_ms(3, 50, |i| {
-                gpu.matvec_q8act_split(&mats[i % copies], &qa, yp, n_sel, sel, ks)
+                gpu.matvec_q8act_split(&mats[i % copies], &qa, yp, (n_sel, sel), ks)
             })?;
             Ok((ms, gpu.download(&y)?))
         };

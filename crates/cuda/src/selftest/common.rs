@@ -128,6 +128,22 @@ pub fn both<T>(gpu: &Launcher, v: Variant, f: impl Fn(&Launcher) -> Result<T>) -
     Ok((plain, variant))
 }
 
+/// `bit_identical` of two outputs.
+pub fn bit_same(name: String, a: &[f32], b: &[f32]) -> Check {
+    bit_identical(name, same_bits(a, b))
+}
+
+/// A variant check: `f` with `v` off and on must give bit-identical values.
+pub fn same_both(
+    gpu: &Launcher,
+    v: Variant,
+    name: String,
+    f: impl Fn(&Launcher) -> Result<Vec<f32>>,
+) -> Result<Check> {
+    let (plain, variant) = both(gpu, v, f)?;
+    Ok(bit_same(name, &plain, &variant))
+}
+
 /// The RoPE table of `rope_dim` dims (base 10,000) the attention and indexer checks use.
 pub fn rope_freqs(rope_dim: usize) -> Vec<f32> {
     (0..rope_dim / 2)

@@ -368,7 +368,7 @@ fn check_experts(
     gpu.route_plan(gpu.ptr(&idd), n_pairs, n_expert, &mut plan)?;
     let run = || -> Result<Vec<f32>> {
         let yd = gpu.upload(&vec![f32::NAN; n_pairs * rows])?;
-        gpu.matmul_experts_q8act_variant(&m, &qa, &plan, k, shared, gpu.ptr(&yd), variant)?;
+        gpu.matmul_experts_q8act(&m, &qa, &plan, k, shared, gpu.ptr(&yd), variant)?;
         Ok(gpu.download(&yd)?)
     };
     let got = run()?;
@@ -572,7 +572,7 @@ fn check_invalid(gpu: &Launcher) -> Result<Check> {
     let mut plan3 = plan;
     gpu.route_plan(gpu.ptr(&ids), 4, 4, &mut plan3)?;
     accepted += usize::from(
-        gpu.matmul_experts_q8act(&m, &qa, &plan3, 1, false, yp)
+        gpu.matmul_experts_q8act(&m, &qa, &plan3, 1, false, yp, None)
             .is_ok(),
     );
     gpu.synchronize()?;
@@ -674,7 +674,7 @@ pub fn bench_matmul(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
         }
         for sk in [1usize, 2, 4, 8] {
             let ms = gpu.time_ms(warm, reps, |_| {
-                gpu.matmul_f32_split(&m, xp, yp, b, Some(sk))
+                gpu.matmul_f32_opts(&m, xp, yp, b, Some(sk), None)
             })?;
             out.push(timing(
                 format!("  split-K {sk}"),
@@ -739,7 +739,7 @@ pub fn bench_matmul(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
         let y = gpu.zeros::<f32>(n_pairs * rows)?;
         let yp = gpu.ptr(&y);
         let ms = gpu.time_ms(warm, reps, |_| {
-            gpu.matmul_experts_q8act(&m, &qa, &plan, k, shared, yp)
+            gpu.matmul_experts_q8act(&m, &qa, &plan, k, shared, yp, None)
         })?;
         let ops = 2.0 * (rows * cols * n_pairs) as f64;
         let bytes = m.bytes_per_matrix() * used;
@@ -752,7 +752,7 @@ pub fn bench_matmul(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
         ));
         for v in 0..3 {
             let ms = gpu.time_ms(warm, reps, |_| {
-                gpu.matmul_experts_q8act_variant(&m, &qa, &plan, k, shared, yp, Some(v))
+                gpu.matmul_experts_q8act(&m, &qa, &plan, k, shared, yp, Some(v))
             })?;
             let label = format!("  variant min {} blocks/SM", v + 2);
             out.push(timing(label, bytes, ops, ms, "TOPS"));

@@ -341,7 +341,7 @@ fn check_kernel_variants(
         };
         let run = |kernel: &'static str| -> Result<Vec<f32>> {
             let y = gpu.upload(&vec![f32::NAN; ids.len() * rows])?;
-            gpu.matvec_q8act_kernel(m, &qa, gpu.ptr(&y), ids.len(), sel, kernel)?;
+            gpu.matvec_q8act_kernel(m, &qa, gpu.ptr(&y), (ids.len(), sel), kernel)?;
             Ok(gpu.download(&y)?)
         };
         let want = run(staged)?;

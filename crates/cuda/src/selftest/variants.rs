@@ -17,8 +17,8 @@ use ds4_gguf::quant::random::Rng;
 use ds4_gguf::GgmlType;
 
 use super::common::{
-    bit_identical, both, normal, random_matrix, random_vec, rel_err, rope_freqs, same_bits,
-    upload_rope, Check,
+    bit_identical, bit_same, both, normal, random_matrix, random_vec, rel_err, rope_freqs,
+    same_bits, same_both, upload_rope, Check,
 };
 use crate::{DeviceMatrix, HcNorm, HcParams, Launcher, MatSel, Variant, WT_F16, WT_F32};
 
@@ -36,15 +36,12 @@ pub(super) fn check_indexer_q_warp(gpu: &Launcher, seed: u64) -> Result<Check> {
     let (_freqs, rope) = upload_rope(gpu, &rope_freqs(64))?;
     let steps: Vec<i32> = positions.iter().flat_map(|&p| [p, 0]).collect();
     let steps = gpu.upload(&steps)?;
-    let (a, b) = both(gpu, Variant::IdxqWarp, |gpu| {
+    let name = format!("indexer_q_warp = indexer_q {heads}x{dim}, {n_tok} tokens");
+    same_both(gpu, Variant::IdxqWarp, name, |gpu| {
         let d_q = gpu.upload(&q)?;
         gpu.indexer_q(n_tok, gpu.ptr(&steps), gpu.ptr(&d_q), heads, dim, rope)?;
         Ok(gpu.download(&d_q)?)
-    })?;
-    Ok(bit_identical(
-        format!("indexer_q_warp = indexer_q {heads}x{dim}, {n_tok} tokens"),
-        same_bits(&a, &b),
-    ))
+    })
 }
 
 /// rmsnorm_q8 rows at the model's widths (512 and 1024: the kv and q_a norms; 4096 at
@@ -57,7 +54,9 @@ pub(super) fn check_norm_pl(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
         let x = gpu.upload(&normal(&mut rng, rows * n, 1.0))?;
         let w = gpu.upload(&normal(&mut rng, n, 0.5))?;
         for weighted in [true, false] {
-            let (a, b) = both(gpu, Variant::NormPl, |gpu| {
+            let kind = if weighted { "weighted" } else { "unweighted" };
+            let name = format!("rmsnorm_q8_pl = rmsnorm_q8 {rows}x{n} {kind}");
+            checks.push(same_both(gpu, Variant::NormPl, name, |gpu| {
                 let y = gpu.upload(&vec![f32::NAN; rows * n])?;
                 let mut qa = gpu.alloc_quant_act(rows, n)?;
                 let wp = if weighted { gpu.ptr(&w) } else { 0 };
@@ -66,12 +65,7 @@ pub(super) fn check_norm_pl(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
                 all.extend(gpu.download(&qa.q)?.iter().map(|&v| v as f32));
                 all.extend(gpu.download(&qa.d)?);
                 Ok(all)
-            })?;
-            let kind = if weighted { "weighted" } else { "unweighted" };
-            checks.push(bit_identical(
-                format!("rmsnorm_q8_pl = rmsnorm_q8 {rows}x{n} {kind}"),
-                same_bits(&a, &b),
-            ));
+            })?);
         }
     }
     Ok(checks)
@@ -328,10 +322,8 @@ pub(super) fn check_indexer_scores(gpu: &Launcher, seed: u64) -> Result<Vec<Chec
                 format!("indexer_scores {shape} (rows past the live count untouched)"),
                 1e-5,
             ));
-            checks.push(bit_identical(
-                format!("indexer_scores_sp = indexer_scores {shape}"),
-                same_bits(&a, &b),
-            ));
+            let name = format!("indexer_scores_sp = indexer_scores {shape}");
+            checks.push(bit_same(name, &a, &b));
         }
     }
     Ok(checks)
@@ -357,7 +349,7 @@ pub(super) fn check_q8_rows(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
         gpu.quantize_act(gpu.ptr(&x), &mut qa)?;
         let run = |kernel: &'static str| -> Result<Vec<f32>> {
             let y = gpu.upload(&vec![f32::NAN; rows])?;
-            gpu.matvec_q8act_kernel(&m, &qa, gpu.ptr(&y), 1, MatSel::default(), kernel)?;
+            gpu.matvec_q8act_kernel(&m, &qa, gpu.ptr(&y), (1, MatSel::default()), kernel)?;
             Ok(gpu.download(&y)?)
         };
         let early = run("matvec_q8_0_q8_early")?;
@@ -384,7 +376,7 @@ pub(super) fn check_q8_rows(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     };
     let run = |kernel: &'static str| -> Result<Vec<f32>> {
         let y = gpu.upload(&vec![f32::NAN; groups * rows])?;
-        gpu.matvec_q8act_kernel(&m, &qa, gpu.ptr(&y), groups, sel, kernel)?;
+        gpu.matvec_q8act_kernel(&m, &qa, gpu.ptr(&y), (groups, sel), kernel)?;
         Ok(gpu.download(&y)?)
     };
     let plain = run("matvec_q8_0_q8")?;
@@ -406,15 +398,12 @@ pub(super) fn check_f16_early(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
         let w = random_matrix(GgmlType::F16, rows, cols, 1, &mut rng);
         let m = DeviceMatrix::upload(gpu, GgmlType::F16, &w, rows, cols, 1)?;
         let x = gpu.upload(&random_vec(cols, &mut rng))?;
-        let (a, b) = both(gpu, Variant::F16Early, |gpu| {
+        let name = format!("matvec_f16_early = matvec_f16 {rows}x{cols}");
+        checks.push(same_both(gpu, Variant::F16Early, name, |gpu| {
             let y = gpu.upload(&vec![f32::NAN; rows])?;
             gpu.matvec(&m, gpu.ptr(&x), gpu.ptr(&y), 1, MatSel::default())?;
             Ok(gpu.download(&y)?)
-        })?;
-        checks.push(bit_identical(
-            format!("matvec_f16_early = matvec_f16 {rows}x{cols}"),
-            same_bits(&a, &b),
-        ));
+        })?);
     }
     Ok(checks)
 }
@@ -493,10 +482,8 @@ pub(super) fn check_router_wide(gpu: &Launcher, seed: u64) -> Result<Vec<Check>>
             (_, true) => ", hashed",
             _ => ", ties",
         };
-        checks.push(bit_identical(
-            format!("{variant} = {plain} {n_expert} experts, top {k}{extra}"),
-            same_bits(&a, &b),
-        ));
+        let name = format!("{variant} = {plain} {n_expert} experts, top {k}{extra}");
+        checks.push(bit_same(name, &a, &b));
     }
     Ok(checks)
 }
@@ -518,15 +505,12 @@ pub(super) fn check_hc_preload(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> 
         (WT_F32, gpu.ptr(&w32), "F32"),
         (WT_F16, gpu.ptr(&w16), "F16"),
     ] {
-        let (a, b) = both(gpu, Variant::HcPreload, |gpu| {
+        let name = format!("hc_mix_pl = hc_mix {name} 24x{n}");
+        checks.push(same_both(gpu, Variant::HcPreload, name, |gpu| {
             let mix = gpu.upload(&[f32::NAN; 24])?;
             gpu.hc_mix(1, gpu.ptr(&h), n, w, ty, 1e-6, gpu.ptr(&mix), 24)?;
             Ok(gpu.download(&mix)?)
-        })?;
-        checks.push(bit_identical(
-            format!("hc_mix_pl = hc_mix {name} 24x{n}"),
-            same_bits(&a, &b),
-        ));
+        })?);
     }
 
     // hc_pre with the sublayer norm and its Q8_0 form.
@@ -534,7 +518,8 @@ pub(super) fn check_hc_preload(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> 
     let scale = gpu.upload(&normal(&mut rng, 3, 0.5))?;
     let base = gpu.upload(&normal(&mut rng, (2 + N_HC) * N_HC, 0.5))?;
     let norm_w = gpu.upload(&normal(&mut rng, N_EMBD, 1.0))?;
-    let (a, b) = both(gpu, Variant::HcPreload, |gpu| {
+    let name = format!("hc_pre_pl = hc_pre {N_HC}x{N_EMBD} (y, norm, Q8_0)");
+    checks.push(same_both(gpu, Variant::HcPreload, name, |gpu| {
         let y = gpu.upload(&vec![f32::NAN; N_EMBD])?;
         let out = gpu.upload(&vec![f32::NAN; N_EMBD])?;
         let q = gpu.zeros::<i8>(N_EMBD)?;
@@ -568,18 +553,15 @@ pub(super) fn check_hc_preload(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> 
         all.extend(q);
         all.extend(gpu.download(&d)?);
         Ok(all)
-    })?;
-    checks.push(bit_identical(
-        format!("hc_pre_pl = hc_pre {N_HC}x{N_EMBD} (y, norm, Q8_0)"),
-        same_bits(&a, &b),
-    ));
+    })?);
 
     // hc_post without parts (attention) and with the 6 + 1 expert rows (FFN).
     let out = gpu.upload(&normal(&mut rng, N_EMBD, 1.0))?;
     let parts = gpu.upload(&normal(&mut rng, 7 * N_EMBD, 1.0))?;
     let hcp = gpu.upload(&normal(&mut rng, N_HC + N_HC * N_HC, 0.5))?;
     for (parts_p, n_parts) in [(0u64, 0usize), (gpu.ptr(&parts), 7)] {
-        let (a, b) = both(gpu, Variant::HcPreload, |gpu| {
+        let name = format!("hc_post_pl = hc_post {N_HC}x{N_EMBD}, {n_parts} parts");
+        checks.push(same_both(gpu, Variant::HcPreload, name, |gpu| {
             let h_out = gpu.upload(&vec![f32::NAN; N_HC * N_EMBD])?;
             gpu.hc_post(
                 1,
@@ -593,11 +575,7 @@ pub(super) fn check_hc_preload(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> 
                 gpu.ptr(&h_out),
             )?;
             Ok(gpu.download(&h_out)?)
-        })?;
-        checks.push(bit_identical(
-            format!("hc_post_pl = hc_post {N_HC}x{N_EMBD}, {n_parts} parts"),
-            same_bits(&a, &b),
-        ));
+        })?);
     }
     Ok(checks)
 }

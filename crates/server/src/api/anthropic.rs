@@ -222,7 +222,7 @@ fn render_request(
     let live_ids = shared.bindings().anthropic.as_ref().map(|b| b.ids.clone());
     let mem = shared.cfg.exact_dsml_replay.then(|| shared.tool_memory());
     let live = if validate {
-        anthropic_live(&conv, &turns, mode, mem.as_deref(), live_ids.as_deref())?
+        anthropic_live(&conv, mode, mem.as_deref(), live_ids.as_deref(), &turns)?
     } else {
         LiveRequest::default()
     };

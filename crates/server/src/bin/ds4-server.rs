@@ -81,8 +81,8 @@ fn load_engine(
     log!(
         "model {}: {} layers, vocab {}, ctx {}",
         args.model.display(),
-        info.n_layer,
-        info.vocab,
+        info.hparams.n_layer,
+        info.hparams.vocab,
         args.ctx
     );
     Ok((tok, Box::new(RealEngine::new(&engine, session))))

@@ -89,7 +89,7 @@ pub fn run(a: Args) -> Result<()> {
         },
     )
     .with_context(|| format!("cannot load {}", a.model.display()))?;
-    let vocab = engine.info().vocab;
+    let vocab = engine.info().hparams.vocab;
     if let Some(&t) = ids.iter().find(|&&t| t as usize >= vocab) {
         bail!("token {t} is outside the vocabulary of {vocab}");
     }

@@ -221,16 +221,17 @@ pub fn perplexity(engine: &Engine, args: &Args, path: &Path) -> Result<()> {
 
 /// `--inspect`: what the model is and how it will run.
 pub fn inspect(engine: &Engine, args: &Args) -> Result<()> {
-    let c = engine.info();
+    let info = engine.info();
+    let c = &info.hparams;
     println!("model: {}", args.model.display());
     if let Some(name) = &c.name {
         println!("name: {name}");
     }
     println!(
         "file: {} bytes, {} tensors, {:.2} GiB of tensor data",
-        c.file_bytes,
-        c.n_tensors,
-        c.tensor_bytes as f64 / (1u64 << 30) as f64
+        info.file_bytes,
+        info.n_tensors,
+        info.tensor_bytes as f64 / (1u64 << 30) as f64
     );
     println!(
         "layers: {} (compress ratios {:?})",
@@ -244,22 +245,22 @@ pub fn inspect(engine: &Engine, args: &Args) -> Result<()> {
         "experts: {} routed ({} used, width {}), {} shared, {} hash layers",
         c.n_expert, c.n_expert_used, c.n_ff_exp, c.n_expert_shared, c.n_hash_layer
     );
-    if let Some(q) = c.routed_quant {
+    if let Some(q) = info.routed_quant {
         println!("routed expert quantisation: {q}");
     }
     println!(
         "window {}, indexer {} heads × {} (top {}), hyper-connections {}",
         c.window, c.idx_heads, c.idx_head_dim, c.idx_topk, c.n_hc
     );
-    if let Some(n) = c.trained_ctx {
+    if let Some(n) = c.context_length {
         println!("trained context: {n}");
     }
-    if c.profile_deviations.is_empty() {
+    if info.profile_deviations.is_empty() {
         println!("profile: DeepSeek V4 Flash");
     } else {
         println!(
             "profile: differs from DeepSeek V4 Flash in {} hyperparameters",
-            c.profile_deviations.len()
+            info.profile_deviations.len()
         );
     }
     let sp = engine.specials();

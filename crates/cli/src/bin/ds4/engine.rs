@@ -94,8 +94,8 @@ impl Engine {
         let c = self.info();
         format!(
             "ds4: {} layers, vocab {}, backend {} ({}), {} numerics",
-            c.n_layer,
-            c.vocab,
+            c.hparams.n_layer,
+            c.hparams.vocab,
             self.backend_name(),
             self.engine.backend_reason(),
             match self.numerics() {

@@ -2,8 +2,8 @@
 //! projection helpers they share (GEMM for batches, matvec for one token).
 
 use ds4_cuda::{
-    Batch, CudaError, DecodePlan, DeviceBuf, DeviceMatrix, Gpu, Launcher, MatSel, QuantAct,
-    RoutePlan, Variant,
+    ActRule, Batch, CudaError, DecodePlan, DeviceBuf, DeviceMatrix, Gpu, Launcher, MatSel,
+    QuantAct, RoutePlan, Variant,
 };
 use ds4_gguf::GgmlType;
 
@@ -201,7 +201,7 @@ impl Pass<'_> {
         if self.fast && m.ty == GgmlType::Q8_0 {
             if !quantized {
                 let rows_q = (n_sel * sel.x_stride as usize).div_ceil(xq.cols);
-                g.quantize_act_rows(x, xq, rows_q)?;
+                g.quantize_rows(x, xq, rows_q, ActRule::Q8_0)?;
             }
             g.matvec_q8act(m, xq, y, n_sel, sel)
         } else {
@@ -603,7 +603,9 @@ impl KvView<'_> {
         // and the router run on the main lane.
         let early_q8k = n == 1 && int8(&l.gate_exps) && int8(&l.up_exps);
         if early_q8k {
-            g.branch(2, || g.quantize_act_k_rows(p(&s.n), &mut qb.exp_in, 1))?;
+            g.branch(2, || {
+                g.quantize_rows(p(&s.n), &mut qb.exp_in, 1, ActRule::Q8K)
+            })?;
         }
         dense_f32(g, &l.gate_inp, p(&s.n), p(&s.rlog), plain(&l.gate_inp, n))?;
         fork_shared()?;
@@ -650,16 +652,16 @@ impl KvView<'_> {
         let plan = match route_plan.filter(|_| expert_gemm) {
             Some(plan) => {
                 g.route_plan(ids, pairs, c.n_expert, plan)?;
-                g.quantize_act_k_rows(p(&s.n), &mut qb.exp_in, n)?;
-                g.matmul_experts_q8act(&l.gate_exps, &qb.exp_in, plan, k, true, p(&s.g))?;
-                g.matmul_experts_q8act(&l.up_exps, &qb.exp_in, plan, k, true, p(&s.u))?;
+                g.quantize_rows(p(&s.n), &mut qb.exp_in, n, ActRule::Q8K)?;
+                g.matmul_experts_q8act(&l.gate_exps, &qb.exp_in, plan, k, true, p(&s.g), None)?;
+                g.matmul_experts_q8act(&l.up_exps, &qb.exp_in, plan, k, true, p(&s.u), None)?;
                 Some(&*plan)
             }
             None if int8(&l.gate_exps) && int8(&l.up_exps) => {
                 if early_q8k {
                     g.join(2)?;
                 } else {
-                    g.quantize_act_k_rows(x_in, &mut qb.exp_in, pairs)?;
+                    g.quantize_rows(x_in, &mut qb.exp_in, pairs, ActRule::Q8K)?;
                 }
                 let (gate, up) = ((&l.gate_exps, p(&s.g)), (&l.up_exps, p(&s.u)));
                 g.matvec_q8act_pair(gate, up, &qb.exp_in, pairs, gate_up)?;
@@ -677,9 +679,15 @@ impl KvView<'_> {
         px.swiglu(gate_up_w, ff, pairs, clamp, mid, xq)?;
         if down_q8 {
             match plan {
-                Some(plan) => {
-                    g.matmul_experts_q8act(&l.down_exps, &qb.exp_mid, plan, k, false, p(&s.dn))?
-                }
+                Some(plan) => g.matmul_experts_q8act(
+                    &l.down_exps,
+                    &qb.exp_mid,
+                    plan,
+                    k,
+                    false,
+                    p(&s.dn),
+                    None,
+                )?,
                 None => g.matvec_q8act(&l.down_exps, &qb.exp_mid, p(&s.dn), pairs, per_mid)?,
             }
         } else {
@@ -752,7 +760,7 @@ pub(super) fn mv(
 ) -> Result<(), CudaError> {
     if fast && m.ty == GgmlType::Q8_0 {
         if !quantized {
-            g.quantize_act_rows(x, xq, n)?;
+            g.quantize_rows(x, xq, n, ActRule::Q8_0)?;
         }
         if n > 1 && gemm(Gemm::Q8) {
             g.matmul_q8act(m, xq, y, Batch::plain(n, xq.cols, m.rows))
