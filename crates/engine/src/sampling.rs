@@ -80,11 +80,17 @@ impl SamplerConfig {
 
 /// Index of the first maximum; NaN entries are never chosen unless all are NaN.
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
+    // One compare per value on the hot path (every greedy token scans the vocabulary);
+    // NaN never compares greater, so it is never chosen here.
+    let (mut best, mut best_v) = (0usize, f32::NEG_INFINITY);
     for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] || (logits[best].is_nan() && !v.is_nan()) {
-            best = i;
+        if v > best_v {
+            (best, best_v) = (i, v);
         }
+    }
+    if best_v == f32::NEG_INFINITY {
+        // Nothing above -inf: the first value that is not NaN (0 when all are).
+        return logits.iter().position(|v| !v.is_nan()).unwrap_or(0) as u32;
     }
     best as u32
 }
@@ -240,6 +246,10 @@ mod tests {
     #[test]
     fn greedy_takes_first_max() {
         assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]), 1);
+        let ninf = f32::NEG_INFINITY;
+        assert_eq!(argmax(&[f32::NAN, ninf, ninf]), 1);
+        assert_eq!(argmax(&[ninf, ninf]), 0);
+        assert_eq!(argmax(&[f32::NAN, f32::NAN, -1.0, 5.0, f32::NAN, 5.0]), 3);
         let mut s = Sampler::new(SamplerConfig::greedy());
         assert_eq!(s.sample(&[0.0, 5.0, 5.0]), 1);
     }

@@ -414,14 +414,53 @@ impl Session {
     }
 }
 
+/// Whether `x` holds a NaN. Branch-free per chunk so that it vectorises: a NaN's
+/// magnitude bits are above infinity's. (`iter().any(is_nan)` stops early but runs one
+/// compare-and-branch per value: ~130k a decoded token, 3% of a GPU token's time.)
+fn has_nan(x: &[f32]) -> bool {
+    const INF_BITS: u32 = 0x7f80_0000;
+    x.chunks(4096).any(|c| {
+        let top = c.iter().fold(0u32, |m, v| m.max(v.to_bits() & 0x7fff_ffff));
+        top > INF_BITS
+    })
+}
+
 /// #18 item 11: NaN logits mean corrupt weights (an inf in a quantised scale, …); saying
 /// so beats sampling token 0 forever. One pass over `vocab` floats per token is noise
 /// next to the forward pass.
 fn check_logits(logits: &[f32]) -> Result<()> {
-    if logits.iter().any(|x| x.is_nan()) {
+    if has_nan(logits) {
         return Err(EngineError::Invalid(
             "the model produced NaN logits: its weights are corrupt (inf or NaN values)".into(),
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::has_nan;
+
+    #[test]
+    fn has_nan_finds_every_nan_and_nothing_else() {
+        let mut v = vec![0.5f32; 10_000];
+        v[17] = f32::INFINITY;
+        v[18] = f32::NEG_INFINITY;
+        v[19] = f32::MAX;
+        assert!(!has_nan(&v));
+        for bits in [
+            0x7fc0_0000u32,
+            0xffc0_0000,
+            0x7f80_0001,
+            0xff80_0001,
+            0x7fff_ffff,
+        ] {
+            for at in [0, 4095, 4096, 9_999] {
+                let mut w = v.clone();
+                w[at] = f32::from_bits(bits);
+                assert!(has_nan(&w), "{bits:#x} at {at}");
+            }
+        }
+        assert!(!has_nan(&[]));
+    }
 }
