@@ -55,31 +55,10 @@ impl Plan {
             );
         }
         let specs = layout::expected_tensors(&config, experts);
-        let mut w = GgufWriter::new();
-        w.add("general.architecture", Value::String("deepseek4".into()))?;
-        w.add(
-            "general.name",
-            Value::String(format!("DeepSeek-V4-Flash synthetic ({experts:?} experts)")),
-        )?;
-        w.add("general.description", Value::String(description.into()))?;
-        w.add("general.quantization_version", Value::U32(2))?;
-        for (k, v) in layout::metadata(&config)
-            .into_iter()
-            .chain(vocab.metadata())
-        {
-            w.add(k, v)?;
-        }
-        for s in &specs {
-            w.add_tensor(&s.name, &s.dims, s.published)?;
-        }
-        let layout = w.layout();
-        Ok(Plan {
-            config,
-            experts,
-            specs,
-            writer: w,
-            layout,
-        })
+        let name = format!("DeepSeek-V4-Flash synthetic ({experts:?} experts)");
+        let mut meta = layout::metadata(&config);
+        meta.extend(vocab.metadata());
+        Plan::with(config, experts, specs, &name, description, meta)
     }
 
     /// The MTP GGUF (architecture.md §2.5) matching a main model of `config`: the
@@ -87,16 +66,27 @@ impl Plan {
     /// tokenizer (the embedding and `output` come from the main file).
     pub fn mtp(config: Config, experts: ExpertQuant, description: &str) -> Result<Plan> {
         let specs = mtp_tensors(&config, experts);
+        let name = format!("DeepSeek-V4-Flash MTP synthetic ({experts:?} experts)");
+        Plan::with(config, experts, specs, &name, description, Vec::new())
+    }
+
+    /// The general.* keys, then `meta`, then the tensor table of `specs`.
+    fn with(
+        config: Config,
+        experts: ExpertQuant,
+        specs: Vec<TensorSpec>,
+        name: &str,
+        description: &str,
+        meta: Vec<(String, Value)>,
+    ) -> Result<Plan> {
         let mut w = GgufWriter::new();
         w.add("general.architecture", Value::String("deepseek4".into()))?;
-        w.add(
-            "general.name",
-            Value::String(format!(
-                "DeepSeek-V4-Flash MTP synthetic ({experts:?} experts)"
-            )),
-        )?;
+        w.add("general.name", Value::String(name.into()))?;
         w.add("general.description", Value::String(description.into()))?;
         w.add("general.quantization_version", Value::U32(2))?;
+        for (k, v) in meta {
+            w.add(k, v)?;
+        }
         for s in &specs {
             w.add_tensor(&s.name, &s.dims, s.published)?;
         }

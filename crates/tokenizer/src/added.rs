@@ -81,48 +81,43 @@ impl Trie {
         mut on_text: impl FnMut(&'a str),
         mut on_token: impl FnMut(u32),
     ) {
-        let b = text.as_bytes();
         let mut start = 0;
-        let mut i = 0;
-        while i < b.len() {
-            if !self.first[b[i] as usize] {
-                i += 1;
-                continue;
+        for (i, end, id) in self.spans(text.as_bytes()) {
+            if start < i {
+                on_text(&text[start..i]);
             }
-            match self.longest_at(b, i) {
-                Some((end, id)) => {
-                    if start < i {
-                        on_text(&text[start..i]);
-                    }
-                    on_token(id);
-                    i = end;
-                    start = end;
-                }
-                None => i += 1,
-            }
+            on_token(id);
+            start = end;
         }
-        if start < b.len() {
+        if start < text.len() {
             on_text(&text[start..]);
         }
+    }
+
+    /// The leftmost-longest matches in `b` as (start, end, id) byte spans, in order.
+    fn spans<'s>(&'s self, b: &'s [u8]) -> impl Iterator<Item = (usize, usize, u32)> + 's {
+        let mut i = 0;
+        std::iter::from_fn(move || {
+            while i < b.len() {
+                if self.first[b[i] as usize] {
+                    if let Some((end, id)) = self.longest_at(b, i) {
+                        let at = i;
+                        i = end;
+                        return Some((at, end, id));
+                    }
+                }
+                i += 1;
+            }
+            None
+        })
     }
 
     /// The tokens `split` would emit for `text`, as (start, end, id) byte spans offset by
     /// `base`, appended to `out`.
     pub(crate) fn matches(&self, text: &str, base: usize, out: &mut Vec<(usize, usize, u32)>) {
-        let b = text.as_bytes();
-        let mut i = 0;
-        while i < b.len() {
-            if !self.first[b[i] as usize] {
-                i += 1;
-                continue;
-            }
-            match self.longest_at(b, i) {
-                Some((end, id)) => {
-                    out.push((base + i, base + end, id));
-                    i = end;
-                }
-                None => i += 1,
-            }
-        }
+        out.extend(
+            self.spans(text.as_bytes())
+                .map(|(i, end, id)| (base + i, base + end, id)),
+        );
     }
 }
