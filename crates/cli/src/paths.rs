@@ -36,6 +36,13 @@ impl<'a> PathFlag<'a> {
     pub fn new(id: &'a str, path: &'a Path, want: Want) -> PathFlag<'a> {
         PathFlag { id, path, want }
     }
+
+    /// The flags of `list` (id, value if given, what it must be) that were given.
+    pub fn given(list: &[(&'a str, Option<&'a Path>, Want)]) -> Vec<PathFlag<'a>> {
+        list.iter()
+            .filter_map(|&(id, path, want)| Some(PathFlag::new(id, path?, want)))
+            .collect()
+    }
 }
 
 fn access(path: &Path, mode: libc::c_int) -> bool {

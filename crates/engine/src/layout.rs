@@ -75,13 +75,20 @@ impl TensorSpec {
     }
 }
 
+/// `blk.IL.NAME.weight` (`.bias` for `exp_probs_b`).
 pub fn layer_name(il: usize, name: &str) -> String {
+    block_name(&format!("blk.{il}."), name)
+}
+
+/// `PREFIX` `NAME.weight`, or `NAME.bias` for `exp_probs_b` (the only bias): the file
+/// name of a block tensor (main layers, the MTP block).
+pub fn block_name(prefix: &str, name: &str) -> String {
     let suffix = if name == "exp_probs_b" {
         "bias"
     } else {
         "weight"
     };
-    format!("blk.{il}.{name}.{suffix}")
+    format!("{prefix}{name}.{suffix}")
 }
 
 /// The complete tensor table in file order: `token_embd`, each layer, then the head.

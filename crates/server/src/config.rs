@@ -361,24 +361,18 @@ impl Args {
     pub fn check_paths(&self) -> Result<(), clap::Error> {
         use paths::{validate, validate_model, PathFlag, Want};
         let mut cmd = Args::command();
-        let mut flags = Vec::new();
-        let inputs = [
-            ("api_key_file", &self.api_key_file),
-            ("mtp", &self.mtp),
-            ("dir_steering_file", &self.dir_steering_file),
-            ("fake_engine", &self.fake_engine),
-        ];
-        for (id, p) in inputs {
-            if let Some(p) = p {
-                flags.push(PathFlag::new(id, p, Want::File));
-            }
-        }
-        if let Some(p) = &self.trace {
-            flags.push(PathFlag::new("trace", p, Want::OutFile));
-        }
-        if let Some(p) = &self.kv_disk_dir {
-            flags.push(PathFlag::new("kv_disk_dir", p, Want::OutDir));
-        }
+        let flags = PathFlag::given(&[
+            ("api_key_file", self.api_key_file.as_deref(), Want::File),
+            ("mtp", self.mtp.as_deref(), Want::File),
+            (
+                "dir_steering_file",
+                self.dir_steering_file.as_deref(),
+                Want::File,
+            ),
+            ("fake_engine", self.fake_engine.as_deref(), Want::File),
+            ("trace", self.trace.as_deref(), Want::OutFile),
+            ("kv_disk_dir", self.kv_disk_dir.as_deref(), Want::OutDir),
+        ]);
         validate(&mut cmd, &flags)?;
         if self.fake_engine.is_none() {
             validate_model(&mut cmd, "model", &self.model)?;

@@ -249,7 +249,6 @@ fn bad_path_flags_exit_2_before_the_load() {
         &["--kv-disk-dir", &format!("{}/new/kv", d.display())],
     );
     stop(a);
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// The address in a `listening on http://ADDR ...` line.

@@ -7,7 +7,8 @@ use ds4_gguf::{GgmlType, GgufFile};
 
 use crate::config::Config;
 use crate::layout::{
-    check_specs, expected_tensors, layer_name, ExpertQuant, LayoutIssue, Role, TensorSpec,
+    block_name, check_specs, expected_tensors, layer_name, ExpertQuant, LayoutIssue, Role,
+    TensorSpec,
 };
 
 /// Prefix of every tensor of the block.
@@ -18,12 +19,7 @@ pub const MTP_MARKER: &str = "mtp.0.e_proj.weight";
 
 /// `mtp.0.NAME.weight` (`.bias` for `exp_probs_b`), like [`layer_name`].
 pub fn mtp_name(name: &str) -> String {
-    let suffix = if name == "exp_probs_b" {
-        "bias"
-    } else {
-        "weight"
-    };
-    format!("{MTP_PREFIX}{name}.{suffix}")
+    block_name(MTP_PREFIX, name)
 }
 
 /// The MTP tensor table for a main model with config `cfg`, in file order: the block's

@@ -244,13 +244,10 @@ fn check_args(a: &Args) -> Result<(), clap::Error> {
     use clap::CommandFactory;
     use ds4_cli::paths::{validate, validate_model, PathFlag, Want};
     let mut cmd = Args::command();
-    let mut flags = Vec::new();
-    if let Some(p) = &a.plot_from {
-        flags.push(PathFlag::new("plot_from", p, Want::File));
-    }
-    if let Some(p) = &a.plot {
-        flags.push(PathFlag::new("plot", p, Want::OutFile));
-    }
+    let mut flags = PathFlag::given(&[
+        ("plot_from", a.plot_from.as_deref(), Want::File),
+        ("plot", a.plot.as_deref(), Want::OutFile),
+    ]);
     if a.plot_from.is_some() {
         // Only the chart is drawn: no model, no run.
         return validate(&mut cmd, &flags);
@@ -268,17 +265,15 @@ fn check_args(a: &Args) -> Result<(), clap::Error> {
             "--ctx-alloc must be greater than ctx-max + gen-tokens",
         ));
     }
-    for (id, p) in [
-        ("prompt_file", &a.prompt_file),
-        ("chat_prompt_file", &a.chat_prompt_file),
-    ] {
-        if let Some(p) = p {
-            flags.push(PathFlag::new(id, p, Want::File));
-        }
-    }
-    if let Some(p) = &a.csv {
-        flags.push(PathFlag::new("csv", p, Want::OutFile));
-    }
+    flags.extend(PathFlag::given(&[
+        ("prompt_file", a.prompt_file.as_deref(), Want::File),
+        (
+            "chat_prompt_file",
+            a.chat_prompt_file.as_deref(),
+            Want::File,
+        ),
+        ("csv", a.csv.as_deref(), Want::OutFile),
+    ]));
     validate(&mut cmd, &flags)?;
     if a.synthetic_weights.is_none() {
         validate_model(&mut cmd, "model", &a.model)?;

@@ -268,16 +268,19 @@ impl Args {
     fn check_paths(&self) -> Result<(), clap::Error> {
         use ds4_cli::paths::{validate, validate_model, PathFlag, Want};
         let mut cmd = Args::command();
-        let mut flags = Vec::new();
-        if let Some(p) = &self.prompt_file {
-            flags.push(PathFlag::new("prompt_file", p, Want::File));
-        }
-        if let Some(p) = &self.perplexity_file {
-            flags.push(PathFlag::new("perplexity_file", p, Want::File));
-        }
-        if let Some(p) = &self.dump_logprobs {
-            flags.push(PathFlag::new("dump_logprobs", p, Want::OutFile));
-        }
+        let flags = PathFlag::given(&[
+            ("prompt_file", self.prompt_file.as_deref(), Want::File),
+            (
+                "perplexity_file",
+                self.perplexity_file.as_deref(),
+                Want::File,
+            ),
+            (
+                "dump_logprobs",
+                self.dump_logprobs.as_deref(),
+                Want::OutFile,
+            ),
+        ]);
         validate(&mut cmd, &flags)?;
         validate_model(&mut cmd, "model", &self.model)
     }
