@@ -287,11 +287,12 @@ fn errors_and_pending_rules() {
     for rig in rigs(&model, numerics) {
         let ctx = 40;
         let mut s = (rig.make)(ctx);
-        let same = |a: &Session, b: &Session| {
-            assert_eq!(a.tokens(), b.tokens());
-            assert!(a.logits() == b.logits());
-            assert_eq!(a.pending_rows(), b.pending_rows());
-            assert!(kv(a) == kv(b));
+        let same = |a: &Session, b: &Session, what: &str| {
+            let what = format!("{}: {what}", rig.name);
+            assert_eq!(a.tokens(), b.tokens(), "{what}: tokens");
+            assert!(a.logits() == b.logits(), "{what}: logits");
+            assert_eq!(a.pending_rows(), b.pending_rows(), "{what}: pending rows");
+            assert!(kv(a) == kv(b), "{what}: KV state");
         };
         // No step pending: only a zero commit is valid.
         s.commit_rows(0).unwrap();
@@ -301,14 +302,14 @@ fn errors_and_pending_rules() {
         for bad in [0, MAX + 1] {
             let e = s.step_rows(&seq[30..30 + bad]).unwrap_err();
             assert!(matches!(e, EngineError::Invalid(_)), "{bad} rows: {e}");
-            same(&s, &before);
+            same(&s, &before, "bad row count");
         }
         let e = s.step_rows(&seq[30..41]).unwrap_err();
         assert!(matches!(e, EngineError::ContextFull { .. }), "{e}");
-        same(&s, &before);
+        same(&s, &before, "context full");
         let e = s.step_rows(&[1, VOCAB as u32]).unwrap_err();
         assert!(matches!(e, EngineError::BadToken { .. }), "{e}");
-        same(&s, &before);
+        same(&s, &before, "bad token");
 
         // A pending step: bad commits and refused steps keep it pending.
         s.step_rows(&seq[30..36]).unwrap();
@@ -329,23 +330,23 @@ fn errors_and_pending_rules() {
         for &tok in &seq[30..33] {
             one.decode(tok).unwrap();
         }
-        same(&s, &one);
+        same(&s, &one, "truncate inside the step");
         s.step_rows(&seq[33..37]).unwrap();
         s.truncate(20).unwrap();
         let mut twenty = (rig.make)(ctx);
         twenty.prefill(&seq[..20]).unwrap();
-        same(&s, &twenty);
+        same(&s, &twenty, "truncate below the step");
 
         // a = 0 is a no-op, a = R equals plain decode.
         s.step_rows(&seq[20..24]).unwrap();
         s.commit_rows(0).unwrap();
-        same(&s, &twenty);
+        same(&s, &twenty, "a = 0");
         s.step_rows(&seq[20..24]).unwrap();
         s.commit_rows(4).unwrap();
         for &tok in &seq[20..24] {
             twenty.decode(tok).unwrap();
         }
-        same(&s, &twenty);
+        same(&s, &twenty, "a = R");
 
         // A step left pending is accepted by the next decode.
         s.step_rows(&[draft(seq[24]), draft(seq[25])]).unwrap();
@@ -354,7 +355,7 @@ fn errors_and_pending_rules() {
         for tok in [draft(seq[24]), draft(seq[25]), seq[26]] {
             twenty.decode(tok).unwrap();
         }
-        same(&s, &twenty);
+        same(&s, &twenty, "pending step accepted by decode");
         assert!(
             matches!(s.commit_rows(1), Err(EngineError::Invalid(_))),
             "{}",
@@ -377,9 +378,9 @@ fn errors_and_pending_rules() {
         s.commit_rows(1).unwrap();
         s.step_rows(&seq[at + 1..at + 2]).unwrap();
         s.load_payload(&mut bytes.as_slice()).unwrap();
-        same(&s, &whole);
+        same(&s, &whole, "payload loaded over a step");
         s.step_rows(&seq[at + 3..at + 5]).unwrap();
         s.import_state(twenty.export_state().unwrap()).unwrap();
-        same(&s, &twenty);
+        same(&s, &twenty, "state imported over a step");
     }
 }

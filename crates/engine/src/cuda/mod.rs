@@ -31,6 +31,9 @@ pub struct CudaBackend {
     batched: bool,
     /// The pending multi-row step.
     pending: Option<PendingRows>,
+    /// `reset` was called: the frontiers are cleared (a fallible device write) before
+    /// the next forward.
+    stale: bool,
 }
 
 /// The interim multi-row step (docs/architecture.md, "Multi-row steps and rollback"):
@@ -68,6 +71,7 @@ impl CudaBackend {
             state: DeviceState::new(weights, ctx, plan)?,
             batched: batched_default(),
             pending: None,
+            stale: false,
         })
     }
 
@@ -87,6 +91,15 @@ impl CudaBackend {
     /// Tokens per batched prefill chunk.
     pub fn prefill_chunk(&self) -> usize {
         self.state.chunk()
+    }
+
+    /// Clears the state after a `reset` (see `stale`).
+    fn fresh(&mut self) -> Result<()> {
+        if self.stale {
+            self.state.clear(&self.weights)?;
+            self.stale = false;
+        }
+        Ok(())
     }
 
     /// Tokens in the vocabulary, and room for them in the context.
@@ -140,6 +153,7 @@ impl Backend for CudaBackend {
     fn forward(&mut self, tokens: &[u32], rows: LogitRows) -> Result<Vec<f32>> {
         self.pending = None;
         self.check_tokens(tokens)?;
+        self.fresh()?;
         let mut out = Vec::new();
         if tokens.len() > 1 && self.batched {
             // Batched prefill, one chunk at a time.
@@ -177,6 +191,7 @@ impl Backend for CudaBackend {
         check_rows(tokens.len())?;
         self.pending = None;
         self.check_tokens(tokens)?;
+        self.fresh()?;
         let before = self.state.duplicate(&self.weights)?;
         let mut out = Vec::with_capacity(tokens.len() * self.weights.config.vocab);
         for &t in tokens {
@@ -223,17 +238,23 @@ impl Backend for CudaBackend {
     }
 
     fn export_state(&self) -> Result<KvCache> {
+        if self.stale {
+            // Reset and not yet cleared on the device: the state of a new session.
+            return Ok(KvCache::new(&self.weights.config, self.state.ctx));
+        }
         self.state.export(&self.weights)
     }
 
     fn import_state(&mut self, state: KvCache) -> Result<()> {
         self.pending = None;
+        self.fresh()?;
         self.state.import(&self.weights, &state)
     }
 
     fn reset(&mut self) {
         self.pending = None;
         self.state.n_tokens = 0;
+        self.stale = true;
     }
 
     fn try_clone_box(&self) -> Result<Box<dyn Backend>> {
@@ -244,6 +265,7 @@ impl Backend for CudaBackend {
             state,
             batched: self.batched,
             pending: None,
+            stale: self.stale,
         }))
     }
 }

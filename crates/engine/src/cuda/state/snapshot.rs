@@ -88,6 +88,24 @@ impl DeviceState {
         Ok(())
     }
 
+    /// Back to the state of a new session: every compressor and indexer frontier
+    /// empty (kv 0, scores `NEG_INF`, as [`DeviceState::new`] leaves them) and no
+    /// tokens. The first windows of the next prompt pool over these slots, so stale
+    /// ones would change its compressed rows; rows past the counts are never read.
+    pub fn clear(&mut self, w: &CudaWeights) -> Result<()> {
+        let g = &*w.gpu;
+        for st in &mut self.layers {
+            for (kv, score) in [(&mut st.skv, &mut st.ssc), (&mut st.iskv, &mut st.issc)] {
+                if let (Some(kv), Some(score)) = (kv, score) {
+                    g.write(kv, &vec![0.0; kv.len()])?;
+                    g.write(score, &vec![crate::kv::NEG_INF; score.len()])?;
+                }
+            }
+        }
+        self.n_tokens = 0;
+        Ok(())
+    }
+
     /// An independent copy (a snapshot of the session), copied on the device: only the
     /// compressed rows in use move, so a long session snapshots in milliseconds instead
     /// of a host round trip.
