@@ -9,7 +9,7 @@ use ds4_gguf::GgufFile;
 
 mod common;
 
-use common::{synth, tmp_file as tmp, tool, tool_ok};
+use common::{synth, tmp_file as tmp, tool_err, tool_ok};
 
 #[path = "../../../tests-support/record_skip.rs"]
 mod record_skip;
@@ -50,9 +50,7 @@ fn full_size_dry_run_lists_the_published_table() {
 
 #[test]
 fn tiny_synth_is_loadable_deterministic_and_thread_independent() {
-    let a = tmp("a.gguf");
-    let b = tmp("b.gguf");
-    let c = tmp("c.gguf");
+    let [a, b, c] = ["a.gguf", "b.gguf", "c.gguf"].map(tmp);
     let tok = fixture("tokenizer.json");
     let base = [
         "--layers",
@@ -116,11 +114,9 @@ fn inspect_reads_every_fixture() {
 fn inspect_rejects_garbage_with_a_message() {
     let p = tmp("garbage.gguf");
     std::fs::write(&p, b"not a gguf file at all").unwrap();
-    let (ok, _, err) = tool(&["inspect", p.to_str().unwrap()]);
-    assert!(!ok);
+    let err = tool_err(&["inspect", p.to_str().unwrap()]);
     assert!(err.contains("not a GGUF file"), "{err}");
-    let (ok, _, err) = tool(&["inspect", "/nonexistent/x.gguf"]);
-    assert!(!ok);
+    let err = tool_err(&["inspect", "/nonexistent/x.gguf"]);
     assert!(
         err.contains("'/nonexistent/x.gguf' for '<FILE>': no such file"),
         "{err}"
@@ -142,8 +138,8 @@ fn dump_tensor_writes_dequantized_f32() {
     let t = g.tensor("blk.3.ffn_down_exps.weight").unwrap();
     let want = ds4_gguf::quant::dequantize_to_vec(t.ty(), t.data, 256 * 256 * 8).unwrap();
     assert_eq!(common::read_f32(&out), want);
-    let (ok, _, err) = tool(&["dump-tensor", f.to_str().unwrap(), "blk.3.nope"]);
-    assert!(!ok && err.contains("no tensor named"), "{err}");
+    let err = tool_err(&["dump-tensor", f.to_str().unwrap(), "blk.3.nope"]);
+    assert!(err.contains("no tensor named"), "{err}");
 }
 
 // #19 item 4: `ds4-tool inspect … | head` panicked in `println!` once the reader left.

@@ -49,12 +49,11 @@ fn models_health_metrics_and_unknown_paths() {
 #[test]
 fn chat_thinking_on_off_and_aliases() {
     let s = fake_server(cfg());
-    let r = post(
+    let r = post_json(
         s.addr,
         "/v1/chat/completions",
         &json!({"messages": [{"role": "user", "content": "hi"}]}),
-    )
-    .json();
+    );
     assert_eq!(r["object"], "chat.completion");
     assert_eq!(
         r["choices"][0]["message"]["reasoning_content"],
@@ -86,12 +85,11 @@ fn chat_thinking_on_off_and_aliases() {
     );
     assert_eq!(r.status, 400);
     // Max needs ctx >= 393216: at 4096 it is plain thinking (no Max prefix, still reasoning).
-    let r = post(
+    let r = post_json(
         s.addr,
         "/v1/chat/completions",
         &json!({"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "max"}),
-    )
-    .json();
+    );
     assert!(r["choices"][0]["message"]["reasoning_content"].is_string());
 }
 
@@ -176,12 +174,11 @@ fn chat_tool_round_trip_reuses_the_kv() {
     // The client replays the call (compact arguments) and the result.
     msgs.push(json!({"role": "assistant", "content": "Checking.", "reasoning_content": "The user wants an answer. Let me think.", "tool_calls": [{"id": id, "type": "function", "function": {"name": "get_weather", "arguments": args}}]}));
     msgs.push(json!({"role": "tool", "tool_call_id": id, "content": "sunny, 21C"}));
-    let second = post(
+    let second = post_json(
         s.addr,
         "/v1/chat/completions",
         &json!({"messages": msgs, "tools": [weather_tool()]}),
-    )
-    .json();
+    );
     assert_eq!(
         second["choices"][0]["message"]["content"],
         "It is sunny in Paris."
@@ -228,12 +225,11 @@ fn second_turn_prefills_only_the_suffix() {
 #[test]
 fn completions_stream_and_not() {
     let s = fake_server(cfg());
-    let r = post(
+    let r = post_json(
         s.addr,
         "/v1/completions",
         &json!({"prompt": "hi", "max_tokens": 500}),
-    )
-    .json();
+    );
     assert_eq!(r["object"], "text_completion");
     assert!(r["choices"][0]["text"]
         .as_str()
@@ -298,12 +294,11 @@ fn responses_tool_call_stream_and_continuation() {
         {"type": "function_call", "call_id": call_id, "name": "get_weather", "arguments": fc["arguments"]},
         {"type": "function_call_output", "call_id": call_id, "output": "sunny"},
     ]);
-    let r = post(
+    let r = post_json(
         s.addr,
         "/v1/responses",
         &json!({"instructions": "Be brief.", "input": input, "tools": tools}),
-    )
-    .json();
+    );
     assert_eq!(r["status"], "completed");
     let msg = first_of(&r["output"], "message");
     assert_eq!(msg["content"][0]["text"], "It is sunny in Paris.");
@@ -380,12 +375,11 @@ fn anthropic_messages_stream_tool_use_and_count_tokens() {
         r["usage"]["cache_read_input_tokens"].as_u64().unwrap() > 0,
         "{r}"
     );
-    let n = post(
+    let n = post_json(
         s.addr,
         "/v1/messages/count_tokens",
         &json!({"model": "claude", "messages": [{"role": "user", "content": "hello"}]}),
-    )
-    .json();
+    );
     assert!(n["input_tokens"].as_u64().unwrap() > 3);
     let r = post(s.addr, "/v1/messages", &json!({"max_tokens": 10}));
     assert_eq!(r.status, 400);

@@ -51,6 +51,13 @@ pub fn tool_ok(args: &[&str]) -> String {
     out
 }
 
+/// Runs `ds4-tool` with `args`, asserting that it fails; returns its stderr.
+pub fn tool_err(args: &[&str]) -> String {
+    let (ok, out, err) = tool(args);
+    assert!(!ok, "ds4-tool {args:?} succeeded: {out}");
+    err
+}
+
 /// Runs `ds4-tool synth --dims <dims>` followed by `extra`, asserting that it succeeds;
 /// returns its stdout.
 pub fn synth(dims: &str, extra: &[&str]) -> String {

@@ -194,6 +194,11 @@ pub fn post(addr: SocketAddr, path: &str, body: &Value) -> Resp {
     request(addr, "POST", path, &[], body.to_string().as_bytes())
 }
 
+/// `post`, the answer read as JSON.
+pub fn post_json(addr: SocketAddr, path: &str, body: &Value) -> Value {
+    post(addr, path, body).json()
+}
+
 pub fn get(addr: SocketAddr, path: &str) -> Resp {
     request(addr, "GET", path, &[], b"")
 }
