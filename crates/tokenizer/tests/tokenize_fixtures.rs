@@ -29,7 +29,7 @@ fn check_cases(
     let cases: Vec<_> = cases.into_iter().filter(|c| c["kind"] == kind).collect();
     let mut failures = Vec::new();
     for c in &cases {
-        check(&tok, c, &mut failures);
+        check(tok, c, &mut failures);
     }
     assert_eq!(cases.len(), count);
     assert_no_failures(&failures);
