@@ -82,6 +82,34 @@ pub fn short_hash(bytes: &[u8]) -> String {
     sha256_hex(bytes)[..16].to_string()
 }
 
+/// The entries of the JSON arrays `want[key]` and `got[key]` side by side with their
+/// index, up to the shorter array; panics naming `key` where either is not an array.
+pub fn pairs<'a>(
+    want: &'a serde_json::Value,
+    got: &'a serde_json::Value,
+    key: &str,
+) -> impl Iterator<Item = (usize, &'a serde_json::Value, &'a serde_json::Value)> {
+    let arr = |v: &'a serde_json::Value| {
+        v[key]
+            .as_array()
+            .unwrap_or_else(|| panic!("{key} is not an array"))
+    };
+    arr(want)
+        .iter()
+        .zip(arr(got))
+        .enumerate()
+        .map(|(i, (a, b))| (i, a, b))
+}
+
+/// The `pairs` that differ.
+pub fn mismatches<'a>(
+    want: &'a serde_json::Value,
+    got: &'a serde_json::Value,
+    key: &str,
+) -> impl Iterator<Item = (usize, &'a serde_json::Value, &'a serde_json::Value)> {
+    pairs(want, got, key).filter(|(_, a, b)| a != b)
+}
+
 /// The message of a live-oracle test that could not run: a failure when required.
 pub fn cannot_run(what: &str, why: &str) {
     assert!(

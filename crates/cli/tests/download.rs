@@ -249,6 +249,18 @@ struct Run {
 
 /// Runs `ds4-tool download` in `cwd` with an environment scrubbed of anything that
 /// could send a real token or reach the real server.
+/// A payload of `len` bytes and a server that serves it as the MTP file.
+fn mtp_server(len: usize) -> (Vec<u8>, Server) {
+    let data = payload(len);
+    let server = Server::start(&[(MTP, data.clone())]);
+    (data, server)
+}
+
+/// Asserts that the MTP file downloaded into `cwd` is `data`.
+fn assert_saved(cwd: &Path, data: &[u8]) {
+    assert_eq!(std::fs::read(cwd.join("gguf").join(MTP)).unwrap(), data);
+}
+
 fn run(cwd: &Path, server: &Server, args: &[&str], env: &[(&str, &str)]) -> Run {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ds4-tool"));
     cmd.current_dir(cwd)
@@ -271,6 +283,23 @@ fn run(cwd: &Path, server: &Server, args: &[&str], env: &[(&str, &str)]) -> Run 
         out: String::from_utf8_lossy(&o.stdout).into_owned(),
         err: String::from_utf8_lossy(&o.stderr).into_owned(),
     }
+}
+
+/// `run`, which must fail with a message that contains each of `says`; returns that
+/// message (stderr) for further checks.
+fn refused(
+    cwd: &Path,
+    server: &Server,
+    args: &[&str],
+    env: &[(&str, &str)],
+    says: &[&str],
+) -> String {
+    let r = run(cwd, server, args, env);
+    assert!(!r.ok, "{}\n{}", r.out, r.err);
+    for s in says {
+        assert!(r.err.contains(s), "{s:?} missing from:\n{}", r.err);
+    }
+    r.err
 }
 
 fn tiny_gguf() -> Vec<u8> {
@@ -309,8 +338,7 @@ fn full_download_verifies_and_links() {
 
 #[test]
 fn resumes_from_partial_file_with_range() {
-    let data = payload(300_000);
-    let server = Server::start(&[(MTP, data.clone())]);
+    let (data, server) = mtp_server(300_000);
     let cwd = tempdir("resume");
     std::fs::create_dir_all(cwd.join("dl")).unwrap();
     std::fs::write(cwd.join("dl").join(format!("{MTP}.part")), &data[..123_457]).unwrap();
@@ -330,14 +358,13 @@ fn resumes_from_partial_file_with_range() {
 
 #[test]
 fn dropped_connection_is_resumed_by_retry() {
-    let data = payload(200_000);
-    let server = Server::start(&[(MTP, data.clone())]);
+    let (data, server) = mtp_server(200_000);
     server.with(|s| s.script.push_back(Step::Cut(70_000)));
     let cwd = tempdir("drop");
     let r = run(&cwd, &server, &["mtp", "--no-verify"], &[]);
     assert!(r.ok, "{}\n{}", r.out, r.err);
     assert!(r.err.contains("retrying"), "{}", r.err);
-    assert_eq!(std::fs::read(cwd.join("gguf").join(MTP)).unwrap(), data);
+    assert_saved(&cwd, &data);
     let reqs = server.requests();
     assert_eq!(reqs.len(), 2, "{reqs:?}");
     assert_eq!(reqs[0].range, None);
@@ -348,8 +375,7 @@ fn dropped_connection_is_resumed_by_retry() {
 fn retry_warnings_are_log_events() {
     // `RUST_LOG` filters them like any tracing event; the download itself is unchanged.
     for (filter, shown) in [("off", false), ("warn", true)] {
-        let data = payload(50_000);
-        let server = Server::start(&[(MTP, data.clone())]);
+        let (data, server) = mtp_server(50_000);
         server.with(|s| s.script.push_back(Step::Cut(10_000)));
         let cwd = tempdir(&format!("log-{filter}"));
         let r = run(
@@ -365,15 +391,14 @@ fn retry_warnings_are_log_events() {
             "RUST_LOG={filter}: {}",
             r.err
         );
-        assert_eq!(std::fs::read(cwd.join("gguf").join(MTP)).unwrap(), data);
+        assert_saved(&cwd, &data);
     }
 }
 
 #[test]
 fn connection_dropping_again_and_again_still_finishes() {
     // More drops than --retries: each one made progress, so none exhausts the budget.
-    let data = payload(100_000);
-    let server = Server::start(&[(MTP, data.clone())]);
+    let (data, server) = mtp_server(100_000);
     server.with(|s| s.script.extend([Step::Cut(20_000); 4]));
     let cwd = tempdir("drops");
     let r = run(
@@ -383,7 +408,7 @@ fn connection_dropping_again_and_again_still_finishes() {
         &[],
     );
     assert!(r.ok, "{}\n{}", r.out, r.err);
-    assert_eq!(std::fs::read(cwd.join("gguf").join(MTP)).unwrap(), data);
+    assert_saved(&cwd, &data);
     let ranges: Vec<_> = server.requests().into_iter().map(|r| r.range).collect();
     let want: Vec<Option<String>> = [None, Some(20_000), Some(40_000), Some(60_000), Some(80_000)]
         .into_iter()
@@ -394,31 +419,29 @@ fn connection_dropping_again_and_again_still_finishes() {
 
 #[test]
 fn transient_server_errors_are_retried_then_give_up() {
-    let data = payload(10_000);
-    let server = Server::start(&[(MTP, data.clone())]);
+    let (data, server) = mtp_server(10_000);
     server.with(|s| s.script.extend([Step::Status(503), Step::Status(500)]));
     let cwd = tempdir("5xx");
     let r = run(&cwd, &server, &["mtp", "--no-verify"], &[]);
     assert!(r.ok, "{}\n{}", r.out, r.err);
-    assert_eq!(std::fs::read(cwd.join("gguf").join(MTP)).unwrap(), data);
+    assert_saved(&cwd, &data);
     assert_eq!(server.requests().len(), 3);
 
     server.with(|s| s.always = Some(503));
     let cwd = tempdir("5xx-forever");
-    let r = run(&cwd, &server, &["mtp", "--retries", "2"], &[]);
-    assert!(!r.ok);
-    assert!(
-        r.err.contains("run the same command again to resume"),
-        "{}",
-        r.err
+    refused(
+        &cwd,
+        &server,
+        &["mtp", "--retries", "2"],
+        &[],
+        &["run the same command again to resume"],
     );
     assert_eq!(server.requests().len(), 3 + 3);
 }
 
 #[test]
 fn server_ignoring_range_restarts_from_zero() {
-    let data = payload(50_000);
-    let server = Server::start(&[(MTP, data.clone())]);
+    let (data, server) = mtp_server(50_000);
     server.with(|s| s.ignore_range = true);
     let cwd = tempdir("norange");
     // Garbage in the partial file proves it was discarded, not appended to.
@@ -427,7 +450,7 @@ fn server_ignoring_range_restarts_from_zero() {
     assert!(r.ok, "{}\n{}", r.out, r.err);
     assert!(r.err.contains("ignored the range request"), "{}", r.err);
     assert!(!r.out.contains("resumed after"), "{}", r.out);
-    assert_eq!(std::fs::read(cwd.join("gguf").join(MTP)).unwrap(), data);
+    assert_saved(&cwd, &data);
     let reqs = server.requests();
     assert_eq!(reqs.len(), 1);
     assert_eq!(reqs[0].range.as_deref(), Some("bytes=9999-"));
@@ -435,40 +458,37 @@ fn server_ignoring_range_restarts_from_zero() {
 
 #[test]
 fn complete_part_file_is_finished_on_416() {
-    let data = payload(4_096);
-    let server = Server::start(&[(MTP, data.clone())]);
+    let (data, server) = mtp_server(4_096);
     let cwd = tempdir("416");
     write_part(&cwd, &data);
     let r = run(&cwd, &server, &["mtp", "--no-verify"], &[]);
     assert!(r.ok, "{}\n{}", r.out, r.err);
-    assert_eq!(std::fs::read(cwd.join("gguf").join(MTP)).unwrap(), data);
+    assert_saved(&cwd, &data);
     assert!(!cwd.join("gguf").join(format!("{MTP}.part")).exists());
     assert_eq!(server.requests()[0].range.as_deref(), Some("bytes=4096-"));
 }
 
 #[test]
 fn complete_part_file_without_content_range_is_checked_with_head() {
-    let data = payload(4_096);
-    let server = Server::start(&[(MTP, data.clone())]);
+    let (data, server) = mtp_server(4_096);
     server.with(|s| s.bare_416 = true);
     let cwd = tempdir("416-head");
     write_part(&cwd, &data);
     let r = run(&cwd, &server, &["mtp", "--no-verify"], &[]);
     assert!(r.ok, "{}\n{}", r.out, r.err);
-    assert_eq!(std::fs::read(cwd.join("gguf").join(MTP)).unwrap(), data);
+    assert_saved(&cwd, &data);
     let methods: Vec<_> = server.requests().into_iter().map(|r| r.method).collect();
     assert_eq!(methods, ["GET", "HEAD"]);
 }
 
 #[test]
 fn longer_part_file_than_remote_is_restarted() {
-    let data = payload(4_096);
-    let server = Server::start(&[(MTP, data.clone())]);
+    let (data, server) = mtp_server(4_096);
     let cwd = tempdir("416-long");
     write_part(&cwd, &payload(5_000));
     let r = run(&cwd, &server, &["mtp", "--no-verify"], &[]);
     assert!(r.ok, "{}\n{}", r.out, r.err);
-    assert_eq!(std::fs::read(cwd.join("gguf").join(MTP)).unwrap(), data);
+    assert_saved(&cwd, &data);
     let ranges: Vec<_> = server.requests().into_iter().map(|r| r.range).collect();
     assert_eq!(ranges, [Some("bytes=5000-".to_string()), None]);
 }
@@ -477,13 +497,12 @@ fn longer_part_file_than_remote_is_restarted() {
 fn not_found_names_the_file() {
     let server = Server::start(&[]);
     let cwd = tempdir("404");
-    let r = run(&cwd, &server, &["q4-imatrix"], &[]);
-    assert!(!r.ok);
-    assert!(r.err.contains("HTTP 404"), "{}", r.err);
-    assert!(
-        r.err.contains("DeepSeek-V4-Flash-Q4KExperts-F16HC-F16Compressor-F16Indexer-Q8Attn-Q8Shared-Q8Out-chat-v2-imatrix.gguf"),
-        "{}",
-        r.err
+    refused(
+        &cwd,
+        &server,
+        &["q4-imatrix"],
+        &[],
+        &["HTTP 404", "DeepSeek-V4-Flash-Q4KExperts-F16HC-F16Compressor-F16Indexer-Q8Attn-Q8Shared-Q8Out-chat-v2-imatrix.gguf"],
     );
     // Not retried: the answer will not change.
     assert_eq!(server.requests().len(), 1);
@@ -495,27 +514,25 @@ fn unauthorized_mentions_the_token() {
     let server = Server::start(&[(MTP, payload(100))]);
     server.with(|s| s.always = Some(401));
     let cwd = tempdir("401");
-    let r = run(&cwd, &server, &["mtp"], &[]);
-    assert!(!r.ok);
-    assert!(r.err.contains("HTTP 401"), "{}", r.err);
-    assert!(
-        r.err.contains("HF_TOKEN") && r.err.contains("--token"),
-        "{}",
-        r.err
+    refused(
+        &cwd,
+        &server,
+        &["mtp"],
+        &[],
+        &["HTTP 401", "HF_TOKEN", "--token"],
     );
     assert_eq!(server.requests().len(), 1);
 
-    let r = run(&cwd, &server, &["mtp", "--token", "wrong"], &[]);
-    assert!(!r.ok);
-    assert!(
-        r.err.contains("token that was sent was refused"),
-        "{}",
-        r.err
+    let err = refused(
+        &cwd,
+        &server,
+        &["mtp", "--token", "wrong"],
+        &[],
+        &["token that was sent was refused"],
     );
     assert!(
-        !r.err.contains("wrong"),
-        "the token must not be printed: {}",
-        r.err
+        !err.contains("wrong"),
+        "the token must not be printed: {err}"
     );
 }
 
@@ -556,14 +573,13 @@ fn token_header_from_option_env_and_file() {
 
 #[test]
 fn redirect_keeps_the_range() {
-    let data = payload(30_000);
-    let server = Server::start(&[(MTP, data.clone())]);
+    let (data, server) = mtp_server(30_000);
     server.with(|s| s.redirect = true);
     let cwd = tempdir("redirect");
     write_part(&cwd, &data[..1_000]);
     let r = run(&cwd, &server, &["mtp", "--no-verify"], &[]);
     assert!(r.ok, "{}\n{}", r.out, r.err);
-    assert_eq!(std::fs::read(cwd.join("gguf").join(MTP)).unwrap(), data);
+    assert_saved(&cwd, &data);
     let reqs = server.requests();
     assert_eq!(reqs.len(), 2, "{reqs:?}");
     assert_eq!(reqs[1].path, format!("/cdn/{MTP}"));
@@ -612,9 +628,7 @@ fn link_is_replaced_but_a_regular_file_is_not() {
 
     let cwd = tempdir("link-file");
     std::fs::write(cwd.join("ds4flash.gguf"), b"a real model").unwrap();
-    let r = run(&cwd, &server, &["q2-imatrix"], &[]);
-    assert!(!r.ok);
-    assert!(r.err.contains("is not a symlink"), "{}", r.err);
+    refused(&cwd, &server, &["q2-imatrix"], &[], &["is not a symlink"]);
     assert_eq!(
         std::fs::read(cwd.join("ds4flash.gguf")).unwrap(),
         b"a real model"
@@ -627,9 +641,13 @@ fn link_is_replaced_but_a_regular_file_is_not() {
 fn a_file_that_is_not_gguf_fails_verification_and_is_not_linked() {
     let server = Server::start(&[(Q2, payload(10_000))]);
     let cwd = tempdir("notgguf");
-    let r = run(&cwd, &server, &["q2-imatrix"], &[]);
-    assert!(!r.ok);
-    assert!(r.err.contains("is not a readable GGUF file"), "{}", r.err);
+    refused(
+        &cwd,
+        &server,
+        &["q2-imatrix"],
+        &[],
+        &["is not a readable GGUF file"],
+    );
     assert!(!cwd.join("ds4flash.gguf").exists());
 }
 
@@ -640,13 +658,13 @@ fn a_file_larger_than_the_free_space_is_refused_before_writing() {
     let server = Server::start(&[(MTP, payload(1000))]);
     server.with(|s| s.claim_len = Some(1 << 60));
     let cwd = tempdir("nospace");
-    let r = run(&cwd, &server, &["mtp"], &[]);
-    assert!(!r.ok, "{}\n{}", r.out, r.err);
-    assert!(r.err.contains("not enough disk space"), "{}", r.err);
-    assert!(
-        r.err.contains(&format!("needs {} bytes", 1u64 << 60)),
-        "{}",
-        r.err
+    let needs = format!("needs {} bytes", 1u64 << 60);
+    refused(
+        &cwd,
+        &server,
+        &["mtp"],
+        &[],
+        &["not enough disk space", &needs],
     );
     assert!(!cwd.join("gguf").join(format!("{MTP}.part")).exists());
     assert_eq!(server.requests().len(), 1, "a refusal is not retried");

@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
@@ -86,24 +86,32 @@ fn dump_tokens_uses_the_reference_format() {
     assert!(rest.iter().any(|l| l.ends_with("<｜User｜>")));
 }
 
+/// Runs `ds4 <args> --dump-logprobs <f>`, which must succeed; returns the JSON it wrote.
+fn dump_logprobs(args: &[&str], f: &Path) -> serde_json::Value {
+    let mut all = args.to_vec();
+    all.extend(["--dump-logprobs", f.to_str().unwrap()]);
+    let o = ds4(&all);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    read_json(f)
+}
+
 #[test]
 fn dump_logprobs_writes_reference_json() {
     let dir = tmp_dir("logprobs");
     let f = dir.join("lp.json");
-    let o = ds4(&[
-        "-p",
-        "Hello",
-        "-n",
-        "5",
-        "--logprobs-top-k",
-        "7",
-        "-c",
-        "4096",
-        "--dump-logprobs",
-        f.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", text(&o.stderr));
-    let v = read_json(&f);
+    let v = dump_logprobs(
+        &[
+            "-p",
+            "Hello",
+            "-n",
+            "5",
+            "--logprobs-top-k",
+            "7",
+            "-c",
+            "4096",
+        ],
+        &f,
+    );
     assert_eq!(v["source"], "ds4");
     assert_eq!(v["ctx"], 4096);
     assert_eq!(v["top_k"], 7);
@@ -134,18 +142,7 @@ fn dump_logprobs_writes_reference_json() {
         assert!(((l0 - l1) - (lps[0] - lps[1])).abs() < 1e-4);
     }
     // The system prompt is part of the rendering: disabling it shortens the prompt.
-    let o = ds4(&[
-        "-p",
-        "Hello",
-        "-n",
-        "1",
-        "-sys",
-        "",
-        "--dump-logprobs",
-        f.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", text(&o.stderr));
-    let w = read_json(&f);
+    let w = dump_logprobs(&["-p", "Hello", "-n", "1", "-sys", ""], &f);
     assert!(w["prompt_tokens"].as_u64() < v["prompt_tokens"].as_u64());
     std::fs::remove_dir_all(dir).ok();
 }
@@ -362,6 +359,18 @@ mod interactive {
     use super::*;
     use rexpect::session::{spawn_command, PtySession};
 
+    /// Starts `ds4` (with `extra` arguments) in a pty with a fresh home directory named
+    /// after `tag`; waits for each of `banner`, then the first prompt.
+    fn start(tag: &str, extra: &[&str], banner: &[&str]) -> (PathBuf, PtySession) {
+        let home = tmp_dir(tag);
+        let mut p = spawn(&home, extra);
+        for b in banner {
+            p.exp_string(b).unwrap();
+        }
+        p.exp_string("ds4> ").unwrap();
+        (home, p)
+    }
+
     fn spawn(home: &Path, extra: &[&str]) -> PtySession {
         let mut cmd = Command::new(DS4);
         cmd.arg("-m")
@@ -374,33 +383,26 @@ mod interactive {
         spawn_command(cmd, Some(30_000)).expect("spawn ds4 in a pty")
     }
 
+    /// Sends `line`, expects each of `answers` in order, then the prompt.
+    fn turn(p: &mut PtySession, line: &str, answers: &[&str]) {
+        p.send_line(line).unwrap();
+        for a in answers {
+            p.exp_string(a).unwrap();
+        }
+        p.exp_string("ds4> ").unwrap();
+    }
+
     #[test]
     fn turns_and_commands() {
-        let home = tmp_dir("repl-home");
-        let mut p = spawn(&home, &["-n", "8"]);
-        p.exp_string("/quit, /exit").unwrap();
-        p.exp_string("ds4> ").unwrap();
-        p.send_line("Hello there").unwrap();
-        p.exp_string("ds4: prefill: ").unwrap();
-        p.exp_string("ds4> ").unwrap();
-        p.send_line("/help").unwrap();
-        p.exp_string("/read FILE").unwrap();
-        p.exp_string("ds4> ").unwrap();
-        p.send_line("/nothink").unwrap();
-        p.exp_string("thinking: off").unwrap();
-        p.exp_string("ds4> ").unwrap();
-        p.send_line("/think-max").unwrap();
-        p.exp_string("high (ctx below 393216)").unwrap();
-        p.exp_string("ds4> ").unwrap();
-        p.send_line("/nothink").unwrap();
-        p.exp_string("ds4> ").unwrap();
-        p.send_line("/bogus").unwrap();
-        p.exp_string("unknown command").unwrap();
-        p.exp_string("ds4> ").unwrap();
+        let (home, mut p) = start("repl-home", &["-n", "8"], &["/quit, /exit"]);
+        turn(&mut p, "Hello there", &["ds4: prefill: "]);
+        turn(&mut p, "/help", &["/read FILE"]);
+        turn(&mut p, "/nothink", &["thinking: off"]);
+        turn(&mut p, "/think-max", &["high (ctx below 393216)"]);
+        turn(&mut p, "/nothink", &[]);
+        turn(&mut p, "/bogus", &["unknown command"]);
         // The second turn extends the live session: only its new tokens are prefilled.
-        p.send_line("And a second question").unwrap();
-        p.exp_string("ds4: prefill: ").unwrap();
-        p.exp_string("ds4> ").unwrap();
+        turn(&mut p, "And a second question", &["ds4: prefill: "]);
         p.send_line("/quit").unwrap();
         p.exp_eof().unwrap();
         let history = std::fs::read_to_string(home.join(".ds4_history")).unwrap();
@@ -435,17 +437,13 @@ mod interactive {
 
     #[test]
     fn ctrl_c_stops_generation_and_returns_to_the_prompt() {
-        let home = tmp_dir("repl-ctrlc");
-        let mut p = spawn(&home, &["-n", "100000"]);
-        p.exp_string("ds4> ").unwrap();
+        let (home, mut p) = start("repl-ctrlc", &["-n", "100000"], &[]);
         // Ctrl+C at the prompt is ignored.
         p.send_control('c').unwrap();
         // The greedy tiny model never emits EOS for this prompt: a long generation.
         interrupt_answer(&mut p, "Tell me a very long story");
         // The session goes on after the partial answer.
-        p.send_line("/nothink").unwrap();
-        p.exp_string("thinking: off").unwrap();
-        p.exp_string("ds4> ").unwrap();
+        turn(&mut p, "/nothink", &["thinking: off"]);
         interrupt_answer(&mut p, "Shorter please");
         p.send_line("/exit").unwrap();
         p.exp_eof().unwrap();

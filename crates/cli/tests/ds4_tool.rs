@@ -7,50 +7,27 @@ use ds4_engine::dev::config::Config;
 use ds4_engine::dev::layout::check_layout;
 use ds4_gguf::GgufFile;
 
+mod common;
+
+use common::{synth, tmp_file as tmp, tool_err, tool_ok};
+
 #[path = "../../../tests-support/record_skip.rs"]
 mod record_skip;
 
-fn tool(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_ds4-tool"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fixtures/tiny")
-        .join(name)
-}
-
-fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ds4-tool-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+    common::fixtures().join(name)
 }
 
 #[test]
 fn full_size_dry_run_lists_the_published_table() {
     // The full-size table only (--dry-run): nothing is written.
     let full_dry_run = |experts: &str| {
-        tool(&[
-            "synth",
-            "--dims",
+        synth(
             "full",
-            "--layers",
-            "43",
-            "--experts",
-            experts,
-            "--dry-run",
-        ])
+            &["--layers", "43", "--experts", experts, "--dry-run"],
+        )
     };
-    let (ok, out, err) = full_dry_run("q2");
-    assert!(ok, "{err}");
+    let out = full_dry_run("q2");
     assert!(
         out.contains("1328 tensors, 86714775900 bytes of tensor data"),
         "{out}"
@@ -64,8 +41,7 @@ fn full_size_dry_run_lists_the_published_table() {
             .count(),
         1328
     );
-    let (ok, out, _) = full_dry_run("q4");
-    assert!(ok);
+    let out = full_dry_run("q4");
     assert!(
         out.contains("1328 tensors, 164628167004 bytes of tensor data"),
         "{out}"
@@ -74,14 +50,9 @@ fn full_size_dry_run_lists_the_published_table() {
 
 #[test]
 fn tiny_synth_is_loadable_deterministic_and_thread_independent() {
-    let a = tmp("a.gguf");
-    let b = tmp("b.gguf");
-    let c = tmp("c.gguf");
+    let [a, b, c] = ["a.gguf", "b.gguf", "c.gguf"].map(tmp);
     let tok = fixture("tokenizer.json");
     let base = [
-        "synth",
-        "--dims",
-        "tiny",
         "--layers",
         "6",
         "--experts",
@@ -93,8 +64,7 @@ fn tiny_synth_is_loadable_deterministic_and_thread_independent() {
         let mut args: Vec<&str> = base.to_vec();
         args.extend_from_slice(&["-o", out.to_str().unwrap()]);
         args.extend_from_slice(extra);
-        let (ok, _, err) = tool(&args);
-        assert!(ok, "{err}");
+        synth("tiny", &args);
     };
     run(&a, &["--seed", "7", "-t", "1"]);
     run(&b, &["--seed", "7", "-t", "2"]);
@@ -128,8 +98,7 @@ fn tiny_synth_is_loadable_deterministic_and_thread_independent() {
 #[test]
 fn inspect_reads_every_fixture() {
     for f in ["tiny-q2.gguf", "tiny-q4.gguf", "tiny-plain.gguf"] {
-        let (ok, out, err) = tool(&["inspect", fixture(f).to_str().unwrap()]);
-        assert!(ok, "{f}: {err}");
+        let out = tool_ok(&["inspect", fixture(f).to_str().unwrap()]);
         assert!(out.contains("178 tensors"), "{f}");
         assert!(out.contains("deepseek4.attention.compress_ratios"), "{f}");
         assert!(out.contains("n_embd: 256 (Flash: 4096)"), "{f}");
@@ -145,11 +114,9 @@ fn inspect_reads_every_fixture() {
 fn inspect_rejects_garbage_with_a_message() {
     let p = tmp("garbage.gguf");
     std::fs::write(&p, b"not a gguf file at all").unwrap();
-    let (ok, _, err) = tool(&["inspect", p.to_str().unwrap()]);
-    assert!(!ok);
+    let err = tool_err(&["inspect", p.to_str().unwrap()]);
     assert!(err.contains("not a GGUF file"), "{err}");
-    let (ok, _, err) = tool(&["inspect", "/nonexistent/x.gguf"]);
-    assert!(!ok);
+    let err = tool_err(&["inspect", "/nonexistent/x.gguf"]);
     assert!(
         err.contains("'/nonexistent/x.gguf' for '<FILE>': no such file"),
         "{err}"
@@ -160,25 +127,19 @@ fn inspect_rejects_garbage_with_a_message() {
 fn dump_tensor_writes_dequantized_f32() {
     let out = tmp("t.bin");
     let f = fixture("tiny-q2.gguf");
-    let (ok, _, err) = tool(&[
+    tool_ok(&[
         "dump-tensor",
         f.to_str().unwrap(),
         "blk.3.ffn_down_exps.weight",
         "--out",
         out.to_str().unwrap(),
     ]);
-    assert!(ok, "{err}");
-    let bytes = std::fs::read(&out).unwrap();
     let g = GgufFile::open(&f).unwrap();
     let t = g.tensor("blk.3.ffn_down_exps.weight").unwrap();
     let want = ds4_gguf::quant::dequantize_to_vec(t.ty(), t.data, 256 * 256 * 8).unwrap();
-    let got: Vec<f32> = bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect();
-    assert_eq!(got, want);
-    let (ok, _, err) = tool(&["dump-tensor", f.to_str().unwrap(), "blk.3.nope"]);
-    assert!(!ok && err.contains("no tensor named"), "{err}");
+    assert_eq!(common::read_f32(&out), want);
+    let err = tool_err(&["dump-tensor", f.to_str().unwrap(), "blk.3.nope"]);
+    assert!(err.contains("no tensor named"), "{err}");
 }
 
 // #19 item 4: `ds4-tool inspect … | head` panicked in `println!` once the reader left.

@@ -1,38 +1,13 @@
 //! `ds4-tool synth --mtp-out` and `ds4-tool inspect` on MTP files, end to end.
 
-use std::path::PathBuf;
-use std::process::Command;
+mod common;
 
-fn tool(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_ds4-tool"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ds4-tool-mtp-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
-}
+use common::{synth, tmp_file as tmp, tool_err, tool_ok};
 
 #[test]
 fn full_size_mtp_dry_run_prints_the_shipped_plan_and_writes_nothing() {
     let out = tmp("never.gguf");
-    let (ok, text, err) = tool(&[
-        "synth",
-        "--dims",
-        "full",
-        "--dry-run",
-        "--mtp-out",
-        out.to_str().unwrap(),
-    ]);
-    assert!(ok, "{err}");
+    let text = synth("full", &["--dry-run", "--mtp-out", out.to_str().unwrap()]);
     // 3.54 GiB: the shipped MTP-Q4K-Q8_0-F32 file is "about 3.55 GiB".
     assert!(
         text.contains("32 tensors, 3805502956 bytes of tensor data (3.54 GiB)"),
@@ -48,49 +23,39 @@ fn full_size_mtp_dry_run_prints_the_shipped_plan_and_writes_nothing() {
 #[test]
 fn tiny_mtp_file_is_written_deterministically_and_inspected_against_its_model() {
     let (main, mtp, mtp2) = (tmp("main.gguf"), tmp("mtp.gguf"), tmp("mtp2.gguf"));
-    let (ok, _, err) = tool(&[
-        "synth",
-        "--dims",
+    synth(
         "tiny",
-        "--layers",
-        "3",
-        "--out",
-        main.to_str().unwrap(),
-        "--mtp-out",
-        mtp.to_str().unwrap(),
-    ]);
-    assert!(ok, "{err}");
+        &[
+            "--layers",
+            "3",
+            "--out",
+            main.to_str().unwrap(),
+            "--mtp-out",
+            mtp.to_str().unwrap(),
+        ],
+    );
     // --mtp-out alone (no --out) writes the same MTP file for the same seed.
-    let (ok, _, err) = tool(&[
-        "synth",
-        "--dims",
-        "tiny",
-        "--mtp-out",
-        mtp2.to_str().unwrap(),
-    ]);
-    assert!(ok, "{err}");
+    synth("tiny", &["--mtp-out", mtp2.to_str().unwrap()]);
     assert!(std::fs::read(&mtp).unwrap() == std::fs::read(&mtp2).unwrap());
 
-    let (ok, text, err) = tool(&[
+    let text = tool_ok(&[
         "inspect",
         mtp.to_str().unwrap(),
         "--no-tensors",
         "--main",
         main.to_str().unwrap(),
     ]);
-    assert!(ok, "{err}");
     assert!(text.contains("== DeepSeek V4 MTP block"), "{text}");
     assert!(text.contains("routed experts"), "{text}");
     assert!(text.contains("layout: matches"), "{text}");
 
     // --main on a file that is not an MTP file.
-    let (ok, _, err) = tool(&[
+    let err = tool_err(&[
         "inspect",
         main.to_str().unwrap(),
         "--main",
         main.to_str().unwrap(),
     ]);
-    assert!(!ok);
     assert!(err.contains("not one"), "{err}");
     std::fs::remove_dir_all(main.parent().unwrap()).unwrap();
 }

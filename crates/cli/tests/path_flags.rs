@@ -25,6 +25,13 @@ struct Paths {
     below_file: String,
 }
 
+/// The scratch directory goes when the test ends, passed or failed.
+impl Drop for Paths {
+    fn drop(&mut self) {
+        std::fs::remove_dir_all(&self.dir).ok();
+    }
+}
+
 fn paths(tag: &str) -> Paths {
     let dir = tmp_dir(tag);
     let file = write_file(&dir, "file.txt", "hello world");
@@ -61,75 +68,51 @@ fn refused(bin: &str, args: &[&str], value: &str, flag: &str, why: &str) {
     assert!(t0.elapsed() < Duration::from_secs(20), "{args:?}");
 }
 
+/// `refused` for each line of `cases`, written `arguments | value | flag | reason` with
+/// the arguments split at spaces (blank lines and `#` comments are skipped); `{missing}`,
+/// `{file}`, `{out_in_missing}`, `{below_file}` and `{dir}` stand for the scratch paths of
+/// `p`, `{model}` for the tiny model.
+fn refused_all(bin: &str, p: &Paths, cases: &str) {
+    let model = model();
+    let fill = |s: &str| {
+        s.replace("{missing}", &p.missing)
+            .replace("{file}", &p.file)
+            .replace("{out_in_missing}", &p.out_in_missing)
+            .replace("{below_file}", &p.below_file)
+            .replace("{dir}", p.dir.to_str().unwrap())
+            .replace("{model}", model.to_str().unwrap())
+    };
+    let cases = cases.lines().map(str::trim);
+    for case in cases.filter(|l| !l.is_empty() && !l.starts_with('#')) {
+        let fields: Vec<String> = case.split(" | ").map(fill).collect();
+        let [args, value, flag, why] = &fields[..] else {
+            panic!("not `arguments | value | flag | reason`: {case}");
+        };
+        let args: Vec<&str> = args.split(' ').collect();
+        refused(bin, &args, value, flag, why);
+    }
+}
+
 #[test]
 fn ds4_checks_its_files_before_loading() {
     let p = paths("ds4");
     let m = model();
     let m = m.to_str().unwrap();
-    let dir = p.dir.to_str().unwrap();
-    refused(
+    refused_all(
         DS4,
-        &["-m", &p.missing, "-p", "x"],
-        &p.missing,
-        "--model <FILE>",
-        "no such file",
-    );
-    refused(
-        DS4,
-        &["-m", dir, "-p", "x"],
-        dir,
-        "--model <FILE>",
-        "it is a directory",
-    );
-    refused(
-        DS4,
-        &["-m", "/dev/null", "-p", "x"],
-        "/dev/null",
-        "--model <FILE>",
-        "not a regular file",
-    );
-    refused(
-        DS4,
-        &["-m", m, "--prompt-file", &p.missing],
-        &p.missing,
-        "--prompt-file <FILE>",
-        "no such file",
-    );
-    refused(
-        DS4,
-        &["-m", m, "--perplexity-file", dir],
-        dir,
-        "--perplexity-file <FILE>",
-        "it is a directory",
-    );
-    refused(
-        DS4,
-        &["-m", m, "-p", "x", "--dump-logprobs", &p.out_in_missing],
-        &p.out_in_missing,
-        "--dump-logprobs <FILE>",
-        "no-such-dir does not exist",
-    );
-    refused(
-        DS4,
-        &["-m", m, "-p", "x", "--dump-logprobs", &p.below_file],
-        &p.below_file,
-        "--dump-logprobs <FILE>",
-        "is not a directory",
-    );
-    refused(
-        DS4,
-        &["-m", m, "-p", "x", "--dump-logprobs", dir],
-        dir,
-        "--dump-logprobs <FILE>",
-        "it is a directory",
-    );
-    // The --dump-tokens mode (vocabulary only) checks the model too.
-    refused(
-        DS4,
-        &["-m", &p.missing, "-p", "x", "--dump-tokens"],
-        &p.missing,
-        "--model <FILE>",
-        "no such file",
+        &p,
+        r"
+-m {missing} -p x | {missing} | --model <FILE> | no such file
+-m {dir} -p x | {dir} | --model <FILE> | it is a directory
+-m /dev/null -p x | /dev/null | --model <FILE> | not a regular file
+-m {model} --prompt-file {missing} | {missing} | --prompt-file <FILE> | no such file
+-m {model} --perplexity-file {dir} | {dir} | --perplexity-file <FILE> | it is a directory
+-m {model} -p x --dump-logprobs {out_in_missing} | {out_in_missing} | --dump-logprobs <FILE> | no-such-dir does not exist
+-m {model} -p x --dump-logprobs {below_file} | {below_file} | --dump-logprobs <FILE> | is not a directory
+-m {model} -p x --dump-logprobs {dir} | {dir} | --dump-logprobs <FILE> | it is a directory
+# The --dump-tokens mode (vocabulary only) checks the model too.
+-m {missing} -p x --dump-tokens | {missing} | --model <FILE> | no such file
+        ",
     );
     // A prompt file that exists is accepted (the run goes on to tokenize it).
     let o = Command::new(DS4)
@@ -137,219 +120,65 @@ fn ds4_checks_its_files_before_loading() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", text(&o.stderr));
-    std::fs::remove_dir_all(&p.dir).ok();
 }
 
 #[test]
 fn ds4_tool_checks_every_subcommand() {
     let p = paths("tool");
-    let m = model();
-    let m = m.to_str().unwrap();
-    let dir = p.dir.to_str().unwrap();
-    let t = DS4_TOOL;
-    refused(
-        t,
-        &["inspect", &p.missing],
-        &p.missing,
-        "<FILE>",
-        "no such file",
-    );
-    refused(
-        t,
-        &["dump-tensor", &p.missing, "x"],
-        &p.missing,
-        "<FILE>",
-        "no such file",
-    );
-    refused(
-        t,
-        &["dump-tensor", m, "x", "--out", &p.out_in_missing],
-        &p.out_in_missing,
-        "--out <OUT>",
-        "does not exist",
-    );
-    refused(
-        t,
-        &[
-            "synth",
-            "--dims",
-            "tiny",
-            "--layers",
-            "1",
-            "-o",
-            &p.out_in_missing,
-        ],
-        &p.out_in_missing,
-        "--out <OUT>",
-        "does not exist",
-    );
-    refused(
-        t,
-        &["synth", "--dims", "tiny", "--layers", "1", "-o", dir],
-        dir,
-        "--out <OUT>",
-        "it is a directory",
-    );
-    refused(
-        t,
-        &[
-            "synth",
-            "--dims",
-            "tiny",
-            "--layers",
-            "1",
-            "--tokenizer",
-            &p.missing,
-            "--dry-run",
-        ],
-        &p.missing,
-        "--tokenizer <TOKENIZER>",
-        "no such file",
-    );
-    refused(
-        t,
-        &["download", "mtp", "--dir", &p.below_file],
-        &p.below_file,
-        "--dir <DIR>",
-        "not a directory",
-    );
-    refused(
-        t,
-        &["download", "mtp", "--dir", &p.file],
-        &p.file,
-        "--dir <DIR>",
-        "not a directory",
-    );
-    refused(
-        t,
-        &["tokenize", "--tokenizer", &p.missing],
-        &p.missing,
-        "--tokenizer <TOKENIZER>",
-        "no such file",
-    );
-    refused(
-        t,
-        &[
-            "logits", "-m", &p.missing, "--tokens", &p.file, "--out", "o.bin",
-        ],
-        &p.missing,
-        "--model <MODEL>",
-        "no such file",
-    );
-    refused(
-        t,
-        &["logits", "-m", m, "--tokens", &p.missing, "--out", "o.bin"],
-        &p.missing,
-        "--tokens <TOKENS>",
-        "no such file",
-    );
-    refused(
-        t,
-        &[
-            "logits",
-            "-m",
-            m,
-            "--tokens",
-            &p.file,
-            "--out",
-            &p.out_in_missing,
-        ],
-        &p.out_in_missing,
-        "--out <OUT>",
-        "does not exist",
+    refused_all(
+        DS4_TOOL,
+        &p,
+        r"
+inspect {missing} | {missing} | <FILE> | no such file
+dump-tensor {missing} x | {missing} | <FILE> | no such file
+dump-tensor {model} x --out {out_in_missing} | {out_in_missing} | --out <OUT> | does not exist
+synth --dims tiny --layers 1 -o {out_in_missing} | {out_in_missing} | --out <OUT> | does not exist
+synth --dims tiny --layers 1 -o {dir} | {dir} | --out <OUT> | it is a directory
+synth --dims tiny --layers 1 --tokenizer {missing} --dry-run | {missing} | --tokenizer <TOKENIZER> | no such file
+download mtp --dir {below_file} | {below_file} | --dir <DIR> | not a directory
+download mtp --dir {file} | {file} | --dir <DIR> | not a directory
+tokenize --tokenizer {missing} | {missing} | --tokenizer <TOKENIZER> | no such file
+logits -m {missing} --tokens {file} --out o.bin | {missing} | --model <MODEL> | no such file
+logits -m {model} --tokens {missing} --out o.bin | {missing} | --tokens <TOKENS> | no such file
+logits -m {model} --tokens {file} --out {out_in_missing} | {out_in_missing} | --out <OUT> | does not exist
+        ",
     );
     if cfg!(feature = "cuda") {
-        refused(
-            t,
-            &["gpu-selftest", "--fixtures", &p.missing],
-            &p.missing,
-            "--fixtures <FIXTURES>",
-            "no such directory",
+        refused_all(
+            DS4_TOOL,
+            &p,
+            "gpu-selftest --fixtures {missing} | {missing} | --fixtures <FIXTURES> | no such directory",
         );
     }
     // --dry-run writes nothing, so its -o is not checked.
-    let (ok, err) = {
-        let o = Command::new(t)
-            .args([
-                "synth",
-                "--dims",
-                "tiny",
-                "--layers",
-                "1",
-                "-o",
-                &p.out_in_missing,
-                "--dry-run",
-            ])
-            .output()
-            .unwrap();
-        (o.status.success(), text(&o.stderr))
-    };
-    assert!(ok, "{err}");
-    std::fs::remove_dir_all(&p.dir).ok();
+    common::synth(
+        "tiny",
+        &["--layers", "1", "-o", &p.out_in_missing, "--dry-run"],
+    );
 }
 
 #[test]
 fn ds4_bench_checks_its_files_before_loading() {
     let p = paths("bench");
-    let m = model();
-    let m = m.to_str().unwrap();
-    let b = DS4_BENCH;
-    refused(
-        b,
-        &["-m", &p.missing],
-        &p.missing,
-        "--model <MODEL>",
-        "no such file",
-    );
-    refused(
-        b,
-        &["-m", &p.missing],
-        &p.missing,
-        "--model <MODEL>",
-        "ds4-tool download q2-imatrix",
-    );
-    refused(
-        b,
-        &["-m", m, "--prompt-file", &p.missing],
-        &p.missing,
-        "--prompt-file <PROMPT_FILE>",
-        "no such file",
-    );
-    refused(
-        b,
-        &["-m", m, "--chat-prompt-file", &p.missing],
-        &p.missing,
-        "--chat-prompt-file <CHAT_PROMPT_FILE>",
-        "no such file",
-    );
-    // Synthetic weights (minutes to build at full size) wait for the output checks.
-    refused(
-        b,
-        &["--synthetic-weights", "q2", "--csv", &p.out_in_missing],
-        &p.out_in_missing,
-        "--csv <CSV>",
-        "does not exist",
-    );
-    refused(
-        b,
-        &["--synthetic-weights", "q2", "--plot", &p.below_file],
-        &p.below_file,
-        "--plot <PLOT>",
-        "not a directory",
-    );
-    refused(
-        b,
-        &["--plot-from", &p.missing, "--plot", "x.svg"],
-        &p.missing,
-        "--plot-from <PLOT_FROM>",
-        "no such file",
+    refused_all(
+        DS4_BENCH,
+        &p,
+        r"
+-m {missing} | {missing} | --model <MODEL> | no such file
+-m {missing} | {missing} | --model <MODEL> | ds4-tool download q2-imatrix
+-m {model} --prompt-file {missing} | {missing} | --prompt-file <PROMPT_FILE> | no such file
+-m {model} --chat-prompt-file {missing} | {missing} | --chat-prompt-file <CHAT_PROMPT_FILE> | no such file
+# Synthetic weights (minutes to build at full size) wait for the output checks.
+--synthetic-weights q2 --csv {out_in_missing} | {out_in_missing} | --csv <CSV> | does not exist
+--synthetic-weights q2 --plot {below_file} | {below_file} | --plot <PLOT> | not a directory
+--plot-from {missing} --plot x.svg | {missing} | --plot-from <PLOT_FROM> | no such file
+        ",
     );
     // The other value rules are usage errors too, before the load.
-    let o = Command::new(b)
+    let o = Command::new(DS4_BENCH)
         .args(["-m", &p.missing, "--step-mul", "0.5"])
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
     assert!(text(&o.stderr).starts_with("error: --step-mul must be at least 1"));
-    std::fs::remove_dir_all(&p.dir).ok();
 }

@@ -106,6 +106,34 @@ fn same(_: &str, d: &[u64], t: GgmlType, b: &[u8]) -> Option<(Vec<u64>, GgmlType
     Some((d.to_vec(), t, b.to_vec()))
 }
 
+/// The MTP file without the tensor `name`.
+fn mtp_without(name: &str) -> Arc<GgufFile> {
+    rewrite(
+        &mtp_file(),
+        |n, d, t, b| (n != name).then(|| (d.to_vec(), t, b.to_vec())),
+        Vec::new(),
+    )
+}
+
+/// The MTP file with the tensor `name` replaced by what `edit` makes of its dims, type
+/// and bytes; the other tensors unchanged.
+fn mtp_edited(
+    name: &str,
+    edit: impl Fn(&[u64], GgmlType, &[u8]) -> (Vec<u64>, GgmlType, Vec<u8>),
+) -> Arc<GgufFile> {
+    rewrite(
+        &mtp_file(),
+        |n, d, t, b| {
+            Some(if n == name {
+                edit(d, t, b)
+            } else {
+                (d.to_vec(), t, b.to_vec())
+            })
+        },
+        Vec::new(),
+    )
+}
+
 /// The MTP file with its block tensors replaced by copies of main layer 1's (a ratio-0,
 /// top-k layer like the block): the block then computes exactly main layer 1.
 fn mtp_copying_layer1(main: &GgufFile) -> Arc<GgufFile> {
@@ -195,53 +223,37 @@ fn the_synthetic_mtp_file_loads_against_its_main_model() {
 #[test]
 fn a_missing_tensor_is_refused_by_name() {
     let name = mtp_name("hnorm");
-    let err = load_err(rewrite(
-        &mtp_file(),
-        |n, d, t, b| (n != name).then(|| (d.to_vec(), t, b.to_vec())),
-        Vec::new(),
-    ));
+    let err = load_err(mtp_without(&name));
     let msg = err.to_string();
     assert!(matches!(err, EngineError::MissingTensor { .. }), "{msg}");
     assert!(msg.contains("mtp.0.hnorm.weight"), "{msg}");
     assert_eq!(err.kind(), ErrorKind::BadFile);
     // exp_probs_b is optional in the main layout but required in the block.
-    let err = load_err(rewrite(
-        &mtp_file(),
-        |n, d, t, b| (n != "mtp.0.exp_probs_b.bias").then(|| (d.to_vec(), t, b.to_vec())),
-        Vec::new(),
-    ));
+    let err = load_err(mtp_without("mtp.0.exp_probs_b.bias"));
     assert!(err.to_string().contains("mtp.0.exp_probs_b.bias"), "{err}");
     // Without the marker tensor it is still recognised as an MTP file.
-    let err = load_err(rewrite(
-        &mtp_file(),
-        |n, d, t, b| (n != "mtp.0.e_proj.weight").then(|| (d.to_vec(), t, b.to_vec())),
-        Vec::new(),
-    ));
+    let err = load_err(mtp_without("mtp.0.e_proj.weight"));
     assert!(matches!(err, EngineError::MissingTensor { .. }), "{err}");
     assert!(err.to_string().contains("mtp.0.e_proj.weight"), "{err}");
 }
 
-#[test]
-fn a_wrong_shape_is_refused_with_both_shapes() {
-    let err = load_err(rewrite(
-        &mtp_file(),
-        |n, d, t, b| {
-            if n == "mtp.0.e_proj.weight" {
-                // [256, 128] Q8_0: 128 rows of 8 blocks of 34 bytes.
-                Some((vec![256, 128], t, vec![0; 128 * 8 * 34]))
-            } else {
-                Some((d.to_vec(), t, b.to_vec()))
-            }
-        },
-        Vec::new(),
-    ));
+/// Asserts that loading `file` fails with a shape error that names `tensor` and both
+/// `shapes` (the file's and the expected one).
+fn assert_wrong_shape(file: Arc<GgufFile>, tensor: &str, shapes: [&str; 2]) {
+    let err = load_err(file);
     let msg = err.to_string();
     assert!(matches!(err, EngineError::TensorDims { .. }), "{msg}");
-    assert!(msg.contains("mtp.0.e_proj.weight"), "{msg}");
-    assert!(
-        msg.contains("[256, 128]") && msg.contains("[256, 256]"),
-        "{msg}"
-    );
+    assert!(msg.contains(tensor), "{msg}");
+    assert!(shapes.iter().all(|s| msg.contains(s)), "{msg}");
+}
+
+#[test]
+fn a_wrong_shape_is_refused_with_both_shapes() {
+    // [256, 128] Q8_0: 128 rows of 8 blocks of 34 bytes.
+    let file = mtp_edited("mtp.0.e_proj.weight", |_, t, _| {
+        (vec![256, 128], t, vec![0; 128 * 8 * 34])
+    });
+    assert_wrong_shape(file, "mtp.0.e_proj.weight", ["[256, 128]", "[256, 256]"]);
 }
 
 #[test]
@@ -261,17 +273,9 @@ fn an_extra_tensor_and_an_unsupported_type_are_refused() {
             .contains("mtp.0.attn_compressor_norm.weight"),
         "{err}"
     );
-    let err = load_err(rewrite(
-        &mtp_file(),
-        |n, d, t, b| {
-            if n == "mtp.0.norm.weight" {
-                Some((d.to_vec(), GgmlType::I32, b.to_vec()))
-            } else {
-                Some((d.to_vec(), t, b.to_vec()))
-            }
-        },
-        Vec::new(),
-    ));
+    let err = load_err(mtp_edited("mtp.0.norm.weight", |d, _, b| {
+        (d.to_vec(), GgmlType::I32, b.to_vec())
+    }));
     assert!(matches!(err, EngineError::TensorType { .. }), "{err}");
     assert!(err.to_string().contains("mtp.0.norm.weight"), "{err}");
 }
@@ -283,14 +287,11 @@ fn an_mtp_file_for_another_n_embd_is_refused() {
     let image = Plan::mtp(other, ExpertQuant::Q4, "other width")
         .unwrap()
         .build(3, &|_| {});
-    let err = load_err(Arc::new(GgufFile::from_bytes(image).unwrap()));
-    let msg = err.to_string();
-    assert!(matches!(err, EngineError::TensorDims { .. }), "{msg}");
     // The first block tensor: hc_attn_fn is [n_hc·n_embd, mix].
-    assert!(msg.contains("mtp.0.hc_attn_fn.weight"), "{msg}");
-    assert!(
-        msg.contains("[2048, 24]") && msg.contains("[1024, 24]"),
-        "{msg}"
+    assert_wrong_shape(
+        Arc::new(GgufFile::from_bytes(image).unwrap()),
+        "mtp.0.hc_attn_fn.weight",
+        ["[2048, 24]", "[1024, 24]"],
     );
 }
 
@@ -298,6 +299,15 @@ fn an_mtp_file_for_another_n_embd_is_refused() {
 
 fn rms64(x: &[f64]) -> f64 {
     1.0 / (x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64 + 1e-6).sqrt()
+}
+
+/// `x` RMS-normalised and scaled by the weight `norm`.
+fn rmsnorm64(x: &[f64], norm: &[f32]) -> Vec<f64> {
+    let rs = rms64(x);
+    x.iter()
+        .zip(norm)
+        .map(|(v, &n)| v * rs * n as f64)
+        .collect()
 }
 
 /// `out = W·x` with `w` row-major `[rows][x.len()]`.
@@ -340,24 +350,13 @@ fn draft_input_and_head_match_an_f64_reference() {
         .view()
         .dequant_row(x as usize, &mut emb);
     let emb: Vec<f64> = emb.iter().map(|&v| v as f64).collect();
-    let rs = rms64(&emb);
-    let en: Vec<f64> = emb
-        .iter()
-        .zip(&w.enorm)
-        .map(|(v, &n)| v * rs * n as f64)
-        .collect();
+    let en = rmsnorm64(&emb, &w.enorm);
     let ev = matvec64(&w.e_proj.to_f32(), &en);
     let hp = w.h_proj.to_f32();
     let mut hin_ref = Vec::with_capacity(nhc * e);
     for s in 0..nhc {
         let gs: Vec<f64> = g[s * e..(s + 1) * e].iter().map(|&v| v as f64).collect();
-        let rs = rms64(&gs);
-        let gn: Vec<f64> = gs
-            .iter()
-            .zip(&w.hnorm)
-            .map(|(v, &n)| v * rs * n as f64)
-            .collect();
-        let gv = matvec64(&hp, &gn);
+        let gv = matvec64(&hp, &rmsnorm64(&gs, &w.hnorm));
         hin_ref.extend(ev.iter().zip(&gv).map(|(a, b)| a + b));
     }
     let hin = mtp.input_state(x, &g).unwrap();
@@ -397,13 +396,7 @@ fn head64(hc: &[f32], head: &HcWeights, norm: &[f32], output: &[f32], nhc: usize
             *yi += wts[s] * hv;
         }
     }
-    let rs = rms64(&y);
-    let yn: Vec<f64> = y
-        .iter()
-        .zip(norm)
-        .map(|(v, &n)| v * rs * n as f64)
-        .collect();
-    matvec64(output, &yn)
+    matvec64(output, &rmsnorm64(&y, norm))
 }
 
 #[test]

@@ -163,29 +163,15 @@ fn compare(ty: GgmlType, want: &Value, got: &Value) -> Vec<String> {
         ));
         return errs;
     }
-    let (w, g) = (&want["chunk_hashes"], &got["chunk_hashes"]);
     let chunk = got["elements"].as_u64().unwrap() as usize / CHUNKS;
-    for (i, (a, b)) in w
-        .as_array()
-        .unwrap()
-        .iter()
-        .zip(g.as_array().unwrap())
-        .enumerate()
-    {
-        if a != b {
-            errs.push(format!(
-                "{ty}: values {}..{} differ from the gguf package's (chunk {i})",
-                i * chunk,
-                (i + 1) * chunk
-            ));
-        }
+    for (i, _, _) in golden::mismatches(want, got, "chunk_hashes") {
+        errs.push(format!(
+            "{ty}: values {}..{} differ from the gguf package's (chunk {i})",
+            i * chunk,
+            (i + 1) * chunk
+        ));
     }
-    for (wr, gr) in want["rows"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .zip(got["rows"].as_array().unwrap())
-    {
+    for (_, wr, gr) in golden::pairs(want, got, "rows") {
         let at = wr["at"].as_u64().unwrap();
         let words = |r: &Value| {
             r["bits"]

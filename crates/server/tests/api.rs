@@ -49,12 +49,8 @@ fn models_health_metrics_and_unknown_paths() {
 #[test]
 fn chat_thinking_on_off_and_aliases() {
     let s = fake_server(cfg());
-    let r = post(
-        s.addr,
-        "/v1/chat/completions",
-        &json!({"messages": [{"role": "user", "content": "hi"}]}),
-    )
-    .json();
+    let req = json!({"messages": [{"role": "user", "content": "hi"}]});
+    let r = post_json(s.addr, "/v1/chat/completions", &req);
     assert_eq!(r["object"], "chat.completion");
     assert_eq!(
         r["choices"][0]["message"]["reasoning_content"],
@@ -86,12 +82,8 @@ fn chat_thinking_on_off_and_aliases() {
     );
     assert_eq!(r.status, 400);
     // Max needs ctx >= 393216: at 4096 it is plain thinking (no Max prefix, still reasoning).
-    let r = post(
-        s.addr,
-        "/v1/chat/completions",
-        &json!({"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "max"}),
-    )
-    .json();
+    let req = json!({"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "max"});
+    let r = post_json(s.addr, "/v1/chat/completions", &req);
     assert!(r["choices"][0]["message"]["reasoning_content"].is_string());
 }
 
@@ -176,12 +168,8 @@ fn chat_tool_round_trip_reuses_the_kv() {
     // The client replays the call (compact arguments) and the result.
     msgs.push(json!({"role": "assistant", "content": "Checking.", "reasoning_content": "The user wants an answer. Let me think.", "tool_calls": [{"id": id, "type": "function", "function": {"name": "get_weather", "arguments": args}}]}));
     msgs.push(json!({"role": "tool", "tool_call_id": id, "content": "sunny, 21C"}));
-    let second = post(
-        s.addr,
-        "/v1/chat/completions",
-        &json!({"messages": msgs, "tools": [weather_tool()]}),
-    )
-    .json();
+    let req = json!({"messages": msgs, "tools": [weather_tool()]});
+    let second = post_json(s.addr, "/v1/chat/completions", &req);
     assert_eq!(
         second["choices"][0]["message"]["content"],
         "It is sunny in Paris."
@@ -228,12 +216,8 @@ fn second_turn_prefills_only_the_suffix() {
 #[test]
 fn completions_stream_and_not() {
     let s = fake_server(cfg());
-    let r = post(
-        s.addr,
-        "/v1/completions",
-        &json!({"prompt": "hi", "max_tokens": 500}),
-    )
-    .json();
+    let req = json!({"prompt": "hi", "max_tokens": 500});
+    let r = post_json(s.addr, "/v1/completions", &req);
     assert_eq!(r["object"], "text_completion");
     assert!(r["choices"][0]["text"]
         .as_str()
@@ -298,12 +282,8 @@ fn responses_tool_call_stream_and_continuation() {
         {"type": "function_call", "call_id": call_id, "name": "get_weather", "arguments": fc["arguments"]},
         {"type": "function_call_output", "call_id": call_id, "output": "sunny"},
     ]);
-    let r = post(
-        s.addr,
-        "/v1/responses",
-        &json!({"instructions": "Be brief.", "input": input, "tools": tools}),
-    )
-    .json();
+    let req = json!({"instructions": "Be brief.", "input": input, "tools": tools});
+    let r = post_json(s.addr, "/v1/responses", &req);
     assert_eq!(r["status"], "completed");
     let msg = first_of(&r["output"], "message");
     assert_eq!(msg["content"][0]["text"], "It is sunny in Paris.");
@@ -380,12 +360,8 @@ fn anthropic_messages_stream_tool_use_and_count_tokens() {
         r["usage"]["cache_read_input_tokens"].as_u64().unwrap() > 0,
         "{r}"
     );
-    let n = post(
-        s.addr,
-        "/v1/messages/count_tokens",
-        &json!({"model": "claude", "messages": [{"role": "user", "content": "hello"}]}),
-    )
-    .json();
+    let req = json!({"model": "claude", "messages": [{"role": "user", "content": "hello"}]});
+    let n = post_json(s.addr, "/v1/messages/count_tokens", &req);
     assert!(n["input_tokens"].as_u64().unwrap() > 3);
     let r = post(s.addr, "/v1/messages", &json!({"max_tokens": 10}));
     assert_eq!(r.status, 400);

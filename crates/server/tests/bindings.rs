@@ -37,12 +37,8 @@ fn responses_tools() -> Value {
 /// A Responses tool-call turn (Codex: tools, thinking, no summaries). Returns the
 /// response, its function_call item and (prompt, completion) token counts.
 fn responses_turn(s: &TestServer) -> (Value, Value, u64, u64) {
-    let r = post(
-        s.addr,
-        "/v1/responses",
-        &json!({"instructions": "Be brief.", "input": "weather in Paris?", "tools": responses_tools()}),
-    )
-    .json();
+    let req = json!({"instructions": "Be brief.", "input": "weather in Paris?", "tools": responses_tools()});
+    let r = post_json(s.addr, "/v1/responses", &req);
     let fc = first_of(&r["output"], "function_call").clone();
     let p = r["usage"]["input_tokens"].as_u64().unwrap();
     let c = r["usage"]["output_tokens"].as_u64().unwrap();
@@ -91,12 +87,8 @@ fn responses_visible_transcript_keeps_the_live_reasoning() {
     let items = input.as_array_mut().unwrap();
     items.push(json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "It is sunny in Paris."}]}));
     items.push(json!({"type": "message", "role": "user", "content": "thanks"}));
-    let r3 = post(
-        s.addr,
-        "/v1/responses",
-        &json!({"instructions": "Be brief.", "input": input, "tools": responses_tools()}),
-    )
-    .json();
+    let req = json!({"instructions": "Be brief.", "input": input, "tools": responses_tools()});
+    let r3 = post_json(s.addr, "/v1/responses", &req);
     assert_eq!(
         r3["usage"]["input_tokens_details"]["cached_tokens"],
         p2 + c2,
@@ -216,12 +208,8 @@ fn anthropic_tools() -> Value {
 fn anthropic_tool_results_continue_the_live_frontier() {
     let s = fake_server(cfg());
     let q = json!({"role": "user", "content": "What is the weather in Paris?"});
-    let r1 = post(
-        s.addr,
-        "/v1/messages",
-        &json!({"max_tokens": 300, "messages": [q], "tools": anthropic_tools()}),
-    )
-    .json();
+    let req = json!({"max_tokens": 300, "messages": [q], "tools": anthropic_tools()});
+    let r1 = post_json(s.addr, "/v1/messages", &req);
     assert_eq!(r1["stop_reason"], "tool_use", "{r1}");
     let tu = first_of(&r1["content"], "tool_use").clone();
     let p1 = r1["usage"]["input_tokens"].as_u64().unwrap();
@@ -229,12 +217,8 @@ fn anthropic_tool_results_continue_the_live_frontier() {
     // Claude Code style: no thinking block replayed, the result in a user message.
     let result = json!({"role": "user", "content": [{"type": "tool_result", "tool_use_id": tu["id"], "content": "sunny"}]});
     let replay = json!([q, {"role": "assistant", "content": [{"type": "text", "text": "Checking."}, tu]}, result]);
-    let r2 = post(
-        s.addr,
-        "/v1/messages",
-        &json!({"max_tokens": 300, "messages": replay, "tools": anthropic_tools()}),
-    )
-    .json();
+    let req = json!({"max_tokens": 300, "messages": replay, "tools": anthropic_tools()});
+    let r2 = post_json(s.addr, "/v1/messages", &req);
     assert_eq!(r2["content"][1]["text"], "It is sunny in Paris.", "{r2}");
     assert_eq!(r2["usage"]["cache_read_input_tokens"], p1 + c1, "{r2}");
     assert_eq!(hits(&s, "anthropic-tool-output"), 1);
@@ -255,12 +239,8 @@ fn anthropic_tool_results_continue_the_live_frontier() {
 #[test]
 fn anthropic_result_for_a_live_call_that_the_tail_does_not_continue_is_409() {
     let s = fake_server(cfg());
-    let r1 = post(
-        s.addr,
-        "/v1/messages",
-        &json!({"max_tokens": 300, "messages": [{"role": "user", "content": "weather in Paris?"}], "tools": anthropic_tools()}),
-    )
-    .json();
+    let req = json!({"max_tokens": 300, "messages": [{"role": "user", "content": "weather in Paris?"}], "tools": anthropic_tools()});
+    let r1 = post_json(s.addr, "/v1/messages", &req);
     let id = first_of(&r1["content"], "tool_use")["id"].clone();
     // The result is known to the live frontier but followed by another user message, so
     // the trailing run carries no tool results: nothing continues the live calls.
@@ -359,12 +339,8 @@ fn responses_visible_key_on_evict_resumes_after_restart() {
     // The replayed call maps to its exact DSML through the file's tool map.
     assert_eq!(visible[0].0 & 1, 1, "tool map flag");
     let s = fake_server(disk_cfg(&dir));
-    let r2 = post(
-        s.addr,
-        "/v1/responses",
-        &json!({"instructions": "Be brief.", "input": codex_replay(&fc, "sunny"), "tools": responses_tools()}),
-    )
-    .json();
+    let req = json!({"instructions": "Be brief.", "input": codex_replay(&fc, "sunny"), "tools": responses_tools()});
+    let r2 = post_json(s.addr, "/v1/responses", &req);
     assert_eq!(output_text(&r2), "It is sunny in Paris.");
     assert_eq!(
         r2["usage"]["input_tokens_details"]["cached_tokens"],
@@ -405,12 +381,8 @@ fn canonical_rebuild_makes_the_next_request_a_memory_token_hit() {
     c.exact_dsml_replay = false;
     let s = sloppy_server(c);
     let mut msgs = vec![json!({"role": "user", "content": "weather?"})];
-    let r1 = post(
-        s.addr,
-        "/v1/chat/completions",
-        &json!({"messages": msgs, "tools": [weather_tool()]}),
-    )
-    .json();
+    let req = json!({"messages": msgs, "tools": [weather_tool()]});
+    let r1 = post_json(s.addr, "/v1/chat/completions", &req);
     let m = &r1["choices"][0]["message"];
     assert_eq!(
         m["tool_calls"][0]["function"]["arguments"],
@@ -421,12 +393,8 @@ fn canonical_rebuild_makes_the_next_request_a_memory_token_hit() {
     msgs.push(
         json!({"role": "tool", "tool_call_id": m["tool_calls"][0]["id"], "content": "sunny"}),
     );
-    let r2 = post(
-        s.addr,
-        "/v1/chat/completions",
-        &json!({"messages": msgs, "tools": [weather_tool()]}),
-    )
-    .json();
+    let req = json!({"messages": msgs, "tools": [weather_tool()]});
+    let r2 = post_json(s.addr, "/v1/chat/completions", &req);
     assert_eq!(r2["choices"][0]["message"]["content"], "Done.");
     assert_eq!(metric(&s, "ds4_canonical_rebuilds_total"), 1);
     assert_eq!(hits(&s, "memory-token"), 1);
@@ -444,12 +412,8 @@ fn stop_string_and_length_turns_bind_nothing() {
     let s = fake_server(cfg());
     let msgs = vec![json!({"role": "user", "content": "hi"})];
     // A stop string cuts the visible content short of what the live KV holds.
-    let r1 = post(
-        s.addr,
-        "/v1/chat/completions",
-        &json!({"messages": msgs, "stop": ["STOP"]}),
-    )
-    .json();
+    let req = json!({"messages": msgs, "stop": ["STOP"]});
+    let r1 = post_json(s.addr, "/v1/chat/completions", &req);
     assert_eq!(
         r1["choices"][0]["message"]["content"],
         "Hello! I am a tiny fake model. "

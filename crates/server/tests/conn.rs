@@ -7,9 +7,8 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use common::{get, tokenizer};
-use ds4_server::engine::{default_script, FakeEngine};
-use ds4_server::{EngineBackend, ServerConfig, ServerError, TestServer};
+use common::{get, tokenizer, EngineHooks, Hooked};
+use ds4_server::{ServerConfig, TestServer};
 use serde_json::json;
 
 /// Whether the server closed `s` within `wait` (EOF or reset; a timeout means open).
@@ -122,46 +121,15 @@ fn busy_connections_survive_the_cap() {
     assert!(r.text().contains("[DONE]"), "stream cut: {}", r.text());
 }
 
-/// The fake engine with a prefill that takes `per_call` per call (one call per chunk).
+/// A prefill that takes `per_call` per call (one call per chunk).
+#[derive(Clone)]
 struct SlowPrefill {
-    inner: FakeEngine,
     per_call: Duration,
 }
 
-impl EngineBackend for SlowPrefill {
-    fn ctx(&self) -> usize {
-        self.inner.ctx()
-    }
-    fn quant_bits(&self) -> u8 {
-        self.inner.quant_bits()
-    }
-    fn fingerprint(&self) -> [u8; 32] {
-        self.inner.fingerprint()
-    }
-    fn tokens(&self) -> &[u32] {
-        self.inner.tokens()
-    }
-    fn logits(&self) -> &[f32] {
-        self.inner.logits()
-    }
-    fn prefill(&mut self, tokens: &[u32]) -> Result<(), ServerError> {
+impl EngineHooks for SlowPrefill {
+    fn before_prefill(&mut self, _held: &[u32], _tokens: &[u32]) {
         std::thread::sleep(self.per_call);
-        self.inner.prefill(tokens)
-    }
-    fn decode(&mut self, token: u32) -> Result<(), ServerError> {
-        self.inner.decode(token)
-    }
-    fn reset(&mut self) {
-        self.inner.reset()
-    }
-    fn snapshot(&self) -> Result<Box<dyn EngineBackend>, ServerError> {
-        self.inner.snapshot()
-    }
-    fn save_payload(&self, w: &mut dyn Write) -> Result<(), ServerError> {
-        self.inner.save_payload(w)
-    }
-    fn load_payload(&mut self, r: &mut dyn Read) -> Result<(), ServerError> {
-        self.inner.load_payload(r)
     }
 }
 
@@ -173,10 +141,13 @@ fn keepalives_continue_during_a_long_prefill() {
     let mut c = ServerConfig::for_tests(32768);
     c.keepalive = Duration::from_millis(400);
     let tok = tokenizer();
-    let eng = SlowPrefill {
-        inner: FakeEngine::new(tok.clone(), c.ctx, default_script()),
-        per_call: Duration::from_millis(100),
-    };
+    let eng = Hooked::fake(
+        &c,
+        &tok,
+        SlowPrefill {
+            per_call: Duration::from_millis(100),
+        },
+    );
     let s = TestServer::start(c, tok, Box::new(eng));
     // ~20 prefill chunks of 512 tokens: ~2 s of prefill with progress every 100 ms.
     let prompt = "word ".repeat(10_000);

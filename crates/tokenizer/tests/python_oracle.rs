@@ -344,42 +344,24 @@ fn compare(texts: &[String], n_random: usize, want: &Value, got: &Value) -> Vec<
         )];
     }
     let mut errs = Vec::new();
-    let (w, g) = (&want["group_hashes"], &got["group_hashes"]);
-    for (k, (a, b)) in w
-        .as_array()
-        .unwrap()
-        .iter()
-        .zip(g.as_array().unwrap())
-        .enumerate()
-    {
-        if a != b {
-            let first = k * GROUP;
-            errs.push(format!(
-                "cases {first}..{}{} differ from the oracle's ids; first text {:?}",
-                (first + GROUP).min(texts.len()),
-                if first >= n_random { " (sweep)" } else { "" },
-                texts[first].chars().take(60).collect::<String>()
-            ));
-        }
+    for (k, _, _) in golden::mismatches(want, got, "group_hashes") {
+        let first = k * GROUP;
+        errs.push(format!(
+            "cases {first}..{}{} differ from the oracle's ids; first text {:?}",
+            (first + GROUP).min(texts.len()),
+            if first >= n_random { " (sweep)" } else { "" },
+            texts[first].chars().take(60).collect::<String>()
+        ));
     }
-    let (w, g) = (&want["full_ids"], &got["full_ids"]);
-    for (k, (a, b)) in w
-        .as_array()
-        .unwrap()
-        .iter()
-        .zip(g.as_array().unwrap())
-        .enumerate()
-    {
-        if a != b {
-            let (a, b) = (parse_ids(a), parse_ids(b));
-            let d = first_diff(&b, &a);
-            errs.push(format!(
-                "case {k}: first diff at #{d}: got {:?} want {:?}; text {:?}",
-                &b[d..(d + 4).min(b.len())],
-                &a[d..(d + 4).min(a.len())],
-                texts[k].chars().take(60).collect::<String>()
-            ));
-        }
+    for (k, a, b) in golden::mismatches(want, got, "full_ids") {
+        let (a, b) = (parse_ids(a), parse_ids(b));
+        let d = first_diff(&b, &a);
+        errs.push(format!(
+            "case {k}: first diff at #{d}: got {:?} want {:?}; text {:?}",
+            &b[d..(d + 4).min(b.len())],
+            &a[d..(d + 4).min(a.len())],
+            texts[k].chars().take(60).collect::<String>()
+        ));
     }
     if errs.is_empty() && want != got {
         errs.push("the id hashes or counts differ from the golden file".into());

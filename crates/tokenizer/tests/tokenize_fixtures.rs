@@ -16,18 +16,28 @@ fn official_tokenizer_file_is_the_pinned_one() {
     assert_eq!(official().vocab_size(), 129_280);
 }
 
-/// The cases of `kind` (encode, decode) in tokenize_cases.jsonl.
-fn cases_of(kind: &str) -> Vec<serde_json::Value> {
+/// Runs `check` (which adds a message to the list for each mismatch) on every case of
+/// `kind` (encode, decode) in tokenize_cases.jsonl with the official tokenizer; asserts
+/// that there are `count` such cases and no mismatches.
+fn check_cases(
+    kind: &str,
+    count: usize,
+    check: impl Fn(&Tokenizer, &serde_json::Value, &mut Vec<String>),
+) {
+    let tok = official();
     let (_, cases) = jsonl("tokenizer/tokenize_cases.jsonl");
-    cases.into_iter().filter(|c| c["kind"] == kind).collect()
+    let cases: Vec<_> = cases.into_iter().filter(|c| c["kind"] == kind).collect();
+    let mut failures = Vec::new();
+    for c in &cases {
+        check(tok, c, &mut failures);
+    }
+    assert_eq!(cases.len(), count);
+    assert_no_failures(&failures);
 }
 
 #[test]
 fn encode_cases_exact() {
-    let tok = official();
-    let cases = cases_of("encode");
-    let mut failures = Vec::new();
-    for c in &cases {
+    check_cases("encode", 1319, |tok, c, failures| {
         let text = c["text"].as_str().expect("text");
         let want = ids_of(&c["ids"]);
         let got = tok.encode(text);
@@ -46,17 +56,12 @@ fn encode_cases_exact() {
         if back != text {
             failures.push(format!("cat={} decode(encode) differs", c["cat"]));
         }
-    }
-    assert_eq!(cases.len(), 1319);
-    assert_no_failures(&failures);
+    });
 }
 
 #[test]
 fn decode_cases_exact_and_streaming() {
-    let tok = official();
-    let cases = cases_of("decode");
-    let mut failures = Vec::new();
-    for c in &cases {
+    check_cases("decode", 202, |tok, c, failures| {
         let ids = ids_of(&c["ids"]);
         let skip = c["skip_special_tokens"].as_bool().expect("flag");
         let want = c["text"].as_str().expect("text");
@@ -78,9 +83,7 @@ fn decode_cases_exact_and_streaming() {
                 c["cat"]
             ));
         }
-    }
-    assert_eq!(cases.len(), 202);
-    assert_no_failures(&failures);
+    });
 }
 
 #[test]

@@ -30,6 +30,42 @@ pub fn write_file(dir: &Path, name: &str, contents: impl AsRef<[u8]>) -> PathBuf
     p
 }
 
+/// A path named `name` in this test binary's scratch directory (made for this process).
+pub fn tmp_file(name: &str) -> PathBuf {
+    tmp_dir("files").join(name)
+}
+
+/// Runs `ds4-tool` with `args`: (success, stdout, stderr).
+pub fn tool(args: &[&str]) -> (bool, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ds4-tool"))
+        .args(args)
+        .output()
+        .unwrap();
+    (out.status.success(), text(&out.stdout), text(&out.stderr))
+}
+
+/// Runs `ds4-tool` with `args`, asserting that it succeeds; returns its stdout.
+pub fn tool_ok(args: &[&str]) -> String {
+    let (ok, out, err) = tool(args);
+    assert!(ok, "ds4-tool {args:?}: {err}");
+    out
+}
+
+/// Runs `ds4-tool` with `args`, asserting that it fails; returns its stderr.
+pub fn tool_err(args: &[&str]) -> String {
+    let (ok, out, err) = tool(args);
+    assert!(!ok, "ds4-tool {args:?} succeeded: {out}");
+    err
+}
+
+/// Runs `ds4-tool synth --dims <dims>` followed by `extra`, asserting that it succeeds;
+/// returns its stdout.
+pub fn synth(dims: &str, extra: &[&str]) -> String {
+    let mut args = vec!["synth", "--dims", dims];
+    args.extend_from_slice(extra);
+    tool_ok(&args)
+}
+
 pub fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }

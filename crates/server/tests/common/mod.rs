@@ -14,7 +14,8 @@ use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ds4_server::engine::{default_script, FakeEngine};
+use ds4_server::engine::{default_script, EngineBackend, FakeEngine};
+use ds4_server::error::ServerError;
 use ds4_server::{ServerConfig, TestServer};
 use ds4_tokenizer::Tokenizer;
 use serde_json::Value;
@@ -193,6 +194,11 @@ pub fn post(addr: SocketAddr, path: &str, body: &Value) -> Resp {
     request(addr, "POST", path, &[], body.to_string().as_bytes())
 }
 
+/// `post`, the answer read as JSON.
+pub fn post_json(addr: SocketAddr, path: &str, body: &Value) -> Value {
+    post(addr, path, body).json()
+}
+
 pub fn get(addr: SocketAddr, path: &str) -> Resp {
     request(addr, "GET", path, &[], b"")
 }
@@ -209,4 +215,70 @@ pub fn first_of<'a>(list: &'a Value, ty: &str) -> &'a Value {
 
 pub fn weather_tool() -> Value {
     serde_json::json!({"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}})
+}
+
+/// What a test adds around the engine's own work: called before each prefill call and
+/// before each decode step, with the tokens the engine holds at that moment. Cloned with
+/// the engine's snapshots, so a restored snapshot behaves like the engine it came from.
+pub trait EngineHooks: Clone + Send + 'static {
+    fn before_prefill(&mut self, _held: &[u32], _tokens: &[u32]) {}
+    fn before_decode(&mut self, _held: &[u32], _token: u32) {}
+}
+
+/// An engine (the fake one, in these tests) with `EngineHooks` around prefill and decode;
+/// everything else is the inner engine's.
+pub struct Hooked<H: EngineHooks> {
+    pub inner: Box<dyn EngineBackend>,
+    pub hooks: H,
+}
+
+impl<H: EngineHooks> Hooked<H> {
+    /// The fake engine for `cfg` over `tok`, with `hooks` around it.
+    pub fn fake(cfg: &ServerConfig, tok: &Arc<Tokenizer>, hooks: H) -> Hooked<H> {
+        Hooked {
+            inner: Box::new(FakeEngine::new(tok.clone(), cfg.ctx, default_script())),
+            hooks,
+        }
+    }
+}
+
+impl<H: EngineHooks> EngineBackend for Hooked<H> {
+    fn ctx(&self) -> usize {
+        self.inner.ctx()
+    }
+    fn quant_bits(&self) -> u8 {
+        self.inner.quant_bits()
+    }
+    fn fingerprint(&self) -> [u8; 32] {
+        self.inner.fingerprint()
+    }
+    fn tokens(&self) -> &[u32] {
+        self.inner.tokens()
+    }
+    fn logits(&self) -> &[f32] {
+        self.inner.logits()
+    }
+    fn prefill(&mut self, tokens: &[u32]) -> Result<(), ServerError> {
+        self.hooks.before_prefill(self.inner.tokens(), tokens);
+        self.inner.prefill(tokens)
+    }
+    fn decode(&mut self, token: u32) -> Result<(), ServerError> {
+        self.hooks.before_decode(self.inner.tokens(), token);
+        self.inner.decode(token)
+    }
+    fn reset(&mut self) {
+        self.inner.reset()
+    }
+    fn snapshot(&self) -> Result<Box<dyn EngineBackend>, ServerError> {
+        Ok(Box::new(Hooked {
+            inner: self.inner.snapshot()?,
+            hooks: self.hooks.clone(),
+        }))
+    }
+    fn save_payload(&self, w: &mut dyn Write) -> Result<(), ServerError> {
+        self.inner.save_payload(w)
+    }
+    fn load_payload(&mut self, r: &mut dyn Read) -> Result<(), ServerError> {
+        self.inner.load_payload(r)
+    }
 }
