@@ -21,6 +21,28 @@ pub enum LogitRows {
 /// drafts of multi-token prediction, few enough that the undo record stays small.
 pub const MAX_ROWS: usize = 16;
 
+/// Every token inside the vocabulary.
+pub(crate) fn check_vocab(tokens: &[u32], vocab: usize) -> Result<()> {
+    match tokens.iter().find(|&&t| t as usize >= vocab) {
+        Some(&token) => Err(EngineError::BadToken { token, vocab }),
+        None => Ok(()),
+    }
+}
+
+/// [`check_vocab`], then room for the tokens after `have` of `ctx` positions: what a
+/// backend checks before it touches its state.
+pub(crate) fn check_tokens(tokens: &[u32], vocab: usize, have: usize, ctx: usize) -> Result<()> {
+    check_vocab(tokens, vocab)?;
+    if have + tokens.len() > ctx {
+        return Err(EngineError::ContextFull {
+            ctx,
+            have,
+            adding: tokens.len(),
+        });
+    }
+    Ok(())
+}
+
 /// Checks a step's row count.
 pub(crate) fn check_rows(n: usize) -> Result<()> {
     if n == 0 || n > MAX_ROWS {

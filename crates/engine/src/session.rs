@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crate::backend::{check_accepted, check_rows, no_pending, Backend, LogitRows};
+use crate::backend::{check_accepted, check_rows, check_vocab, no_pending, Backend, LogitRows};
 use crate::cpu::CpuBackend;
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
@@ -337,9 +337,7 @@ impl Session {
         check_rows(tokens.len())?;
         self.check_room(tokens.len())?;
         let vocab = self.vocab();
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(EngineError::BadToken { token: t, vocab });
-        }
+        check_vocab(tokens, vocab)?;
         self.accept_pending();
         let rows = self.backend.step_rows(tokens)?;
         if let Err(e) = check_logits(&rows) {

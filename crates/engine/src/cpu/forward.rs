@@ -9,9 +9,9 @@
 use ds4_gguf::quant::f16_round;
 use rayon::prelude::*;
 
-use crate::backend::LogitRows;
+use crate::backend::{check_tokens, LogitRows};
 use crate::config::Config;
-use crate::error::{EngineError, Result};
+use crate::error::Result;
 use crate::kv::{Frontier, KvCache, LayerCache};
 use crate::model::ModelInner;
 use crate::ops::attention::attend_head;
@@ -58,19 +58,7 @@ pub(crate) fn forward(
     taps: Taps,
 ) -> Result<Vec<f32>> {
     let cfg = &m.config;
-    if let Some(&t) = tokens.iter().find(|&&t| t as usize >= cfg.vocab) {
-        return Err(EngineError::BadToken {
-            token: t,
-            vocab: cfg.vocab,
-        });
-    }
-    if cache.n_tokens + tokens.len() > cache.ctx {
-        return Err(EngineError::ContextFull {
-            ctx: cache.ctx,
-            have: cache.n_tokens,
-            adding: tokens.len(),
-        });
-    }
+    check_tokens(tokens, cfg.vocab, cache.n_tokens, cache.ctx)?;
     let n = tokens.len();
     if n == 0 {
         return Ok(Vec::new());

@@ -14,8 +14,8 @@ use std::sync::Arc;
 
 pub use ds4_cuda::{driver_present, CudaError, Gpu};
 
-use crate::backend::{check_accepted, check_rows, no_pending, Backend, LogitRows};
-use crate::error::{EngineError, Result};
+use crate::backend::{check_accepted, check_rows, check_tokens, no_pending, Backend, LogitRows};
+use crate::error::Result;
 use crate::kv::KvCache;
 use crate::model::Model;
 use crate::ops::linear::Numerics;
@@ -104,21 +104,8 @@ impl CudaBackend {
 
     /// Tokens in the vocabulary, and room for them in the context.
     fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
-        let cfg = &self.weights.config;
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= cfg.vocab) {
-            return Err(EngineError::BadToken {
-                token: t,
-                vocab: cfg.vocab,
-            });
-        }
-        if self.state.n_tokens + tokens.len() > self.state.ctx {
-            return Err(EngineError::ContextFull {
-                ctx: self.state.ctx,
-                have: self.state.n_tokens,
-                adding: tokens.len(),
-            });
-        }
-        Ok(())
+        let vocab = self.weights.config.vocab;
+        check_tokens(tokens, vocab, self.state.n_tokens, self.state.ctx)
     }
 
     /// Opens GPU `ordinal` and uploads `model`; the usual way to start.

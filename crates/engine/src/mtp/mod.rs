@@ -27,6 +27,7 @@ use std::sync::Arc;
 
 use ds4_gguf::GgufFile;
 
+use crate::backend::check_vocab;
 use crate::cpu::forward::{head, layer_forward};
 use crate::error::{EngineError, Result};
 use crate::kv::LayerCache;
@@ -159,12 +160,7 @@ impl Mtp {
         let cfg = &m.config;
         let w = &self.inner.weights;
         let (e, nhc) = (cfg.n_embd, cfg.n_hc);
-        if token as usize >= cfg.vocab {
-            return Err(EngineError::BadToken {
-                token,
-                vocab: cfg.vocab,
-            });
-        }
+        check_vocab(&[token], cfg.vocab)?;
         if g.len() != nhc * e {
             return Err(EngineError::Invalid(format!(
                 "MTP draft: the HC state has {} values, expected n_hc·n_embd = {}",
