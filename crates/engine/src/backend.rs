@@ -6,6 +6,7 @@
 
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
+use crate::mtp::Mtp;
 
 /// Which logits rows a forward call returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,6 +74,18 @@ pub(crate) fn check_accepted(accepted: usize, rows: usize) -> Result<()> {
     Ok(())
 }
 
+/// The incoming hyper-connection state of an MTP draft ([`Backend::mtp_draft`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HcSource {
+    /// The main model's final HC state (`[n_hc][n_embd]`, before the output head) at
+    /// the session's last token: after `commit_rows(a)` that is row `a - 1` of the
+    /// step, after `forward` its last token. Unavailable (an error) after `reset` and
+    /// `import_state`, until the next forward.
+    Last,
+    /// The output HC state of this backend's previous draft (a chained draft).
+    Chain,
+}
+
 pub trait Backend: Send {
     fn name(&self) -> &str;
 
@@ -131,6 +144,29 @@ pub trait Backend: Send {
     /// An independent copy of the whole state (a device backend allocates a second
     /// state, which can run out of memory).
     fn try_clone_box(&self) -> Result<Box<dyn Backend>>;
+
+    /// Runs the MTP block (docs/architecture.md §3.1) on `token` at position `pos` with
+    /// the incoming state `src`, pushes the block's raw KV row into this backend's MTP
+    /// ring and returns the draft logits (`[vocab]`). The ring and the chained state
+    /// belong to the backend (on a GPU they stay in device memory); they are never
+    /// part of [`Backend::export_state`], and `reset`/`import_state` empty the ring.
+    fn mtp_draft(&mut self, mtp: &Mtp, token: u32, src: HcSource, pos: usize) -> Result<Vec<f32>> {
+        let _ = (mtp, token, src, pos);
+        Err(EngineError::Invalid(format!(
+            "the {} backend cannot run the MTP draft block",
+            self.name()
+        )))
+    }
+
+    /// Marks the MTP ring before a cycle's drafts (see [`Backend::mtp_keep`]).
+    fn mtp_mark(&mut self) {}
+
+    /// Keeps the first `n` ring rows pushed since [`Backend::mtp_mark`] and rewinds the
+    /// rest, restoring the rows they overwrote (the drafts of rejected positions).
+    fn mtp_keep(&mut self, n: usize) -> Result<()> {
+        let _ = n;
+        Ok(())
+    }
 
     /// Tokens per `forward` call that keep this backend efficient: callers that split
     /// a prompt (for progress or cancellation) should not pass fewer.
