@@ -6,7 +6,7 @@ use ds4_cuda::{CudaError, DecodePlan, DeviceBuf, Gpu, Launcher, QuantAct, RouteP
 mod layers;
 mod snapshot;
 
-use super::weights::CudaWeights;
+use super::weights::{CudaWeights, HcDev};
 use crate::config::Config;
 use crate::error::Result;
 use crate::ops::linear::Numerics;
@@ -509,7 +509,7 @@ impl DeviceState {
         kv.enqueue(w, numerics, &mut self.s, 1)?;
         if head {
             let h = w.gpu.ptr(&self.s.s.h);
-            head_logits(&w.gpu.launcher(self.plan), w, numerics, &mut self.s, h)?;
+            head_logits(&w.gpu.launcher(self.plan), w, numerics, &mut self.s, h, w.head())?;
         }
         Ok(())
     }
@@ -526,7 +526,7 @@ impl DeviceState {
 
     /// The logits of the HC state at `h` into the decode scratch.
     fn head(&mut self, w: &CudaWeights, numerics: Numerics, h: u64) -> Result<()> {
-        head_logits(&w.gpu.launcher(self.plan), w, numerics, &mut self.s, h)
+        head_logits(&w.gpu.launcher(self.plan), w, numerics, &mut self.s, h, w.head())
     }
 
     pub fn logits(&self, w: &CudaWeights) -> Result<Vec<f32>> {
@@ -534,22 +534,25 @@ impl DeviceState {
     }
 }
 
-/// The output head on one token's HC state `h`, into `s.logits`.
+/// The output head on one token's HC state `h`, into `s.logits`: the stream collapse
+/// `hc` and the final norm `norm` (the model's, or the MTP block's), then the model's
+/// output projection.
 fn head_logits(
     g: &Launcher,
     w: &CudaWeights,
     numerics: Numerics,
     b: &mut Work,
     h: u64,
+    (hc, norm): (&HcDev, &DeviceBuf<f32>),
 ) -> Result<()> {
     let (s, q8) = (&b.s, &mut b.q8);
     let c = &w.config;
     let p = |b: &DeviceBuf<f32>| g.ptr(b);
-    g.hc_mix_mat(1, h, &w.head_hc.fn_, c.rms_eps, p(&s.mix))?;
+    g.hc_mix_mat(1, h, &hc.fn_, c.rms_eps, p(&s.mix))?;
     g.head_collapse(
         (h, p(&s.mix)),
-        &hc_params(g, c, &w.head_hc),
-        p(&w.output_norm),
+        &hc_params(g, c, hc),
+        p(norm),
         ds4_cuda::WT_F32,
         c.rms_eps,
         p(&s.tmp),

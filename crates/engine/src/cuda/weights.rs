@@ -228,6 +228,11 @@ impl CudaWeights {
         Ok(weights)
     }
 
+    /// The output head's stream collapse and final norm.
+    pub fn head(&self) -> (&HcDev, &DeviceBuf<f32>) {
+        (&self.head_hc, &self.output_norm)
+    }
+
     pub fn rope(&self, il: usize) -> RopeP {
         RopeP {
             freqs: self.gpu.ptr(&self.freqs[il]),

@@ -9,7 +9,7 @@ use ds4_gguf::GgmlType;
 
 use super::{att_splits, comp_cap, LayerState, QuantBufs, Scratch, Work};
 use crate::config::Config;
-use crate::cuda::weights::{CompressorDev, CudaWeights, HcDev};
+use crate::cuda::weights::{CompressorDev, CudaWeights, HcDev, LayerDev};
 use crate::error::Result;
 use crate::ops::linear::Numerics;
 
@@ -79,12 +79,15 @@ type Src<'q> = (u64, &'q mut QuantAct, bool);
 /// What the launches of one sublayer over a batch of `n` tokens share: the launcher,
 /// the config, the scratch buffers, the tokens' step records, the layer's RoPE and the
 /// numeric mode.
-struct Pass<'a> {
+pub(super) struct Pass<'a> {
     g: Launcher<'a>,
     c: &'a Config,
     s: &'a Scratch,
-    /// The layer.
+    /// The layer index (its per-layer tables: SwiGLU clamps).
     il: usize,
+    /// The layer's weights and KV state (`w.layers[il]` and its state, or the MTP block's).
+    l: &'a LayerDev,
+    st: &'a LayerState,
     n: usize,
     step: u64,
     rope: ds4_cuda::RopeP,
@@ -287,30 +290,44 @@ impl KvView<'_> {
             g.ptr(&s.h),
         )?;
         for il in 0..c.n_layer {
-            let px = self.pass(w, numerics, il, &b.s, n_tok);
-            self.attention(w, &px, &mut b.q8)?;
-            self.ffn(w, &px, &mut b.q8, b.plan.as_mut())?;
+            let layer = (il, &w.layers[il], &self.layers[il], w.rope(il));
+            let px = self.pass(w, numerics, layer, &b.s, n_tok);
+            self.layer(&px, &mut b.q8, b.plan.as_mut())?;
         }
         Ok(())
     }
 
-    /// The [`Pass`] of layer `il` over the `n` tokens of `s`.
-    fn pass<'a>(
+    /// One layer (attention and FFN) of the pass `px` (over a batch's scratch, with its
+    /// quantised activations `qb` and expert plan).
+    pub(super) fn layer(
+        &self,
+        px: &Pass,
+        qb: &mut QuantBufs,
+        plan: Option<&mut RoutePlan>,
+    ) -> Result<()> {
+        self.attention(px, qb)?;
+        self.ffn(px, qb, plan)
+    }
+
+    /// The [`Pass`] of a layer `(il, weights, state, rope)` over the `n` tokens of `s`.
+    pub(super) fn pass<'a>(
         &self,
         w: &'a CudaWeights,
         numerics: Numerics,
-        il: usize,
+        (il, l, st, rope): (usize, &'a LayerDev, &'a LayerState, ds4_cuda::RopeP),
         s: &'a Scratch,
         n: usize,
     ) -> Pass<'a> {
         let g = w.gpu.launcher(self.plan);
         let step = g.ptr(&s.step);
-        let (c, rope, fast) = (&w.config, w.rope(il), numerics == Numerics::Fast);
+        let (c, fast) = (&w.config, numerics == Numerics::Fast);
         Pass {
             g,
             c,
             s,
             il,
+            l,
+            st,
             n,
             step,
             rope,
@@ -318,10 +335,10 @@ impl KvView<'_> {
         }
     }
 
-    fn attention(&self, w: &CudaWeights, px: &Pass, qb: &mut QuantBufs) -> Result<()> {
-        let (g, c, s, il, n) = (&px.g, px.c, px.s, px.il, px.n);
+    fn attention(&self, px: &Pass, qb: &mut QuantBufs) -> Result<()> {
+        let (g, c, s, n) = (&px.g, px.c, px.s, px.n);
         let (step, rope, fast) = (px.step, px.rope, px.fast);
-        let (l, st) = (&w.layers[il], &self.layers[il]);
+        let (l, st) = (px.l, px.st);
         let p = |b: &DeviceBuf<f32>| g.ptr(b);
         let f32t = ds4_cuda::WT_F32;
         let hd = c.head_dim;
@@ -537,14 +554,13 @@ impl KvView<'_> {
 
     fn ffn(
         &self,
-        w: &CudaWeights,
         px: &Pass,
         qb: &mut QuantBufs,
         route_plan: Option<&mut RoutePlan>,
     ) -> Result<()> {
         let (g, c, s, il, n) = (&px.g, px.c, px.s, px.il, px.n);
         let (step, fast) = (px.step, px.fast);
-        let l = &w.layers[il];
+        let l = px.l;
         let (k, ff, e) = (c.n_expert_used, c.n_ff_exp, c.n_embd);
         let p = |b: &DeviceBuf<f32>| g.ptr(b);
         let (n_q8, comb_lane) = px.sublayer_begin(
