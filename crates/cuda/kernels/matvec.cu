@@ -269,3 +269,77 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q4_k(
     acc = warp_sum(acc);
     if (threadIdx.x == 0) y[blockIdx.y * sel.y_stride + row] = acc;
 }
+
+// T tokens of a plain F16 matrix in one pass over its weights (a multi-row decode step;
+// see matvec_q8_0_q8_tok_body): `ks` warps a row as the one-token kernel picks, per
+// (row, token) the same 8-wide steps in the same order and the same reduction, so the
+// same sums. Rows of a multiple of 8 columns.
+template <int T>
+__device__ __forceinline__ void matvec_f16_tok_body(const u16* __restrict__ w,
+                                                    const float* __restrict__ x,
+                                                    float* __restrict__ y, int rows, int cols,
+                                                    MatSel sel, int ks, int n_tok) {
+    __shared__ float red[T][ROWS_PER_BLOCK];
+    const int row = blockIdx.x * (blockDim.y / ks) + threadIdx.y / ks;
+    const int split = threadIdx.y % ks;
+    const u16* r = w + (i64)row * cols;
+    const int c0 = (split * WARP + threadIdx.x) * 8, cstep = ks * WARP * 8;
+    float acc[T];
+#pragma unroll
+    for (int t = 0; t < T; ++t) acc[t] = 0.f;
+    // The first steps' weights before the PDL wait, as matvec_f16_early.
+    uint4 wv[F16_EARLY_STEPS];
+#pragma unroll
+    for (int u = 0; u < F16_EARLY_STEPS; ++u)
+        if (row < rows && c0 + u * cstep < cols)
+            wv[u] = __ldg(reinterpret_cast<const uint4*>(r + c0 + u * cstep));
+    PDL_WAIT();
+    if (row < rows) {
+#pragma unroll
+        for (int u = 0; u < F16_EARLY_STEPS; ++u) {
+            const int c = c0 + u * cstep;
+            if (c < cols) {
+#pragma unroll
+                for (int t = 0; t < T; ++t)
+                    if (t < n_tok) acc[t] += dot8_h(wv[u], x + t * sel.x_stride + c);
+            }
+        }
+        for (int c = c0 + F16_EARLY_STEPS * cstep; c < cols; c += cstep) {
+            const uint4 w1 = __ldg(reinterpret_cast<const uint4*>(r + c));
+#pragma unroll
+            for (int t = 0; t < T; ++t)
+                if (t < n_tok) acc[t] += dot8_h(w1, x + t * sel.x_stride + c);
+        }
+    }
+    PDL_TRIGGER();
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+        const float v = warp_sum(acc[t]);
+        if (ks == 1) {
+            if (threadIdx.x == 0 && t < n_tok && row < rows) y[t * sel.y_stride + row] = v;
+        } else if (threadIdx.x == 0) {
+            red[t][threadIdx.y] = v;
+        }
+    }
+    if (ks > 1) {
+        __syncthreads();
+        if (threadIdx.x == 0 && split == 0 && row < rows) {
+            for (int t = 0; t < n_tok; ++t) {
+                float s = 0.f;
+                for (int i = 0; i < ks; ++i) s += red[t][threadIdx.y + i];
+                y[t * sel.y_stride + row] = s;
+            }
+        }
+    }
+}
+
+#define F16_TOK_KERNEL(T)                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) matvec_f16_t##T(                   \
+        const u16* __restrict__ w, const float* __restrict__ x, float* __restrict__ y,    \
+        int rows, int cols, MatSel sel, int ks, int n_tok) {                              \
+        matvec_f16_tok_body<T>(w, x, y, rows, cols, sel, ks, n_tok);                      \
+    }
+F16_TOK_KERNEL(2)
+F16_TOK_KERNEL(4)
+F16_TOK_KERNEL(8)
+F16_TOK_KERNEL(16)

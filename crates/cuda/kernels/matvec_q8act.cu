@@ -801,3 +801,120 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8_r2(Q8_0_Q8_PARA
     (void)ks;  // 1
     matvec_q8_0_q8_rows_body<2>(qs, dw, mat_q, mat_d, xq, xd, y, rows, cols, sel);
 }
+
+// T tokens of a plain Q8_0 matrix (a multi-row decode step, sel.ids = 0): each weight
+// block is loaded once and applied to the n_tok ≤ T activation rows at sel.x_stride, so
+// a step of R rows reads the weights once instead of R times. R rows a warp with ks = 1
+// (as matvec_q8_0_q8_r2 / _r4), or R = 1 with `ks` warps a row (as matvec_q8_0_q8 /
+// _early): per (row, token) the same blocks in the same order and the same reduction as
+// the kernel one token would use, so the sums are the same (gpu-selftest checks it).
+// blockIdx.y is a group: matrix g of the stack (strides mat_q, mat_d) on the inputs at
+// g·gx and outputs at g·gy of each token (the grouped output projection; 0 when plain).
+template <int T, int R>
+__device__ __forceinline__ void matvec_q8_0_q8_tok_body(
+    const i8* __restrict__ qs, const u16* __restrict__ dw, i64 mat_q, i64 mat_d,
+    const i8* __restrict__ xq, const float* __restrict__ xd, float* __restrict__ y, int rows,
+    int cols, MatSel sel, int ks, int n_tok, i64 gx, i64 gy) {
+    __shared__ float red[T][ROWS_PER_BLOCK];
+    const int g = blockIdx.y;
+    qs += g * mat_q;
+    dw += g * mat_d;
+    xq += g * gx;
+    xd += g * (gx / 32);
+    y += g * gy;
+    const int group = threadIdx.y / ks, split = threadIdx.y % ks;
+    const int row0 = (blockIdx.x * (blockDim.y / ks) + group) * R;
+    const int nb = cols / 32;
+    const int b0 = split * WARP + threadIdx.x, bstep = ks * WARP;
+    const i64 xs = sel.x_stride;
+    float acc[R][T];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int t = 0; t < T; ++t) acc[r][t] = 0.f;
+    // As the early kernels: the first P steps' weights are loaded before the PDL wait
+    // (the matrix is plain, so nothing the previous kernel writes), about as many bytes
+    // in flight per lane as matvec_q8_0_q8_early's.
+    constexpr int P = R >= 4 ? 1 : (R == 2 ? 2 : Q8_EARLY_STEPS);
+    uint4 w0[P][R], w1[P][R];
+    u16 dq[P][R];
+    auto load = [&](int u, int b) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if (row0 + r < rows && b < nb) {
+                const i8* q = qs + (i64)(row0 + r) * cols + b * 32;
+                w0[u][r] = ld_stream16(q);
+                w1[u][r] = ld_stream16(q + 16);
+                dq[u][r] = dw[(i64)(row0 + r) * nb + b];
+            }
+        }
+    };
+    auto dot = [&](int u, int b) {
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+            if (t < n_tok) {
+                const i8* x = xq + t * xs + b * 32;
+                const float d = xd[t * (xs / 32) + b];
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+                    if (row0 + r < rows)
+                        acc[r][t] += q8_block_dot(w0[u][r], w1[u][r], dq[u][r], x, d);
+            }
+        }
+    };
+#pragma unroll
+    for (int u = 0; u < P; ++u) load(u, b0 + u * bstep);
+    PDL_WAIT();
+#pragma unroll
+    for (int u = 0; u < P; ++u)
+        if (b0 + u * bstep < nb) dot(u, b0 + u * bstep);
+    for (int b = b0 + P * bstep; b < nb; b += bstep) {
+        load(0, b);
+        dot(0, b);
+    }
+    PDL_TRIGGER();
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+            const float v = warp_sum(acc[r][t]);
+            if (ks == 1) {
+                if (threadIdx.x == 0 && t < n_tok && row0 + r < rows)
+                    y[t * sel.y_stride + row0 + r] = v;
+            } else if (threadIdx.x == 0) {
+                red[t][threadIdx.y] = v;
+            }
+        }
+    }
+    if (ks > 1) {
+        __syncthreads();
+        if (threadIdx.x == 0 && split == 0 && row0 < rows) {
+            for (int t = 0; t < n_tok; ++t) {
+                float s = 0.f;
+                for (int i = 0; i < ks; ++i) s += red[t][threadIdx.y + i];
+                y[t * sel.y_stride + row0] = s;
+            }
+        }
+    }
+}
+
+#define Q8_TOK_KERNEL(T, R)                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8_t##T##r##R(           \
+        const i8* __restrict__ qs, const u16* __restrict__ dw, i64 mat_q, i64 mat_d,       \
+        const i8* __restrict__ xq, const float* __restrict__ xd, float* __restrict__ y,    \
+        int rows, int cols, MatSel sel, int ks, int n_tok, i64 gx, i64 gy) {               \
+        matvec_q8_0_q8_tok_body<T, R>(qs, dw, mat_q, mat_d, xq, xd, y, rows, cols, sel, ks, \
+                                      n_tok, gx, gy);                                      \
+    }
+Q8_TOK_KERNEL(2, 1)
+Q8_TOK_KERNEL(2, 2)
+Q8_TOK_KERNEL(2, 4)
+Q8_TOK_KERNEL(4, 1)
+Q8_TOK_KERNEL(4, 2)
+Q8_TOK_KERNEL(4, 4)
+Q8_TOK_KERNEL(8, 1)
+Q8_TOK_KERNEL(8, 2)
+Q8_TOK_KERNEL(8, 4)
+Q8_TOK_KERNEL(16, 1)
+Q8_TOK_KERNEL(16, 2)
+Q8_TOK_KERNEL(16, 4)

@@ -220,7 +220,9 @@ impl Launcher<'_> {
         };
         let groups = (heads as u32).div_ceil(8);
         // A decode token's blocks stage their rows in shared memory (`att_stage`).
-        let staged = a.n_tok == 1 && self.on(Variant::AttStage);
+        // A multi-row step's few tokens too (the kernel takes its token from
+        // blockIdx.z).
+        let staged = a.n_tok <= crate::Q8_TOKENS_MAX && self.on(Variant::AttStage);
         let (name, smem) = if staged {
             let name = self.pick(
                 Variant::AttEarly,

@@ -320,6 +320,19 @@ impl Gpu {
         Ok(self.stream.clone_dtoh(dev)?)
     }
 
+    /// The first `n` values of a device buffer.
+    pub fn download_prefix<T: DeviceRepr + Default + Clone>(
+        &self,
+        dev: &CudaSlice<T>,
+        n: usize,
+    ) -> Result<Vec<T>, CudaError> {
+        let n = n.min(dev.len());
+        let mut out = vec![T::default(); n];
+        self.stream.memcpy_dtoh(&dev.slice(0..n), &mut out)?;
+        self.stream.synchronize()?;
+        Ok(out)
+    }
+
     pub fn synchronize(&self) -> Result<(), CudaError> {
         Ok(self.stream.synchronize()?)
     }

@@ -56,6 +56,6 @@ pub use error::CudaError;
 pub use graph::TokenGraph;
 pub use layer::{Compressor, HcNorm, HcParams, RopeP, WT_BF16, WT_F16, WT_F32, WT_Q8_0};
 pub use matmul::{Batch, RoutePlan};
-pub use ops::{ActRule, MatSel, QuantAct};
+pub use ops::{ActRule, MatSel, QuantAct, Q8_TOKENS_MAX};
 pub use plan::{DecodePlan, Launcher, PlanError, Variant};
 pub use weights::DeviceMatrix;

@@ -6,6 +6,7 @@ use ds4_gguf::GgmlType;
 use crate::device::Gpu;
 use crate::error::CudaError;
 use crate::layer::cfg;
+use crate::matmul::Batch;
 use crate::plan::{Launcher, Variant};
 use crate::weights::DeviceMatrix;
 
@@ -116,6 +117,15 @@ impl Launcher<'_> {
         n_sel: usize,
         sel: MatSel,
     ) -> Result<(), CudaError> {
+        if m.ty == GgmlType::F16
+            && sel.ids == 0
+            && sel.x_stride > 0
+            && m.cols.is_multiple_of(8)
+            && (2..=Q8_TOKENS_MAX).contains(&n_sel)
+            && self.on(Variant::Tokens)
+        {
+            return self.matvec_f16_tokens(m, x, y, n_sel, sel);
+        }
         let rows = m.rows as i32;
         let cols = m.cols as i32;
         let ks = if m.ty == GgmlType::F16 {
@@ -170,6 +180,46 @@ impl Launcher<'_> {
         // the caller passes buffers of at least n_sel × cols inputs and n_sel × rows
         // outputs (checked by the safe wrappers that use this).
         unsafe { self.launch_timed(kname, &mut b, cfg) }?;
+        Ok(())
+    }
+
+    /// `n_tok` (2..=16) tokens of a plain F16 matrix in one pass over its weights
+    /// (`matvec_f16_t{T}`), with the warps a row of the one-token launch: the same sums.
+    fn matvec_f16_tokens(
+        &self,
+        m: &DeviceMatrix,
+        x: u64,
+        y: u64,
+        n_tok: usize,
+        sel: MatSel,
+    ) -> Result<(), CudaError> {
+        let ks = split_k(m.rows, 1);
+        let name = match n_tok.next_power_of_two() {
+            2 => "matvec_f16_t2",
+            4 => "matvec_f16_t4",
+            8 => "matvec_f16_t8",
+            _ => "matvec_f16_t16",
+        };
+        let f = self.func(name)?;
+        let cfg = LaunchConfig {
+            grid_dim: ((m.rows as u32).div_ceil(ROWS_PER_BLOCK / ks), 1, 1),
+            block_dim: (32, ROWS_PER_BLOCK, 1),
+            shared_mem_bytes: 0,
+        };
+        let w = self.ptr(&m.parts[0]);
+        let (rows, cols, ks_arg, n_arg) = (m.rows as i32, m.cols as i32, ks as i32, n_tok as i32);
+        let mut b = self.launch_stream().launch_builder(&f);
+        b.arg(&w)
+            .arg(&x)
+            .arg(&y)
+            .arg(&rows)
+            .arg(&cols)
+            .arg(&sel)
+            .arg(&ks_arg)
+            .arg(&n_arg);
+        // SAFETY: argument order matches F16_TOK_KERNEL in matvec.cu; x holds n_tok rows
+        // at sel.x_stride and y n_tok rows at sel.y_stride (caller, as for `matvec`).
+        unsafe { self.launch_timed(name, &mut b, cfg) }?;
         Ok(())
     }
 
@@ -548,6 +598,25 @@ impl Launcher<'_> {
                 xq.rows, xq.cols, m.cols
             )));
         }
+        if m.ty == GgmlType::Q8_0
+            && pair.is_none()
+            && kernel.is_none()
+            && strides.is_none()
+            && sel.ids == 0
+            && sel.x_stride > 0
+            && (2..=Q8_TOKENS_MAX).contains(&n_sel)
+            && self.on(Variant::Tokens)
+        {
+            let b = Batch {
+                n_tok: n_sel,
+                x_tok: sel.x_stride as usize,
+                y_tok: sel.y_stride as usize,
+                n_groups: 1,
+                x_grp: 0,
+                y_grp: 0,
+            };
+            return self.matvec_q8_tokens(m, xq, y, b, ks);
+        }
         let rows = m.rows as i32;
         let cols = m.cols as i32;
         let elems = (m.rows * m.cols) as i64;
@@ -690,4 +759,115 @@ impl Launcher<'_> {
         unsafe { self.launch_timed(name, &mut b, cfg) }?;
         Ok(())
     }
+
+    /// The grouped output projection of a multi-row step (`b.n_tok` ≤ 16 tokens, each
+    /// with `b.n_groups` inputs at `x_grp`, matrix g of the stack on input g): one pass
+    /// over the weights for every token (see `matvec_q8_tokens`).
+    pub fn matvec_q8act_groups(
+        &self,
+        m: &DeviceMatrix,
+        xq: &QuantAct,
+        y: u64,
+        b: Batch,
+    ) -> Result<(), CudaError> {
+        let need = b.x_tok * (b.n_tok.max(1) - 1) + b.x_grp * (b.n_groups.max(1) - 1) + m.cols;
+        if m.ty != GgmlType::Q8_0
+            || !(1..=Q8_TOKENS_MAX).contains(&b.n_tok)
+            || b.n_groups != m.n_mats
+            || need > xq.rows * xq.cols
+            || !b.x_tok.is_multiple_of(32)
+            || !b.x_grp.is_multiple_of(32)
+        {
+            return Err(CudaError::Invalid(format!(
+                "a grouped multi-token product takes a Q8_0 stack of {} matrices and at most \
+                 {Q8_TOKENS_MAX} tokens within the activations, not {} ({} groups, {} tokens)",
+                m.n_mats, m.ty, b.n_groups, b.n_tok
+            )));
+        }
+        self.matvec_q8_tokens(m, xq, y, b, None)
+    }
+
+    /// `b.n_tok` (1..=16) tokens of a Q8_0 matrix (or of each of `b.n_groups` matrices)
+    /// in one pass over its weights (`matvec_q8_0_q8_t{T}r{R}`, T the token capacity):
+    /// the rows a warp and warps a row are those the one-token launch picks, so each
+    /// token's sums are the ones it gives (gpu-selftest). The caller checked the
+    /// activations' extent.
+    fn matvec_q8_tokens(
+        &self,
+        m: &DeviceMatrix,
+        xq: &QuantAct,
+        y: u64,
+        bt: Batch,
+        ks: Option<u32>,
+    ) -> Result<(), CudaError> {
+        let n_tok = bt.n_tok;
+        let sel = MatSel {
+            ids: 0,
+            x_stride: bt.x_tok as i64,
+            y_stride: bt.y_tok as i64,
+        };
+        // The one-token choice (see matvec_q8act_launch): warps per row, then, for one
+        // warp a row of the early kernel, 4 or 2 rows a warp.
+        let ks = ks.unwrap_or_else(|| split_k_q8(m.rows, 1));
+        let early = self.on(Variant::Q8Early);
+        let r = match () {
+            _ if early && ks == 1 && m.cols <= 1024 && self.on(Variant::Q8Rows) => Q8_ROWS_PER_WARP,
+            _ if early && ks == 1 && m.cols > 1024 && self.on(Variant::Q8Rows2) => 2,
+            _ => 1,
+        };
+        let t = n_tok.next_power_of_two().max(2);
+        let name: &'static str = match (t, r) {
+            (2, 1) => "matvec_q8_0_q8_t2r1",
+            (2, 2) => "matvec_q8_0_q8_t2r2",
+            (2, _) => "matvec_q8_0_q8_t2r4",
+            (4, 1) => "matvec_q8_0_q8_t4r1",
+            (4, 2) => "matvec_q8_0_q8_t4r2",
+            (4, _) => "matvec_q8_0_q8_t4r4",
+            (8, 1) => "matvec_q8_0_q8_t8r1",
+            (8, 2) => "matvec_q8_0_q8_t8r2",
+            (8, _) => "matvec_q8_0_q8_t8r4",
+            (_, 1) => "matvec_q8_0_q8_t16r1",
+            (_, 2) => "matvec_q8_0_q8_t16r2",
+            _ => "matvec_q8_0_q8_t16r4",
+        };
+        let f = self.func(name)?;
+        let rows_per_block = ROWS_PER_BLOCK / ks * r;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                (m.rows as u32).div_ceil(rows_per_block),
+                bt.n_groups.max(1) as u32,
+                1,
+            ),
+            block_dim: (32, ROWS_PER_BLOCK, 1),
+            shared_mem_bytes: 0,
+        };
+        let elems = (m.rows * m.cols) as i64;
+        let (gx, gy) = (bt.x_grp as i64, bt.y_grp as i64);
+        let p: Vec<u64> = m.parts.iter().map(|b| self.ptr(b)).collect();
+        let strides = (elems, elems / 32);
+        let grid = 0u64;
+        let mut b = self.launch_stream().launch_builder(&f);
+        push_weights(&mut b, m.ty, &p, &strides, &grid);
+        let (xq_p, xd_p) = (self.ptr(&xq.q), self.ptr(&xq.d));
+        let (rows, cols, ks_arg, n_arg) = (m.rows as i32, m.cols as i32, ks as i32, n_tok as i32);
+        b.arg(&xq_p)
+            .arg(&xd_p)
+            .arg(&y)
+            .arg(&rows)
+            .arg(&cols)
+            .arg(&sel)
+            .arg(&ks_arg)
+            .arg(&n_arg)
+            .arg(&gx)
+            .arg(&gy);
+        // SAFETY: argument order matches Q8_TOK_KERNEL in matvec_q8act.cu; xq holds
+        // n_tok rows at sel.x_stride (checked by the caller), y n_tok rows at
+        // sel.y_stride of m.rows floats (caller).
+        unsafe { self.launch_timed(name, &mut b, cfg) }?;
+        Ok(())
+    }
 }
+
+/// Most tokens of one [`Launcher::matvec_q8act`] call that share a pass over a plain
+/// Q8_0 matrix (the multi-row step's rows; more take the GEMMs).
+pub const Q8_TOKENS_MAX: usize = 16;

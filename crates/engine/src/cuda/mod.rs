@@ -29,21 +29,9 @@ pub struct CudaBackend {
     state: DeviceState,
     /// Multi-token forwards run as batched prefill (`DS4_CUDA_BATCH=0`: token by token).
     batched: bool,
-    /// The pending multi-row step.
-    pending: Option<PendingRows>,
     /// `reset` was called: the frontiers are cleared (a fallible device write) before
     /// the next forward.
     stale: bool,
-}
-
-/// The interim multi-row step (docs/architecture.md, "Multi-row steps and rollback"):
-/// a device copy of the state from before the step and the step's tokens. Keeping `a`
-/// rows of `R < a` decodes the `a` tokens again on the copy. Correct but slow (a whole
-/// second device state, and the accepted rows run twice) until the native version
-/// keeps an undo record on the device as the CPU backend does.
-struct PendingRows {
-    before: DeviceState,
-    tokens: Vec<u32>,
 }
 
 fn batched_default() -> bool {
@@ -70,7 +58,6 @@ impl CudaBackend {
             numerics,
             state: DeviceState::new(weights, ctx, plan)?,
             batched: batched_default(),
-            pending: None,
             stale: false,
         })
     }
@@ -138,7 +125,7 @@ impl Backend for CudaBackend {
     }
 
     fn forward(&mut self, tokens: &[u32], rows: LogitRows) -> Result<Vec<f32>> {
-        self.pending = None;
+        self.state.accept_rows();
         self.check_tokens(tokens)?;
         self.fresh()?;
         let mut out = Vec::new();
@@ -172,56 +159,27 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
-    /// Interim ([`PendingRows`]): the rows run through the decode path one by one,
-    /// so that they equal one-token decode bit for bit.
+    /// The native step (`state/rows.rs`): one pass over the weights for every row, an
+    /// undo record on the device.
     fn step_rows(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         check_rows(tokens.len())?;
-        self.pending = None;
+        self.state.accept_rows();
         self.check_tokens(tokens)?;
         self.fresh()?;
-        let before = self.state.duplicate(&self.weights)?;
-        let mut out = Vec::with_capacity(tokens.len() * self.weights.config.vocab);
-        for &t in tokens {
-            let row = self
-                .state
-                .decode(&self.weights, self.numerics, t, true)
-                .and_then(|()| self.state.logits(&self.weights));
-            match row {
-                Ok(l) => out.extend(l),
-                Err(e) => {
-                    // Nothing half-run stays: back to the copy.
-                    self.state = before;
-                    return Err(e);
-                }
-            }
-        }
-        self.pending = Some(PendingRows {
-            before,
-            tokens: tokens.to_vec(),
-        });
-        Ok(out)
+        self.state.step_rows(&self.weights, self.numerics, tokens)
     }
 
     fn commit_rows(&mut self, accepted: usize) -> Result<()> {
-        let Some(p) = &self.pending else {
+        let rows = self.state.pending_rows();
+        if rows == 0 {
             return no_pending(accepted);
-        };
-        check_accepted(accepted, p.tokens.len())?;
-        let p = self.pending.take().expect("checked above");
-        if accepted == p.tokens.len() {
-            return Ok(());
         }
-        // Replay on the copy; on a device error the state keeps every row.
-        let mut st = p.before;
-        for &t in &p.tokens[..accepted] {
-            st.decode(&self.weights, self.numerics, t, false)?;
-        }
-        self.state = st;
-        Ok(())
+        check_accepted(accepted, rows)?;
+        self.state.commit_rows(&self.weights, self.numerics, accepted)
     }
 
     fn pending_rows(&self) -> usize {
-        self.pending.as_ref().map_or(0, |p| p.tokens.len())
+        self.state.pending_rows()
     }
 
     fn export_state(&self) -> Result<KvCache> {
@@ -233,13 +191,13 @@ impl Backend for CudaBackend {
     }
 
     fn import_state(&mut self, state: KvCache) -> Result<()> {
-        self.pending = None;
+        self.state.accept_rows();
         self.fresh()?;
         self.state.import(&self.weights, &state)
     }
 
     fn reset(&mut self) {
-        self.pending = None;
+        self.state.accept_rows();
         self.state.n_tokens = 0;
         self.stale = true;
     }
@@ -251,7 +209,6 @@ impl Backend for CudaBackend {
             numerics: self.numerics,
             state,
             batched: self.batched,
-            pending: None,
             stale: self.stale,
         }))
     }

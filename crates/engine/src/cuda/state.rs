@@ -4,13 +4,14 @@
 use ds4_cuda::{CudaError, DecodePlan, DeviceBuf, Gpu, Launcher, QuantAct, RoutePlan, TokenGraph};
 
 mod layers;
+mod rows;
 mod snapshot;
 
 use super::weights::{CudaWeights, HcDev};
 use crate::config::Config;
 use crate::error::Result;
 use crate::ops::linear::Numerics;
-use layers::{gemm, hc_params, mv, Gemm, KvView};
+use layers::{gemm, hc_params, mv, Gemm, KvView, SMALL_BATCH};
 
 /// KV state of one layer on the device. Row counts derive from the position: the raw
 /// ring holds position p at slot p % raw_cap; compressed row i summarises tokens
@@ -194,13 +195,14 @@ impl Scratch {
             iscores: z(cap * icap)?,
             iscores_stride: icap,
             sel: g.zeros::<i32>((cap * c.idx_topk).max(1))?,
-            att_acc: z(if cap == 1 {
-                c.n_head * att_splits(att_stride) * hd
+            // Split attention (decode, multi-row steps): every token's chunk partials.
+            att_acc: z(if cap <= SMALL_BATCH {
+                cap * c.n_head * att_splits(att_stride) * hd
             } else {
                 1
             })?,
-            att_ml: z(if cap == 1 {
-                2 * c.n_head * att_splits(att_stride)
+            att_ml: z(if cap <= SMALL_BATCH {
+                cap * 2 * c.n_head * att_splits(att_stride)
             } else {
                 1
             })?,
@@ -248,6 +250,8 @@ pub(super) struct DeviceState {
     use_graphs: bool,
     /// The variants this session's launches use.
     plan: DecodePlan,
+    /// The multi-row step's scratch, graphs and undo record (allocated on first use).
+    rows: Option<rows::RowStep>,
 }
 
 fn comp_cap(ctx: usize, ratio: usize) -> usize {
@@ -378,6 +382,7 @@ impl DeviceState {
             use_graphs: !g.profiling()
                 && std::env::var("DS4_CUDA_GRAPHS").map_or(true, |v| v != "0"),
             plan,
+            rows: None,
         })
     }
 
@@ -494,6 +499,7 @@ impl DeviceState {
             raw_cap: self.raw_cap,
             ctx: self.ctx,
             plan: self.plan,
+            journal: None,
         }
     }
 
@@ -505,6 +511,7 @@ impl DeviceState {
             raw_cap: self.raw_cap,
             ctx: self.ctx,
             plan: self.plan,
+            journal: None,
         };
         kv.enqueue(w, numerics, &mut self.s, 1)?;
         if head {

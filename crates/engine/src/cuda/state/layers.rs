@@ -39,6 +39,12 @@ pub(super) fn gemm(kind: Gemm) -> bool {
     })[kind as usize]
 }
 
+/// Batches of at most this many tokens (a multi-row decode step, the tail of a prompt)
+/// run the matvec kernels, which read the weights once for up to this many tokens
+/// ([`ds4_cuda::Q8_TOKENS_MAX`]); larger ones the tiled GEMMs, whose 64-row tiles cost
+/// 5-6× a decode token's time for two tokens (NOTES.md, session 13).
+pub(super) const SMALL_BATCH: usize = ds4_cuda::Q8_TOKENS_MAX;
+
 /// Whether `matmul_f32` takes this weight format.
 fn f32_gemm_format(ty: GgmlType) -> bool {
     matches!(
@@ -50,7 +56,7 @@ fn f32_gemm_format(ty: GgmlType) -> bool {
 /// f32 activations × `m` for `n` tokens laid out by `b`: a GEMM for batches, the
 /// matvec otherwise.
 fn dense_f32(g: &Launcher, m: &DeviceMatrix, x: u64, y: u64, b: Batch) -> Result<(), CudaError> {
-    if b.n_tok > 1 && gemm(Gemm::F32) && f32_gemm_format(m.ty) && b.n_groups == 1 {
+    if b.n_tok > SMALL_BATCH && gemm(Gemm::F32) && f32_gemm_format(m.ty) && b.n_groups == 1 {
         g.matmul_f32(m, x, y, b)
     } else {
         let sel = MatSel {
@@ -70,6 +76,10 @@ pub(super) struct KvView<'a> {
     pub(super) ctx: usize,
     /// The session's plan: the layers launch through `gpu.launcher(plan)`.
     pub(super) plan: DecodePlan,
+    /// A multi-row step's journal: per layer, where its compressors' inputs go (main,
+    /// indexer) instead of the scratch, so that a rollback can replay them
+    /// ([`KvView::replay_compressors`]).
+    pub(super) journal: Option<&'a [(u64, u64)]>,
 }
 
 /// A projection's input: f32 rows at `x`, their Q8_0 form in `xq` (already written
@@ -88,6 +98,9 @@ pub(super) struct Pass<'a> {
     /// The layer's weights and KV state (`w.layers[il]` and its state, or the MTP block's).
     l: &'a LayerDev,
     st: &'a LayerState,
+    /// Where the compressors' inputs go: the journal of a multi-row step, else the
+    /// scratch (`ckv`, `icv`).
+    kvs: (u64, u64),
     n: usize,
     step: u64,
     rope: ds4_cuda::RopeP,
@@ -243,8 +256,22 @@ impl Pass<'_> {
         indexer: bool,
         rows_out: u64,
     ) -> Result<(), CudaError> {
+        compressor_inputs(&self.g, cw, x, kvs, self.n)?;
+        self.compress_state(kvs, cw, (skv, ssc), indexer, rows_out, self.n)
+    }
+
+    /// The compressor kernels over `n` tokens whose kv and gate projections are at `kvs`
+    /// (see `compress`).
+    fn compress_state(
+        &self,
+        kvs: u64,
+        cw: &CompressorDev,
+        (skv, ssc): (Option<&DeviceBuf<f32>>, Option<&DeviceBuf<f32>>),
+        indexer: bool,
+        rows_out: u64,
+        n: usize,
+    ) -> Result<(), CudaError> {
         let g = &self.g;
-        compressor_inputs(g, cw, x, kvs, self.n)?;
         let f32t = ds4_cuda::WT_F32;
         let launch = ds4_cuda::Compressor {
             step: self.step,
@@ -264,7 +291,7 @@ impl Pass<'_> {
             f16_round: self.fast,
             rows: rows_out,
         };
-        g.compressor(self.n, &launch)
+        g.compressor(n, &launch)
     }
 }
 
@@ -309,6 +336,32 @@ impl KvView<'_> {
         self.ffn(px, qb, plan)
     }
 
+    /// Advances every compressor by the first `n` tokens of a multi-row step from the
+    /// inputs its journal kept (after the frontiers were restored): the frontiers and
+    /// compressed rows are then those of a step that ran only those tokens.
+    pub(super) fn replay_compressors(
+        &self,
+        w: &CudaWeights,
+        numerics: Numerics,
+        s: &Scratch,
+        n: usize,
+    ) -> Result<()> {
+        for il in 0..w.config.n_layer {
+            let (l, st) = (&w.layers[il], &self.layers[il]);
+            let px = self.pass(w, numerics, (il, l, st, w.rope(il)), s, n);
+            let p = |b: &DeviceBuf<f32>| px.g.ptr(b);
+            if let (Some(cw), Some(comp)) = (&l.compressor, &st.comp) {
+                let state = (st.skv.as_ref(), st.ssc.as_ref());
+                px.compress_state(px.kvs.0, cw, state, false, p(comp), n)?;
+            }
+            if let (Some(ix), Some(index)) = (&l.indexer, &st.index) {
+                let state = (st.iskv.as_ref(), st.issc.as_ref());
+                px.compress_state(px.kvs.1, &ix.compressor, state, true, p(index), n)?;
+            }
+        }
+        Ok(())
+    }
+
     /// The [`Pass`] of a layer `(il, weights, state, rope)` over the `n` tokens of `s`.
     pub(super) fn pass<'a>(
         &self,
@@ -321,6 +374,10 @@ impl KvView<'_> {
         let g = w.gpu.launcher(self.plan);
         let step = g.ptr(&s.step);
         let (c, fast) = (&w.config, numerics == Numerics::Fast);
+        let kvs = match self.journal {
+            Some(j) if il < j.len() => j[il],
+            _ => (g.ptr(&s.ckv), g.ptr(&s.icv)),
+        };
         Pass {
             g,
             c,
@@ -328,6 +385,7 @@ impl KvView<'_> {
             il,
             l,
             st,
+            kvs,
             n,
             step,
             rope,
@@ -375,7 +433,7 @@ impl KvView<'_> {
             )?;
             if let (Some(cw), Some(comp)) = (&l.compressor, &st.comp) {
                 px.compress(
-                    (p(&s.n), p(&s.ckv)),
+                    (p(&s.n), px.kvs.0),
                     cw,
                     (st.skv.as_ref(), st.ssc.as_ref()),
                     false,
@@ -391,7 +449,7 @@ impl KvView<'_> {
         if let Some((_, ix, index)) = indexer {
             g.branch(2, || {
                 px.compress(
-                    (p(&s.n), p(&s.icv)),
+                    (p(&s.n), px.kvs.1),
                     &ix.compressor,
                     (st.iskv.as_ref(), st.issc.as_ref()),
                     true,
@@ -498,11 +556,13 @@ impl KvView<'_> {
             ))
             .into());
         }
-        if n > 1 && fast && gemm(Gemm::Attn) && Gpu::attention_mma_shape(c.n_head, hd) {
+        if n > SMALL_BATCH && fast && gemm(Gemm::Attn) && Gpu::attention_mma_shape(c.n_head, hd) {
             g.attention_prefill_mma(&att, p(&s.heads))?;
             g.attention_tail(&att, &tail, p(&s.heads))?;
         } else {
-            let (rows_per_chunk, n_chunks) = if n == 1 {
+            // Decode and multi-row steps split each token's rows into chunks (a few
+            // tokens cannot fill the GPU); a prefill batch's tokens do.
+            let (rows_per_chunk, n_chunks) = if n <= SMALL_BATCH {
                 (0, att_splits(s.att_stride))
             } else {
                 (s.att_stride, 1)
@@ -531,9 +591,13 @@ impl KvView<'_> {
             x_grp: c.q_dim() / og,
             y_grp: c.o_lora_rank,
         };
-        if n > 1 && gemm(Gemm::Group) && heads_q8 {
+        if n > SMALL_BATCH && gemm(Gemm::Group) && heads_q8 {
             g.matmul_q8act(&l.out_a, &qb.heads, p(&s.low), grouped)?;
-        } else if n > 1 && gemm(Gemm::Group) && !fast && f32_gemm_format(l.out_a.ty) {
+        } else if n > 1 && heads_q8 && g.on(Variant::Tokens) {
+            // A multi-row step: every token's groups in one pass over the weights (the
+            // attention tail wrote the heads' Q8_0 form).
+            g.matvec_q8act_groups(&l.out_a, &qb.heads, p(&s.low), grouped)?;
+        } else if n > SMALL_BATCH && gemm(Gemm::Group) && !fast && f32_gemm_format(l.out_a.ty) {
             g.matmul_f32(&l.out_a, p(&s.heads), p(&s.low), grouped)?;
         } else {
             // group_ids is uploaded once, never written by the graph.
@@ -638,7 +702,7 @@ impl KvView<'_> {
             p(&s.rw),
         )?;
         let ids = g.ptr(&s.ids);
-        let expert_gemm = n > 1
+        let expert_gemm = n > SMALL_BATCH
             && route_plan.is_some()
             && int8(&l.gate_exps)
             && int8(&l.up_exps)
@@ -778,7 +842,7 @@ pub(super) fn mv(
         if !quantized {
             g.quantize_rows(x, xq, n, ActRule::Q8_0)?;
         }
-        if n > 1 && gemm(Gemm::Q8) {
+        if n > SMALL_BATCH && gemm(Gemm::Q8) {
             g.matmul_q8act(m, xq, y, Batch::plain(n, xq.cols, m.rows))
         } else {
             g.matvec_q8act(m, xq, y, n, rows(m))

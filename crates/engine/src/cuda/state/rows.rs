@@ -1,0 +1,273 @@
+//! The native multi-row step on the GPU (docs/architecture.md, "Multi-row steps and
+//! rollback"): `R` ≤ 16 tokens at consecutive positions in one pass over the weights,
+//! captured as one CUDA graph per `R`, with an undo record on the device.
+//!
+//! The step runs the layer code with `n = R` on a scratch of its own. Batches of at most
+//! [`super::layers::SMALL_BATCH`] tokens take the matvec kernels, and the plain Q8_0
+//! products read each weight block once for all the rows (`matvec_q8_0_q8_t*`), so a
+//! step costs little more than one token while the routed experts dominate less.
+//!
+//! The undo record is O(R + frontiers), never a copy of the cache:
+//! * before the layers, `rows_undo` saves each layer's ring slots of the R positions and
+//!   its compressor frontiers (window state and scores, main and indexer);
+//! * during the step, each compressor's kv/gate inputs go to a per-layer journal
+//!   instead of the shared scratch.
+//!
+//! Keeping `a < R` rows restores the ring slots of rows `a..R` and the frontiers, then
+//! replays the compressors over rows `0..a` from the journal — no projection, attention
+//! or FFN runs again. Compressed and indexer rows past the kept positions need no undo:
+//! their counts follow the position, and the next tokens rewrite them.
+
+use ds4_cuda::{CudaError, DeviceBuf, TokenGraph};
+
+use super::layers::{hc_params, mv, KvView};
+use super::{DeviceState, Work};
+use crate::backend::MAX_ROWS;
+use crate::cuda::weights::CudaWeights;
+use crate::error::Result;
+use crate::ops::linear::Numerics;
+
+/// A session's multi-row step machinery, allocated on its first step.
+pub(super) struct RowStep {
+    work: Work,
+    /// The head's collapsed rows `[MAX_ROWS][n_embd]` and the logits `[MAX_ROWS][vocab]`.
+    hx: DeviceBuf<f32>,
+    logits: DeviceBuf<f32>,
+    /// Per layer, the compressors' inputs of the step's rows (`[MAX_ROWS][4·dim]`).
+    _journal: Vec<DeviceBuf<f32>>,
+    journal_ptrs: Vec<(u64, u64)>,
+    /// The `rows_undo` items (five i64 each) and the buffers they save into.
+    items: DeviceBuf<i64>,
+    n_items: usize,
+    _saved: Vec<DeviceBuf<f32>>,
+    /// One graph per row count (index R), for one numerics.
+    graphs: Vec<Option<TokenGraph>>,
+    graph_numerics: Option<Numerics>,
+    /// Rows of the step awaiting `commit_rows`.
+    pending: Option<usize>,
+}
+
+impl RowStep {
+    fn new(st: &DeviceState, w: &CudaWeights) -> Result<RowStep> {
+        let g = &*w.gpu;
+        let c = &w.config;
+        let work = Work::new(g, c, st.ctx, MAX_ROWS, st.att_stride)?;
+        let hx = g.zeros::<f32>(MAX_ROWS * c.n_embd)?;
+        let logits = g.zeros::<f32>(MAX_ROWS * c.vocab)?;
+        let mut journal = Vec::new();
+        let mut journal_ptrs = Vec::with_capacity(c.n_layer);
+        let (main_w, index_w) = (4 * c.head_dim, 4 * c.idx_head_dim);
+        for l in &st.layers {
+            let mut one = |has: bool, width: usize| -> Result<u64> {
+                if !has {
+                    return Ok(0);
+                }
+                let b = g.zeros::<f32>(MAX_ROWS * width)?;
+                let p = g.ptr(&b);
+                journal.push(b);
+                Ok(p)
+            };
+            let main = one(l.comp.is_some(), main_w)?;
+            let index = one(l.index.is_some(), index_w)?;
+            journal_ptrs.push((main, index));
+        }
+        let mut saved = Vec::new();
+        let mut items: Vec<i64> = Vec::new();
+        let hd = c.head_dim;
+        for l in &st.layers {
+            let ring_save = g.zeros::<f32>(MAX_ROWS * hd)?;
+            items.extend([
+                g.ptr(&l.ring) as i64,
+                g.ptr(&ring_save) as i64,
+                0,
+                st.raw_cap as i64,
+                hd as i64,
+            ]);
+            saved.push(ring_save);
+            for b in [&l.skv, &l.ssc, &l.iskv, &l.issc].into_iter().flatten() {
+                let copy = g.zeros::<f32>(b.len())?;
+                items.extend([g.ptr(b) as i64, g.ptr(&copy) as i64, b.len() as i64, 0, 0]);
+                saved.push(copy);
+            }
+        }
+        let n_items = items.len() / 5;
+        Ok(RowStep {
+            work,
+            hx,
+            logits,
+            _journal: journal,
+            journal_ptrs,
+            items: g.upload(&items)?,
+            n_items,
+            _saved: saved,
+            graphs: (0..=MAX_ROWS).map(|_| None).collect(),
+            graph_numerics: None,
+            pending: None,
+        })
+    }
+}
+
+impl DeviceState {
+    /// Runs `tokens` (1..=[`MAX_ROWS`]) at positions `n_tokens..` as one multi-row
+    /// step and returns every row's logits (`[rows][vocab]`); the step stays pending
+    /// until [`DeviceState::commit_rows`] (or a later forward accepts it). On a device
+    /// error the state is put back as it was (as far as the device still runs).
+    pub fn step_rows(
+        &mut self,
+        w: &CudaWeights,
+        numerics: Numerics,
+        tokens: &[u32],
+    ) -> Result<Vec<f32>> {
+        let n = tokens.len();
+        debug_assert!((1..=MAX_ROWS).contains(&n));
+        if self.rows.is_none() {
+            self.rows = Some(RowStep::new(self, w)?);
+        }
+        let mut rs = self.rows.take().expect("allocated above");
+        rs.pending = None;
+        let result = self.run_rows(w, numerics, &mut rs, tokens);
+        if result.is_err() {
+            // Back to the state before the step (the undo record was saved first).
+            let g = w.gpu.launcher(self.plan);
+            let step = g.ptr(&rs.work.s.step);
+            let _ = g.rows_undo(g.ptr(&rs.items), rs.n_items, step, (0, n), true);
+        } else {
+            self.n_tokens += n;
+            rs.pending = Some(n);
+        }
+        self.rows = Some(rs);
+        result
+    }
+
+    fn run_rows(
+        &mut self,
+        w: &CudaWeights,
+        numerics: Numerics,
+        rs: &mut RowStep,
+        tokens: &[u32],
+    ) -> Result<Vec<f32>> {
+        let n = tokens.len();
+        let g = &w.gpu.launcher(self.plan);
+        let steps: Vec<i32> = tokens
+            .iter()
+            .enumerate()
+            .flat_map(|(i, &t)| [(self.n_tokens + i) as i32, t as i32])
+            .collect();
+        let mut view = rs.work.s.step.slice_mut(0..steps.len());
+        w.gpu
+            .stream()
+            .memcpy_htod(&steps, &mut view)
+            .map_err(CudaError::from)?;
+        if self.use_graphs {
+            if rs.graph_numerics != Some(numerics) {
+                rs.graphs.iter_mut().for_each(|g| *g = None);
+                rs.graph_numerics = Some(numerics);
+            }
+            if rs.graphs[n].is_none() {
+                g.begin_capture()?;
+                let enqueued = self.enqueue_rows(w, numerics, rs, n);
+                let graph = g.end_capture();
+                enqueued?;
+                rs.graphs[n] = Some(graph?);
+            }
+            rs.graphs[n].as_ref().expect("captured above").launch()?;
+        } else {
+            self.enqueue_rows(w, numerics, rs, n)?;
+        }
+        Ok(w.gpu.download_prefix(&rs.logits, n * w.config.vocab)?)
+    }
+
+    /// Every launch of an `n`-row step (the step buffer holds the positions/tokens):
+    /// the undo record, the layers (compressor inputs into the journal), the head of
+    /// every row.
+    fn enqueue_rows(
+        &self,
+        w: &CudaWeights,
+        numerics: Numerics,
+        rs: &mut RowStep,
+        n: usize,
+    ) -> Result<()> {
+        let g = &w.gpu.launcher(self.plan);
+        let c = &w.config;
+        let step = g.ptr(&rs.work.s.step);
+        g.rows_undo(g.ptr(&rs.items), rs.n_items, step, (0, n), false)?;
+        let kv = KvView {
+            journal: Some(&rs.journal_ptrs),
+            ..self.kv()
+        };
+        kv.enqueue(w, numerics, &mut rs.work, n)?;
+        // The head of each row: the stream collapse per row, then one product of the
+        // output matrix over every row (one pass over its weights).
+        let (s, q8) = (&rs.work.s, &mut rs.work.q8);
+        let (e, row) = (c.n_embd, (c.n_hc * c.n_embd * 4) as u64);
+        let hx = g.ptr(&rs.hx);
+        for r in 0..n {
+            let h = g.ptr(&s.h) + r as u64 * row;
+            g.hc_mix_mat(1, h, &w.head_hc.fn_, c.rms_eps, g.ptr(&s.mix))?;
+            g.head_collapse(
+                (h, g.ptr(&s.mix)),
+                &hc_params(g, c, &w.head_hc),
+                g.ptr(&w.output_norm),
+                ds4_cuda::WT_F32,
+                c.rms_eps,
+                g.ptr(&s.tmp),
+                hx + (r * e * 4) as u64,
+            )?;
+        }
+        let fast = numerics == Numerics::Fast;
+        mv(g, &w.output, hx, &mut q8.embd, false, g.ptr(&rs.logits), n, fast)?;
+        Ok(())
+    }
+
+    /// Keeps the first `accepted` rows of the pending step (see the module doc); the
+    /// caller checked `accepted` against [`DeviceState::pending_rows`].
+    pub fn commit_rows(&mut self, w: &CudaWeights, numerics: Numerics, accepted: usize) -> Result<()> {
+        let Some(mut rs) = self.rows.take() else {
+            return Ok(());
+        };
+        let result = self.rewind_rows(w, numerics, &mut rs, accepted);
+        // On a device error the bookkeeping keeps every row; the caller reports it.
+        rs.pending = None;
+        self.rows = Some(rs);
+        result
+    }
+
+    fn rewind_rows(
+        &mut self,
+        w: &CudaWeights,
+        numerics: Numerics,
+        rs: &mut RowStep,
+        accepted: usize,
+    ) -> Result<()> {
+        let Some(n) = rs.pending else {
+            return Ok(());
+        };
+        if accepted >= n {
+            return Ok(());
+        }
+        let g = &w.gpu.launcher(self.plan);
+        let step = g.ptr(&rs.work.s.step);
+        g.rows_undo(g.ptr(&rs.items), rs.n_items, step, (accepted, n), true)?;
+        if accepted > 0 {
+            let kv = KvView {
+                journal: Some(&rs.journal_ptrs),
+                ..self.kv()
+            };
+            kv.replay_compressors(w, numerics, &rs.work.s, accepted)?;
+        }
+        self.n_tokens -= n - accepted;
+        Ok(())
+    }
+
+    /// Drops a pending step's record (every row kept).
+    pub fn accept_rows(&mut self) {
+        if let Some(rs) = self.rows.as_mut() {
+            rs.pending = None;
+        }
+    }
+
+    /// Rows of the pending step (0: none).
+    pub fn pending_rows(&self) -> usize {
+        self.rows.as_ref().and_then(|r| r.pending).unwrap_or(0)
+    }
+}
