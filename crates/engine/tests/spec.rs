@@ -319,13 +319,16 @@ fn after_an_import_the_loop_regrows_its_draft_state() {
     assert_eq!(t.export_state().unwrap(), plain_s.export_state().unwrap());
 }
 
+/// Probabilities (or counts) of token pairs.
+type Pairs<T> = BTreeMap<(u32, u32), T>;
+
 /// The exact joint distribution of the two tokens after `t0` in the plain loop, and
 /// the empirical one of the speculative loop over `seeds` (each a fresh sampler).
 fn two_token_distributions(
     cfg: &SamplerConfig,
     spec: &mut Speculator,
     seeds: u64,
-) -> (BTreeMap<(u32, u32), f64>, BTreeMap<(u32, u32), usize>) {
+) -> (Pairs<f64>, Pairs<usize>) {
     let mut base = session();
     base.prefill(&prompt()).unwrap();
     // The caller's token: the greedy one (any token would do).
@@ -358,7 +361,7 @@ fn two_token_distributions(
 }
 
 /// Pearson's chi-square of `seen` against `exact` (an unexpected pair fails at once).
-fn chi_square(exact: &BTreeMap<(u32, u32), f64>, seen: &BTreeMap<(u32, u32), usize>) -> f64 {
+fn chi_square(exact: &Pairs<f64>, seen: &Pairs<usize>) -> f64 {
     let n: usize = seen.values().sum();
     for k in seen.keys() {
         assert!(exact.contains_key(k), "{k:?} cannot be sampled");
