@@ -81,6 +81,12 @@ impl SpecStats {
 
 type DraftHook = Box<dyn FnMut(usize, u32) -> u32 + Send>;
 
+// The server moves a session's speculator between threads.
+const _: () = {
+    const fn send<T: Send>() {}
+    send::<Speculator>();
+};
+
 /// The speculative decoding loop: an MTP block, its options and counters.
 pub struct Speculator {
     mtp: Mtp,
