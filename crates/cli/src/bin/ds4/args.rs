@@ -62,6 +62,8 @@ A prompt that starts with <｜begin▁of▁sentence｜> is used verbatim as a re
 otherwise it becomes BOS, [Think Max text], system, <｜User｜>, prompt, <｜Assistant｜>,
 <think> (or </think> with --nothink). Reasoning is printed in grey on a terminal.
 Without the weights: `ds4-tool download q2-imatrix` fetches them and links ./ds4flash.gguf.
+With `--mtp FILE` (from `ds4-tool download mtp`) generation is speculative: the final
+line adds the MTP tokens per cycle and the draft acceptance.
 
 Bad values and unknown options exit with status 2.";
 
@@ -134,6 +136,24 @@ pub struct Args {
     /// Answer directly, without reasoning.
     #[arg(long, overrides_with_all = ["think", "think_max"])]
     pub nothink: bool,
+
+    /// MTP draft block GGUF (`ds4-tool download mtp`): speculative decoding — the same
+    /// tokens at --temp 0, the same distribution otherwise, more tokens per step when
+    /// the drafts are accepted.
+    #[arg(long, value_name = "FILE")]
+    pub mtp: Option<PathBuf>,
+
+    /// Tokens the MTP block drafts per cycle, 1 to 16, verified in one multi-row step.
+    /// The reference counts the verified token too: its --mtp-draft 2 is our 1.
+    #[arg(long = "mtp-draft", value_name = "N", default_value_t = 1, allow_negative_numbers = true,
+          value_parser = |s: &str| positive(s).and_then(|v| at_most(v, ds4_engine::MAX_DRAFT)))]
+    pub mtp_draft: usize,
+
+    /// MTP confidence gate: stop drafting at a draft whose top-2 logit gap is below F
+    /// (that draft is not verified); 0 drafts always.
+    #[arg(long = "mtp-margin", value_name = "F", default_value_t = 3.0,
+          value_parser = non_negative, allow_negative_numbers = true)]
+    pub mtp_margin: f32,
 
     /// CPU threads (default: all cores).
     #[arg(short = 't', long, value_name = "N", value_parser = positive, allow_negative_numbers = true)]
@@ -210,6 +230,13 @@ fn seed(s: &str) -> Result<u64, String> {
     }
 }
 
+fn non_negative(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        _ => Err(format!("expected a number >= 0, got {s:?}")),
+    }
+}
+
 fn float_in(s: &str, lo: f32, hi: f32) -> Result<f32, String> {
     match s.parse::<f32>() {
         Ok(v) if v.is_finite() && (lo..=hi).contains(&v) => Ok(v),
@@ -270,6 +297,7 @@ impl Args {
         let mut cmd = Args::command();
         let flags = PathFlag::given(&[
             ("prompt_file", self.prompt_file.as_deref(), Want::File),
+            ("mtp", self.mtp.as_deref(), Want::File),
             (
                 "perplexity_file",
                 self.perplexity_file.as_deref(),

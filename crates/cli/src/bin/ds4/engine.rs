@@ -5,11 +5,13 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use ds4_engine::{BackendChoice, EngineOptions, ModelInfo, Numerics, Session};
+use ds4_engine::{
+    BackendChoice, EngineOptions, ModelInfo, Numerics, Session, SpecOptions, Speculator,
+};
 use ds4_tokenizer::{SpecialIds, Tokenizer};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::args::BackendArg;
+use crate::args::{Args, BackendArg};
 
 /// Says the model file is missing and how to get it.
 pub fn check_model_exists(path: &Path) -> Result<()> {
@@ -87,6 +89,23 @@ impl Engine {
     /// A fresh, empty session of `ctx` tokens on the chosen backend.
     pub fn session(&self, ctx: usize) -> Result<Session> {
         Ok(self.engine.new_session(ctx)?)
+    }
+
+    /// The speculative loop of `--mtp` (`None` without it): loads the MTP file, which
+    /// must match the model.
+    pub fn speculator(&self, args: &Args) -> Result<Option<Speculator>> {
+        let Some(path) = &args.mtp else {
+            return Ok(None);
+        };
+        let mtp = self
+            .engine
+            .load_mtp(path)
+            .with_context(|| format!("cannot load the MTP file {}", path.display()))?;
+        let opts = SpecOptions {
+            draft: args.mtp_draft,
+            margin: args.mtp_margin,
+        };
+        Ok(Some(Speculator::new(mtp, opts)?))
     }
 
     /// One line for stderr at startup.

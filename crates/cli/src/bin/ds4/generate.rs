@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use ds4_engine::{Sampler, Session};
+use ds4_engine::{Sampler, Session, SpecStats, Speculator};
 use ds4_tokenizer::Tokenizer;
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -67,10 +67,16 @@ pub struct Generated {
     /// Stopped by `stop` (Ctrl+C).
     pub interrupted: bool,
     pub elapsed: Duration,
+    /// The speculative loop's counters of this generation (with `--mtp`).
+    pub mtp: Option<SpecStats>,
 }
 
 /// Samples up to `max` tokens from the session's logits, printing each, feeding each
 /// back (all but the last); stops before EOS, at the limit or when `stop` is raised.
+/// With `spec` (`--mtp`) the tokens come from speculative cycles
+/// ([`Speculator::advance`]): the same tokens at `--temp 0`, the same distribution
+/// otherwise; `stop` is checked between cycles (a cycle's tokens are all printed).
+#[allow(clippy::too_many_arguments)]
 pub fn generate<W: Write>(
     session: &mut Session,
     sampler: &mut Sampler,
@@ -79,22 +85,34 @@ pub fn generate<W: Write>(
     max: usize,
     printer: &mut TokenPrinter<W>,
     stop: Option<&AtomicBool>,
+    mut spec: Option<&mut Speculator>,
 ) -> Result<Generated> {
     let t0 = Instant::now();
+    if let Some(sp) = spec.as_deref_mut() {
+        sp.reset_stats();
+    }
     let mut out = Vec::new();
     let stopped = || stop.is_some_and(|s| s.load(Ordering::SeqCst));
     let mut interrupted = false;
-    while out.len() < max {
+    // Tokens chosen but not printed yet: one from the logits, or a cycle's worth.
+    let mut next = Vec::new();
+    'gen: while out.len() < max {
         if stopped() {
             interrupted = true;
             break;
         }
-        let t = sampler.sample(session.logits());
-        if t == eos {
-            break;
+        if let (Some(sp), Some(&last)) = (spec.as_deref_mut(), out.last()) {
+            next = sp.advance(session, sampler, last, max - out.len(), &[eos])?;
+        } else if next.is_empty() {
+            next.push(sampler.sample(session.logits()));
         }
-        printer.write(tok.token_bytes(t))?;
-        out.push(t);
+        for t in next.drain(..) {
+            if t == eos {
+                break 'gen;
+            }
+            printer.write(tok.token_bytes(t))?;
+            out.push(t);
+        }
         if out.len() >= max {
             break;
         }
@@ -102,7 +120,9 @@ pub fn generate<W: Write>(
             interrupted = true;
             break;
         }
-        session.decode(t)?;
+        if spec.is_none() {
+            session.decode(*out.last().expect("a token was just pushed"))?;
+        }
     }
     let elapsed = t0.elapsed();
     printer.finish()?;
@@ -110,7 +130,20 @@ pub fn generate<W: Write>(
         tokens: out,
         interrupted,
         elapsed,
+        mtp: spec.map(|sp| sp.stats()),
     })
+}
+
+/// The final line's MTP part: `, mtp: X.XX tokens/cycle (acceptance Y%)`.
+pub fn mtp_summary(stats: Option<&SpecStats>) -> String {
+    match stats {
+        Some(s) => format!(
+            ", mtp: {:.2} tokens/cycle (acceptance {:.1}%)",
+            s.tokens_per_cycle(),
+            100.0 * s.acceptance()
+        ),
+        None => String::new(),
+    }
 }
 
 /// Generation budget: `-n`, clamped to the room left (one position stays free).

@@ -8,7 +8,7 @@ use ds4_engine::{Sampler, SamplerConfig};
 
 use crate::args::{Args, Think};
 use crate::engine::Engine;
-use crate::generate::{budget, generate, prefill, seed_or_clock, timing_line};
+use crate::generate::{budget, generate, mtp_summary, prefill, seed_or_clock, timing_line};
 use crate::render::{prompt_tokens, TokenPrinter};
 
 pub fn sampler_config(args: &Args) -> SamplerConfig {
@@ -38,6 +38,7 @@ pub fn fitting_prompt(engine: &Engine, args: &Args, prompt: &str) -> Result<(Thi
 
 pub fn run(engine: &Engine, args: &Args, prompt: &str) -> Result<()> {
     let (think, tokens) = fitting_prompt(engine, args, prompt)?;
+    let mut spec = engine.speculator(args)?;
     let sp = engine.specials();
     let mut session = engine.session(args.ctx)?;
     let t0 = Instant::now();
@@ -57,10 +58,12 @@ pub fn run(engine: &Engine, args: &Args, prompt: &str) -> Result<()> {
         max,
         &mut printer,
         None,
+        spec.as_mut(),
     )?;
     eprintln!(
-        "{}",
-        timing_line(tokens.len(), prefill_time, g.tokens.len(), g.elapsed)
+        "{}{}",
+        timing_line(tokens.len(), prefill_time, g.tokens.len(), g.elapsed),
+        mtp_summary(g.mtp.as_ref())
     );
     Ok(())
 }

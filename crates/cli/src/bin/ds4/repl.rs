@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use anyhow::Result;
-use ds4_engine::{Sampler, Session};
+use ds4_engine::{Sampler, Session, Speculator};
 use ds4_tokenizer::chat::THINK_MAX_MIN_CONTEXT;
 use rustyline::config::Config;
 use rustyline::error::ReadlineError;
@@ -16,7 +16,7 @@ use rustyline::Editor;
 
 use crate::args::{Args, Think};
 use crate::engine::Engine;
-use crate::generate::{budget, generate, prefill, timing_line};
+use crate::generate::{budget, generate, mtp_summary, prefill, timing_line};
 use crate::oneshot::sampler_config;
 use crate::render::{head_tokens, turn_tokens, TokenPrinter};
 
@@ -49,6 +49,8 @@ struct Chat<'e> {
     session: Option<Session>,
     sampler: Sampler,
     max_tokens: usize,
+    /// The speculative loop of `--mtp`.
+    spec: Option<Speculator>,
 }
 
 impl Chat<'_> {
@@ -121,6 +123,7 @@ impl Chat<'_> {
             max,
             &mut printer,
             Some(&INTERRUPTED),
+            self.spec.as_mut(),
         )?;
         INTERRUPTED.store(false, Ordering::SeqCst);
         if g.interrupted && g.tokens.is_empty() {
@@ -136,8 +139,9 @@ impl Chat<'_> {
             eprintln!("ds4: interrupted after {} tokens", g.tokens.len());
         }
         eprintln!(
-            "{}",
-            timing_line(prefilled, prefill_time, g.tokens.len(), g.elapsed)
+            "{}{}",
+            timing_line(prefilled, prefill_time, g.tokens.len(), g.elapsed),
+            mtp_summary(g.mtp.as_ref())
         );
         Ok(())
     }
@@ -221,6 +225,7 @@ pub fn run(engine: &Engine, args: &Args) -> Result<()> {
         session: None,
         sampler: Sampler::new(sampler_config(args)),
         max_tokens: args.tokens,
+        spec: engine.speculator(args)?,
     };
     let config = Config::builder()
         .max_history_size(HISTORY_MAX)?
