@@ -296,9 +296,17 @@ impl Engine {
     }
 
     /// Loads the optional MTP GGUF at `path` (architecture.md §2.5), checked against
-    /// this model: a draft block that runs on the CPU whatever the engine's backend.
+    /// this model. On the CUDA backend the block is uploaded here, once for every
+    /// session (the drafts then run on the GPU); running out of device memory is
+    /// reported now, not at the first draft.
     pub fn load_mtp(&self, path: impl AsRef<Path>) -> Result<crate::mtp::Mtp> {
-        Ok(crate::mtp::Mtp::load(&self.model, path)?.with_numerics(self.numerics))
+        let path = path.as_ref();
+        let mtp = crate::mtp::Mtp::load(&self.model, path)?.with_numerics(self.numerics);
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(w) = &self.device {
+            w.mtp(&mtp).map_err(|e| mtp_upload_error(path, e))?;
+        }
+        Ok(mtp)
     }
 
     pub(crate) fn model_ref(&self) -> &Model {
@@ -385,6 +393,24 @@ fn cuda(model: &Model, device: usize, opts: &EngineOptions) -> Result<(Device, S
     let w = CudaBackend::load(model, device, &progress)?;
     let reason = format!("CUDA device {device} ({})", w.gpu.info().name);
     Ok((Device::Cuda(w), reason))
+}
+
+/// A failed MTP upload; out of memory says what to do about it.
+#[cfg(feature = "cuda")]
+fn mtp_upload_error(path: &Path, e: crate::cuda::CudaError) -> EngineError {
+    if e.is_out_of_memory() {
+        EngineError::OutOfMemory {
+            backend: "cuda",
+            source: format!(
+                "the MTP block {} does not fit beside the model ({e}); run without --mtp, \
+                 or free device memory (a smaller --ctx, fewer sessions)",
+                path.display()
+            )
+            .into(),
+        }
+    } else {
+        e.into()
+    }
 }
 
 #[cfg(not(feature = "cuda"))]
