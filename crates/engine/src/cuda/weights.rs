@@ -297,7 +297,8 @@ impl CudaWeights {
         }
         let c = &self.config;
         let main = mtp.main().config();
-        if (main.n_embd, main.n_hc, main.vocab, main.n_layer) != (c.n_embd, c.n_hc, c.vocab, c.n_layer)
+        if (main.n_embd, main.n_hc, main.vocab, main.n_layer)
+            != (c.n_embd, c.n_hc, c.vocab, c.n_layer)
         {
             return Err(CudaError::Invalid(
                 "the MTP block was loaded for another model than this GPU's".into(),

@@ -310,9 +310,7 @@ impl DeviceState {
         (token, src, pos): (u32, HcSource, usize),
     ) -> Result<Vec<f32>> {
         if pos >= i32::MAX as usize {
-            return Err(EngineError::Invalid(format!(
-                "MTP draft position {pos}"
-            )));
+            return Err(EngineError::Invalid(format!("MTP draft position {pos}")));
         }
         let g = &*w.gpu;
         let c = &w.config;
@@ -357,9 +355,27 @@ impl DeviceState {
             let emb = &w.token_embd;
             l.embed(1, g.ptr(&s.step), g.ptr(&emb.buf), emb.ty, e, 1, p(&m.emb))?;
             l.rmsnorm(p(&m.emb), p(&mw.enorm), f32t, e, 1, eps, p(&m.emb_n))?;
-            mv(&l, &mw.e_proj, p(&m.emb_n), &mut m.q, false, p(&m.e_proj), 1, fast)?;
+            mv(
+                &l,
+                &mw.e_proj,
+                p(&m.emb_n),
+                &mut m.q,
+                false,
+                p(&m.e_proj),
+                1,
+                fast,
+            )?;
             l.rmsnorm(g_in, p(&mw.hnorm), f32t, e, nhc, eps, p(&m.g_n))?;
-            mv(&l, &mw.h_proj, p(&m.g_n), &mut m.q, false, p(&s.h), nhc, fast)?;
+            mv(
+                &l,
+                &mw.h_proj,
+                p(&m.g_n),
+                &mut m.q,
+                false,
+                p(&s.h),
+                nhc,
+                fast,
+            )?;
             l.mtp_add_rows(p(&s.h), p(&s.h), p(&m.e_proj), nhc, e)?;
             m.apply(g, hd, &ops)?;
             // The block as a ratio-0 layer over its own ring, attending `rows` rows.
@@ -437,7 +453,9 @@ mod tests {
             self.apply(&ops);
             let cap = self.slots.len();
             self.slots[pos % cap] = id;
-            (0..n).map(|r| self.slots[(pos + 1 - n + r) % cap]).collect()
+            (0..n)
+                .map(|r| self.slots[(pos + 1 - n + r) % cap])
+                .collect()
         }
 
         fn keep(&mut self, n: usize) {
@@ -482,7 +500,9 @@ mod tests {
             rows: Vec::new(),
         };
         // After a prompt (first draft far from 0), and gaps of every size mod cap.
-        let positions = [40, 41, 43, 44, 45, 50, 51, 57, 58, 59, 60, 61, 62, 64, 70, 71];
+        let positions = [
+            40, 41, 43, 44, 45, 50, 51, 57, 58, 59, 60, 61, 62, 64, 70, 71,
+        ];
         for (i, &pos) in positions.iter().enumerate() {
             assert_eq!(dev.draft(pos, i as i64), cpu.push(i as i64), "pos {pos}");
         }

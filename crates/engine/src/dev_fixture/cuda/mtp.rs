@@ -154,9 +154,13 @@ pub fn check_mtp(
         let chain = CudaBackend::new(&weights, 4096, Numerics::Exact)?
             .mtp_draft(&base, tokens[0], HcSource::Chain, 0)
             .is_err();
-        tally.record(line, err.is_err() && chain, format_args!(
-            "{variant:<6} mtp   Last after reset and Chain before any draft are refused"
-        ));
+        tally.record(
+            line,
+            err.is_err() && chain,
+            format_args!(
+                "{variant:<6} mtp   Last after reset and Chain before any draft are refused"
+            ),
+        );
     }
     Ok(tally)
 }
@@ -177,11 +181,9 @@ fn drafts_against_cpu(
     };
     p.forward(&tokens[..PREFIX])?;
     let (mut got, mut want) = (Vec::new(), Vec::new());
-    let mut next = PREFIX;
-    for (k, a) in CYCLES {
-        let y = tokens[next % tokens.len()];
-        next += 1;
-        p.cycle(y, k, a, (&mut got, &mut want))?;
+    // Each cycle's y: the sequence's next token.
+    for (next, (k, a)) in (PREFIX..).zip(CYCLES) {
+        p.cycle(tokens[next % tokens.len()], k, a, (&mut got, &mut want))?;
     }
     let drafts = CYCLES.iter().map(|c| c.0).sum();
     Ok((got, want, drafts))
@@ -232,6 +234,10 @@ fn keep_check(
     };
     let a = run(3)?;
     let b = run(keep)?;
-    let differ = a.iter().zip(&b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+    let differ = a
+        .iter()
+        .zip(&b)
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .count();
     Ok((a.len() == b.len() && differ == 0, differ))
 }
