@@ -114,6 +114,22 @@ fn wt_code(ty: GgmlType) -> Result<i32, CudaError> {
     })
 }
 
+/// Out of memory unless `need` bytes are free on `gpu` (when it can tell).
+fn check_fits(gpu: &Gpu, need: usize) -> Result<(), CudaError> {
+    if let Ok((free, total)) = gpu.mem_info() {
+        if need > free {
+            let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+            return Err(CudaError::OutOfMemory {
+                name: gpu.info().name.clone(),
+                need_gib: gib(need),
+                free_gib: gib(free),
+                total_gib: gib(total),
+            });
+        }
+    }
+    Ok(())
+}
+
 struct Uploader<'a> {
     gpu: &'a Arc<Gpu>,
     bytes: usize,
@@ -182,6 +198,7 @@ impl Uploader<'_> {
             norm: self.vec(&c.norm)?,
         })
     }
+
     /// One transformer block: a main layer, or the MTP block bound as a layer.
     fn layer(&mut self, lw: &LayerWeights, cfg: &Config) -> Result<LayerDev, CudaError> {
         let gpu = self.gpu;
@@ -238,18 +255,7 @@ impl CudaWeights {
         let plan = DecodePlan::from_env()?;
         // Fail before uploading anything when the weights cannot fit (the q2 file on an
         // 80 GB card): otherwise the allocation fails a minute later, near the end.
-        let need = model.gguf().tensor_bytes() as usize;
-        if let Ok((free, total)) = gpu.mem_info() {
-            if need > free {
-                let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
-                return Err(CudaError::OutOfMemory {
-                    name: gpu.info().name.clone(),
-                    need_gib: gib(need),
-                    free_gib: gib(free),
-                    total_gib: gib(total),
-                });
-            }
-        }
+        check_fits(gpu, model.gguf().tensor_bytes() as usize)?;
         let cfg = model.config().clone();
         let w = model.weights();
         let inner = model.inner();
@@ -306,18 +312,7 @@ impl CudaWeights {
         }
         // Drop the old block before uploading the new one (one fits where two may not).
         *cache = None;
-        let need = mtp.gguf().tensor_bytes() as usize;
-        if let Ok((free, total)) = self.gpu.mem_info() {
-            if need > free {
-                let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
-                return Err(CudaError::OutOfMemory {
-                    name: self.gpu.info().name.clone(),
-                    need_gib: gib(need),
-                    free_gib: gib(free),
-                    total_gib: gib(total),
-                });
-            }
-        }
+        check_fits(&self.gpu, mtp.gguf().tensor_bytes() as usize)?;
         let dev = Arc::new(self.upload_mtp(mtp)?);
         *cache = Some(MtpCache {
             mtp: mtp.clone(),
