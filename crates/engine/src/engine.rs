@@ -425,6 +425,30 @@ fn cuda(_: &Model, _: usize, _: &EngineOptions) -> Result<(Device, String)> {
 mod tests {
     use super::*;
 
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn a_failed_mtp_upload_keeps_its_kind_and_says_what_to_do() {
+        use crate::cuda::CudaError;
+        let path = Path::new("/models/mtp.gguf");
+        // The pre-check's error (the driver's own needs a driver to print).
+        let full = CudaError::OutOfMemory {
+            name: "GPU".into(),
+            need_gib: 3.5,
+            free_gib: 1.0,
+            total_gib: 80.0,
+        };
+        let oom = mtp_upload_error(path, full);
+        assert!(oom.is_out_of_memory());
+        let why = std::error::Error::source(&oom).unwrap().to_string();
+        assert!(
+            why.contains("/models/mtp.gguf") && why.contains("without --mtp"),
+            "{why}"
+        );
+        let other = mtp_upload_error(path, CudaError::Invalid("bad".into()));
+        assert!(!other.is_out_of_memory());
+        assert!(other.to_string().contains("bad"), "{other}");
+    }
+
     #[test]
     fn quant_bits_follow_the_type() {
         assert_eq!(quant_bits(Some(GgmlType::IQ2_XXS)), 2);
