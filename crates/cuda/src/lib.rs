@@ -41,6 +41,7 @@ mod error;
 mod graph;
 mod layer;
 mod matmul;
+mod mtp;
 mod ops;
 pub mod plan;
 mod probe;

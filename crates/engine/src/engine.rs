@@ -296,9 +296,17 @@ impl Engine {
     }
 
     /// Loads the optional MTP GGUF at `path` (architecture.md §2.5), checked against
-    /// this model: a draft block that runs on the CPU whatever the engine's backend.
+    /// this model. On the CUDA backend the block is uploaded here, once for every
+    /// session (the drafts then run on the GPU); running out of device memory is
+    /// reported now, not at the first draft.
     pub fn load_mtp(&self, path: impl AsRef<Path>) -> Result<crate::mtp::Mtp> {
-        Ok(crate::mtp::Mtp::load(&self.model, path)?.with_numerics(self.numerics))
+        let path = path.as_ref();
+        let mtp = crate::mtp::Mtp::load(&self.model, path)?.with_numerics(self.numerics);
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(w) = &self.device {
+            w.mtp(&mtp).map_err(|e| mtp_upload_error(path, e))?;
+        }
+        Ok(mtp)
     }
 
     pub(crate) fn model_ref(&self) -> &Model {
@@ -387,6 +395,24 @@ fn cuda(model: &Model, device: usize, opts: &EngineOptions) -> Result<(Device, S
     Ok((Device::Cuda(w), reason))
 }
 
+/// A failed MTP upload; out of memory says what to do about it.
+#[cfg(feature = "cuda")]
+fn mtp_upload_error(path: &Path, e: crate::cuda::CudaError) -> EngineError {
+    if e.is_out_of_memory() {
+        EngineError::OutOfMemory {
+            backend: "cuda",
+            source: format!(
+                "the MTP block {} does not fit beside the model ({e}); run without --mtp, \
+                 or free device memory (a smaller --ctx, fewer sessions)",
+                path.display()
+            )
+            .into(),
+        }
+    } else {
+        e.into()
+    }
+}
+
 #[cfg(not(feature = "cuda"))]
 fn cuda(_: &Model, _: usize, _: &EngineOptions) -> Result<(Device, String)> {
     Err(EngineError::Unavailable {
@@ -398,6 +424,30 @@ fn cuda(_: &Model, _: usize, _: &EngineOptions) -> Result<(Device, String)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn a_failed_mtp_upload_keeps_its_kind_and_says_what_to_do() {
+        use crate::cuda::CudaError;
+        let path = Path::new("/models/mtp.gguf");
+        // The pre-check's error (the driver's own needs a driver to print).
+        let full = CudaError::OutOfMemory {
+            name: "GPU".into(),
+            need_gib: 3.5,
+            free_gib: 1.0,
+            total_gib: 80.0,
+        };
+        let oom = mtp_upload_error(path, full);
+        assert!(oom.is_out_of_memory());
+        let why = std::error::Error::source(&oom).unwrap().to_string();
+        assert!(
+            why.contains("/models/mtp.gguf") && why.contains("without --mtp"),
+            "{why}"
+        );
+        let other = mtp_upload_error(path, CudaError::Invalid("bad".into()));
+        assert!(!other.is_out_of_memory());
+        assert!(other.to_string().contains("bad"), "{other}");
+    }
 
     #[test]
     fn quant_bits_follow_the_type() {

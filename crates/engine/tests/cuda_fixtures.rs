@@ -9,8 +9,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use ds4_cuda::selftest::{open_for_test, GRAPH_VARIANTS};
-use ds4_engine::dev::fixture::{check_graph_variants, run_fixtures, Tally};
-use ds4_engine::dev::Gpu;
+use ds4_engine::dev::fixture::{check_graph_variants, check_mtp, run_fixtures, Tally};
+use ds4_engine::dev::layout::ExpertQuant;
+use ds4_engine::dev::{Config, Gpu};
 
 fn dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny")
@@ -39,5 +40,20 @@ fn graph_variants_keep_the_logits() {
     if let Some(t) = on_gpu(check_graph_variants) {
         assert_eq!(t.failed, 0, "{t:?}");
         assert_eq!(t.checks, 2 * GRAPH_VARIANTS.len());
+    }
+}
+
+/// The synthetic MTP file of a fixture model (Q4 experts, as shipped).
+fn mtp_image(config: &Config) -> anyhow::Result<Vec<u8>> {
+    let plan = ds4_synth::Plan::mtp(config.clone(), ExpertQuant::Q4, "cuda_fixtures MTP")?;
+    Ok(plan.build(20, &|_| {}))
+}
+
+#[test]
+fn mtp_drafts_match_the_cpu_block() {
+    if let Some(t) = on_gpu(|g, d, l| check_mtp(g, d, &mtp_image, l)) {
+        assert_eq!(t.failed, 0, "{t:?}");
+        // 3 models × (2 modes × (drafts, 2 keep checks) + the refusals).
+        assert_eq!(t.checks, 21);
     }
 }

@@ -14,10 +14,13 @@ use std::sync::Arc;
 
 pub use ds4_cuda::{driver_present, CudaError, Gpu};
 
-use crate::backend::{check_accepted, check_rows, check_tokens, no_pending, Backend, LogitRows};
+use crate::backend::{
+    check_accepted, check_rows, check_tokens, check_vocab, no_pending, Backend, HcSource, LogitRows,
+};
 use crate::error::Result;
 use crate::kv::KvCache;
 use crate::model::Model;
+use crate::mtp::Mtp;
 use crate::ops::linear::Numerics;
 use state::DeviceState;
 pub use weights::CudaWeights;
@@ -192,12 +195,14 @@ impl Backend for CudaBackend {
 
     fn import_state(&mut self, state: KvCache) -> Result<()> {
         self.state.accept_rows();
+        self.state.mtp_clear();
         self.fresh()?;
         self.state.import(&self.weights, &state)
     }
 
     fn reset(&mut self) {
         self.state.accept_rows();
+        self.state.mtp_clear();
         self.state.n_tokens = 0;
         self.stale = true;
     }
@@ -211,5 +216,22 @@ impl Backend for CudaBackend {
             batched: self.batched,
             stale: self.stale,
         }))
+    }
+
+    /// The block runs on this session's decode scratch (state/mtp.rs) with the weights
+    /// uploaded once per engine ([`CudaWeights::mtp`]), in the block's numerics.
+    fn mtp_draft(&mut self, mtp: &Mtp, token: u32, src: HcSource, pos: usize) -> Result<Vec<f32>> {
+        check_vocab(&[token], self.weights.config.vocab)?;
+        let mw = self.weights.mtp(mtp)?;
+        self.state
+            .mtp_draft(&self.weights, &mw, mtp.numerics(), (token, src, pos))
+    }
+
+    fn mtp_mark(&mut self) {
+        self.state.mtp_mark();
+    }
+
+    fn mtp_keep(&mut self, n: usize) -> Result<()> {
+        self.state.mtp_keep(&self.weights, n)
     }
 }

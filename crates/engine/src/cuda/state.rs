@@ -5,6 +5,7 @@ use ds4_cuda::{CudaError, DecodePlan, DeviceBuf, Gpu, Launcher, QuantAct, RouteP
 
 mod layers;
 mod rows;
+mod mtp;
 mod snapshot;
 
 use super::weights::{CudaWeights, HcDev};
@@ -252,6 +253,10 @@ pub(super) struct DeviceState {
     plan: DecodePlan,
     /// The multi-row step's scratch, graphs and undo record (allocated on first use).
     rows: Option<rows::RowStep>,
+    /// The MTP draft block's state (state/mtp.rs), allocated by the first draft.
+    mtp: Option<mtp::MtpDev>,
+    /// The last token's final HC state on the device ([`DeviceState::set_last_hc`]).
+    last_hc: Option<u64>,
 }
 
 fn comp_cap(ctx: usize, ratio: usize) -> usize {
@@ -383,6 +388,8 @@ impl DeviceState {
                 && std::env::var("DS4_CUDA_GRAPHS").map_or(true, |v| v != "0"),
             plan,
             rows: None,
+            mtp: None,
+            last_hc: None,
         })
     }
 
@@ -439,6 +446,8 @@ impl DeviceState {
             self.enqueue_layers(w, numerics, &mut b, n)?;
             let c = &w.config;
             let row = (c.n_hc * c.n_embd * 4) as u64;
+            // The MTP draft's `HcSource::Last`: the batch's last row.
+            self.last_hc = Some(g.ptr(&b.s.h) + (n as u64 - 1) * row);
             let mut out = Vec::new();
             if all_rows {
                 for t in 0..n {
@@ -488,6 +497,8 @@ impl DeviceState {
         } else {
             self.enqueue_token(w, numerics, head)?;
         }
+        // The MTP draft's `HcSource::Last`: the decode scratch's streams.
+        self.last_hc = Some(g.ptr(&self.s.s.h));
         self.n_tokens += 1;
         Ok(())
     }

@@ -1,6 +1,6 @@
 //! Model weights resident on the GPU, uploaded once and shared by every CUDA session.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use ds4_cuda::{
     CudaError, DecodePlan, DeviceBuf, DeviceMatrix, Gpu, RopeP, WT_BF16, WT_F16, WT_F32, WT_Q8_0,
@@ -9,7 +9,12 @@ use ds4_gguf::GgmlType;
 
 use crate::config::Config;
 use crate::model::Model;
-use crate::weights::{Compressor, CompressorWeights, Hc, HcWeights, Indexer, Layer, Mat, Storage};
+use crate::mtp::weights::mtp_layer_index;
+use crate::mtp::Mtp;
+use crate::ops::rope::Rope;
+use crate::weights::{
+    Compressor, CompressorWeights, Hc, HcWeights, Indexer, Layer, LayerWeights, Mat, Storage,
+};
 
 /// A small dense tensor kept in its file encoding (F32/F16/BF16) for the layer kernels.
 pub struct DenseTensor {
@@ -46,6 +51,53 @@ pub struct CudaWeights {
     pub bytes: usize,
     /// The decode plan new sessions follow ([`DecodePlan::from_env`], read once here).
     pub plan: DecodePlan,
+    /// The MTP block last uploaded ([`CudaWeights::mtp`]), shared by every session.
+    mtp: Mutex<Option<MtpCache>>,
+}
+
+/// The MTP draft block (architecture.md §7) on the device: the block as a layer and the
+/// draft-specific tensors. The embedding and the output matrix are the main model's.
+pub struct CudaMtpWeights {
+    pub layer: LayerDev,
+    /// The layer index the block runs as ([`mtp_layer_index`]).
+    pub il: usize,
+    /// RoPE frequencies of a ratio-0 layer (base `rope_freq_base`, no YaRN), as the
+    /// CPU block's: whatever the main model's layer `il` uses.
+    pub freqs: DeviceBuf<f32>,
+    pub e_proj: DeviceMatrix,
+    pub h_proj: DeviceMatrix,
+    pub enorm: DeviceBuf<f32>,
+    pub hnorm: DeviceBuf<f32>,
+    pub norm: DeviceBuf<f32>,
+    pub head_hc: HcDev,
+    pub bytes: usize,
+}
+
+impl CudaMtpWeights {
+    /// The head's stream collapse and final norm (the block's own).
+    pub fn head(&self) -> (&HcDev, &DeviceBuf<f32>) {
+        (&self.head_hc, &self.norm)
+    }
+
+    pub fn rope(&self, gpu: &Gpu, rope_dim: usize) -> RopeP {
+        RopeP {
+            freqs: gpu.ptr(&self.freqs),
+            rope_dim: rope_dim as i32,
+            pad: 0,
+        }
+    }
+}
+
+/// The cached upload and the block it came from: holding the [`Mtp`] keeps its file
+/// mapped, so the identity (the file's address) cannot be reused by another file.
+struct MtpCache {
+    mtp: Mtp,
+    dev: Arc<CudaMtpWeights>,
+}
+
+/// Whether two handles are the same loaded MTP file.
+fn same_mtp(a: &Mtp, b: &Mtp) -> bool {
+    std::ptr::eq(a.gguf(), b.gguf())
 }
 
 fn wt_code(ty: GgmlType) -> Result<i32, CudaError> {
@@ -60,6 +112,22 @@ fn wt_code(ty: GgmlType) -> Result<i32, CudaError> {
             )))
         }
     })
+}
+
+/// Out of memory unless `need` bytes are free on `gpu` (when it can tell).
+fn check_fits(gpu: &Gpu, need: usize) -> Result<(), CudaError> {
+    if let Ok((free, total)) = gpu.mem_info() {
+        if need > free {
+            let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+            return Err(CudaError::OutOfMemory {
+                name: gpu.info().name.clone(),
+                need_gib: gib(need),
+                free_gib: gib(free),
+                total_gib: gib(total),
+            });
+        }
+    }
+    Ok(())
 }
 
 struct Uploader<'a> {
@@ -130,6 +198,49 @@ impl Uploader<'_> {
             norm: self.vec(&c.norm)?,
         })
     }
+
+    /// One transformer block: a main layer, or the MTP block bound as a layer.
+    fn layer(&mut self, lw: &LayerWeights, cfg: &Config) -> Result<LayerDev, CudaError> {
+        let gpu = self.gpu;
+        Ok(LayerDev {
+            il: lw.il,
+            ratio: lw.ratio,
+            hc_attn: self.hc(&lw.hc_attn)?,
+            attn_norm: self.vec(&lw.attn_norm)?,
+            q_a: self.mat(&lw.q_a)?,
+            q_a_norm: self.vec(&lw.q_a_norm)?,
+            q_b: self.mat(&lw.q_b)?,
+            kv: self.mat(&lw.kv)?,
+            kv_norm: self.vec(&lw.kv_norm)?,
+            sinks: self.vec(&lw.sinks)?,
+            out_a: self.mat_grouped(&lw.out_a, cfg.o_groups)?,
+            out_b: self.mat(&lw.out_b)?,
+            compressor: lw
+                .compressor
+                .as_ref()
+                .map(|c| self.compressor(c))
+                .transpose()?,
+            indexer: match &lw.indexer {
+                Some(ix) => Some(IndexerDev {
+                    q_b: self.mat(&ix.q_b)?,
+                    proj: self.mat(&ix.proj)?,
+                    compressor: self.compressor(&ix.compressor)?,
+                }),
+                None => None,
+            },
+            hc_ffn: self.hc(&lw.hc_ffn)?,
+            ffn_norm: self.vec(&lw.ffn_norm)?,
+            gate_inp: self.mat(&lw.gate_inp)?,
+            exp_probs_b: lw.exp_probs_b.as_ref().map(|b| self.vec(b)).transpose()?,
+            tid2eid: lw.tid2eid.as_ref().map(|t| gpu.upload(t)).transpose()?,
+            gate_exps: self.mat(&lw.gate_exps)?,
+            up_exps: self.mat(&lw.up_exps)?,
+            down_exps: self.mat(&lw.down_exps)?,
+            gate_sh: self.mat(&lw.gate_sh)?,
+            up_sh: self.mat(&lw.up_sh)?,
+            down_sh: self.mat(&lw.down_sh)?,
+        })
+    }
 }
 
 impl CudaWeights {
@@ -144,18 +255,7 @@ impl CudaWeights {
         let plan = DecodePlan::from_env()?;
         // Fail before uploading anything when the weights cannot fit (the q2 file on an
         // 80 GB card): otherwise the allocation fails a minute later, near the end.
-        let need = model.gguf().tensor_bytes() as usize;
-        if let Ok((free, total)) = gpu.mem_info() {
-            if need > free {
-                let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
-                return Err(CudaError::OutOfMemory {
-                    name: gpu.info().name.clone(),
-                    need_gib: gib(need),
-                    free_gib: gib(free),
-                    total_gib: gib(total),
-                });
-            }
-        }
+        check_fits(gpu, model.gguf().tensor_bytes() as usize)?;
         let cfg = model.config().clone();
         let w = model.weights();
         let inner = model.inner();
@@ -168,47 +268,7 @@ impl CudaWeights {
         let mut freqs = Vec::with_capacity(cfg.n_layer);
         for (il, lw) in w.layers.iter().enumerate() {
             freqs.push(up.vec(inner.ropes[il].freqs())?);
-            layers.push(LayerDev {
-                il: lw.il,
-                ratio: lw.ratio,
-                hc_attn: up.hc(&lw.hc_attn)?,
-                attn_norm: up.vec(&lw.attn_norm)?,
-                q_a: up.mat(&lw.q_a)?,
-                q_a_norm: up.vec(&lw.q_a_norm)?,
-                q_b: up.mat(&lw.q_b)?,
-                kv: up.mat(&lw.kv)?,
-                kv_norm: up.vec(&lw.kv_norm)?,
-                sinks: up.vec(&lw.sinks)?,
-                out_a: up.mat_grouped(&lw.out_a, cfg.o_groups)?,
-                out_b: up.mat(&lw.out_b)?,
-                compressor: lw
-                    .compressor
-                    .as_ref()
-                    .map(|c| up.compressor(c))
-                    .transpose()?,
-                indexer: lw
-                    .indexer
-                    .as_ref()
-                    .map(|ix| -> Result<IndexerDev, CudaError> {
-                        Ok(IndexerDev {
-                            q_b: up.mat(&ix.q_b)?,
-                            proj: up.mat(&ix.proj)?,
-                            compressor: up.compressor(&ix.compressor)?,
-                        })
-                    })
-                    .transpose()?,
-                hc_ffn: up.hc(&lw.hc_ffn)?,
-                ffn_norm: up.vec(&lw.ffn_norm)?,
-                gate_inp: up.mat(&lw.gate_inp)?,
-                exp_probs_b: lw.exp_probs_b.as_ref().map(|b| up.vec(b)).transpose()?,
-                tid2eid: lw.tid2eid.as_ref().map(|t| gpu.upload(t)).transpose()?,
-                gate_exps: up.mat(&lw.gate_exps)?,
-                up_exps: up.mat(&lw.up_exps)?,
-                down_exps: up.mat(&lw.down_exps)?,
-                gate_sh: up.mat(&lw.gate_sh)?,
-                up_sh: up.mat(&lw.up_sh)?,
-                down_sh: up.mat(&lw.down_sh)?,
-            });
+            layers.push(up.layer(lw, &cfg)?);
         }
         let group_ids: Vec<i32> = (0..cfg.o_groups as i32).collect();
         let weights = CudaWeights {
@@ -223,6 +283,7 @@ impl CudaWeights {
             bytes: up.bytes,
             config: cfg,
             plan,
+            mtp: Mutex::new(None),
         };
         gpu.release_staging()?;
         Ok(weights)
@@ -231,6 +292,61 @@ impl CudaWeights {
     /// The output head's stream collapse and final norm.
     pub fn head(&self) -> (&HcDev, &DeviceBuf<f32>) {
         (&self.head_hc, &self.output_norm)
+    }
+
+    /// The device copy of `mtp`'s block, uploaded on first use and shared by every
+    /// session; a different block replaces it (one MTP file per engine).
+    pub fn mtp(&self, mtp: &Mtp) -> Result<Arc<CudaMtpWeights>, CudaError> {
+        let mut cache = self.mtp.lock().expect("MTP weights lock");
+        if let Some(c) = cache.as_ref().filter(|c| same_mtp(&c.mtp, mtp)) {
+            return Ok(c.dev.clone());
+        }
+        let c = &self.config;
+        let main = mtp.main().config();
+        if (main.n_embd, main.n_hc, main.vocab, main.n_layer)
+            != (c.n_embd, c.n_hc, c.vocab, c.n_layer)
+        {
+            return Err(CudaError::Invalid(
+                "the MTP block was loaded for another model than this GPU's".into(),
+            ));
+        }
+        // Drop the old block before uploading the new one (one fits where two may not).
+        *cache = None;
+        check_fits(&self.gpu, mtp.gguf().tensor_bytes() as usize)?;
+        let dev = Arc::new(self.upload_mtp(mtp)?);
+        *cache = Some(MtpCache {
+            mtp: mtp.clone(),
+            dev: dev.clone(),
+        });
+        Ok(dev)
+    }
+
+    fn upload_mtp(&self, mtp: &Mtp) -> Result<CudaMtpWeights, CudaError> {
+        let w = mtp.weights();
+        let cfg = &self.config;
+        let mut up = Uploader {
+            gpu: &self.gpu,
+            bytes: 0,
+            progress: &|_| {},
+        };
+        let rope = Rope::new(cfg.rope_dim, cfg.rope_freq_base, None);
+        let dev = CudaMtpWeights {
+            layer: up.layer(&w.layer, cfg)?,
+            il: mtp_layer_index(cfg),
+            freqs: up.vec(rope.freqs())?,
+            e_proj: up.mat(&w.e_proj)?,
+            h_proj: up.mat(&w.h_proj)?,
+            enorm: up.vec(&w.enorm)?,
+            hnorm: up.vec(&w.hnorm)?,
+            norm: up.vec(&w.norm)?,
+            head_hc: up.hc(&w.head_hc)?,
+            bytes: 0,
+        };
+        self.gpu.release_staging()?;
+        Ok(CudaMtpWeights {
+            bytes: up.bytes,
+            ..dev
+        })
     }
 
     pub fn rope(&self, il: usize) -> RopeP {

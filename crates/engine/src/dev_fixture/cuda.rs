@@ -18,6 +18,9 @@ use crate::dev::{Backend, CpuBackend, LoadOptions, LogitRows, Model};
 use crate::dev::{CudaBackend, CudaWeights, Gpu};
 use crate::{argmax, Numerics};
 
+mod mtp;
+pub use mtp::check_mtp;
+
 /// How many checks a run made and how many failed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Tally {

@@ -1,5 +1,6 @@
 //! `ds4-tool gpu-selftest`: the kernel checks of `ds4_cuda::selftest`, the tiny
-//! fixtures on the GPU (`ds4_engine::dev::fixture`), and the kernel timings.
+//! fixtures on the GPU (`ds4_engine::dev::fixture`: with the MTP draft block on a
+//! synthetic MTP file), and the kernel timings.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -79,6 +80,7 @@ pub fn run(a: Args) -> Result<()> {
         for t in [
             dev_fixture::run_fixtures(&gpu, dir, &mut print)?,
             dev_fixture::check_graph_variants(&gpu, dir, &mut print)?,
+            dev_fixture::check_mtp(&gpu, dir, &mtp_image, &mut print)?,
         ] {
             total += t.checks;
             failed += t.failed;
@@ -92,6 +94,17 @@ pub fn run(a: Args) -> Result<()> {
         bail!("{failed} GPU checks failed");
     }
     Ok(())
+}
+
+/// A synthetic MTP file (Q4 experts, as the published one) for a fixture model: the
+/// MTP check's block.
+fn mtp_image(config: &ds4_engine::dev::Config) -> Result<Vec<u8>> {
+    let plan = ds4_synth::Plan::mtp(
+        config.clone(),
+        ds4_engine::dev::layout::ExpertQuant::Q4,
+        "gpu-selftest MTP block",
+    )?;
+    Ok(plan.build(20, &|_| {}))
 }
 
 /// A table of timings under a header whose first column is `title`.

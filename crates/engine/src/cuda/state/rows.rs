@@ -45,6 +45,8 @@ pub(super) struct RowStep {
     graph_numerics: Option<Numerics>,
     /// Rows of the step awaiting `commit_rows`.
     pending: Option<usize>,
+    /// Where the last token's final HC state was before the step (for a commit of 0).
+    hc_before: Option<u64>,
 }
 
 impl RowStep {
@@ -103,7 +105,16 @@ impl RowStep {
             graphs: (0..=MAX_ROWS).map(|_| None).collect(),
             graph_numerics: None,
             pending: None,
+            hc_before: None,
         })
+    }
+}
+
+impl RowStep {
+    /// The device address of row `r`'s final HC state in the step's scratch.
+    fn hc_row(&self, w: &CudaWeights, r: usize) -> u64 {
+        let c = &w.config;
+        w.gpu.ptr(&self.work.s.h) + (r * c.n_hc * c.n_embd * 4) as u64
     }
 }
 
@@ -134,6 +145,9 @@ impl DeviceState {
         } else {
             self.n_tokens += n;
             rs.pending = Some(n);
+            // The MTP draft's `HcSource::Last`: the last row's final HC state.
+            rs.hc_before = self.last_hc;
+            self.set_last_hc(Some(rs.hc_row(w, n - 1)));
         }
         self.rows = Some(rs);
         result
@@ -256,6 +270,15 @@ impl DeviceState {
             kv.replay_compressors(w, numerics, &rs.work.s, accepted)?;
         }
         self.n_tokens -= n - accepted;
+        let last = if accepted > 0 {
+            Some(rs.hc_row(w, accepted - 1))
+        } else {
+            // The state from before the step, unless it was a row of this scratch
+            // (a previous step), which the step rewrote.
+            let rows = rs.hc_row(w, 0)..rs.hc_row(w, MAX_ROWS);
+            rs.hc_before.filter(|p| !rows.contains(p))
+        };
+        self.set_last_hc(last);
         Ok(())
     }
 

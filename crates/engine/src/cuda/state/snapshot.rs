@@ -115,6 +115,7 @@ impl DeviceState {
             // The ring geometry changed (DS4_CUDA_PREFILL_CHUNK differs): go through the
             // host form, which is independent of it.
             d.import(w, &self.export(w)?)?;
+            self.mtp_duplicate_into(w, &mut d)?;
             return Ok(d);
         }
         let g = &*w.gpu;
@@ -147,6 +148,7 @@ impl DeviceState {
         }
         d.n_tokens = self.n_tokens;
         d.chunk = self.chunk;
+        self.mtp_duplicate_into(w, &mut d)?;
         g.synchronize()?;
         Ok(d)
     }
