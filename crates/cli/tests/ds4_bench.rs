@@ -9,7 +9,35 @@ use std::process::Command;
 use common::{model, text, tmp_dir, write_file};
 
 const DS4_BENCH: &str = env!("CARGO_BIN_EXE_ds4-bench");
-const HEADER: &str = "ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes";
+const HEADER: &str = "ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes,rows,ms_per_cycle,tokens_per_cycle,effective_tps";
+/// The reference's CSV (earlier ds4-bench versions): still drawn by --plot-from.
+const HEADER_V1: &str = "ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes";
+
+/// `ds4-bench` on the tiny model (CPU, one thread) over `prompt`, with `extra` flags;
+/// the CSV's lines.
+fn bench_csv(name: &str, extra: &[&str]) -> Vec<String> {
+    let d = tmp_dir(name);
+    let words = "the quick brown fox jumps over the lazy dog ".repeat(20);
+    let prompt = write_file(&d, "prompt.txt", words);
+    let csv = d.join("out.csv");
+    let o = Command::new(DS4_BENCH)
+        .arg("-m")
+        .arg(model())
+        .args(["--backend", "cpu", "-t", "1", "--prompt-file"])
+        .arg(&prompt)
+        .args(extra)
+        .arg("--csv")
+        .arg(&csv)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let out = std::fs::read_to_string(&csv).unwrap();
+    out.lines().map(str::to_string).collect()
+}
+
+fn fields(line: &str) -> Vec<f64> {
+    line.split(',').map(|f| f.parse().unwrap()).collect()
+}
 
 /// `ds4-bench --plot-from CSV --plot SVG`.
 fn plot(csv: &Path, svg: &Path) -> std::process::Output {
@@ -51,6 +79,16 @@ fn walks_frontiers_and_writes_one_row_each() {
     let out = std::fs::read_to_string(&csv).unwrap();
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(lines[0], HEADER);
+    for l in &lines[1..] {
+        // A plain run: one row per cycle, and the effective rate is the decode rate.
+        let f = fields(l);
+        assert_eq!((f[6], f[8]), (1.0, 1.0), "{l}");
+        assert_eq!(f[9], f[4], "{l}");
+        assert!(
+            (f[7] - 1e3 / f[4]).abs() < 0.05 * f[7] + 1e-3,
+            "ms per cycle: {l}"
+        );
+    }
     let frontiers: Vec<&str> = lines[1..]
         .iter()
         .map(|l| l.split(',').next().unwrap())
@@ -69,7 +107,7 @@ fn walks_frontiers_and_writes_one_row_each() {
 fn draws_a_chart_of_an_earlier_csv() {
     let d = tmp_dir("plot");
     let rows = "2048,2048,4329.64,64,127.70,52184460\n4096,2048,3924.10,64,126.21,80373132\n";
-    let csv = write_file(&d, "in.csv", format!("{HEADER}\n{rows}"));
+    let csv = write_file(&d, "in.csv", format!("{HEADER_V1}\n{rows}"));
     let svg = d.join("chart.svg");
     let o = plot(&csv, &svg);
     assert!(o.status.success(), "{}", text(&o.stderr));
@@ -84,4 +122,63 @@ fn draws_a_chart_of_an_earlier_csv() {
     assert!(!o.status.success());
     assert!(text(&o.stderr).contains("not a ds4-bench CSV"));
     assert!(!bad.exists());
+}
+
+#[test]
+fn rows_adds_a_multi_row_step_row_per_frontier() {
+    let lines = bench_csv(
+        "rows",
+        &[
+            "--ctx-start",
+            "16",
+            "--ctx-max",
+            "32",
+            "--step-incr",
+            "16",
+            "-n",
+            "4",
+            "--rows",
+            "3",
+        ],
+    );
+    assert_eq!(lines[0], HEADER);
+    assert_eq!(lines.len(), 1 + 2 * 2, "{lines:?}");
+    for pair in lines[1..].chunks(2) {
+        let (plain, multi) = (fields(&pair[0]), fields(&pair[1]));
+        assert_eq!(plain[0], multi[0], "same frontier: {pair:?}");
+        assert_eq!((plain[3], plain[6], plain[8]), (4.0, 1.0, 1.0), "{pair:?}");
+        // ceil(4 / 3) = 2 cycles of 3 rows.
+        assert_eq!((multi[3], multi[6], multi[8]), (6.0, 3.0, 3.0), "{pair:?}");
+        assert_eq!(multi[9], multi[4], "{pair:?}");
+        let rate = 3.0 * 1e3 / multi[7].max(1e-3);
+        assert!(
+            (rate - multi[9]).abs() < 0.05 * rate,
+            "tokens/s = rows / cycle time: {pair:?}"
+        );
+        // The prefill columns are the frontier's, shared.
+        assert_eq!(plain[1..3], multi[1..3]);
+        assert_eq!(plain[5], multi[5]);
+    }
+
+    // Out of range: a usage error before the model loads.
+    let o = Command::new(DS4_BENCH)
+        .arg("-m")
+        .arg(model())
+        .args(["--rows", "17"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o.stderr).contains("--rows must be 1..=16"));
+}
+
+#[test]
+fn plots_a_csv_with_a_rows_series() {
+    let d = tmp_dir("plot-rows");
+    let rows = "2048,2048,4329.64,64,127.70,52184460,1,7.831,1.000,127.70\n2048,2048,4329.64,66,300.10,52184460,3,9.997,3.000,300.10\n";
+    let csv = write_file(&d, "in.csv", format!("{HEADER}\n{rows}"));
+    let svg = d.join("chart.svg");
+    let o = plot(&csv, &svg);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let s = std::fs::read_to_string(&svg).unwrap();
+    assert!(s.contains("decode, 3 rows"), "{s}");
 }

@@ -3,7 +3,10 @@
 //! Loads the model once, walks a prompt to each frontier (timing only the newly
 //! prefilled tokens), then from a snapshot decodes one untimed and `--gen-tokens` timed
 //! greedy non-EOS tokens, restores the snapshot and moves on. Writes the reference's CSV
-//! (`ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes`).
+//! (`ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes`) plus
+//! `rows,ms_per_cycle,tokens_per_cycle,effective_tps`: the plain decode is a row of
+//! `rows` 1; `--rows R` and an MTP run (`--mtp`, `--synthetic-mtp`) add a row each per
+//! frontier, timed from the same snapshot.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -15,16 +18,18 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
 use ds4_engine::dev::layout::ExpertQuant;
 use ds4_engine::dev::{EngineExt, LoadOptions, Model};
-use ds4_engine::{BackendChoice, BackendKind, Engine, EngineOptions, Numerics, Session};
+use ds4_engine::{BackendChoice, BackendKind, Engine, EngineOptions, Numerics};
 use ds4_gguf::GgufFile;
 use ds4_synth::{flash_config, Plan, Vocab};
 use indicatif::{ProgressBar, ProgressStyle};
 
+mod cycles;
 #[cfg(feature = "cuda")]
 mod fuse_ab;
 mod plot;
 
-use plot::{BenchRow, CSV_HEADER};
+use cycles::{decode_greedy, time_rows};
+use plot::{BenchRow, CSV_HEADER, CSV_HEADER_V1};
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
 enum BackendArg {
@@ -101,6 +106,13 @@ struct Args {
         default_value_t = 128
     )]
     gen_tokens: usize,
+    /// Also time multi-row steps of this many token rows (2..=16) at each frontier: cycles
+    /// of `step_rows` + `commit_rows(R)` emitting at least --gen-tokens tokens, after one
+    /// untimed cycle. Row 0 of a cycle is the previous step's greedy pick, the other R − 1
+    /// tokens come from a generator seeded with --seed (a verify step whose drafts are all
+    /// accepted). One more CSV row per frontier (`rows` = R); 1 = only the plain decode.
+    #[arg(long, default_value_t = 1)]
+    rows: usize,
     /// CSV output (default stdout).
     #[arg(long)]
     csv: Option<PathBuf>,
@@ -216,7 +228,10 @@ fn plot_csv(csv: &std::path::Path, out: &std::path::Path) -> Result<()> {
     let text =
         std::fs::read_to_string(csv).with_context(|| format!("cannot read {}", csv.display()))?;
     let mut lines = text.lines().filter(|l| !l.trim().is_empty());
-    if lines.next().map(str::trim) != Some(CSV_HEADER) {
+    if !matches!(
+        lines.next().map(str::trim),
+        Some(CSV_HEADER | CSV_HEADER_V1)
+    ) {
         bail!(
             "{} is not a ds4-bench CSV (header {CSV_HEADER})",
             csv.display()
@@ -258,11 +273,14 @@ fn check_args(a: &Args) -> Result<(), clap::Error> {
     if a.ctx_start == 0 || a.ctx_start > a.ctx_max {
         return Err(cmd.error(ValueValidation, "need 0 < --ctx-start <= --ctx-max"));
     }
-    let alloc = a.ctx_alloc.unwrap_or(a.ctx_max + a.gen_tokens + 1);
-    if alloc <= a.ctx_max + a.gen_tokens {
+    if !(1..=16).contains(&a.rows) {
+        return Err(cmd.error(ValueValidation, "--rows must be 1..=16"));
+    }
+    let slack = step_slack(a);
+    if alloc(a) <= a.ctx_max + a.gen_tokens + slack {
         return Err(cmd.error(
             ValueValidation,
-            "--ctx-alloc must be greater than ctx-max + gen-tokens",
+            format!("--ctx-alloc must be greater than ctx-max + gen-tokens + {slack} (the multi-row steps' room)"),
         ));
     }
     flags.extend(PathFlag::given(&[
@@ -281,6 +299,19 @@ fn check_args(a: &Args) -> Result<(), clap::Error> {
     Ok(())
 }
 
+/// Tokens past `--gen-tokens` that the multi-row runs may decode: a timed run rounds up
+/// to whole cycles, and its untimed warm-up cycle adds one more.
+fn step_slack(a: &Args) -> usize {
+    let widest = if a.rows > 1 { a.rows } else { 0 };
+    2 * widest
+}
+
+/// The session capacity: --ctx-alloc or the frontier, the tokens and the slack.
+fn alloc(a: &Args) -> usize {
+    a.ctx_alloc
+        .unwrap_or(a.ctx_max + a.gen_tokens + 1 + step_slack(a))
+}
+
 fn main() -> Result<()> {
     let a = Args::parse();
     ds4_cli::logging::init(a.verbose);
@@ -288,7 +319,7 @@ fn main() -> Result<()> {
     if let (Some(csv), Some(out)) = (&a.plot_from, &a.plot) {
         return plot_csv(csv, out);
     }
-    let alloc = a.ctx_alloc.unwrap_or(a.ctx_max + a.gen_tokens + 1);
+    let alloc = alloc(&a);
     if let Some(t) = a.threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(t)
@@ -352,20 +383,34 @@ fn main() -> Result<()> {
         let mut payload = Vec::new();
         snapshot.save_payload(&mut payload)?;
         profile_prefill.add(hooks.profile_take()?);
-        let gen_s = decode_greedy(&mut session, a.gen_tokens, eos)?;
-        profile_decode.add(hooks.profile_take()?);
-        session = snapshot;
-        let row = BenchRow {
+        let (plain, _greedy) = decode_greedy(&mut session, a.gen_tokens, eos)?;
+        let base = BenchRow {
             ctx_tokens: frontier as u64,
             prefill_tokens: (frontier - have) as u64,
             prefill_tps: (frontier - have) as f64 / prefill_s,
-            gen_tokens: a.gen_tokens as u64,
-            gen_tps: a.gen_tokens as f64 / gen_s.max(1e-9),
+            gen_tokens: 0,
+            gen_tps: 0.0,
             kvcache_bytes: payload.len() as u64,
+            rows: 1,
+            ms_per_cycle: 0.0,
+            tokens_per_cycle: 0.0,
+            effective_tps: 0.0,
         };
-        writeln!(out, "{}", row.to_csv())?;
-        out.flush()?;
-        rows.push(row);
+        let mut runs = vec![plain.row(&base, 1)];
+        if a.rows > 1 {
+            session = snapshot.try_clone()?;
+            runs.push(
+                time_rows(&mut session, a.rows, a.gen_tokens, eos, a.seed)?
+                    .row(&base, a.rows as u64),
+            );
+        }
+        profile_decode.add(hooks.profile_take()?);
+        session = snapshot;
+        for row in runs {
+            writeln!(out, "{}", row.to_csv())?;
+            out.flush()?;
+            rows.push(row);
+        }
         if frontier >= a.ctx_max {
             break;
         }
@@ -406,30 +451,6 @@ fn eos_token(model: &Model) -> u32 {
         .get("tokenizer.ggml.eos_token_id")
         .and_then(|v| v.as_i64())
         .unwrap_or(1) as u32
-}
-
-/// Decodes one untimed greedy non-EOS token, then `n` more; the seconds the `n` took.
-/// The untimed one carries the session's one-off decode costs (on CUDA: capturing the
-/// decode graph and the first loads of its kernels, ~10–30 ms on an H200), which would
-/// otherwise be charged to the first frontier's rate.
-fn decode_greedy(session: &mut Session, n: usize, eos: u32) -> Result<f64> {
-    let step = |session: &mut Session| -> Result<()> {
-        let logits = session.logits();
-        let mut best = 0usize;
-        for (i, &v) in logits.iter().enumerate() {
-            if i as u32 != eos && (best as u32 == eos || v > logits[best]) {
-                best = i;
-            }
-        }
-        session.decode(best as u32)?;
-        Ok(())
-    };
-    step(session)?;
-    let t = Instant::now();
-    for _ in 0..n {
-        step(session)?;
-    }
-    Ok(t.elapsed().as_secs_f64())
 }
 
 /// `DS4_CUDA_PROFILE` totals per kernel: (launches, ms).
