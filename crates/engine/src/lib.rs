@@ -17,7 +17,8 @@
 //! * [`EngineError`]s keep their cause; [`EngineError::kind`] sorts them.
 //! * Sampling: [`Sampler`], [`generate`], [`argmax`].
 //! * [`Engine::load_mtp`] loads the optional MTP GGUF as an [`Mtp`] draft block
-//!   (CPU; its own [`MtpState`], never part of a session's state).
+//!   (CPU; its own [`MtpState`], never part of a session's state); a [`Speculator`]
+//!   runs speculative decoding with it ([`Speculator::advance`]).
 //!
 //! Tools, benchmarks and tests that need the model internals (config, tensor layout,
 //! ops, backends, KV cache) use [`dev`], which makes no stability promise.
@@ -41,6 +42,7 @@ mod ops;
 mod payload;
 mod sampling;
 mod session;
+mod spec;
 mod tokenizer;
 mod weights;
 
@@ -53,3 +55,4 @@ pub use mtp::{Mtp, MtpDraft, MtpState};
 pub use ops::linear::Numerics;
 pub use sampling::{argmax, generate, Sampler, SamplerConfig, StopReason};
 pub use session::{Session, SessionOptions, SessionState};
+pub use spec::{SpecOptions, SpecStats, Speculator, MAX_DRAFT};

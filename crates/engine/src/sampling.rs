@@ -167,16 +167,33 @@ impl Sampler {
             return argmax(logits);
         }
         let cands = self.candidates(logits);
+        // No candidate only when every logit is NaN.
+        self.pick(&cands).unwrap_or_else(|| argmax(logits))
+    }
+
+    /// Whether sampling is greedy (temperature ≤ 0).
+    pub fn is_greedy(&self) -> bool {
+        self.config.temperature <= 0.0
+    }
+
+    /// A uniform draw in [0, 1) from the sampler's stream (speculative acceptance).
+    pub(crate) fn uniform(&mut self) -> f64 {
+        self.rng.next_f64()
+    }
+
+    /// Draws one token of `cands` (probabilities that sum to 1, as
+    /// [`Sampler::candidates`] gives them) from the sampler's stream; `None` when empty.
+    pub(crate) fn pick(&mut self, cands: &[(u32, f64)]) -> Option<u32> {
         let u = self.rng.next_f64();
         let mut cum = 0.0;
-        for &(id, p) in &cands {
+        for &(id, p) in cands {
             cum += p;
             if u < cum {
-                return id;
+                return Some(id);
             }
         }
-        // No candidate only when every logit is NaN; rounding may also leave u ≥ cum.
-        cands.last().map_or_else(|| argmax(logits), |c| c.0)
+        // Rounding may leave u ≥ cum.
+        cands.last().map(|c| c.0)
     }
 }
 

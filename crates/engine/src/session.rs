@@ -2,11 +2,14 @@
 
 use std::sync::Arc;
 
-use crate::backend::{check_accepted, check_rows, check_vocab, no_pending, Backend, LogitRows};
+use crate::backend::{
+    check_accepted, check_rows, check_vocab, no_pending, Backend, HcSource, LogitRows,
+};
 use crate::cpu::CpuBackend;
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
 use crate::model::Model;
+use crate::mtp::Mtp;
 use crate::ops::linear::Numerics;
 
 pub(crate) fn check_ctx(ctx: usize) -> Result<()> {
@@ -52,6 +55,10 @@ pub struct Session {
     prefill_chunk: usize,
     /// The multi-row step awaiting [`Session::commit_rows`].
     pending: Option<PendingRows>,
+    /// Whether the backend holds the main model's final HC state of the last token
+    /// ([`HcSource::Last`]): set by every forward, cleared where a backend may have
+    /// none (reset, imports, payload loads).
+    hc_ready: bool,
 }
 
 /// A multi-row step between [`Session::step_rows`] and [`Session::commit_rows`].
@@ -77,7 +84,7 @@ impl std::fmt::Debug for Session {
 
 /// A session's whole state in host memory, from [`Session::export_state`]: it can be
 /// imported into any session of the same model and context size, on any backend.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct SessionState {
     kv: KvCache,
     tokens: Vec<u32>,
@@ -132,6 +139,7 @@ impl Session {
             numerics,
             prefill_chunk: prefill_chunk.max(1),
             pending: None,
+            hc_ready: false,
         }
     }
 
@@ -147,6 +155,8 @@ impl Session {
             numerics: self.numerics,
             prefill_chunk: self.prefill_chunk,
             pending: None,
+            // A backend copies its whole state, the HC state of the last token included.
+            hc_ready: self.hc_ready,
         })
     }
 
@@ -185,6 +195,7 @@ impl Session {
             ));
         }
         self.accept_pending();
+        self.hc_ready = false;
         self.backend.import_state(state.kv)?;
         self.tokens = state.tokens;
         self.logits = state.logits;
@@ -264,6 +275,7 @@ impl Session {
             };
             let l = self.backend.forward(c, rows)?;
             check_logits(&l)?;
+            self.hc_ready = true;
             self.tokens.extend_from_slice(c);
             if !l.is_empty() {
                 self.logits = l;
@@ -280,6 +292,7 @@ impl Session {
         let mut all = Vec::with_capacity(tokens.len() * vocab);
         for c in tokens.chunks(self.prefill_chunk) {
             let l = self.backend.forward(c, LogitRows::All)?;
+            self.hc_ready = true;
             self.tokens.extend_from_slice(c);
             all.extend_from_slice(&l);
         }
@@ -295,6 +308,7 @@ impl Session {
         self.accept_pending();
         let logits = self.backend.forward(&[token], LogitRows::Last)?;
         check_logits(&logits)?;
+        self.hc_ready = true;
         self.logits = logits;
         self.tokens.push(token);
         Ok(&self.logits)
@@ -348,6 +362,7 @@ impl Session {
             }
             return Err(e);
         }
+        self.hc_ready = true;
         let last = rows[rows.len() - vocab..].to_vec();
         self.pending = Some(PendingRows {
             n_before: self.tokens.len(),
@@ -400,6 +415,7 @@ impl Session {
     /// Forgets every token.
     pub fn reset(&mut self) {
         self.pending = None;
+        self.hc_ready = false;
         self.backend.reset();
         self.tokens.clear();
         self.logits.clear();
@@ -408,7 +424,41 @@ impl Session {
     /// The state's parts, to replace them (a payload load): a pending step is accepted.
     pub(crate) fn parts_mut(&mut self) -> (&mut Box<dyn Backend>, &mut Vec<u32>, &mut Vec<f32>) {
         self.accept_pending();
+        self.hc_ready = false;
         (&mut self.backend, &mut self.tokens, &mut self.logits)
+    }
+}
+
+/// The MTP draft hooks of the speculative loop ([`crate::Speculator`]): the backend's
+/// draft state sits beside the session's, never in its exported state.
+impl Session {
+    /// Whether [`HcSource::Last`] is available: the backend holds the final HC state
+    /// of the last token (not after a reset, import or payload load, until the next
+    /// forward).
+    pub(crate) fn mtp_ready(&self) -> bool {
+        self.hc_ready && !self.tokens.is_empty()
+    }
+
+    /// [`Backend::mtp_draft`] (a pending step is accepted first).
+    pub(crate) fn mtp_draft(
+        &mut self,
+        mtp: &Mtp,
+        token: u32,
+        src: HcSource,
+        pos: usize,
+    ) -> Result<Vec<f32>> {
+        self.accept_pending();
+        self.backend.mtp_draft(mtp, token, src, pos)
+    }
+
+    /// [`Backend::mtp_mark`].
+    pub(crate) fn mtp_mark(&mut self) {
+        self.backend.mtp_mark();
+    }
+
+    /// [`Backend::mtp_keep`].
+    pub(crate) fn mtp_keep(&mut self, n: usize) -> Result<()> {
+        self.backend.mtp_keep(n)
     }
 }
 

@@ -41,6 +41,10 @@ pub(crate) struct Taps<'a> {
     /// head collapses the streams): the input the MTP draft block needs
     /// (architecture.md, "MTP draft block").
     pub last_hc: Option<&'a mut Vec<f32>>,
+    /// The final hyper-connection state of every token (`[n][n_hc·n_embd]`): a
+    /// multi-row step keeps it so that the MTP draft after `commit_rows(a)` can start
+    /// from row `a − 1` without running the forward pass again.
+    pub rows_hc: Option<&'a mut Vec<f32>>,
     /// Per layer, what a multi-row step needs to replay a prefix of the chunk
     /// (`super::rows`): the raw rows pushed and the compressor inputs.
     pub journal: Option<&'a mut Vec<LayerJournal>>,
@@ -78,6 +82,7 @@ pub(crate) fn forward(
     let pos0 = cache.n_tokens;
     let Taps {
         last_hc,
+        rows_hc,
         mut journal,
     } = taps;
     for (il, lw) in m.weights.layers.iter().enumerate() {
@@ -98,7 +103,12 @@ pub(crate) fn forward(
     }
     cache.n_tokens += n;
     if let Some(out) = last_hc {
-        *out = h[(n - 1) * nhc * e..].to_vec();
+        out.clear();
+        out.extend_from_slice(&h[(n - 1) * nhc * e..]);
+    }
+    if let Some(out) = rows_hc {
+        out.clear();
+        out.extend_from_slice(&h);
     }
     let sel: Vec<usize> = match rows {
         LogitRows::None => return Ok(Vec::new()),

@@ -5,10 +5,12 @@ pub(crate) mod rows;
 
 use std::sync::Arc;
 
-use crate::backend::{check_accepted, check_rows, no_pending, Backend, LogitRows};
-use crate::error::Result;
+use crate::backend::{check_accepted, check_rows, no_pending, Backend, HcSource, LogitRows};
+use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
 use crate::model::Model;
+use crate::mtp::ring::DraftRing;
+use crate::mtp::{Mtp, MtpState};
 use crate::ops::linear::Numerics;
 
 #[derive(Clone)]
@@ -20,6 +22,14 @@ pub struct CpuBackend {
     pool: Option<Arc<rayon::ThreadPool>>,
     /// The pending multi-row step's undo record.
     undo: Option<rows::Undo>,
+    /// The final HC state of the last token held ([`HcSource::Last`]); `None` after
+    /// `reset`/`import_state` until the next forward. A few KB, copied per forward.
+    last_hc: Option<Vec<f32>>,
+    /// While a step is pending: the final HC state of each of its rows
+    /// (`[rows][n_hc·n_embd]`), and `last_hc` from before it.
+    step_hc: Option<(Vec<f32>, Option<Vec<f32>>)>,
+    /// The MTP block's ring and chained state (never part of the exported state).
+    mtp: DraftRing,
 }
 
 impl CpuBackend {
@@ -30,6 +40,23 @@ impl CpuBackend {
             cache: KvCache::new(model.config(), ctx),
             pool: None,
             undo: None,
+            last_hc: None,
+            step_hc: None,
+            mtp: DraftRing::default(),
+        }
+    }
+
+    /// The MTP block's raw ring (`None` before the first draft).
+    pub fn mtp_state(&self) -> Option<&MtpState> {
+        self.mtp.state()
+    }
+
+    /// Drops a pending step's record, keeping every row (the HC of its last).
+    fn accept_all(&mut self) {
+        self.undo = None;
+        if let Some((rows, _)) = self.step_hc.take() {
+            let w = self.model.config().n_hc * self.model.config().n_embd;
+            self.last_hc = Some(rows[rows.len() - w..].to_vec());
         }
     }
 
@@ -51,12 +78,8 @@ impl CpuBackend {
         tokens: &[u32],
         rows: LogitRows,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
-        let mut hc = Vec::new();
-        let taps = forward::Taps {
-            last_hc: Some(&mut hc),
-            journal: None,
-        };
-        let logits = self.run(tokens, rows, taps)?;
+        let logits = Backend::forward(self, tokens, rows)?;
+        let hc = self.last_hc.clone().unwrap_or_default();
         Ok((logits, hc))
     }
 
@@ -84,24 +107,39 @@ impl Backend for CpuBackend {
     }
 
     fn forward(&mut self, tokens: &[u32], rows: LogitRows) -> Result<Vec<f32>> {
-        self.undo = None;
-        self.run(tokens, rows, forward::Taps::default())
+        self.accept_all();
+        if tokens.is_empty() {
+            return self.run(tokens, rows, forward::Taps::default());
+        }
+        let mut hc = self.last_hc.take().unwrap_or_default();
+        let taps = forward::Taps {
+            last_hc: Some(&mut hc),
+            ..Default::default()
+        };
+        let out = self.run(tokens, rows, taps);
+        // On error the cache is untouched and `hc` is the old state, or empty if
+        // there was none.
+        self.last_hc = (!hc.is_empty()).then_some(hc);
+        out
     }
 
     fn step_rows(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         check_rows(tokens.len())?;
-        self.undo = None;
+        self.accept_all();
         let mut undo = rows::Undo::mark(&self.cache, tokens.len());
+        let mut hc = Vec::new();
         // The forward pass fails before touching the cache or not at all.
         let logits = self.run(
             tokens,
             LogitRows::All,
             forward::Taps {
                 last_hc: None,
+                rows_hc: Some(&mut hc),
                 journal: Some(&mut undo.journal),
             },
         )?;
         self.undo = Some(undo);
+        self.step_hc = Some((hc, self.last_hc.take()));
         Ok(logits)
     }
 
@@ -112,6 +150,12 @@ impl Backend for CpuBackend {
         check_accepted(accepted, undo.rows())?;
         let undo = self.undo.take().expect("checked above");
         undo.keep(self.model.inner(), &mut self.cache, accepted);
+        let (rows, before) = self.step_hc.take().expect("set with the undo record");
+        let w = self.model.config().n_hc * self.model.config().n_embd;
+        self.last_hc = match accepted {
+            0 => before,
+            a => Some(rows[(a - 1) * w..a * w].to_vec()),
+        };
         Ok(())
     }
 
@@ -124,20 +168,63 @@ impl Backend for CpuBackend {
     }
 
     fn import_state(&mut self, state: KvCache) -> Result<()> {
-        self.undo = None;
+        self.forget();
         self.cache = state;
         Ok(())
     }
 
     fn reset(&mut self) {
-        self.undo = None;
+        self.forget();
         self.cache = KvCache::new(self.model.config(), self.cache.ctx);
     }
 
     /// The copy has no pending step (it holds every row of one).
     fn try_clone_box(&self) -> Result<Box<dyn Backend>> {
         let mut c = self.clone();
-        c.undo = None;
+        c.accept_all();
         Ok(Box::new(c))
+    }
+
+    fn mtp_draft(&mut self, mtp: &Mtp, token: u32, src: HcSource, pos: usize) -> Result<Vec<f32>> {
+        let w = self.model.config().n_hc * self.model.config().n_embd;
+        // A pending step's last row, else the last forward's.
+        let last = match &self.step_hc {
+            Some((rows, _)) => Some(&rows[rows.len() - w..]),
+            None => self.last_hc.as_deref(),
+        };
+        let g = match src {
+            HcSource::Last => Some(last.ok_or_else(|| {
+                EngineError::Invalid(
+                    "no main-model HC state to draft from: decode a token first \
+                     (the state is not kept across a reset or import)"
+                        .into(),
+                )
+            })?),
+            HcSource::Chain => None,
+        };
+        let (m, ring) = (&self.pool, &mut self.mtp);
+        let mut run = || ring.draft(mtp, token, g, pos);
+        match m {
+            Some(pool) => pool.install(run),
+            None => run(),
+        }
+    }
+
+    fn mtp_mark(&mut self) {
+        self.mtp.mark();
+    }
+
+    fn mtp_keep(&mut self, n: usize) -> Result<()> {
+        self.mtp.keep(n)
+    }
+}
+
+impl CpuBackend {
+    /// Drops the pending step, the HC state and the MTP ring (reset, import).
+    fn forget(&mut self) {
+        self.undo = None;
+        self.step_hc = None;
+        self.last_hc = None;
+        self.mtp.clear();
     }
 }

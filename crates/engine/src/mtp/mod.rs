@@ -20,6 +20,7 @@
 //! so drafts can be chained (the next draft takes it as its `G`).
 
 pub mod layout;
+pub(crate) mod ring;
 pub mod weights;
 
 use std::path::Path;
@@ -81,6 +82,19 @@ impl MtpState {
     /// Empties the ring.
     pub fn reset(&mut self) {
         self.cache.set_raw(&[]);
+    }
+
+    /// Raw row `i` of the ring in logical order (0 = oldest).
+    pub fn raw_row(&self, i: usize) -> &[f32] {
+        self.cache.raw_row(i)
+    }
+
+    pub(crate) fn layer(&mut self) -> &mut LayerCache {
+        &mut self.cache
+    }
+
+    pub(crate) fn layer_ref(&self) -> &LayerCache {
+        &self.cache
     }
 }
 
