@@ -182,3 +182,112 @@ fn plots_a_csv_with_a_rows_series() {
     let s = std::fs::read_to_string(&svg).unwrap();
     assert!(s.contains("decode, 3 rows"), "{s}");
 }
+
+/// The MTP row of each frontier (the second), from a run with `extra` flags.
+fn mtp_rows(name: &str, extra: &[&str]) -> Vec<Vec<f64>> {
+    let mut flags = vec![
+        "--ctx-start",
+        "16",
+        "--ctx-max",
+        "32",
+        "--step-incr",
+        "16",
+        "-n",
+        "25",
+        "--quality",
+        "--synthetic-mtp",
+        "--mtp-draft",
+        "2",
+    ];
+    flags.extend_from_slice(extra);
+    let lines = bench_csv(name, &flags);
+    assert_eq!(lines[0], HEADER);
+    assert_eq!(lines.len(), 1 + 2 * 2, "{lines:?}");
+    lines[1..]
+        .chunks(2)
+        .map(|pair| {
+            let (plain, spec) = (fields(&pair[0]), fields(&pair[1]));
+            assert_eq!(plain[..3], spec[..3], "same frontier and prefill: {pair:?}");
+            assert_eq!(
+                (plain[6], spec[6]),
+                (1.0, 3.0),
+                "rows = drafts + 1: {pair:?}"
+            );
+            assert_eq!(spec[9], spec[4], "{pair:?}");
+            spec
+        })
+        .collect()
+}
+
+#[test]
+fn mtp_runs_take_the_acceptance_as_a_parameter() {
+    // Every draft replaced by the greedy token: all accepted, 3 tokens per cycle but for
+    // the last cycle, which --gen-tokens cuts short. A greedy-identity failure would
+    // fail the run (--quality).
+    for row in mtp_rows("mtp-all", &["--accept-rate", "1"]) {
+        assert!(row[8] > 2.5 && row[8] <= 3.0, "tokens per cycle: {row:?}");
+        assert!(row[3] >= 15.0, "timed tokens: {row:?}");
+    }
+    // Never: one token per cycle (the verify's own).
+    for row in mtp_rows("mtp-none", &["--accept-rate", "0"]) {
+        assert_eq!(row[8], 1.0, "{row:?}");
+    }
+    // Per position 0.8 then 0.3: between the two.
+    for row in mtp_rows("mtp-some", &["--accept-rate", "0.8,0.3"]) {
+        assert!(row[8] > 1.0 && row[8] < 3.0, "{row:?}");
+    }
+
+    // --accept-rate without an MTP block, or out of range: usage errors.
+    for (flags, msg) in [
+        (
+            &["--accept-rate", "0.5"][..],
+            "needs --mtp FILE or --synthetic-mtp",
+        ),
+        (&["--synthetic-mtp", "--accept-rate", "1.5"][..], "in 0..=1"),
+        (
+            &["--synthetic-mtp", "--mtp-draft", "16"][..],
+            "--mtp-draft must be 1..=15",
+        ),
+    ] {
+        let o = Command::new(DS4_BENCH)
+            .arg("-m")
+            .arg(model())
+            .args(flags)
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(2), "{flags:?}");
+        assert!(
+            text(&o.stderr).contains(msg),
+            "{flags:?}: {}",
+            text(&o.stderr)
+        );
+    }
+}
+
+#[test]
+fn a_mismatched_mtp_file_is_refused() {
+    // The main model's own file is no MTP block.
+    let o = Command::new(DS4_BENCH)
+        .arg("-m")
+        .arg(model())
+        .args([
+            "--backend",
+            "cpu",
+            "-t",
+            "1",
+            "--ctx-start",
+            "8",
+            "--ctx-max",
+            "8",
+        ])
+        .arg("--mtp")
+        .arg(model())
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(
+        text(&o.stderr).contains("cannot load the MTP file"),
+        "{}",
+        text(&o.stderr)
+    );
+}

@@ -18,7 +18,9 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
 use ds4_engine::dev::layout::ExpertQuant;
 use ds4_engine::dev::{EngineExt, LoadOptions, Model};
-use ds4_engine::{BackendChoice, BackendKind, Engine, EngineOptions, Numerics};
+use ds4_engine::{
+    BackendChoice, BackendKind, Engine, EngineOptions, Mtp, Numerics, SpecOptions, Speculator,
+};
 use ds4_gguf::GgufFile;
 use ds4_synth::{flash_config, Plan, Vocab};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -27,6 +29,7 @@ mod cycles;
 #[cfg(feature = "cuda")]
 mod fuse_ab;
 mod plot;
+mod spec_run;
 
 use cycles::{decode_greedy, time_rows};
 use plot::{BenchRow, CSV_HEADER, CSV_HEADER_V1};
@@ -113,6 +116,33 @@ struct Args {
     /// accepted). One more CSV row per frontier (`rows` = R); 1 = only the plain decode.
     #[arg(long, default_value_t = 1)]
     rows: usize,
+    /// An MTP draft file (`ds4-tool download mtp`): also time speculative decoding at each
+    /// frontier. The plain greedy decode runs first and records its tokens; then from the
+    /// same snapshot `Speculator::advance` cycles must emit exactly those tokens (checked:
+    /// an error under --quality, a warning in Fast numerics, where a multi-row step may
+    /// round a near tie differently). One more CSV row per frontier (`rows` = drafts + 1).
+    #[arg(long, conflicts_with = "synthetic_mtp")]
+    mtp: Option<PathBuf>,
+    /// Instead of --mtp: random MTP weights matching the main model (the layout of
+    /// `ds4-tool synth --mtp-out`, Q4 experts), built in memory from --seed.
+    #[arg(long)]
+    synthetic_mtp: bool,
+    /// MTP-drafted tokens verified per cycle (1..=15). The target's own next token comes on
+    /// top: the reference's `--mtp-draft 2` is our 1.
+    #[arg(long, default_value_t = 1)]
+    mtp_draft: usize,
+    /// The MTP confidence gate (top-1 − top-2 of the raw draft logits below it ends a
+    /// cycle's drafting). 0 here (ds4 and ds4-server default to 3), so that every cycle
+    /// verifies --mtp-draft drafts and random weights still draft.
+    #[arg(long, default_value_t = 0.0)]
+    mtp_margin: f32,
+    /// Acceptance as a parameter (random weights accept almost nothing): P1[,P2,...],
+    /// the probability that draft i of a cycle is replaced by the main model's own next
+    /// greedy token (recorded by the plain run), the last value repeating; otherwise it is
+    /// replaced by another token, which the verify rejects. Without it the MTP's own
+    /// drafts are verified.
+    #[arg(long, value_delimiter = ',')]
+    accept_rate: Vec<f64>,
     /// CSV output (default stdout).
     #[arg(long)]
     csv: Option<PathBuf>,
@@ -276,6 +306,22 @@ fn check_args(a: &Args) -> Result<(), clap::Error> {
     if !(1..=16).contains(&a.rows) {
         return Err(cmd.error(ValueValidation, "--rows must be 1..=16"));
     }
+    let mtp = a.mtp.is_some() || a.synthetic_mtp;
+    if !(1..=15).contains(&a.mtp_draft) {
+        return Err(cmd.error(ValueValidation, "--mtp-draft must be 1..=15"));
+    }
+    if !(a.mtp_margin.is_finite() && a.mtp_margin >= 0.0) {
+        return Err(cmd.error(ValueValidation, "--mtp-margin must be a finite number >= 0"));
+    }
+    if a.accept_rate.iter().any(|p| !(0.0..=1.0).contains(p)) {
+        return Err(cmd.error(ValueValidation, "--accept-rate values must be in 0..=1"));
+    }
+    if !a.accept_rate.is_empty() && !mtp {
+        return Err(cmd.error(
+            ValueValidation,
+            "--accept-rate needs --mtp FILE or --synthetic-mtp",
+        ));
+    }
     let slack = step_slack(a);
     if alloc(a) <= a.ctx_max + a.gen_tokens + slack {
         return Err(cmd.error(
@@ -291,6 +337,7 @@ fn check_args(a: &Args) -> Result<(), clap::Error> {
             Want::File,
         ),
         ("csv", a.csv.as_deref(), Want::OutFile),
+        ("mtp", a.mtp.as_deref(), Want::File),
     ]));
     validate(&mut cmd, &flags)?;
     if a.synthetic_weights.is_none() {
@@ -302,7 +349,10 @@ fn check_args(a: &Args) -> Result<(), clap::Error> {
 /// Tokens past `--gen-tokens` that the multi-row runs may decode: a timed run rounds up
 /// to whole cycles, and its untimed warm-up cycle adds one more.
 fn step_slack(a: &Args) -> usize {
-    let widest = if a.rows > 1 { a.rows } else { 0 };
+    let mut widest = if a.rows > 1 { a.rows } else { 0 };
+    if a.mtp.is_some() || a.synthetic_mtp {
+        widest = widest.max(a.mtp_draft + 1);
+    }
     2 * widest
 }
 
@@ -358,6 +408,9 @@ fn main() -> Result<()> {
         engine.backend(),
         engine.backend_reason()
     );
+    let mut spec = load_speculator(&a, &engine, &model)?;
+    let cycle_base = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut mismatches: Vec<String> = Vec::new();
     let hooks = GpuHooks::of(&engine);
     let mut session = engine.new_session(alloc)?;
     let prompt = prompt_tokens(&a, &model, a.ctx_max)?;
@@ -383,7 +436,7 @@ fn main() -> Result<()> {
         let mut payload = Vec::new();
         snapshot.save_payload(&mut payload)?;
         profile_prefill.add(hooks.profile_take()?);
-        let (plain, _greedy) = decode_greedy(&mut session, a.gen_tokens, eos)?;
+        let (plain, greedy) = decode_greedy(&mut session, a.gen_tokens, eos)?;
         let base = BenchRow {
             ctx_tokens: frontier as u64,
             prefill_tokens: (frontier - have) as u64,
@@ -404,6 +457,36 @@ fn main() -> Result<()> {
                     .row(&base, a.rows as u64),
             );
         }
+        if let Some(spec) = spec.as_mut() {
+            session = snapshot.try_clone()?;
+            if !a.accept_rate.is_empty() {
+                let vocab = session.vocab() as u32;
+                let truth = Arc::new(greedy.clone());
+                spec_run::install_accept_hook(
+                    spec,
+                    truth,
+                    frontier,
+                    cycle_base.clone(),
+                    &a.accept_rate,
+                    vocab,
+                    a.seed,
+                );
+            }
+            let r = spec_run::run(&mut session, spec, &greedy, &cycle_base, eos)?;
+            let st = spec.stats();
+            eprintln!(
+                "ds4-bench: ctx {frontier}: mtp: {:.2} tokens/cycle (acceptance {:.0}%), {:.2} ms/cycle",
+                st.tokens_per_cycle(),
+                100.0 * st.acceptance(),
+                1e3 * r.timed.secs / r.timed.cycles as f64
+            );
+            if let Some((at, want, got)) = r.mismatch {
+                mismatches.push(format!(
+                    "ctx {frontier}: token {at} after the frontier is {got} with MTP, {want} without"
+                ));
+            }
+            runs.push(r.timed.row(&base, (a.mtp_draft + 1) as u64));
+        }
         profile_decode.add(hooks.profile_take()?);
         session = snapshot;
         for row in runs {
@@ -421,6 +504,16 @@ fn main() -> Result<()> {
         };
     }
     hooks.finish()?;
+    if !mismatches.is_empty() {
+        let what = format!(
+            "the speculative tokens differ from the plain greedy ones (greedy identity):\n  {}",
+            mismatches.join("\n  ")
+        );
+        if model.numerics() == Numerics::Exact {
+            bail!("{what}");
+        }
+        eprintln!("ds4-bench: warning: {what}\n(Fast numerics: a multi-row step may round a near tie differently; --quality must match exactly)");
+    }
     if hooks.profiling() {
         profile_prefill.print("prefill (and the snapshots)");
         profile_decode.print(&format!("decode ({} tokens per frontier)", a.gen_tokens));
@@ -442,6 +535,37 @@ fn main() -> Result<()> {
             .with_context(|| format!("cannot write {}", p.display()))?;
     }
     Ok(())
+}
+
+/// `--mtp FILE` or `--synthetic-mtp`: the speculative loop (`None` without either).
+fn load_speculator(a: &Args, engine: &Engine, model: &Model) -> Result<Option<Speculator>> {
+    let mtp = if let Some(p) = &a.mtp {
+        engine
+            .load_mtp(p)
+            .with_context(|| format!("cannot load the MTP file {}", p.display()))?
+    } else if a.synthetic_mtp {
+        let plan = Plan::mtp(
+            model.config().clone(),
+            ExpertQuant::Q4,
+            "ds4-bench synthetic MTP",
+        )?;
+        let b = bar(plan.layout.file_size, "generating synthetic MTP weights");
+        let done = AtomicU64::new(0);
+        // Another stream than the main weights' (same seed).
+        let image = plan.build(a.seed ^ 0x4d54_5000, &|n| {
+            b.set_position(done.fetch_add(n, Ordering::Relaxed) + n)
+        });
+        b.finish_and_clear();
+        let g = GgufFile::from_bytes(image)?;
+        Mtp::from_gguf(model, Arc::new(g))?.with_numerics(model.numerics())
+    } else {
+        return Ok(None);
+    };
+    let opts = SpecOptions {
+        draft: a.mtp_draft,
+        margin: a.mtp_margin,
+    };
+    Ok(Some(Speculator::new(mtp, opts)?))
 }
 
 /// The model's end-of-sequence token (never picked by the greedy probe).
