@@ -53,9 +53,7 @@ pub trait EngineBackend: Send {
         _max: usize,
         _stop: &[u32],
     ) -> Result<Vec<u32>, ServerError> {
-        Err(ServerError::Invalid(
-            "this engine has no MTP block".into(),
-        ))
+        Err(ServerError::Invalid("this engine has no MTP block".into()))
     }
     /// The speculative counters since the last call (zero without MTP).
     fn take_spec_stats(&mut self) -> SpecStats {

@@ -118,6 +118,8 @@ pub struct Metrics {
     pub mtp_drafted: AtomicU64,
     pub mtp_accepted: AtomicU64,
     pub mtp_emitted: AtomicU64,
+    /// Replies that ended inside a cycle's tokens (the session was rewound).
+    pub mtp_rewinds: AtomicU64,
 }
 
 pub const ENDPOINTS: [&str; 5] = [
@@ -198,6 +200,7 @@ impl Metrics {
             ("ds4_mtp_cycles_total", "counter", "Speculative decoding cycles (--mtp): target steps that verified drafts.", g(&self.mtp_cycles)),
             ("ds4_mtp_drafted_total", "counter", "MTP-drafted tokens verified.", g(&self.mtp_drafted)),
             ("ds4_mtp_accepted_total", "counter", "MTP-drafted tokens accepted.", g(&self.mtp_accepted)),
+            ("ds4_mtp_rewinds_total", "counter", "Replies that ended inside a speculative cycle's tokens (a stop string, a closed tool block, a cancel): the session was rewound.", g(&self.mtp_rewinds)),
             ("ds4_mtp_tokens_per_cycle", "gauge", "Tokens emitted per speculative cycle since start (1 + accepted drafts on average).", rate(&self.mtp_emitted, &self.mtp_cycles) / 1e6),
         ];
         for (name, kind, help, v) in plain {

@@ -856,9 +856,7 @@ impl Worker {
             // of the next request match against it).
             self.rewind_to(held, job);
         }
-        self.shared
-            .metrics
-            .add_spec(self.engine.take_spec_stats());
+        self.shared.metrics.add_spec(self.engine.take_spec_stats());
         let us = t0.elapsed().as_micros() as u64;
         let m = &self.shared.metrics;
         m.decode_tokens.fetch_add(n as u64, Relaxed);

@@ -17,6 +17,7 @@
 //!   cancelled request) may fall inside a cycle's tokens, which the session then already
 //!   holds: [`Worker::rewind_to`] brings it back to the plain loop's length.
 
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
 
 use ds4_engine::Sampler;
@@ -54,6 +55,7 @@ impl Worker {
     /// request prefills).
     pub(super) fn rewind_to(&mut self, keep: usize, job: &GenJob) {
         let t = Instant::now();
+        self.shared.metrics.mtp_rewinds.fetch_add(1, Relaxed);
         let tokens = self.engine.tokens()[..keep].to_vec();
         let from_snap = self.snap.as_ref().filter(|s| {
             let st = s.tokens();

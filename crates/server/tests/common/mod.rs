@@ -282,3 +282,27 @@ impl<H: EngineHooks> EngineBackend for Hooked<H> {
         self.inner.load_payload(r)
     }
 }
+
+/// The tiny fixture model the real-engine tests run.
+pub const TINY_MODEL: &str = "fixtures/tiny/tiny-q2.gguf";
+
+/// Writes a synthetic MTP file (random weights, the published layout) into `dir`:
+/// matching the tiny fixture model, or with `n_embd` another width (a file for another
+/// model, which the engine refuses).
+pub fn write_mtp_file(dir: &std::path::Path, n_embd: Option<usize>) -> PathBuf {
+    use ds4_engine::dev::layout::ExpertQuant;
+    use ds4_engine::dev::{LoadOptions, Model};
+    let g = ds4_gguf::GgufFile::open(root().join(TINY_MODEL)).expect("tiny model");
+    let model = Model::from_gguf(Arc::new(g), LoadOptions::default()).expect("tiny model");
+    let mut cfg = model.config().clone();
+    if let Some(n) = n_embd {
+        cfg.n_embd = n;
+    }
+    let image = ds4_synth::Plan::mtp(cfg, ExpertQuant::Q4, "ds4-server test MTP")
+        .expect("MTP plan")
+        .build(5, &|_| {});
+    std::fs::create_dir_all(dir).unwrap();
+    let path = dir.join(format!("mtp-{}.gguf", n_embd.unwrap_or(0)));
+    std::fs::write(&path, image).unwrap();
+    path
+}

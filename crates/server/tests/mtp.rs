@@ -1,0 +1,265 @@
+//! `--mtp` in the generation loop, on the tiny fixture model (CPU, Exact numerics) with
+//! a synthetic MTP block: greedy replies are the plain server's token for token, also
+//! when a stop string ends the reply inside a speculative cycle (the session is then
+//! rewound to the plain loop's, which the next request's KV reuse shows), and the
+//! `ds4_mtp_*` counters move.
+//!
+//! Random MTP weights draft almost nothing the target accepts, so the speculative
+//! server's drafts go through a hook that proposes the plain server's own greedy token
+//! at that position (recorded by wrapping its engine): cycles then accept several
+//! drafts and the multi-token path is what runs. The verify still decides.
+
+mod common;
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+
+use common::*;
+use ds4_engine::{
+    BackendChoice, Engine, EngineOptions, Numerics, Sampler, SpecOptions, SpecStats, Speculator,
+};
+use ds4_server::engine::{EngineBackend, RealEngine};
+use ds4_server::error::ServerError;
+use ds4_server::{ServerConfig, TestServer};
+use serde_json::{json, Value};
+
+/// Position → the token the plain server decoded there.
+type Truth = Arc<Mutex<HashMap<usize, u32>>>;
+
+/// An engine that reports its session length after every change in `len` and, for
+/// the plain server, records every decoded token by position in `truth`.
+struct Recording {
+    inner: Box<dyn EngineBackend>,
+    truth: Option<Truth>,
+    len: Arc<AtomicUsize>,
+}
+
+impl Recording {
+    fn new(inner: Box<dyn EngineBackend>, truth: Option<Truth>) -> Recording {
+        Recording {
+            inner,
+            truth,
+            len: Arc::default(),
+        }
+    }
+
+    fn note<T>(&mut self, r: T) -> T {
+        self.len.store(self.inner.tokens().len(), Relaxed);
+        r
+    }
+}
+
+impl EngineBackend for Recording {
+    fn ctx(&self) -> usize {
+        self.inner.ctx()
+    }
+    fn quant_bits(&self) -> u8 {
+        self.inner.quant_bits()
+    }
+    fn fingerprint(&self) -> [u8; 32] {
+        self.inner.fingerprint()
+    }
+    fn tokens(&self) -> &[u32] {
+        self.inner.tokens()
+    }
+    fn logits(&self) -> &[f32] {
+        self.inner.logits()
+    }
+    fn prefill(&mut self, tokens: &[u32]) -> Result<(), ServerError> {
+        let r = self.inner.prefill(tokens);
+        self.note(r)
+    }
+    fn decode(&mut self, token: u32) -> Result<(), ServerError> {
+        if let Some(truth) = &self.truth {
+            let at = self.inner.tokens().len();
+            truth.lock().unwrap().insert(at, token);
+        }
+        let r = self.inner.decode(token);
+        self.note(r)
+    }
+    fn reset(&mut self) {
+        self.inner.reset();
+        self.note(())
+    }
+    fn snapshot(&self) -> Result<Box<dyn EngineBackend>, ServerError> {
+        // The copy reports into the same `len` once it is the live session.
+        Ok(Box::new(Recording {
+            inner: self.inner.snapshot()?,
+            truth: self.truth.clone(),
+            len: self.len.clone(),
+        }))
+    }
+    fn speculative(&self) -> bool {
+        self.inner.speculative()
+    }
+    fn advance(
+        &mut self,
+        sampler: &mut Sampler,
+        token: u32,
+        max: usize,
+        stop: &[u32],
+    ) -> Result<Vec<u32>, ServerError> {
+        let r = self.inner.advance(sampler, token, max, stop);
+        self.note(r)
+    }
+    fn take_spec_stats(&mut self) -> SpecStats {
+        self.inner.take_spec_stats()
+    }
+    fn save_payload(&self, w: &mut dyn Write) -> Result<(), ServerError> {
+        self.inner.save_payload(w)
+    }
+    fn load_payload(&mut self, r: &mut dyn Read) -> Result<(), ServerError> {
+        let r = self.inner.load_payload(r);
+        self.note(r)
+    }
+    fn preferred_batch(&self) -> usize {
+        self.inner.preferred_batch()
+    }
+}
+
+fn engine() -> Engine {
+    Engine::open(
+        root().join(TINY_MODEL),
+        EngineOptions {
+            backend: BackendChoice::Cpu { threads: None },
+            numerics: Numerics::Exact,
+            ..EngineOptions::default()
+        },
+    )
+    .expect("tiny model")
+}
+
+struct Served {
+    server: TestServer,
+    /// The live session's length.
+    len: Arc<AtomicUsize>,
+}
+
+/// The plain server (recording into `truth`) and the speculative one (3 drafts per
+/// cycle, no margin gate, drafts proposed from `truth` where it has them).
+fn servers(truth: &Truth) -> (Served, Served) {
+    let e = engine();
+    let tok = e.tokenizer().expect("tokenizer");
+    let inner = Box::new(RealEngine::new(&e, e.new_session(1024).unwrap()));
+    let plain = Recording::new(inner, Some(truth.clone()));
+    let plain = Served {
+        len: plain.len.clone(),
+        server: TestServer::start(ServerConfig::for_tests(1024), tok.clone(), Box::new(plain)),
+    };
+
+    let dir = temp_dir("mtp-file");
+    let mtp = e
+        .load_mtp(write_mtp_file(&dir, None))
+        .expect("matching MTP file");
+    let _ = std::fs::remove_dir_all(&dir);
+    let opts = SpecOptions {
+        draft: 3,
+        margin: 0.0,
+    };
+    let mut spec = Speculator::new(mtp, opts).unwrap();
+    let t = truth.clone();
+    spec.set_draft_hook(Box::new(move |pos, drawn| {
+        t.lock().unwrap().get(&pos).copied().unwrap_or(drawn)
+    }));
+    let real = RealEngine::new(&e, e.new_session(1024).unwrap()).with_speculator(spec);
+    let fast = Recording::new(Box::new(real), None);
+    let fast = Served {
+        len: fast.len.clone(),
+        server: TestServer::start(ServerConfig::for_tests(1024), tok, Box::new(fast)),
+    };
+    (plain, fast)
+}
+
+const PROMPT: &str = "The quick brown fox jumps over the lazy dog. Once upon a time";
+
+fn complete(s: &Served, prompt: &str, max: u64, stop: Option<&str>) -> Value {
+    let mut body =
+        json!({"model": "deepseek-chat", "prompt": prompt, "max_tokens": max, "temperature": 0});
+    if let Some(st) = stop {
+        body["stop"] = json!([st]);
+    }
+    let r = post(s.server.addr, "/v1/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()
+}
+
+/// `name`'s value in the /metrics text.
+fn metric(s: &Served, name: &str) -> f64 {
+    let text = get(s.server.addr, "/metrics").text();
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .unwrap_or_else(|| panic!("{name} missing:\n{text}"))
+        .parse()
+        .unwrap()
+}
+
+fn reply(v: &Value) -> (String, String, u64) {
+    (
+        v["choices"][0]["text"].as_str().unwrap().to_string(),
+        v["choices"][0]["finish_reason"]
+            .as_str()
+            .unwrap()
+            .to_string(),
+        v["usage"]["completion_tokens"].as_u64().unwrap(),
+    )
+}
+
+#[test]
+fn greedy_replies_are_the_plain_ones_and_stops_inside_a_cycle_rewind() {
+    let truth = Truth::default();
+    let (plain, fast) = servers(&truth);
+    let want = complete(&plain, PROMPT, 40, None);
+    let got = complete(&fast, PROMPT, 40, None);
+    assert_eq!(reply(&got), reply(&want));
+    let (text, _, n) = reply(&want);
+    assert_eq!(n, 40, "{text:?}");
+
+    let cycles = metric(&fast, "ds4_mtp_cycles_total");
+    let drafted = metric(&fast, "ds4_mtp_drafted_total");
+    let accepted = metric(&fast, "ds4_mtp_accepted_total");
+    // 40 tokens in far fewer cycles: the drafts were accepted.
+    assert!(cycles > 0.0 && cycles < 20.0, "cycles {cycles}");
+    assert!(
+        accepted >= 20.0 && accepted <= drafted,
+        "accepted {accepted} of {drafted}"
+    );
+    assert!(metric(&fast, "ds4_mtp_tokens_per_cycle") > 2.0);
+    assert_eq!(metric(&plain, "ds4_mtp_cycles_total"), 0.0);
+
+    // Stop strings at several places of the reply: same text, and the session ends
+    // where the plain one does (so the next request reuses the same KV).
+    let chars: Vec<(usize, char)> = text.char_indices().collect();
+    let mut tried = 0;
+    for k in [4, 9, 15, 22, 30] {
+        let (Some(&(a, _)), Some(&(b, _))) = (chars.get(k), chars.get(k + 2)) else {
+            continue;
+        };
+        let stop = &text[a..b];
+        if stop.trim().is_empty() {
+            continue;
+        }
+        tried += 1;
+        let want = complete(&plain, PROMPT, 40, Some(stop));
+        let got = complete(&fast, PROMPT, 40, Some(stop));
+        assert_eq!(reply(&got), reply(&want), "stop {stop:?}");
+        let live = |s: &Served| s.len.load(Relaxed);
+        assert_eq!(
+            live(&fast),
+            live(&plain),
+            "session length after stop {stop:?}"
+        );
+        let next = format!("{PROMPT}{} and then", reply(&want).0);
+        let want = complete(&plain, &next, 2, None);
+        let got = complete(&fast, &next, 2, None);
+        assert_eq!(reply(&got), reply(&want), "after stop {stop:?}");
+        let cached = |v: &Value| v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+        assert_eq!(cached(&got), cached(&want), "after stop {stop:?}");
+    }
+    assert!(tried >= 3, "reply {text:?}");
+    // At least one stop fell inside a cycle's tokens (deterministic for this model).
+    assert!(metric(&fast, "ds4_mtp_rewinds_total") >= 1.0);
+    plain.server.stop();
+    fast.server.stop();
+}
