@@ -33,7 +33,7 @@ fn numeric_flags_reject_overflow() {
         ("--mtp-draft", too_big_int),
         ("--mtp-draft", "16"),
         ("--mtp-draft", "0"),
-        ("--mtp-margin", "-1"),
+        ("--mtp-margin", "inf"),
         ("--mtp-margin", "nan"),
         ("--fake-delay-ms", "60001"),
         ("--fake-load-ms", "600001"),

@@ -263,3 +263,39 @@ fn greedy_replies_are_the_plain_ones_and_stops_inside_a_cycle_rewind() {
     plain.server.stop();
     fast.server.stop();
 }
+
+#[test]
+fn sampled_requests_speculate_unless_tools_make_the_sampler_change_per_token() {
+    let truth = Truth::default();
+    let (plain, fast) = servers(&truth);
+    let cycles = || metric(&fast, "ds4_mtp_cycles_total");
+    let chat = |tools: bool| {
+        let mut body = json!({
+            "model": "deepseek-chat",
+            "messages": [{"role": "user", "content": "Say something."}],
+            "max_tokens": 12, "temperature": 0.9, "seed": 3,
+        });
+        if tools {
+            body["tools"] = json!([weather_tool()]);
+        }
+        let r = post(fast.server.addr, "/v1/chat/completions", &body);
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()
+    };
+    let before = cycles();
+    let v = chat(false);
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() > 0, "{v}");
+    assert!(
+        cycles() > before,
+        "a sampled request without tools speculates"
+    );
+    let before = cycles();
+    chat(true);
+    assert_eq!(
+        cycles(),
+        before,
+        "with tools the DSML rule may switch to greedy mid-cycle: plain steps"
+    );
+    plain.server.stop();
+    fast.server.stop();
+}
