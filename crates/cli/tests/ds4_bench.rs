@@ -35,6 +35,9 @@ fn bench_csv(name: &str, extra: &[&str]) -> Vec<String> {
     out.lines().map(str::to_string).collect()
 }
 
+/// Frontiers 16 and 32 of the tiny model.
+const TWO_FRONTIERS: [&str; 6] = ["--ctx-start", "16", "--ctx-max", "32", "--step-incr", "16"];
+
 fn fields(line: &str) -> Vec<f64> {
     line.split(',').map(|f| f.parse().unwrap()).collect()
 }
@@ -52,16 +55,9 @@ fn plot(csv: &Path, svg: &Path) -> std::process::Output {
 
 #[test]
 fn walks_frontiers_and_writes_one_row_each() {
-    let d = tmp_dir("walk");
-    let words = "the quick brown fox jumps over the lazy dog ".repeat(20);
-    let prompt = write_file(&d, "prompt.txt", words);
-    let csv = d.join("out.csv");
-    let o = Command::new(DS4_BENCH)
-        .arg("-m")
-        .arg(model())
-        .args(["--backend", "cpu", "-t", "1", "--prompt-file"])
-        .arg(&prompt)
-        .args([
+    let out = bench_csv(
+        "walk",
+        &[
             "--ctx-start",
             "16",
             "--ctx-max",
@@ -70,14 +66,9 @@ fn walks_frontiers_and_writes_one_row_each() {
             "16",
             "-n",
             "2",
-        ])
-        .arg("--csv")
-        .arg(&csv)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", text(&o.stderr));
-    let out = std::fs::read_to_string(&csv).unwrap();
-    let lines: Vec<&str> = out.lines().collect();
+        ],
+    );
+    let lines: Vec<&str> = out.iter().map(String::as_str).collect();
     assert_eq!(lines[0], HEADER);
     for l in &lines[1..] {
         // A plain run: one row per cycle, and the effective rate is the decode rate.
@@ -103,16 +94,24 @@ fn walks_frontiers_and_writes_one_row_each() {
     }
 }
 
-#[test]
-fn draws_a_chart_of_an_earlier_csv() {
-    let d = tmp_dir("plot");
-    let rows = "2048,2048,4329.64,64,127.70,52184460\n4096,2048,3924.10,64,126.21,80373132\n";
-    let csv = write_file(&d, "in.csv", format!("{HEADER_V1}\n{rows}"));
+/// The chart of a CSV with `header` and `rows` (which must draw); the CSV's path and
+/// the SVG text.
+fn chart_of(name: &str, header: &str, rows: &str) -> (std::path::PathBuf, String) {
+    let d = tmp_dir(name);
+    let csv = write_file(&d, "in.csv", format!("{header}\n{rows}"));
     let svg = d.join("chart.svg");
     let o = plot(&csv, &svg);
     assert!(o.status.success(), "{}", text(&o.stderr));
     let s = std::fs::read_to_string(&svg).unwrap();
     assert!(s.starts_with("<svg") && s.trim_end().ends_with("</svg>"));
+    (csv, s)
+}
+
+#[test]
+fn draws_a_chart_of_an_earlier_csv() {
+    let rows = "2048,2048,4329.64,64,127.70,52184460\n4096,2048,3924.10,64,126.21,80373132\n";
+    let (csv, s) = chart_of("plot", HEADER_V1, rows);
+    let d = csv.parent().unwrap();
     assert!(s.contains("4096"), "frontier label missing");
 
     // Not a ds4-bench CSV: a clear error, no chart.
@@ -126,21 +125,8 @@ fn draws_a_chart_of_an_earlier_csv() {
 
 #[test]
 fn rows_adds_a_multi_row_step_row_per_frontier() {
-    let lines = bench_csv(
-        "rows",
-        &[
-            "--ctx-start",
-            "16",
-            "--ctx-max",
-            "32",
-            "--step-incr",
-            "16",
-            "-n",
-            "4",
-            "--rows",
-            "3",
-        ],
-    );
+    let flags = [&TWO_FRONTIERS[..], &["-n", "4", "--rows", "3"]].concat();
+    let lines = bench_csv("rows", &flags);
     assert_eq!(lines[0], HEADER);
     assert_eq!(lines.len(), 1 + 2 * 2, "{lines:?}");
     for pair in lines[1..].chunks(2) {
@@ -173,32 +159,22 @@ fn rows_adds_a_multi_row_step_row_per_frontier() {
 
 #[test]
 fn plots_a_csv_with_a_rows_series() {
-    let d = tmp_dir("plot-rows");
     let rows = "2048,2048,4329.64,64,127.70,52184460,1,7.831,1.000,127.70\n2048,2048,4329.64,66,300.10,52184460,3,9.997,3.000,300.10\n";
-    let csv = write_file(&d, "in.csv", format!("{HEADER}\n{rows}"));
-    let svg = d.join("chart.svg");
-    let o = plot(&csv, &svg);
-    assert!(o.status.success(), "{}", text(&o.stderr));
-    let s = std::fs::read_to_string(&svg).unwrap();
+    let (_, s) = chart_of("plot-rows", HEADER, rows);
     assert!(s.contains("decode, 3 rows"), "{s}");
 }
 
 /// The MTP row of each frontier (the second), from a run with `extra` flags.
 fn mtp_rows(name: &str, extra: &[&str]) -> Vec<Vec<f64>> {
-    let mut flags = vec![
-        "--ctx-start",
-        "16",
-        "--ctx-max",
-        "32",
-        "--step-incr",
-        "16",
+    let mut flags = TWO_FRONTIERS.to_vec();
+    flags.extend([
         "-n",
         "25",
         "--quality",
         "--synthetic-mtp",
         "--mtp-draft",
         "2",
-    ];
+    ]);
     flags.extend_from_slice(extra);
     let lines = bench_csv(name, &flags);
     assert_eq!(lines[0], HEADER);

@@ -6,116 +6,40 @@
 //!
 //! Random MTP weights draft almost nothing the target accepts, so the speculative
 //! server's drafts go through a hook that proposes the plain server's own greedy token
-//! at that position (recorded by wrapping its engine): cycles then accept several
+//! at that position (recorded by hooks around its engine): cycles then accept several
 //! drafts and the multi-token path is what runs. The verify still decides.
 
 mod common;
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
 use common::*;
-use ds4_engine::{
-    BackendChoice, Engine, EngineOptions, Numerics, Sampler, SpecOptions, SpecStats, Speculator,
-};
-use ds4_server::engine::{EngineBackend, RealEngine};
-use ds4_server::error::ServerError;
+use ds4_engine::{BackendChoice, Engine, EngineOptions, Numerics, SpecOptions, Speculator};
+use ds4_server::engine::RealEngine;
 use ds4_server::{ServerConfig, TestServer};
 use serde_json::{json, Value};
 
 /// Position → the token the plain server decoded there.
 type Truth = Arc<Mutex<HashMap<usize, u32>>>;
 
-/// An engine that reports its session length after every change in `len` and, for
-/// the plain server, records every decoded token by position in `truth`.
-struct Recording {
-    inner: Box<dyn EngineBackend>,
+/// Reports the live session's length after every change in `len` and, for the plain
+/// server, records every decoded token by position in `truth`.
+#[derive(Clone, Default)]
+struct Watch {
     truth: Option<Truth>,
     len: Arc<AtomicUsize>,
 }
 
-impl Recording {
-    fn new(inner: Box<dyn EngineBackend>, truth: Option<Truth>) -> Recording {
-        Recording {
-            inner,
-            truth,
-            len: Arc::default(),
-        }
-    }
-
-    fn note<T>(&mut self, r: T) -> T {
-        self.len.store(self.inner.tokens().len(), Relaxed);
-        r
-    }
-}
-
-impl EngineBackend for Recording {
-    fn ctx(&self) -> usize {
-        self.inner.ctx()
-    }
-    fn quant_bits(&self) -> u8 {
-        self.inner.quant_bits()
-    }
-    fn fingerprint(&self) -> [u8; 32] {
-        self.inner.fingerprint()
-    }
-    fn tokens(&self) -> &[u32] {
-        self.inner.tokens()
-    }
-    fn logits(&self) -> &[f32] {
-        self.inner.logits()
-    }
-    fn prefill(&mut self, tokens: &[u32]) -> Result<(), ServerError> {
-        let r = self.inner.prefill(tokens);
-        self.note(r)
-    }
-    fn decode(&mut self, token: u32) -> Result<(), ServerError> {
+impl EngineHooks for Watch {
+    fn before_decode(&mut self, held: &[u32], token: u32) {
         if let Some(truth) = &self.truth {
-            let at = self.inner.tokens().len();
-            truth.lock().unwrap().insert(at, token);
+            truth.lock().unwrap().insert(held.len(), token);
         }
-        let r = self.inner.decode(token);
-        self.note(r)
     }
-    fn reset(&mut self) {
-        self.inner.reset();
-        self.note(())
-    }
-    fn snapshot(&self) -> Result<Box<dyn EngineBackend>, ServerError> {
-        // The copy reports into the same `len` once it is the live session.
-        Ok(Box::new(Recording {
-            inner: self.inner.snapshot()?,
-            truth: self.truth.clone(),
-            len: self.len.clone(),
-        }))
-    }
-    fn speculative(&self) -> bool {
-        self.inner.speculative()
-    }
-    fn advance(
-        &mut self,
-        sampler: &mut Sampler,
-        token: u32,
-        max: usize,
-        stop: &[u32],
-    ) -> Result<Vec<u32>, ServerError> {
-        let r = self.inner.advance(sampler, token, max, stop);
-        self.note(r)
-    }
-    fn take_spec_stats(&mut self) -> SpecStats {
-        self.inner.take_spec_stats()
-    }
-    fn save_payload(&self, w: &mut dyn Write) -> Result<(), ServerError> {
-        self.inner.save_payload(w)
-    }
-    fn load_payload(&mut self, r: &mut dyn Read) -> Result<(), ServerError> {
-        let r = self.inner.load_payload(r);
-        self.note(r)
-    }
-    fn preferred_batch(&self) -> usize {
-        self.inner.preferred_batch()
+    fn after_change(&mut self, held: &[u32]) {
+        self.len.store(held.len(), Relaxed);
     }
 }
 
@@ -142,12 +66,27 @@ struct Served {
 fn servers(truth: &Truth) -> (Served, Served) {
     let e = engine();
     let tok = e.tokenizer().expect("tokenizer");
-    let inner = Box::new(RealEngine::new(&e, e.new_session(1024).unwrap()));
-    let plain = Recording::new(inner, Some(truth.clone()));
-    let plain = Served {
-        len: plain.len.clone(),
-        server: TestServer::start(ServerConfig::for_tests(1024), tok.clone(), Box::new(plain)),
+    let serve = |inner: RealEngine, truth: Option<Truth>| {
+        let hooks = Watch {
+            truth,
+            ..Watch::default()
+        };
+        Served {
+            len: hooks.len.clone(),
+            server: TestServer::start(
+                ServerConfig::for_tests(1024),
+                tok.clone(),
+                Box::new(Hooked {
+                    inner: Box::new(inner),
+                    hooks,
+                }),
+            ),
+        }
     };
+    let plain = serve(
+        RealEngine::new(&e, e.new_session(1024).unwrap()),
+        Some(truth.clone()),
+    );
 
     let dir = temp_dir("mtp-file");
     let mtp = e
@@ -164,12 +103,7 @@ fn servers(truth: &Truth) -> (Served, Served) {
         t.lock().unwrap().get(&pos).copied().unwrap_or(drawn)
     }));
     let real = RealEngine::new(&e, e.new_session(1024).unwrap()).with_speculator(spec);
-    let fast = Recording::new(Box::new(real), None);
-    let fast = Served {
-        len: fast.len.clone(),
-        server: TestServer::start(ServerConfig::for_tests(1024), tok, Box::new(fast)),
-    };
-    (plain, fast)
+    (plain, serve(real, None))
 }
 
 const PROMPT: &str = "The quick brown fox jumps over the lazy dog. Once upon a time";

@@ -41,10 +41,9 @@ impl Worker {
             return None;
         }
         let mut cap = left.min(self.engine.ctx().saturating_sub(pos));
-        if let Some(step) = self.disk.as_ref().map(|d| d.cfg.continued_step()) {
-            if step > 0 {
-                cap = cap.min((pos / step + 1) * step - pos);
-            }
+        let step = self.disk.as_ref().map_or(0, |d| d.cfg.continued_step());
+        if let Some(q) = pos.checked_div(step) {
+            cap = cap.min((q + 1) * step - pos);
         }
         (cap >= 2).then_some(cap)
     }
