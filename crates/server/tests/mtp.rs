@@ -88,7 +88,9 @@ fn servers(truth: &Truth) -> (Served, Served) {
         Some(truth.clone()),
     );
 
-    let dir = temp_dir("mtp-file");
+    // One directory per server: the tests of this file run in parallel.
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let dir = temp_dir(&format!("mtp-file-{}", N.fetch_add(1, Relaxed)));
     let mtp = e
         .load_mtp(write_mtp_file(&dir, None))
         .expect("matching MTP file");

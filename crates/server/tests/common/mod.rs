@@ -325,10 +325,13 @@ pub const TINY_MODEL: &str = "fixtures/tiny/tiny-q2.gguf";
 /// model, which the engine refuses).
 pub fn write_mtp_file(dir: &std::path::Path, n_embd: Option<usize>) -> PathBuf {
     use ds4_engine::dev::layout::ExpertQuant;
-    use ds4_engine::dev::{LoadOptions, Model};
-    let g = ds4_gguf::GgufFile::open(root().join(TINY_MODEL)).expect("tiny model");
-    let model = Model::from_gguf(Arc::new(g), LoadOptions::default()).expect("tiny model");
-    let mut cfg = model.config().clone();
+    use ds4_engine::dev::EngineExt;
+    let opts = ds4_engine::EngineOptions {
+        backend: ds4_engine::BackendChoice::Cpu { threads: None },
+        ..Default::default()
+    };
+    let engine = ds4_engine::Engine::open(root().join(TINY_MODEL), opts).expect("tiny model");
+    let mut cfg = engine.model().config().clone();
     if let Some(n) = n_embd {
         cfg.n_embd = n;
     }
