@@ -64,9 +64,15 @@ struct Served {
 /// The plain server (recording into `truth`) and the speculative one (3 drafts per
 /// cycle, no margin gate, drafts proposed from `truth` where it has them).
 fn servers(truth: &Truth) -> (Served, Served) {
+    servers_with(truth, |_| ServerConfig::for_tests(1024))
+}
+
+/// [`servers`] with the configuration `cfg(i)` (0: plain, 1: speculative).
+fn servers_with(truth: &Truth, cfg: impl Fn(usize) -> ServerConfig) -> (Served, Served) {
     let e = engine();
     let tok = e.tokenizer().expect("tokenizer");
     let serve = |inner: RealEngine, truth: Option<Truth>| {
+        let i = usize::from(truth.is_none());
         let hooks = Watch {
             truth,
             ..Watch::default()
@@ -74,7 +80,7 @@ fn servers(truth: &Truth) -> (Served, Served) {
         Served {
             len: hooks.len.clone(),
             server: TestServer::start(
-                ServerConfig::for_tests(1024),
+                cfg(i),
                 tok.clone(),
                 Box::new(Hooked {
                     inner: Box::new(inner),
@@ -234,4 +240,43 @@ fn sampled_requests_speculate_unless_tools_make_the_sampler_change_per_token() {
     );
     plain.server.stop();
     fast.server.stop();
+}
+
+#[test]
+fn continued_checkpoints_land_where_the_plain_loop_saves_them() {
+    use ds4_server::config::KvDiskConfig;
+    let dirs = [temp_dir("mtp-kv-plain"), temp_dir("mtp-kv-fast")];
+    let truth = Truth::default();
+    let (plain, fast) = servers_with(&truth, |i| {
+        let mut cfg = ServerConfig::for_tests(1024);
+        cfg.kv_disk = Some(KvDiskConfig {
+            continued_interval: 8,
+            align: 0,
+            ..KvDiskConfig::for_tests(dirs[i].clone())
+        });
+        cfg
+    });
+    let want = complete(&plain, PROMPT, 40, None);
+    let got = complete(&fast, PROMPT, 40, None);
+    assert_eq!(reply(&got), reply(&want));
+    assert!(metric(&fast, "ds4_mtp_accepted_total") >= 20.0);
+    // A checkpoint every 8 positions of the reply: a cycle never steps over one.
+    let saves = metric(&plain, "ds4_disk_cache_saves_total");
+    assert!(saves >= 4.0, "{saves}");
+    assert_eq!(metric(&fast, "ds4_disk_cache_saves_total"), saves);
+    let files = |d: &std::path::Path| {
+        let mut v: Vec<_> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        v.sort();
+        v
+    };
+    // The file names are the SHA-1 of each checkpoint's text: the same token prefixes.
+    assert_eq!(files(&dirs[1]), files(&dirs[0]));
+    plain.server.stop();
+    fast.server.stop();
+    for d in &dirs {
+        let _ = std::fs::remove_dir_all(d);
+    }
 }
