@@ -142,15 +142,17 @@ pub struct Args {
     #[arg(long)]
     pub disable_exact_dsml_tool_replay: bool,
 
-    // Accepted for command-line compatibility with the reference; not implemented here.
-    /// Reference flag: MTP draft model (not implemented; warns and decodes without it).
+    /// MTP draft block (`ds4-tool download mtp`): speculative decoding, checked against
+    /// the model at startup (a mismatched file is refused).
     #[arg(long)]
     pub mtp: Option<PathBuf>,
-    /// Reference flag: MTP draft tokens (ignored).
-    #[arg(long, value_parser = positive)]
+    /// MTP-drafted tokens verified per cycle, 1..=15 (default 1). The target's own next
+    /// token comes on top: the reference's `--mtp-draft 2` is our 1.
+    #[arg(long, value_parser = mtp_draft)]
     pub mtp_draft: Option<usize>,
-    /// Reference flag: MTP acceptance margin (ignored).
-    #[arg(long)]
+    /// MTP confidence gate: drafting stops at a draft whose top-1 − top-2 logit margin is
+    /// below this (default 3; 0 drafts always).
+    #[arg(long, value_parser = mtp_margin)]
     pub mtp_margin: Option<f32>,
     /// Read the model file once at start so the weights sit in the page cache.
     #[arg(long)]
@@ -181,6 +183,22 @@ pub struct Args {
     #[arg(long, hide = true, default_value_t = 0,
           value_parser = clap::value_parser!(u64).range(..=60_000))]
     pub fake_delay_ms: u64,
+}
+
+fn mtp_draft(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(v @ 1..=15) => Ok(v),
+        Ok(_) => Err("must be 1 to 15".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+fn mtp_margin(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        Ok(_) => Err("must be a finite number ≥ 0".into()),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 fn positive(s: &str) -> Result<usize, String> {

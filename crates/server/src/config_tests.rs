@@ -31,6 +31,10 @@ fn numeric_flags_reject_overflow() {
         ("--kv-cache-boundary-align-tokens", too_big_int),
         ("--tool-memory-max-ids", too_big_int),
         ("--mtp-draft", too_big_int),
+        ("--mtp-draft", "16"),
+        ("--mtp-draft", "0"),
+        ("--mtp-margin", "inf"),
+        ("--mtp-margin", "nan"),
         ("--fake-delay-ms", "60001"),
         ("--fake-load-ms", "600001"),
     ];

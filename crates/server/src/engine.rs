@@ -2,10 +2,10 @@
 //! be tested with a deterministic fake, and its implementation over `ds4_engine::Session`.
 
 use std::io::{Read, Write};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ds4_engine::{Engine, EngineError, Session};
+use ds4_engine::{Engine, EngineError, Sampler, Session, SpecStats, Speculator};
 use ds4_tokenizer::Tokenizer;
 
 use crate::error::ServerError;
@@ -39,6 +39,26 @@ pub trait EngineBackend: Send {
     fn preferred_batch(&self) -> usize {
         512
     }
+    /// Whether [`EngineBackend::advance`] drafts (an MTP block is loaded).
+    fn speculative(&self) -> bool {
+        false
+    }
+    /// One speculative cycle ([`Speculator::advance`]): decodes `token` and the accepted
+    /// drafts, returns the tokens after `token` (at most `max`, the last one not
+    /// decoded, ending at a token of `stop`). Only called when `speculative()`.
+    fn advance(
+        &mut self,
+        _sampler: &mut Sampler,
+        _token: u32,
+        _max: usize,
+        _stop: &[u32],
+    ) -> Result<Vec<u32>, ServerError> {
+        Err(ServerError::Invalid("this engine has no MTP block".into()))
+    }
+    /// The speculative counters since the last call (zero without MTP).
+    fn take_spec_stats(&mut self) -> SpecStats {
+        SpecStats::default()
+    }
 }
 
 /// The real engine: a `ds4_engine::Session` on the CPU or CUDA backend.
@@ -46,6 +66,9 @@ pub struct RealEngine {
     session: Session,
     quant_bits: u8,
     fingerprint: [u8; 32],
+    /// `--mtp`: shared with the snapshots, which take over as the live session on a
+    /// rewind (the draft state itself lives in each session's backend).
+    spec: Option<Arc<Mutex<Speculator>>>,
 }
 
 impl RealEngine {
@@ -55,13 +78,51 @@ impl RealEngine {
             session,
             quant_bits: engine.routed_quant_bits(),
             fingerprint: engine.info().fingerprint,
+            spec: None,
         }
+    }
+
+    /// Decodes speculatively with `spec` (`--mtp`).
+    pub fn with_speculator(mut self, spec: Speculator) -> RealEngine {
+        self.spec = Some(Arc::new(Mutex::new(spec)));
+        self
+    }
+
+    fn spec(&self) -> Option<std::sync::MutexGuard<'_, Speculator>> {
+        // Only the engine thread locks it; a poisoned lock still holds valid counters.
+        self.spec
+            .as_ref()
+            .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()))
     }
 }
 
 impl EngineBackend for RealEngine {
     fn preferred_batch(&self) -> usize {
         self.session.preferred_batch()
+    }
+    fn speculative(&self) -> bool {
+        self.spec.is_some()
+    }
+    fn advance(
+        &mut self,
+        sampler: &mut Sampler,
+        token: u32,
+        max: usize,
+        stop: &[u32],
+    ) -> Result<Vec<u32>, ServerError> {
+        let Some(spec) = self.spec.clone() else {
+            return Err(ServerError::Invalid("this engine has no MTP block".into()));
+        };
+        let mut spec = spec.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(spec.advance(&mut self.session, sampler, token, max, stop)?)
+    }
+    fn take_spec_stats(&mut self) -> SpecStats {
+        let Some(mut spec) = self.spec() else {
+            return SpecStats::default();
+        };
+        let s = spec.stats();
+        spec.reset_stats();
+        s
     }
     fn ctx(&self) -> usize {
         self.session.ctx()
@@ -93,6 +154,7 @@ impl EngineBackend for RealEngine {
             session: self.session.try_clone()?,
             quant_bits: self.quant_bits,
             fingerprint: self.fingerprint,
+            spec: self.spec.clone(),
         }))
     }
     fn save_payload(&self, mut w: &mut dyn Write) -> Result<(), ServerError> {

@@ -112,6 +112,14 @@ pub struct Metrics {
     pub disk_saves: AtomicU64,
     /// Turns whose live KV was rebuilt to the canonical rendering (§4.3).
     pub canonical_rebuilds: AtomicU64,
+    /// `--mtp`: speculative cycles (target steps), drafts verified, drafts accepted and
+    /// tokens the cycles emitted.
+    pub mtp_cycles: AtomicU64,
+    pub mtp_drafted: AtomicU64,
+    pub mtp_accepted: AtomicU64,
+    pub mtp_emitted: AtomicU64,
+    /// Replies that ended inside a cycle's tokens (the session was rewound).
+    pub mtp_rewinds: AtomicU64,
 }
 
 pub const ENDPOINTS: [&str; 5] = [
@@ -138,6 +146,14 @@ impl Metrics {
         if let Some(i) = ENDPOINTS.iter().position(|e| *e == name) {
             self.requests[i].fetch_add(1, Relaxed);
         }
+    }
+
+    /// Adds one generation's speculative counters.
+    pub fn add_spec(&self, s: ds4_engine::SpecStats) {
+        self.mtp_cycles.fetch_add(s.cycles, Relaxed);
+        self.mtp_drafted.fetch_add(s.drafted, Relaxed);
+        self.mtp_accepted.fetch_add(s.accepted, Relaxed);
+        self.mtp_emitted.fetch_add(s.emitted, Relaxed);
     }
 
     pub fn cache_hit(&self, kind: &str) {
@@ -181,6 +197,11 @@ impl Metrics {
             ("ds4_last_decode_tokens_per_second", "gauge", "Decode throughput of the last request.", g(&self.last_decode_mtps) / 1000.0),
             ("ds4_disk_cache_saves_total", "counter", "Checkpoints written to the disk cache.", g(&self.disk_saves)),
             ("ds4_canonical_rebuilds_total", "counter", "Turns whose live KV was rebuilt to the canonical rendering.", g(&self.canonical_rebuilds)),
+            ("ds4_mtp_cycles_total", "counter", "Speculative decoding cycles (--mtp): target steps that verified drafts.", g(&self.mtp_cycles)),
+            ("ds4_mtp_drafted_total", "counter", "MTP-drafted tokens verified.", g(&self.mtp_drafted)),
+            ("ds4_mtp_accepted_total", "counter", "MTP-drafted tokens accepted.", g(&self.mtp_accepted)),
+            ("ds4_mtp_rewinds_total", "counter", "Replies that ended inside a speculative cycle's tokens (a stop string, a closed tool block, a cancel): the session was rewound.", g(&self.mtp_rewinds)),
+            ("ds4_mtp_tokens_per_cycle", "gauge", "Tokens emitted per speculative cycle since start (1 + accepted drafts on average).", rate(&self.mtp_emitted, &self.mtp_cycles) / 1e6),
         ];
         for (name, kind, help, v) in plain {
             metric(name, kind, help, vec![(String::new(), v)]);

@@ -27,6 +27,7 @@ use crate::log;
 use crate::metrics::Metrics;
 use crate::toolmem::ToolMemory;
 
+mod spec;
 mod turn;
 
 /// Tokens per prefill call at least: small enough to notice a disconnect and report
@@ -761,6 +762,14 @@ impl Worker {
         let mut n = 0usize;
         let mut finish = Finish::Stop;
         let mut error: Option<String> = None;
+        // `--mtp` (worker/spec.rs): tokens a speculative cycle returned and not yet
+        // emitted; all but the last are already in the session. `held` is the length
+        // the plain loop's session would have (the prompt and the emitted tokens it
+        // decoded).
+        let speculate = self.speculates(job, &sampler);
+        let mut ahead: VecDeque<u32> = VecDeque::new();
+        let mut held = self.engine.tokens().len();
+        let mut engine_failed = false;
         let t0 = Instant::now();
         loop {
             if n >= max {
@@ -778,18 +787,23 @@ impl Worker {
                 error = Some("shutdown requested".into());
                 break;
             }
-            let logits = self.engine.logits();
-            if logits.is_empty() {
-                finish = Finish::Error;
-                error = Some("no logits".into());
-                break;
-            }
-            // Greedy inside DSML syntax: a sampled typo in a tag breaks the call, while
-            // argument payloads keep the request's sampling (§2.2).
-            let t = if job.req.tools_active && pipe.in_dsml_syntax() {
-                argmax(logits)
-            } else {
-                sampler.sample(logits)
+            let t = match ahead.pop_front() {
+                Some(t) => t,
+                None => {
+                    let logits = self.engine.logits();
+                    if logits.is_empty() {
+                        finish = Finish::Error;
+                        error = Some("no logits".into());
+                        break;
+                    }
+                    // Greedy inside DSML syntax: a sampled typo in a tag breaks the
+                    // call, while argument payloads keep the request's sampling (§2.2).
+                    if job.req.tools_active && pipe.in_dsml_syntax() {
+                        argmax(logits)
+                    } else {
+                        sampler.sample(logits)
+                    }
+                }
             };
             if t == self.eos {
                 break;
@@ -802,23 +816,47 @@ impl Worker {
             if pipe.stop_hit.is_some() {
                 break;
             }
-            let pos = self.engine.tokens().len();
+            let pos = held;
             if pos >= ctx {
                 finish = Finish::Length;
                 break;
             }
-            if let Err(e) = self.engine.decode(t) {
+            // Decode `t`: a speculative cycle already did unless it was its last token.
+            let decoded = if !ahead.is_empty() {
+                Ok(())
+            } else {
+                match self.spec_cap(speculate && !pipe.block_closed(), pos, max - n) {
+                    Some(cap) => self
+                        .engine
+                        .advance(&mut sampler, t, cap, &[self.eos])
+                        .map(|out| ahead.extend(out)),
+                    None => self.engine.decode(t),
+                }
+            };
+            if let Err(e) = decoded {
                 finish = Finish::Error;
                 error = Some(e.to_string());
+                engine_failed = true;
                 break;
             }
+            held = pos + 1;
             if pipe.block_closed() {
                 break;
             }
-            if self.continued_due(pos + 1) && !pipe.in_dsml_syntax() {
+            if self.continued_due(held)
+                && !pipe.in_dsml_syntax()
+                && self.engine.tokens().len() == held
+            {
                 self.save_continued();
             }
         }
+        if !engine_failed && self.engine.tokens().len() > held {
+            // A stop string, a closed tool block or a cancellation inside a cycle's
+            // tokens: back to the plain loop's session (the KV reuse and the bindings
+            // of the next request match against it).
+            self.rewind_to(held, job);
+        }
+        self.shared.metrics.add_spec(self.engine.take_spec_stats());
         let us = t0.elapsed().as_micros() as u64;
         let m = &self.shared.metrics;
         m.decode_tokens.fetch_add(n as u64, Relaxed);

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{root, stop, temp_dir};
+use common::{root, stop, temp_dir, write_mtp_file, TINY_MODEL};
 
 /// A fresh, existing scratch directory, removed when the test ends (also on a panic).
 struct Temp(PathBuf);
@@ -170,8 +170,7 @@ fn unimplemented_reference_flags_warn_or_fail_by_name() {
         ],
     );
     for want in [
-        &format!("warning: --mtp {mtp}: MTP speculative decoding is not implemented"),
-        "warning: --mtp-draft/--mtp-margin are ignored",
+        &format!("warning: --mtp {mtp}: the fake engine has no MTP block"),
         "warning: --dir-steering-ffn/--dir-steering-attn have no effect without --dir-steering-file",
         "warning: --warm-weights",
     ] {
@@ -331,4 +330,56 @@ fn a_busy_port_fails_before_loading() {
     );
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("cannot listen on 127.0.0.1:"), "{err}");
+}
+
+#[test]
+fn mtp_loads_a_matching_block_and_refuses_another_models() {
+    let d = temp("mtp");
+    let lock = d.join("ds4.lock");
+    let model = root().join(TINY_MODEL);
+    let model = model.to_str().unwrap();
+    let wrong = write_mtp_file(&d, Some(512));
+    let wrong = wrong.to_str().unwrap();
+    let (code, err) = run_to_exit(&lock, &["-m", model, "--cpu", "--mtp", wrong]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains(&format!(
+            "--mtp {wrong}: cannot use this MTP file with {model}"
+        )),
+        "{err}"
+    );
+    assert!(err.contains("mtp.0."), "the reason names the tensor: {err}");
+
+    let good = write_mtp_file(&d, None);
+    let good = good.to_str().unwrap();
+    let (a, log) = start(
+        &lock,
+        &[
+            "-m",
+            model,
+            "--cpu",
+            "--mtp",
+            good,
+            "--mtp-draft",
+            "2",
+            "--mtp-margin",
+            "0",
+        ],
+    );
+    assert!(
+        log.contains(&format!(
+            "mtp {good}: speculative decoding, 2 drafts per cycle, margin 0"
+        )),
+        "{log}"
+    );
+    assert!(!log.contains("warning: --mtp"), "{log}");
+    stop(a);
+
+    // Without --mtp the draft options do nothing: said so.
+    let (a, log) = start(&lock, &["--mtp-margin", "2"]);
+    assert!(
+        log.contains("warning: --mtp-draft/--mtp-margin have no effect without --mtp"),
+        "{log}"
+    );
+    stop(a);
 }

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use ds4_engine::{BackendChoice, Engine, EngineOptions, Numerics};
+use ds4_engine::{BackendChoice, Engine, EngineOptions, Numerics, SpecOptions, Speculator};
 use ds4_server::engine::{default_script, FakeEngine, RealEngine};
 use ds4_server::worker::spawn_worker;
 use ds4_server::{lock, log, Args, EngineBackend, Shared, Startup};
@@ -85,7 +85,40 @@ fn load_engine(
         info.hparams.vocab,
         args.ctx
     );
-    Ok((tok, Box::new(RealEngine::new(&engine, session))))
+    let real = RealEngine::new(&engine, session);
+    let real = match load_speculator(args, &engine)? {
+        Some(spec) => real.with_speculator(spec),
+        None => real,
+    };
+    Ok((tok, Box::new(real)))
+}
+
+/// `--mtp FILE`: the draft block, checked against the loaded model (a file for another
+/// model or other dimensions is refused here, before the server listens).
+fn load_speculator(args: &Args, engine: &Engine) -> Result<Option<Speculator>> {
+    let Some(path) = &args.mtp else {
+        return Ok(None);
+    };
+    let mtp = engine.load_mtp(path).with_context(|| {
+        format!(
+            "--mtp {}: cannot use this MTP file with {}",
+            path.display(),
+            args.model.display()
+        )
+    })?;
+    let defaults = SpecOptions::default();
+    let opts = SpecOptions {
+        draft: args.mtp_draft.unwrap_or(defaults.draft),
+        margin: args.mtp_margin.unwrap_or(defaults.margin),
+    };
+    log!(
+        "mtp {}: speculative decoding, {} draft{} per cycle, margin {}",
+        path.display(),
+        opts.draft,
+        if opts.draft == 1 { "" } else { "s" },
+        opts.margin
+    );
+    Ok(Some(Speculator::new(mtp, opts)?))
 }
 
 /// File descriptors kept out of the connection cap: the model, cache files, logs.
@@ -228,16 +261,14 @@ fn run(mut args: Args) -> Result<()> {
 /// Startup warnings for reference flags that have no effect here (docs/server.md).
 fn compat_warnings(args: &Args) -> Vec<String> {
     let mut w = Vec::new();
-    if let Some(f) = &args.mtp {
-        w.push(format!(
-            "--mtp {}: MTP speculative decoding is not implemented by this engine; decoding without a draft (same output, no speed-up)",
-            f.display()
-        ));
-    }
     if args.mtp.is_none() && (args.mtp_draft.is_some() || args.mtp_margin.is_some()) {
         w.push("--mtp-draft/--mtp-margin have no effect without --mtp".into());
-    } else if args.mtp_draft.is_some() || args.mtp_margin.is_some() {
-        w.push("--mtp-draft/--mtp-margin are ignored (no MTP support)".into());
+    }
+    if let (Some(f), Some(_)) = (&args.mtp, &args.fake_engine) {
+        w.push(format!(
+            "--mtp {}: the fake engine has no MTP block; decoding without drafts",
+            f.display()
+        ));
     }
     if args.dir_steering_ffn.is_some() || args.dir_steering_attn.is_some() {
         w.push(

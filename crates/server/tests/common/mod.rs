@@ -223,6 +223,9 @@ pub fn weather_tool() -> Value {
 pub trait EngineHooks: Clone + Send + 'static {
     fn before_prefill(&mut self, _held: &[u32], _tokens: &[u32]) {}
     fn before_decode(&mut self, _held: &[u32], _token: u32) {}
+    /// After every change of the held tokens (prefill, decode, a speculative cycle, reset,
+    /// payload load), with the tokens now held.
+    fn after_change(&mut self, _held: &[u32]) {}
 }
 
 /// An engine (the fake one, in these tests) with `EngineHooks` around prefill and decode;
@@ -260,14 +263,17 @@ impl<H: EngineHooks> EngineBackend for Hooked<H> {
     }
     fn prefill(&mut self, tokens: &[u32]) -> Result<(), ServerError> {
         self.hooks.before_prefill(self.inner.tokens(), tokens);
-        self.inner.prefill(tokens)
+        let r = self.inner.prefill(tokens);
+        self.changed(r)
     }
     fn decode(&mut self, token: u32) -> Result<(), ServerError> {
         self.hooks.before_decode(self.inner.tokens(), token);
-        self.inner.decode(token)
+        let r = self.inner.decode(token);
+        self.changed(r)
     }
     fn reset(&mut self) {
-        self.inner.reset()
+        self.inner.reset();
+        self.changed(())
     }
     fn snapshot(&self) -> Result<Box<dyn EngineBackend>, ServerError> {
         Ok(Box::new(Hooked {
@@ -279,6 +285,61 @@ impl<H: EngineHooks> EngineBackend for Hooked<H> {
         self.inner.save_payload(w)
     }
     fn load_payload(&mut self, r: &mut dyn Read) -> Result<(), ServerError> {
-        self.inner.load_payload(r)
+        let r = self.inner.load_payload(r);
+        self.changed(r)
     }
+    fn preferred_batch(&self) -> usize {
+        self.inner.preferred_batch()
+    }
+    fn speculative(&self) -> bool {
+        self.inner.speculative()
+    }
+    fn advance(
+        &mut self,
+        sampler: &mut ds4_engine::Sampler,
+        token: u32,
+        max: usize,
+        stop: &[u32],
+    ) -> Result<Vec<u32>, ServerError> {
+        let r = self.inner.advance(sampler, token, max, stop);
+        self.changed(r)
+    }
+    fn take_spec_stats(&mut self) -> ds4_engine::SpecStats {
+        self.inner.take_spec_stats()
+    }
+}
+
+impl<H: EngineHooks> Hooked<H> {
+    /// Runs `after_change` and passes `r` through.
+    fn changed<T>(&mut self, r: T) -> T {
+        self.hooks.after_change(self.inner.tokens());
+        r
+    }
+}
+
+/// The tiny fixture model the real-engine tests run.
+pub const TINY_MODEL: &str = "fixtures/tiny/tiny-q2.gguf";
+
+/// Writes a synthetic MTP file (random weights, the published layout) into `dir`:
+/// matching the tiny fixture model, or with `n_embd` another width (a file for another
+/// model, which the engine refuses).
+pub fn write_mtp_file(dir: &std::path::Path, n_embd: Option<usize>) -> PathBuf {
+    use ds4_engine::dev::layout::ExpertQuant;
+    use ds4_engine::dev::EngineExt;
+    let opts = ds4_engine::EngineOptions {
+        backend: ds4_engine::BackendChoice::Cpu { threads: None },
+        ..Default::default()
+    };
+    let engine = ds4_engine::Engine::open(root().join(TINY_MODEL), opts).expect("tiny model");
+    let mut cfg = engine.model().config().clone();
+    if let Some(n) = n_embd {
+        cfg.n_embd = n;
+    }
+    let image = ds4_synth::Plan::mtp(cfg, ExpertQuant::Q4, "ds4-server test MTP")
+        .expect("MTP plan")
+        .build(5, &|_| {});
+    std::fs::create_dir_all(dir).unwrap();
+    let path = dir.join(format!("mtp-{}.gguf", n_embd.unwrap_or(0)));
+    std::fs::write(&path, image).unwrap();
+    path
 }

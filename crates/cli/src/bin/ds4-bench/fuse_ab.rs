@@ -12,7 +12,8 @@ use ds4_cuda::DecodePlan;
 use ds4_engine::dev::{CudaBackend, Model, SessionExt};
 use ds4_engine::Session;
 
-use crate::{bar, decode_greedy, eos_token, prompt_tokens, Args};
+use crate::cycles::decode_greedy;
+use crate::{bar, eos_token, prompt_tokens, Args};
 
 /// One setting: its label and the plan its `DS4_CUDA_FUSE` value names.
 pub struct Spec {
@@ -82,7 +83,10 @@ pub fn run(a: &Args, model: &Model, specs: &[Spec], alloc: usize) -> Result<()> 
                 let t = Instant::now();
                 session.prefill(&prompt)?;
                 let prefill_s = t.elapsed().as_secs_f64();
-                Ok((prefill_s, decode_greedy(&mut session, a.gen_tokens, eos)?))
+                Ok((
+                    prefill_s,
+                    decode_greedy(&mut session, a.gen_tokens, eos)?.0.secs,
+                ))
             };
             let (prefill_s, gen_s) = match run() {
                 Ok(r) => r,

@@ -3,7 +3,10 @@
 //! Loads the model once, walks a prompt to each frontier (timing only the newly
 //! prefilled tokens), then from a snapshot decodes one untimed and `--gen-tokens` timed
 //! greedy non-EOS tokens, restores the snapshot and moves on. Writes the reference's CSV
-//! (`ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes`).
+//! (`ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes`) plus
+//! `rows,ms_per_cycle,tokens_per_cycle,effective_tps`: the plain decode is a row of
+//! `rows` 1; `--rows R` and an MTP run (`--mtp`, `--synthetic-mtp`) add a row each per
+//! frontier, timed from the same snapshot.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -15,16 +18,21 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
 use ds4_engine::dev::layout::ExpertQuant;
 use ds4_engine::dev::{EngineExt, LoadOptions, Model};
-use ds4_engine::{BackendChoice, BackendKind, Engine, EngineOptions, Numerics, Session};
+use ds4_engine::{
+    BackendChoice, BackendKind, Engine, EngineOptions, Mtp, Numerics, SpecOptions, Speculator,
+};
 use ds4_gguf::GgufFile;
 use ds4_synth::{flash_config, Plan, Vocab};
 use indicatif::{ProgressBar, ProgressStyle};
 
+mod cycles;
 #[cfg(feature = "cuda")]
 mod fuse_ab;
 mod plot;
+mod spec_run;
 
-use plot::{BenchRow, CSV_HEADER};
+use cycles::{decode_greedy, time_rows};
+use plot::{BenchRow, CSV_HEADER, CSV_HEADER_V1};
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
 enum BackendArg {
@@ -101,6 +109,40 @@ struct Args {
         default_value_t = 128
     )]
     gen_tokens: usize,
+    /// Also time multi-row steps of this many token rows (2..=16) at each frontier: cycles
+    /// of `step_rows` + `commit_rows(R)` emitting at least --gen-tokens tokens, after one
+    /// untimed cycle. Row 0 of a cycle is the previous step's greedy pick, the other R − 1
+    /// tokens come from a generator seeded with --seed (a verify step whose drafts are all
+    /// accepted). One more CSV row per frontier (`rows` = R); 1 = only the plain decode.
+    #[arg(long, default_value_t = 1)]
+    rows: usize,
+    /// An MTP draft file (`ds4-tool download mtp`): also time speculative decoding at each
+    /// frontier. The plain greedy decode runs first and records its tokens; then from the
+    /// same snapshot `Speculator::advance` cycles must emit exactly those tokens (checked:
+    /// an error under --quality, a warning in Fast numerics, where a multi-row step may
+    /// round a near tie differently). One more CSV row per frontier (`rows` = drafts + 1).
+    #[arg(long, conflicts_with = "synthetic_mtp")]
+    mtp: Option<PathBuf>,
+    /// Instead of --mtp: random MTP weights matching the main model (the layout of
+    /// `ds4-tool synth --mtp-out`, Q4 experts), built in memory from --seed.
+    #[arg(long)]
+    synthetic_mtp: bool,
+    /// MTP-drafted tokens verified per cycle (1..=15). The target's own next token comes on
+    /// top: the reference's `--mtp-draft 2` is our 1.
+    #[arg(long, default_value_t = 1)]
+    mtp_draft: usize,
+    /// The MTP confidence gate (top-1 − top-2 of the raw draft logits below it ends a
+    /// cycle's drafting). 0 here (ds4 and ds4-server default to 3), so that every cycle
+    /// verifies --mtp-draft drafts and random weights still draft.
+    #[arg(long, default_value_t = 0.0)]
+    mtp_margin: f32,
+    /// Acceptance as a parameter (random weights accept almost nothing): P1[,P2,...],
+    /// the probability that draft i of a cycle is replaced by the main model's own next
+    /// greedy token (recorded by the plain run), the last value repeating; otherwise it is
+    /// replaced by another token, which the verify rejects. Without it the MTP's own
+    /// drafts are verified.
+    #[arg(long, value_delimiter = ',')]
+    accept_rate: Vec<f64>,
     /// CSV output (default stdout).
     #[arg(long)]
     csv: Option<PathBuf>,
@@ -216,7 +258,10 @@ fn plot_csv(csv: &std::path::Path, out: &std::path::Path) -> Result<()> {
     let text =
         std::fs::read_to_string(csv).with_context(|| format!("cannot read {}", csv.display()))?;
     let mut lines = text.lines().filter(|l| !l.trim().is_empty());
-    if lines.next().map(str::trim) != Some(CSV_HEADER) {
+    if !matches!(
+        lines.next().map(str::trim),
+        Some(CSV_HEADER | CSV_HEADER_V1)
+    ) {
         bail!(
             "{} is not a ds4-bench CSV (header {CSV_HEADER})",
             csv.display()
@@ -258,11 +303,30 @@ fn check_args(a: &Args) -> Result<(), clap::Error> {
     if a.ctx_start == 0 || a.ctx_start > a.ctx_max {
         return Err(cmd.error(ValueValidation, "need 0 < --ctx-start <= --ctx-max"));
     }
-    let alloc = a.ctx_alloc.unwrap_or(a.ctx_max + a.gen_tokens + 1);
-    if alloc <= a.ctx_max + a.gen_tokens {
+    if !(1..=16).contains(&a.rows) {
+        return Err(cmd.error(ValueValidation, "--rows must be 1..=16"));
+    }
+    let mtp = a.mtp.is_some() || a.synthetic_mtp;
+    if !(1..=15).contains(&a.mtp_draft) {
+        return Err(cmd.error(ValueValidation, "--mtp-draft must be 1..=15"));
+    }
+    if !(a.mtp_margin.is_finite() && a.mtp_margin >= 0.0) {
+        return Err(cmd.error(ValueValidation, "--mtp-margin must be a finite number >= 0"));
+    }
+    if a.accept_rate.iter().any(|p| !(0.0..=1.0).contains(p)) {
+        return Err(cmd.error(ValueValidation, "--accept-rate values must be in 0..=1"));
+    }
+    if !a.accept_rate.is_empty() && !mtp {
         return Err(cmd.error(
             ValueValidation,
-            "--ctx-alloc must be greater than ctx-max + gen-tokens",
+            "--accept-rate needs --mtp FILE or --synthetic-mtp",
+        ));
+    }
+    let slack = step_slack(a);
+    if alloc(a) <= a.ctx_max + a.gen_tokens + slack {
+        return Err(cmd.error(
+            ValueValidation,
+            format!("--ctx-alloc must be greater than ctx-max + gen-tokens + {slack} (the multi-row steps' room)"),
         ));
     }
     flags.extend(PathFlag::given(&[
@@ -273,12 +337,29 @@ fn check_args(a: &Args) -> Result<(), clap::Error> {
             Want::File,
         ),
         ("csv", a.csv.as_deref(), Want::OutFile),
+        ("mtp", a.mtp.as_deref(), Want::File),
     ]));
     validate(&mut cmd, &flags)?;
     if a.synthetic_weights.is_none() {
         validate_model(&mut cmd, "model", &a.model)?;
     }
     Ok(())
+}
+
+/// Tokens past `--gen-tokens` that the multi-row runs may decode: a timed run rounds up
+/// to whole cycles, and its untimed warm-up cycle adds one more.
+fn step_slack(a: &Args) -> usize {
+    let mut widest = if a.rows > 1 { a.rows } else { 0 };
+    if a.mtp.is_some() || a.synthetic_mtp {
+        widest = widest.max(a.mtp_draft + 1);
+    }
+    2 * widest
+}
+
+/// The session capacity: --ctx-alloc or the frontier, the tokens and the slack.
+fn alloc(a: &Args) -> usize {
+    a.ctx_alloc
+        .unwrap_or(a.ctx_max + a.gen_tokens + 1 + step_slack(a))
 }
 
 fn main() -> Result<()> {
@@ -288,7 +369,7 @@ fn main() -> Result<()> {
     if let (Some(csv), Some(out)) = (&a.plot_from, &a.plot) {
         return plot_csv(csv, out);
     }
-    let alloc = a.ctx_alloc.unwrap_or(a.ctx_max + a.gen_tokens + 1);
+    let alloc = alloc(&a);
     if let Some(t) = a.threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(t)
@@ -327,6 +408,9 @@ fn main() -> Result<()> {
         engine.backend(),
         engine.backend_reason()
     );
+    let mut spec = load_speculator(&a, &engine, &model)?;
+    let cycle_base = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut mismatches: Vec<String> = Vec::new();
     let hooks = GpuHooks::of(&engine);
     let mut session = engine.new_session(alloc)?;
     let prompt = prompt_tokens(&a, &model, a.ctx_max)?;
@@ -352,20 +436,64 @@ fn main() -> Result<()> {
         let mut payload = Vec::new();
         snapshot.save_payload(&mut payload)?;
         profile_prefill.add(hooks.profile_take()?);
-        let gen_s = decode_greedy(&mut session, a.gen_tokens, eos)?;
-        profile_decode.add(hooks.profile_take()?);
-        session = snapshot;
-        let row = BenchRow {
+        let (plain, greedy) = decode_greedy(&mut session, a.gen_tokens, eos)?;
+        let base = BenchRow {
             ctx_tokens: frontier as u64,
             prefill_tokens: (frontier - have) as u64,
             prefill_tps: (frontier - have) as f64 / prefill_s,
-            gen_tokens: a.gen_tokens as u64,
-            gen_tps: a.gen_tokens as f64 / gen_s.max(1e-9),
+            gen_tokens: 0,
+            gen_tps: 0.0,
             kvcache_bytes: payload.len() as u64,
+            rows: 1,
+            ms_per_cycle: 0.0,
+            tokens_per_cycle: 0.0,
+            effective_tps: 0.0,
         };
-        writeln!(out, "{}", row.to_csv())?;
-        out.flush()?;
-        rows.push(row);
+        let mut runs = vec![plain.row(&base, 1)];
+        if a.rows > 1 {
+            session = snapshot.try_clone()?;
+            runs.push(
+                time_rows(&mut session, a.rows, a.gen_tokens, eos, a.seed)?
+                    .row(&base, a.rows as u64),
+            );
+        }
+        if let Some(spec) = spec.as_mut() {
+            session = snapshot.try_clone()?;
+            if !a.accept_rate.is_empty() {
+                let vocab = session.vocab() as u32;
+                let truth = Arc::new(greedy.clone());
+                spec_run::install_accept_hook(
+                    spec,
+                    truth,
+                    frontier,
+                    cycle_base.clone(),
+                    &a.accept_rate,
+                    vocab,
+                    a.seed,
+                );
+            }
+            let r = spec_run::run(&mut session, spec, &greedy, &cycle_base, eos)?;
+            let st = spec.stats();
+            eprintln!(
+                "ds4-bench: ctx {frontier}: mtp: {:.2} tokens/cycle (acceptance {:.0}%), {:.2} ms/cycle",
+                st.tokens_per_cycle(),
+                100.0 * st.acceptance(),
+                1e3 * r.timed.secs / r.timed.cycles as f64
+            );
+            if let Some((at, want, got)) = r.mismatch {
+                mismatches.push(format!(
+                    "ctx {frontier}: token {at} after the frontier is {got} with MTP, {want} without"
+                ));
+            }
+            runs.push(r.timed.row(&base, (a.mtp_draft + 1) as u64));
+        }
+        profile_decode.add(hooks.profile_take()?);
+        session = snapshot;
+        for row in runs {
+            writeln!(out, "{}", row.to_csv())?;
+            out.flush()?;
+            rows.push(row);
+        }
         if frontier >= a.ctx_max {
             break;
         }
@@ -376,6 +504,16 @@ fn main() -> Result<()> {
         };
     }
     hooks.finish()?;
+    if !mismatches.is_empty() {
+        let what = format!(
+            "the speculative tokens differ from the plain greedy ones (greedy identity):\n  {}",
+            mismatches.join("\n  ")
+        );
+        if model.numerics() == Numerics::Exact {
+            bail!("{what}");
+        }
+        eprintln!("ds4-bench: warning: {what}\n(Fast numerics: a multi-row step may round a near tie differently; --quality must match exactly)");
+    }
     if hooks.profiling() {
         profile_prefill.print("prefill (and the snapshots)");
         profile_decode.print(&format!("decode ({} tokens per frontier)", a.gen_tokens));
@@ -399,6 +537,37 @@ fn main() -> Result<()> {
     Ok(())
 }
 
+/// `--mtp FILE` or `--synthetic-mtp`: the speculative loop (`None` without either).
+fn load_speculator(a: &Args, engine: &Engine, model: &Model) -> Result<Option<Speculator>> {
+    let mtp = if let Some(p) = &a.mtp {
+        engine
+            .load_mtp(p)
+            .with_context(|| format!("cannot load the MTP file {}", p.display()))?
+    } else if a.synthetic_mtp {
+        let plan = Plan::mtp(
+            model.config().clone(),
+            ExpertQuant::Q4,
+            "ds4-bench synthetic MTP",
+        )?;
+        let b = bar(plan.layout.file_size, "generating synthetic MTP weights");
+        let done = AtomicU64::new(0);
+        // Another stream than the main weights' (same seed).
+        let image = plan.build(a.seed ^ 0x4d54_5000, &|n| {
+            b.set_position(done.fetch_add(n, Ordering::Relaxed) + n)
+        });
+        b.finish_and_clear();
+        let g = GgufFile::from_bytes(image)?;
+        Mtp::from_gguf(model, Arc::new(g))?.with_numerics(model.numerics())
+    } else {
+        return Ok(None);
+    };
+    let opts = SpecOptions {
+        draft: a.mtp_draft,
+        margin: a.mtp_margin,
+    };
+    Ok(Some(Speculator::new(mtp, opts)?))
+}
+
 /// The model's end-of-sequence token (never picked by the greedy probe).
 fn eos_token(model: &Model) -> u32 {
     model
@@ -406,30 +575,6 @@ fn eos_token(model: &Model) -> u32 {
         .get("tokenizer.ggml.eos_token_id")
         .and_then(|v| v.as_i64())
         .unwrap_or(1) as u32
-}
-
-/// Decodes one untimed greedy non-EOS token, then `n` more; the seconds the `n` took.
-/// The untimed one carries the session's one-off decode costs (on CUDA: capturing the
-/// decode graph and the first loads of its kernels, ~10–30 ms on an H200), which would
-/// otherwise be charged to the first frontier's rate.
-fn decode_greedy(session: &mut Session, n: usize, eos: u32) -> Result<f64> {
-    let step = |session: &mut Session| -> Result<()> {
-        let logits = session.logits();
-        let mut best = 0usize;
-        for (i, &v) in logits.iter().enumerate() {
-            if i as u32 != eos && (best as u32 == eos || v > logits[best]) {
-                best = i;
-            }
-        }
-        session.decode(best as u32)?;
-        Ok(())
-    };
-    step(session)?;
-    let t = Instant::now();
-    for _ in 0..n {
-        step(session)?;
-    }
-    Ok(t.elapsed().as_secs_f64())
 }
 
 /// `DS4_CUDA_PROFILE` totals per kernel: (launches, ms).

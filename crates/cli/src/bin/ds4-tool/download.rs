@@ -160,8 +160,14 @@ pub fn run(a: Args) -> Result<()> {
             "MTP is an optional speculative-decoding component for the q2/q4 Flash models; \
              ./{MODEL_LINK} was not changed."
         );
+        // Our --mtp-draft counts MTP-drafted tokens only (the reference's counts the
+        // target's own token too: its 2 is our 1, the default), so none is printed.
         println!("Enable it explicitly, for example:");
-        println!("  ds4 --mtp {} --mtp-draft 2", dest.display());
+        println!("  ds4 --mtp {}", dest.display());
+        println!("  ds4-server --mtp {}", dest.display());
+        println!(
+            "(--mtp-draft N: tokens drafted per step, default 1 — the reference's --mtp-draft 2)"
+        );
     }
     Ok(())
 }

@@ -1,0 +1,103 @@
+//! The timed decode variants of one frontier beside the plain greedy decode: `--rows R`
+//! (multi-row steps) and, in `spec.rs`, the MTP speculative loop. Each starts from the
+//! frontier's snapshot and yields one CSV row.
+
+use std::time::Instant;
+
+use anyhow::Result;
+use ds4_engine::Session;
+use ds4_synth::Rng;
+
+use crate::plot::BenchRow;
+
+/// The greedy pick of the benchmark: the argmax over every token but EOS (random weights
+/// would otherwise end some runs early).
+pub fn pick(logits: &[f32], eos: u32) -> u32 {
+    let mut best = 0usize;
+    for (i, &v) in logits.iter().enumerate() {
+        if i as u32 != eos && (best as u32 == eos || v > logits[best]) {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// What one timed run measured: `cycles` steps that emitted `tokens` in `secs`.
+pub struct Timed {
+    pub cycles: u64,
+    pub tokens: u64,
+    pub secs: f64,
+}
+
+impl Timed {
+    /// The CSV row of this run at a frontier whose prefill columns are `base`'s.
+    pub fn row(&self, base: &BenchRow, rows: u64) -> BenchRow {
+        let tps = self.tokens as f64 / self.secs.max(1e-9);
+        BenchRow {
+            gen_tokens: self.tokens,
+            gen_tps: tps,
+            rows,
+            ms_per_cycle: 1e3 * self.secs / self.cycles.max(1) as f64,
+            tokens_per_cycle: self.tokens as f64 / self.cycles.max(1) as f64,
+            effective_tps: tps,
+            ..base.clone()
+        }
+    }
+}
+
+/// Decodes one untimed greedy non-EOS token, then `n` more; returns the timing and the
+/// `n + 1` tokens decoded (the greedy continuation of the frontier). The untimed one
+/// carries the session's one-off decode costs (on CUDA: capturing the decode graph and
+/// the first loads of its kernels, ~10–30 ms on an H200), which would otherwise be
+/// charged to the first frontier's rate.
+pub fn decode_greedy(session: &mut Session, n: usize, eos: u32) -> Result<(Timed, Vec<u32>)> {
+    let mut tokens = Vec::with_capacity(n + 1);
+    let mut step = |session: &mut Session| -> Result<()> {
+        let t = pick(session.logits(), eos);
+        session.decode(t)?;
+        tokens.push(t);
+        Ok(())
+    };
+    step(session)?;
+    let t = Instant::now();
+    for _ in 0..n {
+        step(session)?;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    let timed = Timed {
+        cycles: n as u64,
+        tokens: n as u64,
+        secs,
+    };
+    Ok((timed, tokens))
+}
+
+/// `--rows R`: cycles of `step_rows` over R tokens and `commit_rows(R)`, as many as emit
+/// at least `n` tokens, after one untimed cycle (on CUDA it captures the R-row graph).
+/// A step cannot feed a row's argmax to the next row (all rows run at once), so each
+/// cycle's rows are the previous step's greedy non-EOS pick followed by R − 1 tokens
+/// drawn from a generator seeded with `seed` and R: the same work as a verify step whose
+/// drafts are all accepted.
+pub fn time_rows(session: &mut Session, r: usize, n: usize, eos: u32, seed: u64) -> Result<Timed> {
+    let vocab = session.vocab() as u64;
+    let mut rng = Rng::stream(seed, 11, r as u64);
+    let mut cycle = |session: &mut Session| -> Result<()> {
+        let mut rows = Vec::with_capacity(r);
+        rows.push(pick(session.logits(), eos));
+        rows.extend((1..r).map(|_| rng.below(vocab) as u32));
+        session.step_rows(&rows)?;
+        session.commit_rows(r)?;
+        Ok(())
+    };
+    cycle(session)?;
+    let cycles = n.div_ceil(r);
+    let t = Instant::now();
+    for _ in 0..cycles {
+        cycle(session)?;
+    }
+    Ok(Timed {
+        cycles: cycles as u64,
+        tokens: (cycles * r) as u64,
+        secs: t.elapsed().as_secs_f64(),
+    })
+}

@@ -1,0 +1,123 @@
+//! The MTP speculative run of one frontier (`--mtp FILE` / `--synthetic-mtp`): from the
+//! frontier's snapshot, `Speculator::advance` cycles that emit the same greedy tokens
+//! as the plain decode, timed, with `--accept-rate` making the acceptance a parameter.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use ds4_engine::{Sampler, SamplerConfig, Session, Speculator};
+use ds4_synth::Rng;
+
+use crate::cycles::Timed;
+
+/// Untimed cycles before the timed ones: the first after a snapshot restore has no
+/// main-model HC state to draft from (a plain decode), the second drafts and so carries
+/// the verify step's one-off costs (on CUDA: capturing the graph of its row count).
+const WARMUP_CYCLES: usize = 2;
+
+/// `--accept-rate P1[,P2,...]`: every draft passes through a hook that proposes, for the
+/// draft at index i of its cycle, the main model's own greedy token at that position
+/// (from the plain run) with probability P_i (the last value repeats), and otherwise a
+/// token that is not it. A proposal equal to the greedy token is accepted by the greedy
+/// verify and any other is rejected, so P_i is the conditional acceptance of draft i
+/// given drafts 0..i were accepted. The MTP block still runs, so its cost is real.
+pub fn install_accept_hook(
+    spec: &mut Speculator,
+    truth: Arc<Vec<u32>>,
+    frontier: usize,
+    base: Arc<AtomicUsize>,
+    rates: &[f64],
+    vocab: u32,
+    seed: u64,
+) {
+    let rates = rates.to_vec();
+    let mut rng = Rng::stream(seed, 13, frontier as u64);
+    spec.set_draft_hook(Box::new(move |pos, drawn| {
+        // `pos` is where the drafted token would sit; the cycle's token sits at `base`.
+        let i = pos.saturating_sub(base.load(Ordering::Relaxed) + 1);
+        let Some(&want) = pos.checked_sub(frontier).and_then(|k| truth.get(k)) else {
+            return drawn; // Past the plain run's tokens: nothing to compare with.
+        };
+        let p = rates[i.min(rates.len() - 1)];
+        if (rng.uniform() as f64) < p {
+            want
+        } else {
+            // Any other token: the greedy verify rejects it.
+            (want + 1 + rng.below(vocab as u64 - 1) as u32) % vocab
+        }
+    }));
+}
+
+/// What the speculative run emitted beside its timing.
+pub struct SpecRun {
+    pub timed: Timed,
+    /// The first position (index into the plain run's tokens) where the speculative
+    /// tokens differ from the plain greedy ones, with the two tokens.
+    pub mismatch: Option<(usize, u32, u32)>,
+}
+
+/// From the frontier state in `session`, feeds `truth[0]` (the plain run's first,
+/// untimed token) to `spec` and runs cycles until `truth.len() − 1` tokens follow it,
+/// comparing them with `truth[1..]`; cycles after [`WARMUP_CYCLES`] are timed. Ends
+/// early at EOS (the plain run skips EOS; a greedy cycle may return it) or a mismatch.
+pub fn run(
+    session: &mut Session,
+    spec: &mut Speculator,
+    truth: &[u32],
+    base: &AtomicUsize,
+    eos: u32,
+) -> Result<SpecRun> {
+    if truth.len() < 2 {
+        bail!("the speculative run needs at least one token after the first (-n ≥ 1)");
+    }
+    let mut sampler = Sampler::new(SamplerConfig::greedy());
+    let want = truth.len() - 1;
+    let mut token = truth[0];
+    let mut done = 0usize;
+    let mut cycles = 0u64;
+    let mut timed_tokens = 0u64;
+    let mut mismatch = None;
+    let mut t0 = Instant::now();
+    while done < want && mismatch.is_none() {
+        if cycles == WARMUP_CYCLES as u64 {
+            spec.reset_stats();
+            t0 = Instant::now();
+        }
+        base.store(session.n_tokens(), Ordering::Relaxed);
+        let out = spec.advance(session, &mut sampler, token, want - done, &[eos])?;
+        cycles += 1;
+        for (k, &t) in out.iter().enumerate() {
+            let at = done + 1 + k;
+            // EOS is the plain run's argmax there too (it took the runner-up): no mismatch.
+            if t != truth[at] && t != eos {
+                mismatch = Some((at, truth[at], t));
+                break;
+            }
+        }
+        if cycles > WARMUP_CYCLES as u64 {
+            timed_tokens += out.len() as u64;
+        }
+        done += out.len();
+        match out.last() {
+            Some(&t) if t != eos => token = t,
+            _ => break,
+        }
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let timed_cycles = cycles.saturating_sub(WARMUP_CYCLES as u64);
+    if timed_cycles == 0 {
+        bail!(
+            "the speculative run ended after {cycles} untimed cycles ({done} tokens): raise --gen-tokens"
+        );
+    }
+    Ok(SpecRun {
+        timed: Timed {
+            cycles: timed_cycles,
+            tokens: timed_tokens,
+            secs,
+        },
+        mismatch,
+    })
+}
