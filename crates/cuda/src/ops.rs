@@ -808,7 +808,8 @@ impl Launcher<'_> {
         };
         // The one-token choice (see matvec_q8act_launch): warps per row, then, for one
         // warp a row of the early kernel, 4 or 2 rows a warp.
-        let ks = ks.unwrap_or_else(|| split_k_q8(m.rows, 1));
+        // (A grouped stack's one-token launch has one selection per group.)
+        let ks = ks.unwrap_or_else(|| split_k_q8(m.rows, bt.n_groups.max(1)));
         let early = self.on(Variant::Q8Early);
         let r = match () {
             _ if early && ks == 1 && m.cols <= 1024 && self.on(Variant::Q8Rows) => Q8_ROWS_PER_WARP,

@@ -19,6 +19,7 @@ mod bench;
 mod common;
 mod matmul;
 mod matvec;
+mod tokens;
 mod variants;
 
 use anyhow::Result;
@@ -70,6 +71,7 @@ pub const CHECKS: &[KernelCheck] = &[
         variants::check_router_wide,
     ),
     check("f16_early", &[Variant::F16Early], variants::check_f16_early),
+    check("tokens", &[Variant::Tokens], tokens::check_tokens),
     check(
         "q8_rows",
         &[Variant::Q8Rows, Variant::Q8Rows2, Variant::OutaEarly],

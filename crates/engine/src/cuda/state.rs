@@ -196,17 +196,10 @@ impl Scratch {
             iscores: z(cap * icap)?,
             iscores_stride: icap,
             sel: g.zeros::<i32>((cap * c.idx_topk).max(1))?,
-            // Split attention (decode, multi-row steps): every token's chunk partials.
-            att_acc: z(if cap <= SMALL_BATCH {
-                cap * c.n_head * att_splits(att_stride) * hd
-            } else {
-                1
-            })?,
-            att_ml: z(if cap <= SMALL_BATCH {
-                cap * 2 * c.n_head * att_splits(att_stride)
-            } else {
-                1
-            })?,
+            // Split attention (decode, multi-row steps, a batch of ≤ SMALL_BATCH
+            // tokens): every token's chunk partials.
+            att_acc: z(cap.min(SMALL_BATCH) * c.n_head * att_splits(att_stride) * hd)?,
+            att_ml: z(cap.min(SMALL_BATCH) * 2 * c.n_head * att_splits(att_stride))?,
             att_stride,
             rlog: z(cap * c.n_expert)?,
             ids: g.zeros::<i32>(cap * k)?,

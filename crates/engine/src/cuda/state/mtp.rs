@@ -296,6 +296,18 @@ impl DeviceState {
             Some(m) => Some(m.duplicate(&w.gpu, &w.config)?),
             None => None,
         };
+        // The last token's HC state goes with the copy (where the copy's own decode
+        // leaves it): a session copy drafts from it like the original.
+        d.last_hc = match self.last_hc {
+            Some(hc) => {
+                let c = &w.config;
+                let l = w.gpu.launcher(self.plan);
+                let at = w.gpu.ptr(&d.s.s.h);
+                l.mtp_add_rows(at, hc, 0, c.n_hc, c.n_embd)?;
+                Some(at)
+            }
+            None => None,
+        };
         Ok(())
     }
 
