@@ -39,19 +39,27 @@ struct Rig {
 /// `got` equals `want` within `tol` (see [`Rig::tol`]).
 fn close(got: &[f32], want: &[f32], tol: f32) -> Result<(), String> {
     if tol == 0.0 {
-        return if got == want { Ok(()) } else { Err("not bit-identical".into()) };
+        return if got == want {
+            Ok(())
+        } else {
+            Err("not bit-identical".into())
+        };
     }
     if got.len() != want.len() {
         return Err(format!("{} values, expected {}", got.len(), want.len()));
     }
-    let scale = want.iter().fold(1f32, |m, v| if v.is_finite() { m.max(v.abs()) } else { m });
+    let scale = want
+        .iter()
+        .fold(1f32, |m, v| if v.is_finite() { m.max(v.abs()) } else { m });
     let worst = got
         .iter()
         .zip(want)
         .map(|(a, b)| if a == b { 0.0 } else { (a - b).abs() })
         .fold(0f32, f32::max);
     if worst.is_nan() || worst > tol * scale {
-        return Err(format!("differs by {worst} (scale {scale}, tolerance {tol})"));
+        return Err(format!(
+            "differs by {worst} (scale {scale}, tolerance {tol})"
+        ));
     }
     Ok(())
 }
@@ -69,7 +77,11 @@ fn close_logits(got: &[f32], want: &[f32], tol: f32) -> Result<(), String> {
 /// Two caches equal within `tol`: every field of every layer.
 fn close_kv(got: &KvCache, want: &KvCache, tol: f32) -> Result<(), String> {
     if tol == 0.0 {
-        return if got == want { Ok(()) } else { Err("caches differ".into()) };
+        return if got == want {
+            Ok(())
+        } else {
+            Err("caches differ".into())
+        };
     }
     if (got.n_tokens, got.layers.len()) != (want.n_tokens, want.layers.len()) {
         return Err(format!("n_tokens {} vs {}", got.n_tokens, want.n_tokens));
@@ -240,7 +252,11 @@ impl Reference {
         assert_eq!(out.len(), rows * VOCAB, "{what}: rows");
         // Accepted rows are the sequence's tokens: their logits are decode's.
         for i in 0..accepted {
-            let c = close_logits(&out[i * VOCAB..(i + 1) * VOCAB], self.after(p0 + i + 1), self.tol);
+            let c = close_logits(
+                &out[i * VOCAB..(i + 1) * VOCAB],
+                self.after(p0 + i + 1),
+                self.tol,
+            );
             c.unwrap_or_else(|e| panic!("{what}: row {i} logits: {e}"));
         }
         assert_eq!(s.pending_rows(), rows);

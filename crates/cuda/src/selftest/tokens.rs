@@ -18,7 +18,12 @@ pub(super) fn check_tokens(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     let mut checks = Vec::new();
     // Rows a warp: 4 (≤ 1,024 columns), 2 (longer rows), and split K (few rows: 2 or 4
     // warps a row), each with a ragged row count.
-    for (rows, cols) in [(4100usize, 1024usize), (4104, 2048), (1030, 4096), (2050, 512)] {
+    for (rows, cols) in [
+        (4100usize, 1024usize),
+        (4104, 2048),
+        (1030, 4096),
+        (2050, 512),
+    ] {
         let w = random_matrix(GgmlType::Q8_0, rows, cols, 1, &mut rng);
         let m = DeviceMatrix::upload(gpu, GgmlType::Q8_0, &w, rows, cols, 1)?;
         let mut same = BitDiff::default();
@@ -123,7 +128,9 @@ fn check_groups(gpu: &Launcher, rng: &mut Rng) -> Result<Check> {
         same = same.merge(same_bits(&gpu.download(&y)?, &want));
     }
     Ok(bit_identical(
-        format!("matvec_q8act_groups ({COUNTS:?} tokens) = one token each, {groups}x({rows}x{cols})"),
+        format!(
+            "matvec_q8act_groups ({COUNTS:?} tokens) = one token each, {groups}x({rows}x{cols})"
+        ),
         same,
     ))
 }

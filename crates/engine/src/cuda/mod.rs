@@ -178,7 +178,8 @@ impl Backend for CudaBackend {
             return no_pending(accepted);
         }
         check_accepted(accepted, rows)?;
-        self.state.commit_rows(&self.weights, self.numerics, accepted)
+        self.state
+            .commit_rows(&self.weights, self.numerics, accepted)
     }
 
     fn pending_rows(&self) -> usize {

@@ -4,8 +4,8 @@
 use ds4_cuda::{CudaError, DecodePlan, DeviceBuf, Gpu, Launcher, QuantAct, RoutePlan, TokenGraph};
 
 mod layers;
-mod rows;
 mod mtp;
+mod rows;
 mod snapshot;
 
 use super::weights::{CudaWeights, HcDev};
@@ -520,7 +520,14 @@ impl DeviceState {
         kv.enqueue(w, numerics, &mut self.s, 1)?;
         if head {
             let h = w.gpu.ptr(&self.s.s.h);
-            head_logits(&w.gpu.launcher(self.plan), w, numerics, &mut self.s, h, w.head())?;
+            head_logits(
+                &w.gpu.launcher(self.plan),
+                w,
+                numerics,
+                &mut self.s,
+                h,
+                w.head(),
+            )?;
         }
         Ok(())
     }
@@ -537,7 +544,14 @@ impl DeviceState {
 
     /// The logits of the HC state at `h` into the decode scratch.
     fn head(&mut self, w: &CudaWeights, numerics: Numerics, h: u64) -> Result<()> {
-        head_logits(&w.gpu.launcher(self.plan), w, numerics, &mut self.s, h, w.head())
+        head_logits(
+            &w.gpu.launcher(self.plan),
+            w,
+            numerics,
+            &mut self.s,
+            h,
+            w.head(),
+        )
     }
 
     pub fn logits(&self, w: &CudaWeights) -> Result<Vec<f32>> {

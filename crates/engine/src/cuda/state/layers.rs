@@ -616,12 +616,7 @@ impl KvView<'_> {
         Ok(())
     }
 
-    fn ffn(
-        &self,
-        px: &Pass,
-        qb: &mut QuantBufs,
-        route_plan: Option<&mut RoutePlan>,
-    ) -> Result<()> {
+    fn ffn(&self, px: &Pass, qb: &mut QuantBufs, route_plan: Option<&mut RoutePlan>) -> Result<()> {
         let (g, c, s, il, n) = (&px.g, px.c, px.s, px.il, px.n);
         let (step, fast) = (px.step, px.fast);
         let l = px.l;

@@ -229,13 +229,27 @@ impl DeviceState {
             )?;
         }
         let fast = numerics == Numerics::Fast;
-        mv(g, &w.output, hx, &mut q8.embd, false, g.ptr(&rs.logits), n, fast)?;
+        mv(
+            g,
+            &w.output,
+            hx,
+            &mut q8.embd,
+            false,
+            g.ptr(&rs.logits),
+            n,
+            fast,
+        )?;
         Ok(())
     }
 
     /// Keeps the first `accepted` rows of the pending step (see the module doc); the
     /// caller checked `accepted` against [`DeviceState::pending_rows`].
-    pub fn commit_rows(&mut self, w: &CudaWeights, numerics: Numerics, accepted: usize) -> Result<()> {
+    pub fn commit_rows(
+        &mut self,
+        w: &CudaWeights,
+        numerics: Numerics,
+        accepted: usize,
+    ) -> Result<()> {
         let Some(mut rs) = self.rows.take() else {
             return Ok(());
         };
