@@ -19,6 +19,7 @@ use crate::dev::{CudaBackend, CudaWeights, Gpu};
 use crate::{argmax, Numerics};
 
 mod mtp;
+mod spec;
 pub use mtp::check_mtp;
 
 /// How many checks a run made and how many failed.

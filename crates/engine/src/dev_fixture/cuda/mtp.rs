@@ -147,6 +147,15 @@ pub fn check_mtp(
                 ));
             }
         }
+        super::spec::spec_identity(
+            &model,
+            &weights,
+            &base,
+            &tokens[..PREFIX],
+            variant,
+            &mut tally,
+            line,
+        )?;
         let mut b = CudaBackend::new(&weights, 4096, Numerics::Exact)?;
         b.forward(&tokens[..4], LogitRows::Last)?;
         b.reset();

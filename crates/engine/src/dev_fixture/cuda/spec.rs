@@ -1,0 +1,86 @@
+//! Speculative decoding on the CUDA backend (#20): the greedy tokens of
+//! [`Speculator::advance`] — MTP drafts verified by the native multi-row step, rejected
+//! rows rolled back on the device — must be exactly the plain decode loop's, on each
+//! tiny fixture model in Exact numerics. Random MTP weights accept almost nothing, so
+//! a draft hook proposes the plain run's own next token 3 times in 4: full, partial
+//! and rejected cycles all happen.
+
+use std::sync::Arc;
+
+use anyhow::Result;
+
+use super::Tally;
+use crate::dev::{CudaBackend, CudaWeights, Model, SessionExt};
+use crate::mtp::Mtp;
+use crate::{argmax, Numerics, Sampler, SamplerConfig, Session, SpecOptions, Speculator};
+
+/// Tokens generated after the prompt.
+const N_GEN: usize = 160;
+
+fn session(model: &Model, weights: &Arc<CudaWeights>, prompt: &[u32]) -> Result<Session> {
+    let b = CudaBackend::new(weights, 4096, Numerics::Exact)?;
+    let mut s = Session::with_backend(model, Box::new(b), Numerics::Exact, 2048);
+    s.prefill(prompt)?;
+    Ok(s)
+}
+
+/// One model's check: plain greedy tokens, then the speculative ones for drafts of 1, 2
+/// and 4. Returns the report line and whether it passed.
+pub(super) fn spec_identity(
+    model: &Model,
+    weights: &Arc<CudaWeights>,
+    mtp: &Mtp,
+    prompt: &[u32],
+    variant: &str,
+    tally: &mut Tally,
+    line: &mut dyn FnMut(&str),
+) -> Result<()> {
+    let mtp = mtp.clone().with_numerics(Numerics::Exact);
+    let mut s = session(model, weights, prompt)?;
+    let mut want = vec![argmax(s.logits())];
+    while want.len() < N_GEN {
+        s.decode(*want.last().expect("one token"))?;
+        want.push(argmax(s.logits()));
+    }
+    for draft in [1usize, 2, 4] {
+        let mut spec = Speculator::new(mtp.clone(), SpecOptions { draft, margin: 0.0 })?;
+        let (truth, p0) = (want.clone(), prompt.len());
+        let mut x = draft as u64;
+        spec.set_draft_hook(Box::new(move |pos, tok| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let t = truth.get(pos - p0).copied().unwrap_or(tok);
+            if (x >> 62) != 0 {
+                t
+            } else {
+                t ^ 1
+            }
+        }));
+        let mut s = session(model, weights, prompt)?;
+        let mut sampler = Sampler::new(SamplerConfig::greedy());
+        let mut got = vec![argmax(s.logits())];
+        while got.len() < N_GEN {
+            let last = *got.last().expect("one token");
+            got.extend(spec.advance(&mut s, &mut sampler, last, N_GEN - got.len(), &[])?);
+        }
+        let st = spec.stats();
+        let first_diff = got.iter().zip(&want).position(|(a, b)| a != b);
+        let ok = got == want && st.accepted > 0 && st.accepted < st.drafted;
+        tally.record(
+            line,
+            ok,
+            format_args!(
+                "{variant:<6} spec  Exact  draft {draft}: {N_GEN} greedy tokens {} the plain loop's ({:.2} tokens/cycle, {}/{} drafts accepted)",
+                match first_diff {
+                    None => "equal".to_string(),
+                    Some(i) => format!("differ from (first at {i})"),
+                },
+                st.tokens_per_cycle(),
+                st.accepted,
+                st.drafted
+            ),
+        );
+    }
+    Ok(())
+}
