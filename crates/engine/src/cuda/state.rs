@@ -427,15 +427,7 @@ impl DeviceState {
         let mut b = self.batch.take().expect("allocated above");
         debug_assert!(n <= b.s.cap);
         let result = (|| -> Result<Vec<f32>> {
-            let steps: Vec<i32> = tokens
-                .iter()
-                .enumerate()
-                .flat_map(|(i, &t)| [(self.n_tokens + i) as i32, t as i32])
-                .collect();
-            let mut view = b.s.step.slice_mut(0..steps.len());
-            g.stream()
-                .memcpy_htod(&steps, &mut view)
-                .map_err(CudaError::from)?;
+            b.s.write_steps(g, self.n_tokens, tokens)?;
             self.enqueue_layers(w, numerics, &mut b, n)?;
             let c = &w.config;
             let row = (c.n_hc * c.n_embd * 4) as u64;
@@ -568,33 +560,55 @@ fn head_logits(
     numerics: Numerics,
     b: &mut Work,
     h: u64,
-    (hc, norm): (&HcDev, &DeviceBuf<f32>),
+    head: (&HcDev, &DeviceBuf<f32>),
 ) -> Result<()> {
-    let (s, q8) = (&b.s, &mut b.q8);
+    let hx = g.ptr(&b.s.hx);
+    head_collapse(g, w, &b.s, h, head, hx)?;
+    let fast = numerics == Numerics::Fast;
+    let logits = g.ptr(&b.s.logits);
+    mv(g, &w.output, hx, &mut b.q8.embd, false, logits, 1, fast)?;
+    Ok(())
+}
+
+/// The head's stream collapse of one token's HC state `h` (`hc`, then the final norm
+/// `norm`) into the `n_embd` floats at `out`, through `s`'s mix and tmp buffers.
+fn head_collapse(
+    g: &Launcher,
+    w: &CudaWeights,
+    s: &Scratch,
+    h: u64,
+    (hc, norm): (&HcDev, &DeviceBuf<f32>),
+    out: u64,
+) -> Result<()> {
     let c = &w.config;
-    let p = |b: &DeviceBuf<f32>| g.ptr(b);
-    g.hc_mix_mat(1, h, &hc.fn_, c.rms_eps, p(&s.mix))?;
+    g.hc_mix_mat(1, h, &hc.fn_, c.rms_eps, g.ptr(&s.mix))?;
     g.head_collapse(
-        (h, p(&s.mix)),
+        (h, g.ptr(&s.mix)),
         &hc_params(g, c, hc),
-        p(norm),
+        g.ptr(norm),
         ds4_cuda::WT_F32,
         c.rms_eps,
-        p(&s.tmp),
-        p(&s.hx),
-    )?;
-    let fast = numerics == Numerics::Fast;
-    mv(
-        g,
-        &w.output,
-        p(&s.hx),
-        &mut q8.embd,
-        false,
-        p(&s.logits),
-        1,
-        fast,
+        g.ptr(&s.tmp),
+        out,
     )?;
     Ok(())
+}
+
+impl Scratch {
+    /// Writes the (position, token) records of `tokens` at positions `n0..` into the
+    /// step buffer, which the layer kernels read.
+    fn write_steps(&mut self, g: &Gpu, n0: usize, tokens: &[u32]) -> Result<()> {
+        let steps: Vec<i32> = tokens
+            .iter()
+            .enumerate()
+            .flat_map(|(i, &t)| [(n0 + i) as i32, t as i32])
+            .collect();
+        let mut view = self.step.slice_mut(0..steps.len());
+        g.stream()
+            .memcpy_htod(&steps, &mut view)
+            .map_err(CudaError::from)?;
+        Ok(())
+    }
 }
 
 #[cfg(test)]

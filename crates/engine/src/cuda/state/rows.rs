@@ -18,10 +18,10 @@
 //! or FFN runs again. Compressed and indexer rows past the kept positions need no undo:
 //! their counts follow the position, and the next tokens rewrite them.
 
-use ds4_cuda::{CudaError, DeviceBuf, TokenGraph};
+use ds4_cuda::{DeviceBuf, TokenGraph};
 
-use super::layers::{hc_params, mv, KvView};
-use super::{DeviceState, Work};
+use super::layers::{mv, KvView};
+use super::{head_collapse, DeviceState, Work};
 use crate::backend::MAX_ROWS;
 use crate::cuda::weights::CudaWeights;
 use crate::error::Result;
@@ -162,16 +162,7 @@ impl DeviceState {
     ) -> Result<Vec<f32>> {
         let n = tokens.len();
         let g = &w.gpu.launcher(self.plan);
-        let steps: Vec<i32> = tokens
-            .iter()
-            .enumerate()
-            .flat_map(|(i, &t)| [(self.n_tokens + i) as i32, t as i32])
-            .collect();
-        let mut view = rs.work.s.step.slice_mut(0..steps.len());
-        w.gpu
-            .stream()
-            .memcpy_htod(&steps, &mut view)
-            .map_err(CudaError::from)?;
+        rs.work.s.write_steps(&w.gpu, self.n_tokens, tokens)?;
         if self.use_graphs {
             if rs.graph_numerics != Some(numerics) {
                 rs.graphs.iter_mut().for_each(|g| *g = None);
@@ -212,22 +203,12 @@ impl DeviceState {
         kv.enqueue(w, numerics, &mut rs.work, n)?;
         // The head of each row: the stream collapse per row, then one product of the
         // output matrix over every row (one pass over its weights).
-        let (s, q8) = (&rs.work.s, &mut rs.work.q8);
-        let (e, row) = (c.n_embd, (c.n_hc * c.n_embd * 4) as u64);
         let hx = g.ptr(&rs.hx);
         for r in 0..n {
-            let h = g.ptr(&s.h) + r as u64 * row;
-            g.hc_mix_mat(1, h, &w.head_hc.fn_, c.rms_eps, g.ptr(&s.mix))?;
-            g.head_collapse(
-                (h, g.ptr(&s.mix)),
-                &hc_params(g, c, &w.head_hc),
-                g.ptr(&w.output_norm),
-                ds4_cuda::WT_F32,
-                c.rms_eps,
-                g.ptr(&s.tmp),
-                hx + (r * e * 4) as u64,
-            )?;
+            let out = hx + (r * c.n_embd * 4) as u64;
+            head_collapse(g, w, &rs.work.s, rs.hc_row(w, r), w.head(), out)?;
         }
+        let q8 = &mut rs.work.q8;
         let fast = numerics == Numerics::Fast;
         mv(
             g,
