@@ -98,6 +98,17 @@ impl CudaBackend {
         check_tokens(tokens, vocab, self.state.n_tokens, self.state.ctx)
     }
 
+    /// The MTP block's ring, row count and newest position (selftest diagnosis).
+    pub(crate) fn mtp_ring_debug(&self) -> Option<(Vec<f32>, usize, Option<usize>)> {
+        self.state.mtp_ring_debug(&self.weights)
+    }
+
+    /// Sets the last token's HC state from host values (selftest: one state for both
+    /// MTP blocks).
+    pub(crate) fn set_last_hc_host(&mut self, hc: &[f32]) -> Result<()> {
+        self.state.set_last_hc_host(&self.weights, hc)
+    }
+
     /// Opens GPU `ordinal` and uploads `model`; the usual way to start.
     pub fn load(
         model: &Model,

@@ -248,6 +248,9 @@ pub(super) struct DeviceState {
     rows: Option<rows::RowStep>,
     /// The MTP draft block's state (state/mtp.rs), allocated by the first draft.
     mtp: Option<mtp::MtpDev>,
+    /// `mtp_mark` came before the block's first draft allocated its state: the first
+    /// draft starts the mark (else the first cycle's rejected drafts stayed in the ring).
+    mtp_mark_pending: bool,
     /// The last token's final HC state on the device ([`DeviceState::set_last_hc`]).
     last_hc: Option<u64>,
 }
@@ -382,6 +385,7 @@ impl DeviceState {
             plan,
             rows: None,
             mtp: None,
+            mtp_mark_pending: false,
             last_hc: None,
         })
     }

@@ -3,14 +3,19 @@
 //! as the plain decode, timed, with `--accept-rate` making the acceptance a parameter.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::time::Instant;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 use ds4_engine::{Sampler, SamplerConfig, Session, Speculator};
 use ds4_synth::Rng;
 
-use crate::cycles::Timed;
+use crate::cycles::{pick, Timed};
+
+/// The plain greedy tokens from the frontier on (index k: position frontier + k), which
+/// the accept hook proposes and the run compares with; a Fast run that parts from them
+/// rewrites their tail from its own state ([`run`]).
+pub type Truth = Arc<Mutex<Vec<u32>>>;
 
 /// Untimed cycles before the timed ones: the first after a snapshot restore has no
 /// main-model HC state to draft from (a plain decode), the second drafts and so carries
@@ -25,7 +30,7 @@ const WARMUP_CYCLES: usize = 2;
 /// given drafts 0..i were accepted. The MTP block still runs, so its cost is real.
 pub fn install_accept_hook(
     spec: &mut Speculator,
-    truth: Arc<Vec<u32>>,
+    truth: Truth,
     frontier: usize,
     base: Arc<AtomicUsize>,
     rates: &[f64],
@@ -37,6 +42,7 @@ pub fn install_accept_hook(
     spec.set_draft_hook(Box::new(move |pos, drawn| {
         // `pos` is where the drafted token would sit; the cycle's token sits at `base`.
         let i = pos.saturating_sub(base.load(Ordering::Relaxed) + 1);
+        let truth = truth.lock().expect("truth lock");
         let Some(&want) = pos.checked_sub(frontier).and_then(|k| truth.get(k)) else {
             return drawn; // Past the plain run's tokens: nothing to compare with.
         };
@@ -56,56 +62,80 @@ pub struct SpecRun {
     /// The first position (index into the plain run's tokens) where the speculative
     /// tokens differ from the plain greedy ones, with the two tokens.
     pub mismatch: Option<(usize, u32, u32)>,
+    /// How often a `resync` run rebuilt the plain tokens after parting from them.
+    pub resyncs: usize,
 }
 
 /// From the frontier state in `session`, feeds `truth[0]` (the plain run's first,
 /// untimed token) to `spec` and runs cycles until `truth.len() − 1` tokens follow it,
 /// comparing them with `truth[1..]`; cycles after [`WARMUP_CYCLES`] are timed. Ends
-/// early at EOS (the plain run skips EOS; a greedy cycle may return it) or a mismatch.
+/// early at EOS (the plain run skips EOS; a greedy cycle may return it). At a mismatch
+/// the run ends, unless `resync`: then (untimed) the plain greedy continuation of the
+/// speculative session's own state replaces the rest of `truth` and the run goes on,
+/// so a Fast run at depth — where a multi-row step rounds a near tie differently from
+/// the one-token decode now and then — still measures every cycle at the asked
+/// acceptance instead of stopping at its first near tie.
 pub fn run(
     session: &mut Session,
     spec: &mut Speculator,
-    truth: &[u32],
+    truth: &Truth,
     base: &AtomicUsize,
     eos: u32,
+    resync: bool,
 ) -> Result<SpecRun> {
-    if truth.len() < 2 {
+    let (want, first) = {
+        let t = truth.lock().expect("truth lock");
+        (t.len().saturating_sub(1), t.first().copied())
+    };
+    let Some(mut token) = first.filter(|_| want >= 1) else {
         bail!("the speculative run needs at least one token after the first (-n ≥ 1)");
-    }
+    };
     let mut sampler = Sampler::new(SamplerConfig::greedy());
-    let want = truth.len() - 1;
-    let mut token = truth[0];
     let mut done = 0usize;
     let mut cycles = 0u64;
     let mut timed_tokens = 0u64;
-    let mut mismatch = None;
+    let (mut mismatch, mut resyncs) = (None, 0usize);
     let mut t0 = Instant::now();
-    while done < want && mismatch.is_none() {
+    let mut paused = Duration::ZERO;
+    while done < want {
         if cycles == WARMUP_CYCLES as u64 {
             spec.reset_stats();
             t0 = Instant::now();
+            paused = Duration::ZERO;
         }
         base.store(session.n_tokens(), Ordering::Relaxed);
         let out = spec.advance(session, &mut sampler, token, want - done, &[eos])?;
         cycles += 1;
-        for (k, &t) in out.iter().enumerate() {
-            let at = done + 1 + k;
+        let parted = {
+            let t = truth.lock().expect("truth lock");
             // EOS is the plain run's argmax there too (it took the runner-up): no mismatch.
-            if t != truth[at] && t != eos {
-                mismatch = Some((at, truth[at], t));
-                break;
-            }
-        }
+            out.iter()
+                .enumerate()
+                .map(|(k, &tok)| (done + 1 + k, tok))
+                .find(|&(at, tok)| tok != t[at] && tok != eos)
+                .map(|(at, tok)| (at, t[at], tok))
+        };
         if cycles > WARMUP_CYCLES as u64 {
             timed_tokens += out.len() as u64;
         }
         done += out.len();
-        match out.last() {
-            Some(&t) if t != eos => token = t,
+        let last = match out.last() {
+            Some(&t) if t != eos => t,
             _ => break,
+        };
+        token = last;
+        if let Some(m) = parted {
+            mismatch = mismatch.or(Some(m));
+            if !resync {
+                break;
+            }
+            let t = Instant::now();
+            replan(session, truth, done, last, want, eos)?;
+            paused += t.elapsed();
+            resyncs += 1;
         }
     }
-    let secs = t0.elapsed().as_secs_f64();
+    let secs = (t0.elapsed() - paused).as_secs_f64();
     let timed_cycles = cycles.saturating_sub(WARMUP_CYCLES as u64);
     if timed_cycles == 0 {
         bail!(
@@ -119,5 +149,31 @@ pub fn run(
             secs,
         },
         mismatch,
+        resyncs,
     })
+}
+
+/// `truth[at] = last` (the speculative run's newest token, not yet in `session`) and
+/// after it the plain greedy tokens a copy of `session` decodes from there, up to
+/// index `want`.
+fn replan(
+    session: &Session,
+    truth: &Truth,
+    at: usize,
+    last: u32,
+    want: usize,
+    eos: u32,
+) -> Result<()> {
+    let mut copy = session.try_clone()?;
+    let mut next = Vec::with_capacity(want + 1 - at);
+    let mut t = last;
+    next.push(t);
+    while at + next.len() <= want {
+        t = pick(copy.decode(t)?, eos);
+        next.push(t);
+    }
+    let mut truth = truth.lock().expect("truth lock");
+    truth.truncate(at);
+    truth.extend(next);
+    Ok(())
 }

@@ -260,9 +260,42 @@ impl DeviceState {
         self.last_hc = hc;
     }
 
+    /// The block's ring as the device holds it, with its row count and newest
+    /// position (gpu-selftest's diagnosis of a failed keep check).
+    pub(crate) fn mtp_ring_debug(
+        &self,
+        w: &CudaWeights,
+    ) -> Option<(Vec<f32>, usize, Option<usize>)> {
+        let m = self.mtp.as_ref()?;
+        let ring = w.gpu.download(&m.layer.ring).ok()?;
+        Some((ring, m.book.count, m.book.last))
+    }
+
+    /// Makes host values `hc` (`n_hc·n_embd`) the last token's HC state, in the decode
+    /// scratch (which the next forward rewrites): gpu-selftest feeds the CPU session's
+    /// state to both blocks, so that their comparison measures the block alone.
+    pub(crate) fn set_last_hc_host(&mut self, w: &CudaWeights, hc: &[f32]) -> Result<()> {
+        let c = &w.config;
+        if hc.len() != c.n_hc * c.n_embd {
+            return Err(EngineError::Invalid(format!(
+                "an HC state of {} values, expected {}",
+                hc.len(),
+                c.n_hc * c.n_embd
+            )));
+        }
+        let mut view = self.s.s.h.slice_mut(0..hc.len());
+        w.gpu
+            .stream()
+            .memcpy_htod(hc, &mut view)
+            .map_err(CudaError::from)?;
+        self.last_hc = Some(w.gpu.ptr(&self.s.s.h));
+        Ok(())
+    }
+
     /// Empties the block's ring and forgets the HC states (reset, import).
     pub fn mtp_clear(&mut self) {
         self.last_hc = None;
+        self.mtp_mark_pending = false;
         if let Some(m) = &mut self.mtp {
             m.book.reset();
             m.has_chain = false;
@@ -271,14 +304,17 @@ impl DeviceState {
 
     /// See [`crate::backend::Backend::mtp_mark`].
     pub fn mtp_mark(&mut self) {
-        if let Some(m) = &mut self.mtp {
-            m.book.mark();
+        match &mut self.mtp {
+            Some(m) => m.book.mark(),
+            // The block's state is allocated by its first draft (it needs the weights).
+            None => self.mtp_mark_pending = true,
         }
     }
 
     /// See [`crate::backend::Backend::mtp_keep`]. On a device error the ring is
     /// emptied (it regrows), never left half rewound.
     pub fn mtp_keep(&mut self, w: &CudaWeights, n: usize) -> Result<()> {
+        self.mtp_mark_pending = false;
         let Some(m) = &mut self.mtp else {
             return Ok(());
         };
@@ -296,6 +332,7 @@ impl DeviceState {
             Some(m) => Some(m.duplicate(&w.gpu, &w.config)?),
             None => None,
         };
+        d.mtp_mark_pending = self.mtp_mark_pending;
         // The last token's HC state goes with the copy (where the copy's own decode
         // leaves it): a session copy drafts from it like the original.
         d.last_hc = match self.last_hc {
@@ -327,7 +364,11 @@ impl DeviceState {
         let g = &*w.gpu;
         let c = &w.config;
         if self.mtp.is_none() {
-            self.mtp = Some(MtpDev::new(g, c)?);
+            let mut m = MtpDev::new(g, c)?;
+            if std::mem::take(&mut self.mtp_mark_pending) {
+                m.book.mark();
+            }
+            self.mtp = Some(m);
         }
         let m = self.mtp.as_mut().expect("allocated above");
         let l = g.launcher(self.plan);

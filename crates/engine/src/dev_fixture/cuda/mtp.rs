@@ -68,6 +68,10 @@ impl Pair<'_> {
         let n = self.gpu.n_tokens();
         ensure!(n == self.cpu.n_tokens(), "sessions out of step");
         self.gpu.mtp_mark();
+        // Both blocks start from the CPU session's state: the comparison is of the
+        // block (the sessions' own CPU/GPU differences, ~1e-4 on q4, stay out of it;
+        // the keep and spec checks use the GPU session's own state).
+        self.gpu.set_last_hc_host(&self.hc)?;
         let saved = self.state.clone();
         let (mut token, mut g) = (y, self.hc.clone());
         let mut drafted = Vec::new();
@@ -138,12 +142,21 @@ pub fn check_mtp(
             tally.record(line, ok, format_args!(
                 "{variant:<6} mtp   {mode:<6} {drafts} drafts vs CPU: |Δ| median {median:.1e} p99 {p99:.1e} max {max:.1e} (fixture tier); argmax {agree}/{drafts}"
             ));
+            if !ok {
+                // Which drafts drift, in cycle order (the first bad one names the cause).
+                let per: Vec<String> = position_deltas(&got, &want, vocab)
+                    .iter()
+                    .map(|d| format!("{d:.0e}"))
+                    .collect();
+                line(&format!("       per draft |Δ|: {}", per.join(" ")));
+            }
             for (keep, gap) in [(1, false), (0, true)] {
-                let (same, differ) = keep_check(case, &tokens, keep, gap)?;
+                let (same, differ, forward_differ) = keep_check(case, &tokens, keep, gap)?;
                 tally.record(line, same, format_args!(
-                    "{variant:<6} mtp   {mode:<6} 3 drafts, keep {keep}{}: next draft {} a session that drafted only those",
+                    "{variant:<6} mtp   {mode:<6} 3 drafts, keep {keep}{}: next draft {} a session that drafted only those{}",
                     if gap { " after a gap" } else { "" },
-                    if same { "bit-identical to".to_string() } else { format!("{differ} logits differ from") }
+                    if same { "bit-identical to".to_string() } else { format!("{differ} logits differ from") },
+                    if forward_differ > 0 { format!(" (and {forward_differ} logits of the kept tokens' forward)") } else { String::new() }
                 ));
             }
         }
@@ -174,6 +187,8 @@ pub fn check_mtp(
     Ok(tally)
 }
 
+type RingDebug = Option<(Vec<f32>, usize, Option<usize>)>;
+
 type McCase<'a> = (&'a Model, &'a Arc<CudaWeights>, &'a Mtp, Numerics);
 
 /// Every draft of the [`CYCLES`] on both backends: (GPU logits, CPU logits, drafts).
@@ -202,14 +217,14 @@ fn drafts_against_cpu(
 /// `keep` kept ones. Both then decode y and the kept drafts and draft from Last: the
 /// logits must be bit-identical (same device, same rows). With `gap`, a fully
 /// accepted cycle first leaves a gap in the ring (a rotation before the drafts).
-/// Returns (identical, logits differing).
+/// Returns (identical, draft logits differing, forward logits differing).
 fn keep_check(
     (_, weights, mtp, numerics): McCase,
     tokens: &[u32],
     keep: usize,
     gap: bool,
-) -> Result<(bool, usize)> {
-    let run = |drafts: usize| -> Result<Vec<f32>> {
+) -> Result<(bool, usize, usize)> {
+    let run = |drafts: usize| -> Result<(Vec<f32>, Vec<f32>, RingDebug)> {
         let mut b = CudaBackend::new(weights, 4096, numerics)?;
         b.forward(&tokens[..PREFIX], LogitRows::Last)?;
         let mut n = PREFIX;
@@ -235,18 +250,42 @@ fn keep_check(
             }
         }
         b.mtp_keep(keep)?;
+        let ring = b.mtp_ring_debug();
         kept.truncate(keep.max(1));
         // The kept drafts' tokens are those B drafted too: y, then its argmaxes.
-        b.forward(&kept, LogitRows::Last)?;
+        let fwd = b.forward(&kept, LogitRows::Last)?;
         let pos = n + kept.len();
-        Ok(b.mtp_draft(mtp, tokens[pos % tokens.len()], HcSource::Last, pos)?)
+        let draft = b.mtp_draft(mtp, tokens[pos % tokens.len()], HcSource::Last, pos)?;
+        Ok((fwd, draft, ring))
     };
-    let a = run(3)?;
-    let b = run(keep)?;
-    let differ = a
-        .iter()
-        .zip(&b)
-        .filter(|(x, y)| x.to_bits() != y.to_bits())
-        .count();
-    Ok((a.len() == b.len() && differ == 0, differ))
+    let (fa, a, ra) = run(3)?;
+    let (fb, b, rb) = run(keep)?;
+    if let (Some((ra, ca, la)), Some((rb, cb, lb))) = (&ra, &rb) {
+        // Which ring rows differ after the keep (diagnosis of a failing check).
+        let hd = weights.config.head_dim;
+        let rows: Vec<usize> = ra
+            .chunks_exact(hd)
+            .zip(rb.chunks_exact(hd))
+            .enumerate()
+            .filter(|(_, (x, y))| x.iter().zip(*y).any(|(p, q)| p.to_bits() != q.to_bits()))
+            .map(|(i, _)| i)
+            .collect();
+        if !rows.is_empty() || ca != cb || la != lb {
+            eprintln!(
+                "mtp keep {keep}: ring rows differing after keep {rows:?}; count {ca} vs {cb}, last {la:?} vs {lb:?}"
+            );
+        }
+    }
+    let bits_differ = |x: &[f32], y: &[f32]| {
+        x.iter()
+            .zip(y)
+            .filter(|(p, q)| p.to_bits() != q.to_bits())
+            .count()
+    };
+    let differ = bits_differ(&a, &b);
+    Ok((
+        a.len() == b.len() && differ == 0,
+        differ,
+        bits_differ(&fa, &fb),
+    ))
 }
