@@ -80,19 +80,36 @@ impl SamplerConfig {
 
 /// Index of the first maximum; NaN entries are never chosen unless all are NaN.
 pub fn argmax(logits: &[f32]) -> u32 {
-    // One compare per value on the hot path (every greedy token scans the vocabulary);
-    // NaN never compares greater, so it is never chosen here.
-    let (mut best, mut best_v) = (0usize, f32::NEG_INFINITY);
-    for (i, &v) in logits.iter().enumerate() {
-        if v > best_v {
-            (best, best_v) = (i, v);
-        }
-    }
+    // Every greedy token scans the vocabulary (129k values): a branchy scalar loop took
+    // ~0.1–0.2 ms a row on the server CPUs, a few % of a GPU decode token. Two
+    // vectorisable passes: the maximum, then its first index.
+    let best_v = max_ignoring_nan(logits);
     if best_v == f32::NEG_INFINITY {
         // Nothing above -inf: the first value that is not NaN (0 when all are).
         return logits.iter().position(|v| !v.is_nan()).unwrap_or(0) as u32;
     }
-    best as u32
+    logits.iter().position(|&v| v == best_v).unwrap_or(0) as u32
+}
+
+/// The largest value of `x` that is not NaN (-inf when there is none).
+pub(crate) fn max_ignoring_nan(x: &[f32]) -> f32 {
+    // Independent lanes so the compiler keeps the maxima in vector registers;
+    // `c > m` is false for NaN, so NaN never enters.
+    const LANES: usize = 16;
+    let mut m = [f32::NEG_INFINITY; LANES];
+    let mut chunks = x.chunks_exact(LANES);
+    for c in &mut chunks {
+        for (mj, &cj) in m.iter_mut().zip(c) {
+            *mj = if cj > *mj { cj } else { *mj };
+        }
+    }
+    let mut best = f32::NEG_INFINITY;
+    for &v in m.iter().chain(chunks.remainder()) {
+        if v > best {
+            best = v;
+        }
+    }
+    best
 }
 
 #[derive(Clone, Debug)]
@@ -267,6 +284,36 @@ mod tests {
         assert_eq!(argmax(&[f32::NAN, ninf, ninf]), 1);
         assert_eq!(argmax(&[ninf, ninf]), 0);
         assert_eq!(argmax(&[f32::NAN, f32::NAN, -1.0, 5.0, f32::NAN, 5.0]), 3);
+        // Long rows (the lane passes and their remainder) agree with a plain scan.
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        for len in [1usize, 15, 16, 17, 100, 4099] {
+            let mut v: Vec<f32> = (0..len)
+                .map(|_| {
+                    rng ^= rng << 13;
+                    rng ^= rng >> 7;
+                    rng ^= rng << 17;
+                    (rng % 1000) as f32 / 7.0
+                })
+                .collect();
+            v[len / 2] = f32::NAN;
+            let want = v
+                .iter()
+                .enumerate()
+                .filter(|(_, x)| !x.is_nan())
+                .fold((0usize, f32::NEG_INFINITY), |b, (i, &x)| {
+                    if x > b.1 {
+                        (i, x)
+                    } else {
+                        b
+                    }
+                })
+                .0;
+            assert_eq!(
+                argmax(&v) as usize,
+                if len == 1 { 0 } else { want },
+                "len {len}"
+            );
+        }
         let mut s = Sampler::new(SamplerConfig::greedy());
         assert_eq!(s.sample(&[0.0, 5.0, 5.0]), 1);
     }

@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use crate::backend::{HcSource, MAX_ROWS};
 use crate::error::{EngineError, Result};
 use crate::mtp::Mtp;
-use crate::sampling::{argmax, Sampler};
+use crate::sampling::{argmax, max_ignoring_nan, Sampler};
 use crate::session::Session;
 
 /// Most MTP-drafted tokens per cycle [`SpecOptions::draft`] accepts.
@@ -328,14 +328,13 @@ fn choose(
 
 /// The top-1 − top-2 gap of raw logits (NaN ignored; infinite with fewer than two).
 fn top2_margin(logits: &[f32]) -> f32 {
-    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
-    for &v in logits {
-        if v > a {
-            (a, b) = (v, a);
-        } else if v > b {
-            b = v;
-        }
-    }
+    // Vectorisable passes (a draft's whole vocabulary each cycle): the maximum, its
+    // first index, then the maximum of everything else (a tie gives 0).
+    let a = max_ignoring_nan(logits);
+    let Some(at) = logits.iter().position(|&v| v == a) else {
+        return f32::INFINITY; // every value NaN
+    };
+    let b = max_ignoring_nan(&logits[..at]).max(max_ignoring_nan(&logits[at + 1..]));
     if b == f32::NEG_INFINITY {
         return f32::INFINITY;
     }
@@ -480,6 +479,14 @@ mod tests {
         assert_eq!(top2_margin(&[1.0, 4.0, 2.5, f32::NAN]), 1.5);
         assert_eq!(top2_margin(&[3.0, 3.0]), 0.0);
         assert_eq!(top2_margin(&[3.0]), f32::INFINITY);
+        assert_eq!(top2_margin(&[f32::NAN, f32::NAN]), f32::INFINITY);
+        // Past the vector lanes: the runner-up before and after the maximum.
+        let mut v: Vec<f32> = (0..40).map(|i| i as f32 / 100.0).collect();
+        v[37] = 9.0;
+        v[3] = 7.5;
+        assert_eq!(top2_margin(&v), 1.5);
+        v[39] = 8.0;
+        assert_eq!(top2_margin(&v), 1.0);
     }
 
     #[test]

@@ -167,7 +167,13 @@ impl Backend for CudaBackend {
             };
             self.state.decode(&self.weights, self.numerics, t, want)?;
             if want {
-                out.extend(self.state.logits(&self.weights)?);
+                let logits = self.state.logits(&self.weights)?;
+                // One token's logits (the decode loop): no second copy.
+                if out.is_empty() {
+                    out = logits;
+                } else {
+                    out.extend(logits);
+                }
             }
         }
         Ok(out)

@@ -441,11 +441,11 @@ impl DeviceState {
             if all_rows {
                 for t in 0..n {
                     self.head(w, numerics, g.ptr(&b.s.h) + t as u64 * row)?;
-                    out.extend(g.download(&self.s.s.logits)?);
+                    out.extend(g.download_f32(&self.s.s.logits, usize::MAX)?);
                 }
             } else if head {
                 self.head(w, numerics, g.ptr(&b.s.h) + (n as u64 - 1) * row)?;
-                out = g.download(&self.s.s.logits)?;
+                out = g.download_f32(&self.s.s.logits, usize::MAX)?;
             }
             Ok(out)
         })();
@@ -551,7 +551,7 @@ impl DeviceState {
     }
 
     pub fn logits(&self, w: &CudaWeights) -> Result<Vec<f32>> {
-        Ok(w.gpu.download(&self.s.s.logits)?)
+        Ok(w.gpu.download_f32(&self.s.s.logits, usize::MAX)?)
     }
 }
 

@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use anyhow::Result;
-use ds4_engine::Session;
+use ds4_engine::{argmax, Session};
 use ds4_synth::Rng;
 
 use crate::plot::BenchRow;
@@ -13,13 +13,27 @@ use crate::plot::BenchRow;
 /// The greedy pick of the benchmark: the argmax over every token but EOS (random weights
 /// would otherwise end some runs early).
 pub fn pick(logits: &[f32], eos: u32) -> u32 {
-    let mut best = 0usize;
-    for (i, &v) in logits.iter().enumerate() {
-        if i as u32 != eos && (best as u32 == eos || v > logits[best]) {
-            best = i;
-        }
+    // The engine's vectorised argmax (a scalar scan here cost ~0.2 ms a token); EOS,
+    // when it wins, is passed over for the first maximum of the rest.
+    let best = argmax(logits);
+    let e = eos as usize;
+    if best != eos || e >= logits.len() || logits.len() < 2 {
+        return best;
     }
-    best as u32
+    let (before, after) = (&logits[..e], &logits[e + 1..]);
+    let a = (!before.is_empty()).then(|| argmax(before) as usize);
+    let b = (!after.is_empty()).then(|| e + 1 + argmax(after) as usize);
+    match (a, b) {
+        (Some(a), Some(b)) => {
+            (if logits[b] > logits[a] || logits[a].is_nan() {
+                b
+            } else {
+                a
+            }) as u32
+        }
+        (Some(i), None) | (None, Some(i)) => i as u32,
+        (None, None) => best,
+    }
 }
 
 /// What one timed run measured: `cycles` steps that emitted `tokens` in `secs`.

@@ -446,7 +446,7 @@ impl DeviceState {
             g.copy(&self.s.s.h, &mut m.chain)?;
             let h = p(&self.s.s.h);
             head_logits(&l, w, numerics, &mut self.s, h, mw.head())?;
-            Ok(g.download(&self.s.s.logits)?)
+            Ok(g.download_f32(&self.s.s.logits, usize::MAX)?)
         })();
         match run {
             Ok(logits) => {

@@ -179,7 +179,7 @@ impl DeviceState {
         } else {
             self.enqueue_rows(w, numerics, rs, n)?;
         }
-        Ok(w.gpu.download_prefix(&rs.logits, n * w.config.vocab)?)
+        Ok(w.gpu.download_f32(&rs.logits, n * w.config.vocab)?)
     }
 
     /// Every launch of an `n`-row step (the step buffer holds the positions/tokens):
