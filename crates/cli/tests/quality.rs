@@ -20,8 +20,14 @@ fn vectors() -> PathBuf {
 
 const PROMPTS: [(&str, &str); 3] = [
     ("short_fact", "What is the capital of Japan?"),
-    ("short_code", "Complete this C comment: /* This lock protects"),
-    ("short_italian", "Rispondi brevemente: chi ha scritto la Divina Commedia?"),
+    (
+        "short_code",
+        "Complete this C comment: /* This lock protects",
+    ),
+    (
+        "short_italian",
+        "Rispondi brevemente: chi ha scritto la Divina Commedia?",
+    ),
 ];
 
 /// The quality cases' "official" continuations: what the real model answers (the tiny
@@ -105,7 +111,11 @@ fn write_vectors() {
     }
     let vec = generate();
     let d = vectors();
-    for sub in ["logprob/prompts", "quality/prompts", "quality/continuations"] {
+    for sub in [
+        "logprob/prompts",
+        "quality/prompts",
+        "quality/continuations",
+    ] {
         std::fs::create_dir_all(d.join(sub)).unwrap();
     }
     std::fs::write(d.join("logprob/official.vec"), vec).unwrap();
@@ -146,7 +156,10 @@ fn stored_vectors_pass_in_both_numerics() {
     for extra in [&[][..], &["--quality"][..]] {
         let (ok, out, err) = run_vec(&vec, extra);
         assert!(ok, "{extra:?}: {out}{err}");
-        assert!(out.contains("summary: 3 passed, 0 failed, 0 skipped"), "{out}");
+        assert!(
+            out.contains("summary: 3 passed, 0 failed, 0 skipped"),
+            "{out}"
+        );
     }
     // The stored greedy tokens are the engine's (not just any passing file).
     let want = generate();
@@ -230,8 +243,12 @@ fn a_token_outside_the_local_top_20_fails_and_the_archive_case_is_skipped() {
         l[i] = "top 00ff00ff00ff -9.5".into();
         // The reference skips this id whatever it holds.
         l.extend(
-            ["case long_memory_archive 4096 1 prompts/nowhere.txt", "step 0 7a7a 0", "end"]
-                .map(String::from),
+            [
+                "case long_memory_archive 4096 1 prompts/nowhere.txt",
+                "step 0 7a7a 0",
+                "end",
+            ]
+            .map(String::from),
         );
     });
     let (ok, out, _) = run_vec(&vec, &[]);
@@ -273,7 +290,10 @@ fn quality_scores_equal_a_recomputation() {
         "--csv",
         csv.to_str().unwrap(),
     ]);
-    assert!(out.starts_with("id\tprompt_tokens\ttarget_tokens\tnll"), "{out}");
+    assert!(
+        out.starts_with("id\tprompt_tokens\ttarget_tokens\tnll"),
+        "{out}"
+    );
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let cases = v["cases"].as_array().unwrap();
@@ -307,7 +327,10 @@ fn quality_scores_equal_a_recomputation() {
         assert_eq!(c["target_tokens"], t.len());
         assert_eq!(c["greedy_lcp"], lcp, "{id}");
         let got = c["nll"].as_f64().unwrap();
-        assert!((got - nll).abs() < 1e-4 * nll.max(1.0), "{id}: {got} vs {nll}");
+        assert!(
+            (got - nll).abs() < 1e-4 * nll.max(1.0),
+            "{id}: {got} vs {nll}"
+        );
         let avg = nll / t.len() as f64;
         assert!((c["ppl"].as_f64().unwrap() - avg.exp()).abs() < 1e-4 * avg.exp());
         total += nll;
@@ -330,14 +353,33 @@ fn quality_without_a_manifest_and_bad_layouts() {
     let model = common::model();
     let m = model.to_str().unwrap();
     let out = common::tool_ok(&[
-        "quality", "--vectors", dir.to_str().unwrap(), "-m", m, "--backend", "cpu",
+        "quality",
+        "--vectors",
+        dir.to_str().unwrap(),
+        "-m",
+        m,
+        "--backend",
+        "cpu",
     ]);
     assert_eq!(out.lines().count(), 2, "{out}");
-    assert!(out.lines().nth(1).unwrap().starts_with("short_fact\t"), "{out}");
+    assert!(
+        out.lines().nth(1).unwrap().starts_with("short_fact\t"),
+        "{out}"
+    );
     // A manifest row naming a missing file.
-    common::write_file(&dir, "manifest.tsv", "x\tprompts/none.txt\tcontinuations/none.txt\n");
+    common::write_file(
+        &dir,
+        "manifest.tsv",
+        "x\tprompts/none.txt\tcontinuations/none.txt\n",
+    );
     let err = common::tool_err(&[
-        "quality", "--vectors", dir.to_str().unwrap(), "-m", m, "--backend", "cpu",
+        "quality",
+        "--vectors",
+        dir.to_str().unwrap(),
+        "-m",
+        m,
+        "--backend",
+        "cpu",
     ]);
     assert!(err.contains("none.txt"), "{err}");
 }

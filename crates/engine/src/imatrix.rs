@@ -317,7 +317,10 @@ mod tests {
     fn split_follows_the_reference() {
         let t = "preamble\n===== DS4_IMATRIX_PROMPT 1 =====\n a \n\n===== DS4_IMATRIX_PROMPT 2\n\n===== DS4_IMATRIX_PROMPT 3\nb\nc\n";
         assert_eq!(split_dataset(t), vec!["a", "b\nc"]);
-        assert_eq!(split_dataset("  just one\nprompt \n"), vec!["just one\nprompt"]);
+        assert_eq!(
+            split_dataset("  just one\nprompt \n"),
+            vec!["just one\nprompt"]
+        );
         assert!(split_dataset(" \n\t").is_empty());
         // A marker with no line end has no prompt.
         assert!(split_dataset("===== DS4_IMATRIX_PROMPT").is_empty());

@@ -11,11 +11,13 @@ use ds4_engine::{
     split_dataset, Imatrix, ImatrixCollector, MoeActivations, MoeObserver, Numerics, Session,
 };
 
+/// One observation: (layer, x, experts, mid).
+type Call = (usize, Vec<f32>, Vec<u32>, Vec<f32>);
+
 /// Keeps every observation as it came (the independent tap).
 #[derive(Default)]
 struct Tap {
-    /// (layer, x, experts, mid) per call.
-    calls: Vec<(usize, Vec<f32>, Vec<u32>, Vec<f32>)>,
+    calls: Vec<Call>,
 }
 
 impl MoeObserver for Tap {
@@ -127,7 +129,10 @@ fn dat_equals_recomputation_from_a_tap() {
     }
     // Most experts of the tiny model are routed at least once (else the test is weak).
     assert!(routed > 3 * cfg.n_layer * nx / 2, "{routed}");
-    assert_eq!(coll.routes() as usize, cfg.n_layer * k * ps.iter().map(Vec::len).sum::<usize>());
+    assert_eq!(
+        coll.routes() as usize,
+        cfg.n_layer * k * ps.iter().map(Vec::len).sum::<usize>()
+    );
 }
 
 /// The tapped rows are what the experts multiply: the experts are those the router
@@ -146,7 +151,10 @@ fn tapped_rows_are_the_expert_inputs() {
     let dot = |m: ds4_engine::dev::weights::MatRef, r: usize, x: &[f32]| {
         let mut row = vec![0.0f32; m.n_in];
         m.dequant_row(r, &mut row);
-        row.iter().zip(x).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>()
+        row.iter()
+            .zip(x)
+            .map(|(a, b)| *a as f64 * *b as f64)
+            .sum::<f64>()
     };
     let mut worst = 0.0f64;
     for (il, x, ex, mid) in &tap.calls {
@@ -182,7 +190,10 @@ fn tapped_rows_are_the_expert_inputs() {
             }
         }
     }
-    assert!(worst < 1e-3, "mid differs from the recomputation by {worst}");
+    assert!(
+        worst < 1e-3,
+        "mid differs from the recomputation by {worst}"
+    );
 }
 
 /// Observing is read-only: the state and the next logits equal a plain prefill's.

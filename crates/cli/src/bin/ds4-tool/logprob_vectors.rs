@@ -69,7 +69,7 @@ pub struct VecCase {
 }
 
 fn hex(s: &str) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 {
+    if !s.len().is_multiple_of(2) {
         return None;
     }
     (0..s.len())
@@ -123,8 +123,13 @@ pub fn parse(text: &str) -> Result<Vec<VecCase>> {
                 let c = out.last_mut().expect("open");
                 let i: usize = i.parse().map_err(|_| err("bad step index"))?;
                 let ntop: usize = ntop.parse().map_err(|_| err("bad top count"))?;
-                let sel = hex(sel).filter(|b| !b.is_empty()).ok_or_else(|| err("bad hex"))?;
-                let s = c.steps.get_mut(i).ok_or_else(|| err("step index out of range"))?;
+                let sel = hex(sel)
+                    .filter(|b| !b.is_empty())
+                    .ok_or_else(|| err("bad hex"))?;
+                let s = c
+                    .steps
+                    .get_mut(i)
+                    .ok_or_else(|| err("step index out of range"))?;
                 *s = Step {
                     selected: sel,
                     top: Vec::with_capacity(ntop),
@@ -137,7 +142,9 @@ pub fn parse(text: &str) -> Result<Vec<VecCase>> {
                     return Err(err("expected `top HEX LOGPROB`"));
                 };
                 let i = cur_step.ok_or_else(|| err("`top` before any `step`"))?;
-                let b = hex(h).filter(|b| !b.is_empty()).ok_or_else(|| err("bad hex"))?;
+                let b = hex(h)
+                    .filter(|b| !b.is_empty())
+                    .ok_or_else(|| err("bad hex"))?;
                 let lp: f64 = lp.parse().map_err(|_| err("bad logprob"))?;
                 let s = &mut out.last_mut().expect("open").steps[i];
                 if s.top.len() == s.ntop {
@@ -184,7 +191,10 @@ pub fn run(a: Args) -> Result<()> {
     let (mut passed, mut failed, mut skipped) = (0, 0, 0);
     for c in &cases {
         if SKIPPED.contains(&c.id.as_str()) {
-            println!("{}: skipped (API/official graph mismatch, as the reference)", c.id);
+            println!(
+                "{}: skipped (API/official graph mismatch, as the reference)",
+                c.id
+            );
             skipped += 1;
             continue;
         }
@@ -195,7 +205,11 @@ pub fn run(a: Args) -> Result<()> {
         let prompt = chat_prompt(&tok, &text)?;
         let ctx = a.max_ctx.map_or(c.ctx, |m| m.min(c.ctx));
         if prompt.len() + c.steps.len() > ctx {
-            bail!("case {}: {} prompt tokens exceed ctx={ctx}", c.id, prompt.len());
+            bail!(
+                "case {}: {} prompt tokens exceed ctx={ctx}",
+                c.id,
+                prompt.len()
+            );
         }
         let mut s = engine.new_session(ctx)?;
         s.prefill(&prompt)?;
@@ -262,16 +276,22 @@ mod tests {
         let t = "# ds4-official-logprob-vectors-v1\n\ncase a 4096 2 tests/p/a.txt\nstep 0 416461 2\ntop 416461 0\ntop 20 -1.5\nstep 1 0a 0\nend\n";
         let c = parse(t).unwrap();
         assert_eq!(c.len(), 1);
-        assert_eq!((c[0].id.as_str(), c[0].ctx, c[0].prompt.as_str()), ("a", 4096, "tests/p/a.txt"));
+        assert_eq!(
+            (c[0].id.as_str(), c[0].ctx, c[0].prompt.as_str()),
+            ("a", 4096, "tests/p/a.txt")
+        );
         assert_eq!(c[0].steps[0].selected, b"Ada");
-        assert_eq!(c[0].steps[0].top, vec![(b"Ada".to_vec(), 0.0), (b" ".to_vec(), -1.5)]);
+        assert_eq!(
+            c[0].steps[0].top,
+            vec![(b"Ada".to_vec(), 0.0), (b" ".to_vec(), -1.5)]
+        );
         assert_eq!(c[0].steps[1].selected, b"\n");
         for bad in [
-            "case a 4096 2 p\nstep 0 41 0\nend\n",      // step 1 missing
-            "case a 4096 1 p\nstep 0 4 0\nend\n",       // odd hex
-            "case a 4096 1 p\nstep 0 41 0\n",           // unterminated
-            "step 0 41 0\n",                            // outside a case
-            "case a 4096 1 p\ntop 41 0\nend\n",         // top before step
+            "case a 4096 2 p\nstep 0 41 0\nend\n", // step 1 missing
+            "case a 4096 1 p\nstep 0 4 0\nend\n",  // odd hex
+            "case a 4096 1 p\nstep 0 41 0\n",      // unterminated
+            "step 0 41 0\n",                       // outside a case
+            "case a 4096 1 p\ntop 41 0\nend\n",    // top before step
             "case a 4096 1 p\nstep 0 41 1\ntop 41 x\nend\n", // bad logprob
         ] {
             assert!(parse(bad).is_err(), "{bad}");

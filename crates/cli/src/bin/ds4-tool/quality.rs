@@ -198,7 +198,10 @@ fn cases(dir: &Path) -> Result<Vec<Case>> {
     } else {
         let pdir = dir.join("prompts");
         let rd = std::fs::read_dir(&pdir).with_context(|| {
-            format!("{}: no manifest.tsv and no prompts/ directory", dir.display())
+            format!(
+                "{}: no manifest.tsv and no prompts/ directory",
+                dir.display()
+            )
         })?;
         let mut names: Vec<String> = rd
             .filter_map(|e| e.ok())
@@ -288,7 +291,11 @@ pub fn run(a: Args) -> Result<()> {
     }
     let tokens: usize = scores.iter().map(|s| s.target_tokens).sum();
     let total: f64 = scores.iter().map(|s| s.nll).sum();
-    let avg = if tokens > 0 { total / tokens as f64 } else { 0.0 };
+    let avg = if tokens > 0 {
+        total / tokens as f64
+    } else {
+        0.0
+    };
     let first = scores.iter().filter(|s| s.first_match).count();
     let avg_lcp = scores.iter().map(|s| s.greedy_lcp).sum::<usize>() as f64 / scores.len() as f64;
     eprintln!(
@@ -297,9 +304,8 @@ pub fn run(a: Args) -> Result<()> {
         avg.exp()
     );
     if let Some(p) = &a.csv {
-        let mut s = String::from(
-            "id,prompt_tokens,target_tokens,nll,avg_nll,ppl,first_match,greedy_lcp\n",
-        );
+        let mut s =
+            String::from("id,prompt_tokens,target_tokens,nll,avg_nll,ppl,first_match,greedy_lcp\n");
         for r in &scores {
             s += &format!(
                 "{},{},{},{:.9},{:.9},{:.6},{},{}\n",

@@ -52,12 +52,10 @@ fn run(args: &Args) -> Result<()> {
         return dump::dump_tokens(&args.model, text);
     }
     // Checked before the model loads: a bad dataset is a usage error (status 2).
-    let dataset = match &args.imatrix_dataset {
-        Some(p) => Some(imatrix::load_dataset(p).unwrap_or_else(|e| {
-            args::fail(clap::error::ErrorKind::InvalidValue, &e);
-        })),
-        None => None,
-    };
+    let dataset = args.imatrix_dataset.as_ref().map(|p| {
+        imatrix::load_dataset(p)
+            .unwrap_or_else(|e| args::fail(clap::error::ErrorKind::InvalidValue, &e))
+    });
     let numerics = if args.quality {
         Numerics::Exact
     } else {

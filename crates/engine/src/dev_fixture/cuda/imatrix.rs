@@ -97,7 +97,11 @@ pub fn check_imatrix(gpu: &Arc<Gpu>, dir: &Path, line: &mut dyn FnMut(&str)) -> 
             let within = d.iter().filter(|&&x| x <= b).count();
             let total = d.len() + one_sided;
             let ok = same_shape && total > 0 && within * 100 >= total * 95;
-            let q = |f: f64| d.get(((d.len() as f64 - 1.0) * f) as usize).copied().unwrap_or(0.0);
+            let q = |f: f64| {
+                d.get(((d.len() as f64 - 1.0) * f) as usize)
+                    .copied()
+                    .unwrap_or(0.0)
+            };
             tally.record(
                 line,
                 ok,
