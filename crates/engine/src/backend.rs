@@ -5,6 +5,7 @@
 //! is the same on every backend.
 
 use crate::error::{EngineError, Result};
+use crate::imatrix::MoeObserver;
 use crate::kv::KvCache;
 use crate::mtp::Mtp;
 
@@ -99,6 +100,16 @@ pub trait Backend: Send {
     /// returns the requested logits rows (`[rows][vocab]`). Must equal running the
     /// tokens one at a time.
     fn forward(&mut self, tokens: &[u32], rows: LogitRows) -> Result<Vec<f32>>;
+
+    /// [`Backend::forward`] with no logits, handing each layer's routed-expert inputs
+    /// to `obs` (imatrix collection, `imatrix.rs`). The state advances as `forward`'s.
+    fn forward_observed(&mut self, tokens: &[u32], obs: &mut dyn MoeObserver) -> Result<()> {
+        let _ = (tokens, obs);
+        Err(EngineError::Invalid(format!(
+            "the {} backend cannot observe activations",
+            self.name()
+        )))
+    }
 
     /// A multi-row step (docs/architecture.md, "Multi-row steps and rollback"): runs
     /// 1..=[`MAX_ROWS`] tokens at positions `n_tokens()..` like

@@ -34,6 +34,7 @@ pub mod dev;
 mod dev_fixture;
 mod engine;
 mod error;
+mod imatrix;
 mod kv;
 mod layout;
 mod model;
@@ -51,6 +52,10 @@ pub use engine::{
     load_tokenizer, BackendChoice, BackendKind, Engine, EngineOptions, ModelInfo, UploadProgress,
 };
 pub use error::{ConfigError, EngineError, ErrorKind, Result};
+pub use imatrix::{
+    split_dataset, Imatrix, ImatrixCollector, ImatrixEntry, MoeActivations, MoeObserver,
+    PROMPT_MARKER,
+};
 pub use mtp::{Mtp, MtpDraft, MtpState};
 pub use ops::linear::Numerics;
 pub use sampling::{argmax, generate, Sampler, SamplerConfig, StopReason};

@@ -7,6 +7,7 @@ use crate::backend::{
 };
 use crate::cpu::CpuBackend;
 use crate::error::{EngineError, Result};
+use crate::imatrix::MoeObserver;
 use crate::kv::KvCache;
 use crate::model::Model;
 use crate::mtp::Mtp;
@@ -281,6 +282,22 @@ impl Session {
                 self.logits = l;
             }
         }
+        Ok(())
+    }
+
+    /// Appends `tokens` like [`Session::prefill`] but computes no logits (the session's
+    /// last logits are cleared) and hands each chunk's routed-expert inputs, layer by
+    /// layer, to `obs` (imatrix collection: [`crate::ImatrixCollector`]). The CPU
+    /// backend only; the same math as `prefill`.
+    pub fn prefill_observed(&mut self, tokens: &[u32], obs: &mut dyn MoeObserver) -> Result<()> {
+        self.check_room(tokens.len())?;
+        self.accept_pending();
+        for c in tokens.chunks(self.prefill_chunk) {
+            self.backend.forward_observed(c, obs)?;
+            self.hc_ready = true;
+            self.tokens.extend_from_slice(c);
+        }
+        self.logits.clear();
         Ok(())
     }
 

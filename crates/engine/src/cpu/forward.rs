@@ -12,6 +12,7 @@ use rayon::prelude::*;
 use crate::backend::{check_tokens, LogitRows};
 use crate::config::Config;
 use crate::error::Result;
+use crate::imatrix::{MoeActivations, MoeObserver};
 use crate::kv::{Frontier, KvCache, LayerCache};
 use crate::model::ModelInner;
 use crate::ops::attention::attend_head;
@@ -48,6 +49,8 @@ pub(crate) struct Taps<'a> {
     /// Per layer, what a multi-row step needs to replay a prefix of the chunk
     /// (`super::rows`): the raw rows pushed and the compressor inputs.
     pub journal: Option<&'a mut Vec<LayerJournal>>,
+    /// Receives each layer's routed-expert inputs (imatrix collection, `imatrix.rs`).
+    pub moe: Option<&'a mut dyn MoeObserver>,
 }
 
 /// Runs `tokens` at positions `cache.n_tokens..` and returns the requested logits,
@@ -84,15 +87,18 @@ pub(crate) fn forward(
         last_hc,
         rows_hc,
         mut journal,
+        mut moe,
     } = taps;
     for (il, lw) in m.weights.layers.iter().enumerate() {
-        layer_forward(
+        let ctx = LayerCtx {
             cfg,
             lw,
-            &m.ropes[il],
+            rope: &m.ropes[il],
             numerics,
             pos0,
             tokens,
+        };
+        ctx.attention(
             &mut h,
             &mut cache.layers[il],
             journal.as_deref_mut().map(|j| {
@@ -100,6 +106,11 @@ pub(crate) fn forward(
                 j.last_mut().expect("just pushed")
             }),
         );
+        let obs: Option<&mut dyn MoeObserver> = match moe {
+            Some(ref mut o) => Some(&mut **o),
+            None => None,
+        };
+        ctx.ffn(&mut h, obs);
     }
     cache.n_tokens += n;
     if let Some(out) = last_hc {
@@ -151,7 +162,7 @@ pub(crate) fn layer_forward(
         tokens,
     };
     ctx.attention(h, cache, journal);
-    ctx.ffn(h);
+    ctx.ffn(h, None);
 }
 
 /// The output head for the selected tokens: sigmoid-weighted stream collapse (`hc`),
@@ -469,7 +480,7 @@ impl LayerCtx<'_> {
         self.store(row);
     }
 
-    fn ffn(&self, h: &mut [f32]) {
+    fn ffn(&self, h: &mut [f32], moe: Option<&mut dyn MoeObserver>) {
         let cfg = self.cfg;
         let lw = self.lw;
         let n = self.n();
@@ -495,7 +506,7 @@ impl LayerCtx<'_> {
                 )
             })
             .collect();
-        let mut out = self.routed(&x, &routes);
+        let mut out = self.routed(&x, &routes, moe);
         let sh = self.shared(&x);
         for (o, s) in out.iter_mut().zip(&sh) {
             *o += s;
@@ -505,7 +516,7 @@ impl LayerCtx<'_> {
     }
 
     /// Routed experts, grouped by expert so each expert's rows are read once per chunk.
-    fn routed(&self, x: &[f32], routes: &[Route]) -> Vec<f32> {
+    fn routed(&self, x: &[f32], routes: &[Route], moe: Option<&mut dyn MoeObserver>) -> Vec<f32> {
         let cfg = self.cfg;
         let lw = self.lw;
         let n = self.n();
@@ -541,6 +552,19 @@ impl LayerCtx<'_> {
                     dst,
                 );
             }
+        }
+        if let Some(obs) = moe {
+            let experts: Vec<u32> = routes
+                .iter()
+                .flat_map(|r| r.experts.iter().map(|&x| x as u32))
+                .collect();
+            obs.observe(&MoeActivations {
+                layer: lw.il,
+                n_tokens: n,
+                x,
+                experts: &experts,
+                mid: &mid,
+            });
         }
         let pm = Prepared::for_mat(&mid, &lw.down_exps.view(), self.numerics);
         let mut down = vec![0.0f32; n * k * e];

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use crate::backend::{check_accepted, check_rows, no_pending, Backend, HcSource, LogitRows};
 use crate::error::{EngineError, Result};
+use crate::imatrix::MoeObserver;
 use crate::kv::KvCache;
 use crate::model::Model;
 use crate::mtp::ring::DraftRing;
@@ -123,6 +124,19 @@ impl Backend for CpuBackend {
         out
     }
 
+    fn forward_observed(&mut self, tokens: &[u32], obs: &mut dyn MoeObserver) -> Result<()> {
+        self.accept_all();
+        let mut hc = self.last_hc.take().unwrap_or_default();
+        let taps = forward::Taps {
+            last_hc: Some(&mut hc),
+            moe: Some(obs),
+            ..Default::default()
+        };
+        let out = self.run(tokens, LogitRows::None, taps);
+        self.last_hc = (!hc.is_empty()).then_some(hc);
+        out.map(|_| ())
+    }
+
     fn step_rows(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         check_rows(tokens.len())?;
         self.accept_all();
@@ -136,6 +150,7 @@ impl Backend for CpuBackend {
                 last_hc: None,
                 rows_hc: Some(&mut hc),
                 journal: Some(&mut undo.journal),
+                moe: None,
             },
         )?;
         self.undo = Some(undo);

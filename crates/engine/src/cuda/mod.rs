@@ -7,6 +7,7 @@
 //! activation quantisation); routed experts use int8 activations in `Fast` mode and
 //! f32 in `Exact` mode; `Fast` rounds stored KV rows to f16 as the CPU does.
 
+mod imatrix;
 mod state;
 pub mod weights;
 
@@ -201,6 +202,14 @@ impl Backend for CudaBackend {
 
     fn pending_rows(&self) -> usize {
         self.state.pending_rows()
+    }
+
+    fn forward_observed(
+        &mut self,
+        tokens: &[u32],
+        obs: &mut dyn crate::imatrix::MoeObserver,
+    ) -> Result<()> {
+        self.observed_prefill(tokens, obs)
     }
 
     fn export_state(&self) -> Result<KvCache> {

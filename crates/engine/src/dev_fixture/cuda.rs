@@ -18,8 +18,10 @@ use crate::dev::{Backend, CpuBackend, LoadOptions, LogitRows, Model};
 use crate::dev::{CudaBackend, CudaWeights, Gpu};
 use crate::{argmax, Numerics};
 
+mod imatrix;
 mod mtp;
 mod spec;
+pub use imatrix::check_imatrix;
 pub use mtp::check_mtp;
 
 /// How many checks a run made and how many failed.

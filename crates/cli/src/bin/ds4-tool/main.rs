@@ -7,6 +7,8 @@ mod gpu_selftest;
 mod inspect;
 mod jsonl;
 mod logits;
+mod logprob_vectors;
+mod quality;
 mod synth;
 mod tokenize;
 
@@ -45,6 +47,10 @@ enum Command {
     Render(tokenize::RenderArgs),
     /// Write the f32 logits of every position of a token sequence (positions × vocab, LE).
     Logits(logits::Args),
+    /// Score a model on official continuations: target-token NLL, ppl, greedy match.
+    Quality(quality::Args),
+    /// Check a model against official top-logprob vectors (official.vec format).
+    LogprobVectors(logprob_vectors::Args),
 }
 
 /// #19 item 4: the subcommand's files exist and its outputs can be written, checked
@@ -60,6 +66,8 @@ fn check_paths(cli: &Cli) -> Result<(), clap::Error> {
         Command::Tokenize(a) => ("tokenize", a.path_flags()),
         Command::Render(_) => ("render", Vec::new()),
         Command::Logits(a) => ("logits", a.path_flags()),
+        Command::Quality(a) => ("quality", a.path_flags()),
+        Command::LogprobVectors(a) => ("logprob-vectors", a.path_flags()),
     };
     let mut sub = Cli::command()
         .find_subcommand(name)
@@ -83,6 +91,8 @@ fn main() -> anyhow::Result<()> {
         Command::Tokenize(a) => tokenize::run_tokenize(a),
         Command::Render(a) => tokenize::run_render(a),
         Command::Logits(a) => logits::run(a),
+        Command::Quality(a) => quality::run(a),
+        Command::LogprobVectors(a) => logprob_vectors::run(a),
     }
 }
 

@@ -57,6 +57,7 @@ Modes:
   ds4 -p TEXT --dump-logprobs F    greedy steps with top-k logprobs as JSON into F
   ds4 --perplexity-file F          teacher-forced NLL and perplexity of a text file
   ds4 --inspect                    model summary
+  ds4 --imatrix-dataset F --imatrix-out OUT.dat   routed-expert imatrix (llama.cpp .dat)
 
 A prompt that starts with <｜begin▁of▁sentence｜> is used verbatim as a rendered chat;
 otherwise it becomes BOS, [Think Max text], system, <｜User｜>, prompt, <｜Assistant｜>,
@@ -197,6 +198,24 @@ pub struct Args {
     #[arg(long)]
     pub inspect: bool,
 
+    /// Imatrix calibration prompts: rendered chats separated by `===== DS4_IMATRIX_PROMPT`
+    /// lines (the reference's `rendered_prompts.txt`); needs --imatrix-out.
+    #[arg(long, value_name = "FILE", requires = "imatrix_out")]
+    pub imatrix_dataset: Option<PathBuf>,
+
+    /// Collect the routed-expert imatrix over --imatrix-dataset and write it as a legacy
+    /// llama.cpp .dat file.
+    #[arg(long, value_name = "FILE", requires = "imatrix_dataset")]
+    pub imatrix_out: Option<PathBuf>,
+
+    /// Stop imatrix collection after N prompts (default: no limit).
+    #[arg(long, value_name = "N", value_parser = positive, allow_negative_numbers = true)]
+    pub imatrix_max_prompts: Option<usize>,
+
+    /// Stop imatrix collection after N prompt tokens (default: no limit).
+    #[arg(long, value_name = "N", value_parser = positive, allow_negative_numbers = true)]
+    pub imatrix_max_tokens: Option<usize>,
+
     /// (ds4-server's flag: refused with a pointer.)
     #[arg(long, hide = true)]
     pub server: bool,
@@ -281,6 +300,12 @@ impl Args {
                 "--dump-logprobs needs -p or --prompt-file",
             );
         }
+        if self.imatrix_out.is_some() && (self.has_prompt() || self.perplexity_file.is_some()) {
+            fail(
+                ErrorKind::ArgumentConflict,
+                "--imatrix-out collects over its dataset: leave out -p/--prompt-file/--perplexity-file",
+            );
+        }
         if self.perplexity_file.is_some() && self.has_prompt() {
             fail(
                 ErrorKind::ArgumentConflict,
@@ -308,6 +333,12 @@ impl Args {
                 self.dump_logprobs.as_deref(),
                 Want::OutFile,
             ),
+            (
+                "imatrix_dataset",
+                self.imatrix_dataset.as_deref(),
+                Want::File,
+            ),
+            ("imatrix_out", self.imatrix_out.as_deref(), Want::OutFile),
         ]);
         validate(&mut cmd, &flags)?;
         validate_model(&mut cmd, "model", &self.model)

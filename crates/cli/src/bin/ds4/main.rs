@@ -6,6 +6,7 @@ mod args;
 mod dump;
 mod engine;
 mod generate;
+mod imatrix;
 mod oneshot;
 mod render;
 mod repl;
@@ -50,6 +51,11 @@ fn run(args: &Args) -> Result<()> {
         let text = prompt.as_deref().unwrap_or_default();
         return dump::dump_tokens(&args.model, text);
     }
+    // Checked before the model loads: a bad dataset is a usage error (status 2).
+    let dataset = args.imatrix_dataset.as_ref().map(|p| {
+        imatrix::load_dataset(p)
+            .unwrap_or_else(|e| args::fail(clap::error::ErrorKind::InvalidValue, &e))
+    });
     let numerics = if args.quality {
         Numerics::Exact
     } else {
@@ -60,6 +66,9 @@ fn run(args: &Args) -> Result<()> {
         return dump::inspect(&engine, args);
     }
     eprintln!("{}", engine.describe());
+    if let Some(text) = &dataset {
+        return imatrix::run(&engine, args, text);
+    }
     if let Some(path) = &args.perplexity_file {
         return dump::perplexity(&engine, args, path);
     }

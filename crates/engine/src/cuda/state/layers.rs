@@ -752,6 +752,9 @@ impl KvView<'_> {
         let (clamp, down_q8) = (c.swiglu_clamp[il], int8(&l.down_exps));
         let xq = down_q8.then_some((&mut qb.exp_mid, true));
         px.swiglu(gate_up_w, ff, pairs, clamp, mid, xq)?;
+        // Imatrix collection (`cuda/imatrix.rs`): a no-op unless an observed prefill runs.
+        let routed_in = (&s.n, &s.ids, &s.mid);
+        crate::cuda::imatrix::observe(g, il, n, routed_in, (e, k, ff))?;
         if down_q8 {
             match plan {
                 Some(plan) => g.matmul_experts_q8act(
