@@ -55,24 +55,52 @@ __device__ __forceinline__ void amma_wait_all() {
     asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
-extern "C" __global__ void __launch_bounds__(256, 1) attention_prefill_mma(const Step* step,
-        const float* q, const float* ring, int raw_cap, int window, const float* comp,
-        int ratio, const i32* sel, int top_k, const float* sinks, float scale, float* out) {
+// SPLIT (attention_split_mma, a multi-row step's few tokens, fast numerics): block
+// (chunk c, token t) takes the contiguous run of 32-row tiles c·⌈tiles/chunks⌉ … of the
+// token's rows and writes the unnormalised partials of attention_split's layout (acc
+// [t][h][c][hd], (max, sum) [t][h][c]) for attention_combine, which adds the sink and the
+// tail: a decode-sized batch cannot fill the GPU with one block per token. A chunk
+// without rows writes an empty partial (sum 0, which the combine skips).
+template <bool SPLIT>
+__device__ __forceinline__ void attention_mma_body(const Step* step, const float* q,
+        const float* ring, int raw_cap, int window, const float* comp, int ratio,
+        const i32* sel, int top_k, const float* sinks, float scale, float* out,
+        int n_chunks, float* part_acc, float* part_ml) {
     PDL_WAIT();
     extern __shared__ __align__(16) u8 smem[];
     u16* sQ = reinterpret_cast<u16*>(smem);
     u16* sK = sQ + AMMA_HEADS * AMMA_LD;
     float* sF = reinterpret_cast<float*>(sK + AMMA_ROWS * AMMA_LD);
-    const int t = blockIdx.x;
+    const int t = SPLIT ? blockIdx.y : blockIdx.x;
     const int tid = threadIdx.x, lane = tid % WARP, w = tid / WARP;
     const int g = lane >> 2, cq = lane & 3;
     const AttRows rows(step, t, window, ratio, sel, top_k);
     const int total = rows.total;
-    const int n_tiles = (total + AMMA_ROWS - 1) / AMMA_ROWS;
+    const int all_tiles = (total + AMMA_ROWS - 1) / AMMA_ROWS;
+    // This block's tiles [tile0, tile0 + n_tiles).
+    int tile0 = 0, n_tiles = all_tiles;
+    if (SPLIT) {
+        const int per = (all_tiles + n_chunks - 1) / n_chunks;
+        tile0 = min(all_tiles, (int)blockIdx.x * per);
+        n_tiles = min(all_tiles, tile0 + per) - tile0;
+        if (n_tiles <= 0) {
+            const i64 base = ((i64)t * AMMA_HEADS) * n_chunks + blockIdx.x;
+            for (int i = tid; i < AMMA_HEADS * AMMA_HD; i += 256) {
+                const int h = i / AMMA_HD, d = i % AMMA_HD;
+                part_acc[(base + (i64)h * n_chunks) * AMMA_HD + d] = 0.f;
+            }
+            if (tid < AMMA_HEADS) {
+                part_ml[2 * (base + (i64)tid * n_chunks)] = -3.0e38f;
+                part_ml[2 * (base + (i64)tid * n_chunks) + 1] = 0.f;
+            }
+            return;
+        }
+    }
 
     // The f32 rows of tile `tile` into sF: 32 rows × 128 chunks of 16 bytes; thread
     // tid copies chunk tid % 128 of rows tid / 128 + 2i (rows past the end are zeros).
     auto issue = [&](int tile) {
+        tile += tile0;
         const int cc = tid & 127;
 #pragma unroll 4
         for (int i = 0; i < AMMA_ROWS / 2; ++i) {
@@ -142,7 +170,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) attention_prefill_mma(const
         for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                const int col = tile * AMMA_ROWS + nt * 8 + 2 * cq + (j & 1);
+                const int col = (tile0 + tile) * AMMA_ROWS + nt * 8 + 2 * cq + (j & 1);
                 if (col >= total) s[nt][j] = __int_as_float(0xff800000u);
             }
             mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
@@ -195,6 +223,26 @@ extern "C" __global__ void __launch_bounds__(256, 1) attention_prefill_mma(const
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
     const int ha = h0 + g, hb = h0 + g + 8;
+    if (SPLIT) {
+        // Unnormalised partials of heads ha, hb over this chunk's rows; warps w and
+        // w + 4 hold the same (max, sum), the first writes it.
+        const i64 ca = ((i64)t * AMMA_HEADS + ha) * n_chunks + blockIdx.x;
+        const i64 cb = ((i64)t * AMMA_HEADS + hb) * n_chunks + blockIdx.x;
+        float* pa = part_acc + ca * AMMA_HD + d0 + 2 * cq;
+        float* pb = part_acc + cb * AMMA_HD + d0 + 2 * cq;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            *reinterpret_cast<float2*>(pa + 8 * i) = make_float2(o[i][0], o[i][1]);
+            *reinterpret_cast<float2*>(pb + 8 * i) = make_float2(o[i][2], o[i][3]);
+        }
+        if (w < 4 && cq == 0) {
+            part_ml[2 * ca] = m0;
+            part_ml[2 * ca + 1] = l0;
+            part_ml[2 * cb] = m1;
+            part_ml[2 * cb + 1] = l1;
+        }
+        return;
+    }
     const float ska = sinks[ha], skb = sinks[hb];
     const float ma = fmaxf(m0, ska), mb = fmaxf(m1, skb);
     const float fa = expf(m0 - ma) / (l0 * expf(m0 - ma) + expf(ska - ma));
@@ -206,4 +254,19 @@ extern "C" __global__ void __launch_bounds__(256, 1) attention_prefill_mma(const
         *reinterpret_cast<float2*>(oa + 8 * i) = make_float2(o[i][0] * fa, o[i][1] * fa);
         *reinterpret_cast<float2*>(ob + 8 * i) = make_float2(o[i][2] * fb, o[i][3] * fb);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) attention_prefill_mma(const Step* step,
+        const float* q, const float* ring, int raw_cap, int window, const float* comp,
+        int ratio, const i32* sel, int top_k, const float* sinks, float scale, float* out) {
+    attention_mma_body<false>(step, q, ring, raw_cap, window, comp, ratio, sel, top_k, sinks,
+                              scale, out, 1, nullptr, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) attention_split_mma(const Step* step,
+        const float* q, const float* ring, int raw_cap, int window, const float* comp,
+        int ratio, const i32* sel, int top_k, const float* sinks, float scale, int n_chunks,
+        float* part_acc, float* part_ml) {
+    attention_mma_body<true>(step, q, ring, raw_cap, window, comp, ratio, sel, top_k, sinks,
+                             scale, nullptr, n_chunks, part_acc, part_ml);
 }

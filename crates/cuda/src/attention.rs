@@ -245,23 +245,86 @@ impl Launcher<'_> {
             a.step, a.q, a.ring, rc, win, a.comp, r, a.sel, tk, a.sinks, nh, hd_, a.scale, rpc, part_acc, part_ml, out, q_norm, q_eps, q_rope
         )?;
         if n_chunks > 1 {
-            let nc = n_chunks as i32;
-            let (rope, rope_on, q, d) = match tail {
-                Some(t) => (t.rope, 1i32, t.q, t.d),
-                None => (RopeP::default(), 0, 0, 0),
-            };
-            let name = self.pick(
-                Variant::CombinePl,
-                "attention_combine",
-                "attention_combine_pl",
-            );
-            launch!(self, name, cfg2(heads as u32, a.n_tok, 128);
-                part_acc, part_ml, a.sinks, nh, hd_, nc, out, a.step, rope, rope_on, q, d
-            )?;
+            self.attention_combine(a, n_chunks, part_acc, part_ml, out, tail)?;
         } else if let Some(t) = tail {
             self.attention_tail(a, t, out)?;
         }
         Ok(())
+    }
+
+    /// The split attention's second launch: the chunks' partials (acc [t][h][c][hd],
+    /// (max, sum) [t][h][c]) with the sink into `out`, then the tail when given.
+    fn attention_combine(
+        &self,
+        a: &AttnInput,
+        n_chunks: usize,
+        part_acc: u64,
+        part_ml: u64,
+        out: u64,
+        tail: Option<&AttnTail>,
+    ) -> Result<(), CudaError> {
+        let (nc, nh, hd_) = (n_chunks as i32, a.heads as i32, a.hd as i32);
+        let (rope, rope_on, q, d) = match tail {
+            Some(t) => (t.rope, 1i32, t.q, t.d),
+            None => (RopeP::default(), 0, 0, 0),
+        };
+        let name = self.pick(
+            Variant::CombinePl,
+            "attention_combine",
+            "attention_combine_pl",
+        );
+        launch!(self, name, cfg2(a.heads as u32, a.n_tok, 128);
+            part_acc, part_ml, a.sinks, nh, hd_, nc, out, a.step, rope, rope_on, q, d
+        )
+    }
+
+    /// A multi-row step's attention on tensor cores (fast numerics: fp16 queries and
+    /// rows, f32 sums): each token's 32-row tiles split over `n_chunks` blocks
+    /// (`attention_split_mma`), then [`Launcher::attention`]'s combine and tail. The
+    /// same chunk partials as the f32 split kernel, so the same scratch and combine.
+    /// Queries are normed and rotated already (no `q_norm`).
+    pub fn attention_split_mma(
+        &self,
+        a: &AttnInput,
+        n_chunks: usize,
+        part_acc: u64,
+        part_ml: u64,
+        out: u64,
+        tail: Option<&AttnTail>,
+    ) -> Result<(), CudaError> {
+        let (heads, hd, raw_cap, window) = (a.heads, a.hd, a.raw_cap, a.window);
+        if let Some(t) = tail {
+            t.check(hd)?;
+        }
+        if a.q_norm.is_some()
+            || !Gpu::attention_mma_shape(heads, hd)
+            || window > raw_cap
+            || a.n_tok == 0
+            || !(2..=128).contains(&n_chunks)
+        {
+            return Err(CudaError::Invalid(format!(
+                "split tensor-core attention takes normed queries, {AMMA_HEADS} heads of {AMMA_HD} (got {heads} of {hd}), window {window} <= ring {raw_cap}, 2..=128 chunks (got {n_chunks})"
+            )));
+        }
+        const NAME: &str = "attention_split_mma";
+        let smem = (AMMA_HEADS + 32) * (AMMA_HD + 8) * 2 + 32 * AMMA_HD * 4;
+        self.allow_smem(NAME, smem)?;
+        let cfg = LaunchConfig {
+            grid_dim: (n_chunks as u32, a.n_tok as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let (rc, win, r, tk, nc) = (
+            raw_cap as i32,
+            window as i32,
+            a.ratio as i32,
+            a.top_k as i32,
+            n_chunks as i32,
+        );
+        launch!(self, NAME, cfg;
+            a.step, a.q, a.ring, rc, win, a.comp, r, a.sel, tk, a.sinks, a.scale, nc, part_acc, part_ml
+        )?;
+        self.attention_combine(a, n_chunks, part_acc, part_ml, out, tail)
     }
 
     /// The [`AttnTail`] of an attention output `out` written without it.

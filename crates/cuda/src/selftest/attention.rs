@@ -244,6 +244,19 @@ pub(super) fn check_attention_mma(gpu: &Launcher, seed: u64) -> Result<Vec<Check
             rel_err: rel_err(&gpu.download(&split)?, &want),
             bound: BOUND_F32,
         });
+        // The multi-row step's split tensor-core kernel: every token in one launch, 32
+        // chunks, then the combine (no tail).
+        let acc = gpu.zeros::<f32>(n * HEADS * 32 * HD)?;
+        let ml = gpu.zeros::<f32>(2 * n * HEADS * 32)?;
+        let split_mma = gpu.upload(&vec![f32::NAN; n * HEADS * HD])?;
+        let a = inputs.input(gpu);
+        let (pa, pm) = (gpu.ptr(&acc), gpu.ptr(&ml));
+        gpu.attention_split_mma(&a, 32, pa, pm, gpu.ptr(&split_mma), None)?;
+        checks.push(Check {
+            name: format!("attention split mma (32 chunks) {}", case.name),
+            rel_err: rel_err(&gpu.download(&split_mma)?, &want),
+            bound: BOUND_FP16_MMA,
+        });
         checks.push(check_q_norm(gpu, &inputs, &mut rng, stride, case.name)?);
         checks.extend(check_decode_split(gpu, &inputs, &want, case.name)?);
     }

@@ -556,14 +556,33 @@ impl KvView<'_> {
             ))
             .into());
         }
-        if n > SMALL_BATCH && fast && gemm(Gemm::Attn) && Gpu::attention_mma_shape(c.n_head, hd) {
+        let mma_shape = fast && gemm(Gemm::Attn) && Gpu::attention_mma_shape(c.n_head, hd);
+        // The split kernels' chunks (the partial buffers are sized for them).
+        let n_chunks = att_splits(s.att_stride);
+        if n > SMALL_BATCH && mma_shape {
             g.attention_prefill_mma(&att, p(&s.heads))?;
             g.attention_tail(&att, &tail, p(&s.heads))?;
+        } else if n > 1
+            && mma_shape
+            && n_chunks >= 2
+            && q_norm.is_none()
+            && g.on(Variant::AttMmaSplit)
+        {
+            // A multi-row step: each token's rows split over chunks on tensor cores (the
+            // FMA kernel reads every row once per 8 heads; its cost grew with the rows).
+            g.attention_split_mma(
+                &att,
+                n_chunks,
+                p(&s.att_acc),
+                p(&s.att_ml),
+                p(&s.heads),
+                Some(&tail),
+            )?;
         } else {
             // Decode and multi-row steps split each token's rows into chunks (a few
             // tokens cannot fill the GPU); a prefill batch's tokens do.
             let (rows_per_chunk, n_chunks) = if n <= SMALL_BATCH {
-                (0, att_splits(s.att_stride))
+                (0, n_chunks)
             } else {
                 (s.att_stride, 1)
             };
