@@ -45,6 +45,7 @@ mod mtp;
 mod ops;
 pub mod plan;
 mod probe;
+mod steer;
 /// The GPU kernel checks (`ds4-tool gpu-selftest`, `tests/gpu_kernels.rs`).
 pub mod selftest;
 pub mod trace;

@@ -13,6 +13,7 @@ use crate::error::{EngineError, Result};
 use crate::model::{LoadOptions, Model};
 use crate::ops::linear::Numerics;
 use crate::session::{Session, SessionOptions};
+use crate::steer::Steering;
 
 /// Which backend [`Engine::open`] should run the model on.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -190,6 +191,8 @@ pub struct Engine {
     reason: String,
     info: ModelInfo,
     tokenizer: OnceLock<Arc<Tokenizer>>,
+    /// Directional steering of the sessions created from now on (`crate::steer`).
+    steering: Option<Arc<Steering>>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -227,6 +230,7 @@ impl Engine {
             device,
             reason,
             tokenizer: OnceLock::new(),
+            steering: None,
         })
     }
 
@@ -269,6 +273,24 @@ impl Engine {
         Ok(self.tokenizer.get_or_init(|| t).clone())
     }
 
+    /// Steers the sessions created from now on (`--dir-steering-*`; docs/architecture.md
+    /// §8 item 17): the directions must match the model's layers and width. `None`, or
+    /// both scales 0, turns steering off: sessions then run the unsteered forward pass,
+    /// bit for bit. Existing sessions keep theirs ([`Session::set_steering`]).
+    pub fn set_steering(&mut self, steering: Option<Steering>) -> Result<()> {
+        let c = self.model.config();
+        if let Some(s) = &steering {
+            s.check_shape(c.n_layer, c.n_embd)?;
+        }
+        self.steering = steering.filter(Steering::active).map(Arc::new);
+        Ok(())
+    }
+
+    /// The steering of new sessions (`None`: off).
+    pub fn steering(&self) -> Option<&Steering> {
+        self.steering.as_deref()
+    }
+
     /// A new, empty session of `ctx` tokens with the engine's numerics.
     pub fn new_session(&self, ctx: usize) -> Result<Session> {
         self.new_session_with(SessionOptions::new(ctx))
@@ -278,6 +300,14 @@ impl Engine {
     /// the device memory); `opts.prefill_chunk` splits calls above it.
     pub fn new_session_with(&self, mut opts: SessionOptions) -> Result<Session> {
         opts.numerics = opts.numerics.or(Some(self.numerics));
+        let mut session = self.new_session_unsteered(opts)?;
+        if self.steering.is_some() {
+            session.set_steering(self.steering.clone())?;
+        }
+        Ok(session)
+    }
+
+    fn new_session_unsteered(&self, opts: SessionOptions) -> Result<Session> {
         match &self.device {
             Device::Cpu(pool) => Session::cpu(&self.model, opts, pool.clone()),
             #[cfg(feature = "cuda")]

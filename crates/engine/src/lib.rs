@@ -43,6 +43,7 @@ mod payload;
 mod sampling;
 mod session;
 mod spec;
+mod steer;
 mod tokenizer;
 mod weights;
 
@@ -56,3 +57,4 @@ pub use ops::linear::Numerics;
 pub use sampling::{argmax, generate, Sampler, SamplerConfig, StopReason};
 pub use session::{Session, SessionOptions, SessionState};
 pub use spec::{SpecOptions, SpecStats, Speculator, MAX_DRAFT};
+pub use steer::{Component, Steering};

@@ -23,6 +23,7 @@ use crate::ops::moe::{route, Route};
 use crate::ops::norm::{rms_scale, rmsnorm_inplace, rmsnorm_rows_inplace, sigmoid, silu};
 use crate::ops::qat::{fp4_e2m1_inplace, fp8_e4m3_inplace, hadamard_inplace};
 use crate::ops::rope::{self, Rope, RopeAngles};
+use crate::steer::{Component, Steering};
 use crate::weights::{CompressorWeights, HcWeights, LayerWeights, Mat};
 
 use super::rows::LayerJournal;
@@ -48,6 +49,12 @@ pub(crate) struct Taps<'a> {
     /// Per layer, what a multi-row step needs to replay a prefix of the chunk
     /// (`super::rows`): the raw rows pushed and the compressor inputs.
     pub journal: Option<&'a mut Vec<LayerJournal>>,
+    /// Directional steering of the sublayer outputs (`crate::steer`); `None` or zero
+    /// scales: none (the forward pass is then the unsteered one, bit for bit).
+    pub steer: Option<&'a Steering>,
+    /// Records one sublayer output of every layer (after steering), layer-major:
+    /// `[n_layer][n][n_embd]` (`ds4-tool steer build`, steering tests).
+    pub act: Option<(Component, &'a mut Vec<f32>)>,
 }
 
 /// Runs `tokens` at positions `cache.n_tokens..` and returns the requested logits,
@@ -84,15 +91,26 @@ pub(crate) fn forward(
         last_hc,
         rows_hc,
         mut journal,
+        steer,
+        act,
     } = taps;
+    let (act_c, act_out) = match act {
+        Some((c, out)) => (Some(c), Some(out)),
+        None => (None, None),
+    };
+    let rec = std::cell::RefCell::new(Vec::new());
     for (il, lw) in m.weights.layers.iter().enumerate() {
-        layer_forward(
+        let ctx = LayerCtx {
             cfg,
             lw,
-            &m.ropes[il],
+            rope: &m.ropes[il],
             numerics,
             pos0,
             tokens,
+            steer: steer.filter(|s| s.active()),
+            act: act_c.map(|c| (c, &rec)),
+        };
+        ctx.run(
             &mut h,
             &mut cache.layers[il],
             journal.as_deref_mut().map(|j| {
@@ -100,6 +118,9 @@ pub(crate) fn forward(
                 j.last_mut().expect("just pushed")
             }),
         );
+    }
+    if let Some(out) = act_out {
+        *out = rec.into_inner();
     }
     cache.n_tokens += n;
     if let Some(out) = last_hc {
@@ -149,9 +170,10 @@ pub(crate) fn layer_forward(
         numerics,
         pos0,
         tokens,
+        steer: None,
+        act: None,
     };
-    ctx.attention(h, cache, journal);
-    ctx.ffn(h);
+    ctx.run(h, cache, journal);
 }
 
 /// The output head for the selected tokens: sigmoid-weighted stream collapse (`hc`),
@@ -194,11 +216,31 @@ struct LayerCtx<'a> {
     numerics: Numerics,
     pos0: usize,
     tokens: &'a [u32],
+    /// Steering (only when a scale is nonzero) and the activation tap (see [`Taps`]).
+    steer: Option<&'a Steering>,
+    act: Option<(Component, &'a std::cell::RefCell<Vec<f32>>)>,
 }
 
 impl LayerCtx<'_> {
     fn n(&self) -> usize {
         self.tokens.len()
+    }
+
+    fn run(&self, h: &mut [f32], cache: &mut LayerCache, journal: Option<&mut LayerJournal>) {
+        self.attention(h, cache, journal);
+        self.ffn(h);
+    }
+
+    /// A sublayer's output `out` (`[n][n_embd]`) before hc_post: steering, then the tap.
+    fn sublayer_out(&self, c: Component, out: &mut [f32]) {
+        if let Some(s) = self.steer {
+            s.apply(c, self.lw.il, out);
+        }
+        if let Some((want, rec)) = self.act {
+            if want == c {
+                rec.borrow_mut().extend_from_slice(out);
+            }
+        }
     }
 
     /// Rounding applied to every stored cache row: none in exact mode, f16 in ds4's.
@@ -428,6 +470,7 @@ impl LayerCtx<'_> {
         }
         let mut o = vec![0.0f32; n * cfg.n_embd];
         matmul_f32(lw.out_b.view(), &low, self.numerics, &mut o);
+        self.sublayer_out(Component::AttnOut, &mut o);
         self.hc_post(h, &o, &mixes);
     }
 
@@ -501,6 +544,7 @@ impl LayerCtx<'_> {
             *o += s;
         }
         debug_assert_eq!(out.len(), n * e);
+        self.sublayer_out(Component::FfnOut, &mut out);
         self.hc_post(h, &out, &mixes);
     }
 

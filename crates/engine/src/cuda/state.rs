@@ -7,6 +7,7 @@ mod layers;
 mod mtp;
 mod rows;
 mod snapshot;
+mod steer;
 
 use super::weights::{CudaWeights, HcDev};
 use crate::config::Config;
@@ -250,6 +251,8 @@ pub(super) struct DeviceState {
     mtp: Option<mtp::MtpDev>,
     /// The last token's final HC state on the device ([`DeviceState::set_last_hc`]).
     last_hc: Option<u64>,
+    /// Directional steering (state/steer.rs; `None`: off).
+    steer: Option<steer::SteerDev>,
 }
 
 fn comp_cap(ctx: usize, ratio: usize) -> usize {
@@ -383,6 +386,7 @@ impl DeviceState {
             rows: None,
             mtp: None,
             last_hc: None,
+            steer: None,
         })
     }
 
@@ -496,6 +500,7 @@ impl DeviceState {
             ctx: self.ctx,
             plan: self.plan,
             journal: None,
+            steer: self.steer.as_ref(),
         }
     }
 
@@ -508,6 +513,7 @@ impl DeviceState {
             ctx: self.ctx,
             plan: self.plan,
             journal: None,
+            steer: self.steer.as_ref(),
         };
         kv.enqueue(w, numerics, &mut self.s, 1)?;
         if head {
