@@ -189,6 +189,115 @@ pub fn project_rows(x: &mut [f32], d: &[f32], scale: f32) {
     }
 }
 
+/// Forms directions from paired prompt activations as the reference's
+/// `dir-steering/tools/build_direction.py` does: per layer, the mean of the "good"
+/// rows minus the mean of the "bad" rows (f64 sums), normalized; by default then made
+/// orthogonal to the normalized bad mean and normalized again (so steering does not
+/// scale the common activation). Each prompt contributes one row per layer (the
+/// reference takes its last token).
+#[derive(Clone, Debug)]
+pub struct DirectionBuilder {
+    n_layer: usize,
+    n_embd: usize,
+    sums: [Vec<f64>; 2],
+    counts: [usize; 2],
+}
+
+/// Per layer, what [`DirectionBuilder::finish`] found (for the JSON sidecar).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerStat {
+    /// |mean good − mean bad| before normalization.
+    pub diff_norm: f64,
+    /// |mean good| and |mean bad|.
+    pub good_norm: f64,
+    pub bad_norm: f64,
+    /// Cosine of the raw difference with the bad mean (what orthogonalization removes).
+    pub cos_bad: f64,
+}
+
+impl DirectionBuilder {
+    pub fn new(n_layer: usize, n_embd: usize) -> DirectionBuilder {
+        let z = vec![0.0f64; n_layer * n_embd];
+        DirectionBuilder {
+            n_layer,
+            n_embd,
+            sums: [z.clone(), z],
+            counts: [0, 0],
+        }
+    }
+
+    /// Adds one prompt's rows (`[n_layer][n_embd]`) to the good or the bad set.
+    pub fn add(&mut self, good: bool, rows: &[f32]) {
+        assert_eq!(rows.len(), self.n_layer * self.n_embd, "one row per layer");
+        let i = usize::from(!good);
+        for (s, &v) in self.sums[i].iter_mut().zip(rows) {
+            *s += v as f64;
+        }
+        self.counts[i] += 1;
+    }
+
+    /// Prompts added to the (good, bad) sets.
+    pub fn counts(&self) -> (usize, usize) {
+        (self.counts[0], self.counts[1])
+    }
+
+    /// The normalized directions (`[n_layer][n_embd]`) and per-layer statistics; an
+    /// error when a set is empty.
+    pub fn finish(&self, orthogonalize: bool) -> Result<(Vec<f32>, Vec<LayerStat>)> {
+        if self.counts.contains(&0) {
+            return Err(EngineError::Invalid(format!(
+                "a direction needs good and bad prompts ({} good, {} bad)",
+                self.counts[0], self.counts[1]
+            )));
+        }
+        let e = self.n_embd;
+        let mut dirs = Vec::with_capacity(self.n_layer * e);
+        let mut stats = Vec::with_capacity(self.n_layer);
+        for il in 0..self.n_layer {
+            let mean = |i: usize| -> Vec<f64> {
+                let n = self.counts[i] as f64;
+                self.sums[i][il * e..(il + 1) * e].iter().map(|v| v / n).collect()
+            };
+            let (good, bad) = (mean(0), mean(1));
+            let diff: Vec<f64> = good.iter().zip(&bad).map(|(g, b)| g - b).collect();
+            let base = normalize(&bad);
+            let diff_norm = norm(&diff);
+            let mut d = normalize(&diff);
+            let cos_bad = dot(&d, &base);
+            if orthogonalize {
+                let p = dot(&d, &base);
+                d = normalize(&d.iter().zip(&base).map(|(x, b)| x - p * b).collect::<Vec<_>>());
+            }
+            dirs.extend(d.iter().map(|&v| v as f32));
+            stats.push(LayerStat {
+                diff_norm,
+                good_norm: norm(&good),
+                bad_norm: norm(&bad),
+                cos_bad,
+            });
+        }
+        Ok((dirs, stats))
+    }
+}
+
+fn dot(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+fn norm(a: &[f64]) -> f64 {
+    dot(a, a).sqrt()
+}
+
+/// `a / |a|`; a zero vector stays zero (as the reference's `normalize`).
+fn normalize(a: &[f64]) -> Vec<f64> {
+    let n = norm(a);
+    if n > 0.0 {
+        a.iter().map(|v| v / n).collect()
+    } else {
+        a.to_vec()
+    }
+}
+
 /// Writes directions as the flat little-endian f32 file [`Steering::load`] reads.
 pub fn write_dirs(path: &Path, dirs: &[f32]) -> std::io::Result<()> {
     let bytes: Vec<u8> = dirs.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -251,6 +360,32 @@ mod tests {
         assert!(s.check_shape(3, 4).is_ok());
         assert!(s.check_shape(43, 4096).unwrap_err().to_string().contains("good.f32"));
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn built_directions_are_unit_mean_differences_orthogonal_to_the_bad_mean() {
+        let mut b = DirectionBuilder::new(2, 3);
+        // Layer 0: good (2,1,0) and (4,1,0), bad (0,1,0): diff (3,0,0), bad mean ⟂ it.
+        // Layer 1: good (1,1,0), bad (1,0,0): diff (0,1,0).
+        b.add(true, &[2.0, 1.0, 0.0, 1.0, 1.0, 0.0]);
+        b.add(true, &[4.0, 1.0, 0.0, 1.0, 1.0, 0.0]);
+        b.add(false, &[0.0, 1.0, 0.0, 1.0, 0.0, 0.0]);
+        assert_eq!(b.counts(), (2, 1));
+        let (d, st) = b.finish(true).unwrap();
+        assert_eq!(d, vec![1.0, 0.0, 0.0, 0.0, 1.0, 0.0]);
+        assert!((st[0].diff_norm - 3.0).abs() < 1e-12);
+        assert!(st[0].cos_bad.abs() < 1e-12);
+        // Not orthogonal to the bad mean: the projection is removed only when asked.
+        let mut b = DirectionBuilder::new(1, 2);
+        b.add(true, &[2.0, 1.0]);
+        b.add(false, &[1.0, 0.0]);
+        let (raw, st) = b.finish(false).unwrap();
+        let s = 0.5f32.sqrt();
+        assert!((raw[0] - s).abs() < 1e-6 && (raw[1] - s).abs() < 1e-6, "{raw:?}");
+        assert!((st[0].cos_bad - 0.5f64.sqrt()).abs() < 1e-12);
+        let (orth, _) = b.finish(true).unwrap();
+        assert_eq!(orth, vec![0.0, 1.0]);
+        assert!(DirectionBuilder::new(1, 2).finish(true).is_err());
     }
 
     #[test]
