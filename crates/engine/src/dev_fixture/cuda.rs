@@ -20,7 +20,9 @@ use crate::{argmax, Numerics};
 
 mod mtp;
 mod spec;
+mod steer;
 pub use mtp::check_mtp;
+pub use steer::check_steering;
 
 /// How many checks a run made and how many failed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -81,6 +81,7 @@ pub fn run(a: Args) -> Result<()> {
             dev_fixture::run_fixtures(&gpu, dir, &mut print)?,
             dev_fixture::check_graph_variants(&gpu, dir, &mut print)?,
             dev_fixture::check_mtp(&gpu, dir, &mtp_image, &mut print)?,
+            dev_fixture::check_steering(&gpu, dir, &mut print)?,
         ] {
             total += t.checks;
             failed += t.failed;
