@@ -286,6 +286,36 @@ impl Engine {
         Ok(())
     }
 
+    /// The `--dir-steering-file/-ffn/-attn` flags of every binary: the file (checked
+    /// against the model's shape) with the FFN scale (default 1) and the attention scale
+    /// (default 0). A nonzero scale without a file is refused, as the reference does;
+    /// zero scales leave steering off. Returns the steering now in force.
+    pub fn steer_from_flags(
+        &mut self,
+        file: Option<&Path>,
+        ffn: Option<f32>,
+        attn: Option<f32>,
+    ) -> Result<Option<&Steering>> {
+        let Some(path) = file else {
+            if ffn.is_some_and(|s| s != 0.0) || attn.is_some_and(|s| s != 0.0) {
+                return Err(EngineError::Invalid(
+                    "directional steering needs --dir-steering-file".into(),
+                ));
+            }
+            return Ok(None);
+        };
+        let c = self.model.config();
+        let s = Steering::load(
+            path,
+            c.n_layer,
+            c.n_embd,
+            ffn.unwrap_or(Steering::DEFAULT_FFN),
+            attn.unwrap_or(Steering::DEFAULT_ATTN),
+        )?;
+        self.set_steering(Some(s))?;
+        Ok(self.steering())
+    }
+
     /// The steering of new sessions (`None`: off).
     pub fn steering(&self) -> Option<&Steering> {
         self.steering.as_deref()

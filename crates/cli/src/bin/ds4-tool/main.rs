@@ -7,6 +7,7 @@ mod gpu_selftest;
 mod inspect;
 mod jsonl;
 mod logits;
+mod steer;
 mod synth;
 mod tokenize;
 
@@ -45,6 +46,8 @@ enum Command {
     Render(tokenize::RenderArgs),
     /// Write the f32 logits of every position of a token sequence (positions × vocab, LE).
     Logits(logits::Args),
+    /// Directional steering: `steer build` makes a direction file from paired prompt files.
+    Steer(steer::Args),
 }
 
 /// #19 item 4: the subcommand's files exist and its outputs can be written, checked
@@ -60,6 +63,7 @@ fn check_paths(cli: &Cli) -> Result<(), clap::Error> {
         Command::Tokenize(a) => ("tokenize", a.path_flags()),
         Command::Render(_) => ("render", Vec::new()),
         Command::Logits(a) => ("logits", a.path_flags()),
+        Command::Steer(a) => return steer_paths(a),
     };
     let mut sub = Cli::command()
         .find_subcommand(name)
@@ -83,7 +87,18 @@ fn main() -> anyhow::Result<()> {
         Command::Tokenize(a) => tokenize::run_tokenize(a),
         Command::Render(a) => tokenize::run_render(a),
         Command::Logits(a) => logits::run(a),
+        Command::Steer(a) => steer::run(a),
     }
+}
+
+/// `check_paths` of `steer build` (a subcommand one level down).
+fn steer_paths(a: &steer::Args) -> Result<(), clap::Error> {
+    let mut sub = Cli::command()
+        .find_subcommand("steer")
+        .and_then(|s| s.find_subcommand("build").cloned())
+        .expect("the subcommand exists")
+        .bin_name("ds4-tool steer build");
+    ds4_cli::paths::validate(&mut sub, &a.path_flags())
 }
 
 // #19 item 4: every flag has `--help` text.

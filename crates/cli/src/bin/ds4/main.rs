@@ -9,6 +9,7 @@ mod generate;
 mod oneshot;
 mod render;
 mod repl;
+mod trace;
 
 use anyhow::Result;
 use ds4_engine::Numerics;
@@ -55,10 +56,11 @@ fn run(args: &Args) -> Result<()> {
     } else {
         Numerics::Fast
     };
-    let engine = Engine::load(&args.model, numerics, args.backend_choice())?;
+    let mut engine = Engine::load(&args.model, numerics, args.backend_choice())?;
     if args.inspect {
         return dump::inspect(&engine, args);
     }
+    engine.configure(args)?;
     eprintln!("{}", engine.describe());
     if let Some(path) = &args.perplexity_file {
         return dump::perplexity(&engine, args, path);
