@@ -26,13 +26,30 @@ fn ds4(args: &[&str]) -> Output {
 
 /// A direction file built by `ds4-tool steer build` from two small prompt files.
 fn built(d: &Path) -> PathBuf {
-    let good = write_file(d, "good.txt", "# target prompts\nAnswer in one word.\n\nBe brief: what is TCP?\nTerse: define a cache.\n");
+    let good = write_file(
+        d,
+        "good.txt",
+        "# target prompts\nAnswer in one word.\n\nBe brief: what is TCP?\nTerse: define a cache.\n",
+    );
     let bad = write_file(d, "bad.txt", "Explain at length, with examples.\nWrite a detailed essay about TCP.\nDescribe caches in depth, every detail.\nExtra line beyond the pairs.\n");
     let out = d.join("dir.f32");
     let (ok, _, err) = tool(&[
-        "steer", "build", "--good", good.to_str().unwrap(), "--bad", bad.to_str().unwrap(),
-        "--component", "ffn_out", "-o", out.to_str().unwrap(), "-m", model().to_str().unwrap(),
-        "--ctx", "128", "-t", "1",
+        "steer",
+        "build",
+        "--good",
+        good.to_str().unwrap(),
+        "--bad",
+        bad.to_str().unwrap(),
+        "--component",
+        "ffn_out",
+        "-o",
+        out.to_str().unwrap(),
+        "-m",
+        model().to_str().unwrap(),
+        "--ctx",
+        "128",
+        "-t",
+        "1",
     ]);
     assert!(ok, "{err}");
     assert!(err.contains("pair 3/3"), "{err}");
@@ -61,7 +78,18 @@ fn steer_build_writes_unit_directions_and_a_sidecar() {
     assert!(meta["layers"][0]["diff_norm"].as_f64().unwrap() > 0.0);
     assert!(meta["date"].as_str().unwrap().ends_with('Z'));
     // An unknown component is refused by name.
-    let (ok, _, err) = tool(&["steer", "build", "--component", "bogus", "--good", "x", "--bad", "y", "-o", "z"]);
+    let (ok, _, err) = tool(&[
+        "steer",
+        "build",
+        "--component",
+        "bogus",
+        "--good",
+        "x",
+        "--bad",
+        "y",
+        "-o",
+        "z",
+    ]);
     assert!(!ok && err.contains("bogus"), "{err}");
 }
 
@@ -73,20 +101,34 @@ fn ds4_steers_and_scale_zero_is_the_plain_output() {
     let base = ["-p", "Hello there", "-n", "12", "--temp", "0", "--nothink"];
     let plain = ds4(&base);
     assert!(plain.status.success(), "{}", text(&plain.stderr));
-    let zero = ds4(&[&base[..], &["--dir-steering-file", f, "--dir-steering-ffn", "0"]].concat());
+    let zero = ds4(&[
+        &base[..],
+        &["--dir-steering-file", f, "--dir-steering-ffn", "0"],
+    ]
+    .concat());
     assert!(zero.status.success(), "{}", text(&zero.stderr));
     assert_eq!(plain.stdout, zero.stdout);
     assert!(!text(&zero.stderr).contains("directional steering:"));
     let trace = d.join("trace.log");
     let on = ds4(&[
         &base[..],
-        &["--dir-steering-file", f, "--dir-steering-ffn", "-2", "--dir-steering-attn", "0.5"],
+        &[
+            "--dir-steering-file",
+            f,
+            "--dir-steering-ffn",
+            "-2",
+            "--dir-steering-attn",
+            "0.5",
+        ],
         &["--trace", trace.to_str().unwrap(), "--warm-weights"],
     ]
     .concat());
     let err = text(&on.stderr);
     assert!(on.status.success(), "{err}");
-    assert!(err.contains(&format!("ds4: directional steering: {f} ffn=-2 attn=0.5")), "{err}");
+    assert!(
+        err.contains(&format!("ds4: directional steering: {f} ffn=-2 attn=0.5")),
+        "{err}"
+    );
     assert!(err.contains("ds4: warm weights: read "), "{err}");
     let t = std::fs::read_to_string(&trace).unwrap();
     for want in [
@@ -104,22 +146,49 @@ fn ds4_steers_and_scale_zero_is_the_plain_output() {
         assert!(t.contains(want), "missing {want:?} in the trace:\n{t}");
     }
     let generated = t.split("--- generated text ---\n").nth(1).unwrap();
-    assert!(generated.starts_with(&text(&on.stdout).trim_end_matches('\n').to_string()), "{t}");
+    assert!(
+        generated.starts_with(&text(&on.stdout).trim_end_matches('\n').to_string()),
+        "{t}"
+    );
 }
 
 #[test]
 fn bad_steering_and_metal_are_refused() {
     let d = tmp_dir("bad");
     let short = write_file(&d, "short.f32", vec![0u8; 6 * 256 * 4 - 4]);
-    let o = ds4(&["-p", "x", "-n", "1", "--dir-steering-file", short.to_str().unwrap()]);
+    let o = ds4(&[
+        "-p",
+        "x",
+        "-n",
+        "1",
+        "--dir-steering-file",
+        short.to_str().unwrap(),
+    ]);
     let err = text(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(err.contains(&format!("steering file {}: 6140 bytes, expected 6144", short.display())), "{err}");
+    assert!(
+        err.contains(&format!(
+            "steering file {}: 6140 bytes, expected 6144",
+            short.display()
+        )),
+        "{err}"
+    );
     let mut nan = vec![0u8; 6 * 256 * 4];
     nan[8..12].copy_from_slice(&f32::NAN.to_le_bytes());
     let nan = write_file(&d, "nan.f32", nan);
-    let o = ds4(&["-p", "x", "-n", "1", "--dir-steering-file", nan.to_str().unwrap()]);
-    assert!(text(&o.stderr).contains("layer 0, dim 2) is NaN"), "{}", text(&o.stderr));
+    let o = ds4(&[
+        "-p",
+        "x",
+        "-n",
+        "1",
+        "--dir-steering-file",
+        nan.to_str().unwrap(),
+    ]);
+    assert!(
+        text(&o.stderr).contains("layer 0, dim 2) is NaN"),
+        "{}",
+        text(&o.stderr)
+    );
     let o = ds4(&["-p", "x", "--dir-steering-ffn", "1"]);
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o.stderr).contains("need --dir-steering-file"));
@@ -128,7 +197,11 @@ fn bad_steering_and_metal_are_refused() {
     assert!(text(&o.stderr).contains("--metal: the Metal backend is not available in this build"));
     let o = Command::new(DS4_BENCH).args(["--metal"]).output().unwrap();
     assert_eq!(o.status.code(), Some(2));
-    assert!(text(&o.stderr).contains("not available in this build"), "{}", text(&o.stderr));
+    assert!(
+        text(&o.stderr).contains("not available in this build"),
+        "{}",
+        text(&o.stderr)
+    );
 }
 
 #[test]
@@ -140,7 +213,18 @@ fn ds4_bench_takes_the_steering_flags() {
     let o = Command::new(DS4_BENCH)
         .arg("-m")
         .arg(model())
-        .args(["--backend", "cpu", "-t", "1", "--ctx-start", "16", "--ctx-max", "16", "-n", "2"])
+        .args([
+            "--backend",
+            "cpu",
+            "-t",
+            "1",
+            "--ctx-start",
+            "16",
+            "--ctx-max",
+            "16",
+            "-n",
+            "2",
+        ])
         .arg("--prompt-file")
         .arg(&prompt)
         .arg("--dir-steering-file")
@@ -151,6 +235,9 @@ fn ds4_bench_takes_the_steering_flags() {
         .unwrap();
     let err = text(&o.stderr);
     assert!(o.status.success(), "{err}");
-    assert!(err.contains("directional steering: ") && err.contains("ffn=1 attn=-1"), "{err}");
+    assert!(
+        err.contains("directional steering: ") && err.contains("ffn=1 attn=-1"),
+        "{err}"
+    );
     assert_eq!(std::fs::read_to_string(&csv).unwrap().lines().count(), 2);
 }

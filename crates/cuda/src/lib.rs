@@ -45,9 +45,9 @@ mod mtp;
 mod ops;
 pub mod plan;
 mod probe;
-mod steer;
 /// The GPU kernel checks (`ds4-tool gpu-selftest`, `tests/gpu_kernels.rs`).
 pub mod selftest;
+mod steer;
 pub mod trace;
 mod upload;
 mod weights;

@@ -175,7 +175,10 @@ pub trait Backend: Send {
     }
 
     /// Steers the later forward passes (`crate::steer`; `None` or zero scales: off).
-    fn set_steering(&mut self, steering: Option<std::sync::Arc<crate::steer::Steering>>) -> Result<()> {
+    fn set_steering(
+        &mut self,
+        steering: Option<std::sync::Arc<crate::steer::Steering>>,
+    ) -> Result<()> {
         match steering {
             Some(s) if s.active() => Err(EngineError::Invalid(format!(
                 "the {} backend cannot steer",

@@ -45,7 +45,9 @@ impl std::str::FromStr for Component {
         match s {
             "attn_out" => Ok(Component::AttnOut),
             "ffn_out" => Ok(Component::FfnOut),
-            _ => Err(format!("unknown component `{s}` (valid: ffn_out, attn_out)")),
+            _ => Err(format!(
+                "unknown component `{s}` (valid: ffn_out, attn_out)"
+            )),
         }
     }
 }
@@ -72,7 +74,13 @@ impl Steering {
 
     /// Directions `dirs` (`[n_layer][n_embd]`) with the given scales; refuses a wrong
     /// length, non-finite values or non-finite scales.
-    pub fn new(dirs: Vec<f32>, n_layer: usize, n_embd: usize, ffn: f32, attn: f32) -> Result<Steering> {
+    pub fn new(
+        dirs: Vec<f32>,
+        n_layer: usize,
+        n_embd: usize,
+        ffn: f32,
+        attn: f32,
+    ) -> Result<Steering> {
         let want = n_layer * n_embd;
         if dirs.len() != want {
             return Err(EngineError::Invalid(format!(
@@ -107,12 +115,15 @@ impl Steering {
 
     /// Reads the flat little-endian f32 file at `path`, which must hold exactly
     /// `n_layer × n_embd` finite values.
-    pub fn load(path: &Path, n_layer: usize, n_embd: usize, ffn: f32, attn: f32) -> Result<Steering> {
+    pub fn load(
+        path: &Path,
+        n_layer: usize,
+        n_embd: usize,
+        ffn: f32,
+        attn: f32,
+    ) -> Result<Steering> {
         let bytes = std::fs::read(path).map_err(|e| {
-            EngineError::Invalid(format!(
-                "cannot read steering file {}: {e}",
-                path.display()
-            ))
+            EngineError::Invalid(format!("cannot read steering file {}: {e}", path.display()))
         })?;
         let want = (n_layer * n_embd * 4) as u64;
         if bytes.len() as u64 != want {
@@ -126,9 +137,8 @@ impl Steering {
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
             .collect();
-        let mut s = Steering::new(dirs, n_layer, n_embd, ffn, attn).map_err(|e| {
-            EngineError::Invalid(format!("steering file {}: {e}", path.display()))
-        })?;
+        let mut s = Steering::new(dirs, n_layer, n_embd, ffn, attn)
+            .map_err(|e| EngineError::Invalid(format!("steering file {}: {e}", path.display())))?;
         s.source = Some(path.to_path_buf());
         Ok(s)
     }
@@ -256,7 +266,10 @@ impl DirectionBuilder {
         for il in 0..self.n_layer {
             let mean = |i: usize| -> Vec<f64> {
                 let n = self.counts[i] as f64;
-                self.sums[i][il * e..(il + 1) * e].iter().map(|v| v / n).collect()
+                self.sums[i][il * e..(il + 1) * e]
+                    .iter()
+                    .map(|v| v / n)
+                    .collect()
             };
             let (good, bad) = (mean(0), mean(1));
             let diff: Vec<f64> = good.iter().zip(&bad).map(|(g, b)| g - b).collect();
@@ -266,7 +279,12 @@ impl DirectionBuilder {
             let cos_bad = dot(&d, &base);
             if orthogonalize {
                 let p = dot(&d, &base);
-                d = normalize(&d.iter().zip(&base).map(|(x, b)| x - p * b).collect::<Vec<_>>());
+                d = normalize(
+                    &d.iter()
+                        .zip(&base)
+                        .map(|(x, b)| x - p * b)
+                        .collect::<Vec<_>>(),
+                );
             }
             dirs.extend(d.iter().map(|&v| v as f32));
             stats.push(LayerStat {
@@ -348,17 +366,28 @@ mod tests {
         write_dirs(&good, &dirs).unwrap();
         let s = Steering::load(&good, 3, 4, 1.0, 0.0).unwrap();
         assert_eq!(s.dir(1), &unit(4, 1)[..]);
-        let e = Steering::load(&good, 4, 4, 1.0, 0.0).unwrap_err().to_string();
-        assert!(e.contains("good.f32") && e.contains("48 bytes") && e.contains("64"), "{e}");
+        let e = Steering::load(&good, 4, 4, 1.0, 0.0)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("good.f32") && e.contains("48 bytes") && e.contains("64"),
+            "{e}"
+        );
         let nan = dir.join("nan.f32");
         let mut bad = dirs.clone();
         bad[5] = f32::NAN;
         write_dirs(&nan, &bad).unwrap();
-        let e = Steering::load(&nan, 3, 4, 1.0, 0.0).unwrap_err().to_string();
+        let e = Steering::load(&nan, 3, 4, 1.0, 0.0)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("nan.f32") && e.contains("layer 1"), "{e}");
         assert!(Steering::new(dirs.clone(), 3, 4, f32::INFINITY, 0.0).is_err());
         assert!(s.check_shape(3, 4).is_ok());
-        assert!(s.check_shape(43, 4096).unwrap_err().to_string().contains("good.f32"));
+        assert!(s
+            .check_shape(43, 4096)
+            .unwrap_err()
+            .to_string()
+            .contains("good.f32"));
         let _ = std::fs::remove_dir_all(&dir);
     }
 
@@ -381,7 +410,10 @@ mod tests {
         b.add(false, &[1.0, 0.0]);
         let (raw, st) = b.finish(false).unwrap();
         let s = 0.5f32.sqrt();
-        assert!((raw[0] - s).abs() < 1e-6 && (raw[1] - s).abs() < 1e-6, "{raw:?}");
+        assert!(
+            (raw[0] - s).abs() < 1e-6 && (raw[1] - s).abs() < 1e-6,
+            "{raw:?}"
+        );
         assert!((st[0].cos_bad - 0.5f64.sqrt()).abs() < 1e-12);
         let (orth, _) = b.finish(true).unwrap();
         assert_eq!(orth, vec![0.0, 1.0]);

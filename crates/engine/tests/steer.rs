@@ -131,7 +131,10 @@ fn a_built_direction_moves_each_layers_ffn_projection_as_the_formula_says() {
         let layer = |a: &[f32]| a[il * n * e..(il + 1) * n * e].to_vec();
         let p0 = proj(&layer(&plain), d);
         let scale0: f32 = p0.iter().map(|v| v.abs()).fold(0.0, f32::max);
-        assert!(scale0 > 1e-3, "layer {il}: the direction is seen ({scale0})");
+        assert!(
+            scale0 > 1e-3,
+            "layer {il}: the direction is seen ({scale0})"
+        );
         for s in [1.0f32, -1.0, 0.5] {
             let got = tap(Some(steering(&m, only.clone(), s, 0.0)));
             assert_eq!(got[..il * n * e], plain[..il * n * e], "layers before {il}");
@@ -148,8 +151,15 @@ fn a_built_direction_moves_each_layers_ffn_projection_as_the_formula_says() {
             let mut b = layer(&plain);
             project_rows(&mut a, d, 1.0);
             project_rows(&mut b, d, 1.0);
-            let diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
-            assert!(diff < 1e-4, "layer {il} scale {s}: orthogonal part moved {diff}");
+            let diff = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0f32, f32::max);
+            assert!(
+                diff < 1e-4,
+                "layer {il} scale {s}: orthogonal part moved {diff}"
+            );
         }
     }
 }
@@ -173,7 +183,10 @@ fn attention_steering_chunks_and_copies() {
         let d = &dirs[il * e..(il + 1) * e];
         for r in act[il * n * e..(il + 1) * n * e].chunks_exact(e) {
             let p: f32 = r.iter().zip(d).map(|(a, b)| a * b).sum();
-            assert!(p.abs() < 1e-4, "layer {il}: attn_out projection {p} after s = 1");
+            assert!(
+                p.abs() < 1e-4,
+                "layer {il}: attn_out projection {p} after s = 1"
+            );
         }
     }
     let both = steering(&m, dirs, 1.0, 0.5);
@@ -200,13 +213,21 @@ fn steering_of_the_wrong_shape_is_refused() {
     let c = e.info().hparams.clone();
     let wrong = Steering::new(vec![0.0; 43 * 4096], 43, 4096, 1.0, 0.0).unwrap();
     let err = e.set_steering(Some(wrong.clone())).unwrap_err().to_string();
-    assert!(err.contains("43 × 4096") && err.contains(&format!("{} × {}", c.n_layer, c.n_embd)), "{err}");
+    assert!(
+        err.contains("43 × 4096") && err.contains(&format!("{} × {}", c.n_layer, c.n_embd)),
+        "{err}"
+    );
     let mut s = e.new_session(64).unwrap();
     assert!(s.set_steering(Some(Arc::new(wrong))).is_err());
     // A file of the reference's layout but the wrong size for this model.
     let path = std::env::temp_dir().join(format!("ds4-steer-test-{}.f32", std::process::id()));
     ds4_engine::dev::steer::write_dirs(&path, &vec![0.5; c.n_layer * c.n_embd - 1]).unwrap();
-    let err = Steering::load(&path, c.n_layer, c.n_embd, 1.0, 0.0).unwrap_err().to_string();
-    assert!(err.contains(&path.display().to_string()) && err.contains("expected"), "{err}");
+    let err = Steering::load(&path, c.n_layer, c.n_embd, 1.0, 0.0)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&path.display().to_string()) && err.contains("expected"),
+        "{err}"
+    );
     let _ = std::fs::remove_file(&path);
 }

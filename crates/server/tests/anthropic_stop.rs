@@ -38,7 +38,11 @@ fn streamed(r: &Resp) -> (String, Value) {
 #[test]
 fn a_stop_sequence_is_reported_as_such() {
     let s = fake_server(ServerConfig::for_tests(4096));
-    let r = post_json(s.addr, "/v1/messages", &body(json!(["nope", "STOP"]), 1000, false));
+    let r = post_json(
+        s.addr,
+        "/v1/messages",
+        &body(json!(["nope", "STOP"]), 1000, false),
+    );
     assert_eq!(r["stop_reason"], "stop_sequence", "{r}");
     assert_eq!(r["stop_sequence"], "STOP", "{r}");
     let text = first_of(&r["content"], "text");
@@ -54,14 +58,22 @@ fn a_stop_sequence_is_reported_as_such() {
 fn other_endings_name_no_stop_sequence() {
     let s = fake_server(ServerConfig::for_tests(4096));
     // A stop sequence that never appears: the reply ends at EOS.
-    let r = post_json(s.addr, "/v1/messages", &body(json!(["never there"]), 1000, false));
+    let r = post_json(
+        s.addr,
+        "/v1/messages",
+        &body(json!(["never there"]), 1000, false),
+    );
     assert_eq!(r["stop_reason"], "end_turn", "{r}");
     assert_eq!(r["stop_sequence"], Value::Null, "{r}");
     // The limit comes first.
     let r = post_json(s.addr, "/v1/messages", &body(json!(["STOP"]), 2, false));
     assert_eq!(r["stop_reason"], "max_tokens", "{r}");
     assert_eq!(r["stop_sequence"], Value::Null, "{r}");
-    let resp = post(s.addr, "/v1/messages", &body(json!(["never there"]), 1000, true));
+    let resp = post(
+        s.addr,
+        "/v1/messages",
+        &body(json!(["never there"]), 1000, true),
+    );
     let (_, delta) = streamed(&resp);
     assert_eq!(delta["delta"]["stop_reason"], "end_turn", "{delta}");
     assert_eq!(delta["delta"]["stop_sequence"], Value::Null, "{delta}");

@@ -218,7 +218,17 @@ fn steering_flags_load_directions_for_the_model() {
     stop(a);
     let (a, log) = start(
         &lock,
-        &["-m", m, "--cpu", "--dir-steering-file", g, "--dir-steering-ffn", "-1", "--dir-steering-attn", "0.5"],
+        &[
+            "-m",
+            m,
+            "--cpu",
+            "--dir-steering-file",
+            g,
+            "--dir-steering-ffn",
+            "-1",
+            "--dir-steering-attn",
+            "0.5",
+        ],
     );
     assert!(log.contains("ffn=-1 attn=0.5"), "{log}");
     stop(a);
@@ -227,7 +237,11 @@ fn steering_flags_load_directions_for_the_model() {
     let b = bad.to_str().unwrap();
     let (code, err) = run_to_exit(&lock, &["-m", m, "--cpu", "--dir-steering-file", b]);
     assert_eq!(code, Some(1), "{err}");
-    let want = format!("steering file {b}: {} bytes, expected {}", dirs.len() - 4, dirs.len());
+    let want = format!(
+        "steering file {b}: {} bytes, expected {}",
+        dirs.len() - 4,
+        dirs.len()
+    );
     assert!(err.contains(&want), "{err}");
 }
 

@@ -243,7 +243,8 @@ impl Backend for CudaBackend {
     }
 
     fn set_steering(&mut self, steering: Option<Arc<Steering>>) -> Result<()> {
-        self.state.set_steering(&self.weights, steering.as_deref())?;
+        self.state
+            .set_steering(&self.weights, steering.as_deref())?;
         self.steering = steering;
         Ok(())
     }

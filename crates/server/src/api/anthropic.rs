@@ -455,10 +455,13 @@ impl SseFormatter for MessageStream {
                         json!({"error": {"type": "api_error", "message": msg}}),
                     ));
                 }
-                out.push(Self::ev("message_delta", json!({
-                    "delta": {"stop_reason": stop_reason(&r), "stop_sequence": r.stop_sequence},
-                    "usage": {"output_tokens": r.usage.completion},
-                })));
+                out.push(Self::ev(
+                    "message_delta",
+                    json!({
+                        "delta": {"stop_reason": stop_reason(&r), "stop_sequence": r.stop_sequence},
+                        "usage": {"output_tokens": r.usage.completion},
+                    }),
+                ));
                 out.push(Self::ev("message_stop", json!({})));
             }
             GenEvent::Failed { message, .. } => {

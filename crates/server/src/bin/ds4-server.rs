@@ -165,9 +165,7 @@ fn run(mut args: Args) -> Result<()> {
         .any(|s| s.is_some_and(|v| v != 0.0));
     if args.dir_steering_file.is_none() && scaled {
         // The reference refuses a steering scale without directions.
-        eprintln!(
-            "ds4-server: --dir-steering-ffn/--dir-steering-attn need --dir-steering-file"
-        );
+        eprintln!("ds4-server: --dir-steering-ffn/--dir-steering-attn need --dir-steering-file");
         std::process::exit(2);
     }
     for w in compat_warnings(&args) {

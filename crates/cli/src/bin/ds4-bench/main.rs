@@ -305,7 +305,11 @@ fn check_args(a: &Args) -> Result<(), clap::Error> {
     let mut flags = PathFlag::given(&[
         ("plot_from", a.plot_from.as_deref(), Want::File),
         ("plot", a.plot.as_deref(), Want::OutFile),
-        ("dir_steering_file", a.dir_steering_file.as_deref(), Want::File),
+        (
+            "dir_steering_file",
+            a.dir_steering_file.as_deref(),
+            Want::File,
+        ),
     ]);
     if a.plot_from.is_some() {
         // Only the chart is drawn: no model, no run.
@@ -439,7 +443,10 @@ fn main() -> Result<()> {
         .context("--dir-steering-file")?
     {
         let f = file.map(|f| f.display().to_string()).unwrap_or_default();
-        eprintln!("ds4-bench: directional steering: {f} ffn={} attn={}", s.ffn, s.attn);
+        eprintln!(
+            "ds4-bench: directional steering: {f} ffn={} attn={}",
+            s.ffn, s.attn
+        );
     }
     eprintln!(
         "ds4-bench: backend {} ({})",

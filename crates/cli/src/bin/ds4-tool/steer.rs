@@ -112,7 +112,9 @@ fn build(a: BuildArgs) -> Result<()> {
     let bad = read_prompts(&a.bad)?;
     let pairs = good.len().min(bad.len());
     if let Some(n) = a.threads {
-        let _ = rayon::ThreadPoolBuilder::new().num_threads(n).build_global();
+        let _ = rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global();
     }
     let numerics = if a.quality {
         Numerics::Exact
@@ -144,7 +146,11 @@ fn build(a: BuildArgs) -> Result<()> {
                 .collect();
             builder.add(is_good, &rows);
         }
-        eprintln!("pair {}/{pairs} ({:.1} s)", i + 1, t0.elapsed().as_secs_f64());
+        eprintln!(
+            "pair {}/{pairs} ({:.1} s)",
+            i + 1,
+            t0.elapsed().as_secs_f64()
+        );
     }
     let (dirs, stats) = builder.finish(!a.no_orthogonalize)?;
     write_dirs(&a.out, &dirs).with_context(|| format!("cannot write {}", a.out.display()))?;
@@ -152,7 +158,12 @@ fn build(a: BuildArgs) -> Result<()> {
     let meta = sidecar(&a, component, (good.len(), bad.len(), pairs), &c, &stats);
     std::fs::write(&side, serde_json::to_string_pretty(&meta)? + "\n")
         .with_context(|| format!("cannot write {}", side.display()))?;
-    eprintln!("wrote {} ({} × {} f32)", a.out.display(), c.n_layer, c.n_embd);
+    eprintln!(
+        "wrote {} ({} × {} f32)",
+        a.out.display(),
+        c.n_layer,
+        c.n_embd
+    );
     eprintln!("wrote {}", side.display());
     Ok(())
 }

@@ -87,7 +87,10 @@ impl Engine {
         if let Some(s) = steering {
             eprintln!(
                 "ds4: directional steering: {} ffn={} attn={}",
-                args.dir_steering_file.as_deref().unwrap_or(Path::new("")).display(),
+                args.dir_steering_file
+                    .as_deref()
+                    .unwrap_or(Path::new(""))
+                    .display(),
                 s.ffn,
                 s.attn
             );
@@ -121,8 +124,10 @@ impl Engine {
         }
         let bar = upload_bar();
         bar.set_style(
-            ProgressStyle::with_template("warming weights {bar:40} {binary_bytes}/{binary_total_bytes}")
-                .expect("valid template"),
+            ProgressStyle::with_template(
+                "warming weights {bar:40} {binary_bytes}/{binary_total_bytes}",
+            )
+            .expect("valid template"),
         );
         let t0 = std::time::Instant::now();
         let n = ds4_cli::warm::warm_file(path, |done, total| {

@@ -47,7 +47,10 @@ impl Trace {
     /// Appends the record of `run`.
     pub fn record(&self, args: &Args, tok: &Tokenizer, run: &Run) -> Result<()> {
         let text = |ids: &[u32]| {
-            let bytes: Vec<u8> = ids.iter().flat_map(|&t| tok.token_bytes(t).to_vec()).collect();
+            let bytes: Vec<u8> = ids
+                .iter()
+                .flat_map(|&t| tok.token_bytes(t).to_vec())
+                .collect();
             String::from_utf8_lossy(&bytes).into_owned()
         };
         let g = run.generated;

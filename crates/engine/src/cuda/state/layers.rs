@@ -615,7 +615,10 @@ impl KvView<'_> {
             })?;
         }
         px.mv(&l.out_b, (p(&s.low), &mut qb.low, false), p(&s.o))?;
-        if let Some((dir, scale)) = self.steer.and_then(|st| st.at(g, px.il, Component::AttnOut)) {
+        if let Some((dir, scale)) = self
+            .steer
+            .and_then(|st| st.at(g, px.il, Component::AttnOut))
+        {
             g.steer_rows(n, p(&s.o), (0, 0), dir, scale, c.n_embd)?;
         }
         px.sublayer_end(comb_lane, p(&s.h), p(&s.o), (0, 0), p(&s.h2))?;

@@ -11,7 +11,9 @@ use anyhow::Result;
 use ds4_cuda::selftest::same_bits;
 
 use super::{delta_bound, Case, DeltaStats, Tally};
-use crate::dev::{Backend, CpuBackend, CudaBackend, CudaWeights, Gpu, LoadOptions, LogitRows, Model};
+use crate::dev::{
+    Backend, CpuBackend, CudaBackend, CudaWeights, Gpu, LoadOptions, LogitRows, Model,
+};
 use crate::dev_fixture::{Manifest, VARIANTS};
 use crate::steer::{Component, DirectionBuilder, Steering};
 use crate::Numerics;
