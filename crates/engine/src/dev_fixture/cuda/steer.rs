@@ -59,7 +59,7 @@ impl Script<'_> {
             if self.switch_at == Some(pos) {
                 b.set_steering(steer.clone())?;
             }
-            if (pos - self.split) % 16 == 0 && pos + 4 <= t.len() {
+            if (pos - self.split).is_multiple_of(16) && pos + 4 <= t.len() {
                 out.extend(b.step_rows(&t[pos..pos + 4])?);
                 b.commit_rows(4)?;
                 pos += 4;
