@@ -241,3 +241,59 @@ fn ds4_bench_takes_the_steering_flags() {
     );
     assert_eq!(std::fs::read_to_string(&csv).unwrap().lines().count(), 2);
 }
+
+#[test]
+fn interactive_turns_are_traced_one_record_each() {
+    use std::io::Write;
+    let d = tmp_dir("chat");
+    let trace = d.join("chat.log");
+    let mut child = Command::new(DS4)
+        .arg("-m")
+        .arg(model())
+        .args([
+            "-t",
+            "1",
+            "--cpu",
+            "-n",
+            "4",
+            "--temp",
+            "0",
+            "--nothink",
+            "--trace",
+        ])
+        .arg(&trace)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"hello\nsecond turn\n/quit\n")
+        .unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let t = std::fs::read_to_string(&trace).unwrap();
+    assert!(
+        t.contains("===== run 1 ") && t.contains("===== end run 2 ====="),
+        "{t}"
+    );
+    assert!(!t.contains("===== run 3 "), "{t}");
+    let second = t.split("===== run 2 ").nth(1).unwrap();
+    assert!(second.contains("kind: chat"), "{t}");
+    // The second turn reuses the first one's tokens and prefills only its own.
+    let cached: usize = second
+        .lines()
+        .find_map(|l| l.strip_prefix("cached_tokens: "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(cached > 0, "{t}");
+    assert!(
+        second.contains("<｜User｜>second turn<｜Assistant｜></think>"),
+        "{t}"
+    );
+    assert!(!second.contains("hello<｜Assistant｜>"), "{t}");
+}

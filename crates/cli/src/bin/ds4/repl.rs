@@ -144,14 +144,15 @@ impl Chat<'_> {
             timing_line(prefilled, prefill_time, g.tokens.len(), g.elapsed),
             mtp_summary(g.mtp.as_ref())
         );
-        let new = target.len() - prefilled;
+        // The tokens reused from the session, then the ones this turn prefilled.
+        let cached = target.len() - prefilled;
         self.engine.trace(
             self.args,
             crate::trace::Run {
                 mode: "chat",
                 think,
-                prompt: &target[new..],
-                cached: new,
+                prompt: &target[cached..],
+                cached,
                 prefill: prefill_time,
                 generated: &g,
                 max,
