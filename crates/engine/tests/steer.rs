@@ -231,3 +231,32 @@ fn steering_of_the_wrong_shape_is_refused() {
     );
     let _ = std::fs::remove_file(&path);
 }
+
+/// The reference's own direction file (fixtures/steering, its `dir-steering/out`) loads
+/// for the DeepSeek V4 Flash shape: 43 unit directions of 4096, used as stored.
+#[test]
+fn the_reference_direction_file_loads() {
+    let path = dir().join("../steering/verbosity.f32");
+    let c = ds4_engine::Config::flash();
+    let s = Steering::load(
+        &path,
+        c.n_layer,
+        c.n_embd,
+        Steering::DEFAULT_FFN,
+        Steering::DEFAULT_ATTN,
+    )
+    .unwrap();
+    assert_eq!((s.n_layer, s.n_embd, s.ffn, s.attn), (43, 4096, 1.0, 0.0));
+    for il in 0..43 {
+        let n: f64 = s.dir(il).iter().map(|&v| (v as f64) * (v as f64)).sum();
+        assert!((n - 1.0).abs() < 1e-5, "layer {il}: |d|² = {n}");
+    }
+    // Not the tiny model's shape: refused, naming the file.
+    let err = Steering::load(&path, 6, 256, 1.0, 0.0)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("verbosity.f32") && err.contains("704512 bytes"),
+        "{err}"
+    );
+}
