@@ -325,6 +325,13 @@ fn check_args(a: &Args) -> Result<(), clap::Error> {
     if scales.iter().flatten().any(|s| !s.is_finite()) {
         return Err(cmd.error(ValueValidation, "steering scales must be finite"));
     }
+    if a.dir_steering_file.is_some() && !a.fuse_ab.is_empty() {
+        // --fuse-ab builds its sessions on raw device weights, outside the engine.
+        return Err(cmd.error(
+            clap::error::ErrorKind::ArgumentConflict,
+            "--dir-steering-file does not apply to --fuse-ab",
+        ));
+    }
     if a.dir_steering_file.is_none() && scales.iter().flatten().any(|&s| s != 0.0) {
         return Err(cmd.error(
             clap::error::ErrorKind::MissingRequiredArgument,
