@@ -1,9 +1,11 @@
 //! Shared code of the `ds4`, `ds4-tool` and `ds4-bench` programs.
 
+pub mod clock;
 pub mod disk;
 pub mod download;
 pub mod logging;
 pub mod paths;
+pub mod warm;
 
 /// Every argument of `cmd` and its subcommands that has no help text, as
 /// "command --flag" (#19 item 4: every flag of every binary has `--help` text).

@@ -47,6 +47,7 @@ pub mod plan;
 mod probe;
 /// The GPU kernel checks (`ds4-tool gpu-selftest`, `tests/gpu_kernels.rs`).
 pub mod selftest;
+mod steer;
 pub mod trace;
 mod upload;
 mod weights;

@@ -184,4 +184,18 @@ pub trait Backend: Send {
     fn preferred_batch(&self) -> usize {
         512
     }
+
+    /// Steers the later forward passes (`crate::steer`; `None` or zero scales: off).
+    fn set_steering(
+        &mut self,
+        steering: Option<std::sync::Arc<crate::steer::Steering>>,
+    ) -> Result<()> {
+        match steering {
+            Some(s) if s.active() => Err(EngineError::Invalid(format!(
+                "the {} backend cannot steer",
+                self.name()
+            ))),
+            _ => Ok(()),
+        }
+    }
 }

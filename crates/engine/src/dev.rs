@@ -51,6 +51,8 @@ reexport! {
     mtp;
     /// The `DSV4` session payload layout ([`Session::save_payload`]).
     payload;
+    /// Directional steering: the direction file and the projection.
+    steer;
     /// The CUDA backend: device weights, sessions, the device runtime.
     #[cfg(feature = "cuda")]
     cuda;

@@ -15,7 +15,9 @@ use anyhow::{Context, Result};
 mod cuda;
 
 #[cfg(feature = "cuda")]
-pub use cuda::{check_graph_variants, check_imatrix, check_mtp, run_fixtures, Tally};
+pub use cuda::{
+    check_graph_variants, check_imatrix, check_mtp, check_steering, run_fixtures, Tally,
+};
 
 /// One (variant, sequence, mode) comparison.
 #[derive(Clone, Debug)]

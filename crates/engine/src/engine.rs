@@ -13,6 +13,7 @@ use crate::error::{EngineError, Result};
 use crate::model::{LoadOptions, Model};
 use crate::ops::linear::Numerics;
 use crate::session::{Session, SessionOptions};
+use crate::steer::Steering;
 
 /// Which backend [`Engine::open`] should run the model on.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -190,6 +191,8 @@ pub struct Engine {
     reason: String,
     info: ModelInfo,
     tokenizer: OnceLock<Arc<Tokenizer>>,
+    /// Directional steering of the sessions created from now on (`crate::steer`).
+    steering: Option<Arc<Steering>>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -227,6 +230,7 @@ impl Engine {
             device,
             reason,
             tokenizer: OnceLock::new(),
+            steering: None,
         })
     }
 
@@ -269,6 +273,54 @@ impl Engine {
         Ok(self.tokenizer.get_or_init(|| t).clone())
     }
 
+    /// Steers the sessions created from now on (`--dir-steering-*`; docs/architecture.md
+    /// §8 item 17): the directions must match the model's layers and width. `None`, or
+    /// both scales 0, turns steering off: sessions then run the unsteered forward pass,
+    /// bit for bit. Existing sessions keep theirs ([`Session::set_steering`]).
+    pub fn set_steering(&mut self, steering: Option<Steering>) -> Result<()> {
+        let c = self.model.config();
+        if let Some(s) = &steering {
+            s.check_shape(c.n_layer, c.n_embd)?;
+        }
+        self.steering = steering.filter(Steering::active).map(Arc::new);
+        Ok(())
+    }
+
+    /// The `--dir-steering-file/-ffn/-attn` flags of every binary: the file (checked
+    /// against the model's shape) with the FFN scale (default 1) and the attention scale
+    /// (default 0). A nonzero scale without a file is refused, as the reference does;
+    /// zero scales leave steering off. Returns the steering now in force.
+    pub fn steer_from_flags(
+        &mut self,
+        file: Option<&Path>,
+        ffn: Option<f32>,
+        attn: Option<f32>,
+    ) -> Result<Option<&Steering>> {
+        let Some(path) = file else {
+            if ffn.is_some_and(|s| s != 0.0) || attn.is_some_and(|s| s != 0.0) {
+                return Err(EngineError::Invalid(
+                    "directional steering needs --dir-steering-file".into(),
+                ));
+            }
+            return Ok(None);
+        };
+        let c = self.model.config();
+        let s = Steering::load(
+            path,
+            c.n_layer,
+            c.n_embd,
+            ffn.unwrap_or(Steering::DEFAULT_FFN),
+            attn.unwrap_or(Steering::DEFAULT_ATTN),
+        )?;
+        self.set_steering(Some(s))?;
+        Ok(self.steering())
+    }
+
+    /// The steering of new sessions (`None`: off).
+    pub fn steering(&self) -> Option<&Steering> {
+        self.steering.as_deref()
+    }
+
     /// A new, empty session of `ctx` tokens with the engine's numerics.
     pub fn new_session(&self, ctx: usize) -> Result<Session> {
         self.new_session_with(SessionOptions::new(ctx))
@@ -278,6 +330,14 @@ impl Engine {
     /// the device memory); `opts.prefill_chunk` splits calls above it.
     pub fn new_session_with(&self, mut opts: SessionOptions) -> Result<Session> {
         opts.numerics = opts.numerics.or(Some(self.numerics));
+        let mut session = self.new_session_unsteered(opts)?;
+        if self.steering.is_some() {
+            session.set_steering(self.steering.clone())?;
+        }
+        Ok(session)
+    }
+
+    fn new_session_unsteered(&self, opts: SessionOptions) -> Result<Session> {
         match &self.device {
             Device::Cpu(pool) => Session::cpu(&self.model, opts, pool.clone()),
             #[cfg(feature = "cuda")]

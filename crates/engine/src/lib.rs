@@ -44,6 +44,7 @@ mod payload;
 mod sampling;
 mod session;
 mod spec;
+mod steer;
 mod tokenizer;
 mod weights;
 
@@ -61,3 +62,4 @@ pub use ops::linear::Numerics;
 pub use sampling::{argmax, generate, Sampler, SamplerConfig, StopReason};
 pub use session::{Session, SessionOptions, SessionState};
 pub use spec::{SpecOptions, SpecStats, Speculator, MAX_DRAFT};
+pub use steer::{Component, Steering};

@@ -429,6 +429,16 @@ impl Session {
         }
     }
 
+    /// Steers this session's later forward passes (see [`crate::Engine::set_steering`];
+    /// `None` or zero scales: off). The directions must match the model.
+    pub fn set_steering(&mut self, steering: Option<Arc<crate::steer::Steering>>) -> Result<()> {
+        let c = self.model.config();
+        if let Some(s) = &steering {
+            s.check_shape(c.n_layer, c.n_embd)?;
+        }
+        self.backend.set_steering(steering.filter(|s| s.active()))
+    }
+
     /// Forgets every token.
     pub fn reset(&mut self) {
         self.pending = None;

@@ -9,7 +9,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use ds4_cuda::selftest::{open_for_test, GRAPH_VARIANTS};
-use ds4_engine::dev::fixture::{check_graph_variants, check_mtp, run_fixtures, Tally};
+use ds4_engine::dev::fixture::{
+    check_graph_variants, check_mtp, check_steering, run_fixtures, Tally,
+};
 use ds4_engine::dev::layout::ExpertQuant;
 use ds4_engine::dev::{Config, Gpu};
 
@@ -55,5 +57,14 @@ fn mtp_drafts_match_the_cpu_block() {
         assert_eq!(t.failed, 0, "{t:?}");
         // 3 models × (2 modes × (drafts, 2 keep checks) + the refusals).
         assert_eq!(t.checks, 21);
+    }
+}
+
+#[test]
+fn steering_matches_the_cpu() {
+    if let Some(t) = on_gpu(check_steering) {
+        assert_eq!(t.failed, 0, "{t:?}");
+        // 2 modes × (steered, zero scales, switched on mid-session).
+        assert_eq!(t.checks, 6);
     }
 }

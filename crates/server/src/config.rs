@@ -38,7 +38,7 @@ pub struct Args {
     /// Same as `--backend cuda`.
     #[arg(long, conflicts_with = "backend")]
     pub cuda: bool,
-    /// Not supported on this engine (Apple only); rejected with a message.
+    /// The reference's Apple Metal backend: not available in this build (exit 2).
     #[arg(long)]
     pub metal: bool,
     /// chdir before anything else, so relative paths resolve from DIR.
@@ -157,14 +157,16 @@ pub struct Args {
     /// Read the model file once at start so the weights sit in the page cache.
     #[arg(long)]
     pub warm_weights: bool,
-    /// Reference flag: directional steering vectors (not implemented; refused).
+    /// Directional steering: a flat f32 file of one direction per layer (n_layer ×
+    /// n_embd, as `ds4-tool steer build` writes; the reference's dir-steering files).
     #[arg(long)]
     pub dir_steering_file: Option<PathBuf>,
-    /// Reference flag: FFN steering strength (needs --dir-steering-file).
-    #[arg(long)]
+    /// Steering scale after each FFN output (default 1 with a file): positive removes
+    /// the direction, negative amplifies it, 0 is off.
+    #[arg(long, value_parser = finite, allow_negative_numbers = true)]
     pub dir_steering_ffn: Option<f32>,
-    /// Reference flag: attention steering strength (needs --dir-steering-file).
-    #[arg(long)]
+    /// Steering scale after each attention output (default 0: off).
+    #[arg(long, value_parser = finite, allow_negative_numbers = true)]
     pub dir_steering_attn: Option<f32>,
     /// More log output on stderr: -v debug, -vv trace (RUST_LOG, when set, decides).
     #[arg(short = 'v', long = "verbose", action = clap::ArgAction::Count)]
@@ -189,6 +191,14 @@ fn mtp_draft(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {
         Ok(v @ 1..=15) => Ok(v),
         Ok(_) => Err("must be 1 to 15".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+fn finite(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(v) if v.is_finite() => Ok(v),
+        Ok(_) => Err("must be a finite number".into()),
         Err(e) => Err(e.to_string()),
     }
 }

@@ -164,28 +164,85 @@ fn unimplemented_reference_flags_warn_or_fail_by_name() {
             mtp,
             "--mtp-draft",
             "2",
+            "--dir-steering-file",
+            dirs,
             "--dir-steering-ffn",
-            "0.5",
+            "-0.5",
             "--warm-weights",
         ],
     );
     for want in [
         &format!("warning: --mtp {mtp}: the fake engine has no MTP block"),
-        "warning: --dir-steering-ffn/--dir-steering-attn have no effect without --dir-steering-file",
+        &format!("warning: --dir-steering-file {dirs}: the fake engine cannot be steered"),
         "warning: --warm-weights",
     ] {
         assert!(log.contains(want), "missing {want:?} in:\n{log}");
     }
     stop(a);
-    // Steering changes the answers: refused rather than ignored.
-    let (code, err) = run_to_exit(&lock, &["--dir-steering-file", dirs]);
+    // A steering scale without directions is refused, as the reference does.
+    let (code, err) = run_to_exit(&lock, &["--dir-steering-attn", "1"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(
-        err.contains(&format!(
-            "--dir-steering-file {dirs}: directional steering is not implemented"
-        )),
+        err.contains("--dir-steering-ffn/--dir-steering-attn need --dir-steering-file"),
         "{err}"
     );
+    let (code, err) = run_to_exit(&lock, &["--metal"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("not available in this build"), "{err}");
+}
+
+/// Directional steering on a real (tiny) model: a file of the model's shape is loaded
+/// with the reference's default scales or the given ones; a file of another size is
+/// refused with its name and both sizes.
+#[test]
+fn steering_flags_load_directions_for_the_model() {
+    let d = temp("steer");
+    let lock = d.join("ds4.lock");
+    let model = root().join(TINY_MODEL);
+    let m = model.to_str().unwrap();
+    // The tiny model: 6 layers of 256.
+    let (n_layer, n_embd) = (6usize, 256usize);
+    let good = d.join("good.f32");
+    let mut dirs = vec![0u8; n_layer * n_embd * 4];
+    for il in 0..n_layer {
+        let i = (il * n_embd + il) * 4;
+        dirs[i..i + 4].copy_from_slice(&1.0f32.to_le_bytes());
+    }
+    std::fs::write(&good, &dirs).unwrap();
+    let g = good.to_str().unwrap();
+    let (a, log) = start(&lock, &["-m", m, "--cpu", "--dir-steering-file", g]);
+    assert!(
+        log.contains(&format!("directional steering: {g} ffn=1 attn=0")),
+        "{log}"
+    );
+    stop(a);
+    let (a, log) = start(
+        &lock,
+        &[
+            "-m",
+            m,
+            "--cpu",
+            "--dir-steering-file",
+            g,
+            "--dir-steering-ffn",
+            "-1",
+            "--dir-steering-attn",
+            "0.5",
+        ],
+    );
+    assert!(log.contains("ffn=-1 attn=0.5"), "{log}");
+    stop(a);
+    let bad = d.join("bad.f32");
+    std::fs::write(&bad, &dirs[4..]).unwrap();
+    let b = bad.to_str().unwrap();
+    let (code, err) = run_to_exit(&lock, &["-m", m, "--cpu", "--dir-steering-file", b]);
+    assert_eq!(code, Some(1), "{err}");
+    let want = format!(
+        "steering file {b}: {} bytes, expected {}",
+        dirs.len() - 4,
+        dirs.len()
+    );
+    assert!(err.contains(&want), "{err}");
 }
 
 // #19 item 4: path flags are checked before the port is bound or the model loads, with

@@ -24,6 +24,7 @@ use crate::ops::moe::{route, Route};
 use crate::ops::norm::{rms_scale, rmsnorm_inplace, rmsnorm_rows_inplace, sigmoid, silu};
 use crate::ops::qat::{fp4_e2m1_inplace, fp8_e4m3_inplace, hadamard_inplace};
 use crate::ops::rope::{self, Rope, RopeAngles};
+use crate::steer::{Component, Steering};
 use crate::weights::{CompressorWeights, HcWeights, LayerWeights, Mat};
 
 use super::rows::LayerJournal;
@@ -51,6 +52,12 @@ pub(crate) struct Taps<'a> {
     pub journal: Option<&'a mut Vec<LayerJournal>>,
     /// Receives each layer's routed-expert inputs (imatrix collection, `imatrix.rs`).
     pub moe: Option<&'a mut dyn MoeObserver>,
+    /// Directional steering of the sublayer outputs (`crate::steer`); `None` or zero
+    /// scales: none (the forward pass is then the unsteered one, bit for bit).
+    pub steer: Option<&'a Steering>,
+    /// Records one sublayer output of every layer (after steering), layer-major:
+    /// `[n_layer][n][n_embd]` (`ds4-tool steer build`, steering tests).
+    pub act: Option<(Component, &'a mut Vec<f32>)>,
 }
 
 /// Runs `tokens` at positions `cache.n_tokens..` and returns the requested logits,
@@ -88,7 +95,14 @@ pub(crate) fn forward(
         rows_hc,
         mut journal,
         mut moe,
+        steer,
+        act,
     } = taps;
+    let (act_c, act_out) = match act {
+        Some((c, out)) => (Some(c), Some(out)),
+        None => (None, None),
+    };
+    let rec = std::cell::RefCell::new(Vec::new());
     for (il, lw) in m.weights.layers.iter().enumerate() {
         let ctx = LayerCtx {
             cfg,
@@ -97,6 +111,8 @@ pub(crate) fn forward(
             numerics,
             pos0,
             tokens,
+            steer: steer.filter(|s| s.active()),
+            act: act_c.map(|c| (c, &rec)),
         };
         ctx.attention(
             &mut h,
@@ -111,6 +127,9 @@ pub(crate) fn forward(
             None => None,
         };
         ctx.ffn(&mut h, obs);
+    }
+    if let Some(out) = act_out {
+        *out = rec.into_inner();
     }
     cache.n_tokens += n;
     if let Some(out) = last_hc {
@@ -160,6 +179,8 @@ pub(crate) fn layer_forward(
         numerics,
         pos0,
         tokens,
+        steer: None,
+        act: None,
     };
     ctx.attention(h, cache, journal);
     ctx.ffn(h, None);
@@ -205,11 +226,26 @@ struct LayerCtx<'a> {
     numerics: Numerics,
     pos0: usize,
     tokens: &'a [u32],
+    /// Steering (only when a scale is nonzero) and the activation tap (see [`Taps`]).
+    steer: Option<&'a Steering>,
+    act: Option<(Component, &'a std::cell::RefCell<Vec<f32>>)>,
 }
 
 impl LayerCtx<'_> {
     fn n(&self) -> usize {
         self.tokens.len()
+    }
+
+    /// A sublayer's output `out` (`[n][n_embd]`) before hc_post: steering, then the tap.
+    fn sublayer_out(&self, c: Component, out: &mut [f32]) {
+        if let Some(s) = self.steer {
+            s.apply(c, self.lw.il, out);
+        }
+        if let Some((want, rec)) = self.act {
+            if want == c {
+                rec.borrow_mut().extend_from_slice(out);
+            }
+        }
     }
 
     /// Rounding applied to every stored cache row: none in exact mode, f16 in ds4's.
@@ -439,6 +475,7 @@ impl LayerCtx<'_> {
         }
         let mut o = vec![0.0f32; n * cfg.n_embd];
         matmul_f32(lw.out_b.view(), &low, self.numerics, &mut o);
+        self.sublayer_out(Component::AttnOut, &mut o);
         self.hc_post(h, &o, &mixes);
     }
 
@@ -512,6 +549,7 @@ impl LayerCtx<'_> {
             *o += s;
         }
         debug_assert_eq!(out.len(), n * e);
+        self.sublayer_out(Component::FfnOut, &mut out);
         self.hc_post(h, &out, &mixes);
     }
 

@@ -13,6 +13,7 @@ use crate::model::Model;
 use crate::mtp::ring::DraftRing;
 use crate::mtp::{Mtp, MtpState};
 use crate::ops::linear::Numerics;
+use crate::steer::{Component, Steering};
 
 #[derive(Clone)]
 pub struct CpuBackend {
@@ -31,6 +32,8 @@ pub struct CpuBackend {
     step_hc: Option<(Vec<f32>, Option<Vec<f32>>)>,
     /// The MTP block's ring and chained state (never part of the exported state).
     mtp: DraftRing,
+    /// Directional steering of every forward pass (`crate::steer`).
+    steering: Option<Arc<Steering>>,
 }
 
 impl CpuBackend {
@@ -44,7 +47,31 @@ impl CpuBackend {
             last_hc: None,
             step_hc: None,
             mtp: DraftRing::default(),
+            steering: None,
         }
+    }
+
+    /// Steers every later forward pass with `steering` (`None`: none).
+    pub fn with_steering(mut self, steering: Option<Arc<Steering>>) -> CpuBackend {
+        self.steering = steering;
+        self
+    }
+
+    /// [`Backend::forward`] of `tokens` returning the last token's logits and the
+    /// component `c` of every layer and token (`[n_layer][n][n_embd]`, after steering):
+    /// what `ds4-tool steer build` averages.
+    pub fn forward_tap(&mut self, tokens: &[u32], c: Component) -> Result<(Vec<f32>, Vec<f32>)> {
+        self.accept_all();
+        let mut act = Vec::new();
+        let mut hc = self.last_hc.take().unwrap_or_default();
+        let taps = forward::Taps {
+            last_hc: Some(&mut hc),
+            act: Some((c, &mut act)),
+            ..Default::default()
+        };
+        let out = self.run(tokens, LogitRows::Last, taps);
+        self.last_hc = (!hc.is_empty()).then_some(hc);
+        Ok((out?, act))
     }
 
     /// The MTP block's raw ring (`None` before the first draft).
@@ -84,8 +111,19 @@ impl CpuBackend {
         Ok((logits, hc))
     }
 
-    fn run(&mut self, tokens: &[u32], rows: LogitRows, taps: forward::Taps) -> Result<Vec<f32>> {
+    // One lifetime for self and the taps: `Taps` is invariant in it (its `&mut`s), and
+    // the steering it gets is borrowed from self.
+    fn run<'a>(
+        &'a mut self,
+        tokens: &[u32],
+        rows: LogitRows,
+        taps: forward::Taps<'a>,
+    ) -> Result<Vec<f32>> {
         let (m, numerics, cache) = (self.model.inner(), self.numerics, &mut self.cache);
+        let taps = forward::Taps {
+            steer: self.steering.as_deref(),
+            ..taps
+        };
         let run = || forward::forward(m, numerics, cache, tokens, rows, taps);
         match &self.pool {
             Some(pool) => pool.install(run),
@@ -150,7 +188,7 @@ impl Backend for CpuBackend {
                 last_hc: None,
                 rows_hc: Some(&mut hc),
                 journal: Some(&mut undo.journal),
-                moe: None,
+                ..Default::default()
             },
         )?;
         self.undo = Some(undo);
@@ -231,6 +269,11 @@ impl Backend for CpuBackend {
 
     fn mtp_keep(&mut self, n: usize) -> Result<()> {
         self.mtp.keep(n)
+    }
+
+    fn set_steering(&mut self, steering: Option<Arc<Steering>>) -> Result<()> {
+        self.steering = steering;
+        Ok(())
     }
 }
 

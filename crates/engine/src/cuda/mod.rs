@@ -23,6 +23,7 @@ use crate::kv::KvCache;
 use crate::model::Model;
 use crate::mtp::Mtp;
 use crate::ops::linear::Numerics;
+use crate::steer::Steering;
 use state::DeviceState;
 pub use weights::CudaWeights;
 
@@ -36,6 +37,8 @@ pub struct CudaBackend {
     /// `reset` was called: the frontiers are cleared (a fallible device write) before
     /// the next forward.
     stale: bool,
+    /// Directional steering (kept to carry into copies of the state).
+    steering: Option<Arc<Steering>>,
 }
 
 fn batched_default() -> bool {
@@ -63,6 +66,7 @@ impl CudaBackend {
             state: DeviceState::new(weights, ctx, plan)?,
             batched: batched_default(),
             stale: false,
+            steering: None,
         })
     }
 
@@ -235,13 +239,15 @@ impl Backend for CudaBackend {
     }
 
     fn try_clone_box(&self) -> Result<Box<dyn Backend>> {
-        let state = self.state.duplicate(&self.weights)?;
+        let mut state = self.state.duplicate(&self.weights)?;
+        state.set_steering(&self.weights, self.steering.as_deref())?;
         Ok(Box::new(CudaBackend {
             weights: self.weights.clone(),
             numerics: self.numerics,
             state,
             batched: self.batched,
             stale: self.stale,
+            steering: self.steering.clone(),
         }))
     }
 
@@ -260,5 +266,12 @@ impl Backend for CudaBackend {
 
     fn mtp_keep(&mut self, n: usize) -> Result<()> {
         self.state.mtp_keep(&self.weights, n)
+    }
+
+    fn set_steering(&mut self, steering: Option<Arc<Steering>>) -> Result<()> {
+        self.state
+            .set_steering(&self.weights, steering.as_deref())?;
+        self.steering = steering;
+        Ok(())
     }
 }

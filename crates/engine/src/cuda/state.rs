@@ -7,6 +7,7 @@ mod layers;
 mod mtp;
 mod rows;
 mod snapshot;
+mod steer;
 
 use super::weights::{CudaWeights, HcDev};
 use crate::config::Config;
@@ -253,6 +254,8 @@ pub(super) struct DeviceState {
     mtp_mark_pending: bool,
     /// The last token's final HC state on the device ([`DeviceState::set_last_hc`]).
     last_hc: Option<u64>,
+    /// Directional steering (state/steer.rs; `None`: off).
+    steer: Option<steer::SteerDev>,
 }
 
 fn comp_cap(ctx: usize, ratio: usize) -> usize {
@@ -387,6 +390,7 @@ impl DeviceState {
             mtp: None,
             mtp_mark_pending: false,
             last_hc: None,
+            steer: None,
         })
     }
 
@@ -500,6 +504,7 @@ impl DeviceState {
             ctx: self.ctx,
             plan: self.plan,
             journal: None,
+            steer: self.steer.as_ref(),
         }
     }
 
@@ -512,6 +517,7 @@ impl DeviceState {
             ctx: self.ctx,
             plan: self.plan,
             journal: None,
+            steer: self.steer.as_ref(),
         };
         kv.enqueue(w, numerics, &mut self.s, 1)?;
         if head {

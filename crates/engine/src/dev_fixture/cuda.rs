@@ -22,7 +22,9 @@ mod imatrix;
 mod mtp;
 mod spec;
 pub use imatrix::check_imatrix;
+mod steer;
 pub use mtp::check_mtp;
+pub use steer::check_steering;
 
 /// How many checks a run made and how many failed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -306,7 +306,7 @@ pub fn message_body(id: &str, model: &str, r: &GenResult) -> Value {
     }
     json!({
         "id": id, "type": "message", "role": "assistant", "model": model, "content": content,
-        "stop_reason": r.finish.anthropic(), "stop_sequence": r.stop_sequence, "usage": usage_json(&r.usage),
+        "stop_reason": stop_reason(r), "stop_sequence": r.stop_sequence, "usage": usage_json(&r.usage),
     })
 }
 
@@ -455,10 +455,13 @@ impl SseFormatter for MessageStream {
                         json!({"error": {"type": "api_error", "message": msg}}),
                     ));
                 }
-                out.push(Self::ev("message_delta", json!({
-                    "delta": {"stop_reason": r.finish.anthropic(), "stop_sequence": r.stop_sequence},
-                    "usage": {"output_tokens": r.usage.completion},
-                })));
+                out.push(Self::ev(
+                    "message_delta",
+                    json!({
+                        "delta": {"stop_reason": stop_reason(&r), "stop_sequence": r.stop_sequence},
+                        "usage": {"output_tokens": r.usage.completion},
+                    }),
+                ));
                 out.push(Self::ev("message_stop", json!({})));
             }
             GenEvent::Failed { message, .. } => {
@@ -470,5 +473,15 @@ impl SseFormatter for MessageStream {
             GenEvent::Progress { .. } => {}
         }
         out
+    }
+}
+
+/// Anthropic's `stop_reason`: `stop_sequence` when one of the request's
+/// `stop_sequences` ended the reply (named in `stop_sequence`), else the finish's.
+fn stop_reason(r: &crate::job::GenResult) -> &'static str {
+    if r.finish == Finish::Stop && r.stop_sequence.is_some() {
+        "stop_sequence"
+    } else {
+        r.finish.anthropic()
     }
 }

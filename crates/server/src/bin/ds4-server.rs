@@ -61,7 +61,7 @@ fn load_engine(
     let progress: ds4_engine::UploadProgress = Box::new(move |done, total| {
         st.set_phase("uploading", done as f64 / total.max(1) as f64);
     });
-    let engine = Engine::open(
+    let mut engine = Engine::open(
         &args.model,
         EngineOptions {
             backend,
@@ -70,6 +70,15 @@ fn load_engine(
         },
     )
     .with_context(|| format!("cannot load {}", args.model.display()))?;
+    let file = args.dir_steering_file.as_deref();
+    let steer = (args.dir_steering_ffn, args.dir_steering_attn);
+    if let Some(s) = engine
+        .steer_from_flags(file, steer.0, steer.1)
+        .context("--dir-steering-file")?
+    {
+        let f = file.map(|f| f.display().to_string()).unwrap_or_default();
+        log!("directional steering: {f} ffn={} attn={}", s.ffn, s.attn);
+    }
     let tok = engine
         .tokenizer()
         .with_context(|| format!("tokenizer of {}", args.model.display()))?;
@@ -142,20 +151,21 @@ fn run(mut args: Args) -> Result<()> {
     }
     args.check_paths().unwrap_or_else(|e| e.exit());
     if args.metal {
-        eprintln!("ds4-server: --metal is not supported by this engine (use --cpu or --cuda)");
+        eprintln!(
+            "ds4-server: --metal: the Metal backend is not available in this build (use --cpu or --cuda)"
+        );
         std::process::exit(2);
     }
     if let Err(e) = args.resolve_api_key() {
         eprintln!("ds4-server: {e}");
         std::process::exit(2);
     }
-    if let Some(f) = &args.dir_steering_file {
-        // Steering changes what the model says; serving without it would quietly give
-        // different answers than asked for, so refuse instead of ignoring it.
-        eprintln!(
-            "ds4-server: --dir-steering-file {}: directional steering is not implemented by this engine",
-            f.display()
-        );
+    let scaled = [args.dir_steering_ffn, args.dir_steering_attn]
+        .iter()
+        .any(|s| s.is_some_and(|v| v != 0.0));
+    if args.dir_steering_file.is_none() && scaled {
+        // The reference refuses a steering scale without directions.
+        eprintln!("ds4-server: --dir-steering-ffn/--dir-steering-attn need --dir-steering-file");
         std::process::exit(2);
     }
     for w in compat_warnings(&args) {
@@ -270,11 +280,11 @@ fn compat_warnings(args: &Args) -> Vec<String> {
             f.display()
         ));
     }
-    if args.dir_steering_ffn.is_some() || args.dir_steering_attn.is_some() {
-        w.push(
-            "--dir-steering-ffn/--dir-steering-attn have no effect without --dir-steering-file"
-                .into(),
-        );
+    if let (Some(f), Some(_)) = (&args.dir_steering_file, &args.fake_engine) {
+        w.push(format!(
+            "--dir-steering-file {}: the fake engine cannot be steered",
+            f.display()
+        ));
     }
     if args.warm_weights && args.fake_engine.is_some() {
         w.push("--warm-weights: nothing to warm with the fake engine".into());

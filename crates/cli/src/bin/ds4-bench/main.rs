@@ -166,6 +166,19 @@ struct Args {
     /// CUDA device.
     #[arg(long, default_value_t = 0)]
     device: usize,
+    /// Directional steering file (n_layer × n_embd f32, `ds4-tool steer build`): the
+    /// timed runs include its edits.
+    #[arg(long)]
+    dir_steering_file: Option<PathBuf>,
+    /// Steering scale after each FFN output (default 1 with a file).
+    #[arg(long, allow_negative_numbers = true)]
+    dir_steering_ffn: Option<f32>,
+    /// Steering scale after each attention output (default 0).
+    #[arg(long, allow_negative_numbers = true)]
+    dir_steering_attn: Option<f32>,
+    /// The reference's Apple Metal backend: not available in this build (exit 2).
+    #[arg(long)]
+    metal: bool,
     /// Seed of --synthetic-weights and of the random prompt tokens.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -292,10 +305,38 @@ fn check_args(a: &Args) -> Result<(), clap::Error> {
     let mut flags = PathFlag::given(&[
         ("plot_from", a.plot_from.as_deref(), Want::File),
         ("plot", a.plot.as_deref(), Want::OutFile),
+        (
+            "dir_steering_file",
+            a.dir_steering_file.as_deref(),
+            Want::File,
+        ),
     ]);
     if a.plot_from.is_some() {
         // Only the chart is drawn: no model, no run.
         return validate(&mut cmd, &flags);
+    }
+    if a.metal {
+        return Err(cmd.error(
+            ValueValidation,
+            "--metal: the Metal backend is not available in this build (use --backend cpu or cuda)",
+        ));
+    }
+    let scales = [a.dir_steering_ffn, a.dir_steering_attn];
+    if scales.iter().flatten().any(|s| !s.is_finite()) {
+        return Err(cmd.error(ValueValidation, "steering scales must be finite"));
+    }
+    if a.dir_steering_file.is_some() && !a.fuse_ab.is_empty() {
+        // --fuse-ab builds its sessions on raw device weights, outside the engine.
+        return Err(cmd.error(
+            clap::error::ErrorKind::ArgumentConflict,
+            "--dir-steering-file does not apply to --fuse-ab",
+        ));
+    }
+    if a.dir_steering_file.is_none() && scales.iter().flatten().any(|&s| s != 0.0) {
+        return Err(cmd.error(
+            clap::error::ErrorKind::MissingRequiredArgument,
+            "--dir-steering-ffn/--dir-steering-attn need --dir-steering-file",
+        ));
     }
     if a.step_mul < 1.0 {
         return Err(cmd.error(ValueValidation, "--step-mul must be at least 1"));
@@ -393,7 +434,7 @@ fn main() -> Result<()> {
         let b = b.clone();
         Box::new(move |done: u64, _total: u64| b.set_position(done))
     };
-    let engine = Engine::from_model(
+    let mut engine = Engine::from_model(
         model.clone(),
         EngineOptions {
             backend,
@@ -403,6 +444,17 @@ fn main() -> Result<()> {
     )
     .context("cannot start the backend (use --backend cpu)")?;
     b.finish_and_clear();
+    let file = a.dir_steering_file.as_deref();
+    if let Some(s) = engine
+        .steer_from_flags(file, a.dir_steering_ffn, a.dir_steering_attn)
+        .context("--dir-steering-file")?
+    {
+        let f = file.map(|f| f.display().to_string()).unwrap_or_default();
+        eprintln!(
+            "ds4-bench: directional steering: {f} ffn={} attn={}",
+            s.ffn, s.attn
+        );
+    }
     eprintln!(
         "ds4-bench: backend {} ({})",
         engine.backend(),

@@ -9,6 +9,7 @@ mod jsonl;
 mod logits;
 mod logprob_vectors;
 mod quality;
+mod steer;
 mod synth;
 mod tokenize;
 
@@ -51,6 +52,8 @@ enum Command {
     Quality(quality::Args),
     /// Check a model against official top-logprob vectors (official.vec format).
     LogprobVectors(logprob_vectors::Args),
+    /// Directional steering: `steer build` makes a direction file from paired prompt files.
+    Steer(steer::Args),
 }
 
 /// #19 item 4: the subcommand's files exist and its outputs can be written, checked
@@ -68,6 +71,7 @@ fn check_paths(cli: &Cli) -> Result<(), clap::Error> {
         Command::Logits(a) => ("logits", a.path_flags()),
         Command::Quality(a) => ("quality", a.path_flags()),
         Command::LogprobVectors(a) => ("logprob-vectors", a.path_flags()),
+        Command::Steer(a) => return steer_paths(a),
     };
     let mut sub = Cli::command()
         .find_subcommand(name)
@@ -93,7 +97,18 @@ fn main() -> anyhow::Result<()> {
         Command::Logits(a) => logits::run(a),
         Command::Quality(a) => quality::run(a),
         Command::LogprobVectors(a) => logprob_vectors::run(a),
+        Command::Steer(a) => steer::run(a),
     }
+}
+
+/// `check_paths` of `steer build` (a subcommand one level down).
+fn steer_paths(a: &steer::Args) -> Result<(), clap::Error> {
+    let mut sub = Cli::command()
+        .find_subcommand("steer")
+        .and_then(|s| s.find_subcommand("build").cloned())
+        .expect("the subcommand exists")
+        .bin_name("ds4-tool steer build");
+    ds4_cli::paths::validate(&mut sub, &a.path_flags())
 }
 
 // #19 item 4: every flag has `--help` text.

@@ -216,6 +216,36 @@ pub struct Args {
     #[arg(long, value_name = "N", value_parser = positive, allow_negative_numbers = true)]
     pub imatrix_max_tokens: Option<usize>,
 
+    /// Directional steering: a flat f32 file of one direction per layer (n_layer ×
+    /// n_embd, as `ds4-tool steer build` writes; the reference's dir-steering files).
+    #[arg(long = "dir-steering-file", value_name = "FILE")]
+    pub dir_steering_file: Option<PathBuf>,
+
+    /// Steering scale after each FFN output (default 1 with a file): positive removes
+    /// the direction, negative amplifies it, 0 is off.
+    #[arg(long = "dir-steering-ffn", value_name = "F", value_parser = finite,
+          allow_negative_numbers = true)]
+    pub dir_steering_ffn: Option<f32>,
+
+    /// Steering scale after each attention output (default 0: off).
+    #[arg(long = "dir-steering-attn", value_name = "F", value_parser = finite,
+          allow_negative_numbers = true)]
+    pub dir_steering_attn: Option<f32>,
+
+    /// Append a trace of each run to FILE (truncated at start): settings, rendered
+    /// prompt, generated text, finish and timings (ds4-server's --trace layout).
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
+
+    /// Read every weight page before the first token (with progress), so generation
+    /// does not wait on the disk; on CUDA the upload already reads them (a no-op).
+    #[arg(long = "warm-weights")]
+    pub warm_weights: bool,
+
+    /// The reference's Apple Metal backend: not available in this build (exit 2).
+    #[arg(long)]
+    pub metal: bool,
+
     /// (ds4-server's flag: refused with a pointer.)
     #[arg(long, hide = true)]
     pub server: bool,
@@ -256,6 +286,13 @@ fn non_negative(s: &str) -> Result<f32, String> {
     }
 }
 
+fn finite(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(v) if v.is_finite() => Ok(v),
+        _ => Err(format!("expected a finite number, got {s:?}")),
+    }
+}
+
 fn float_in(s: &str, lo: f32, hi: f32) -> Result<f32, String> {
     match s.parse::<f32>() {
         Ok(v) if v.is_finite() && (lo..=hi).contains(&v) => Ok(v),
@@ -286,6 +323,22 @@ impl Args {
             fail(
                 ErrorKind::UnknownArgument,
                 "--server is not a ds4 option: use ds4-server",
+            );
+        }
+        if self.metal {
+            fail(
+                ErrorKind::InvalidValue,
+                "--metal: the Metal backend is not available in this build (use --cpu or --cuda)",
+            );
+        }
+        if self.dir_steering_file.is_none()
+            && [self.dir_steering_ffn, self.dir_steering_attn]
+                .iter()
+                .any(|s| s.is_some_and(|v| v != 0.0))
+        {
+            fail(
+                ErrorKind::MissingRequiredArgument,
+                "--dir-steering-ffn/--dir-steering-attn need --dir-steering-file",
             );
         }
         if self.dump_tokens && !self.has_prompt() {
@@ -323,6 +376,12 @@ impl Args {
         let flags = PathFlag::given(&[
             ("prompt_file", self.prompt_file.as_deref(), Want::File),
             ("mtp", self.mtp.as_deref(), Want::File),
+            (
+                "dir_steering_file",
+                self.dir_steering_file.as_deref(),
+                Want::File,
+            ),
+            ("trace", self.trace.as_deref(), Want::OutFile),
             (
                 "perplexity_file",
                 self.perplexity_file.as_deref(),

@@ -31,6 +31,8 @@ pub fn check_model_exists(path: &Path) -> Result<()> {
 pub struct Engine {
     engine: ds4_engine::Engine,
     pub tok: Arc<Tokenizer>,
+    /// `--trace`: one record per run.
+    trace: Option<crate::trace::Trace>,
 }
 
 impl Engine {
@@ -65,7 +67,86 @@ impl Engine {
             .with_context(|| format!("tokenizer of {}", path.display()))?;
         tok.special_ids()
             .context("the model's vocabulary lacks the chat markers")?;
-        Ok(Engine { engine, tok })
+        Ok(Engine {
+            engine,
+            tok,
+            trace: None,
+        })
+    }
+
+    /// The `--dir-steering-*` and `--warm-weights` flags, after the model loaded.
+    pub fn configure(&mut self, args: &Args) -> Result<()> {
+        let steering = self
+            .engine
+            .steer_from_flags(
+                args.dir_steering_file.as_deref(),
+                args.dir_steering_ffn,
+                args.dir_steering_attn,
+            )
+            .context("--dir-steering-file")?;
+        if let Some(s) = steering {
+            eprintln!(
+                "ds4: directional steering: {} ffn={} attn={}",
+                args.dir_steering_file
+                    .as_deref()
+                    .unwrap_or(Path::new(""))
+                    .display(),
+                s.ffn,
+                s.attn
+            );
+        }
+        if args.warm_weights {
+            self.warm(&args.model)?;
+        }
+        if let Some(path) = &args.trace {
+            self.trace = Some(crate::trace::Trace::create(path)?);
+        }
+        Ok(())
+    }
+
+    /// Writes `run`'s `--trace` record (nothing without the flag).
+    pub fn trace(&self, args: &Args, run: crate::trace::Run) -> Result<()> {
+        match &self.trace {
+            Some(t) => t.record(args, &self.tok, &run),
+            None => Ok(()),
+        }
+    }
+
+    /// `--warm-weights`: reads the model file once (a bar on a terminal). On CUDA the
+    /// weights were read by the upload, so there is nothing left to do.
+    fn warm(&self, path: &Path) -> Result<()> {
+        if self.engine.backend() != ds4_engine::BackendKind::Cpu {
+            eprintln!(
+                "ds4: --warm-weights: nothing to do on {} (the upload read every weight)",
+                self.backend_name()
+            );
+            return Ok(());
+        }
+        let bar = upload_bar();
+        bar.set_style(
+            ProgressStyle::with_template(
+                "warming weights {bar:40} {binary_bytes}/{binary_total_bytes}",
+            )
+            .expect("valid template"),
+        );
+        let t0 = std::time::Instant::now();
+        let n = ds4_cli::warm::warm_file(path, |done, total| {
+            bar.set_length(total);
+            bar.set_position(done);
+        })
+        .with_context(|| format!("--warm-weights: reading {}", path.display()))?;
+        bar.finish_and_clear();
+        eprintln!(
+            "ds4: warm weights: read {:.1} GiB in {:.1} s",
+            n as f64 / (1u64 << 30) as f64,
+            t0.elapsed().as_secs_f64()
+        );
+        Ok(())
+    }
+
+    /// Steering in force as (ffn, attn) scales, for the trace (`None`: off).
+    pub fn steering(&self) -> Option<(f32, f32)> {
+        self.engine.steering().map(|s| (s.ffn, s.attn))
     }
 
     pub fn backend_name(&self) -> &'static str {

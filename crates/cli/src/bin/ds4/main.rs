@@ -10,6 +10,7 @@ mod imatrix;
 mod oneshot;
 mod render;
 mod repl;
+mod trace;
 
 use anyhow::Result;
 use ds4_engine::Numerics;
@@ -61,10 +62,11 @@ fn run(args: &Args) -> Result<()> {
     } else {
         Numerics::Fast
     };
-    let engine = Engine::load(&args.model, numerics, args.backend_choice())?;
+    let mut engine = Engine::load(&args.model, numerics, args.backend_choice())?;
     if args.inspect {
         return dump::inspect(&engine, args);
     }
+    engine.configure(args)?;
     eprintln!("{}", engine.describe());
     if let Some(text) = &dataset {
         return imatrix::run(&engine, args, text);

@@ -65,5 +65,18 @@ pub fn run(engine: &Engine, args: &Args, prompt: &str) -> Result<()> {
         timing_line(tokens.len(), prefill_time, g.tokens.len(), g.elapsed),
         mtp_summary(g.mtp.as_ref())
     );
-    Ok(())
+    engine.trace(
+        args,
+        crate::trace::Run {
+            mode: "oneshot",
+            think,
+            prompt: &tokens,
+            cached: 0,
+            prefill: prefill_time,
+            generated: &g,
+            max,
+            backend: engine.backend_name(),
+            steering: engine.steering(),
+        },
+    )
 }

@@ -39,6 +39,7 @@ Ctrl+C stops a generation and returns to the prompt.";
 
 struct Chat<'e> {
     engine: &'e Engine,
+    args: &'e Args,
     system: String,
     think: Think,
     ctx: usize,
@@ -143,7 +144,22 @@ impl Chat<'_> {
             timing_line(prefilled, prefill_time, g.tokens.len(), g.elapsed),
             mtp_summary(g.mtp.as_ref())
         );
-        Ok(())
+        // The tokens reused from the session, then the ones this turn prefilled.
+        let cached = target.len() - prefilled;
+        self.engine.trace(
+            self.args,
+            crate::trace::Run {
+                mode: "chat",
+                think,
+                prompt: &target[cached..],
+                cached,
+                prefill: prefill_time,
+                generated: &g,
+                max,
+                backend: self.engine.backend_name(),
+                steering: self.engine.steering(),
+            },
+        )
     }
 
     /// Handles a `/command`; false means quit.
@@ -218,6 +234,7 @@ pub fn run(engine: &Engine, args: &Args) -> Result<()> {
     }
     let mut chat = Chat {
         engine,
+        args,
         system: args.system.clone(),
         think: args.think_mode(),
         ctx: args.ctx,

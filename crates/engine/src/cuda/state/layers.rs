@@ -12,6 +12,7 @@ use crate::config::Config;
 use crate::cuda::weights::{CompressorDev, CudaWeights, HcDev, LayerDev};
 use crate::error::Result;
 use crate::ops::linear::Numerics;
+use crate::steer::Component;
 
 /// Which products a batch of more than one token runs as tensor-core / tiled GEMMs
 /// instead of per-token matvecs: `DS4_CUDA_GEMM` = `0` (none, for comparison) or a comma
@@ -80,6 +81,8 @@ pub(super) struct KvView<'a> {
     /// indexer) instead of the scratch, so that a rollback can replay them
     /// ([`KvView::replay_compressors`]).
     pub(super) journal: Option<&'a [(u64, u64)]>,
+    /// Directional steering (state/steer.rs; `None`: off, nothing launched).
+    pub(super) steer: Option<&'a super::steer::SteerDev>,
 }
 
 /// A projection's input: f32 rows at `x`, their Q8_0 form in `xq` (already written
@@ -631,6 +634,12 @@ impl KvView<'_> {
             })?;
         }
         px.mv(&l.out_b, (p(&s.low), &mut qb.low, false), p(&s.o))?;
+        if let Some((dir, scale)) = self
+            .steer
+            .and_then(|st| st.at(g, px.il, Component::AttnOut))
+        {
+            g.steer_rows(n, p(&s.o), (0, 0), dir, scale, c.n_embd)?;
+        }
         px.sublayer_end(comb_lane, p(&s.h), p(&s.o), (0, 0), p(&s.h2))?;
         Ok(())
     }
@@ -792,7 +801,14 @@ impl KvView<'_> {
         }
         g.join(1)?;
         // The routed experts' rows summed plus the shared expert, inside hc_post.
-        px.sublayer_end(comb_lane, p(&s.h2), p(&s.sh), (p(&s.dn), k), p(&s.h))?;
+        let mut parts = (p(&s.dn), k);
+        if let Some((dir, scale)) = self.steer.and_then(|st| st.at(g, il, Component::FfnOut)) {
+            // Steering edits the whole FFN output: steer_rows forms that sum in s.sh
+            // (hc_post's order), steers it, and hc_post adds no parts.
+            g.steer_rows(n, p(&s.sh), parts, dir, scale, e)?;
+            parts = (0, 0);
+        }
+        px.sublayer_end(comb_lane, p(&s.h2), p(&s.sh), parts, p(&s.h))?;
         Ok(())
     }
 }

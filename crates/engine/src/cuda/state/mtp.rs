@@ -439,6 +439,7 @@ impl DeviceState {
                 ctx: self.ctx,
                 plan: self.plan,
                 journal: None,
+                steer: None,
             };
             let layer = (mw.il, &mw.layer, &m.layer, mw.rope(g, c.rope_dim));
             let px = kv.pass(w, numerics, layer, s, 1);

@@ -111,6 +111,11 @@ impl RowStep {
 }
 
 impl RowStep {
+    /// Drops the captured graphs (a steering change: they hold the old launches).
+    pub(super) fn forget_graphs(&mut self) {
+        self.graphs.iter_mut().for_each(|g| *g = None);
+    }
+
     /// The device address of row `r`'s final HC state in the step's scratch.
     fn hc_row(&self, w: &CudaWeights, r: usize) -> u64 {
         let c = &w.config;
