@@ -7,6 +7,8 @@ mod gpu_selftest;
 mod inspect;
 mod jsonl;
 mod logits;
+mod quantize;
+mod splice;
 mod synth;
 mod tokenize;
 
@@ -45,6 +47,10 @@ enum Command {
     Render(tokenize::RenderArgs),
     /// Write the f32 logits of every position of a token sequence (positions × vocab, LE).
     Logits(logits::Args),
+    /// Build a DS4 GGUF (q2/q4 mix) from the official Hugging Face checkpoint.
+    Quantize(quantize::Args),
+    /// Mix two GGUFs: the routed experts of chosen layers from a donor (e.g. q4 into q2).
+    Splice(splice::Args),
 }
 
 /// #19 item 4: the subcommand's files exist and its outputs can be written, checked
@@ -60,6 +66,8 @@ fn check_paths(cli: &Cli) -> Result<(), clap::Error> {
         Command::Tokenize(a) => ("tokenize", a.path_flags()),
         Command::Render(_) => ("render", Vec::new()),
         Command::Logits(a) => ("logits", a.path_flags()),
+        Command::Quantize(a) => ("quantize", a.path_flags()),
+        Command::Splice(a) => ("splice", a.path_flags()),
     };
     let mut sub = Cli::command()
         .find_subcommand(name)
@@ -83,6 +91,8 @@ fn main() -> anyhow::Result<()> {
         Command::Tokenize(a) => tokenize::run_tokenize(a),
         Command::Render(a) => tokenize::run_render(a),
         Command::Logits(a) => logits::run(a),
+        Command::Quantize(a) => quantize::run(a),
+        Command::Splice(a) => splice::run(a),
     }
 }
 
