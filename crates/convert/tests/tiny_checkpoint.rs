@@ -296,3 +296,27 @@ fn splice_takes_the_donor_experts_of_the_chosen_layers() {
     assert!(Session::new(&model, 64).unwrap().prefill_all_logits(&tokens("a")).unwrap().iter().all(|v| v.is_finite()));
     assert!(splice::splice(base, donor, &[6], &tmp().join("bad.gguf")).is_err());
 }
+
+#[test]
+fn a_template_supplies_the_metadata_and_the_tensor_data_is_the_same() {
+    let mut o = opts(Mix::Q4);
+    o.template = Some(fixture("tiny-q4.gguf"));
+    let path = convert(&o, "q4-template.gguf");
+    let (a, t, b) = (
+        GgufFile::open(&path).unwrap(),
+        GgufFile::open(fixture("tiny-q4.gguf")).unwrap(),
+        GgufFile::open(converted(Mix::Q4)).unwrap(),
+    );
+    // Every template key but the description, in the template's order.
+    let keys = |g: &GgufFile| {
+        g.metadata()
+            .iter()
+            .filter(|(k, _)| k != "general.description")
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(keys(&a), keys(&t));
+    for x in b.tensors() {
+        assert_eq!(a.tensor(&x.name).unwrap().data, b.view(x).data, "{}", x.name);
+    }
+}
