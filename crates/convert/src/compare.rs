@@ -74,32 +74,42 @@ pub fn compare(ck: &Checkpoint, gguf: &GgufFile, name: &str) -> Result<Stats> {
     let n: usize = dims.iter().product::<u64>() as usize;
     let got = dequantize_to_vec(view.ty(), view.data, n)?;
     let cols = dims[0] as usize;
-    let want = match names::source(name).with_context(|| format!("no checkpoint name for {name}"))? {
-        Source::Tensor(hf) => {
-            let t = ck.tensor(&hf)?;
-            ensure!(t.n_elements() == n, "{hf} has {} values, {name} {n}", t.n_elements());
-            if t.dtype == "I64" || t.dtype == "I32" {
-                let b = ck.bytes(t);
-                let w = if t.dtype == "I64" { 8 } else { 4 };
-                b.chunks_exact(w)
-                    .map(|c| {
-                        let mut a = [0u8; 8];
-                        a[..w].copy_from_slice(c);
-                        i64::from_le_bytes(a) as f32
-                    })
-                    .collect()
-            } else {
-                rows_f32(ck, &hf, t, cols, 0..n / cols)?
+    let want =
+        match names::source(name).with_context(|| format!("no checkpoint name for {name}"))? {
+            Source::Tensor(hf) => {
+                let t = ck.tensor(&hf)?;
+                ensure!(
+                    t.n_elements() == n,
+                    "{hf} has {} values, {name} {n}",
+                    t.n_elements()
+                );
+                if t.dtype == "I64" || t.dtype == "I32" {
+                    let b = ck.bytes(t);
+                    let w = if t.dtype == "I64" { 8 } else { 4 };
+                    b.chunks_exact(w)
+                        .map(|c| {
+                            let mut a = [0u8; 8];
+                            a[..w].copy_from_slice(c);
+                            i64::from_le_bytes(a) as f32
+                        })
+                        .collect()
+                } else {
+                    rows_f32(ck, &hf, t, cols, 0..n / cols)?
+                }
             }
-        }
-        Source::Experts { layer, part } => {
-            let rows = dims[1] as usize;
-            let mut v = Vec::with_capacity(n);
-            for e in 0..dims[2] as usize {
-                v.extend(expert_f32(ck, &names::expert_name(layer, e, part), rows, cols)?);
+            Source::Experts { layer, part } => {
+                let rows = dims[1] as usize;
+                let mut v = Vec::with_capacity(n);
+                for e in 0..dims[2] as usize {
+                    v.extend(expert_f32(
+                        ck,
+                        &names::expert_name(layer, e, part),
+                        rows,
+                        cols,
+                    )?);
+                }
+                v
             }
-            v
-        }
-    };
+        };
     Ok(Stats::of(&want, &got))
 }

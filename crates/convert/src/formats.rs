@@ -243,7 +243,13 @@ mod tests {
         let (codes, scales) = encode_fp8(&x, out, inp);
         let cb = inp.div_ceil(FP8_BLOCK);
         let mut back = Vec::new();
-        dequant_fp8_rows(&codes, inp, 0..out, &|r, c| e8m0_to_f32(scales[r * cb + c]), &mut back);
+        dequant_fp8_rows(
+            &codes,
+            inp,
+            0..out,
+            &|r, c| e8m0_to_f32(scales[r * cb + c]),
+            &mut back,
+        );
         assert_eq!(back, x);
         let y: Vec<f32> = (0..64).map(|i| FP4_VALUES[i % 16] * 0.125).collect();
         let (p, s) = encode_fp4(&y);

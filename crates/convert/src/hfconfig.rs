@@ -59,12 +59,24 @@ pub fn parse(v: &Value) -> Result<Config> {
     usize_key(v, ("vocab_size", "vocab_size"), &mut c.vocab)?;
     usize_key(v, ("dim", "hidden_size"), &mut c.n_embd)?;
     usize_key(v, ("n_layers", "num_hidden_layers"), &mut c.n_layer)?;
-    usize_key(v, ("moe_inter_dim", "moe_intermediate_size"), &mut c.n_ff_exp)?;
+    usize_key(
+        v,
+        ("moe_inter_dim", "moe_intermediate_size"),
+        &mut c.n_ff_exp,
+    )?;
     usize_key(v, ("n_hash_layers", "num_hash_layers"), &mut c.n_hash_layer)?;
     usize_key(v, ("n_heads", "num_attention_heads"), &mut c.n_head)?;
     usize_key(v, ("n_routed_experts", "n_routed_experts"), &mut c.n_expert)?;
-    usize_key(v, ("n_shared_experts", "n_shared_experts"), &mut c.n_expert_shared)?;
-    usize_key(v, ("n_activated_experts", "num_experts_per_tok"), &mut c.n_expert_used)?;
+    usize_key(
+        v,
+        ("n_shared_experts", "n_shared_experts"),
+        &mut c.n_expert_shared,
+    )?;
+    usize_key(
+        v,
+        ("n_activated_experts", "num_experts_per_tok"),
+        &mut c.n_expert_used,
+    )?;
     usize_key(v, ("q_lora_rank", "q_lora_rank"), &mut c.q_lora_rank)?;
     usize_key(v, ("head_dim", "head_dim"), &mut c.head_dim)?;
     usize_key(v, ("rope_head_dim", "qk_rope_head_dim"), &mut c.rope_dim)?;
@@ -75,19 +87,39 @@ pub fn parse(v: &Value) -> Result<Config> {
     usize_key(v, ("index_head_dim", "index_head_dim"), &mut c.idx_head_dim)?;
     usize_key(v, ("index_topk", "index_topk"), &mut c.idx_topk)?;
     usize_key(v, ("hc_mult", "hc_mult"), &mut c.n_hc)?;
-    usize_key(v, ("hc_sinkhorn_iters", "hc_sinkhorn_iters"), &mut c.sinkhorn_iters)?;
+    usize_key(
+        v,
+        ("hc_sinkhorn_iters", "hc_sinkhorn_iters"),
+        &mut c.sinkhorn_iters,
+    )?;
     let mut orig = c.rope_orig_ctx as usize;
-    usize_key(v, ("original_seq_len", "original_max_position_embeddings"), &mut orig)?;
+    usize_key(
+        v,
+        ("original_seq_len", "original_max_position_embeddings"),
+        &mut orig,
+    )?;
     c.rope_orig_ctx = orig as u64;
     if let Some(n) = get(v, ("max_seq_len", "max_position_embeddings")).and_then(Value::as_u64) {
         c.context_length = Some(n);
     }
-    f32_key(v, ("route_scale", "routed_scaling_factor"), &mut c.expert_weights_scale)?;
+    f32_key(
+        v,
+        ("route_scale", "routed_scaling_factor"),
+        &mut c.expert_weights_scale,
+    )?;
     f32_key(v, ("rope_theta", "rope_theta"), &mut c.rope_freq_base)?;
-    f32_key(v, ("rope_factor", "rope_factor"), &mut c.rope_scaling_factor)?;
+    f32_key(
+        v,
+        ("rope_factor", "rope_factor"),
+        &mut c.rope_scaling_factor,
+    )?;
     f32_key(v, ("beta_fast", "beta_fast"), &mut c.yarn_beta_fast)?;
     f32_key(v, ("beta_slow", "beta_slow"), &mut c.yarn_beta_slow)?;
-    f32_key(v, ("compress_rope_theta", "compress_rope_theta"), &mut c.compress_rope_freq_base)?;
+    f32_key(
+        v,
+        ("compress_rope_theta", "compress_rope_theta"),
+        &mut c.compress_rope_freq_base,
+    )?;
     f32_key(v, ("norm_eps", "rms_norm_eps"), &mut c.rms_eps)?;
     f32_key(v, ("hc_eps", "hc_eps"), &mut c.hc_eps)?;
     let mut limit = 10.0f32;
@@ -100,7 +132,11 @@ pub fn parse(v: &Value) -> Result<Config> {
             let r = r.context("compress_ratios holds a non-integer")?;
             // The official list has one more entry (the MTP block).
             if r.len() < c.n_layer {
-                bail!("compress_ratios has {} entries for {} layers", r.len(), c.n_layer);
+                bail!(
+                    "compress_ratios has {} entries for {} layers",
+                    r.len(),
+                    c.n_layer
+                );
             }
             r[..c.n_layer].to_vec()
         }
@@ -141,7 +177,10 @@ mod tests {
         let c = parse(&v).unwrap();
         let f = Config::flash();
         assert_eq!(c.compress_ratios, f.compress_ratios);
-        assert_eq!((c.n_layer, c.n_embd, c.n_ff_exp, c.window), (43, 4096, 2048, 128));
+        assert_eq!(
+            (c.n_layer, c.n_embd, c.n_ff_exp, c.window),
+            (43, 4096, 2048, 128)
+        );
         assert_eq!(c.profile_deviations(), Vec::<String>::new());
         let bad = serde_json::json!({"n_layers": 4, "compress_ratios": [0, 0]});
         assert!(parse(&bad).is_err());

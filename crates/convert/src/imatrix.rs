@@ -64,7 +64,10 @@ impl Imatrix {
         let mut entries = Vec::with_capacity(n as usize);
         for i in 0..n {
             let len = r.i32("a name length")?;
-            ensure!((1..=4096).contains(&len), "imatrix: entry {i}: name length {len}");
+            ensure!(
+                (1..=4096).contains(&len),
+                "imatrix: entry {i}: name length {len}"
+            );
             let name = String::from_utf8(r.bytes(len as usize, "a name")?.to_vec())
                 .context("imatrix: a name is not UTF-8")?;
             let ncall = r.i32("a call count")?;
@@ -92,7 +95,11 @@ impl Imatrix {
             let s = r.bytes(len as usize, "the dataset name")?;
             dataset = Some(String::from_utf8_lossy(s).into_owned());
         }
-        ensure!(r.0.is_empty(), "imatrix: {} stray bytes at the end", r.0.len());
+        ensure!(
+            r.0.is_empty(),
+            "imatrix: {} stray bytes at the end",
+            r.0.len()
+        );
         Ok(Imatrix {
             entries,
             last_call,
@@ -161,7 +168,11 @@ impl Importance {
         for name in [gguf, hf] {
             for key in [format!("{name}.expert.{e}"), format!("{name}.expert_{e}")] {
                 if let Some(v) = self.by_name.get(&key) {
-                    ensure!(v.len() == cols, "imatrix {key}: {} values, expected {cols}", v.len());
+                    ensure!(
+                        v.len() == cols,
+                        "imatrix {key}: {} values, expected {cols}",
+                        v.len()
+                    );
                     return Ok(Some(v));
                 }
             }

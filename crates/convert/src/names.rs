@@ -30,14 +30,29 @@ const LAYER: &[(&str, &str)] = &[
     ("attn_output_b.weight", "attn.wo_b.weight"),
     ("attn_compressor_ape.weight", "attn.compressor.ape"),
     ("attn_compressor_kv.weight", "attn.compressor.wkv.weight"),
-    ("attn_compressor_gate.weight", "attn.compressor.wgate.weight"),
+    (
+        "attn_compressor_gate.weight",
+        "attn.compressor.wgate.weight",
+    ),
     ("attn_compressor_norm.weight", "attn.compressor.norm.weight"),
     ("indexer.attn_q_b.weight", "attn.indexer.wq_b.weight"),
     ("indexer.proj.weight", "attn.indexer.weights_proj.weight"),
-    ("indexer_compressor_ape.weight", "attn.indexer.compressor.ape"),
-    ("indexer_compressor_kv.weight", "attn.indexer.compressor.wkv.weight"),
-    ("indexer_compressor_gate.weight", "attn.indexer.compressor.wgate.weight"),
-    ("indexer_compressor_norm.weight", "attn.indexer.compressor.norm.weight"),
+    (
+        "indexer_compressor_ape.weight",
+        "attn.indexer.compressor.ape",
+    ),
+    (
+        "indexer_compressor_kv.weight",
+        "attn.indexer.compressor.wkv.weight",
+    ),
+    (
+        "indexer_compressor_gate.weight",
+        "attn.indexer.compressor.wgate.weight",
+    ),
+    (
+        "indexer_compressor_norm.weight",
+        "attn.indexer.compressor.norm.weight",
+    ),
     ("attn_norm.weight", "attn_norm.weight"),
     ("ffn_norm.weight", "ffn_norm.weight"),
     ("ffn_gate_shexp.weight", "ffn.shared_experts.w1.weight"),
@@ -127,7 +142,10 @@ mod tests {
         );
         assert_eq!(source("blk.1.nonsense.weight"), None);
         assert_eq!(expert_name(2, 5, "w3"), "layers.2.ffn.experts.5.w3.weight");
-        assert_eq!(scale_names("layers.0.attn.wq_a.weight")[0], "layers.0.attn.wq_a.scale");
+        assert_eq!(
+            scale_names("layers.0.attn.wq_a.weight")[0],
+            "layers.0.attn.wq_a.scale"
+        );
     }
 
     #[test]

@@ -93,23 +93,36 @@ impl Plan {
     pub fn new(opts: &Options, ck: Option<&Checkpoint>) -> Result<Plan> {
         let (config, mut meta, vocab_note) = match &opts.template {
             Some(t) => {
-                let g = GgufFile::open(t).with_context(|| format!("opening template {}", t.display()))?;
+                let g = GgufFile::open(t)
+                    .with_context(|| format!("opening template {}", t.display()))?;
                 let cfg = Config::from_gguf(&g)
                     .map_err(|e| anyhow::anyhow!("template {}: {e}", t.display()))?;
                 let meta: Vec<(String, Value)> = g
                     .metadata()
                     .iter()
-                    .filter(|(k, _)| !k.starts_with("quantize.imatrix.") && k != "general.description")
+                    .filter(|(k, _)| {
+                        !k.starts_with("quantize.imatrix.") && k != "general.description"
+                    })
                     .cloned()
                     .collect();
-                (cfg, meta, format!("metadata and tokenizer copied from {}", t.display()))
+                (
+                    cfg,
+                    meta,
+                    format!("metadata and tokenizer copied from {}", t.display()),
+                )
             }
             None => {
                 let cfg = crate::hfconfig::read(&opts.hf)?;
                 let (vocab, note) = vocab(&opts.hf, cfg.vocab, ck.is_none())?;
                 let mut meta = vec![
-                    ("general.architecture".to_string(), Value::String("deepseek4".into())),
-                    ("general.name".to_string(), Value::String("DeepSeek-V4-Flash".into())),
+                    (
+                        "general.architecture".to_string(),
+                        Value::String("deepseek4".into()),
+                    ),
+                    (
+                        "general.name".to_string(),
+                        Value::String("DeepSeek-V4-Flash".into()),
+                    ),
                     ("general.quantization_version".to_string(), Value::U32(2)),
                 ];
                 meta.extend(layout::metadata(&cfg));
@@ -126,8 +139,14 @@ impl Plan {
         ));
         if let Some(p) = &opts.imatrix {
             let im = Imatrix::read(p)?;
-            meta.push(("quantize.imatrix.file".into(), Value::String(p.display().to_string())));
-            meta.push(("quantize.imatrix.entries_count".into(), Value::U64(im.entries.len() as u64)));
+            meta.push((
+                "quantize.imatrix.file".into(),
+                Value::String(p.display().to_string()),
+            ));
+            meta.push((
+                "quantize.imatrix.entries_count".into(),
+                Value::U64(im.entries.len() as u64),
+            ));
             if let Some(d) = im.dataset {
                 meta.push(("quantize.imatrix.dataset".into(), Value::String(d)));
             }
@@ -194,10 +213,14 @@ impl Plan {
 fn vocab(dir: &Path, n: usize, dry: bool) -> Result<(Vocab, String)> {
     let p = dir.join("tokenizer.json");
     if p.exists() {
-        let text = std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
+        let text =
+            std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
         let v = Vocab::from_tokenizer_json(&text)?;
         if v.tokens.len() != n {
-            bail!("tokenizer.json has {} tokens but the config says {n}", v.tokens.len());
+            bail!(
+                "tokenizer.json has {} tokens but the config says {n}",
+                v.tokens.len()
+            );
         }
         return Ok((v, format!("tokenizer from {}", p.display())));
     }
@@ -219,7 +242,8 @@ fn present(ck: &Checkpoint, s: &TensorSpec) -> bool {
 
 /// The checkpoint tensor(s) behind `s` exist with the reversed dims and a dtype we read.
 fn check_source(ck: &Checkpoint, cfg: &Config, s: &TensorSpec) -> Result<()> {
-    let src = names::source(&s.name).with_context(|| format!("no checkpoint name for {}", s.name))?;
+    let src =
+        names::source(&s.name).with_context(|| format!("no checkpoint name for {}", s.name))?;
     match src {
         Source::Tensor(n) => {
             let t = ck.tensor(&n)?;
@@ -228,7 +252,11 @@ fn check_source(ck: &Checkpoint, cfg: &Config, s: &TensorSpec) -> Result<()> {
             let got: Vec<usize> = t.shape.iter().copied().filter(|&d| d != 1).collect();
             let want_nz: Vec<usize> = want.iter().copied().filter(|&d| d != 1).collect();
             if got != want_nz {
-                bail!("{n}: shape {:?}, expected {want:?} (for {})", t.shape, s.name);
+                bail!(
+                    "{n}: shape {:?}, expected {want:?} (for {})",
+                    t.shape,
+                    s.name
+                );
             }
             match t.dtype.as_str() {
                 "F32" | "F16" | "BF16" => {}

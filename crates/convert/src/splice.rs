@@ -75,7 +75,13 @@ pub fn splice(base: &Path, donor: &Path, layers: &[usize], out: &Path) -> Result
             let dt = d
                 .tensor_info(&t.name)
                 .with_context(|| format!("{} has no {}", donor.display(), t.name))?;
-            ensure!(dt.dims == t.dims, "{}: dims {:?} in the donor, {:?} in the base", t.name, dt.dims, t.dims);
+            ensure!(
+                dt.dims == t.dims,
+                "{}: dims {:?} in the donor, {:?} in the base",
+                t.name,
+                dt.dims,
+                t.dims
+            );
             w.add_tensor(&t.name, &t.dims, dt.ty)?;
             from_donor.push(true);
         } else {
@@ -86,7 +92,8 @@ pub fn splice(base: &Path, donor: &Path, layers: &[usize], out: &Path) -> Result
     // The gate and up experts of a layer must share a type (the engine checks it);
     // splicing whole layers keeps that.
     let (partial, _) = crate::write::partial_paths(out);
-    let f = File::create(&partial).with_context(|| format!("cannot create {}", partial.display()))?;
+    let f =
+        File::create(&partial).with_context(|| format!("cannot create {}", partial.display()))?;
     let mut bw = BufWriter::with_capacity(8 << 20, f);
     let tensors = b.tensors();
     w.write_to(&mut bw, |i, buf| {
@@ -109,7 +116,10 @@ mod tests {
 
     #[test]
     fn layer_lists() {
-        assert_eq!(parse_layers("0-3,40-42").unwrap(), vec![0, 1, 2, 3, 40, 41, 42]);
+        assert_eq!(
+            parse_layers("0-3,40-42").unwrap(),
+            vec![0, 1, 2, 3, 40, 41, 42]
+        );
         assert_eq!(parse_layers("5, 2,5").unwrap(), vec![2, 5]);
         assert!(parse_layers("3-1").is_err());
         assert!(parse_layers("x").is_err());

@@ -51,7 +51,11 @@ pub fn stored(hf: &str) -> Stored {
         Stored::Fp8
     } else if hf.ends_with("tid2eid") {
         Stored::I64
-    } else if hf.contains("hc_") || hf.ends_with("attn_sink") || hf.ends_with(".ape") || hf.ends_with("gate.bias") {
+    } else if hf.contains("hc_")
+        || hf.ends_with("attn_sink")
+        || hf.ends_with(".ape")
+        || hf.ends_with("gate.bias")
+    {
         Stored::F32
     } else {
         Stored::Bf16
@@ -72,7 +76,12 @@ fn f32_bytes(x: &[f32]) -> Vec<u8> {
 /// Writes `dir/model-0000{1,2}-of-00002.safetensors`, the index, `config.json` (the
 /// official `ModelArgs` keys) and, if given, `tokenizer.json`, from the weights of
 /// `src` (a DS4 GGUF of config `cfg`).
-pub fn write_checkpoint(src: &GgufFile, cfg: &Config, dir: &Path, tokenizer: Option<&Path>) -> Result<()> {
+pub fn write_checkpoint(
+    src: &GgufFile,
+    cfg: &Config,
+    dir: &Path,
+    tokenizer: Option<&Path>,
+) -> Result<()> {
     std::fs::create_dir_all(dir)?;
     let mut outs: Vec<Out> = Vec::new();
     for spec in expected_tensors(cfg, ExpertQuant::Q2) {
@@ -91,8 +100,18 @@ pub fn write_checkpoint(src: &GgufFile, cfg: &Config, dir: &Path, tokenizer: Opt
                     let (packed, scales) = encode_fp4(m);
                     let name = names::expert_name(layer, e, part);
                     let [sn, _] = names::scale_names(&name);
-                    outs.push(Out { name, dtype: Dtype::I8, shape: vec![rows, cols / 2], data: packed });
-                    outs.push(Out { name: sn, dtype: Dtype::F8_E8M0, shape: vec![rows, cols / 32], data: scales });
+                    outs.push(Out {
+                        name,
+                        dtype: Dtype::I8,
+                        shape: vec![rows, cols / 2],
+                        data: packed,
+                    });
+                    outs.push(Out {
+                        name: sn,
+                        dtype: Dtype::F8_E8M0,
+                        shape: vec![rows, cols / 32],
+                        data: scales,
+                    });
                 }
             }
             Source::Tensor(hf) => {
@@ -100,9 +119,16 @@ pub fn write_checkpoint(src: &GgufFile, cfg: &Config, dir: &Path, tokenizer: Opt
                     let data = view
                         .data
                         .chunks_exact(4)
-                        .flat_map(|c| (i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64).to_le_bytes())
+                        .flat_map(|c| {
+                            (i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64).to_le_bytes()
+                        })
                         .collect();
-                    outs.push(Out { name: hf, dtype: Dtype::I64, shape, data });
+                    outs.push(Out {
+                        name: hf,
+                        dtype: Dtype::I64,
+                        shape,
+                        data,
+                    });
                     continue;
                 }
                 let x = dequantize_to_vec(view.ty(), view.data, n)
@@ -112,7 +138,12 @@ pub fn write_checkpoint(src: &GgufFile, cfg: &Config, dir: &Path, tokenizer: Opt
                         let (out, inp) = (shape[0], shape[1]);
                         let (codes, scales) = encode_fp8(&x, out, inp);
                         let [sn, _] = names::scale_names(&hf);
-                        outs.push(Out { name: hf, dtype: Dtype::F8_E4M3, shape, data: codes });
+                        outs.push(Out {
+                            name: hf,
+                            dtype: Dtype::F8_E4M3,
+                            shape,
+                            data: codes,
+                        });
                         outs.push(Out {
                             name: sn,
                             dtype: Dtype::F8_E8M0,
@@ -120,12 +151,20 @@ pub fn write_checkpoint(src: &GgufFile, cfg: &Config, dir: &Path, tokenizer: Opt
                             data: scales,
                         });
                     }
-                    Stored::F32 => outs.push(Out { name: hf, dtype: Dtype::F32, shape, data: f32_bytes(&x) }),
+                    Stored::F32 => outs.push(Out {
+                        name: hf,
+                        dtype: Dtype::F32,
+                        shape,
+                        data: f32_bytes(&x),
+                    }),
                     Stored::Bf16 => outs.push(Out {
                         name: hf,
                         dtype: Dtype::BF16,
                         shape,
-                        data: x.iter().flat_map(|v| f32_to_bf16(*v).to_le_bytes()).collect(),
+                        data: x
+                            .iter()
+                            .flat_map(|v| f32_to_bf16(*v).to_le_bytes())
+                            .collect(),
                     }),
                     Stored::I64 => unreachable!("integer tensors are I32 in the GGUF"),
                 }
@@ -135,7 +174,11 @@ pub fn write_checkpoint(src: &GgufFile, cfg: &Config, dir: &Path, tokenizer: Opt
     // Two shards (layers below half in the first), as the real checkpoint has many.
     let half = cfg.n_layer / 2;
     let shard_of = |name: &str| -> usize {
-        match name.strip_prefix("layers.").and_then(|r| r.split('.').next()).and_then(|n| n.parse::<usize>().ok()) {
+        match name
+            .strip_prefix("layers.")
+            .and_then(|r| r.split('.').next())
+            .and_then(|n| n.parse::<usize>().ok())
+        {
             Some(l) if l >= half => 2,
             _ => 1,
         }
@@ -145,14 +188,20 @@ pub fn write_checkpoint(src: &GgufFile, cfg: &Config, dir: &Path, tokenizer: Opt
         let file = format!("model-0000{shard}-of-00002.safetensors");
         let mut views = Vec::new();
         for o in outs.iter().filter(|o| shard_of(&o.name) == shard) {
-            views.push((o.name.clone(), TensorView::new(o.dtype, o.shape.clone(), &o.data)?));
+            views.push((
+                o.name.clone(),
+                TensorView::new(o.dtype, o.shape.clone(), &o.data)?,
+            ));
             weight_map.insert(o.name.clone(), serde_json::Value::String(file.clone()));
         }
         let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
         safetensors::serialize_to_file(views, Some(meta), &dir.join(&file))?;
     }
     let index = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
-    std::fs::write(dir.join("model.safetensors.index.json"), serde_json::to_string_pretty(&index)?)?;
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        serde_json::to_string_pretty(&index)?,
+    )?;
     let mut ratios: Vec<usize> = cfg.compress_ratios.clone();
     ratios.push(0);
     let config = serde_json::json!({
@@ -172,7 +221,10 @@ pub fn write_checkpoint(src: &GgufFile, cfg: &Config, dir: &Path, tokenizer: Opt
         "compress_ratios": ratios, "norm_eps": cfg.rms_eps, "hc_eps": cfg.hc_eps,
         "max_seq_len": cfg.context_length,
     });
-    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&config)?,
+    )?;
     if let Some(t) = tokenizer {
         std::fs::copy(t, dir.join("tokenizer.json"))?;
     }
@@ -189,7 +241,10 @@ mod tests {
         assert_eq!(stored("layers.3.attn.indexer.wq_b.weight"), Stored::Fp8);
         assert_eq!(stored("layers.3.ffn.shared_experts.w2.weight"), Stored::Fp8);
         assert_eq!(stored("layers.3.attn.compressor.wkv.weight"), Stored::Bf16);
-        assert_eq!(stored("layers.3.attn.indexer.compressor.wkv.weight"), Stored::Bf16);
+        assert_eq!(
+            stored("layers.3.attn.indexer.compressor.wkv.weight"),
+            Stored::Bf16
+        );
         assert_eq!(stored("layers.3.hc_attn_fn"), Stored::F32);
         assert_eq!(stored("hc_head_scale"), Stored::F32);
         assert_eq!(stored("layers.0.ffn.gate.tid2eid"), Stored::I64);

@@ -148,8 +148,10 @@ fn write_tensor(
                 progress(bytes.len() as u64);
             } else {
                 let step = (CHUNK_VALUES / cols).max(1);
-                let chunks: Vec<Range<usize>> =
-                    (0..rows).step_by(step).map(|r| r..(r + step).min(rows)).collect();
+                let chunks: Vec<Range<usize>> = (0..rows)
+                    .step_by(step)
+                    .map(|r| r..(r + step).min(rows))
+                    .collect();
                 chunks.par_iter().try_for_each(|r| -> Result<()> {
                     let x = rows_f32(ck, &name, t, cols, r.clone())?;
                     let q = quantize_weights(ty, &x)?;
@@ -164,35 +166,38 @@ fn write_tensor(
             let rows = spec.dims[1] as usize;
             let n_expert = plan.config.n_expert;
             let per = rows * ty.row_bytes(cols).context("partial block")?;
-            (0..n_expert).into_par_iter().try_for_each(|e| -> Result<()> {
-                let name = names::expert_name(layer, e, part);
-                let x = expert_f32(ck, &name, rows, cols)?;
-                let qw = match importance {
-                    Some(im) => im.expert(&spec.name, &name, e, cols, n_expert)?,
-                    None => None,
-                };
-                let q = match (qw, ty) {
-                    (Some(w), _) => quantize_weights_imatrix(ty, &x, w)?,
-                    // IQ2_XXS is only good with an importance: without one, the
-                    // reference's fallback, each column's energy Σ_rows x².
-                    (None, GgmlType::IQ2_XXS) => {
-                        quantize_weights_imatrix(ty, &x, &column_energy(&x, cols))?
+            (0..n_expert)
+                .into_par_iter()
+                .try_for_each(|e| -> Result<()> {
+                    let name = names::expert_name(layer, e, part);
+                    let x = expert_f32(ck, &name, rows, cols)?;
+                    let qw = match importance {
+                        Some(im) => im.expert(&spec.name, &name, e, cols, n_expert)?,
+                        None => None,
+                    };
+                    let q = match (qw, ty) {
+                        (Some(w), _) => quantize_weights_imatrix(ty, &x, w)?,
+                        // IQ2_XXS is only good with an importance: without one, the
+                        // reference's fallback, each column's energy Σ_rows x².
+                        (None, GgmlType::IQ2_XXS) => {
+                            quantize_weights_imatrix(ty, &x, &column_energy(&x, cols))?
+                        }
+                        (None, _) => quantize_weights(ty, &x)?,
+                    };
+                    ensure!(
+                        q.len() == per,
+                        "expert {e}: {} bytes, expected {per}",
+                        q.len()
+                    );
+                    write_at(file, &q, off + (e * per) as u64)?;
+                    for n in [name.clone()].into_iter().chain(names::scale_names(&name)) {
+                        if let Some(t) = ck.get(&n) {
+                            ck.release(t);
+                        }
                     }
-                    (None, _) => quantize_weights(ty, &x)?,
-                };
-                ensure!(q.len() == per, "expert {e}: {} bytes, expected {per}", q.len());
-                write_at(file, &q, off + (e * per) as u64)?;
-                for n in [name.clone()]
-                    .into_iter()
-                    .chain(names::scale_names(&name))
-                {
-                    if let Some(t) = ck.get(&n) {
-                        ck.release(t);
-                    }
-                }
-                progress(q.len() as u64);
-                Ok(())
-            })?;
+                    progress(q.len() as u64);
+                    Ok(())
+                })?;
         }
     }
     Ok(())
@@ -208,7 +213,8 @@ pub fn column_energy(x: &[f32], cols: usize) -> Vec<f32> {
     }
     // An all-zero column would weigh nothing anywhere; keep it representable.
     let floor = w.iter().fold(0.0f32, |m, &v| m.max(v)) * 1e-6;
-    w.iter_mut().for_each(|v| *v = v.max(floor).max(f32::MIN_POSITIVE));
+    w.iter_mut()
+        .for_each(|v| *v = v.max(floor).max(f32::MIN_POSITIVE));
     w
 }
 

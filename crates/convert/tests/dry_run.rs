@@ -27,22 +27,41 @@ fn dry_run_on_the_full_layout_predicts_the_published_sizes() {
         (Mix::Q2, ExpertQuant::Q2, 86_714_775_900u64),
         (Mix::Q4, ExpertQuant::Q4, 164_628_167_004),
     ] {
-        let o = Options { hf: dir.clone(), mix, imatrix: None, template: None };
+        let o = Options {
+            hf: dir.clone(),
+            mix,
+            imatrix: None,
+            template: None,
+        };
         let plan = Plan::new(&o, None).unwrap();
         assert_eq!(plan.specs.len(), 1328);
         assert_eq!(plan.tensor_bytes(), published, "{mix:?}");
         let fc = flash_config(43);
-        let synth = ds4_synth::Plan::new(fc.clone(), eq, &Vocab::builtin(fc.vocab).unwrap(), "x").unwrap();
+        let synth =
+            ds4_synth::Plan::new(fc.clone(), eq, &Vocab::builtin(fc.vocab).unwrap(), "x").unwrap();
         assert_eq!(synth.tensor_bytes(), published);
         assert_eq!(plan.layout.tensor_sizes, synth.layout.tensor_sizes);
-        let names = |s: &[ds4_engine::dev::TensorSpec]| s.iter().map(|t| (t.name.clone(), t.dims.clone(), t.published)).collect::<Vec<_>>();
+        let names = |s: &[ds4_engine::dev::TensorSpec]| {
+            s.iter()
+                .map(|t| (t.name.clone(), t.dims.clone(), t.published))
+                .collect::<Vec<_>>()
+        };
         assert_eq!(names(&plan.specs), names(&synth.specs));
         // The file: the header, then every tensor at its aligned offset.
         let last = plan.specs.len() - 1;
-        assert_eq!(plan.layout.file_size, plan.layout.tensor_offsets[last] + plan.layout.tensor_sizes[last]);
-        assert_eq!(plan.layout.tensor_offsets[0], plan.layout.header.len() as u64);
+        assert_eq!(
+            plan.layout.file_size,
+            plan.layout.tensor_offsets[last] + plan.layout.tensor_sizes[last]
+        );
+        assert_eq!(
+            plan.layout.tensor_offsets[0],
+            plan.layout.header.len() as u64
+        );
         let report = plan.report();
-        assert!(report.contains(&format!("tensor data {published} bytes")), "{report}");
+        assert!(
+            report.contains(&format!("tensor data {published} bytes")),
+            "{report}"
+        );
         assert!(report.contains("blk.42.ffn_down_exps.weight"));
     }
     std::fs::remove_dir_all(&dir).unwrap();

@@ -20,7 +20,9 @@ use ds4_engine::{Numerics, Session};
 use ds4_gguf::{GgmlType, GgufFile};
 
 fn fixture(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny").join(rel)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures/tiny")
+        .join(rel)
 }
 
 fn tmp() -> &'static Path {
@@ -58,10 +60,16 @@ fn convert(o: &Options, name: &str) -> PathBuf {
     let ck = Checkpoint::open(&o.hf).unwrap();
     let plan = Plan::new(o, Some(&ck)).unwrap();
     let out = tmp().join(name);
-    let im = o.imatrix.as_ref().map(|p| Imatrix::read(p).unwrap().index());
+    let im = o
+        .imatrix
+        .as_ref()
+        .map(|p| Imatrix::read(p).unwrap().index());
     write(&ck, &plan, im.as_ref(), &out, &|_| {}).unwrap();
     assert!(!partial_paths(&out).0.exists());
-    assert_eq!(std::fs::metadata(&out).unwrap().len(), plan.layout.file_size);
+    assert_eq!(
+        std::fs::metadata(&out).unwrap().len(),
+        plan.layout.file_size
+    );
     out
 }
 
@@ -102,7 +110,12 @@ fn check_ds4_tier(what: &str, got: &[f32], want: &[f32], vocab: usize) {
     let (mut agree, mut worst) = (0usize, 0.0f32);
     for t in 0..n {
         let (g, w) = (&got[t * vocab..][..vocab], &want[t * vocab..][..vocab]);
-        per.push(g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max));
+        per.push(
+            g.iter()
+                .zip(w)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max),
+        );
         if argmax(g) == argmax(w) {
             agree += 1;
         } else {
@@ -134,8 +147,15 @@ fn q2_and_q4_have_the_published_types_and_keys_and_stay_in_the_ds4_tier() {
         let g = GgufFile::open(path).unwrap();
         // The published types, tensor for tensor, in the published order.
         let specs = tensor_specs(&cfg, mix);
-        let got: Vec<_> = g.tensors().iter().map(|t| (t.name.clone(), t.dims.clone(), t.ty)).collect();
-        let want: Vec<_> = specs.iter().map(|s| (s.name.clone(), s.dims.clone(), s.published)).collect();
+        let got: Vec<_> = g
+            .tensors()
+            .iter()
+            .map(|t| (t.name.clone(), t.dims.clone(), t.ty))
+            .collect();
+        let want: Vec<_> = specs
+            .iter()
+            .map(|s| (s.name.clone(), s.dims.clone(), s.published))
+            .collect();
         assert_eq!(got, want);
         assert_eq!(check_layout(&cfg, &g), vec![]);
         // The metadata keys (and their values, but for the name and description) of the
@@ -157,7 +177,8 @@ fn unquantised_types_round_trip_exactly() {
     let q2 = GgufFile::open(converted(Mix::Q2)).unwrap();
     let mut checked = 0;
     for t in g.tensors() {
-        let Some(ds4_convert::names::Source::Tensor(hf)) = ds4_convert::names::source(&t.name) else {
+        let Some(ds4_convert::names::Source::Tensor(hf)) = ds4_convert::names::source(&t.name)
+        else {
             continue;
         };
         let src = ck.tensor(&hf).unwrap();
@@ -239,7 +260,11 @@ fn imatrix_changes_the_routed_experts_only() {
     // Packed per-stack entries (n_expert × input width), as ds4 --imatrix-out writes.
     let mut entries = Vec::new();
     for il in 0..cfg.n_layer {
-        for (part, cols) in [("gate", cfg.n_embd), ("up", cfg.n_embd), ("down", cfg.n_ff_exp)] {
+        for (part, cols) in [
+            ("gate", cfg.n_embd),
+            ("up", cfg.n_embd),
+            ("down", cfg.n_ff_exp),
+        ] {
             entries.push(Entry {
                 name: format!("blk.{il}.ffn_{part}_exps.weight"),
                 ncall: 3,
@@ -249,7 +274,11 @@ fn imatrix_changes_the_routed_experts_only() {
             });
         }
     }
-    let im = Imatrix { entries, last_call: Some(3), dataset: Some("test".into()) };
+    let im = Imatrix {
+        entries,
+        last_call: Some(3),
+        dataset: Some("test".into()),
+    };
     let p = tmp().join("test.imatrix.dat");
     std::fs::write(&p, im.to_bytes()).unwrap();
     let mut o = opts(Mix::Q4);
@@ -257,7 +286,11 @@ fn imatrix_changes_the_routed_experts_only() {
     let path = convert(&o, "q4-imatrix.gguf");
     let a = GgufFile::open(&path).unwrap();
     let b = GgufFile::open(converted(Mix::Q4)).unwrap();
-    assert_eq!(a.get("quantize.imatrix.entries_count").and_then(|v| v.as_i64()), Some(18));
+    assert_eq!(
+        a.get("quantize.imatrix.entries_count")
+            .and_then(|v| v.as_i64()),
+        Some(18)
+    );
     for t in b.tensors() {
         let (x, y) = (a.tensor(&t.name).unwrap().data, b.view(t).data);
         if t.name.contains("_exps.") {
@@ -266,8 +299,19 @@ fn imatrix_changes_the_routed_experts_only() {
             assert_eq!(x, y, "{}", t.name);
         }
     }
-    let model = Model::load(&path, LoadOptions { numerics: Numerics::Fast }).unwrap();
-    assert!(Session::new(&model, 64).unwrap().prefill_all_logits(&tokens("a")).unwrap().iter().all(|v| v.is_finite()));
+    let model = Model::load(
+        &path,
+        LoadOptions {
+            numerics: Numerics::Fast,
+        },
+    )
+    .unwrap();
+    assert!(Session::new(&model, 64)
+        .unwrap()
+        .prefill_all_logits(&tokens("a"))
+        .unwrap()
+        .iter()
+        .all(|v| v.is_finite()));
 }
 
 #[test]
@@ -285,15 +329,28 @@ fn splice_takes_the_donor_experts_of_the_chosen_layers() {
     assert_eq!(m.tensors().len(), b.tensors().len());
     for t in m.tensors() {
         let from_donor = t.name.contains("_exps.")
-            && ["blk.0.", "blk.3.", "blk.4."].iter().any(|p| t.name.starts_with(p));
+            && ["blk.0.", "blk.3.", "blk.4."]
+                .iter()
+                .any(|p| t.name.starts_with(p));
         let src = if from_donor { &d } else { &b };
         let s = src.tensor(&t.name).unwrap();
         assert_eq!((t.ty, m.view(t).data), (s.ty(), s.data), "{}", t.name);
     }
     let cfg = Config::from_gguf(&m).unwrap();
     assert!(check_layout(&cfg, &m).iter().all(|i| !i.is_fatal()));
-    let model = Model::load(&out, LoadOptions { numerics: Numerics::Fast }).unwrap();
-    assert!(Session::new(&model, 64).unwrap().prefill_all_logits(&tokens("a")).unwrap().iter().all(|v| v.is_finite()));
+    let model = Model::load(
+        &out,
+        LoadOptions {
+            numerics: Numerics::Fast,
+        },
+    )
+    .unwrap();
+    assert!(Session::new(&model, 64)
+        .unwrap()
+        .prefill_all_logits(&tokens("a"))
+        .unwrap()
+        .iter()
+        .all(|v| v.is_finite()));
     assert!(splice::splice(base, donor, &[6], &tmp().join("bad.gguf")).is_err());
 }
 
@@ -317,6 +374,11 @@ fn a_template_supplies_the_metadata_and_the_tensor_data_is_the_same() {
     };
     assert_eq!(keys(&a), keys(&t));
     for x in b.tensors() {
-        assert_eq!(a.tensor(&x.name).unwrap().data, b.view(x).data, "{}", x.name);
+        assert_eq!(
+            a.tensor(&x.name).unwrap().data,
+            b.view(x).data,
+            "{}",
+            x.name
+        );
     }
 }

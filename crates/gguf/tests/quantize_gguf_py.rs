@@ -16,8 +16,12 @@ fn hex(s: &str) -> Vec<u8> {
 
 #[test]
 fn q8_0_quantiser_equals_the_gguf_package() {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/golden/q8_0_quantize_gguf_py.json");
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/golden/q8_0_quantize_gguf_py.json"
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let x: Vec<f32> = hex(v["x_f32_le_hex"].as_str().unwrap())
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))

@@ -46,12 +46,21 @@ fn importance_lowers_the_weighted_error() {
     let x = data(&mut rng, cols * 16);
     // A few columns matter 100× more, as with outlier activation channels.
     let w: Vec<f32> = (0..cols)
-        .map(|c| if c % 7 == 0 || c % 11 == 3 { 100.0 } else { 1.0 })
+        .map(|c| {
+            if c % 7 == 0 || c % 11 == 3 {
+                100.0
+            } else {
+                1.0
+            }
+        })
         .collect();
     for ty in [GgmlType::Q2_K, GgmlType::Q4_K, GgmlType::IQ2_XXS] {
         let plain = quant::quantize_weights(ty, &x).unwrap();
         let weighted = quant::quantize_weights_imatrix(ty, &x, &w).unwrap();
-        let (ep, ew) = (weighted_err(ty, &x, &plain, &w), weighted_err(ty, &x, &weighted, &w));
+        let (ep, ew) = (
+            weighted_err(ty, &x, &plain, &w),
+            weighted_err(ty, &x, &weighted, &w),
+        );
         println!("{ty}: weighted error {ep:.4} unweighted quantiser, {ew:.4} with importance");
         assert!(ew < 0.9 * ep, "{ty}: {ew} vs {ep}");
     }

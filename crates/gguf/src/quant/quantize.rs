@@ -473,7 +473,11 @@ fn iq2_xxs(x: &[f32], out: &mut [u8], qw: Option<&[f32]>) {
 
 /// Quantises whole rows of `x` to routed-expert type `ty` (Q2_K, Q4_K, IQ2_XXS; other
 /// types ignore the importance) with per-column importance `qw` (one row's length).
-pub fn quantize_weights_imatrix(ty: GgmlType, x: &[f32], qw: &[f32]) -> Result<Vec<u8>, QuantError> {
+pub fn quantize_weights_imatrix(
+    ty: GgmlType,
+    x: &[f32],
+    qw: &[f32],
+) -> Result<Vec<u8>, QuantError> {
     let be = ty.block_elems();
     if x.len() % be != 0 {
         return Err(QuantError::PartialBlock {

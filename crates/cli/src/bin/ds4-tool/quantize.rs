@@ -100,9 +100,14 @@ pub fn run(a: Args) -> Result<()> {
         template: a.template.clone(),
     };
     if let Some(name) = &a.compare_tensor {
-        let path = a.gguf.as_ref().or(a.out.as_ref()).context("--compare-tensor needs --gguf or --out")?;
+        let path = a
+            .gguf
+            .as_ref()
+            .or(a.out.as_ref())
+            .context("--compare-tensor needs --gguf or --out")?;
         let ck = Checkpoint::open(&a.hf)?;
-        let g = ds4_gguf::GgufFile::open(path).with_context(|| format!("opening {}", path.display()))?;
+        let g = ds4_gguf::GgufFile::open(path)
+            .with_context(|| format!("opening {}", path.display()))?;
         let st = ds4_convert::compare::compare(&ck, &g, name)?;
         let ty = g.tensor_info(name).map(|t| t.ty.name()).unwrap_or("?");
         println!("{name} ({ty}): {st}");
