@@ -12,7 +12,7 @@ use serde_json::Value;
 /// (official `ModelArgs` key, `transformers` alias).
 type Keys = (&'static str, &'static str);
 
-fn get<'a>(v: &'a Value, (a, b): Keys) -> Option<&'a Value> {
+fn get(v: &Value, (a, b): Keys) -> Option<&Value> {
     v.get(a).or_else(|| v.get(b)).filter(|x| !x.is_null())
 }
 
