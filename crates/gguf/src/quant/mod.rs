@@ -7,6 +7,7 @@
 mod blocks;
 mod dequant;
 mod dot;
+mod iq2_search;
 mod iq2xxs_grid;
 pub mod qat;
 mod quantize;

@@ -1,11 +1,11 @@
 //! Reference weight quantisers (for a quantize tool and for tests): Q8_0, Q2_K and
 //! Q4_K follow llama.cpp's `quantize_row_*_ref` semantics (no importance matrix);
 //! IQ2_XXS is ds4's own search (sign parity fix-up, per-group scale search over the
-//! 256 grid points, then the 4-bit group scales against the rounded f16 block scale).
-//! It is not llama.cpp's imatrix quantiser, only a sensible one.
+//! grid, then the 4-bit group scales against the rounded f16 block scale). It is not
+//! llama.cpp's imatrix quantiser, only a sensible one.
 //!
-//! These favour clarity over speed; IQ2_XXS in particular does an exhaustive grid
-//! search per 8 values (~40 × 4 × 256 candidates per 32-value group).
+//! These favour clarity over speed; the IQ2_XXS grid search per 8 values is pruned
+//! to the points near the rounded targets (`iq2_search.rs`, ~33 of 256).
 //!
 //! The `*_imatrix` variants take an importance vector (llama.cpp's imatrix: the mean
 //! squared activation of each input column) that multiplies each value's error in
@@ -14,6 +14,7 @@
 
 use super::blocks::QK_K;
 use super::dequant::ksigns;
+use super::iq2_search::best_grid;
 use super::iq2xxs_grid::IQ2XXS_GRID;
 use super::{f16_to_f32, f32_to_f16};
 use crate::error::QuantError;
@@ -325,23 +326,6 @@ fn q4_k(x: &[f32], out: &mut [u8], qw: Option<&[f32]>) {
     }
 }
 
-/// The grid point of least weighted squared error `Σ w_j (m·g_j − t_j)²` for 8 targets.
-fn best_grid(m: f32, t: &[f32; 8], w: &[f32; 8]) -> (u8, f32) {
-    let mut best = (0u8, f32::INFINITY);
-    for (idx, &g) in IQ2XXS_GRID.iter().enumerate() {
-        let gb = g.to_le_bytes();
-        let mut e = 0.0f32;
-        for j in 0..8 {
-            let d = m * gb[j] as f32 - t[j];
-            e += w[j] * d * d;
-        }
-        if e < best.1 {
-            best = (idx as u8, e);
-        }
-    }
-    best
-}
-
 /// Grid indices and weighted squared error of one 32-value group at multiplier `m`.
 fn fit_group(m: f32, t: &[[f32; 8]; 4], w: &[[f32; 8]; 4]) -> ([u8; 4], f32) {
     let mut idx = [0u8; 4];
@@ -356,7 +340,7 @@ fn fit_group(m: f32, t: &[[f32; 8]; 4], w: &[[f32; 8]; 4]) -> ([u8; 4], f32) {
 
 /// IQ2_XXS weights. Per 8-value sub-group the sign pattern must have even parity: when
 /// the signs of `x` do not, the smallest `|x|` gets the wrong sign (cheapest error).
-/// Each group's multiplier is searched over a range of candidates (exhaustive grid fit
+/// Each group's multiplier is searched over a range of candidates (a grid fit
 /// for each, then a least-squares refinement); the block's f16 `d` makes the largest
 /// group use `ls = 15`, and every group then tries all 16 `ls` against the rounded `d`.
 pub fn quantize_iq2_xxs(x: &[f32], out: &mut [u8]) {
