@@ -75,7 +75,10 @@ pub fn dequant_fp8_rows(
 /// One FP4 expert matrix `[out][inp]`: `packed` is `[out][inp/2]`, `scales` (UE8M0)
 /// `[out][inp/32]`.
 pub fn dequant_fp4(packed: &[u8], scales: &[u8], out: usize, inp: usize) -> Result<Vec<f32>> {
-    if !inp.is_multiple_of(FP4_BLOCK) || packed.len() != out * inp / 2 || scales.len() != out * inp / 32 {
+    if !inp.is_multiple_of(FP4_BLOCK)
+        || packed.len() != out * inp / 2
+        || scales.len() != out * inp / 32
+    {
         bail!(
             "FP4 tensor [{out}, {inp}]: {} packed bytes and {} scales",
             packed.len(),
