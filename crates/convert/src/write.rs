@@ -348,3 +348,77 @@ fn write_at(f: &File, mut buf: &[u8], mut off: u64) -> std::io::Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use safetensors::tensor::TensorView;
+    use safetensors::Dtype;
+
+    /// Every unquantised source stored in its own type is copied byte for byte; the
+    /// hash table's I64 becomes I32 exactly (and out-of-range values are refused).
+    #[test]
+    fn unquantised_types_are_copied_byte_for_byte() {
+        let dir = std::env::temp_dir().join(format!("ds4-convert-exact-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f16: Vec<u8> = [0x3c00u16, 0x0001, 0x8400, 0x7bff]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let bf16: Vec<u8> = [0x3f80u16, 0x0001, 0xff7f, 0x4049]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let f32b: Vec<u8> = [1.5f32, -0.0, 1e-40, 3.0e38]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let i64b: Vec<u8> = [0i64, 7, 255, -1]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let big: Vec<u8> = [1i64 << 40].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let views = vec![
+            (
+                "a".to_string(),
+                TensorView::new(Dtype::F16, vec![4], &f16).unwrap(),
+            ),
+            (
+                "b".to_string(),
+                TensorView::new(Dtype::BF16, vec![2, 2], &bf16).unwrap(),
+            ),
+            (
+                "c".to_string(),
+                TensorView::new(Dtype::F32, vec![4], &f32b).unwrap(),
+            ),
+            (
+                "d".to_string(),
+                TensorView::new(Dtype::I64, vec![2, 2], &i64b).unwrap(),
+            ),
+            (
+                "e".to_string(),
+                TensorView::new(Dtype::I64, vec![1], &big).unwrap(),
+            ),
+        ];
+        safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+        let ck = Checkpoint::open(&dir).unwrap();
+        let t = |n: &str| ck.tensor(n).unwrap();
+        let ex = |n: &str, ty| exact_bytes(&ck, t(n), ty).unwrap();
+        assert_eq!(ex("a", GgmlType::F16).unwrap(), f16);
+        assert_eq!(ex("b", GgmlType::BF16).unwrap(), bf16);
+        assert_eq!(ex("c", GgmlType::F32).unwrap(), f32b);
+        let i32b: Vec<u8> = [0i32, 7, 255, -1]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        assert_eq!(ex("d", GgmlType::I32).unwrap(), i32b);
+        assert!(exact_bytes(&ck, t("e"), GgmlType::I32).is_err());
+        // A type change goes through the quantiser path instead (values, not bytes).
+        assert!(ex("b", GgmlType::F32).is_none());
+        let v = rows_f32(&ck, "b", t("b"), 2, 0..2).unwrap();
+        assert_eq!(v[0], 1.0);
+        assert_eq!(v[1].to_bits(), 0x0001_0000);
+        assert_eq!(v[3].to_bits(), 0x4049_0000);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
