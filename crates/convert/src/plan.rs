@@ -271,9 +271,28 @@ fn check_source(ck: &Checkpoint, cfg: &Config, s: &TensorSpec) -> Result<()> {
             }
         }
         Source::Experts { layer, part } => {
+            let (rows, cols) = (s.dims[1] as usize, s.dims[0] as usize);
             for e in 0..cfg.n_expert {
                 let n = names::expert_name(layer, e, part);
-                ck.tensor(&n)?;
+                let t = ck.tensor(&n)?;
+                let ok = match t.dtype.as_str() {
+                    // FP4 packed two per byte, with its per-32 scales.
+                    "I8" | "U8" => {
+                        let [sn, _] = names::scale_names(&n);
+                        ck.get(&sn).is_some_and(|sc| sc.shape == [rows, cols / 32])
+                            && t.shape == [rows, cols / 2]
+                    }
+                    "F8_E4M3" | "F4" | "F32" | "F16" | "BF16" => t.shape == [rows, cols],
+                    _ => false,
+                };
+                if !ok {
+                    bail!(
+                        "{n}: {} {:?} (or its scale) does not fit a [{rows}, {cols}] expert of {}",
+                        t.dtype,
+                        t.shape,
+                        s.name
+                    );
+                }
             }
         }
     }

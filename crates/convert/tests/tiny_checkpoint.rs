@@ -382,3 +382,37 @@ fn a_template_supplies_the_metadata_and_the_tensor_data_is_the_same() {
         );
     }
 }
+
+#[test]
+fn a_checkpoint_that_does_not_fit_is_refused_before_writing() {
+    // A copy of the checkpoint whose config claims narrower experts than it stores.
+    let dir = tmp().join("hf-broken");
+    std::fs::create_dir_all(&dir).unwrap();
+    for e in std::fs::read_dir(checkpoint()).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, dir.join(p.file_name().unwrap())).unwrap();
+    }
+    let cfg = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&cfg).unwrap();
+    let mut v = v.as_object().unwrap().clone();
+    v.insert("moe_inter_dim".into(), 128.into());
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::Value::Object(v).to_string(),
+    )
+    .unwrap();
+    let o = Options {
+        hf: dir.clone(),
+        mix: Mix::Q4,
+        imatrix: None,
+        template: None,
+    };
+    let ck = Checkpoint::open(&dir).unwrap();
+    let err = Plan::new(&o, Some(&ck)).err().expect("refused");
+    let msg = format!("{err:#}");
+    assert!(
+        msg.contains("layers.0.ffn.experts.0.w1.weight: I8 [256, 128]"),
+        "{msg}"
+    );
+    assert!(msg.contains("[128, 256] expert"), "{msg}");
+}
