@@ -156,8 +156,37 @@ pub struct Importance {
 impl Importance {
     /// Expert `e`'s importance for the stack `gguf` (or the checkpoint name `hf`) with
     /// input width `cols` out of `n_expert`: a per-expert entry, or slice `e` of a
-    /// packed one. A size that fits neither is an error; a missing entry is `None`.
+    /// packed one. The gate and up stacks read the same input (the FFN norm's output),
+    /// so either one's entry serves the other when only one was collected. A size that
+    /// fits neither is an error; a missing entry is `None`.
     pub fn expert(
+        &self,
+        gguf: &str,
+        hf: &str,
+        e: usize,
+        cols: usize,
+        n_expert: usize,
+    ) -> Result<Option<&[f32]>> {
+        if let Some(v) = self.expert_exact(gguf, hf, e, cols, n_expert)? {
+            return Ok(Some(v));
+        }
+        let twin = if gguf.contains("ffn_gate_exps") {
+            (
+                gguf.replace("ffn_gate_exps", "ffn_up_exps"),
+                hf.replace(".w1.", ".w3."),
+            )
+        } else if gguf.contains("ffn_up_exps") {
+            (
+                gguf.replace("ffn_up_exps", "ffn_gate_exps"),
+                hf.replace(".w3.", ".w1."),
+            )
+        } else {
+            return Ok(None);
+        };
+        self.expert_exact(&twin.0, &twin.1, e, cols, n_expert)
+    }
+
+    fn expert_exact(
         &self,
         gguf: &str,
         hf: &str,
@@ -259,6 +288,16 @@ mod tests {
         let d = "blk.3.ffn_down_exps.weight";
         assert_eq!(im.expert(d, "x", 1, 2, 2).unwrap().unwrap(), &[1.0, 2.0]);
         assert!(im.expert(d, "x", 0, 2, 2).unwrap().is_none());
+        // Up has no entry of its own: gate's (the same input) serves it.
+        let u = "blk.3.ffn_up_exps.weight";
+        assert_eq!(
+            im.expert(u, "x", 1, 4, 2).unwrap().unwrap(),
+            &[1.0, 1.25, 1.5, 1.75]
+        );
+        assert!(im
+            .expert("blk.4.ffn_up_exps.weight", "x", 1, 4, 2)
+            .unwrap()
+            .is_none());
     }
 
     #[test]
