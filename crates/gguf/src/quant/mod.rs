@@ -7,6 +7,7 @@
 mod blocks;
 mod dequant;
 mod dot;
+mod iq2_search;
 mod iq2xxs_grid;
 pub mod qat;
 mod quantize;
@@ -20,7 +21,9 @@ pub use blocks::*;
 pub use dequant::{dequantize, dequantize_row, dequantize_to_vec};
 pub use dot::*;
 pub use quantize::{
-    quantize_iq2_xxs, quantize_q2_k, quantize_q4_k, quantize_q8_0_weights, quantize_weights,
+    quantize_iq2_xxs, quantize_iq2_xxs_imatrix, quantize_q2_k, quantize_q2_k_imatrix,
+    quantize_q4_k, quantize_q4_k_imatrix, quantize_q8_0_weights, quantize_weights,
+    quantize_weights_imatrix,
 };
 
 /// The IQ2_XXS lattice grid (256 entries of 8 magnitude bytes), for GPU kernels.

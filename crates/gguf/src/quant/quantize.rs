@@ -1,14 +1,20 @@
 //! Reference weight quantisers (for a quantize tool and for tests): Q8_0, Q2_K and
 //! Q4_K follow llama.cpp's `quantize_row_*_ref` semantics (no importance matrix);
 //! IQ2_XXS is ds4's own search (sign parity fix-up, per-group scale search over the
-//! 256 grid points, then the 4-bit group scales against the rounded f16 block scale).
-//! It is not llama.cpp's imatrix quantiser, only a sensible one.
+//! grid, then the 4-bit group scales against the rounded f16 block scale). It is not
+//! llama.cpp's imatrix quantiser, only a sensible one.
 //!
-//! These favour clarity over speed; IQ2_XXS in particular does an exhaustive grid
-//! search per 8 values (~40 × 4 × 256 candidates per 32-value group).
+//! These favour clarity over speed; the IQ2_XXS grid search per 8 values is pruned
+//! to the points near the rounded targets (`iq2_search.rs`, ~33 of 256).
+//!
+//! The `*_imatrix` variants take an importance vector (llama.cpp's imatrix: the mean
+//! squared activation of each input column) that multiplies each value's error in
+//! every scale, min and grid search, as llama.cpp's weighted quantisers do; with all
+//! weights 1 they give the unweighted result.
 
 use super::blocks::QK_K;
 use super::dequant::ksigns;
+use super::iq2_search::best_grid;
 use super::iq2xxs_grid::IQ2XXS_GRID;
 use super::{f16_to_f32, f32_to_f16};
 use crate::error::QuantError;
@@ -41,6 +47,27 @@ fn blocks<'a>(
     );
     x.chunks_exact(be)
         .zip(out.chunks_exact_mut(ty.block_bytes()))
+}
+
+/// The importance of block `b`'s values: `qw` covers whole rows' columns (its length
+/// a multiple of the block), and block `b` of the flat input sits at column
+/// `(b·block) mod len`.
+fn block_weights(qw: Option<&[f32]>, b: usize, be: usize) -> Option<&[f32]> {
+    qw.map(|w| {
+        let at = (b * be) % w.len();
+        &w[at..at + be]
+    })
+}
+
+/// Checks an importance vector against the input (whole blocks, dividing the input).
+fn check_importance(ty: GgmlType, x: &[f32], qw: &[f32]) {
+    let be = ty.block_elems();
+    assert!(
+        !qw.is_empty() && qw.len() % be == 0 && x.len() % qw.len() == 0,
+        "quantize {ty}: importance of {} values for rows of {} values",
+        qw.len(),
+        x.len()
+    );
 }
 
 /// Q8_0 weights (llama.cpp `quantize_row_q8_0_ref`): `d = amax/127` stored as f16,
@@ -140,7 +167,7 @@ fn fit_sub_blocks<const N: usize>(
     xb: &[f32],
     l: &mut [u8; QK_K],
     fit: (i32, f32, i32, bool),
-    weights: impl Fn(&[f32]) -> Vec<f32>,
+    weights: impl Fn(usize, &[f32]) -> Vec<f32>,
 ) -> ([f32; N], [f32; N], f32, f32) {
     let (nmax, rmin, nstep, use_mad) = fit;
     let len = QK_K / N;
@@ -148,7 +175,7 @@ fn fit_sub_blocks<const N: usize>(
     let mut mins = [0.0f32; N];
     for j in 0..N {
         let xs = &xb[len * j..len * j + len];
-        let w = weights(xs);
+        let w = weights(j, xs);
         (scales[j], mins[j]) = make_qkx2_quants(
             nmax,
             xs,
@@ -168,11 +195,27 @@ fn fit_sub_blocks<const N: usize>(
 /// Q2_K weights (llama.cpp `quantize_row_q2_K_ref`): 16 sub-blocks of 16 with 4-bit
 /// scale and min, fitted with absolute-error weights `|x|`.
 pub fn quantize_q2_k(x: &[f32], out: &mut [u8]) {
-    for (xb, ob) in blocks(GgmlType::Q2_K, x, out) {
+    q2_k(x, out, None)
+}
+
+/// Q2_K with importance `qw` (per column of rows of `qw.len()` values): each value's
+/// fit weight `|x|` is multiplied by its column's importance.
+pub fn quantize_q2_k_imatrix(x: &[f32], out: &mut [u8], qw: &[f32]) {
+    check_importance(GgmlType::Q2_K, x, qw);
+    q2_k(x, out, Some(qw))
+}
+
+fn q2_k(x: &[f32], out: &mut [u8], qw: Option<&[f32]>) {
+    for (b, (xb, ob)) in blocks(GgmlType::Q2_K, x, out).enumerate() {
+        let wb = block_weights(qw, b, QK_K);
         let mut l = [0u8; QK_K];
         let (scales, mins, max_scale, max_min) =
-            fit_sub_blocks::<16>(xb, &mut l, (3, -0.5, 15, true), |xs| {
-                xs.iter().map(|v| v.abs()).collect()
+            fit_sub_blocks::<16>(xb, &mut l, (3, -0.5, 15, true), |j, xs| {
+                let w = wb.map(|w| &w[16 * j..16 * j + 16]);
+                xs.iter()
+                    .enumerate()
+                    .map(|(i, v)| v.abs() * w.map_or(1.0, |w| w[i]))
+                    .collect()
             });
         let mut sc = [0u8; 16];
         let mut d = 0u16;
@@ -217,12 +260,28 @@ pub fn quantize_q2_k(x: &[f32], out: &mut [u8]) {
 /// Q4_K weights (llama.cpp `quantize_row_q4_K_ref`): 8 sub-blocks of 32 with 6-bit
 /// scale and min, fitted with weights `rms + |x|`.
 pub fn quantize_q4_k(x: &[f32], out: &mut [u8]) {
-    for (xb, ob) in blocks(GgmlType::Q4_K, x, out) {
+    q4_k(x, out, None)
+}
+
+/// Q4_K with importance `qw` (per column of rows of `qw.len()` values): each value's
+/// fit weight `rms + |x|` is multiplied by its column's importance.
+pub fn quantize_q4_k_imatrix(x: &[f32], out: &mut [u8], qw: &[f32]) {
+    check_importance(GgmlType::Q4_K, x, qw);
+    q4_k(x, out, Some(qw))
+}
+
+fn q4_k(x: &[f32], out: &mut [u8], qw: Option<&[f32]>) {
+    for (b, (xb, ob)) in blocks(GgmlType::Q4_K, x, out).enumerate() {
+        let wb = block_weights(qw, b, QK_K);
         let mut l = [0u8; QK_K];
         let (scales, mins, max_scale, max_min) =
-            fit_sub_blocks::<8>(xb, &mut l, (15, -1.0, 20, false), |xs| {
+            fit_sub_blocks::<8>(xb, &mut l, (15, -1.0, 20, false), |j, xs| {
+                let w = wb.map(|w| &w[32 * j..32 * j + 32]);
                 let av_x = (xs.iter().map(|v| v * v).sum::<f32>() / 32.0).sqrt();
-                xs.iter().map(|v| av_x + v.abs()).collect()
+                xs.iter()
+                    .enumerate()
+                    .map(|(i, v)| (av_x + v.abs()) * w.map_or(1.0, |w| w[i]))
+                    .collect()
             });
         let inv_scale = if max_scale > 0.0 {
             63.0 / max_scale
@@ -267,29 +326,12 @@ pub fn quantize_q4_k(x: &[f32], out: &mut [u8]) {
     }
 }
 
-/// The grid point of least squared error `Σ (m·g_j − t_j)²` for 8 targets.
-fn best_grid(m: f32, t: &[f32; 8]) -> (u8, f32) {
-    let mut best = (0u8, f32::INFINITY);
-    for (idx, &g) in IQ2XXS_GRID.iter().enumerate() {
-        let gb = g.to_le_bytes();
-        let mut e = 0.0f32;
-        for j in 0..8 {
-            let d = m * gb[j] as f32 - t[j];
-            e += d * d;
-        }
-        if e < best.1 {
-            best = (idx as u8, e);
-        }
-    }
-    best
-}
-
-/// Grid indices and squared error of one 32-value group at multiplier `m`.
-fn fit_group(m: f32, t: &[[f32; 8]; 4]) -> ([u8; 4], f32) {
+/// Grid indices and weighted squared error of one 32-value group at multiplier `m`.
+fn fit_group(m: f32, t: &[[f32; 8]; 4], w: &[[f32; 8]; 4]) -> ([u8; 4], f32) {
     let mut idx = [0u8; 4];
     let mut err = 0.0;
     for s in 0..4 {
-        let (i, e) = best_grid(m, &t[s]);
+        let (i, e) = best_grid(m, &t[s], &w[s]);
         idx[s] = i;
         err += e;
     }
@@ -298,18 +340,37 @@ fn fit_group(m: f32, t: &[[f32; 8]; 4]) -> ([u8; 4], f32) {
 
 /// IQ2_XXS weights. Per 8-value sub-group the sign pattern must have even parity: when
 /// the signs of `x` do not, the smallest `|x|` gets the wrong sign (cheapest error).
-/// Each group's multiplier is searched over a range of candidates (exhaustive grid fit
+/// Each group's multiplier is searched over a range of candidates (a grid fit
 /// for each, then a least-squares refinement); the block's f16 `d` makes the largest
 /// group use `ls = 15`, and every group then tries all 16 `ls` against the rounded `d`.
 pub fn quantize_iq2_xxs(x: &[f32], out: &mut [u8]) {
-    for (xb, ob) in blocks(GgmlType::IQ2_XXS, x, out) {
+    iq2_xxs(x, out, None)
+}
+
+/// IQ2_XXS with importance `qw` (per column of rows of `qw.len()` values): every
+/// squared error of the searches (the parity flip, the grid points, the multipliers,
+/// the group scales) is weighted by the value's column importance.
+pub fn quantize_iq2_xxs_imatrix(x: &[f32], out: &mut [u8], qw: &[f32]) {
+    check_importance(GgmlType::IQ2_XXS, x, qw);
+    iq2_xxs(x, out, Some(qw))
+}
+
+fn iq2_xxs(x: &[f32], out: &mut [u8], qw: Option<&[f32]>) {
+    for (b, (xb, ob)) in blocks(GgmlType::IQ2_XXS, x, out).enumerate() {
+        let wb = block_weights(qw, b, QK_K);
         ob.fill(0);
         // Targets t = x·sign (≥ 0 except a parity-flipped value) and sign indices.
         let mut t = [[[0.0f32; 8]; 4]; 8];
+        let mut w = [[[1.0f32; 8]; 4]; 8];
         let mut sign_idx = [[0u32; 4]; 8];
         for g in 0..8 {
             for s in 0..4 {
-                let v = &xb[32 * g + 8 * s..32 * g + 8 * s + 8];
+                let at = 32 * g + 8 * s;
+                let v = &xb[at..at + 8];
+                if let Some(wb) = wb {
+                    w[g][s].copy_from_slice(&wb[at..at + 8]);
+                }
+                let ws = w[g][s];
                 let mut bits = 0u8;
                 for (j, &xv) in v.iter().enumerate() {
                     if xv < 0.0 {
@@ -317,8 +378,9 @@ pub fn quantize_iq2_xxs(x: &[f32], out: &mut [u8]) {
                     }
                 }
                 if bits.count_ones() % 2 == 1 {
+                    // The cheapest flip: least weighted |x| (ties: the first).
                     let jmin = (0..8)
-                        .min_by(|&a, &b| v[a].abs().total_cmp(&v[b].abs()))
+                        .min_by(|&a, &b| (ws[a] * v[a].abs()).total_cmp(&(ws[b] * v[b].abs())))
                         .unwrap_or(0);
                     bits ^= 1 << jmin;
                 }
@@ -341,14 +403,14 @@ pub fn quantize_iq2_xxs(x: &[f32], out: &mut [u8]) {
             // groups the all-8 point is best, so candidates span tmax/50 .. tmax/8.
             for step in 0..16 {
                 let m0 = tmax / (8.0 * 1.13f32.powi(step));
-                let (idx, _) = fit_group(m0, &t[g]);
-                // Least-squares multiplier for these grid points, refitted once.
+                let (idx, _) = fit_group(m0, &t[g], &w[g]);
+                // Weighted least-squares multiplier for these grid points, refitted once.
                 let (mut num, mut den) = (0.0f32, 0.0f32);
                 for s in 0..4 {
                     let gb = IQ2XXS_GRID[idx[s] as usize].to_le_bytes();
                     for j in 0..8 {
-                        num += gb[j] as f32 * t[g][s][j];
-                        den += (gb[j] as f32) * (gb[j] as f32);
+                        num += w[g][s][j] * gb[j] as f32 * t[g][s][j];
+                        den += w[g][s][j] * (gb[j] as f32) * (gb[j] as f32);
                     }
                 }
                 let m1 = if den > 0.0 && num > 0.0 {
@@ -356,7 +418,7 @@ pub fn quantize_iq2_xxs(x: &[f32], out: &mut [u8]) {
                 } else {
                     m0
                 };
-                let (_, e) = fit_group(m1, &t[g]);
+                let (_, e) = fit_group(m1, &t[g], &w[g]);
                 if e < best.0 {
                     best = (e, m1);
                 }
@@ -375,7 +437,7 @@ pub fn quantize_iq2_xxs(x: &[f32], out: &mut [u8]) {
             let mut best = (f32::INFINITY, 0u32, [0u8; 4]);
             for ls in 0..16u32 {
                 let m = df * (0.5 + ls as f32) * 0.25;
-                let (idx, e) = fit_group(m, &t[g]);
+                let (idx, e) = fit_group(m, &t[g], &w[g]);
                 if e < best.0 {
                     best = (e, ls, idx);
                 }
@@ -391,6 +453,31 @@ pub fn quantize_iq2_xxs(x: &[f32], out: &mut [u8]) {
             ob[o + 4..o + 8].copy_from_slice(&a1.to_le_bytes());
         }
     }
+}
+
+/// Quantises whole rows of `x` to routed-expert type `ty` (Q2_K, Q4_K, IQ2_XXS; other
+/// types ignore the importance) with per-column importance `qw` (one row's length).
+pub fn quantize_weights_imatrix(
+    ty: GgmlType,
+    x: &[f32],
+    qw: &[f32],
+) -> Result<Vec<u8>, QuantError> {
+    let be = ty.block_elems();
+    if x.len() % be != 0 {
+        return Err(QuantError::PartialBlock {
+            ty,
+            elems: x.len(),
+            block: be,
+        });
+    }
+    let mut out = vec![0u8; x.len() / be * ty.block_bytes()];
+    match ty {
+        GgmlType::Q2_K => quantize_q2_k_imatrix(x, &mut out, qw),
+        GgmlType::Q4_K => quantize_q4_k_imatrix(x, &mut out, qw),
+        GgmlType::IQ2_XXS => quantize_iq2_xxs_imatrix(x, &mut out, qw),
+        _ => return quantize_weights(ty, x),
+    }
+    Ok(out)
 }
 
 /// Quantises `x` (whole blocks) to weight type `ty`: Q8_0, Q2_K, Q4_K, IQ2_XXS, plus

@@ -9,6 +9,8 @@ mod jsonl;
 mod logits;
 mod logprob_vectors;
 mod quality;
+mod quantize;
+mod splice;
 mod steer;
 mod synth;
 mod tokenize;
@@ -54,6 +56,10 @@ enum Command {
     LogprobVectors(logprob_vectors::Args),
     /// Directional steering: `steer build` makes a direction file from paired prompt files.
     Steer(steer::Args),
+    /// Build a DS4 GGUF (q2/q4 mix) from the official Hugging Face checkpoint.
+    Quantize(quantize::Args),
+    /// Mix two GGUFs: the routed experts of chosen layers from a donor (e.g. q4 into q2).
+    Splice(splice::Args),
 }
 
 /// #19 item 4: the subcommand's files exist and its outputs can be written, checked
@@ -72,6 +78,8 @@ fn check_paths(cli: &Cli) -> Result<(), clap::Error> {
         Command::Quality(a) => ("quality", a.path_flags()),
         Command::LogprobVectors(a) => ("logprob-vectors", a.path_flags()),
         Command::Steer(a) => return steer_paths(a),
+        Command::Quantize(a) => ("quantize", a.path_flags()),
+        Command::Splice(a) => ("splice", a.path_flags()),
     };
     let mut sub = Cli::command()
         .find_subcommand(name)
@@ -98,6 +106,8 @@ fn main() -> anyhow::Result<()> {
         Command::Quality(a) => quality::run(a),
         Command::LogprobVectors(a) => logprob_vectors::run(a),
         Command::Steer(a) => steer::run(a),
+        Command::Quantize(a) => quantize::run(a),
+        Command::Splice(a) => splice::run(a),
     }
 }
 
