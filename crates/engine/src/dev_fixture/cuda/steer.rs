@@ -86,14 +86,24 @@ pub fn check_steering(
     let c = model.config();
     let (vocab, n) = (c.vocab, tokens.len());
     let dirs = directions(&model)?;
-    let steer = Arc::new(Steering::new(dirs.clone(), c.n_layer, c.n_embd, 1.0, 0.5)?);
-    let zero = Arc::new(Steering::new(dirs, c.n_layer, c.n_embd, 0.0, 0.0)?);
+    // Exact: ffn 1, attn 0.5. Fast: scales past 1 (the projection flips sign): there the
+    // CPU/GPU floor is ~0.04 and the comparison allows 4× it, so steering must move the
+    // logits well past 0.16 for a GPU that ignored it to fail (ffn 1 / attn 0.5 moved
+    // them ~0.12). Exact keeps the smaller scales: at 3 the tiny model amplifies the f32
+    // summation-order differences past the exact tier at a few positions.
+    let scales = |numerics| match numerics {
+        Numerics::Exact => (1.0, 0.5),
+        Numerics::Fast => (3.0, 1.5),
+    };
+    let zero = Arc::new(Steering::new(dirs.clone(), c.n_layer, c.n_embd, 0.0, 0.0)?);
     let mut tally = Tally::default();
     line(&format!(
-        "\nsteering (ffn 1, attn 0.5): {variant}, {n} tokens, CUDA vs CPU"
+        "\nsteering (Exact: ffn 1, attn 0.5; Fast: ffn 3, attn 1.5): {variant}, {n} tokens, CUDA vs CPU"
     ));
     for numerics in [Numerics::Exact, Numerics::Fast] {
         let mode = format!("{numerics:?}");
+        let (ffn, attn) = scales(numerics);
+        let steer = Arc::new(Steering::new(dirs.clone(), c.n_layer, c.n_embd, ffn, attn)?);
         let case = Case {
             model: &model,
             weights: &weights,
