@@ -100,6 +100,7 @@ pub const CHECKS: &[KernelCheck] = &[
             Variant::AttEarly,
             Variant::CombinePl,
             Variant::QNorm,
+            Variant::AttMmaSplit,
         ],
         attention::check_attention_mma,
     ),
