@@ -172,6 +172,9 @@ pub(super) struct MtpDev {
     g_n: DeviceBuf<f32>,
     /// Q8_0 activations of the projections (fast numerics), n_hc rows.
     q: QuantAct,
+    /// Captured drafts by (rows attended, chained source, fast numerics); their
+    /// addresses are this state's and its session's decode scratch.
+    graphs: std::collections::HashMap<(usize, bool, bool), ds4_cuda::TokenGraph>,
 }
 
 impl MtpDev {
@@ -200,6 +203,7 @@ impl MtpDev {
             e_proj: z(e)?,
             g_n: z(nhc * e)?,
             q: g.alloc_quant_act(nhc, e)?,
+            graphs: Default::default(),
         })
     }
 
@@ -398,55 +402,39 @@ impl DeviceState {
             }
         };
         let (ops, rows) = m.book.draft(pos).map_err(EngineError::Invalid)?;
-        let fast = numerics == Numerics::Fast;
-        let eps = c.rms_eps;
-        let f32t = ds4_cuda::WT_F32;
         let run = (|| -> Result<Vec<f32>> {
             g.write(&mut self.s.s.step, &[pos as i32, token as i32])?;
-            let s = &self.s.s;
-            // Hin_s = e_proj·rmsnorm(emb, enorm) + h_proj·rmsnorm(G_s, hnorm).
-            let emb = &w.token_embd;
-            l.embed(1, g.ptr(&s.step), g.ptr(&emb.buf), emb.ty, e, 1, p(&m.emb))?;
-            l.rmsnorm(p(&m.emb), p(&mw.enorm), f32t, e, 1, eps, p(&m.emb_n))?;
-            mv(
-                &l,
-                &mw.e_proj,
-                p(&m.emb_n),
-                &mut m.q,
-                false,
-                p(&m.e_proj),
-                1,
-                fast,
-            )?;
-            l.rmsnorm(g_in, p(&mw.hnorm), f32t, e, nhc, eps, p(&m.g_n))?;
-            mv(
-                &l,
-                &mw.h_proj,
-                p(&m.g_n),
-                &mut m.q,
-                false,
-                p(&s.h),
-                nhc,
-                fast,
-            )?;
-            l.mtp_add_rows(p(&s.h), p(&s.h), p(&m.e_proj), nhc, e)?;
+            // The ring's moves first (the input chain below does not read the ring).
             m.apply(g, hd, &ops)?;
-            // The block as a ratio-0 layer over its own ring, attending `rows` rows.
-            let kv = KvView {
-                layers: &[],
-                window: rows,
-                raw_cap: m.book.cap,
+            let draft = Draft {
+                numerics,
+                g_in,
+                rows,
                 ctx: self.ctx,
                 plan: self.plan,
-                journal: None,
-                steer: None,
             };
-            let layer = (mw.il, &mw.layer, &m.layer, mw.rope(g, c.rope_dim));
-            let px = kv.pass(w, numerics, layer, s, 1);
-            kv.layer(&px, &mut self.s.q8, None)?;
-            g.copy(&self.s.s.h, &mut m.chain)?;
-            let h = p(&self.s.s.h);
-            head_logits(&l, w, numerics, &mut self.s, h, mw.head())?;
+            // Once the ring is full (rows = the window, for good), a captured graph per
+            // (HC source, numerics): the draft's ~40 launches ran eagerly at ~0.65 ms
+            // for ~0.35 ms of kernels. While the ring grows every draft attends another
+            // row count: capturing each (~0.6 ms) cost more than it saved (H200, 256
+            // tokens from a prompt: 9.32 -> 9.61 ms a draft-1 cycle), so those run eagerly.
+            if self.use_graphs && rows == m.book.cap {
+                let key = (
+                    rows,
+                    matches!(src, HcSource::Chain),
+                    numerics == Numerics::Fast,
+                );
+                if !m.graphs.contains_key(&key) {
+                    l.begin_capture()?;
+                    let enqueued = draft.enqueue(w, mw, m, &mut self.s);
+                    let graph = l.end_capture();
+                    enqueued?;
+                    m.graphs.insert(key, graph?);
+                }
+                m.graphs[&key].launch()?;
+            } else {
+                draft.enqueue(w, mw, m, &mut self.s)?;
+            }
             Ok(g.download_f32(&self.s.s.logits, usize::MAX)?)
         })();
         match run {
@@ -461,6 +449,80 @@ impl DeviceState {
                 Err(err)
             }
         }
+    }
+}
+
+/// One draft's launches after the ring's moves: the block's input from the token (the
+/// step buffer) and `g_in`, the block as a ratio-0 layer over its ring attending `rows`
+/// rows, the chained state, the head. The same on every call with the same fields, so
+/// it can be captured (`DeviceState::mtp_draft`).
+struct Draft {
+    numerics: Numerics,
+    g_in: u64,
+    rows: usize,
+    ctx: usize,
+    plan: ds4_cuda::DecodePlan,
+}
+
+impl Draft {
+    fn enqueue(
+        &self,
+        w: &CudaWeights,
+        mw: &CudaMtpWeights,
+        m: &mut MtpDev,
+        work: &mut super::Work,
+    ) -> Result<()> {
+        let g = &*w.gpu;
+        let c = &w.config;
+        let l = g.launcher(self.plan);
+        let p = |b: &DeviceBuf<f32>| g.ptr(b);
+        let (e, nhc) = (c.n_embd, c.n_hc);
+        let (eps, f32t) = (c.rms_eps, ds4_cuda::WT_F32);
+        let fast = self.numerics == Numerics::Fast;
+        let s = &work.s;
+        // Hin_s = e_proj·rmsnorm(emb, enorm) + h_proj·rmsnorm(G_s, hnorm).
+        let emb = &w.token_embd;
+        l.embed(1, g.ptr(&s.step), g.ptr(&emb.buf), emb.ty, e, 1, p(&m.emb))?;
+        l.rmsnorm(p(&m.emb), p(&mw.enorm), f32t, e, 1, eps, p(&m.emb_n))?;
+        let e_proj = p(&m.e_proj);
+        mv(
+            &l,
+            &mw.e_proj,
+            p(&m.emb_n),
+            &mut m.q,
+            false,
+            e_proj,
+            1,
+            fast,
+        )?;
+        l.rmsnorm(self.g_in, p(&mw.hnorm), f32t, e, nhc, eps, p(&m.g_n))?;
+        mv(
+            &l,
+            &mw.h_proj,
+            p(&m.g_n),
+            &mut m.q,
+            false,
+            p(&s.h),
+            nhc,
+            fast,
+        )?;
+        l.mtp_add_rows(p(&s.h), p(&s.h), e_proj, nhc, e)?;
+        let kv = KvView {
+            layers: &[],
+            window: self.rows,
+            raw_cap: m.book.cap,
+            ctx: self.ctx,
+            plan: self.plan,
+            journal: None,
+            steer: None,
+        };
+        let layer = (mw.il, &mw.layer, &m.layer, mw.rope(g, c.rope_dim));
+        let px = kv.pass(w, self.numerics, layer, s, 1);
+        kv.layer(&px, &mut work.q8, None)?;
+        g.copy(&work.s.h, &mut m.chain)?;
+        let h = p(&work.s.h);
+        head_logits(&l, w, self.numerics, work, h, mw.head())?;
+        Ok(())
     }
 }
 
