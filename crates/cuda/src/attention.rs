@@ -292,23 +292,17 @@ impl Launcher<'_> {
         out: u64,
         tail: Option<&AttnTail>,
     ) -> Result<(), CudaError> {
-        let (heads, hd, raw_cap, window) = (a.heads, a.hd, a.raw_cap, a.window);
         if let Some(t) = tail {
-            t.check(hd)?;
+            t.check(a.hd)?;
         }
-        if a.q_norm.is_some()
-            || !Gpu::attention_mma_shape(heads, hd)
-            || window > raw_cap
-            || a.n_tok == 0
-            || !(2..=128).contains(&n_chunks)
-        {
+        if !(2..=128).contains(&n_chunks) {
             return Err(CudaError::Invalid(format!(
-                "split tensor-core attention takes normed queries, {AMMA_HEADS} heads of {AMMA_HD} (got {heads} of {hd}), window {window} <= ring {raw_cap}, 2..=128 chunks (got {n_chunks})"
+                "split tensor-core attention takes 2..=128 chunks (got {n_chunks})"
             )));
         }
         const NAME: &str = "attention_split_mma";
-        let smem = (AMMA_HEADS + 32) * (AMMA_HD + 8) * 2 + 32 * AMMA_HD * 4;
-        self.allow_smem(NAME, smem)?;
+        let smem = self.mma_attention_smem(a, NAME)?;
+        let (raw_cap, window) = (a.raw_cap, a.window);
         let cfg = LaunchConfig {
             grid_dim: (n_chunks as u32, a.n_tok as u32, 1),
             block_dim: (256, 1, 1),
@@ -327,6 +321,27 @@ impl Launcher<'_> {
         self.attention_combine(a, n_chunks, part_acc, part_ml, out, tail)
     }
 
+    /// The shared memory of the tensor-core attention kernels (`kernel`), after
+    /// checking what they take: normed queries (no `q_norm`), the Flash head shape, a
+    /// window within the ring, at least one token.
+    fn mma_attention_smem(&self, a: &AttnInput, kernel: &'static str) -> Result<usize, CudaError> {
+        let (heads, hd, raw_cap, window) = (a.heads, a.hd, a.raw_cap, a.window);
+        if a.q_norm.is_some() {
+            return Err(CudaError::Invalid(
+                "tensor-core attention reads normed queries (no q_norm)".into(),
+            ));
+        }
+        if !Gpu::attention_mma_shape(heads, hd) || window > raw_cap || a.n_tok == 0 {
+            return Err(CudaError::Invalid(format!(
+                "tensor-core attention takes {AMMA_HEADS} heads of {AMMA_HD} (got {heads} of {hd}), window {window} <= ring {raw_cap}"
+            )));
+        }
+        // Q + the fp16 row tile (rows padded by 8 halves) + the f32 tile in flight.
+        let smem = (AMMA_HEADS + 32) * (AMMA_HD + 8) * 2 + 32 * AMMA_HD * 4;
+        self.allow_smem(kernel, smem)?;
+        Ok(smem)
+    }
+
     /// The [`AttnTail`] of an attention output `out` written without it.
     pub fn attention_tail(&self, a: &AttnInput, t: &AttnTail, out: u64) -> Result<(), CudaError> {
         t.check(a.hd)?;
@@ -341,21 +356,9 @@ impl Launcher<'_> {
     /// block per token over all its rows, output as `attention` with one chunk. Only the
     /// DeepSeek V4 Flash shape (64 heads of 512).
     pub fn attention_prefill_mma(&self, a: &AttnInput, out: u64) -> Result<(), CudaError> {
-        let (heads, hd, raw_cap, window) = (a.heads, a.hd, a.raw_cap, a.window);
-        if a.q_norm.is_some() {
-            return Err(CudaError::Invalid(
-                "tensor-core attention reads normed queries (no q_norm)".into(),
-            ));
-        }
-        if !Gpu::attention_mma_shape(heads, hd) || window > raw_cap || a.n_tok == 0 {
-            return Err(CudaError::Invalid(format!(
-                "tensor-core attention takes {AMMA_HEADS} heads of {AMMA_HD} (got {heads} of {hd}), window {window} <= ring {raw_cap}"
-            )));
-        }
         const NAME: &str = "attention_prefill_mma";
-        // Q + the fp16 row tile (rows padded by 8 halves) + the f32 tile in flight.
-        let smem = (AMMA_HEADS + 32) * (AMMA_HD + 8) * 2 + 32 * AMMA_HD * 4;
-        self.allow_smem(NAME, smem)?;
+        let smem = self.mma_attention_smem(a, NAME)?;
+        let (raw_cap, window) = (a.raw_cap, a.window);
         let cfg = LaunchConfig {
             grid_dim: (a.n_tok as u32, 1, 1),
             block_dim: (256, 1, 1),
