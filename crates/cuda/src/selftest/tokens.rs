@@ -8,7 +8,7 @@ use ds4_gguf::quant::random::Rng;
 use ds4_gguf::GgmlType;
 
 use super::common::{bit_identical, random_matrix, random_vec, same_bits, BitDiff, Check};
-use crate::{Batch, DeviceMatrix, Launcher, MatSel};
+use crate::{Batch, DeviceBuf, DeviceMatrix, Launcher, MatSel};
 
 /// Token counts: the smallest, a ragged one, one past a power of two, the most.
 const COUNTS: [usize; 4] = [2, 3, 5, 16];
@@ -18,55 +18,62 @@ pub(super) fn check_tokens(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     let mut checks = Vec::new();
     // Rows a warp: 4 (≤ 1,024 columns), 2 (longer rows), and split K (few rows: 2 or 4
     // warps a row), each with a ragged row count.
-    for (rows, cols) in [
-        (4100usize, 1024usize),
-        (4104, 2048),
-        (1030, 4096),
-        (2050, 512),
-    ] {
-        let w = random_matrix(GgmlType::Q8_0, rows, cols, 1, &mut rng);
-        let m = DeviceMatrix::upload(gpu, GgmlType::Q8_0, &w, rows, cols, 1)?;
-        let mut same = BitDiff::default();
-        for n in COUNTS {
-            let x = random_vec(n * cols, &mut rng);
-            let mut want = Vec::with_capacity(n * rows);
-            for t in 0..n {
-                let xt = gpu.upload(&x[t * cols..(t + 1) * cols])?;
-                let mut qa = gpu.alloc_quant_act(1, cols)?;
-                gpu.quantize_act(gpu.ptr(&xt), &mut qa)?;
-                let y = gpu.upload(&vec![f32::NAN; rows])?;
-                gpu.matvec_q8act(&m, &qa, gpu.ptr(&y), 1, MatSel::default())?;
-                want.extend(gpu.download(&y)?);
-            }
-            let xa = gpu.upload(&x)?;
-            let mut qa = gpu.alloc_quant_act(n, cols)?;
-            gpu.quantize_act(gpu.ptr(&xa), &mut qa)?;
-            let y = gpu.upload(&vec![f32::NAN; n * rows])?;
-            let sel = MatSel {
-                ids: 0,
-                x_stride: cols as i64,
-                y_stride: rows as i64,
-            };
-            gpu.matvec_q8act(&m, &qa, gpu.ptr(&y), n, sel)?;
-            same = same.merge(same_bits(&gpu.download(&y)?, &want));
-        }
-        checks.push(bit_identical(
-            format!("matvec_q8_0_q8_t* ({COUNTS:?} tokens) = one token each, {rows}x{cols}"),
-            same,
-        ));
-    }
+    // Q8_0 rows a warp: 4 (≤ 1,024 columns), 2 (longer rows), and split K (few rows: 2
+    // or 4 warps a row), each with a ragged row count; the products take int8
+    // activations quantised from the same rows.
+    let q8_shapes = [(4100, 1024), (4104, 2048), (1030, 4096), (2050, 512)];
+    checks.extend(tokens_against_one(
+        gpu,
+        &mut rng,
+        GgmlType::Q8_0,
+        &q8_shapes,
+        "matvec_q8_0_q8_t*",
+        &|m, x, n, y, sel| {
+            let mut qa = gpu.alloc_quant_act(n, m.cols)?;
+            gpu.quantize_act(gpu.ptr(x), &mut qa)?;
+            gpu.matvec_q8act(m, &qa, y, n, sel)
+        },
+    )?);
     checks.push(check_groups(gpu, &mut rng)?);
-    for (rows, cols) in [(256usize, 4096usize), (37, 512), (1024, 4096)] {
-        let w = random_matrix(GgmlType::F16, rows, cols, 1, &mut rng);
-        let m = DeviceMatrix::upload(gpu, GgmlType::F16, &w, rows, cols, 1)?;
+    let f16_shapes = [(256, 4096), (37, 512), (1024, 4096)];
+    checks.extend(tokens_against_one(
+        gpu,
+        &mut rng,
+        GgmlType::F16,
+        &f16_shapes,
+        "matvec_f16_t*",
+        &|m, x, n, y, sel| gpu.matvec(m, gpu.ptr(x), y, n, sel),
+    )?);
+    Ok(checks)
+}
+
+/// One launch's product of `n` rows of `x` into `y` (`n` = 1: the plain one-token form).
+type Product<'a> =
+    dyn Fn(&DeviceMatrix, &DeviceBuf<f32>, usize, u64, MatSel) -> Result<(), crate::CudaError> + 'a;
+
+/// For each (rows, cols) of `shapes`: a random matrix of type `ty`, and for every token
+/// count of COUNTS one `product` over all the tokens against one `product` per token,
+/// bit for bit (`kernel` names the multi-token kernels in the result line).
+fn tokens_against_one(
+    gpu: &Launcher,
+    rng: &mut Rng,
+    ty: GgmlType,
+    shapes: &[(usize, usize)],
+    kernel: &str,
+    product: &Product,
+) -> Result<Vec<Check>> {
+    let mut checks = Vec::new();
+    for &(rows, cols) in shapes {
+        let w = random_matrix(ty, rows, cols, 1, rng);
+        let m = DeviceMatrix::upload(gpu, ty, &w, rows, cols, 1)?;
         let mut same = BitDiff::default();
         for n in COUNTS {
-            let x = random_vec(n * cols, &mut rng);
+            let x = random_vec(n * cols, rng);
             let mut want = Vec::with_capacity(n * rows);
             for t in 0..n {
                 let xt = gpu.upload(&x[t * cols..(t + 1) * cols])?;
                 let y = gpu.upload(&vec![f32::NAN; rows])?;
-                gpu.matvec(&m, gpu.ptr(&xt), gpu.ptr(&y), 1, MatSel::default())?;
+                product(&m, &xt, 1, gpu.ptr(&y), MatSel::default())?;
                 want.extend(gpu.download(&y)?);
             }
             let xa = gpu.upload(&x)?;
@@ -76,11 +83,11 @@ pub(super) fn check_tokens(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
                 x_stride: cols as i64,
                 y_stride: rows as i64,
             };
-            gpu.matvec(&m, gpu.ptr(&xa), gpu.ptr(&y), n, sel)?;
+            product(&m, &xa, n, gpu.ptr(&y), sel)?;
             same = same.merge(same_bits(&gpu.download(&y)?, &want));
         }
         checks.push(bit_identical(
-            format!("matvec_f16_t* ({COUNTS:?} tokens) = one token each, {rows}x{cols}"),
+            format!("{kernel} ({COUNTS:?} tokens) = one token each, {rows}x{cols}"),
             same,
         ));
     }
