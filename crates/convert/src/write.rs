@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, ensure, Context, Result};
 use ds4_engine::dev::layout::TensorSpec;
 use ds4_gguf::quant::{quantize_weights, quantize_weights_imatrix};
+use ds4_gguf::write_at;
 use ds4_gguf::GgmlType;
 use rayon::prelude::*;
 
@@ -330,23 +331,6 @@ pub fn expert_f32(ck: &Checkpoint, name: &str, rows: usize, cols: usize) -> Resu
             rows_f32(ck, name, t, cols, 0..rows)
         }
     }
-}
-
-#[cfg(unix)]
-fn write_at(f: &File, buf: &[u8], off: u64) -> std::io::Result<()> {
-    use std::os::unix::fs::FileExt;
-    f.write_all_at(buf, off)
-}
-
-#[cfg(windows)]
-fn write_at(f: &File, mut buf: &[u8], mut off: u64) -> std::io::Result<()> {
-    use std::os::windows::fs::FileExt;
-    while !buf.is_empty() {
-        let n = f.seek_write(buf, off)?;
-        buf = &buf[n..];
-        off += n as u64;
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -18,4 +18,4 @@ pub use error::{GgufError, QuantError};
 pub use reader::{GgufFile, TensorInfo, TensorView, DEFAULT_ALIGNMENT, GGUF_MAGIC, GGUF_VERSION};
 pub use types::GgmlType;
 pub use value::{Value, ValueType};
-pub use writer::{GgufWriter, Layout, WriteError};
+pub use writer::{write_at, GgufWriter, Layout, WriteError};

@@ -279,3 +279,23 @@ impl Value {
         )
     }
 }
+
+/// Writes all of `buf` at byte `off` of `f` without moving its cursor: the tensor
+/// writers that fill a preallocated GGUF from several threads (ds4-tool synth, quantize).
+#[cfg(unix)]
+pub fn write_at(f: &std::fs::File, buf: &[u8], off: u64) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    f.write_all_at(buf, off)
+}
+
+/// See the Unix version.
+#[cfg(windows)]
+pub fn write_at(f: &std::fs::File, mut buf: &[u8], mut off: u64) -> std::io::Result<()> {
+    use std::os::windows::fs::FileExt;
+    while !buf.is_empty() {
+        let n = f.seek_write(buf, off)?;
+        buf = &buf[n..];
+        off += n as u64;
+    }
+    Ok(())
+}

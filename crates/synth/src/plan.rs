@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use ds4_engine::dev::config::Config;
 use ds4_engine::dev::layout::{self, ExpertQuant, TensorSpec};
 use ds4_engine::dev::mtp::layout::mtp_tensors;
-use ds4_gguf::{GgmlType, GgufWriter, Layout, Value};
+use ds4_gguf::{write_at, GgmlType, GgufWriter, Layout, Value};
 use rayon::prelude::*;
 
 use crate::fill::fill_tensor_chunk;
@@ -217,23 +217,6 @@ impl Plan {
         });
         image
     }
-}
-
-#[cfg(unix)]
-fn write_at(f: &File, buf: &[u8], off: u64) -> std::io::Result<()> {
-    use std::os::unix::fs::FileExt;
-    f.write_all_at(buf, off)
-}
-
-#[cfg(windows)]
-fn write_at(f: &File, mut buf: &[u8], mut off: u64) -> std::io::Result<()> {
-    use std::os::windows::fs::FileExt;
-    while !buf.is_empty() {
-        let n = f.seek_write(buf, off)?;
-        buf = &buf[n..];
-        off += n as u64;
-    }
-    Ok(())
 }
 
 /// Removes the file when dropped (forgotten once the file has its final name).
