@@ -183,7 +183,7 @@ impl Launcher<'_> {
                 n_tok,
                 h,
                 m.cols,
-                self.ptr(&m.parts[0]),
+                m.part_ptr(self, 0),
                 code,
                 eps,
                 mix,

@@ -10,6 +10,7 @@ use ds4_gguf::GgmlType;
 
 use crate::device::Gpu;
 use crate::error::CudaError;
+use crate::hostmem::Part;
 use crate::layer::cfg;
 use crate::ops::QuantAct;
 use crate::plan::{Launcher, Variant};
@@ -171,7 +172,7 @@ impl DeviceMatrix {
             rows,
             cols,
             n_mats,
-            parts: vec![gpu.upload_bulk(src)?],
+            parts: vec![Part::Device(gpu.upload_bulk(src)?)],
         })
     }
 }
@@ -307,7 +308,7 @@ impl Launcher<'_> {
             block_dim: (256, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        let (qs, dw) = (self.ptr(&m.parts[0]), self.ptr(&m.parts[1]));
+        let (qs, dw) = (m.part_ptr(self, 0), m.part_ptr(self, 1));
         let mat_q = (m.rows * m.cols) as i64;
         let mat_d = mat_q / 32;
         let (xqp, xdp) = (self.ptr(&xq.q), self.ptr(&xq.d));
@@ -358,7 +359,7 @@ impl Launcher<'_> {
         self.allow_smem(name, smem)?;
         let elems = m.rows * m.cols;
         let nb = (elems / 256) as i64;
-        let p: Vec<u64> = m.parts.iter().map(|b| self.ptr(b)).collect();
+        let p: Vec<u64> = m.parts.iter().map(|b| b.ptr(self)).collect();
         // Bytes per matrix of each part (see weights.rs `part_layout`).
         let (w, mats): ([u64; 3], [i64; 3]) = match m.ty {
             GgmlType::Q8_0 => ([p[0], p[1], p[0]], [elems as i64, elems as i64 / 16, 0]),
@@ -473,14 +474,9 @@ impl Launcher<'_> {
         }
         let elems = (m.rows * m.cols) as i64;
         let (w, wd, mat_w, mat_d) = match m.ty {
-            GgmlType::Q8_0 => (
-                self.ptr(&m.parts[0]),
-                self.ptr(&m.parts[1]),
-                elems,
-                elems / 32,
-            ),
-            GgmlType::F32 => (self.ptr(&m.parts[0]), 0, elems * 4, 0),
-            _ => (self.ptr(&m.parts[0]), 0, elems * 2, 0),
+            GgmlType::Q8_0 => (m.part_ptr(self, 0), m.part_ptr(self, 1), elems, elems / 32),
+            GgmlType::F32 => (m.part_ptr(self, 0), 0, elems * 4, 0),
+            _ => (m.part_ptr(self, 0), 0, elems * 2, 0),
         };
         let (rows, cols) = (m.rows as i32, m.cols as i32);
         let tail = BatchTail::of(&b);

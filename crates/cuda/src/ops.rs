@@ -143,7 +143,7 @@ impl Launcher<'_> {
             shared_mem_bytes: 0,
         };
         let elems = (m.rows * m.cols) as i64;
-        let p: Vec<u64> = m.parts.iter().map(|b| self.ptr(b)).collect();
+        let p: Vec<u64> = m.parts.iter().map(|b| b.ptr(self)).collect();
         let kname = match m.ty {
             GgmlType::Q8_0 => "matvec_q8_0",
             GgmlType::F16 => "matvec_f16",
@@ -206,7 +206,7 @@ impl Launcher<'_> {
             block_dim: (32, ROWS_PER_BLOCK, 1),
             shared_mem_bytes: 0,
         };
-        let w = self.ptr(&m.parts[0]);
+        let w = m.part_ptr(self, 0);
         let (rows, cols, ks_arg, n_arg) = (m.rows as i32, m.cols as i32, ks as i32, n_tok as i32);
         let mut b = self.launch_stream().launch_builder(&f);
         b.arg(&w)
@@ -465,8 +465,8 @@ impl Launcher<'_> {
             // The Q8_0 kernel picks matrix `ids[blockIdx.y]` at that many strides past
             // the first: with ids 0 and 1 and the distance between the two matrices (and
             // outputs) as strides, one launch covers both.
-            let (q, q2) = (self.ptr(&m.parts[0]), self.ptr(&m2.parts[0]));
-            let (d, d2) = (self.ptr(&m.parts[1]), self.ptr(&m2.parts[1]));
+            let (q, q2) = (m.part_ptr(self, 0), m2.part_ptr(self, 0));
+            let (d, d2) = (m.part_ptr(self, 1), m2.part_ptr(self, 1));
             if (d2 as i64 - d as i64) % 2 == 0 {
                 let pair = MatSel {
                     ids: self.ptr(&self.pair_ids),
@@ -621,7 +621,7 @@ impl Launcher<'_> {
         let cols = m.cols as i32;
         let elems = (m.rows * m.cols) as i64;
         let x_bytes = (m.cols + m.cols / 32 * 4) as u32;
-        let p: Vec<u64> = m.parts.iter().map(|b| self.ptr(b)).collect();
+        let p: Vec<u64> = m.parts.iter().map(|b| b.ptr(self)).collect();
         let (xq_p, xd_p) = (self.ptr(&xq.q), self.ptr(&xq.d));
         let (name, smem) = match m.ty {
             GgmlType::Q8_0 => ("matvec_q8_0_q8", 0),
@@ -744,7 +744,7 @@ impl Launcher<'_> {
         }
         // IQ2_XXS: the optional second stack (same selections, input and shape).
         let (qs2, dw2, y2) = match pair {
-            Some((m2, y2)) => (self.ptr(&m2.parts[0]), self.ptr(&m2.parts[1]), y2),
+            Some((m2, y2)) => (m2.part_ptr(self, 0), m2.part_ptr(self, 1), y2),
             None => (0, 0, 0),
         };
         let n_pair = n_sel as i32;
@@ -844,7 +844,7 @@ impl Launcher<'_> {
         };
         let elems = (m.rows * m.cols) as i64;
         let (gx, gy) = (bt.x_grp as i64, bt.y_grp as i64);
-        let p: Vec<u64> = m.parts.iter().map(|b| self.ptr(b)).collect();
+        let p: Vec<u64> = m.parts.iter().map(|b| b.ptr(self)).collect();
         let strides = (elems, elems / 32);
         let grid = 0u64;
         let mut b = self.launch_stream().launch_builder(&f);

@@ -2,11 +2,11 @@
 //! 16-byte aligned (the 34-, 66- and 84-byte blocks are not), with scales split into
 //! arrays of their own. Bytes per weight are unchanged.
 
-use cudarc::driver::CudaSlice;
 use ds4_gguf::GgmlType;
 
 use crate::device::Gpu;
 use crate::error::CudaError;
+use crate::hostmem::Part;
 
 /// Per repacked part, the (offset, length) of its bytes inside each GGUF block.
 type PartSpans = &'static [(usize, usize)];
@@ -51,13 +51,14 @@ fn check_size(
     Ok(())
 }
 
-/// A weight matrix (or a stack of expert matrices) resident on the GPU.
+/// A weight matrix (or a stack of expert matrices) for the GPU's kernels: resident on
+/// the GPU, or (offloaded experts) in mapped host memory the kernels read over the bus.
 pub struct DeviceMatrix {
     pub ty: GgmlType,
     pub rows: usize,
     pub cols: usize,
     pub n_mats: usize,
-    pub(crate) parts: Vec<CudaSlice<u8>>,
+    pub(crate) parts: Vec<Part>,
 }
 
 impl DeviceMatrix {
@@ -76,7 +77,7 @@ impl DeviceMatrix {
         let (block, layout) = part_layout(ty)?;
         let parts = layout
             .iter()
-            .map(|&(off, len)| gpu.upload_gather(src, block, off, len))
+            .map(|&(off, len)| gpu.upload_gather(src, block, off, len).map(Part::Device))
             .collect::<Result<_, _>>()?;
         Ok(DeviceMatrix {
             ty,
@@ -87,9 +88,53 @@ impl DeviceMatrix {
         })
     }
 
-    /// Device bytes of the matrix stack.
+    /// [`DeviceMatrix::upload`]'s twin that keeps the repacked parts in mapped host
+    /// memory (expert offload): the same layout, so the same kernels read it.
+    pub fn upload_host(
+        gpu: &Gpu,
+        ty: GgmlType,
+        src: &[u8],
+        rows: usize,
+        cols: usize,
+        n_mats: usize,
+    ) -> Result<DeviceMatrix, CudaError> {
+        check_size(ty, src, rows, cols, n_mats)?;
+        let (block, layout) = part_layout(ty)?;
+        let parts = layout
+            .iter()
+            .map(|&(off, len)| gpu.host_gather(src, block, off, len).map(Part::Host))
+            .collect::<Result<_, _>>()?;
+        Ok(DeviceMatrix {
+            ty,
+            rows,
+            cols,
+            n_mats,
+            parts,
+        })
+    }
+
+    /// The address kernels read part `k` at.
+    pub fn part_ptr(&self, gpu: &Gpu, k: usize) -> u64 {
+        self.parts[k].ptr(gpu)
+    }
+
+    /// Bytes of the matrix stack, wherever they live.
     pub fn bytes(&self) -> usize {
         self.parts.iter().map(|p| p.len()).sum()
+    }
+
+    /// Bytes of the stack in device memory (0 when offloaded to the host).
+    pub fn device_bytes(&self) -> usize {
+        self.parts
+            .iter()
+            .filter(|p| !p.on_host())
+            .map(|p| p.len())
+            .sum()
+    }
+
+    /// Whether the stack lives in mapped host memory.
+    pub fn on_host(&self) -> bool {
+        self.parts.iter().any(|p| p.on_host())
     }
 
     /// Bytes read by one product with one matrix of the stack.

@@ -83,6 +83,9 @@ pub struct EngineOptions {
     pub numerics: Numerics,
     /// Called while the weights are uploaded to a device (not called on the CPU).
     pub progress: Option<UploadProgress>,
+    /// Expert offload and the context to leave device room for (`--offload-experts`,
+    /// `--ctx`); the CPU ignores it.
+    pub memory: crate::placement::MemoryOptions,
 }
 
 impl EngineOptions {
@@ -92,6 +95,7 @@ impl EngineOptions {
             backend,
             numerics,
             progress: None,
+            memory: Default::default(),
         }
     }
 }
@@ -102,6 +106,7 @@ impl std::fmt::Debug for EngineOptions {
             .field("backend", &self.backend)
             .field("numerics", &self.numerics)
             .field("progress", &self.progress.is_some())
+            .field("memory", &self.memory)
             .finish()
     }
 }
@@ -450,8 +455,12 @@ fn cuda(model: &Model, device: usize, opts: &EngineOptions) -> Result<(Device, S
             p(now, total);
         }
     };
-    let w = CudaBackend::load(model, device, &progress)?;
-    let reason = format!("CUDA device {device} ({})", w.gpu.info().name);
+    let (w, placed) = CudaBackend::load(model, device, &opts.memory, &progress)?;
+    let mut reason = format!("CUDA device {device} ({})", w.gpu.info().name);
+    if w.placement.offloads() {
+        reason += &format!("; {placed}");
+    }
+    tracing::info!("weights: {placed}");
     Ok((Device::Cuda(w), reason))
 }
 

@@ -41,6 +41,7 @@ mod model;
 mod mtp;
 mod ops;
 mod payload;
+mod placement;
 mod sampling;
 mod session;
 mod spec;
@@ -59,6 +60,7 @@ pub use imatrix::{
 };
 pub use mtp::{Mtp, MtpDraft, MtpState};
 pub use ops::linear::Numerics;
+pub use placement::{MemoryNeeds, MemoryOptions, Offload, Placement, PlanError, DEFAULT_PLAN_CTX};
 pub use sampling::{argmax, generate, Sampler, SamplerConfig, StopReason};
 pub use session::{Session, SessionOptions, SessionState};
 pub use spec::{SpecOptions, SpecStats, Speculator, MAX_DRAFT};

@@ -23,6 +23,11 @@ pub struct Args {
     /// Default (and maximum) output tokens per request.
     #[arg(short = 'n', long = "tokens", default_value_t = 393216, value_parser = positive)]
     pub tokens: usize,
+    /// Keep the routed experts of some layers in pinned host memory, read over the bus:
+    /// `auto` (default) offloads as few layers as the GPU needs for the model and one
+    /// --ctx session (none when it fits), N the last N layers' experts, 0 never.
+    #[arg(long, value_name = "auto|N", default_value = "auto")]
+    pub offload_experts: ds4_engine::Offload,
     /// CPU threads (default: all cores).
     #[arg(short = 't', long = "threads", value_parser = positive)]
     pub threads: Option<usize>,

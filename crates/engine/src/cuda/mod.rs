@@ -114,14 +114,18 @@ impl CudaBackend {
         self.state.set_last_hc_host(&self.weights, hc)
     }
 
-    /// Opens GPU `ordinal` and uploads `model`; the usual way to start.
+    /// Opens GPU `ordinal` and uploads `model` where the memory planner puts it
+    /// (`memory`: expert offload, the context to leave room for); the usual way to
+    /// start. Also returns the planner's line saying what went where.
     pub fn load(
         model: &Model,
         ordinal: usize,
+        memory: &crate::placement::MemoryOptions,
         progress: &dyn Fn(usize),
-    ) -> Result<Arc<CudaWeights>> {
+    ) -> Result<(Arc<CudaWeights>, String)> {
         let gpu = Arc::new(Gpu::open(ordinal)?);
-        Ok(Arc::new(CudaWeights::upload(&gpu, model, progress)?))
+        let (w, line) = CudaWeights::upload_planned(&gpu, model, memory, progress)?;
+        Ok((Arc::new(w), line))
     }
 }
 

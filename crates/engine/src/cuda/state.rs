@@ -279,15 +279,57 @@ const CHUNK_MEM_FRACTION: usize = 4;
 const ATT_SPLITS: usize = 32;
 
 /// Tokens per prefill chunk: `asked` (or MAX_CHUNK), bounded by the context's score
-/// buffers, by a CHUNK_MEM_FRACTION of the `free` device bytes, and to 1..=ctx.
-fn prefill_chunk(c: &Config, ctx: usize, free: usize, asked: Option<usize>) -> usize {
+/// buffers, by `budget` bytes of batch buffers, and to 1..=ctx.
+fn prefill_chunk(c: &Config, ctx: usize, budget: usize, asked: Option<usize>) -> usize {
     let scores_per_token = 4 * comp_cap(ctx, 4);
-    let mem_chunk = free / CHUNK_MEM_FRACTION / work_bytes_per_token(c, ctx).max(1);
+    let mem_chunk = budget / work_bytes_per_token(c, ctx).max(1);
     asked
         .unwrap_or(MAX_CHUNK)
         .min(CHUNK_SCORE_BUDGET / scores_per_token)
         .min(mem_chunk)
         .clamp(1, ctx.max(1))
+}
+
+/// Tokens per prefill chunk the memory planner reserves room for when the weights do
+/// not fit beside a session (expert offload): 1,024 tokens (~1 GiB of batch buffers)
+/// keep prefill within ~10% of 2,048's (bench/RESULTS.md v10f) for 1 GiB less offload.
+pub(crate) const PLAN_CHUNK: usize = 1024;
+
+/// Device bytes of a session's KV at `ctx` with a raw ring of window + `chunk` slots:
+/// per layer the ring, compressed and index rows and the compressors' frontiers.
+pub(crate) fn kv_bytes(c: &Config, ctx: usize, chunk: usize) -> usize {
+    let hd = c.head_dim;
+    let frontier = |r: usize, d: usize| {
+        let lanes = Config::compressor_lanes(r);
+        2 * lanes * r * lanes * d
+    };
+    let floats: usize = (0..c.n_layer)
+        .map(|il| {
+            let r = c.compress_ratios[il];
+            let mut f = (c.window.max(1) + chunk) * hd;
+            if r != 0 {
+                f += comp_cap(ctx, r) * hd + frontier(r, hd);
+            }
+            if c.has_indexer(il) {
+                f += comp_cap(ctx, 4) * c.idx_head_dim + frontier(4, c.idx_head_dim);
+            }
+            f
+        })
+        .sum();
+    4 * floats
+}
+
+/// A session's buffers besides its KV and its prefill batch: the decode scratch, the
+/// multi-row step's (SMALL_BATCH rows) and logits rows, with a 256 MiB margin for
+/// graphs and allocation rounding.
+pub(crate) fn fixed_session_bytes(c: &Config, ctx: usize) -> usize {
+    (1 + SMALL_BATCH) * work_bytes_per_token(c, ctx) + 4 * c.vocab * (SMALL_BATCH + 2) + (256 << 20)
+}
+
+/// Device bytes of one session at `ctx` with prefill chunks of `chunk` tokens: what the
+/// memory planner (placement.rs) reserves beside the weights.
+pub(crate) fn session_bytes(c: &Config, ctx: usize, chunk: usize) -> usize {
+    kv_bytes(c, ctx, chunk) + fixed_session_bytes(c, ctx) + chunk * work_bytes_per_token(c, ctx)
 }
 
 fn att_splits(att_stride: usize) -> usize {
@@ -333,7 +375,15 @@ impl DeviceState {
         let asked = std::env::var("DS4_CUDA_PREFILL_CHUNK")
             .ok()
             .and_then(|v| v.parse::<usize>().ok());
-        let chunk = prefill_chunk(c, ctx, free, asked);
+        // Weights placed to leave one session's room (expert offload: the planner
+        // reserved this session's KV and a PLAN_CHUNK batch) may use all of what is
+        // left; otherwise a chunk takes a fraction, leaving room for more sessions.
+        let budget = if w.tight {
+            free.saturating_sub(kv_bytes(c, ctx, 0) + fixed_session_bytes(c, ctx))
+        } else {
+            free / CHUNK_MEM_FRACTION
+        };
+        let chunk = prefill_chunk(c, ctx, budget, asked);
         let raw_cap = window + chunk;
         let mut layers = Vec::with_capacity(c.n_layer);
         for (il, l) in w.layers.iter().enumerate() {
@@ -651,11 +701,20 @@ mod tests {
     #[test]
     fn chunks_are_2048_tokens_when_memory_allows() {
         let c = flash();
-        assert_eq!(prefill_chunk(&c, 32768, 50 << 30, None), MAX_CHUNK);
-        assert_eq!(prefill_chunk(&c, 32768, 50 << 30, Some(300)), 300);
+        assert_eq!(
+            prefill_chunk(&c, 32768, (50 << 30) / CHUNK_MEM_FRACTION, None),
+            MAX_CHUNK
+        );
+        assert_eq!(
+            prefill_chunk(&c, 32768, (50 << 30) / CHUNK_MEM_FRACTION, Some(300)),
+            300
+        );
         // Never more than the context, never zero.
         assert_eq!(prefill_chunk(&c, 100, 50 << 30, None), 100);
-        assert_eq!(prefill_chunk(&c, 32768, 50 << 30, Some(0)), 1);
+        assert_eq!(
+            prefill_chunk(&c, 32768, (50 << 30) / CHUNK_MEM_FRACTION, Some(0)),
+            1
+        );
     }
 
     #[test]
@@ -663,13 +722,25 @@ mod tests {
         let c = flash();
         let per = work_bytes_per_token(&c, 32768);
         // A quarter of 1 GiB free holds fewer than 2,048 tokens of buffers.
-        let chunk = prefill_chunk(&c, 32768, 1 << 30, None);
+        let chunk = prefill_chunk(&c, 32768, (1 << 30) / CHUNK_MEM_FRACTION, None);
         assert_eq!(chunk, (1usize << 30) / CHUNK_MEM_FRACTION / per);
         assert!(chunk < MAX_CHUNK);
         assert_eq!(prefill_chunk(&c, 32768, 0, None), 1);
         // At 1M context the indexer score rows cap the chunk (512 MiB budget).
-        let long = prefill_chunk(&c, 1 << 20, 1 << 40, None);
+        let long = prefill_chunk(&c, 1 << 20, 1 << 38, None);
         assert_eq!(long, CHUNK_SCORE_BUDGET / (4 * comp_cap(1 << 20, 4)));
         assert!(long < MAX_CHUNK);
+    }
+
+    #[test]
+    fn a_session_at_2k_fits_in_a_few_gib_and_grows_with_the_context() {
+        let c = flash();
+        let at = |ctx| session_bytes(&c, ctx, PLAN_CHUNK) as f64 / (1u64 << 30) as f64;
+        // The planner's reserve for the H100 acceptance (2k) must stay small, and 100k
+        // must cost more KV (compressed and index rows grow with the context).
+        assert!((0.8..3.0).contains(&at(2048)), "{} GiB at 2k", at(2048));
+        assert!(at(100_000) > at(2048) + 0.3, "{} GiB at 100k", at(100_000));
+        let kv = |ctx| kv_bytes(&c, ctx, 0);
+        assert!(kv(100_000) > kv(2048));
     }
 }

@@ -3,7 +3,8 @@
 use std::sync::{Arc, Mutex};
 
 use ds4_cuda::{
-    CudaError, DecodePlan, DeviceBuf, DeviceMatrix, Gpu, RopeP, WT_BF16, WT_F16, WT_F32, WT_Q8_0,
+    CudaError, DecodePlan, DeviceBuf, DeviceMatrix, Gpu, Part, RopeP, WT_BF16, WT_F16, WT_F32,
+    WT_Q8_0,
 };
 use ds4_gguf::GgmlType;
 
@@ -12,13 +13,15 @@ use crate::model::Model;
 use crate::mtp::weights::mtp_layer_index;
 use crate::mtp::Mtp;
 use crate::ops::rope::Rope;
+use crate::placement::{MemoryNeeds, MemoryOptions, Placement, DEFAULT_PLAN_CTX};
 use crate::weights::{
     Compressor, CompressorWeights, Hc, HcWeights, Indexer, Layer, LayerWeights, Mat, Storage,
 };
 
-/// A small dense tensor kept in its file encoding (F32/F16/BF16) for the layer kernels.
+/// A small dense tensor kept in its file encoding (F32/F16/BF16) for the layer kernels
+/// (the token embedding: on the device, or in mapped host memory when offloaded).
 pub struct DenseTensor {
-    pub buf: DeviceBuf<u8>,
+    pub buf: Part,
     pub ty: i32,
 }
 
@@ -48,7 +51,15 @@ pub struct CudaWeights {
     pub output: DeviceMatrix,
     /// 0..o_groups, the matrix ids of the grouped output projection.
     pub group_ids: DeviceBuf<i32>,
+    /// Weight bytes on the device.
     pub bytes: usize,
+    /// Weight bytes in mapped host memory (expert offload, [`Placement`]).
+    pub host_bytes: usize,
+    /// What lives in host memory.
+    pub placement: Placement,
+    /// The placement reserved room for one session only: its prefill chunk may use
+    /// what is left (state.rs `prefill_chunk`) instead of a fraction.
+    pub tight: bool,
     /// The decode plan new sessions follow ([`DecodePlan::from_env`], read once here).
     pub plan: DecodePlan,
     /// The MTP block last uploaded ([`CudaWeights::mtp`]), shared by every session.
@@ -133,10 +144,26 @@ fn check_fits(gpu: &Gpu, need: usize) -> Result<(), CudaError> {
 struct Uploader<'a> {
     gpu: &'a Arc<Gpu>,
     bytes: usize,
+    host_bytes: usize,
     progress: &'a dyn Fn(usize),
 }
 
 impl Uploader<'_> {
+    /// An expert stack: in mapped host memory when its layer is offloaded.
+    fn experts(&mut self, m: &Mat, host: bool) -> Result<DeviceMatrix, CudaError> {
+        if !host {
+            return self.mat(m);
+        }
+        let d = DeviceMatrix::upload_host(self.gpu, m.ty, m.data(), m.n_out, m.n_in, m.n_mat)
+            .map_err(|e| match e {
+                CudaError::Driver(_) => e,
+                e => CudaError::Invalid(format!("{}: {e}", m.name)),
+            })?;
+        self.host_bytes += d.bytes();
+        (self.progress)(m.data().len());
+        Ok(d)
+    }
+
     fn mat(&mut self, m: &Mat) -> Result<DeviceMatrix, CudaError> {
         self.mat_grouped(m, 1)
     }
@@ -164,14 +191,17 @@ impl Uploader<'_> {
         Ok(d)
     }
 
-    fn dense(&mut self, m: &Mat) -> Result<DenseTensor, CudaError> {
+    fn dense(&mut self, m: &Mat, host: bool) -> Result<DenseTensor, CudaError> {
         let ty = wt_code(m.ty).map_err(|e| CudaError::Invalid(format!("{}: {e}", m.name)))?;
-        self.bytes += m.data().len();
         (self.progress)(m.data().len());
-        Ok(DenseTensor {
-            buf: self.gpu.upload_bulk(m.data())?,
-            ty,
-        })
+        let buf = if host {
+            self.host_bytes += m.data().len();
+            Part::Host(self.gpu.host_gather(m.data(), 1, 0, 1)?)
+        } else {
+            self.bytes += m.data().len();
+            Part::Device(self.gpu.upload_bulk(m.data())?)
+        };
+        Ok(DenseTensor { buf, ty })
     }
 
     fn vec(&mut self, v: &[f32]) -> Result<DeviceBuf<f32>, CudaError> {
@@ -199,8 +229,14 @@ impl Uploader<'_> {
         })
     }
 
-    /// One transformer block: a main layer, or the MTP block bound as a layer.
-    fn layer(&mut self, lw: &LayerWeights, cfg: &Config) -> Result<LayerDev, CudaError> {
+    /// One transformer block: a main layer, or the MTP block bound as a layer; its
+    /// routed experts in host memory when `host_experts`.
+    fn layer(
+        &mut self,
+        lw: &LayerWeights,
+        cfg: &Config,
+        host_experts: bool,
+    ) -> Result<LayerDev, CudaError> {
         let gpu = self.gpu;
         Ok(LayerDev {
             il: lw.il,
@@ -233,9 +269,9 @@ impl Uploader<'_> {
             gate_inp: self.mat(&lw.gate_inp)?,
             exp_probs_b: lw.exp_probs_b.as_ref().map(|b| self.vec(b)).transpose()?,
             tid2eid: lw.tid2eid.as_ref().map(|t| gpu.upload(t)).transpose()?,
-            gate_exps: self.mat(&lw.gate_exps)?,
-            up_exps: self.mat(&lw.up_exps)?,
-            down_exps: self.mat(&lw.down_exps)?,
+            gate_exps: self.experts(&lw.gate_exps, host_experts)?,
+            up_exps: self.experts(&lw.up_exps, host_experts)?,
+            down_exps: self.experts(&lw.down_exps, host_experts)?,
             gate_sh: self.mat(&lw.gate_sh)?,
             up_sh: self.mat(&lw.up_sh)?,
             down_sh: self.mat(&lw.down_sh)?,
@@ -243,37 +279,103 @@ impl Uploader<'_> {
     }
 }
 
+/// The byte counts the memory planner decides from (`placement.rs`), for `model` with
+/// one session at `ctx`.
+pub fn memory_needs(model: &Model, ctx: usize) -> MemoryNeeds {
+    let c = model.config();
+    let w = model.weights();
+    let ctx = if ctx == 0 { DEFAULT_PLAN_CTX } else { ctx };
+    let chunk = super::state::PLAN_CHUNK.min(ctx);
+    MemoryNeeds {
+        weights: model.gguf().tensor_bytes(),
+        embedding: w.token_embd.data().len() as u64,
+        experts: (w.layers.iter())
+            .map(|l| [&l.gate_exps, &l.up_exps, &l.down_exps].map(|m| m.data().len() as u64))
+            .map(|b| b.iter().sum())
+            .collect(),
+        session: super::state::session_bytes(c, ctx, chunk) as u64,
+        reserve: PLAN_RESERVE,
+    }
+}
+
+/// Device memory the planner leaves for what it does not count: the CUDA graphs and
+/// module, allocation rounding of ~2,000 weight buffers, the MTP block is not included
+/// (it is checked when loaded).
+const PLAN_RESERVE: u64 = 768 << 20;
+
 impl CudaWeights {
-    /// Uploads every weight of `model`. `progress(bytes)` is called as file bytes are
-    /// uploaded.
+    /// Uploads every weight of `model` to the device. `progress(bytes)` is called as
+    /// file bytes are uploaded.
     pub fn upload(
         gpu: &Arc<Gpu>,
         model: &Model,
         progress: &dyn Fn(usize),
     ) -> Result<CudaWeights, CudaError> {
+        let n_layer = model.config().n_layer;
+        Self::upload_placed(gpu, model, Placement::resident(n_layer), false, progress)
+    }
+
+    /// Plans where the weights go on `gpu` for `memory` ([`Placement::plan`] on its
+    /// free memory) and uploads them there. Returns the weights and the startup line
+    /// saying what went where.
+    pub fn upload_planned(
+        gpu: &Arc<Gpu>,
+        model: &Model,
+        memory: &MemoryOptions,
+        progress: &dyn Fn(usize),
+    ) -> Result<(CudaWeights, String), CudaError> {
+        let needs = memory_needs(model, memory.ctx);
+        let free = gpu.mem_info().map_or(u64::MAX, |(free, _)| free as u64);
+        let placement = Placement::plan(&needs, free, memory.offload).map_err(|e| {
+            CudaError::Invalid(format!("{} ({}): {e}", gpu.info().name, "memory plan"))
+        })?;
+        let line = placement.describe(&needs, free);
+        let tight = placement.offloads();
+        let w = Self::upload_placed(gpu, model, placement, tight, progress)?;
+        Ok((w, line))
+    }
+
+    /// Uploads every weight of `model` with `placement`'s tensors in mapped host
+    /// memory.
+    pub(crate) fn upload_placed(
+        gpu: &Arc<Gpu>,
+        model: &Model,
+        placement: Placement,
+        tight: bool,
+        progress: &dyn Fn(usize),
+    ) -> Result<CudaWeights, CudaError> {
         // A misspelt DS4_CUDA_FUSE fails here, before the upload.
         let plan = DecodePlan::from_env()?;
-        // Fail before uploading anything when the weights cannot fit (the q2 file on an
-        // 80 GB card): otherwise the allocation fails a minute later, near the end.
-        check_fits(gpu, model.gguf().tensor_bytes() as usize)?;
         let cfg = model.config().clone();
         let w = model.weights();
+        if placement.experts_on_host.len() != cfg.n_layer {
+            return Err(CudaError::Invalid(format!(
+                "a placement of {} layers for a model of {}",
+                placement.experts_on_host.len(),
+                cfg.n_layer
+            )));
+        }
+        // Fail before uploading anything when the weights cannot fit (the q2 file on an
+        // 80 GB card without offload): otherwise the allocation fails a minute later.
+        let needs = memory_needs(model, 0);
+        check_fits(gpu, placement.device_bytes(&needs) as usize)?;
         let inner = model.inner();
         let mut up = Uploader {
             gpu,
             bytes: 0,
+            host_bytes: 0,
             progress,
         };
         let mut layers = Vec::with_capacity(cfg.n_layer);
         let mut freqs = Vec::with_capacity(cfg.n_layer);
         for (il, lw) in w.layers.iter().enumerate() {
             freqs.push(up.vec(inner.ropes[il].freqs())?);
-            layers.push(up.layer(lw, &cfg)?);
+            layers.push(up.layer(lw, &cfg, placement.experts_on_host[il])?);
         }
         let group_ids: Vec<i32> = (0..cfg.o_groups as i32).collect();
         let weights = CudaWeights {
             gpu: gpu.clone(),
-            token_embd: up.dense(&w.token_embd)?,
+            token_embd: up.dense(&w.token_embd, placement.embedding_on_host)?,
             layers,
             freqs,
             head_hc: up.hc(&w.head_hc)?,
@@ -281,6 +383,9 @@ impl CudaWeights {
             output: up.mat(&w.output)?,
             group_ids: gpu.upload(&group_ids)?,
             bytes: up.bytes,
+            host_bytes: up.host_bytes,
+            placement,
+            tight,
             config: cfg,
             plan,
             mtp: Mutex::new(None),
@@ -327,11 +432,12 @@ impl CudaWeights {
         let mut up = Uploader {
             gpu: &self.gpu,
             bytes: 0,
+            host_bytes: 0,
             progress: &|_| {},
         };
         let rope = Rope::new(cfg.rope_dim, cfg.rope_freq_base, None);
         let dev = CudaMtpWeights {
-            layer: up.layer(&w.layer, cfg)?,
+            layer: up.layer(&w.layer, cfg, false)?,
             il: mtp_layer_index(cfg),
             freqs: up.vec(rope.freqs())?,
             e_proj: up.mat(&w.e_proj)?,

@@ -20,6 +20,8 @@ use crate::{argmax, Numerics};
 
 mod imatrix;
 mod mtp;
+mod offload;
+pub use offload::check_offload;
 mod spec;
 pub use imatrix::check_imatrix;
 mod steer;

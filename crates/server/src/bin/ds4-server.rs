@@ -67,6 +67,10 @@ fn load_engine(
             backend,
             numerics,
             progress: Some(progress),
+            memory: ds4_engine::MemoryOptions {
+                offload: args.offload_experts,
+                ctx: args.ctx,
+            },
         },
     )
     .with_context(|| format!("cannot load {}", args.model.display()))?;

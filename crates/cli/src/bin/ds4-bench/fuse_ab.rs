@@ -13,7 +13,7 @@ use ds4_engine::dev::{CudaBackend, Model, SessionExt};
 use ds4_engine::Session;
 
 use crate::cycles::decode_greedy;
-use crate::{bar, eos_token, prompt_tokens, Args};
+use crate::{bar, eos_token, memory, prompt_tokens, Args};
 
 /// One setting: its label and the plan its `DS4_CUDA_FUSE` value names.
 pub struct Spec {
@@ -48,10 +48,11 @@ pub fn run(a: &Args, model: &Model, specs: &[Spec], alloc: usize) -> Result<()> 
     let total = model.gguf().tensor_bytes();
     let b = bar(total, "uploading weights to the GPU");
     let done = AtomicU64::new(0);
-    let weights = CudaBackend::load(model, a.device, &|n| {
+    let (weights, placed) = CudaBackend::load(model, a.device, &memory(a), &|n| {
         b.set_position(done.fetch_add(n as u64, Ordering::Relaxed) + n as u64)
     })
     .context("CUDA backend unavailable")?;
+    eprintln!("ds4-bench: weights: {placed}");
     b.finish_and_clear();
     let numerics = model.numerics();
     let prompt = prompt_tokens(a, model, a.ctx_start)?;

@@ -82,6 +82,12 @@ struct Args {
     /// CPU threads.
     #[arg(short = 't', long)]
     threads: Option<usize>,
+    /// Keep the routed experts of some layers in pinned host memory, read over the bus:
+    /// `auto` (default) offloads as few layers as the GPU needs for the model and one
+    /// session of the benchmark's capacity (none when it fits), N the last N layers', 0
+    /// never.
+    #[arg(long, value_name = "auto|N", default_value = "auto")]
+    offload_experts: ds4_engine::Offload,
     /// Exact numerics (f32 activations, f32 KV).
     #[arg(long)]
     quality: bool,
@@ -403,6 +409,14 @@ fn alloc(a: &Args) -> usize {
         .unwrap_or(a.ctx_max + a.gen_tokens + 1 + step_slack(a))
 }
 
+/// The memory planner's request: --offload-experts for one session of [`alloc`] tokens.
+fn memory(a: &Args) -> ds4_engine::MemoryOptions {
+    ds4_engine::MemoryOptions {
+        offload: a.offload_experts,
+        ctx: alloc(a),
+    }
+}
+
 fn main() -> Result<()> {
     let a = Args::parse();
     ds4_cli::logging::init(a.verbose);
@@ -440,6 +454,7 @@ fn main() -> Result<()> {
             backend,
             numerics: model.numerics(),
             progress: Some(progress),
+            memory: memory(&a),
         },
     )
     .context("cannot start the backend (use --backend cpu)")?;

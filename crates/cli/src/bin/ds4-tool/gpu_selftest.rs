@@ -83,6 +83,7 @@ pub fn run(a: Args) -> Result<()> {
             dev_fixture::check_mtp(&gpu, dir, &mtp_image, &mut print)?,
             dev_fixture::check_imatrix(&gpu, dir, &mut print)?,
             dev_fixture::check_steering(&gpu, dir, &mut print)?,
+            dev_fixture::check_offload(&gpu, dir, &mut print)?,
         ] {
             total += t.checks;
             failed += t.failed;

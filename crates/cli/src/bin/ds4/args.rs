@@ -168,6 +168,12 @@ pub struct Args {
     #[arg(long, conflicts_with_all = ["backend", "cuda"])]
     pub cpu: bool,
 
+    /// Keep the routed experts of some layers in pinned host memory, read over the bus:
+    /// `auto` (default) offloads as few layers as the GPU needs for the model and one
+    /// --ctx session (none when it fits), N the last N layers' experts, 0 never.
+    #[arg(long, value_name = "auto|N", default_value = "auto")]
+    pub offload_experts: ds4_engine::Offload,
+
     /// Same as --backend cuda.
     #[arg(long, conflicts_with = "backend")]
     pub cuda: bool,

@@ -36,7 +36,12 @@ pub struct Engine {
 }
 
 impl Engine {
-    pub fn load(path: &Path, numerics: Numerics, want: Option<BackendArg>) -> Result<Engine> {
+    pub fn load(
+        path: &Path,
+        numerics: Numerics,
+        want: Option<BackendArg>,
+        memory: ds4_engine::MemoryOptions,
+    ) -> Result<Engine> {
         check_model_exists(path)?;
         let backend = match want {
             None => BackendChoice::Auto,
@@ -58,6 +63,7 @@ impl Engine {
                 backend,
                 numerics,
                 progress: Some(progress),
+                memory,
             },
         )
         .with_context(|| format!("cannot load {}", path.display()))?;

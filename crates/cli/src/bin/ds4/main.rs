@@ -62,7 +62,15 @@ fn run(args: &Args) -> Result<()> {
     } else {
         Numerics::Fast
     };
-    let mut engine = Engine::load(&args.model, numerics, args.backend_choice())?;
+    let mut engine = Engine::load(
+        &args.model,
+        numerics,
+        args.backend_choice(),
+        ds4_engine::MemoryOptions {
+            offload: args.offload_experts,
+            ctx: args.ctx,
+        },
+    )?;
     if args.inspect {
         return dump::inspect(&engine, args);
     }

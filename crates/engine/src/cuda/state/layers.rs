@@ -313,7 +313,7 @@ impl KvView<'_> {
         g.embed(
             n_tok,
             g.ptr(&s.step),
-            g.ptr(&w.token_embd.buf),
+            w.token_embd.buf.ptr(g),
             w.token_embd.ty,
             c.n_embd,
             c.n_hc,

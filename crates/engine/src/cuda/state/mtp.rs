@@ -482,7 +482,7 @@ impl Draft {
         let s = &work.s;
         // Hin_s = e_proj·rmsnorm(emb, enorm) + h_proj·rmsnorm(G_s, hnorm).
         let emb = &w.token_embd;
-        l.embed(1, g.ptr(&s.step), g.ptr(&emb.buf), emb.ty, e, 1, p(&m.emb))?;
+        l.embed(1, g.ptr(&s.step), emb.buf.ptr(g), emb.ty, e, 1, p(&m.emb))?;
         l.rmsnorm(p(&m.emb), p(&mw.enorm), f32t, e, 1, eps, p(&m.emb_n))?;
         let e_proj = p(&m.e_proj);
         mv(

@@ -1,0 +1,395 @@
+//! Where the weights go when the model does not fit the card (issue 23, architecture.md
+//! §4.1): the memory planner. Pure arithmetic over byte counts, so every decision is
+//! tested on the CPU; the CUDA upload follows the [`Placement`] it returns.
+//!
+//! The q2 file is 80.76 GiB and an 80 GB card offers ~79 GiB, so the planner moves, in
+//! order of what they cost a decode token:
+//! 1. the token embedding (1 GiB F16): a token reads one 8 KiB row of it, so in mapped
+//!    host memory it costs nothing measurable;
+//! 2. the routed experts of whole layers, from the last layer down: a token reads its 6
+//!    selected experts of such a layer across the bus (~42 MB at the Flash shape, ~1 ms
+//!    on PCIe 5), and a prefill chunk the whole stack once (1.8 GB).
+//!
+//! Nothing else is worth moving: every other weight is read in full by every token.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// `--offload-experts auto|N`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Offload {
+    /// As many layers as the card needs (none when the model fits).
+    #[default]
+    Auto,
+    /// Exactly the last N layers' experts (and the embedding when N > 0); 0 never
+    /// offloads (and refuses a model that does not fit, as before).
+    Layers(usize),
+}
+
+impl FromStr for Offload {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Offload, String> {
+        match s.trim() {
+            "auto" => Ok(Offload::Auto),
+            n => n.parse::<usize>().map(Offload::Layers).map_err(|_| {
+                format!("--offload-experts takes `auto` or a number of layers, not `{s}`")
+            }),
+        }
+    }
+}
+
+impl fmt::Display for Offload {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Offload::Auto => f.write_str("auto"),
+            Offload::Layers(n) => write!(f, "{n}"),
+        }
+    }
+}
+
+/// What the engine is asked to keep room for on the device (`EngineOptions::memory`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryOptions {
+    pub offload: Offload,
+    /// The context the first session will use (its KV and score buffers are reserved);
+    /// 0: [`DEFAULT_PLAN_CTX`].
+    pub ctx: usize,
+}
+
+impl Default for MemoryOptions {
+    fn default() -> MemoryOptions {
+        MemoryOptions {
+            offload: Offload::Auto,
+            ctx: 0,
+        }
+    }
+}
+
+/// The context reserved when the caller does not say (the CLI's default `--ctx`).
+pub const DEFAULT_PLAN_CTX: usize = 32_768;
+
+/// The byte counts the planner decides from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemoryNeeds {
+    /// Every tensor of the model file (device bytes equal file bytes: the upload's
+    /// repacking keeps bytes per weight).
+    pub weights: u64,
+    /// The token embedding.
+    pub embedding: u64,
+    /// Per layer, its routed-expert stacks (gate, up and down of every expert).
+    pub experts: Vec<u64>,
+    /// One session at the requested context with its prefill chunk's buffers.
+    pub session: u64,
+    /// What the driver, CUDA graphs and allocation granularity take besides.
+    pub reserve: u64,
+}
+
+/// The planner's answer: what lives in mapped host memory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placement {
+    /// Per layer: its routed experts are in host memory.
+    pub experts_on_host: Vec<bool>,
+    pub embedding_on_host: bool,
+}
+
+impl Placement {
+    /// Everything on the device.
+    pub fn resident(n_layer: usize) -> Placement {
+        Placement {
+            experts_on_host: vec![false; n_layer],
+            embedding_on_host: false,
+        }
+    }
+
+    /// Whether anything is offloaded.
+    pub fn offloads(&self) -> bool {
+        self.embedding_on_host || self.experts_on_host.iter().any(|&h| h)
+    }
+
+    /// Layers whose experts are offloaded.
+    pub fn offloaded_layers(&self) -> usize {
+        self.experts_on_host.iter().filter(|&&h| h).count()
+    }
+
+    /// Bytes kept in host memory.
+    pub fn host_bytes(&self, needs: &MemoryNeeds) -> u64 {
+        let experts: u64 = (needs.experts.iter().zip(&self.experts_on_host))
+            .filter(|(_, &h)| h)
+            .map(|(b, _)| b)
+            .sum();
+        experts
+            + if self.embedding_on_host {
+                needs.embedding
+            } else {
+                0
+            }
+    }
+
+    /// Weight bytes on the device.
+    pub fn device_bytes(&self, needs: &MemoryNeeds) -> u64 {
+        needs.weights - self.host_bytes(needs)
+    }
+
+    /// Decides what goes where on a device with `free` bytes.
+    pub fn plan(needs: &MemoryNeeds, free: u64, choice: Offload) -> Result<Placement, PlanError> {
+        let n_layer = needs.experts.len();
+        let room = free.saturating_sub(needs.session + needs.reserve);
+        let mut p = Placement::resident(n_layer);
+        match choice {
+            Offload::Layers(0) => {}
+            Offload::Layers(n) => {
+                if n > n_layer {
+                    return Err(PlanError::TooManyLayers { asked: n, n_layer });
+                }
+                p.embedding_on_host = true;
+                for h in &mut p.experts_on_host[n_layer - n..] {
+                    *h = true;
+                }
+            }
+            Offload::Auto => {
+                if needs.weights > room {
+                    p.embedding_on_host = true;
+                    for il in (0..n_layer).rev() {
+                        if p.device_bytes(needs) <= room {
+                            break;
+                        }
+                        p.experts_on_host[il] = true;
+                    }
+                }
+            }
+        }
+        if p.device_bytes(needs) > room {
+            return Err(PlanError::DoesNotFit {
+                need: p.device_bytes(needs) + needs.session + needs.reserve,
+                free,
+                choice,
+                all_offloaded: p.offloaded_layers() == n_layer,
+            });
+        }
+        Ok(p)
+    }
+
+    /// The startup line: what went where.
+    pub fn describe(&self, needs: &MemoryNeeds, free: u64) -> String {
+        if !self.offloads() {
+            return format!(
+                "all weights on the GPU ({:.2} GiB of {:.2} GiB free)",
+                gib(needs.weights),
+                gib(free)
+            );
+        }
+        let mut what = Vec::new();
+        if self.offloaded_layers() > 0 {
+            what.push(format!(
+                "the routed experts of {} layer{} ({})",
+                self.offloaded_layers(),
+                if self.offloaded_layers() == 1 {
+                    ""
+                } else {
+                    "s"
+                },
+                layer_ranges(&self.experts_on_host)
+            ));
+        }
+        if self.embedding_on_host {
+            what.push("the token embedding".to_string());
+        }
+        format!(
+            "{} in pinned host memory ({:.2} GiB, read over the bus); {:.2} GiB on the \
+             GPU, {:.2} GiB left there for sessions",
+            what.join(" and "),
+            gib(self.host_bytes(needs)),
+            gib(self.device_bytes(needs)),
+            gib(free.saturating_sub(self.device_bytes(needs)))
+        )
+    }
+}
+
+/// "40–42" style ranges of the set entries.
+fn layer_ranges(set: &[bool]) -> String {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < set.len() {
+        if !set[i] {
+            i += 1;
+            continue;
+        }
+        let j = (i..set.len()).take_while(|&k| set[k]).last().unwrap_or(i);
+        out.push(if i == j {
+            format!("layer {i}")
+        } else {
+            format!("layers {i}–{j}")
+        });
+        i = j + 1;
+    }
+    out.join(", ")
+}
+
+pub(crate) fn gib(b: u64) -> f64 {
+    b as f64 / (1u64 << 30) as f64
+}
+
+/// Why no placement works.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PlanError {
+    TooManyLayers {
+        asked: usize,
+        n_layer: usize,
+    },
+    DoesNotFit {
+        need: u64,
+        free: u64,
+        choice: Offload,
+        all_offloaded: bool,
+    },
+}
+
+impl fmt::Display for PlanError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PlanError::TooManyLayers { asked, n_layer } => write!(
+                f,
+                "--offload-experts {asked}: the model has {n_layer} layers"
+            ),
+            PlanError::DoesNotFit {
+                need,
+                free,
+                choice,
+                all_offloaded,
+            } => {
+                write!(
+                    f,
+                    "the model needs {:.2} GiB on the GPU with --offload-experts {choice} \
+                     but {:.2} GiB are free",
+                    gib(*need),
+                    gib(*free)
+                )?;
+                match (choice, all_offloaded) {
+                    (_, true) => f.write_str(
+                        " even with every layer's experts in host memory: use a smaller \
+                         --ctx or a larger GPU",
+                    ),
+                    (Offload::Layers(_), false) => f.write_str(
+                        ": offload more layers (--offload-experts auto picks the number) \
+                         or use a smaller --ctx",
+                    ),
+                    (Offload::Auto, false) => f.write_str(": use a smaller --ctx"),
+                }
+            }
+        }
+    }
+}
+
+impl std::error::Error for PlanError {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    /// The published q2 file's sizes (docs: 80.76 GiB; embedding F16 129,280 × 4,096;
+    /// each layer's 256 experts ~1.69 GiB), a 2k session and a 1 GiB reserve.
+    fn q2() -> MemoryNeeds {
+        MemoryNeeds {
+            weights: 86_714_775_900,
+            embedding: 1_059_061_760,
+            experts: vec![1_811_939_328; 43],
+            session: 2 * GIB,
+            reserve: GIB,
+        }
+    }
+
+    #[test]
+    fn a_model_that_fits_stays_on_the_device() {
+        let p = Placement::plan(&q2(), 139 * GIB, Offload::Auto).unwrap();
+        assert!(!p.offloads());
+        assert_eq!(p.device_bytes(&q2()), q2().weights);
+        assert!(p
+            .describe(&q2(), 139 * GIB)
+            .starts_with("all weights on the GPU"));
+    }
+
+    #[test]
+    fn q2_on_an_80_gb_card_offloads_the_embedding_and_the_last_layers() {
+        let needs = q2();
+        let free = 79 * GIB;
+        let p = Placement::plan(&needs, free, Offload::Auto).unwrap();
+        assert!(p.embedding_on_host);
+        // 80.76 − 0.99 GiB of weights + 3 GiB room into 79: three layers (1.69 each).
+        assert_eq!(p.offloaded_layers(), 3);
+        assert_eq!(&p.experts_on_host[40..], &[true; 3]);
+        assert!(p.experts_on_host[..40].iter().all(|&h| !h));
+        assert!(p.device_bytes(&needs) + needs.session + needs.reserve <= free);
+        // The fewest layers: one layer less does not fit.
+        let mut fewer = p.clone();
+        fewer.experts_on_host[40] = false;
+        assert!(fewer.device_bytes(&needs) + needs.session + needs.reserve > free);
+        let line = p.describe(&needs, free);
+        assert!(line.contains("3 layers (layers 40–42)"), "{line}");
+        assert!(line.contains("token embedding"), "{line}");
+    }
+
+    #[test]
+    fn a_longer_context_offloads_more() {
+        let mut needs = q2();
+        let short = Placement::plan(&needs, 79 * GIB, Offload::Auto).unwrap();
+        needs.session = 8 * GIB;
+        let long = Placement::plan(&needs, 79 * GIB, Offload::Auto).unwrap();
+        assert!(long.offloaded_layers() > short.offloaded_layers());
+        assert_eq!(long.offloaded_layers(), 6);
+    }
+
+    #[test]
+    fn an_explicit_count_is_taken_as_asked() {
+        let needs = q2();
+        let p = Placement::plan(&needs, 139 * GIB, Offload::Layers(2)).unwrap();
+        assert_eq!(p.offloaded_layers(), 2);
+        assert!(p.embedding_on_host && p.experts_on_host[41] && p.experts_on_host[42]);
+        let none = Placement::plan(&needs, 139 * GIB, Offload::Layers(0)).unwrap();
+        assert!(!none.offloads());
+        // Too few for the card: refused with what to do.
+        let e = Placement::plan(&needs, 79 * GIB, Offload::Layers(1)).unwrap_err();
+        assert!(e.to_string().contains("offload more layers"), "{e}");
+        let e = Placement::plan(&needs, 79 * GIB, Offload::Layers(0)).unwrap_err();
+        assert!(matches!(e, PlanError::DoesNotFit { .. }));
+        assert_eq!(
+            Placement::plan(&needs, 79 * GIB, Offload::Layers(44)).unwrap_err(),
+            PlanError::TooManyLayers {
+                asked: 44,
+                n_layer: 43
+            }
+        );
+    }
+
+    #[test]
+    fn a_card_too_small_for_anything_is_refused() {
+        let e = Placement::plan(&q2(), 8 * GIB, Offload::Auto).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                PlanError::DoesNotFit {
+                    all_offloaded: true,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("even with every layer's experts"));
+    }
+
+    #[test]
+    fn offload_flag_values_parse() {
+        assert_eq!("auto".parse::<Offload>(), Ok(Offload::Auto));
+        assert_eq!(" 3".parse::<Offload>(), Ok(Offload::Layers(3)));
+        assert!("three".parse::<Offload>().unwrap_err().contains("auto"));
+        assert_eq!(Offload::Layers(5).to_string(), "5");
+    }
+
+    #[test]
+    fn ranges_name_runs_of_layers() {
+        let set = [true, false, true, true, true, false, true];
+        assert_eq!(layer_ranges(&set), "layer 0, layers 2–4, layer 6");
+    }
+}
