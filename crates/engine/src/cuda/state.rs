@@ -71,7 +71,8 @@ fn work_bytes_per_token(c: &Config, ctx: usize) -> usize {
         + c.n_hc * (c.n_hc + 1)
         + 4 * e
         + 2 * c.q_lora_rank
-        + 2 * c.q_dim()
+        // q and heads, which also hold the experts' rep and dn (`Scratch::rep`).
+        + 2 * c.q_dim().max(k * e)
         + hd
         + og
         + 4 * hd
@@ -80,7 +81,6 @@ fn work_bytes_per_token(c: &Config, ctx: usize) -> usize {
         + comp_cap(ctx, 4)
         + c.n_expert
         + k
-        + 2 * k * e
         + 3 * k * ff
         + 3 * ffs;
     let ints = 2 + c.idx_topk + k + c.o_groups;
@@ -122,12 +122,9 @@ struct Scratch {
     rlog: DeviceBuf<f32>,
     ids: DeviceBuf<i32>,
     rw: DeviceBuf<f32>,
-    /// The experts' input repeated per (token, expert) pair (batches only).
-    rep: DeviceBuf<f32>,
     g: DeviceBuf<f32>,
     u: DeviceBuf<f32>,
     mid: DeviceBuf<f32>,
-    dn: DeviceBuf<f32>,
     sg: DeviceBuf<f32>,
     su: DeviceBuf<f32>,
     smid: DeviceBuf<f32>,
@@ -163,6 +160,21 @@ impl Work {
 }
 
 impl Scratch {
+    /// The routed experts' input repeated per (token, expert) pair (batches that take
+    /// the matvecs): in `q`'s buffer, which attention no longer reads once the FFN
+    /// starts (the sublayers run in order and every side lane joins before a sublayer
+    /// ends). Sharing saves 196 KB a token of prefill buffers at the Flash shape — what
+    /// lets a 2,048-token chunk fit beside the q2 weights on an 80 GB card.
+    fn rep(&self) -> &DeviceBuf<f32> {
+        &self.q
+    }
+
+    /// The routed experts' down outputs (k rows a token), in `heads`'s buffer (as
+    /// [`Scratch::rep`]).
+    fn dn(&self) -> &DeviceBuf<f32> {
+        &self.heads
+    }
+
     fn new(g: &Gpu, c: &Config, ctx: usize, cap: usize, att_stride: usize) -> Result<Scratch> {
         let k = c.n_expert_used;
         let ff = c.n_ff_exp;
@@ -185,9 +197,11 @@ impl Scratch {
             n: z(cap * e)?,
             qa: z(cap * c.q_lora_rank)?,
             qr: z(cap * c.q_lora_rank)?,
-            q: z(cap * c.q_dim())?,
+            // q and heads also hold the routed experts' repeated input and down
+            // outputs (`Scratch::rep`, `Scratch::dn`): dead after attention, before the FFN.
+            q: z(cap * c.q_dim().max(k * e))?,
             kv: z(cap * hd)?,
-            heads: z(cap * c.q_dim())?,
+            heads: z(cap * c.q_dim().max(k * e))?,
             low: z(cap * c.o_groups * c.o_lora_rank)?,
             o: z(cap * e)?,
             ckv: z(cap * 4 * hd)?,
@@ -205,11 +219,9 @@ impl Scratch {
             rlog: z(cap * c.n_expert)?,
             ids: g.zeros::<i32>(cap * k)?,
             rw: z(cap * k)?,
-            rep: z(if cap == 1 { 1 } else { cap * k * e })?,
             g: z(cap * k * ff)?,
             u: z(cap * k * ff)?,
             mid: z(cap * k * ff)?,
-            dn: z(cap * k * e)?,
             sg: z(cap * ffs)?,
             su: z(cap * ffs)?,
             smid: z(cap * ffs)?,
@@ -291,9 +303,10 @@ fn prefill_chunk(c: &Config, ctx: usize, budget: usize, asked: Option<usize>) ->
 }
 
 /// Tokens per prefill chunk the memory planner reserves room for when the weights do
-/// not fit beside a session (expert offload): 1,024 tokens (~1 GiB of batch buffers)
-/// keep prefill within ~10% of 2,048's (bench/RESULTS.md v10f) for 1 GiB less offload.
-pub(crate) const PLAN_CHUNK: usize = 1024;
+/// not fit beside a session (expert offload). A chunk streams every offloaded layer's
+/// expert stack over the bus once, so halving it doubles that traffic: on one H100 (q2,
+/// 2 layers offloaded, 2k prompt) 1,024 gave 2,840 tok/s (bench/RESULTS.md v23).
+pub(crate) const PLAN_CHUNK: usize = MAX_CHUNK;
 
 /// Device bytes of a session's KV at `ctx` with a raw ring of window + `chunk` slots:
 /// per layer the ring, compressed and index rows and the compressors' frontiers.
@@ -320,10 +333,11 @@ pub(crate) fn kv_bytes(c: &Config, ctx: usize, chunk: usize) -> usize {
 }
 
 /// A session's buffers besides its KV and its prefill batch: the decode scratch, the
-/// multi-row step's (SMALL_BATCH rows) and logits rows, with a 256 MiB margin for
-/// graphs and allocation rounding.
+/// multi-row step's (SMALL_BATCH rows) and logits rows, with a 128 MiB margin for
+/// graphs, allocation rounding and the estimate's ~6% shortfall on the batch buffers
+/// (1.031 GiB measured for 0.968 estimated at 1,024 tokens on the H100).
 pub(crate) fn fixed_session_bytes(c: &Config, ctx: usize) -> usize {
-    (1 + SMALL_BATCH) * work_bytes_per_token(c, ctx) + 4 * c.vocab * (SMALL_BATCH + 2) + (256 << 20)
+    (1 + SMALL_BATCH) * work_bytes_per_token(c, ctx) + 4 * c.vocab * (SMALL_BATCH + 2) + (128 << 20)
 }
 
 /// Device bytes of one session at `ctx` with prefill chunks of `chunk` tokens: what the
@@ -376,14 +390,19 @@ impl DeviceState {
             .ok()
             .and_then(|v| v.parse::<usize>().ok());
         // Weights placed to leave one session's room (expert offload: the planner
-        // reserved this session's KV and a PLAN_CHUNK batch) may use all of what is
-        // left; otherwise a chunk takes a fraction, leaving room for more sessions.
+        // reserved this session's KV and a PLAN_CHUNK batch) take that chunk where it
+        // fits; otherwise a chunk takes a fraction, leaving room for more sessions.
         let budget = if w.tight {
-            free.saturating_sub(kv_bytes(c, ctx, 0) + fixed_session_bytes(c, ctx))
+            let left = free.saturating_sub(kv_bytes(c, ctx, 0) + fixed_session_bytes(c, ctx));
+            left.min(PLAN_CHUNK * work_bytes_per_token(c, ctx))
         } else {
             free / CHUNK_MEM_FRACTION
         };
         let chunk = prefill_chunk(c, ctx, budget, asked);
+        tracing::info!(
+            "session of {ctx} tokens: prefill chunk {chunk} ({:.2} GiB free before it)",
+            free as f64 / (1u64 << 30) as f64
+        );
         let raw_cap = window + chunk;
         let mut layers = Vec::with_capacity(c.n_layer);
         for (il, l) in w.layers.iter().enumerate() {
@@ -474,6 +493,7 @@ impl DeviceState {
         }
         let g = &*w.gpu;
         if self.batch.is_none() {
+            let before = g.mem_info().map_or(0, |(free, _)| free);
             self.batch = Some(Work::new(
                 g,
                 &w.config,
@@ -481,6 +501,15 @@ impl DeviceState {
                 self.chunk,
                 self.att_stride,
             )?);
+            let after = g.mem_info().map_or(0, |(free, _)| free);
+            let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+            tracing::debug!(
+                "prefill buffers for {} tokens: {:.3} GiB ({:.3} GiB free after; estimate {:.3})",
+                self.chunk,
+                gib(before.saturating_sub(after)),
+                gib(after),
+                gib(self.chunk * work_bytes_per_token(&w.config, self.ctx))
+            );
         }
         let mut b = self.batch.take().expect("allocated above");
         debug_assert!(n <= b.s.cap);

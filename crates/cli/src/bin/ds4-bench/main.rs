@@ -499,9 +499,16 @@ fn main() -> Result<()> {
         let t = Instant::now();
         session.prefill(&prompt[have..frontier])?;
         let prefill_s = t.elapsed().as_secs_f64();
-        let snapshot = session.try_clone()?;
         let mut payload = Vec::new();
-        snapshot.save_payload(&mut payload)?;
+        session.save_payload(&mut payload)?;
+        // A device copy only where a second run starts from this point; otherwise the
+        // state waits in host memory. With the weights placed to leave room for one
+        // session (expert offload) a device copy does not fit.
+        let (snapshot, host_snapshot) = if a.rows > 1 || spec.is_some() {
+            (Some(session.try_clone()?), None)
+        } else {
+            (None, Some(session.export_state()?))
+        };
         profile_prefill.add(hooks.profile_take()?);
         let (plain, greedy) = decode_greedy(&mut session, a.gen_tokens, eos)?;
         let base = BenchRow {
@@ -518,14 +525,20 @@ fn main() -> Result<()> {
         };
         let mut runs = vec![plain.row(&base, 1)];
         if a.rows > 1 {
-            session = snapshot.try_clone()?;
+            session = snapshot
+                .as_ref()
+                .expect("a snapshot for this run")
+                .try_clone()?;
             runs.push(
                 time_rows(&mut session, a.rows, a.gen_tokens, eos, a.seed)?
                     .row(&base, a.rows as u64),
             );
         }
         if let Some(spec) = spec.as_mut() {
-            session = snapshot.try_clone()?;
+            session = snapshot
+                .as_ref()
+                .expect("a snapshot for this run")
+                .try_clone()?;
             let truth: spec_run::Truth = Arc::new(std::sync::Mutex::new(greedy.clone()));
             if !a.accept_rate.is_empty() {
                 let vocab = session.vocab() as u32;
@@ -566,7 +579,11 @@ fn main() -> Result<()> {
             runs.push(r.timed.row(&base, (a.mtp_draft + 1) as u64));
         }
         profile_decode.add(hooks.profile_take()?);
-        session = snapshot;
+        match (snapshot, host_snapshot) {
+            (Some(s), _) => session = s,
+            (None, Some(h)) => session.import_state(h)?,
+            (None, None) => unreachable!("one of the snapshots is taken above"),
+        }
         for row in runs {
             writeln!(out, "{}", row.to_csv())?;
             out.flush()?;

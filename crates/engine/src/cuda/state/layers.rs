@@ -735,8 +735,8 @@ impl KvView<'_> {
         let (x_in, in_stride) = if n == 1 || expert_gemm {
             (p(&s.n), 0)
         } else {
-            g.repeat_rows(p(&s.n), n, e, k, p(&s.rep))?;
-            (p(&s.rep), e as i64)
+            g.repeat_rows(p(&s.n), n, e, k, p(s.rep()))?;
+            (p(s.rep()), e as i64)
         };
         let gate_up = MatSel {
             ids,
@@ -791,17 +791,17 @@ impl KvView<'_> {
                     plan,
                     k,
                     false,
-                    p(&s.dn),
+                    p(s.dn()),
                     None,
                 )?,
-                None => g.matvec_q8act(&l.down_exps, &qb.exp_mid, p(&s.dn), pairs, per_mid)?,
+                None => g.matvec_q8act(&l.down_exps, &qb.exp_mid, p(s.dn()), pairs, per_mid)?,
             }
         } else {
-            g.matvec(&l.down_exps, mid, p(&s.dn), pairs, per_mid)?;
+            g.matvec(&l.down_exps, mid, p(s.dn()), pairs, per_mid)?;
         }
         g.join(1)?;
         // The routed experts' rows summed plus the shared expert, inside hc_post.
-        let mut parts = (p(&s.dn), k);
+        let mut parts = (p(s.dn()), k);
         if let Some((dir, scale)) = self.steer.and_then(|st| st.at(g, il, Component::FfnOut)) {
             // Steering edits the whole FFN output: steer_rows forms that sum in s.sh
             // (hc_post's order), steers it, and hc_post adds no parts.
