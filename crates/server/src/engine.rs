@@ -59,6 +59,46 @@ pub trait EngineBackend: Send {
     fn take_spec_stats(&mut self) -> SpecStats {
         SpecStats::default()
     }
+    /// The engine session behind this timeline, for a batched decode over several of
+    /// them ([`decode_batch`]); `None` for engines that decode one at a time.
+    fn session_mut(&mut self) -> Option<&mut Session> {
+        None
+    }
+    /// Whether [`EngineBackend::session_mut`] answers (checked first, so that a row
+    /// without one can still be used after the check).
+    fn has_session(&self) -> bool {
+        false
+    }
+    /// Bytes of KV state this timeline holds, when the engine can tell cheaply
+    /// (`/metrics`; the pool's memory accounting).
+    fn kv_bytes(&self) -> Option<u64> {
+        None
+    }
+}
+
+/// One decode token for each of several timelines (the continuous-batching worker's
+/// step): rows backed by an engine [`Session`] go through [`Session::decode_batch`] (one
+/// pass over the weights for all of them where the backend implements it), the others
+/// decode one by one. Results are per row and in order; a failed row is unchanged.
+pub fn decode_batch(rows: Vec<(&mut dyn EngineBackend, u32)>) -> Vec<Result<(), ServerError>> {
+    let mut out: Vec<Option<Result<(), ServerError>>> = (0..rows.len()).map(|_| None).collect();
+    let mut batch: Vec<(&mut Session, u32)> = Vec::new();
+    let mut at: Vec<usize> = Vec::new();
+    for (i, (e, t)) in rows.into_iter().enumerate() {
+        if e.has_session() {
+            let s = e.session_mut().expect("has_session said so");
+            batch.push((s, t));
+            at.push(i);
+        } else {
+            out[i] = Some(e.decode(t));
+        }
+    }
+    for (i, r) in at.into_iter().zip(Session::decode_batch(&mut batch)) {
+        out[i] = Some(r.map_err(ServerError::from));
+    }
+    out.into_iter()
+        .map(|r| r.expect("every row answered"))
+        .collect()
 }
 
 /// The real engine: a `ds4_engine::Session` on the CPU or CUDA backend.
@@ -115,6 +155,12 @@ impl EngineBackend for RealEngine {
         };
         let mut spec = spec.lock().unwrap_or_else(|e| e.into_inner());
         Ok(spec.advance(&mut self.session, sampler, token, max, stop)?)
+    }
+    fn session_mut(&mut self) -> Option<&mut Session> {
+        Some(&mut self.session)
+    }
+    fn has_session(&self) -> bool {
+        true
     }
     fn take_spec_stats(&mut self) -> SpecStats {
         let Some(mut spec) = self.spec() else {
@@ -246,6 +292,10 @@ impl FakeEngine {
 impl EngineBackend for FakeEngine {
     fn ctx(&self) -> usize {
         self.ctx
+    }
+    fn kv_bytes(&self) -> Option<u64> {
+        // What its payload holds: one u32 per token.
+        Some(4 * self.tokens.len() as u64)
     }
     fn quant_bits(&self) -> u8 {
         2
