@@ -42,6 +42,8 @@ const PREFILL_CHUNK: usize = 512;
 struct Queue {
     jobs: VecDeque<GenJob>,
     shutdown: bool,
+    /// [`Shared::pause_admission`]: queued jobs wait.
+    paused: bool,
 }
 
 /// State shared by the HTTP handlers and the worker.
@@ -82,6 +84,7 @@ impl Shared {
             queue: Mutex::new(Queue {
                 jobs: VecDeque::new(),
                 shutdown: false,
+                paused: false,
             }),
             cv: Condvar::new(),
             next_id: AtomicU64::new(1),
@@ -150,6 +153,14 @@ impl Shared {
         let mut q = lock(&self.queue);
         q.shutdown = true;
         self.stop_now.store(true, Relaxed);
+        self.cv.notify_all();
+    }
+
+    /// Holds queued jobs back (`true`) or lets the worker admit them again: tests
+    /// queue several requests and release them together, so that they are admitted in
+    /// one iteration of the batching loop (deterministic batches).
+    pub fn pause_admission(&self, on: bool) {
+        lock(&self.queue).paused = on;
         self.cv.notify_all();
     }
 

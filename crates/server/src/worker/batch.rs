@@ -109,7 +109,7 @@ impl Worker {
     /// whether shutdown was requested. After shutdown, queued jobs are answered 503.
     fn take_jobs(&self, idle: bool, running: usize) -> (Vec<GenJob>, bool) {
         let mut q = lock(&self.shared.queue);
-        while idle && q.jobs.is_empty() && !q.shutdown {
+        while idle && (q.jobs.is_empty() || q.paused) && !q.shutdown {
             q = self.shared.cv.wait(q).unwrap_or_else(|e| e.into_inner());
         }
         let mut out = Vec::new();
@@ -118,7 +118,7 @@ impl Worker {
                 failed(&j, 503, "server shutting down");
             }
         }
-        while running + out.len() < self.pool_size() {
+        while running + out.len() < self.pool_size() && (!q.paused || q.shutdown) {
             match q.jobs.pop_front() {
                 Some(j) => out.push(j),
                 None => break,

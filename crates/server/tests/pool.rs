@@ -1,0 +1,286 @@
+//! The session pool and continuous batching (#21), on the CPU: the real engine on
+//! fixtures/tiny/tiny-q2.gguf (Exact numerics) where tokens must match, the fake engine
+//! (with a per-token delay) where only the worker's scheduling is under test.
+//!
+//! Batches are made deterministic with `Shared::pause_admission`: requests are queued
+//! while admission is paused and released together, so the worker admits them in one
+//! iteration of its loop.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use common::*;
+use ds4_engine::{BackendChoice, Engine, EngineOptions, Numerics};
+use ds4_server::config::KvDiskConfig;
+use ds4_server::engine::RealEngine;
+use ds4_server::{ServerConfig, TestServer};
+use serde_json::{json, Value};
+
+fn real(cfg: ServerConfig) -> TestServer {
+    let engine = Engine::open(
+        root().join("fixtures/tiny/tiny-q2.gguf"),
+        EngineOptions {
+            backend: BackendChoice::Cpu { threads: None },
+            numerics: Numerics::Exact,
+            ..EngineOptions::default()
+        },
+    )
+    .expect("tiny model");
+    let tok = engine.tokenizer().expect("tokenizer");
+    let session = engine.new_session(cfg.ctx).expect("session");
+    TestServer::start(cfg, tok, Box::new(RealEngine::new(&engine, session)))
+}
+
+fn pool_cfg(sessions: usize) -> ServerConfig {
+    let mut c = ServerConfig::for_tests(1024);
+    c.max_sessions = Some(sessions);
+    c
+}
+
+/// A greedy chat request (no thinking: the thinking mode forces its own sampling).
+fn greedy(user: &str, max_tokens: usize) -> Value {
+    json!({"model": "deepseek-chat", "temperature": 0, "max_tokens": max_tokens,
+           "messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": user}]})
+}
+
+fn content(r: &Value) -> String {
+    r["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no content: {r}"))
+        .to_string()
+}
+
+fn cached(r: &Value) -> u64 {
+    r["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no cached tokens: {r}"))
+}
+
+/// The value of a metric line `name` (with its labels, if any) in `/metrics`.
+fn metric(addr: SocketAddr, name: &str) -> f64 {
+    let text = get(addr, "/metrics").text();
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix(name)
+                .and_then(|r| r.strip_prefix(' '))
+                .map(|v| v.parse::<f64>().expect("metric value"))
+        })
+        .unwrap_or_else(|| panic!("no metric {name} in\n{text}"))
+}
+
+/// Waits (bounded) until `n` requests are queued.
+fn wait_queued(addr: SocketAddr, n: f64) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while metric(addr, "ds4_requests_queued") < n {
+        assert!(Instant::now() < deadline, "requests never got queued");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// N concurrent greedy clients get exactly the tokens each gets alone, and the worker
+/// really ran them in shared decode steps.
+#[test]
+fn concurrent_greedy_clients_get_their_tokens_alone() {
+    let users = ["one", "two two", "three three three", "four"];
+    let alone: Vec<String> = {
+        let s = real(pool_cfg(1));
+        users
+            .iter()
+            .map(|u| content(&post_json(s.addr, "/v1/chat/completions", &greedy(u, 24))))
+            .collect()
+    };
+    let s = real(pool_cfg(4));
+    let addr = s.addr;
+    s.shared.pause_admission(true);
+    let handles: Vec<_> = users
+        .iter()
+        .map(|u| {
+            let body = greedy(u, 24);
+            std::thread::spawn(move || post_json(addr, "/v1/chat/completions", &body))
+        })
+        .collect();
+    wait_queued(addr, users.len() as f64);
+    s.shared.pause_admission(false);
+    let got: Vec<Value> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    for (i, r) in got.iter().enumerate() {
+        assert_eq!(content(r), alone[i], "client {i}: {r}");
+    }
+    // Admitted together, the four decode in the same steps (a step of 3 or 4 rows)
+    // once their prompts are in; each prompt is one prefill chunk.
+    let four = metric(addr, "ds4_decode_step_rows_bucket{le=\"4\"}");
+    let two = metric(addr, "ds4_decode_step_rows_bucket{le=\"2\"}");
+    assert!(four > two, "no step of 3 or 4 rows ({two} of 2 or fewer, {four} of 4 or fewer)");
+    assert_eq!(metric(addr, "ds4_requests_running"), 0.0);
+    assert!(metric(addr, "ds4_time_to_first_token_seconds_count") >= 4.0);
+    assert!(metric(addr, "ds4_inter_token_seconds_count") >= 4.0);
+}
+
+/// A raw completion whose prompt continues `prev` (a completion's prompt and output):
+/// the session that served `prev` holds exactly its text, so it is reused.
+fn continue_prompt(prev_prompt: &str, prev: &Value) -> Value {
+    let out = prev["choices"][0]["text"].as_str().expect("text");
+    json!({"model": "deepseek-chat", "temperature": 0, "max_tokens": 12,
+           "prompt": format!("{prev_prompt}{out} and then")})
+}
+
+fn completion(prompt: &str) -> Value {
+    json!({"model": "deepseek-chat", "temperature": 0, "max_tokens": 12, "prompt": prompt})
+}
+
+/// Conversation A, conversation B, then A continued: with one session B evicts A (to
+/// the RAM tier or the disk cache), with two A stays live. The continuation must be
+/// the same either way, and say where its KV came from.
+fn evict_and_continue(cfg: ServerConfig) -> (Value, SocketAddr, TestServer) {
+    let pa = "Alpha: the quick brown fox jumps over the lazy dog, again and again";
+    let pb = "Beta: a completely different story about seven small green frogs";
+    let s = real(cfg);
+    let a1 = post_json(s.addr, "/v1/completions", &completion(pa));
+    let b = post_json(s.addr, "/v1/completions", &completion(pb));
+    assert!(b["choices"][0]["text"].is_string(), "{b}");
+    let a2 = post_json(s.addr, "/v1/completions", &continue_prompt(pa, &a1));
+    (a2, s.addr, s)
+}
+
+#[test]
+fn evicted_sessions_come_back_from_ram_and_disk_and_continue_exactly() {
+    let (live, _, s) = evict_and_continue(pool_cfg(2));
+    assert!(cached(&live) > 16, "{live}");
+    drop(s);
+
+    let mut c = pool_cfg(1);
+    c.kv_ram_bytes = 64 << 20;
+    let (ram, addr, s) = evict_and_continue(c);
+    assert_eq!(ram["choices"][0]["text"], live["choices"][0]["text"], "{ram}");
+    assert_eq!(cached(&ram), cached(&live));
+    assert_eq!(metric(addr, "ds4_pool_ram_hits_total"), 1.0);
+    assert!(metric(addr, "ds4_pool_evictions_total") >= 2.0);
+    drop(s);
+
+    let dir = temp_dir("pool-disk");
+    let mut c = pool_cfg(1);
+    c.kv_disk = Some(KvDiskConfig {
+        budget_bytes: 256 << 20,
+        ..KvDiskConfig::for_tests(dir.clone())
+    });
+    let (disk, addr, s) = evict_and_continue(c);
+    assert_eq!(disk["choices"][0]["text"], live["choices"][0]["text"], "{disk}");
+    assert!(cached(&disk) > 16, "{disk}");
+    assert_eq!(metric(addr, "ds4_pool_ram_hits_total"), 0.0);
+    assert_eq!(metric(addr, "ds4_cache_hits_total{kind=\"disk\"}"), 1.0);
+    drop(s);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Starts a streaming chat request; returns the socket after the first body bytes.
+fn open_stream(addr: SocketAddr, body: &Value) -> TcpStream {
+    let body = body.to_string();
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).unwrap();
+    let mut buf = Vec::new();
+    let mut b = [0u8; 256];
+    // Past the headers and into the first SSE frame with content.
+    while !String::from_utf8_lossy(&buf).contains("\"content\"") {
+        let n = s.read(&mut b).expect("read");
+        assert!(n > 0, "stream closed early: {}", String::from_utf8_lossy(&buf));
+        buf.extend_from_slice(&b[..n]);
+    }
+    s
+}
+
+fn stream_text(r: &Resp) -> String {
+    r.sse_json()
+        .iter()
+        .filter_map(|v| v["choices"][0]["delta"]["content"].as_str().map(String::from))
+        .collect()
+}
+
+/// A request that extends a busy session gets a copy of it (a fork); a client that
+/// disconnects frees its row while the other streams finish.
+#[test]
+fn busy_sessions_fork_and_disconnects_free_their_rows() {
+    let s = fake_server_delay(pool_cfg(4), 15);
+    let addr = s.addr;
+    let long = |stream: bool| json!({"model": "deepseek-chat", "stream": stream, "max_tokens": 200, "messages": [{"role": "user", "content": "a long answer please"}]});
+    let alone = post_json(addr, "/v1/chat/completions", &long(false));
+    let want = content(&alone);
+    assert!(want.contains("word39"), "{alone}");
+    // A generates on session 0; the same prompt meanwhile is served by a copy of A's
+    // prompt snapshot, not by a second prefill.
+    let a = open_stream(addr, &long(true));
+    let b = post_json(addr, "/v1/chat/completions", &long(false));
+    assert_eq!(content(&b), want);
+    assert_eq!(cached(&b), b["usage"]["prompt_tokens"].as_u64().unwrap() - 1, "{b}");
+    assert_eq!(metric(addr, "ds4_pool_forks_total"), 1.0);
+    // A hangs up while still generating.
+    let before = metric(addr, "ds4_cancelled_total");
+    drop(a);
+
+    // Three streams; one hangs up after its first token: its row goes, the other two
+    // finish in full.
+    let quitter = open_stream(addr, &long(true));
+    let stayers: Vec<_> = (0..2)
+        .map(|_| {
+            let body = long(true);
+            std::thread::spawn(move || post(addr, "/v1/chat/completions", &body))
+        })
+        .collect();
+    drop(quitter);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while metric(addr, "ds4_cancelled_total") < before + 2.0 {
+        // The earlier stream `a` and the quitter.
+        assert!(Instant::now() < deadline, "the disconnects were never noticed");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for h in stayers {
+        let r = h.join().unwrap();
+        assert_eq!(r.status, 200);
+        assert_eq!(stream_text(&r), want);
+    }
+    assert_eq!(metric(addr, "ds4_requests_running"), 0.0);
+}
+
+/// bench/serve-load.py against a CPU server on the tiny model: every request succeeds
+/// and the CSV line adds up.
+#[test]
+fn serve_load_script_runs_against_the_tiny_model() {
+    if std::process::Command::new("python3")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        record_skip("no python3: bench/serve-load.py");
+        return;
+    }
+    let s = real(pool_cfg(3));
+    let out = std::process::Command::new("python3")
+        .arg(root().join("bench/serve-load.py"))
+        .args(["--url", &s.url(), "--clients", "3", "--requests", "2"])
+        .args(["--max-tokens", "6", "--system-words", "12", "--turns", "1"])
+        .arg("--csv-header")
+        .output()
+        .expect("run serve-load.py");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 2, "{stdout}");
+    let head: Vec<&str> = lines[0].split(',').collect();
+    let row: Vec<&str> = lines[1].split(',').collect();
+    assert_eq!(head.len(), row.len());
+    let col = |name: &str| row[head.iter().position(|h| *h == name).unwrap()];
+    assert_eq!(col("ok"), "6");
+    assert_eq!(col("failed"), "0");
+    let tokens: u64 = col("tokens").parse().unwrap();
+    // Six requests of at most 6 tokens, as the server counted them.
+    assert!(tokens > 0 && tokens <= 36, "{stdout}");
+    assert_eq!(metric(s.addr, "ds4_tokens_out_total"), tokens as f64);
+    assert!(stderr.contains("aggregate"), "{stderr}");
+}
