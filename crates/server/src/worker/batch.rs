@@ -95,6 +95,10 @@ impl Worker {
                     i += 1;
                 }
             }
+            self.shared
+                .metrics
+                .running
+                .store(active.len() as u64, Relaxed);
             self.publish_sessions();
         }
         self.shared.metrics.running.store(0, Relaxed);
