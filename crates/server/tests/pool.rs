@@ -293,3 +293,33 @@ fn serve_load_script_runs_against_the_tiny_model() {
     assert_eq!(metric(s.addr, "ds4_tokens_out_total"), tokens as f64);
     assert!(stderr.contains("aggregate"), "{stderr}");
 }
+
+/// The live protocol bindings are per session: a Responses tool-call turn on one
+/// session, another conversation on a second, then the tool outputs alone (no replayed
+/// call) are accepted and continue the first session.
+#[test]
+fn bindings_stay_with_their_session() {
+    let s = fake_server(pool_cfg(2));
+    let tools = json!([{"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]);
+    let r1 = post_json(
+        s.addr,
+        "/v1/responses",
+        &json!({"instructions": "Be brief.", "input": "weather in Paris?", "tools": tools}),
+    );
+    let fc = first_of(&r1["output"], "function_call").clone();
+    let held = r1["usage"]["input_tokens"].as_u64().unwrap() + r1["usage"]["output_tokens"].as_u64().unwrap();
+    let other = post_json(s.addr, "/v1/chat/completions", &greedy("something else", 8));
+    assert!(other["choices"][0]["message"]["content"].is_string(), "{other}");
+    let r2 = post(
+        s.addr,
+        "/v1/responses",
+        &json!({"instructions": "Be brief.", "tools": tools, "input": [
+            {"type": "function_call_output", "call_id": fc["call_id"], "output": "sunny"}
+        ]}),
+    );
+    assert_eq!(r2.status, 200, "{}", r2.text());
+    let r2 = r2.json();
+    assert_eq!(r2["usage"]["input_tokens_details"]["cached_tokens"], held, "{r2}");
+    assert_eq!(metric(s.addr, "ds4_cache_hits_total{kind=\"responses-tool-output\"}"), 1.0);
+    assert_eq!(metric(s.addr, "ds4_pool_evictions_total"), 0.0);
+}
