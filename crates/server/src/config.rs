@@ -502,7 +502,10 @@ impl Args {
             exact_dsml_replay: !self.disable_exact_dsml_tool_replay,
             trace: self.trace.clone(),
             max_sessions: self.max_sessions,
-            kv_ram_bytes: self.kv_ram_mb.checked_mul(1 << 20).ok_or("--kv-ram-mb is too large")?,
+            kv_ram_bytes: self
+                .kv_ram_mb
+                .checked_mul(1 << 20)
+                .ok_or("--kv-ram-mb is too large")?,
         })
     }
 }

@@ -189,7 +189,10 @@ impl Hist {
         }
         let count = self.count();
         out.push_str(&format!("{name}_bucket{{le=\"+Inf\"}} {count}\n"));
-        out.push_str(&format!("{name}_sum {}\n{name}_count {count}\n", self.sum()));
+        out.push_str(&format!(
+            "{name}_sum {}\n{name}_count {count}\n",
+            self.sum()
+        ));
     }
 }
 
@@ -240,7 +243,7 @@ pub const ENDPOINTS: [&str; 5] = [
     "messages",
     "count_tokens",
 ];
-pub const CACHE_KINDS: [&str; 8] = [
+pub const CACHE_KINDS: [&str; 9] = [
     "memory-token",
     "memory-text",
     "snapshot",
@@ -249,6 +252,7 @@ pub const CACHE_KINDS: [&str; 8] = [
     "responses-tool-output",
     "anthropic-tool-output",
     "thinking-visible",
+    "ram",
 ];
 const MISS: usize = CACHE_KINDS.len();
 

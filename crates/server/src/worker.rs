@@ -124,7 +124,8 @@ impl Shared {
             &parked.1
         };
         if !more.is_empty() {
-            ids.get_or_insert_with(Vec::new).extend(more.iter().cloned());
+            ids.get_or_insert_with(Vec::new)
+                .extend(more.iter().cloned());
         }
         ids
     }

@@ -121,7 +121,10 @@ fn concurrent_greedy_clients_get_their_tokens_alone() {
     // once their prompts are in; each prompt is one prefill chunk.
     let four = metric(addr, "ds4_decode_step_rows_bucket{le=\"4\"}");
     let two = metric(addr, "ds4_decode_step_rows_bucket{le=\"2\"}");
-    assert!(four > two, "no step of 3 or 4 rows ({two} of 2 or fewer, {four} of 4 or fewer)");
+    assert!(
+        four > two,
+        "no step of 3 or 4 rows ({two} of 2 or fewer, {four} of 4 or fewer)"
+    );
     // The worker updates the gauge after the iteration that answered the last one.
     wait_idle(addr);
     assert!(metric(addr, "ds4_time_to_first_token_seconds_count") >= 4.0);
@@ -162,6 +165,7 @@ fn evicted_sessions_come_back_from_ram_and_disk_and_continue_exactly() {
     assert_eq!(content(&ram), content(&live), "{ram}");
     assert_eq!(cached(&ram), cached(&live));
     assert_eq!(metric(addr, "ds4_pool_ram_hits_total"), 1.0);
+    assert_eq!(metric(addr, "ds4_cache_hits_total{kind=\"ram\"}"), 1.0);
     assert!(metric(addr, "ds4_pool_evictions_total") >= 2.0);
     drop(s);
 
@@ -195,7 +199,11 @@ fn open_stream(addr: SocketAddr, body: &Value) -> TcpStream {
     // Past the headers and into the first SSE frame with content.
     while !String::from_utf8_lossy(&buf).contains("\"content\"") {
         let n = s.read(&mut b).expect("read");
-        assert!(n > 0, "stream closed early: {}", String::from_utf8_lossy(&buf));
+        assert!(
+            n > 0,
+            "stream closed early: {}",
+            String::from_utf8_lossy(&buf)
+        );
         buf.extend_from_slice(&b[..n]);
     }
     s
@@ -204,7 +212,11 @@ fn open_stream(addr: SocketAddr, body: &Value) -> TcpStream {
 fn stream_text(r: &Resp) -> String {
     r.sse_json()
         .iter()
-        .filter_map(|v| v["choices"][0]["delta"]["content"].as_str().map(String::from))
+        .filter_map(|v| {
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(String::from)
+        })
         .collect()
 }
 
@@ -223,7 +235,11 @@ fn busy_sessions_fork_and_disconnects_free_their_rows() {
     let a = open_stream(addr, &long(true));
     let b = post_json(addr, "/v1/chat/completions", &long(false));
     assert_eq!(content(&b), want);
-    assert_eq!(cached(&b), b["usage"]["prompt_tokens"].as_u64().unwrap() - 1, "{b}");
+    assert_eq!(
+        cached(&b),
+        b["usage"]["prompt_tokens"].as_u64().unwrap() - 1,
+        "{b}"
+    );
     assert_eq!(metric(addr, "ds4_pool_forks_total"), 1.0);
     drop(a);
     // A ends (or, had it still been generating, is cancelled) before the count below.
@@ -242,7 +258,10 @@ fn busy_sessions_fork_and_disconnects_free_their_rows() {
     drop(quitter);
     let deadline = Instant::now() + Duration::from_secs(30);
     while metric(addr, "ds4_cancelled_total") < before + 1.0 {
-        assert!(Instant::now() < deadline, "the disconnects were never noticed");
+        assert!(
+            Instant::now() < deadline,
+            "the disconnects were never noticed"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     for h in stayers {
@@ -307,9 +326,13 @@ fn bindings_stay_with_their_session() {
         &json!({"instructions": "Be brief.", "input": "weather in Paris?", "tools": tools}),
     );
     let fc = first_of(&r1["output"], "function_call").clone();
-    let held = r1["usage"]["input_tokens"].as_u64().unwrap() + r1["usage"]["output_tokens"].as_u64().unwrap();
+    let held = r1["usage"]["input_tokens"].as_u64().unwrap()
+        + r1["usage"]["output_tokens"].as_u64().unwrap();
     let other = post_json(s.addr, "/v1/chat/completions", &greedy("something else", 8));
-    assert!(other["choices"][0]["message"]["content"].is_string(), "{other}");
+    assert!(
+        other["choices"][0]["message"]["content"].is_string(),
+        "{other}"
+    );
     let r2 = post(
         s.addr,
         "/v1/responses",
@@ -319,7 +342,16 @@ fn bindings_stay_with_their_session() {
     );
     assert_eq!(r2.status, 200, "{}", r2.text());
     let r2 = r2.json();
-    assert_eq!(r2["usage"]["input_tokens_details"]["cached_tokens"], held, "{r2}");
-    assert_eq!(metric(s.addr, "ds4_cache_hits_total{kind=\"responses-tool-output\"}"), 1.0);
+    assert_eq!(
+        r2["usage"]["input_tokens_details"]["cached_tokens"], held,
+        "{r2}"
+    );
+    assert_eq!(
+        metric(
+            s.addr,
+            "ds4_cache_hits_total{kind=\"responses-tool-output\"}"
+        ),
+        1.0
+    );
     assert_eq!(metric(s.addr, "ds4_pool_evictions_total"), 0.0);
 }

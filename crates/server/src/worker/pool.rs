@@ -245,7 +245,10 @@ impl Worker {
             .filter_map(|(k, e)| self.match_session(&e.tokens, job, false).map(|m| (k, m)))
             .max_by_key(|(_, m)| m.cached);
         let live_cached = best.as_ref().map_or(0, |b| b.2.cached);
-        if let (Some((i, from, m)), false) = (best, ram_best.as_ref().is_some_and(|r| r.1.cached > live_cached)) {
+        if let (Some((i, from, m)), false) = (
+            best,
+            ram_best.as_ref().is_some_and(|r| r.1.cached > live_cached),
+        ) {
             if let Some(r) = self.reuse(i, from, m) {
                 self.shared.metrics.pool_hits.fetch_add(1, Relaxed);
                 return Ok(r);
@@ -299,7 +302,11 @@ impl Worker {
                 return None;
             }
         };
-        let source = if from == From::Snap { "snapshot" } else { m.source };
+        let source = if from == From::Snap {
+            "snapshot"
+        } else {
+            m.source
+        };
         if !busy {
             self.engine = copy;
             return Some((i, Synced { source, ..m }));
