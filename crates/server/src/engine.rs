@@ -237,6 +237,18 @@ pub struct FakeEngine {
     eos: u32,
     delay: Duration,
     fingerprint: [u8; 32],
+    /// [`FakeEngine::with_call_log`]: shared by every copy of this engine.
+    calls: Option<CallLog>,
+}
+
+/// The engine calls of a fake engine and its copies, in order: `Prefill(n)` for a
+/// prefill of `n` tokens, `Decode` for one token (tests of the worker's scheduling).
+pub type CallLog = Arc<Mutex<Vec<Call>>>;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Call {
+    Prefill(usize),
+    Decode,
 }
 
 impl FakeEngine {
@@ -253,6 +265,19 @@ impl FakeEngine {
             eos,
             delay: Duration::ZERO,
             fingerprint: FAKE_FINGERPRINT,
+            calls: None,
+        }
+    }
+
+    /// Records every prefill and decode (of this engine and its copies) in `log`.
+    pub fn with_call_log(mut self, log: CallLog) -> FakeEngine {
+        self.calls = Some(log);
+        self
+    }
+
+    fn record(&self, c: Call) {
+        if let Some(l) = &self.calls {
+            l.lock().unwrap_or_else(|e| e.into_inner()).push(c);
         }
     }
 
@@ -311,6 +336,7 @@ impl EngineBackend for FakeEngine {
     }
     fn prefill(&mut self, tokens: &[u32]) -> Result<(), ServerError> {
         self.check_room(tokens.len())?;
+        self.record(Call::Prefill(tokens.len()));
         if !self.delay.is_zero() {
             std::thread::sleep(self.delay * tokens.len().min(50) as u32);
         }
@@ -323,6 +349,7 @@ impl EngineBackend for FakeEngine {
     }
     fn decode(&mut self, token: u32) -> Result<(), ServerError> {
         self.check_room(1)?;
+        self.record(Call::Decode);
         if !self.delay.is_zero() {
             std::thread::sleep(self.delay);
         }

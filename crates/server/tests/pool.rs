@@ -355,3 +355,61 @@ fn bindings_stay_with_their_session() {
     );
     assert_eq!(metric(s.addr, "ds4_pool_evictions_total"), 0.0);
 }
+
+/// A long prompt arriving while another request generates is prefilled in bounded
+/// chunks with that request's decode steps between them (the engine's call order).
+#[test]
+fn a_long_prompt_is_prefilled_between_decode_steps() {
+    use ds4_server::engine::{default_script, Call, CallLog, FakeEngine};
+    let tok = tokenizer();
+    let log: CallLog = Default::default();
+    let mut cfg = pool_cfg(2);
+    cfg.ctx = 16384;
+    let eng = FakeEngine::new(tok.clone(), cfg.ctx, default_script()).with_call_log(log.clone());
+    let s = TestServer::start(cfg, tok, Box::new(eng));
+    let addr = s.addr;
+    s.shared.pause_admission(true);
+    let a = std::thread::spawn(move || {
+        post_json(
+            addr,
+            "/v1/chat/completions",
+            &json!({"model": "deepseek-chat", "max_tokens": 400, "messages": [{"role": "user", "content": "a long answer please"}]}),
+        )
+    });
+    wait_queued(addr, 1.0);
+    let long: String = (0..1500).map(|i| format!("w{i} ")).collect();
+    let b = std::thread::spawn(move || {
+        post_json(
+            addr,
+            "/v1/chat/completions",
+            &json!({"model": "deepseek-chat", "max_tokens": 8, "messages": [{"role": "user", "content": long}]}),
+        )
+    });
+    wait_queued(addr, 2.0);
+    s.shared.pause_admission(false);
+    let (a, b) = (a.join().unwrap(), b.join().unwrap());
+    assert!(content(&a).contains("word39"), "{a}");
+    let b_prompt = b["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+    assert!(
+        b_prompt > 4 * 512,
+        "a prompt of {b_prompt} tokens is not long"
+    );
+    let calls = log.lock().unwrap().clone();
+    assert!(
+        calls
+            .iter()
+            .all(|c| !matches!(c, Call::Prefill(n) if *n > 512)),
+        "{calls:?}"
+    );
+    let chunks: Vec<usize> = (0..calls.len())
+        .filter(|&i| calls[i] == Call::Prefill(512))
+        .collect();
+    assert!(chunks.len() >= 4, "{calls:?}");
+    // A's prompt is in after B's first chunk: every later chunk of B follows a decode.
+    for w in chunks[1..].windows(2) {
+        assert!(
+            calls[w[0]..w[1]].contains(&Call::Decode),
+            "no decode between chunks: {calls:?}"
+        );
+    }
+}
