@@ -78,7 +78,8 @@ pub struct Args {
     pub queue_max: usize,
     /// Live KV sessions kept on the engine (the session pool), and so the most
     /// requests generating at once (continuous batching). Default: derived from the
-    /// engine (4 on the CPU); 1 with --mtp (speculative decoding is batch-1).
+    /// engine (4 on the CPU; 1 on CUDA until the backend sizes it from free memory);
+    /// 1 with --mtp (speculative decoding is batch-1).
     #[arg(long, value_name = "N", value_parser = positive)]
     pub max_sessions: Option<usize>,
     /// Host-RAM tier of the session pool in MiB: sessions evicted from the pool are

@@ -70,9 +70,13 @@ pub trait EngineBackend: Send {
         false
     }
     /// Bytes of KV state this timeline holds, when the engine can tell cheaply
-    /// (`/metrics`; the pool's memory accounting).
+    /// (`/metrics`).
     fn kv_bytes(&self) -> Option<u64> {
         None
+    }
+    /// Whether the KV state lives in device memory (sizes the default session pool).
+    fn on_device(&self) -> bool {
+        false
     }
 }
 
@@ -158,6 +162,9 @@ impl EngineBackend for RealEngine {
     }
     fn session_mut(&mut self) -> Option<&mut Session> {
         Some(&mut self.session)
+    }
+    fn on_device(&self) -> bool {
+        self.session.backend_name() != "cpu"
     }
     fn has_session(&self) -> bool {
         true

@@ -320,10 +320,9 @@ impl Worker {
         let max_sessions = if engine.speculative() {
             1
         } else {
-            shared
-                .cfg
-                .max_sessions
-                .unwrap_or_else(|| default_max_sessions(None, engine.kv_bytes(), engine.ctx()))
+            shared.cfg.max_sessions.unwrap_or_else(|| {
+                default_max_sessions(None, None, engine.ctx(), engine.on_device())
+            })
         };
         let ram = pool::RamTier::new(shared.cfg.kv_ram_bytes);
         log!(

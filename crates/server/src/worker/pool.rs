@@ -23,18 +23,20 @@ use crate::log;
 
 /// Largest derived pool: the batched decode step runs at most this many rows.
 pub const MAX_POOL: usize = 16;
-/// The pool without a memory estimate (the CPU backend, the fake engine): enough for
-/// an agent's side requests next to its main conversation.
+/// The pool in host memory without a memory estimate (the CPU backend, the fake
+/// engine): enough for an agent's side requests next to its main conversation.
 pub const CPU_POOL: usize = 4;
 
 /// The default `--max-sessions`: as many full-context sessions (`ctx` tokens of
 /// `bytes_per_token` KV each) as fit in 90% of `free_bytes` of device memory, 1 to
-/// [`MAX_POOL`]; [`CPU_POOL`] when either is unknown (the CPU backend, where the KV
-/// lives in host memory). The CUDA backend feeds this from its free device memory.
+/// [`MAX_POOL`]. Without that estimate: [`CPU_POOL`] when the KV lives in host memory,
+/// 1 on a device (`on_device`), whose memory a blind guess could exhaust; the CUDA
+/// backend is to feed its free memory and KV size here.
 pub fn default_max_sessions(
     free_bytes: Option<u64>,
     bytes_per_token: Option<u64>,
     ctx: usize,
+    on_device: bool,
 ) -> usize {
     match (free_bytes, bytes_per_token) {
         (Some(free), Some(per)) if per > 0 => {
@@ -42,6 +44,7 @@ pub fn default_max_sessions(
             let n = (free / 10 * 9) / one.max(1);
             (n as usize).clamp(1, MAX_POOL)
         }
+        _ if on_device => 1,
         _ => CPU_POOL,
     }
 }
@@ -440,12 +443,25 @@ mod tests {
 
     #[test]
     fn default_pool_fits_free_memory() {
-        assert_eq!(default_max_sessions(None, None, 4096), CPU_POOL);
-        assert_eq!(default_max_sessions(Some(1 << 40), None, 4096), CPU_POOL);
-        // 4 GiB of which 90% free for 1 MiB × 1024-token sessions: 3 sessions.
-        assert_eq!(default_max_sessions(Some(4 << 30), Some(1 << 20), 1024), 3);
-        assert_eq!(default_max_sessions(Some(1 << 20), Some(1 << 20), 1024), 1);
-        assert_eq!(default_max_sessions(Some(1 << 50), Some(1), 1024), MAX_POOL);
+        assert_eq!(default_max_sessions(None, None, 4096, false), CPU_POOL);
+        assert_eq!(default_max_sessions(None, None, 4096, true), 1);
+        assert_eq!(
+            default_max_sessions(Some(1 << 40), None, 4096, false),
+            CPU_POOL
+        );
+        // 90% of 4 GiB for sessions of 1 MiB × 1024 tokens: 3 sessions.
+        assert_eq!(
+            default_max_sessions(Some(4 << 30), Some(1 << 20), 1024, true),
+            3
+        );
+        assert_eq!(
+            default_max_sessions(Some(1 << 20), Some(1 << 20), 1024, true),
+            1
+        );
+        assert_eq!(
+            default_max_sessions(Some(1 << 50), Some(1), 1024, true),
+            MAX_POOL
+        );
     }
 
     #[test]
