@@ -413,3 +413,34 @@ fn a_long_prompt_is_prefilled_between_decode_steps() {
         );
     }
 }
+
+/// A forked session continues exactly (the real engine): two requests for one prompt
+/// admitted together; the first takes the session holding that prompt, the second
+/// gets a copy of it while the first runs, and both reply as they would alone.
+#[test]
+fn a_forked_session_continues_exactly() {
+    let s = real(pool_cfg(3));
+    let addr = s.addr;
+    let alone_long = post_json(addr, "/v1/chat/completions", &greedy("hello world", 24));
+    let alone_short = {
+        let s1 = real(pool_cfg(1));
+        post_json(s1.addr, "/v1/chat/completions", &greedy("hello world", 10))
+    };
+    s.shared.pause_admission(true);
+    let a = std::thread::spawn(move || {
+        post_json(addr, "/v1/chat/completions", &greedy("hello world", 24))
+    });
+    wait_queued(addr, 1.0);
+    let b = std::thread::spawn(move || {
+        post_json(addr, "/v1/chat/completions", &greedy("hello world", 10))
+    });
+    wait_queued(addr, 2.0);
+    s.shared.pause_admission(false);
+    let (a, b) = (a.join().unwrap(), b.join().unwrap());
+    assert_eq!(metric(addr, "ds4_pool_forks_total"), 1.0);
+    let prompt = b["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(cached(&a), prompt - 1, "{a}");
+    assert_eq!(cached(&b), prompt - 1, "{b}");
+    assert_eq!(content(&a), content(&alone_long));
+    assert_eq!(content(&b), content(&alone_short));
+}
