@@ -213,6 +213,12 @@ pub trait Backend: Send {
         out
     }
 
+    /// Bytes of KV state held now, when the backend can tell without copying it
+    /// (`ds4-server`'s `/metrics`); `None` by default.
+    fn kv_bytes(&self) -> Option<u64> {
+        None
+    }
+
     /// Tokens per `forward` call that keep this backend efficient: callers that split
     /// a prompt (for progress or cancellation) should not pass fewer.
     fn preferred_batch(&self) -> usize {

@@ -247,6 +247,12 @@ impl Session {
         self.backend.preferred_batch()
     }
 
+    /// Bytes of KV state this session holds, when its backend can tell without a copy
+    /// (the CPU backend; `None` elsewhere).
+    pub fn kv_bytes(&self) -> Option<u64> {
+        self.backend.kv_bytes()
+    }
+
     /// Logits per token (the vocabulary size).
     pub fn vocab(&self) -> usize {
         self.model.config().vocab

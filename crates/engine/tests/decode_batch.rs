@@ -41,7 +41,11 @@ fn batched_rows_equal_decoding_each_alone() {
     }
     for (b, a) in batch.iter().zip(&alone) {
         assert!(b.export_state().unwrap() == a.export_state().unwrap());
+        assert_eq!(b.kv_bytes(), a.kv_bytes());
     }
+    // The CPU backend reports its KV bytes, more for a longer session.
+    assert!(batch[0].kv_bytes().unwrap() > 0);
+    assert!(batch[2].kv_bytes().unwrap() >= batch[0].kv_bytes().unwrap());
 }
 
 #[test]

@@ -166,6 +166,9 @@ impl EngineBackend for RealEngine {
     fn on_device(&self) -> bool {
         self.session.backend_name() != "cpu"
     }
+    fn kv_bytes(&self) -> Option<u64> {
+        self.session.kv_bytes()
+    }
     fn has_session(&self) -> bool {
         true
     }

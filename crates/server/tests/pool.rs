@@ -128,6 +128,11 @@ fn concurrent_greedy_clients_get_their_tokens_alone() {
     // The worker updates the gauge after the iteration that answered the last one.
     wait_idle(addr);
     assert!(metric(addr, "ds4_time_to_first_token_seconds_count") >= 4.0);
+    for i in 0..4 {
+        // Four live sessions, each holding its conversation's KV.
+        assert!(metric(addr, &format!("ds4_session_tokens{{session=\"{i}\"}}")) > 0.0);
+        assert!(metric(addr, &format!("ds4_session_kv_bytes{{session=\"{i}\"}}")) > 0.0);
+    }
     assert!(metric(addr, "ds4_inter_token_seconds_count") >= 4.0);
 }
 
