@@ -52,8 +52,9 @@ pub struct Shared {
     pub tok: Arc<Tokenizer>,
     pub metrics: Metrics,
     pub tools: Mutex<ToolMemory>,
-    /// Live protocol bindings (§4.2): written by the worker, read by the handlers to
-    /// validate tool outputs.
+    /// Live protocol bindings (§4.2) of the pool session the worker is on (the others
+    /// are parked in their slots, their call ids in `parked_ids`): written by the
+    /// worker, read by the handlers to validate tool outputs.
     pub bindings: Mutex<Bindings>,
     queue: Mutex<Queue>,
     cv: Condvar,
