@@ -179,6 +179,46 @@ pub trait Backend: Send {
         Ok(())
     }
 
+    /// One decode token for each of several sequences' states (docs/architecture.md
+    /// §2, "batched decode"; issue #21): `self` runs `tokens[0]` and `others[i]` runs
+    /// `tokens[i + 1]`, each at its own next position against its own KV state. Every
+    /// row's result is its own: `Ok(logits)` (`[vocab]`, the last-token row) or the
+    /// error of that row alone, whose state is then unchanged; the other rows go on.
+    /// Each row must equal `forward(&[token], LogitRows::Last)` on that state.
+    ///
+    /// The default runs the rows one after another (one pass over the weights per
+    /// row), so it gives the one-at-a-time tokens by construction. A device backend
+    /// overrides it with one pass over the weights for all rows (the CUDA backend's
+    /// batched step); all states belong to one engine (same model, same device).
+    fn decode_rows(
+        &mut self,
+        others: &mut [&mut dyn Backend],
+        tokens: &[u32],
+    ) -> Vec<Result<Vec<f32>>> {
+        if tokens.len() != others.len() + 1 {
+            let msg = format!(
+                "a batched decode of {} states got {} tokens",
+                others.len() + 1,
+                tokens.len()
+            );
+            return (0..=others.len())
+                .map(|_| Err(EngineError::Invalid(msg.clone())))
+                .collect();
+        }
+        let mut out = Vec::with_capacity(tokens.len());
+        out.push(self.forward(&tokens[..1], LogitRows::Last));
+        for (b, t) in others.iter_mut().zip(&tokens[1..]) {
+            out.push(b.forward(std::slice::from_ref(t), LogitRows::Last));
+        }
+        out
+    }
+
+    /// Bytes of KV state held now, when the backend can tell without copying it
+    /// (`ds4-server`'s `/metrics`); `None` by default.
+    fn kv_bytes(&self) -> Option<u64> {
+        None
+    }
+
     /// Tokens per `forward` call that keep this backend efficient: callers that split
     /// a prompt (for progress or cancellation) should not pass fewer.
     fn preferred_batch(&self) -> usize {

@@ -247,6 +247,12 @@ impl Session {
         self.backend.preferred_batch()
     }
 
+    /// Bytes of KV state this session holds, when its backend can tell without a copy
+    /// (the CPU backend; `None` elsewhere).
+    pub fn kv_bytes(&self) -> Option<u64> {
+        self.backend.kv_bytes()
+    }
+
     /// Logits per token (the vocabulary size).
     pub fn vocab(&self) -> usize {
         self.model.config().vocab
@@ -329,6 +335,53 @@ impl Session {
         self.logits = logits;
         self.tokens.push(token);
         Ok(&self.logits)
+    }
+
+    /// One decode token for each of several sessions of one engine (issue #21,
+    /// continuous batching in the server): `rows[i].0` decodes `rows[i].1` at its own
+    /// next position against its own KV, as [`Session::decode`] would; each session's
+    /// [`Session::logits`] are then its next-token logits. Results are per row: a row
+    /// that fails (a full context, a bad token, NaN logits) is unchanged and the others
+    /// still advance. The tokens equal decoding each session alone (the default
+    /// [`Backend::decode_rows`] runs them in turn; a device backend may run all rows in
+    /// one pass over the weights).
+    pub fn decode_batch(rows: &mut [(&mut Session, u32)]) -> Vec<Result<()>> {
+        let mut out: Vec<Result<()>> = rows
+            .iter()
+            .map(|(s, t)| {
+                s.check_room(1)?;
+                check_vocab(std::slice::from_ref(t), s.vocab())
+            })
+            .collect();
+        let mut live: Vec<usize> = (0..rows.len()).filter(|&i| out[i].is_ok()).collect();
+        for &i in &live {
+            rows[i].0.accept_pending();
+        }
+        let tokens: Vec<u32> = live.iter().map(|&i| rows[i].1).collect();
+        let mut backends: Vec<&mut dyn Backend> = Vec::with_capacity(live.len());
+        let mut want = live.iter().copied().peekable();
+        for (i, (s, _)) in rows.iter_mut().enumerate() {
+            if want.peek() == Some(&i) {
+                want.next();
+                backends.push(s.backend.as_mut());
+            }
+        }
+        let results = match backends.split_first_mut() {
+            Some((first, rest)) => first.decode_rows(rest, &tokens),
+            None => Vec::new(),
+        };
+        drop(backends);
+        for (i, r) in live.drain(..).zip(results) {
+            let (s, t) = &mut rows[i];
+            out[i] = r.and_then(|logits| {
+                check_logits(&logits)?;
+                s.hc_ready = true;
+                s.logits = logits;
+                s.tokens.push(*t);
+                Ok(())
+            });
+        }
+        out
     }
 
     /// Keeps the first `n` tokens. Within a pending multi-row step this is

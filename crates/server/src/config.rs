@@ -81,6 +81,17 @@ pub struct Args {
     /// Requests waiting for the engine beyond this many get 503.
     #[arg(long, default_value_t = 64, value_parser = positive)]
     pub queue_max: usize,
+    /// Live KV sessions kept on the engine (the session pool), and so the most
+    /// requests generating at once (continuous batching). Default: derived from the
+    /// engine (4 on the CPU; 1 on CUDA until the backend sizes it from free memory);
+    /// 1 with --mtp (speculative decoding is batch-1).
+    #[arg(long, value_name = "N", value_parser = positive)]
+    pub max_sessions: Option<usize>,
+    /// Host-RAM tier of the session pool in MiB: sessions evicted from the pool are
+    /// kept here (besides the disk KV cache) and come back without a disk read.
+    /// 0: off.
+    #[arg(long, value_name = "MB", default_value_t = 0)]
+    pub kv_ram_mb: u64,
     /// Largest request body in MiB.
     #[arg(long, default_value_t = 64, value_parser = mebibytes)]
     pub max_body_mb: usize,
@@ -343,6 +354,10 @@ pub struct ServerConfig {
     pub tool_memory_max_ids: usize,
     pub exact_dsml_replay: bool,
     pub trace: Option<PathBuf>,
+    /// `--max-sessions`; `None`: [`crate::worker::default_max_sessions`].
+    pub max_sessions: Option<usize>,
+    /// `--kv-ram-mb` in bytes (0: no RAM tier).
+    pub kv_ram_bytes: u64,
 }
 
 impl ServerConfig {
@@ -366,6 +381,10 @@ impl ServerConfig {
             tool_memory_max_ids: 100000,
             exact_dsml_replay: true,
             trace: None,
+            // One live session, as before the pool: the cache tests expect a second
+            // conversation to evict the first. Pool tests raise it.
+            max_sessions: Some(1),
+            kv_ram_bytes: 0,
         }
     }
 }
@@ -488,6 +507,11 @@ impl Args {
             tool_memory_max_ids: self.tool_memory_max_ids,
             exact_dsml_replay: !self.disable_exact_dsml_tool_replay,
             trace: self.trace.clone(),
+            max_sessions: self.max_sessions,
+            kv_ram_bytes: self
+                .kv_ram_mb
+                .checked_mul(1 << 20)
+                .ok_or("--kv-ram-mb is too large")?,
         })
     }
 }

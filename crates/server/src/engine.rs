@@ -59,6 +59,50 @@ pub trait EngineBackend: Send {
     fn take_spec_stats(&mut self) -> SpecStats {
         SpecStats::default()
     }
+    /// The engine session behind this timeline, for a batched decode over several of
+    /// them ([`decode_batch`]); `None` for engines that decode one at a time.
+    fn session_mut(&mut self) -> Option<&mut Session> {
+        None
+    }
+    /// Whether [`EngineBackend::session_mut`] answers (checked first, so that a row
+    /// without one can still be used after the check).
+    fn has_session(&self) -> bool {
+        false
+    }
+    /// Bytes of KV state this timeline holds, when the engine can tell cheaply
+    /// (`/metrics`).
+    fn kv_bytes(&self) -> Option<u64> {
+        None
+    }
+    /// Whether the KV state lives in device memory (sizes the default session pool).
+    fn on_device(&self) -> bool {
+        false
+    }
+}
+
+/// One decode token for each of several timelines (the continuous-batching worker's
+/// step): rows backed by an engine [`Session`] go through [`Session::decode_batch`] (one
+/// pass over the weights for all of them where the backend implements it), the others
+/// decode one by one. Results are per row and in order; a failed row is unchanged.
+pub fn decode_batch(rows: Vec<(&mut dyn EngineBackend, u32)>) -> Vec<Result<(), ServerError>> {
+    let mut out: Vec<Option<Result<(), ServerError>>> = (0..rows.len()).map(|_| None).collect();
+    let mut batch: Vec<(&mut Session, u32)> = Vec::new();
+    let mut at: Vec<usize> = Vec::new();
+    for (i, (e, t)) in rows.into_iter().enumerate() {
+        if e.has_session() {
+            let s = e.session_mut().expect("has_session said so");
+            batch.push((s, t));
+            at.push(i);
+        } else {
+            out[i] = Some(e.decode(t));
+        }
+    }
+    for (i, r) in at.into_iter().zip(Session::decode_batch(&mut batch)) {
+        out[i] = Some(r.map_err(ServerError::from));
+    }
+    out.into_iter()
+        .map(|r| r.expect("every row answered"))
+        .collect()
 }
 
 /// The real engine: a `ds4_engine::Session` on the CPU or CUDA backend.
@@ -115,6 +159,18 @@ impl EngineBackend for RealEngine {
         };
         let mut spec = spec.lock().unwrap_or_else(|e| e.into_inner());
         Ok(spec.advance(&mut self.session, sampler, token, max, stop)?)
+    }
+    fn session_mut(&mut self) -> Option<&mut Session> {
+        Some(&mut self.session)
+    }
+    fn on_device(&self) -> bool {
+        self.session.backend_name() != "cpu"
+    }
+    fn kv_bytes(&self) -> Option<u64> {
+        self.session.kv_bytes()
+    }
+    fn has_session(&self) -> bool {
+        true
     }
     fn take_spec_stats(&mut self) -> SpecStats {
         let Some(mut spec) = self.spec() else {
@@ -191,6 +247,18 @@ pub struct FakeEngine {
     eos: u32,
     delay: Duration,
     fingerprint: [u8; 32],
+    /// [`FakeEngine::with_call_log`]: shared by every copy of this engine.
+    calls: Option<CallLog>,
+}
+
+/// The engine calls of a fake engine and its copies, in order: `Prefill(n)` for a
+/// prefill of `n` tokens, `Decode` for one token (tests of the worker's scheduling).
+pub type CallLog = Arc<Mutex<Vec<Call>>>;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Call {
+    Prefill(usize),
+    Decode,
 }
 
 impl FakeEngine {
@@ -207,6 +275,19 @@ impl FakeEngine {
             eos,
             delay: Duration::ZERO,
             fingerprint: FAKE_FINGERPRINT,
+            calls: None,
+        }
+    }
+
+    /// Records every prefill and decode (of this engine and its copies) in `log`.
+    pub fn with_call_log(mut self, log: CallLog) -> FakeEngine {
+        self.calls = Some(log);
+        self
+    }
+
+    fn record(&self, c: Call) {
+        if let Some(l) = &self.calls {
+            l.lock().unwrap_or_else(|e| e.into_inner()).push(c);
         }
     }
 
@@ -247,6 +328,10 @@ impl EngineBackend for FakeEngine {
     fn ctx(&self) -> usize {
         self.ctx
     }
+    fn kv_bytes(&self) -> Option<u64> {
+        // What its payload holds: one u32 per token.
+        Some(4 * self.tokens.len() as u64)
+    }
     fn quant_bits(&self) -> u8 {
         2
     }
@@ -261,6 +346,7 @@ impl EngineBackend for FakeEngine {
     }
     fn prefill(&mut self, tokens: &[u32]) -> Result<(), ServerError> {
         self.check_room(tokens.len())?;
+        self.record(Call::Prefill(tokens.len()));
         if !self.delay.is_zero() {
             std::thread::sleep(self.delay * tokens.len().min(50) as u32);
         }
@@ -273,6 +359,7 @@ impl EngineBackend for FakeEngine {
     }
     fn decode(&mut self, token: u32) -> Result<(), ServerError> {
         self.check_room(1)?;
+        self.record(Call::Decode);
         if !self.delay.is_zero() {
             std::thread::sleep(self.delay);
         }

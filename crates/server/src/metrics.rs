@@ -90,7 +90,7 @@ where
     }
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Metrics {
     pub queue_depth: AtomicU64,
     pub requests: [AtomicU64; 5],
@@ -120,6 +120,120 @@ pub struct Metrics {
     pub mtp_emitted: AtomicU64,
     /// Replies that ended inside a cycle's tokens (the session was rewound).
     pub mtp_rewinds: AtomicU64,
+    /// Requests admitted to the engine (prefilling or decoding).
+    pub running: AtomicU64,
+    /// Batched decode steps and the rows they ran (`--max-sessions`).
+    pub step_rows: Hist,
+    /// Time to the first generated token, from the request's arrival in the queue.
+    pub ttft: Hist,
+    /// Time between two generated tokens of one request.
+    pub itl: Hist,
+    pub pool_hits: AtomicU64,
+    pub pool_forks: AtomicU64,
+    pub pool_evictions: AtomicU64,
+    pub ram_saves: AtomicU64,
+    pub ram_hits: AtomicU64,
+    /// Per pool slot: (tokens, KV bytes when the engine reports them).
+    pub sessions: std::sync::Mutex<Vec<(u64, Option<u64>)>>,
+}
+
+/// A Prometheus histogram with fixed bounds (cumulative buckets, sum and count).
+#[derive(Debug)]
+pub struct Hist {
+    bounds: &'static [f64],
+    buckets: Vec<AtomicU64>,
+    /// Sum in millionths of the unit (atomics hold integers).
+    sum_micro: AtomicU64,
+    count: AtomicU64,
+}
+
+/// Seconds: from a fast decode step to a long queue wait.
+pub const LATENCY_BOUNDS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+/// Rows of one batched decode step.
+pub const ROW_BOUNDS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0];
+
+impl Hist {
+    pub fn new(bounds: &'static [f64]) -> Hist {
+        Hist {
+            bounds,
+            buckets: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
+            sum_micro: AtomicU64::new(0),
+            count: AtomicU64::new(0),
+        }
+    }
+
+    pub fn observe(&self, v: f64) {
+        if let Some(i) = self.bounds.iter().position(|&b| v <= b) {
+            self.buckets[i].fetch_add(1, Relaxed);
+        }
+        self.sum_micro.fetch_add((v.max(0.0) * 1e6) as u64, Relaxed);
+        self.count.fetch_add(1, Relaxed);
+    }
+
+    pub fn count(&self) -> u64 {
+        self.count.load(Relaxed)
+    }
+
+    pub fn sum(&self) -> f64 {
+        self.sum_micro.load(Relaxed) as f64 / 1e6
+    }
+
+    fn render(&self, name: &str, help: &str, out: &mut String) {
+        out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} histogram\n"));
+        let mut acc = 0;
+        for (b, n) in self.bounds.iter().zip(&self.buckets) {
+            acc += n.load(Relaxed);
+            out.push_str(&format!("{name}_bucket{{le=\"{b}\"}} {acc}\n"));
+        }
+        let count = self.count();
+        out.push_str(&format!("{name}_bucket{{le=\"+Inf\"}} {count}\n"));
+        out.push_str(&format!(
+            "{name}_sum {}\n{name}_count {count}\n",
+            self.sum()
+        ));
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Metrics {
+        let z = AtomicU64::default;
+        Metrics {
+            queue_depth: z(),
+            requests: Default::default(),
+            rejected_busy: z(),
+            errors: z(),
+            cancelled: z(),
+            prompt_tokens: z(),
+            cached_tokens: z(),
+            completion_tokens: z(),
+            prefill_tokens: z(),
+            prefill_micros: z(),
+            decode_tokens: z(),
+            decode_micros: z(),
+            last_prefill_mtps: z(),
+            last_decode_mtps: z(),
+            cache: Default::default(),
+            disk_saves: z(),
+            canonical_rebuilds: z(),
+            mtp_cycles: z(),
+            mtp_drafted: z(),
+            mtp_accepted: z(),
+            mtp_emitted: z(),
+            mtp_rewinds: z(),
+            running: z(),
+            step_rows: Hist::new(ROW_BOUNDS),
+            ttft: Hist::new(LATENCY_BOUNDS),
+            itl: Hist::new(LATENCY_BOUNDS),
+            pool_hits: z(),
+            pool_forks: z(),
+            pool_evictions: z(),
+            ram_saves: z(),
+            ram_hits: z(),
+            sessions: Default::default(),
+        }
+    }
 }
 
 pub const ENDPOINTS: [&str; 5] = [
@@ -129,7 +243,7 @@ pub const ENDPOINTS: [&str; 5] = [
     "messages",
     "count_tokens",
 ];
-pub const CACHE_KINDS: [&str; 8] = [
+pub const CACHE_KINDS: [&str; 9] = [
     "memory-token",
     "memory-text",
     "snapshot",
@@ -138,6 +252,7 @@ pub const CACHE_KINDS: [&str; 8] = [
     "responses-tool-output",
     "anthropic-tool-output",
     "thinking-visible",
+    "ram",
 ];
 const MISS: usize = CACHE_KINDS.len();
 
@@ -202,6 +317,13 @@ impl Metrics {
             ("ds4_mtp_accepted_total", "counter", "MTP-drafted tokens accepted.", g(&self.mtp_accepted)),
             ("ds4_mtp_rewinds_total", "counter", "Replies that ended inside a speculative cycle's tokens (a stop string, a closed tool block, a cancel): the session was rewound.", g(&self.mtp_rewinds)),
             ("ds4_mtp_tokens_per_cycle", "gauge", "Tokens emitted per speculative cycle since start (1 + accepted drafts on average).", rate(&self.mtp_emitted, &self.mtp_cycles) / 1e6),
+            ("ds4_requests_running", "gauge", "Requests admitted to the engine (prefilling or generating).", g(&self.running)),
+            ("ds4_requests_queued", "gauge", "Requests waiting for a place in the engine.", g(&self.queue_depth)),
+            ("ds4_pool_hits_total", "counter", "Requests served by a live session of the pool with KV reuse (in place or forked).", g(&self.pool_hits)),
+            ("ds4_pool_forks_total", "counter", "Requests that extended a busy session and got a copy of it.", g(&self.pool_forks)),
+            ("ds4_pool_evictions_total", "counter", "Live sessions evicted from the pool to make room.", g(&self.pool_evictions)),
+            ("ds4_pool_ram_saves_total", "counter", "Evicted sessions kept in the host-RAM tier (--kv-ram-mb).", g(&self.ram_saves)),
+            ("ds4_pool_ram_hits_total", "counter", "Requests whose session came back from the host-RAM tier.", g(&self.ram_hits)),
         ];
         for (name, kind, help, v) in plain {
             metric(name, kind, help, vec![(String::new(), v)]);
@@ -227,6 +349,46 @@ impl Metrics {
             "counter",
             "KV reuse outcome per request, by kind.",
             cache,
+        );
+        let sessions = self
+            .sessions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        metric(
+            "ds4_session_tokens",
+            "gauge",
+            "Tokens held by each live session of the pool.",
+            sessions
+                .iter()
+                .enumerate()
+                .map(|(i, (t, _))| (format!("{{session=\"{i}\"}}"), *t as f64))
+                .collect(),
+        );
+        metric(
+            "ds4_session_kv_bytes",
+            "gauge",
+            "KV bytes held by each live session of the pool (where the engine reports them).",
+            sessions
+                .iter()
+                .enumerate()
+                .filter_map(|(i, (_, b))| b.map(|b| (format!("{{session=\"{i}\"}}"), b as f64)))
+                .collect(),
+        );
+        self.step_rows.render(
+            "ds4_decode_step_rows",
+            "Rows (requests) per batched decode step.",
+            &mut s,
+        );
+        self.ttft.render(
+            "ds4_time_to_first_token_seconds",
+            "Time from a request's arrival to its first generated token.",
+            &mut s,
+        );
+        self.itl.render(
+            "ds4_inter_token_seconds",
+            "Time between consecutive generated tokens of one request.",
+            &mut s,
         );
         s
     }

@@ -1,6 +1,9 @@
-//! The engine worker (server.md §3, §4.1): one thread owns the engine and the single live
-//! session and runs jobs from a bounded FIFO one at a time. Per job it brings the session
-//! to the prompt reusing as much KV as it can, generates, and streams events back.
+//! The engine worker (server.md §3, §4.1; architecture.md §6): one thread owns the
+//! engine and a pool of live sessions (`--max-sessions`, [`pool`]) and runs the jobs of a
+//! bounded FIFO together ([`batch`]): it admits jobs between steps, brings each one's
+//! session to its prompt reusing as much KV as it can, interleaves bounded prefill
+//! chunks with one batched decode step over every generating job, and streams each
+//! job's events back.
 
 use std::collections::VecDeque;
 use std::fs::File;
@@ -9,9 +12,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Instant;
 
-use ds4_engine::{argmax, Sampler, SamplerConfig};
 use ds4_tokenizer::{clip_ranges_to, MarkedText, Tokenizer};
 
 use crate::api::Prepared;
@@ -19,16 +20,20 @@ use crate::bindings::{same_ids, Bindings, EXT_RESPONSES_VISIBLE, EXT_THINKING_VI
 use crate::config::ServerConfig;
 use crate::engine::EngineBackend;
 use crate::error::ApiError;
-use crate::gen::Pipeline;
-use crate::job::{ApiKind, Finish, GenEvent, GenJob, GenResult, Usage};
+use crate::job::{ApiKind, GenJob, GenResult};
 use crate::kvcache::disk::Hit;
 use crate::kvcache::{DiskCache, SaveReason};
 use crate::log;
 use crate::metrics::Metrics;
 use crate::toolmem::ToolMemory;
 
+mod batch;
+mod pool;
 mod spec;
+mod step;
 mod turn;
+
+pub use pool::default_max_sessions;
 
 /// Tokens per prefill call at least: small enough to notice a disconnect and report
 /// progress; the engine's preferred batch when larger (the CUDA prefill chunk).
@@ -37,6 +42,8 @@ const PREFILL_CHUNK: usize = 512;
 struct Queue {
     jobs: VecDeque<GenJob>,
     shutdown: bool,
+    /// [`Shared::pause_admission`]: queued jobs wait.
+    paused: bool,
 }
 
 /// State shared by the HTTP handlers and the worker.
@@ -45,8 +52,9 @@ pub struct Shared {
     pub tok: Arc<Tokenizer>,
     pub metrics: Metrics,
     pub tools: Mutex<ToolMemory>,
-    /// Live protocol bindings (§4.2): written by the worker, read by the handlers to
-    /// validate tool outputs.
+    /// Live protocol bindings (§4.2) of the pool session the worker is on (the others
+    /// are parked in their slots, their call ids in `parked_ids`): written by the
+    /// worker, read by the handlers to validate tool outputs.
     pub bindings: Mutex<Bindings>,
     queue: Mutex<Queue>,
     cv: Condvar,
@@ -54,6 +62,10 @@ pub struct Shared {
     /// Set at shutdown: the running generation stops at its next token.
     stop_now: AtomicBool,
     seed_counter: AtomicU64,
+    /// Call ids of the Responses and Anthropic bindings of the pool's other sessions
+    /// (`bindings` holds the session the worker is on): a tool output may answer a
+    /// live call of any of them.
+    parked_ids: Mutex<(Vec<String>, Vec<String>)>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -73,11 +85,13 @@ impl Shared {
             queue: Mutex::new(Queue {
                 jobs: VecDeque::new(),
                 shutdown: false,
+                paused: false,
             }),
             cv: Condvar::new(),
             next_id: AtomicU64::new(1),
             stop_now: AtomicBool::new(false),
             seed_counter: AtomicU64::new(0),
+            parked_ids: Mutex::new((Vec::new(), Vec::new())),
         })
     }
 
@@ -92,6 +106,29 @@ impl Shared {
 
     pub fn bindings(&self) -> MutexGuard<'_, Bindings> {
         lock(&self.bindings)
+    }
+
+    /// The call ids of every live binding of `kind` (Responses or Anthropic) across the
+    /// session pool, or `None` when no session has one: what a request's tool outputs
+    /// may answer without replaying their calls (§4.2).
+    pub fn live_call_ids(&self, kind: ApiKind) -> Option<Vec<String>> {
+        let b = self.bindings();
+        let mut ids = match kind {
+            ApiKind::Responses => b.responses.as_ref().map(|b| b.ids.clone()),
+            ApiKind::Anthropic => b.anthropic.as_ref().map(|b| b.ids.clone()),
+            _ => None,
+        };
+        let parked = lock(&self.parked_ids);
+        let more = if kind == ApiKind::Responses {
+            &parked.0
+        } else {
+            &parked.1
+        };
+        if !more.is_empty() {
+            ids.get_or_insert_with(Vec::new)
+                .extend(more.iter().cloned());
+        }
+        ids
     }
 
     /// Queues a job; 503 when the queue is full or the server is shutting down.
@@ -121,6 +158,14 @@ impl Shared {
         self.cv.notify_all();
     }
 
+    /// Holds queued jobs back (`true`) or lets the worker admit them again: tests
+    /// queue several requests and release them together, so that they are admitted in
+    /// one iteration of the batching loop (deterministic batches).
+    pub fn pause_admission(&self, on: bool) {
+        lock(&self.queue).paused = on;
+        self.cv.notify_all();
+    }
+
     pub fn is_shutting_down(&self) -> bool {
         lock(&self.queue).shutdown
     }
@@ -134,6 +179,10 @@ impl Shared {
     }
 }
 
+/// The fields `engine`, `snap`, `frontier` (and `Shared::bindings`) belong to the pool
+/// slot the worker is on (`cur`); the other slots hold theirs ([`pool`]), and
+/// `Worker::switch` swaps them. Everything that works on "the live session" works on the
+/// current slot.
 pub struct Worker {
     shared: Arc<Shared>,
     engine: Box<dyn EngineBackend>,
@@ -148,6 +197,14 @@ pub struct Worker {
     eos: u32,
     user: u32,
     assistant: u32,
+    /// The pool: slot `cur`'s state is in the fields above.
+    slots: Vec<pool::Slot>,
+    cur: usize,
+    ram: pool::RamTier,
+    /// Most live sessions (and jobs running at once).
+    max_sessions: usize,
+    /// Pool recency counter.
+    tick: u64,
 }
 
 /// Starts the worker thread; it returns once shutdown was requested and the queue is
@@ -260,6 +317,20 @@ impl Worker {
                     None
                 }
             });
+        // Speculative decoding runs one job at a time (worker/spec.rs): a pool of one.
+        let max_sessions = if engine.speculative() {
+            1
+        } else {
+            shared.cfg.max_sessions.unwrap_or_else(|| {
+                default_max_sessions(None, None, engine.ctx(), engine.on_device())
+            })
+        };
+        let ram = pool::RamTier::new(shared.cfg.kv_ram_bytes);
+        log!(
+            "session pool: {max_sessions} live session{}, host-RAM tier {} MiB",
+            if max_sessions == 1 { "" } else { "s" },
+            shared.cfg.kv_ram_bytes >> 20
+        );
         Worker {
             shared,
             engine,
@@ -270,51 +341,12 @@ impl Worker {
             eos: sp.as_ref().map_or(1, |s| s.eos),
             user: sp.as_ref().map_or(u32::MAX, |s| s.user),
             assistant: sp.as_ref().map_or(u32::MAX, |s| s.assistant),
+            slots: vec![pool::Slot::current()],
+            cur: 0,
+            ram,
+            max_sessions,
+            tick: 0,
         }
-    }
-
-    pub fn run(&mut self) {
-        loop {
-            let job = {
-                let mut q = lock(&self.shared.queue);
-                while q.jobs.is_empty() && !q.shutdown {
-                    q = self.shared.cv.wait(q).unwrap_or_else(|e| e.into_inner());
-                }
-                let j = q.jobs.pop_front();
-                self.shared
-                    .metrics
-                    .queue_depth
-                    .store(q.jobs.len() as u64, Relaxed);
-                match j {
-                    Some(j) if q.shutdown => {
-                        let _ = j.tx.send(GenEvent::Failed {
-                            status: 503,
-                            message: "server shutting down".into(),
-                        });
-                        continue;
-                    }
-                    Some(j) => j,
-                    None => break,
-                }
-            };
-            if job.tx.is_closed() {
-                self.shared.metrics.cancelled.fetch_add(1, Relaxed);
-                continue;
-            }
-            // A bug in one request must not take the engine thread down.
-            let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_job(&job)));
-            if res.is_err() {
-                log!("request {} panicked; resetting the live session", job.id);
-                self.engine.reset();
-                self.snap = None;
-                let _ = job.tx.send(GenEvent::Failed {
-                    status: 500,
-                    message: "internal error".into(),
-                });
-            }
-        }
-        self.save_live(SaveReason::Shutdown);
-        log!("engine worker stopped");
     }
 
     fn save_live(&mut self, reason: SaveReason) {
@@ -396,13 +428,7 @@ impl Worker {
     /// thinking binding's visible transcript (live session only), or the decoded text as
     /// a byte prefix of the rendered prompt (BPE may tokenize the same text differently
     /// than it was sampled). The suffix is always tokenized from text, never sliced.
-    fn match_session(
-        &self,
-        engine: &dyn EngineBackend,
-        job: &GenJob,
-        is_live: bool,
-    ) -> Option<Synced> {
-        let live = engine.tokens();
+    fn match_session(&self, live: &[u32], job: &GenJob, is_live: bool) -> Option<Synced> {
         if live.is_empty() {
             return None;
         }
@@ -434,93 +460,6 @@ impl Worker {
             return Some(extend(text.len(), "memory-text"));
         }
         None
-    }
-
-    /// §4.1: live bindings, the live session, the snapshot, the disk cache, a cold
-    /// prefill. A request whose tool outputs only the (now gone) live session can serve
-    /// fails with 409.
-    fn sync(&mut self, job: &GenJob) -> Result<Synced, Fail> {
-        if let Some(m) = self.match_binding(job) {
-            return Ok(m);
-        }
-        if job.req.live.requires_live {
-            let what = match job.req.kind {
-                ApiKind::Anthropic => "Anthropic continuation state is not available; retry by replaying the full messages history",
-                _ => "Responses continuation state is not available; retry by replaying the full input history",
-            };
-            return Err((409, what.into()));
-        }
-        if let Some(m) = self.match_session(self.engine.as_ref(), job, true) {
-            return Ok(m);
-        }
-        if let Some(snap) = &self.snap {
-            if let Some(m) = self.match_session(snap.as_ref(), job, false) {
-                match snap.snapshot() {
-                    Ok(copy) => {
-                        self.engine = copy;
-                        return Ok(Synced {
-                            source: "snapshot",
-                            ..m
-                        });
-                    }
-                    // Out of device memory for the copy, say: the request goes on
-                    // without the snapshot (disk cache or a cold prefill).
-                    Err(e) => {
-                        log!("kv cache: cannot restore the snapshot: {e}");
-                        self.snap = None;
-                    }
-                }
-            }
-        }
-        let live = self.engine.tokens().len();
-        if live > 0 {
-            let common = common_prefix(self.engine.tokens(), &job.req.prompt_tokens);
-            log!(
-                "live kv cache miss live={live} prompt={} common={common}",
-                job.req.prompt_tokens.len()
-            );
-            if self.disk.as_ref().is_some_and(|d| live >= d.cfg.min_tokens) {
-                self.save_live(SaveReason::Evict);
-            }
-        }
-        self.frontier = 0;
-        self.snap = None;
-        if let Some(disk) = &self.disk {
-            let r = &job.req;
-            let hit = disk.lookup_fitting(&r.prompt_text, self.engine.as_mut(), |hit, cached| {
-                disk_hit_fits(
-                    &self.shared.tok,
-                    hit,
-                    cached,
-                    &r.prompt_text,
-                    &r.prompt_plain,
-                    &r.prompt_tokens,
-                )
-            });
-            if let Some(hit) = hit {
-                let mut eff = self.engine.tokens().to_vec();
-                let tok = &self.shared.tok;
-                tok.encode_marked_tail(
-                    &job.req.prompt_text,
-                    &job.req.prompt_plain,
-                    hit.key_len,
-                    &mut eff,
-                );
-                self.frontier = hit.tokens;
-                log!(
-                    "kv cache: disk hit {} tokens ({} key) from {}",
-                    hit.tokens,
-                    hit.key_kind(),
-                    hit.path.display()
-                );
-                return Ok(Synced {
-                    disk_kind: Some(hit.key_kind()),
-                    ..Synced::new(eff, hit.tokens, "disk")
-                });
-            }
-        }
-        self.engine.reset();
-        Ok(Synced::new(job.req.prompt_tokens.clone(), 0, "none"))
     }
 
     /// Appends the tokens of the request's prompt from byte `from` on, its client
@@ -561,353 +500,6 @@ impl Worker {
         let pos = self.engine.tokens().len();
         self.save_live(SaveReason::Continued);
         self.frontier = pos;
-    }
-
-    /// Evaluates `eff[pos..]` in chunks, stopping at the cold-save cut, the snapshot
-    /// point and continued-save frontiers. Fails when the client went away.
-    fn prefill(&mut self, job: &GenJob, eff: &[u32], cold: Option<usize>) -> Result<(), Fail> {
-        let start = self.engine.tokens().len();
-        let total = eff.len() - start;
-        let snap_at = eff.len().checked_sub(1).filter(|&p| p > start);
-        let step = self.disk.as_ref().map_or(0, |d| d.cfg.continued_step());
-        let t0 = Instant::now();
-        loop {
-            let pos = self.engine.tokens().len();
-            if Some(pos) == cold {
-                self.save_live(SaveReason::Cold);
-                self.frontier = self.frontier.max(pos);
-            }
-            if Some(pos) == snap_at {
-                // Without a snapshot a later rewind re-prefills: slower, not wrong.
-                self.snap = match self.engine.snapshot() {
-                    Ok(s) => Some(s),
-                    Err(e) => {
-                        log!("kv cache: no snapshot at {pos}: {e}");
-                        None
-                    }
-                };
-            }
-            if pos > start && self.continued_due(pos) {
-                self.save_continued();
-            }
-            if pos >= eff.len() {
-                break;
-            }
-            let mut end = eff.len().min(pos + self.prefill_step());
-            for p in [cold, snap_at].into_iter().flatten() {
-                if p > pos {
-                    end = end.min(p);
-                }
-            }
-            if let Some(q) = pos.checked_div(step) {
-                end = end.min((q + 1) * step);
-            }
-            self.engine
-                .prefill(&eff[pos..end])
-                .map_err(|e| (e.status(), e.to_string()))?;
-            let _ = job.tx.send(GenEvent::Progress {
-                done: end - start,
-                total,
-            });
-            if job.tx.is_closed() {
-                return Err((499, "client disconnected during prefill".into()));
-            }
-        }
-        let m = &self.shared.metrics;
-        let us = t0.elapsed().as_micros() as u64;
-        m.prefill_tokens.fetch_add(total as u64, Relaxed);
-        m.prefill_micros.fetch_add(us, Relaxed);
-        if us > 0 && total > 0 {
-            m.last_prefill_mtps
-                .store(total as u64 * 1_000_000_000 / us, Relaxed);
-        }
-        Ok(())
-    }
-
-    fn run_job(&mut self, job: &GenJob) {
-        let started = Instant::now();
-        let Synced {
-            eff,
-            cached,
-            source,
-            disk_kind,
-        } = match self.sync(job) {
-            Ok(x) => x,
-            Err((status, message)) => return self.fail(job, status, message),
-        };
-        // The session now belongs to this request: earlier bindings describe a state
-        // that is about to change (§4.1, "cleared once the sync succeeds").
-        self.shared.bindings().clear();
-        let ctx = self.engine.ctx();
-        if eff.len() >= ctx {
-            self.engine.reset();
-            return self.fail(
-                job,
-                400,
-                format!(
-                    "Prompt has {} tokens, but the configured context size is {ctx} tokens",
-                    eff.len()
-                ),
-            );
-        }
-        if job.req.live.requires_live_reasoning
-            && !source.ends_with("-tool-output")
-            && source != "responses-visible"
-            && disk_kind != Some("responses-visible")
-        {
-            log!(
-                "request {}: the replayed tool call has no reasoning and no live checkpoint holds it; continuing from the visible history",
-                job.id
-            );
-        }
-        let cold = if cached == 0 {
-            self.cold_cut(&eff)
-        } else {
-            None
-        };
-        self.shared.metrics.cache_hit(source);
-        log!(
-            "{} ctx={cached}..{}:{} [{} tools={} think={}] queued {} ms",
-            job.req.kind.as_str(),
-            eff.len(),
-            eff.len() - cached,
-            source,
-            job.req.tools_active,
-            job.req.mode.as_str(),
-            started.duration_since(job.enqueued).as_millis()
-        );
-        if let Err((status, message)) = self.prefill(job, &eff, cold) {
-            if status == 499 {
-                self.shared.metrics.cancelled.fetch_add(1, Relaxed);
-                log!("request {}: {message}", job.id);
-                return;
-            }
-            self.engine.reset();
-            self.snap = None;
-            return self.fail(job, status, message);
-        }
-        let _ = job.tx.send(GenEvent::Started {
-            prompt: eff.len(),
-            cached,
-        });
-        let result = self.generate(job, &eff, cached);
-        self.trace(job, &eff, cached, source, &result);
-        let m = &self.shared.metrics;
-        m.prompt_tokens.fetch_add(eff.len() as u64, Relaxed);
-        m.cached_tokens.fetch_add(cached as u64, Relaxed);
-        m.completion_tokens
-            .fetch_add(result.usage.completion as u64, Relaxed);
-        if result.finish == Finish::Error {
-            m.errors.fetch_add(1, Relaxed);
-        }
-        log!(
-            "request {} finish={}{} tokens={} in {:.2}s",
-            job.id,
-            result.finish.openai(),
-            result
-                .error
-                .as_ref()
-                .map(|e| format!(" error=\"{e}\""))
-                .unwrap_or_default(),
-            result.usage.completion,
-            started.elapsed().as_secs_f64()
-        );
-        // Bindings go up before the client sees the answer: its next request may be
-        // validated against them right away.
-        self.bind_turn(job, &result);
-        let canon = self.needs_canonical(job, &result);
-        let _ = job.tx.send(GenEvent::Done(Box::new(result)));
-        // The client is now running its tools; bring the live KV to what its next
-        // request renders meanwhile (§4.3; the reference does this before answering).
-        if let Some(text) = canon {
-            self.canonicalize(job, &eff, &text);
-        }
-    }
-
-    fn fail(&mut self, job: &GenJob, status: u16, message: String) {
-        log!("request {} failed: {message}", job.id);
-        self.shared.metrics.errors.fetch_add(1, Relaxed);
-        let _ = job.tx.send(GenEvent::Failed { status, message });
-    }
-
-    fn generate(&mut self, job: &GenJob, eff: &[u32], cached: usize) -> GenResult {
-        let tok = self.shared.tok.clone();
-        let ctx = self.engine.ctx();
-        let max = job.req.max_tokens.min(ctx.saturating_sub(eff.len()));
-        let s = &job.req.sampling;
-        let seed = if s.seed > 0 {
-            s.seed
-        } else {
-            self.shared.seed()
-        };
-        let mut sampler = Sampler::new(SamplerConfig {
-            temperature: s.temperature.clamp(0.0, 100.0),
-            top_k: s.top_k.min(1024),
-            top_p: if s.top_p > 0.0 && s.top_p <= 1.0 {
-                s.top_p
-            } else {
-                1.0
-            },
-            min_p: s.min_p.clamp(0.0, 1.0),
-            seed,
-        });
-        let mut pipe = Pipeline::new(
-            job.req.kind,
-            job.req.structured,
-            job.req.mode.thinking(),
-            job.req.tools_active,
-            &job.req.stops,
-        );
-        let mut dec = tok.stream_decoder(false);
-        let mut n = 0usize;
-        let mut finish = Finish::Stop;
-        let mut error: Option<String> = None;
-        // `--mtp` (worker/spec.rs): tokens a speculative cycle returned and not yet
-        // emitted; all but the last are already in the session. `held` is the length
-        // the plain loop's session would have (the prompt and the emitted tokens it
-        // decoded).
-        let speculate = self.speculates(job, &sampler);
-        let mut ahead: VecDeque<u32> = VecDeque::new();
-        let mut held = self.engine.tokens().len();
-        let mut engine_failed = false;
-        let t0 = Instant::now();
-        loop {
-            if n >= max {
-                finish = Finish::Length;
-                break;
-            }
-            if job.tx.is_closed() {
-                finish = Finish::Error;
-                error = Some("client disconnected".into());
-                self.shared.metrics.cancelled.fetch_add(1, Relaxed);
-                break;
-            }
-            if self.shared.stop_now.load(Relaxed) {
-                finish = Finish::Error;
-                error = Some("shutdown requested".into());
-                break;
-            }
-            let t = match ahead.pop_front() {
-                Some(t) => t,
-                None => {
-                    let logits = self.engine.logits();
-                    if logits.is_empty() {
-                        finish = Finish::Error;
-                        error = Some("no logits".into());
-                        break;
-                    }
-                    // Greedy inside DSML syntax: a sampled typo in a tag breaks the
-                    // call, while argument payloads keep the request's sampling (§2.2).
-                    if job.req.tools_active && pipe.in_dsml_syntax() {
-                        argmax(logits)
-                    } else {
-                        sampler.sample(logits)
-                    }
-                }
-            };
-            if t == self.eos {
-                break;
-            }
-            n += 1;
-            let piece = dec.push(t);
-            for ev in pipe.push(&piece) {
-                let _ = job.tx.send(ev);
-            }
-            if pipe.stop_hit.is_some() {
-                break;
-            }
-            let pos = held;
-            if pos >= ctx {
-                finish = Finish::Length;
-                break;
-            }
-            // Decode `t`: a speculative cycle already did unless it was its last token.
-            let decoded = if !ahead.is_empty() {
-                Ok(())
-            } else {
-                match self.spec_cap(speculate && !pipe.block_closed(), pos, max - n) {
-                    Some(cap) => self
-                        .engine
-                        .advance(&mut sampler, t, cap, &[self.eos])
-                        .map(|out| ahead.extend(out)),
-                    None => self.engine.decode(t),
-                }
-            };
-            if let Err(e) = decoded {
-                finish = Finish::Error;
-                error = Some(e.to_string());
-                engine_failed = true;
-                break;
-            }
-            held = pos + 1;
-            if pipe.block_closed() {
-                break;
-            }
-            if self.continued_due(held)
-                && !pipe.in_dsml_syntax()
-                && self.engine.tokens().len() == held
-            {
-                self.save_continued();
-            }
-        }
-        if !engine_failed && self.engine.tokens().len() > held {
-            // A stop string, a closed tool block or a cancellation inside a cycle's
-            // tokens: back to the plain loop's session (the KV reuse and the bindings
-            // of the next request match against it).
-            self.rewind_to(held, job);
-        }
-        self.shared.metrics.add_spec(self.engine.take_spec_stats());
-        let us = t0.elapsed().as_micros() as u64;
-        let m = &self.shared.metrics;
-        m.decode_tokens.fetch_add(n as u64, Relaxed);
-        m.decode_micros.fetch_add(us, Relaxed);
-        if us > 0 && n > 0 {
-            m.last_decode_mtps
-                .store(n as u64 * 1_000_000_000 / us, Relaxed);
-        }
-        let tail = dec.finish();
-        if !tail.is_empty() {
-            for ev in pipe.push(&tail) {
-                let _ = job.tx.send(ev);
-            }
-        }
-        let stop_sequence = pipe.stop_hit.clone();
-        let (evs, out) = pipe.finish();
-        for ev in evs {
-            let _ = job.tx.send(ev);
-        }
-        if out.malformed {
-            log!("request {}: invalid tool call; returned as text", job.id);
-        }
-        if !out.calls.is_empty() && finish != Finish::Error {
-            finish = Finish::ToolCalls;
-        } else if out.unterminated && finish == Finish::Stop {
-            finish = Finish::Error;
-            error = Some("unterminated tool call".into());
-        }
-        if let (Some(block), false) = (
-            &out.raw_block,
-            out.calls.is_empty() || !self.shared.cfg.exact_dsml_replay,
-        ) {
-            let ids: Vec<String> = out.calls.iter().map(|c| c.id.clone()).collect();
-            self.shared.tool_memory().insert(&ids, block);
-        }
-        GenResult {
-            finish,
-            error,
-            reasoning: out.reasoning,
-            reasoning_closed: out.reasoning_closed,
-            content: out.content,
-            tool_calls: out.calls,
-            streamed_calls: out.streamed_calls,
-            stop_sequence,
-            malformed: out.malformed,
-            usage: Usage {
-                prompt: eff.len(),
-                completion: n,
-                cached,
-            },
-        }
     }
 
     fn trace(&mut self, job: &GenJob, eff: &[u32], cached: usize, source: &str, r: &GenResult) {

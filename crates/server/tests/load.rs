@@ -70,8 +70,21 @@ fn one(addr: SocketAddr, k: usize, w: usize, i: usize) -> bool {
 // while it has a request in flight).
 #[test]
 fn thirty_two_clients_twenty_mixed_requests_no_errors() {
+    mixed_load(1);
+}
+
+// The same with a session pool of 4 (#21): requests of the three APIs, tool calls and
+// cancels run in shared batches, with evictions and forks between them.
+#[test]
+fn thirty_two_clients_twenty_mixed_requests_on_a_pool_no_errors() {
+    mixed_load(4);
+}
+
+fn mixed_load(sessions: usize) {
     let mut c = ServerConfig::for_tests(4096);
     c.conn.max_connections = 48;
+    c.max_sessions = Some(sessions);
+    c.kv_ram_bytes = 16 << 20;
     let s = common::fake_server(c);
     let addr = s.addr;
     let handles: Vec<_> = (0..32)
@@ -82,4 +95,16 @@ fn thirty_two_clients_twenty_mixed_requests_no_errors() {
     let fails: usize = handles.into_iter().map(|h| h.join().unwrap()).sum();
     assert_eq!(fails, 0, "{fails} of 640 requests failed");
     assert_eq!(get(addr, "/health").status, 200);
+    // Every row was freed (the gauge follows the iteration that answered the last).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !get(addr, "/metrics")
+        .text()
+        .contains("\nds4_requests_running 0\n")
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "requests still running"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }

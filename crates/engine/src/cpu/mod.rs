@@ -220,6 +220,10 @@ impl Backend for CpuBackend {
         Ok(self.cache.clone())
     }
 
+    fn kv_bytes(&self) -> Option<u64> {
+        Some(self.cache.bytes() as u64)
+    }
+
     fn import_state(&mut self, state: KvCache) -> Result<()> {
         self.forget();
         self.cache = state;

@@ -219,7 +219,7 @@ fn render_request(
         .unwrap_or("deepseek-v4-flash")
         .to_string();
     let mode = resolve_think(&think_controls(o)?, &model, shared.cfg.ctx)?;
-    let live_ids = shared.bindings().anthropic.as_ref().map(|b| b.ids.clone());
+    let live_ids = shared.live_call_ids(crate::job::ApiKind::Anthropic);
     let mem = shared.cfg.exact_dsml_replay.then(|| shared.tool_memory());
     let live = if validate {
         anthropic_live(&conv, mode, mem.as_deref(), live_ids.as_deref(), &turns)?

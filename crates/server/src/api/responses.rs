@@ -329,7 +329,7 @@ pub fn prepare(shared: &Shared, body: &[u8]) -> Result<(Prepared, ResponsesExtra
         );
     }
     let mode = resolve_think(&tc, &model, shared.cfg.ctx)?;
-    let live_ids = shared.bindings().responses.as_ref().map(|b| b.ids.clone());
+    let live_ids = shared.live_call_ids(crate::job::ApiKind::Responses);
     let (text, live) = {
         let mem = shared.cfg.exact_dsml_replay.then(|| shared.tool_memory());
         let live =

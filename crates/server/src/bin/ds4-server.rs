@@ -293,6 +293,13 @@ fn compat_warnings(args: &Args) -> Vec<String> {
     if args.warm_weights && args.fake_engine.is_some() {
         w.push("--warm-weights: nothing to warm with the fake engine".into());
     }
+    if let (Some(n), Some(_), None) = (args.max_sessions, &args.mtp, &args.fake_engine) {
+        if n > 1 {
+            w.push(format!(
+                "--max-sessions {n}: speculative decoding (--mtp) runs one request at a time; the session pool is 1"
+            ));
+        }
+    }
     w
 }
 
