@@ -40,6 +40,14 @@ pub struct GpuInfo {
     pub kernels: KernelSource,
 }
 
+/// CUDA devices visible to this process (0 without a driver).
+pub fn device_count() -> usize {
+    if !driver_present() {
+        return 0;
+    }
+    CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
+}
+
 /// One GPU with its main stream, side streams for parallel branches of a token's work
 /// (see [`Gpu::fork`]) and the ds4 kernel module loaded.
 pub struct Gpu {

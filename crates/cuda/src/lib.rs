@@ -54,7 +54,7 @@ mod upload;
 mod weights;
 
 pub use attention::{AttnInput, AttnTail, QNorm};
-pub use device::{driver_present, DeviceBuf, Gpu, GpuInfo, KernelSource, SIDE_LANES};
+pub use device::{device_count, driver_present, DeviceBuf, Gpu, GpuInfo, KernelSource, SIDE_LANES};
 pub use error::CudaError;
 pub use graph::TokenGraph;
 pub use hostmem::{HostMapped, Part};

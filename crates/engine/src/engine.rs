@@ -186,6 +186,9 @@ enum Device {
     Cpu(Option<Arc<rayon::ThreadPool>>),
     #[cfg(feature = "cuda")]
     Cuda(Arc<crate::cuda::CudaWeights>),
+    /// The layers split over several GPUs (`cuda/split.rs`), one upload per stage.
+    #[cfg(feature = "cuda")]
+    CudaSplit(Vec<Arc<crate::cuda::CudaWeights>>),
 }
 
 /// A model loaded on one backend. Sessions share its weights.
@@ -244,7 +247,7 @@ impl Engine {
         match self.device {
             Device::Cpu(_) => BackendKind::Cpu,
             #[cfg(feature = "cuda")]
-            Device::Cuda(_) => BackendKind::Cuda,
+            Device::Cuda(_) | Device::CudaSplit(_) => BackendKind::Cuda,
         }
     }
 
@@ -357,6 +360,18 @@ impl Engine {
                     opts.prefill_chunk,
                 ))
             }
+            #[cfg(feature = "cuda")]
+            Device::CudaSplit(stages) => {
+                crate::session::check_ctx(opts.ctx)?;
+                let numerics = opts.numerics.unwrap_or(self.numerics);
+                let b = crate::cuda::SplitBackend::new(stages, opts.ctx, numerics)?;
+                Ok(Session::on_backend(
+                    &self.model,
+                    Box::new(b),
+                    numerics,
+                    opts.prefill_chunk,
+                ))
+            }
         }
     }
 
@@ -371,6 +386,13 @@ impl Engine {
         if let Device::Cuda(w) = &self.device {
             w.mtp(&mtp).map_err(|e| mtp_upload_error(path, e))?;
         }
+        #[cfg(feature = "cuda")]
+        if let Device::CudaSplit(_) = &self.device {
+            return Err(EngineError::Invalid(
+                "--mtp needs the model on one GPU (its layers are split over several);                  run without --mtp"
+                    .into(),
+            ));
+        }
         Ok(mtp)
     }
 
@@ -382,7 +404,7 @@ impl Engine {
         match &self.device {
             Device::Cpu(pool) => pool.as_ref(),
             #[cfg(feature = "cuda")]
-            Device::Cuda(_) => None,
+            Device::Cuda(_) | Device::CudaSplit(_) => None,
         }
     }
 
@@ -390,7 +412,7 @@ impl Engine {
     pub(crate) fn cuda_weights_ref(&self) -> Option<&Arc<crate::cuda::CudaWeights>> {
         match &self.device {
             Device::Cuda(w) => Some(w),
-            Device::Cpu(_) => None,
+            Device::Cpu(_) | Device::CudaSplit(_) => None,
         }
     }
 }
@@ -447,6 +469,11 @@ fn cuda(model: &Model, device: usize, opts: &EngineOptions) -> Result<(Device, S
             reason: "no CUDA driver on this machine".into(),
         });
     }
+    let gpus = choose_gpus(model, device, &opts.memory)?;
+    if gpus.len() > 1 {
+        return cuda_split(model, &gpus, opts);
+    }
+    let device = gpus[0];
     let total = model.gguf().tensor_bytes();
     let done = std::sync::atomic::AtomicU64::new(0);
     let progress = |n: usize| {
@@ -462,6 +489,85 @@ fn cuda(model: &Model, device: usize, opts: &EngineOptions) -> Result<(Device, S
     }
     tracing::info!("weights: {placed}");
     Ok((Device::Cuda(w), reason))
+}
+
+/// The GPUs to run on: `--gpus` as given; otherwise `device`, or every visible GPU when
+/// there are several and the model with one session does not fit `device` (expert
+/// offload is for a single card that is a little too small; a split uses no offload).
+#[cfg(feature = "cuda")]
+fn choose_gpus(
+    model: &Model,
+    device: usize,
+    memory: &crate::placement::MemoryOptions,
+) -> Result<Vec<usize>> {
+    let count = crate::cuda::device_count();
+    if !memory.gpus.is_empty() {
+        if let Some(d) = memory.gpus.iter().find(|&&d| d >= count) {
+            return Err(EngineError::Unavailable {
+                backend: "cuda",
+                reason: format!("--gpus names device {d} but {count} are visible"),
+            });
+        }
+        return Ok(memory.gpus.clone());
+    }
+    if count < 2 || memory.offload != crate::placement::Offload::Auto {
+        return Ok(vec![device]);
+    }
+    let gpu = crate::cuda::Gpu::open(device)?;
+    let free = gpu.mem_info().map_or(u64::MAX, |(free, _)| free as u64);
+    drop(gpu);
+    let needs = crate::cuda::weights::memory_needs(model, memory.ctx);
+    if needs.weights + needs.session + needs.reserve <= free {
+        return Ok(vec![device]);
+    }
+    Ok((0..count).collect())
+}
+
+/// The model split by layers over `gpus` (`cuda/split.rs`, the plan from
+/// [`crate::placement::split_layers`]).
+#[cfg(feature = "cuda")]
+fn cuda_split(model: &Model, gpus: &[usize], opts: &EngineOptions) -> Result<(Device, String)> {
+    use crate::cuda::{CudaWeights, Gpu};
+    let opened = gpus
+        .iter()
+        .map(|&d| Ok(Arc::new(Gpu::open(d)?)))
+        .collect::<Result<Vec<_>>>()?;
+    let free: Vec<u64> = (opened.iter())
+        .map(|g| g.mem_info().map_or(0, |(free, _)| free as u64))
+        .collect();
+    let needs = crate::cuda::weights::memory_needs(model, opts.memory.ctx);
+    let ranges =
+        crate::placement::split_layers(&needs, &free).map_err(|e| EngineError::OutOfMemory {
+            backend: "cuda",
+            source: e.to_string().into(),
+        })?;
+    // Every stage uploads the tensors outside the layers too.
+    let outside = needs.weights - needs.layers.iter().sum::<u64>();
+    let total = needs.weights + outside * (gpus.len() as u64 - 1);
+    let done = std::sync::atomic::AtomicU64::new(0);
+    let progress = |n: usize| {
+        if let Some(p) = &opts.progress {
+            let now = done.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed) + n as u64;
+            p(now, total);
+        }
+    };
+    let n_layer = model.config().n_layer;
+    let mut stages = Vec::with_capacity(gpus.len());
+    let mut parts = Vec::new();
+    for ((gpu, range), d) in opened.iter().zip(&ranges).zip(gpus) {
+        let all = crate::placement::Placement::resident(n_layer);
+        let w = CudaWeights::upload_placed(gpu, model, all, range.clone(), false, &progress)?;
+        parts.push(format!(
+            "layers {}–{} on GPU {d} ({})",
+            range.start,
+            range.end - 1,
+            gpu.info().name
+        ));
+        stages.push(Arc::new(w));
+    }
+    let line = parts.join(", ");
+    tracing::info!("weights: {line}");
+    Ok((Device::CudaSplit(stages), format!("CUDA, {line}")))
 }
 
 /// A failed MTP upload; out of memory says what to do about it.

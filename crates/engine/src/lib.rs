@@ -60,7 +60,10 @@ pub use imatrix::{
 };
 pub use mtp::{Mtp, MtpDraft, MtpState};
 pub use ops::linear::Numerics;
-pub use placement::{MemoryNeeds, MemoryOptions, Offload, Placement, PlanError, DEFAULT_PLAN_CTX};
+pub use placement::{
+    parse_gpus, split_layers, GpuList, MemoryNeeds, MemoryOptions, Offload, Placement, PlanError,
+    DEFAULT_PLAN_CTX,
+};
 pub use sampling::{argmax, generate, Sampler, SamplerConfig, StopReason};
 pub use session::{Session, SessionOptions, SessionState};
 pub use spec::{SpecOptions, SpecStats, Speculator, MAX_DRAFT};

@@ -13,6 +13,7 @@
 //! Nothing else is worth moving: every other weight is read in full by every token.
 
 use std::fmt;
+use std::ops::Range;
 use std::str::FromStr;
 
 /// `--offload-experts auto|N`.
@@ -49,12 +50,15 @@ impl fmt::Display for Offload {
 }
 
 /// What the engine is asked to keep room for on the device (`EngineOptions::memory`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MemoryOptions {
     pub offload: Offload,
     /// The context the first session will use (its KV and score buffers are reserved);
     /// 0: [`DEFAULT_PLAN_CTX`].
     pub ctx: usize,
+    /// `--gpus`: the CUDA devices to split the layers over, in order. Empty: the
+    /// backend's device, or every visible GPU when the model does not fit that one.
+    pub gpus: Vec<usize>,
 }
 
 impl Default for MemoryOptions {
@@ -62,8 +66,37 @@ impl Default for MemoryOptions {
         MemoryOptions {
             offload: Offload::Auto,
             ctx: 0,
+            gpus: Vec::new(),
         }
     }
+}
+
+/// The value of `--gpus` (a comma-separated list, parsed by [`parse_gpus`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuList(pub Vec<usize>);
+
+impl FromStr for GpuList {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<GpuList, String> {
+        parse_gpus(s).map(GpuList)
+    }
+}
+
+/// Parses `--gpus 0,1,2`: distinct device ordinals, at least one.
+pub fn parse_gpus(s: &str) -> Result<Vec<usize>, String> {
+    let mut out = Vec::new();
+    for part in s.split(',') {
+        let d = part
+            .trim()
+            .parse::<usize>()
+            .map_err(|_| format!("--gpus takes device numbers like 0,1 (not `{s}`)"))?;
+        if out.contains(&d) {
+            return Err(format!("--gpus names device {d} twice"));
+        }
+        out.push(d);
+    }
+    Ok(out)
 }
 
 /// The context reserved when the caller does not say (the CLI's default `--ctx`).
@@ -79,6 +112,8 @@ pub struct MemoryNeeds {
     pub embedding: u64,
     /// Per layer, its routed-expert stacks (gate, up and down of every expert).
     pub experts: Vec<u64>,
+    /// Per layer, all its tensors (the experts included).
+    pub layers: Vec<u64>,
     /// One session at the requested context with its prefill chunk's buffers.
     pub session: u64,
     /// What the driver, CUDA graphs and allocation granularity take besides.
@@ -206,6 +241,70 @@ impl Placement {
     }
 }
 
+/// How the layers are split over several GPUs (`--gpus`; architecture.md §4.1): one
+/// contiguous range per device with `free` bytes, in device order, sized to each
+/// device's room so that every one keeps the same share of free memory. Each device
+/// holds the tensors outside the layers too (embedding and head, ~1.6 GiB at the Flash
+/// shape: reading them locally beats moving activations twice) and one session's
+/// buffers (its batch scratch is per device; the KV of a layer lives with the layer).
+pub fn split_layers(needs: &MemoryNeeds, free: &[u64]) -> Result<Vec<Range<usize>>, PlanError> {
+    let n_layer = needs.layers.len();
+    if free.is_empty() || free.len() > n_layer {
+        return Err(PlanError::Split(format!(
+            "{} GPUs for a model of {n_layer} layers",
+            free.len()
+        )));
+    }
+    let layer_total: u64 = needs.layers.iter().sum();
+    let outside = needs.weights.saturating_sub(layer_total);
+    let fixed = outside + needs.session + needs.reserve;
+    let room: Vec<u64> = free.iter().map(|f| f.saturating_sub(fixed)).collect();
+    let room_total: u64 = room.iter().sum();
+    if room_total < layer_total {
+        return Err(PlanError::Split(format!(
+            "the model needs {:.2} GiB on {} GPUs ({:.2} GiB of layers plus {:.2} GiB on              each for the embedding, the head and a session) but {:.2} GiB are free: use              more GPUs, a smaller --ctx, or --offload-experts on one GPU",
+            gib(layer_total + fixed * free.len() as u64),
+            free.len(),
+            gib(layer_total),
+            gib(fixed),
+            gib(free.iter().sum())
+        )));
+    }
+    // Device d ends where the cumulative layer bytes pass its cumulative share of the
+    // room (each device at least one layer), then every range is checked to fit.
+    let mut ranges = Vec::with_capacity(free.len());
+    let (mut start, mut acc, mut share) = (0usize, 0u64, 0u128);
+    for (d, r) in room.iter().enumerate() {
+        share += *r as u128;
+        let left = free.len() - d - 1;
+        let mut end = start;
+        if left == 0 {
+            end = n_layer;
+        } else {
+            let target = (layer_total as u128 * share / room_total as u128) as u64;
+            while end < n_layer - left && (end == start || acc + needs.layers[end] / 2 <= target) {
+                acc += needs.layers[end];
+                end += 1;
+            }
+        }
+        let bytes: u64 = needs.layers[start..end].iter().sum();
+        if bytes > *r {
+            return Err(PlanError::Split(format!(
+                "layers {start}–{} ({:.2} GiB) do not fit GPU {d} ({:.2} GiB free beside                  the embedding, the head and a session)",
+                end - 1,
+                gib(bytes),
+                gib(*r)
+            )));
+        }
+        if left == 0 {
+            acc += bytes;
+        }
+        ranges.push(start..end);
+        start = end;
+    }
+    Ok(ranges)
+}
+
 /// "40–42" style ranges of the set entries.
 fn layer_ranges(set: &[bool]) -> String {
     let mut out = Vec::new();
@@ -243,11 +342,14 @@ pub enum PlanError {
         choice: Offload,
         all_offloaded: bool,
     },
+    /// No split of the layers over the GPUs fits (the message says why).
+    Split(String),
 }
 
 impl fmt::Display for PlanError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
+            PlanError::Split(why) => f.write_str(why),
             PlanError::TooManyLayers { asked, n_layer } => write!(
                 f,
                 "--offload-experts {asked}: the model has {n_layer} layers"
@@ -296,6 +398,8 @@ mod tests {
             weights: 86_714_775_900,
             embedding: 1_059_061_760,
             experts: vec![1_811_939_328; 43],
+            // (86.71 GB − the 1.06 GB embedding − the 0.56 GB head) / 43.
+            layers: vec![1_979_000_000; 43],
             session: 2 * GIB,
             reserve: GIB,
         }
@@ -377,6 +481,44 @@ mod tests {
             "{e:?}"
         );
         assert!(e.to_string().contains("even with every layer's experts"));
+    }
+
+    #[test]
+    fn q2_splits_evenly_over_two_80_gb_cards() {
+        let needs = q2();
+        let r = split_layers(&needs, &[79 * GIB, 79 * GIB]).unwrap();
+        assert_eq!(r, vec![0..22, 22..43]);
+        // A card with less room takes fewer layers; the ranges cover every layer once.
+        let r = split_layers(&needs, &[60 * GIB, 79 * GIB]).unwrap();
+        assert_eq!(r[0].start, 0);
+        assert_eq!(r[0].end, r[1].start);
+        assert_eq!(r[1].end, 43);
+        assert!(r[0].len() < r[1].len(), "{r:?}");
+        // Four cards: 10 or 11 layers each.
+        let r = split_layers(&needs, &[79 * GIB; 4]).unwrap();
+        assert!(r.iter().all(|r| (10..=11).contains(&r.len())), "{r:?}");
+        assert_eq!(r.iter().map(|r| r.len()).sum::<usize>(), 43);
+        // One card: every layer (the planner's offload decides the rest).
+        assert_eq!(split_layers(&needs, &[200 * GIB]).unwrap(), vec![0..43]);
+    }
+
+    #[test]
+    fn a_split_that_cannot_fit_says_so() {
+        let e = split_layers(&q2(), &[30 * GIB, 30 * GIB]).unwrap_err();
+        assert!(e.to_string().contains("use more GPUs"), "{e}");
+        // Enough in total but one card too small for even its one layer.
+        let e = split_layers(&q2(), &[GIB, 200 * GIB]).unwrap_err();
+        assert!(matches!(e, PlanError::Split(_)), "{e:?}");
+        assert!(split_layers(&q2(), &[]).is_err());
+    }
+
+    #[test]
+    fn gpu_lists_parse() {
+        assert_eq!(parse_gpus("0,1"), Ok(vec![0, 1]));
+        assert_eq!(parse_gpus(" 3 "), Ok(vec![3]));
+        assert!(parse_gpus("0,0").unwrap_err().contains("twice"));
+        assert!(parse_gpus("0,x").is_err());
+        assert!(parse_gpus("").is_err());
     }
 
     #[test]

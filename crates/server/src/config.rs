@@ -28,6 +28,10 @@ pub struct Args {
     /// --ctx session (none when it fits), N the last N layers' experts, 0 never.
     #[arg(long, value_name = "auto|N", default_value = "auto")]
     pub offload_experts: ds4_engine::Offload,
+    /// Split the layers over these GPUs (e.g. `0,1`), in order; default: one GPU, or
+    /// every visible GPU when the model does not fit one (no expert offload then).
+    #[arg(long, value_name = "LIST")]
+    pub gpus: Option<ds4_engine::GpuList>,
     /// CPU threads (default: all cores).
     #[arg(short = 't', long = "threads", value_parser = positive)]
     pub threads: Option<usize>,

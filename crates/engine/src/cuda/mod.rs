@@ -8,12 +8,14 @@
 //! f32 in `Exact` mode; `Fast` rounds stored KV rows to f16 as the CPU does.
 
 mod imatrix;
+mod split;
 mod state;
 pub mod weights;
 
 use std::sync::Arc;
 
-pub use ds4_cuda::{driver_present, CudaError, Gpu};
+pub use ds4_cuda::{device_count, driver_present, CudaError, Gpu};
+pub use split::SplitBackend;
 
 use crate::backend::{
     check_accepted, check_rows, check_tokens, check_vocab, no_pending, Backend, HcSource, LogitRows,

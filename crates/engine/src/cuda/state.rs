@@ -11,7 +11,7 @@ mod steer;
 
 use super::weights::{CudaWeights, HcDev};
 use crate::config::Config;
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 use crate::ops::linear::Numerics;
 use layers::{gemm, hc_params, mv, Gemm, KvView, SMALL_BATCH};
 
@@ -405,8 +405,21 @@ impl DeviceState {
         );
         let raw_cap = window + chunk;
         let mut layers = Vec::with_capacity(c.n_layer);
-        for (il, l) in w.layers.iter().enumerate() {
-            let r = l.ratio;
+        for il in 0..c.n_layer {
+            if !w.range.contains(&il) {
+                // A layer another GPU runs (a split model): no state here.
+                layers.push(LayerState {
+                    ring: g.zeros::<f32>(1)?,
+                    comp: None,
+                    skv: None,
+                    ssc: None,
+                    index: None,
+                    iskv: None,
+                    issc: None,
+                });
+                continue;
+            }
+            let r = c.compress_ratios[il];
             let lanes = Config::compressor_lanes(r);
             let zeros = |n: usize| g.zeros::<f32>(n);
             let neg = |n: usize| g.upload(&vec![crate::kv::NEG_INF; n]);
@@ -492,25 +505,7 @@ impl DeviceState {
             )));
         }
         let g = &*w.gpu;
-        if self.batch.is_none() {
-            let before = g.mem_info().map_or(0, |(free, _)| free);
-            self.batch = Some(Work::new(
-                g,
-                &w.config,
-                self.ctx,
-                self.chunk,
-                self.att_stride,
-            )?);
-            let after = g.mem_info().map_or(0, |(free, _)| free);
-            let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
-            tracing::debug!(
-                "prefill buffers for {} tokens: {:.3} GiB ({:.3} GiB free after; estimate {:.3})",
-                self.chunk,
-                gib(before.saturating_sub(after)),
-                gib(after),
-                gib(self.chunk * work_bytes_per_token(&w.config, self.ctx))
-            );
-        }
+        self.ensure_batch(w)?;
         let mut b = self.batch.take().expect("allocated above");
         debug_assert!(n <= b.s.cap);
         let result = (|| -> Result<Vec<f32>> {
@@ -536,6 +531,66 @@ impl DeviceState {
         let out = result?;
         self.n_tokens += n;
         Ok(out)
+    }
+
+    /// The batch buffers of a prefill chunk, allocated on the first batched forward.
+    fn ensure_batch(&mut self, w: &CudaWeights) -> Result<()> {
+        if self.batch.is_some() {
+            return Ok(());
+        }
+        let g = &*w.gpu;
+        let before = g.mem_info().map_or(0, |(free, _)| free);
+        let work = Work::new(g, &w.config, self.ctx, self.chunk, self.att_stride)?;
+        self.batch = Some(work);
+        let after = g.mem_info().map_or(0, |(free, _)| free);
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        tracing::debug!(
+            "prefill buffers for {} tokens: {:.3} GiB ({:.3} GiB free after; estimate {:.3})",
+            self.chunk,
+            gib(before.saturating_sub(after)),
+            gib(after),
+            gib(self.chunk * work_bytes_per_token(&w.config, self.ctx))
+        );
+        Ok(())
+    }
+
+    /// A later stage of a split model (`cuda/split.rs`): the previous GPU's streams of
+    /// the next `prefill` (`batched`) or `decode`'s tokens, `[n][n_hc·n_embd]`, into
+    /// the scratch that pass starts from (it embeds nothing: `w.range` starts past 0).
+    pub fn set_input(&mut self, w: &CudaWeights, rows: &[f32], batched: bool) -> Result<()> {
+        let g = &*w.gpu;
+        let work = if batched {
+            self.ensure_batch(w)?;
+            self.batch.as_mut().expect("allocated above")
+        } else {
+            &mut self.s
+        };
+        let h = &mut work.s.h;
+        if rows.len() > h.len() {
+            return Err(EngineError::Invalid(format!(
+                "{} stream values for a scratch of {}",
+                rows.len(),
+                h.len()
+            )));
+        }
+        let mut dst = h.slice_mut(0..rows.len());
+        Ok(g.stream()
+            .memcpy_htod(rows, &mut dst)
+            .map_err(CudaError::from)?)
+    }
+
+    /// The streams of the last pass's `n` tokens (after a `prefill` when `batched`,
+    /// else a `decode`), `[n][n_hc·n_embd]`: what the next stage of a split starts from.
+    pub fn hidden(&self, w: &CudaWeights, n: usize, batched: bool) -> Result<Vec<f32>> {
+        let c = &w.config;
+        let work = if batched {
+            self.batch.as_ref()
+        } else {
+            Some(&self.s)
+        };
+        let work = work.ok_or_else(|| EngineError::Invalid("no batch ran yet".into()))?;
+        let n = n * c.n_hc * c.n_embd;
+        Ok(w.gpu.download_f32(&work.s.h, n)?)
     }
 
     /// Runs one token at position `n_tokens`; with `head` the logits are computed.

@@ -43,7 +43,11 @@ pub struct CudaWeights {
     pub gpu: Arc<Gpu>,
     pub config: Config,
     pub token_embd: DenseTensor,
-    pub layers: Vec<LayerDev>,
+    /// Per layer its weights: `Some` for the layers of [`CudaWeights::range`] (all of
+    /// them unless the model is split over several GPUs, `cuda/split.rs`).
+    pub layers: Vec<Option<LayerDev>>,
+    /// The layers this device runs.
+    pub range: std::ops::Range<usize>,
     /// Per layer, the RoPE frequencies ([`CudaWeights::rope`]).
     pub freqs: Vec<DeviceBuf<f32>>,
     pub head_hc: HcDev,
@@ -279,6 +283,20 @@ impl Uploader<'_> {
     }
 }
 
+/// File bytes of each layer's tensors (`blk.N.*`).
+fn layer_file_bytes(model: &Model) -> Vec<u64> {
+    let mut out = vec![0u64; model.config().n_layer];
+    for t in model.gguf().tensors() {
+        let il = (t.name.strip_prefix("blk."))
+            .and_then(|r| r.split('.').next())
+            .and_then(|n| n.parse::<usize>().ok());
+        if let Some(b) = il.and_then(|il| out.get_mut(il)) {
+            *b += t.size;
+        }
+    }
+    out
+}
+
 /// The byte counts the memory planner decides from (`placement.rs`), for `model` with
 /// one session at `ctx`.
 pub fn memory_needs(model: &Model, ctx: usize) -> MemoryNeeds {
@@ -293,6 +311,7 @@ pub fn memory_needs(model: &Model, ctx: usize) -> MemoryNeeds {
             .map(|l| [&l.gate_exps, &l.up_exps, &l.down_exps].map(|m| m.data().len() as u64))
             .map(|b| b.iter().sum())
             .collect(),
+        layers: layer_file_bytes(model),
         session: super::state::session_bytes(c, ctx, chunk) as u64,
         reserve: PLAN_RESERVE,
     }
@@ -312,7 +331,8 @@ impl CudaWeights {
         progress: &dyn Fn(usize),
     ) -> Result<CudaWeights, CudaError> {
         let n_layer = model.config().n_layer;
-        Self::upload_placed(gpu, model, Placement::resident(n_layer), false, progress)
+        let all = Placement::resident(n_layer);
+        Self::upload_placed(gpu, model, all, 0..n_layer, false, progress)
     }
 
     /// Plans where the weights go on `gpu` for `memory` ([`Placement::plan`] on its
@@ -331,7 +351,8 @@ impl CudaWeights {
         })?;
         let line = placement.describe(&needs, free);
         let tight = placement.offloads();
-        let w = Self::upload_placed(gpu, model, placement, tight, progress)?;
+        let all = 0..model.config().n_layer;
+        let w = Self::upload_placed(gpu, model, placement, all, tight, progress)?;
         let after = gpu.mem_info().map_or(0, |(free, _)| free as u64);
         let line = format!(
             "{line}; {:.2} GiB free after the upload",
@@ -340,12 +361,14 @@ impl CudaWeights {
         Ok((w, line))
     }
 
-    /// Uploads every weight of `model` with `placement`'s tensors in mapped host
-    /// memory.
+    /// Uploads the weights of the layers in `range` and those outside the layers (the
+    /// embedding, the head: every stage of a split holds them) with `placement`'s
+    /// tensors in mapped host memory.
     pub(crate) fn upload_placed(
         gpu: &Arc<Gpu>,
         model: &Model,
         placement: Placement,
+        range: std::ops::Range<usize>,
         tight: bool,
         progress: &dyn Fn(usize),
     ) -> Result<CudaWeights, CudaError> {
@@ -362,8 +385,18 @@ impl CudaWeights {
         }
         // Fail before uploading anything when the weights cannot fit (the q2 file on an
         // 80 GB card without offload): otherwise the allocation fails a minute later.
+        if range.is_empty() || range.end > cfg.n_layer {
+            return Err(CudaError::Invalid(format!(
+                "layers {range:?} of a model of {}",
+                cfg.n_layer
+            )));
+        }
         let needs = memory_needs(model, 0);
-        check_fits(gpu, placement.device_bytes(&needs) as usize)?;
+        let outside: u64 = (needs.layers.iter().enumerate())
+            .filter(|(il, _)| !range.contains(il))
+            .map(|(_, b)| b)
+            .sum();
+        check_fits(gpu, (placement.device_bytes(&needs) - outside) as usize)?;
         let inner = model.inner();
         let mut up = Uploader {
             gpu,
@@ -375,13 +408,19 @@ impl CudaWeights {
         let mut freqs = Vec::with_capacity(cfg.n_layer);
         for (il, lw) in w.layers.iter().enumerate() {
             freqs.push(up.vec(inner.ropes[il].freqs())?);
-            layers.push(up.layer(lw, &cfg, placement.experts_on_host[il])?);
+            // Another GPU's layer (a split) is uploaded there.
+            layers.push(if range.contains(&il) {
+                Some(up.layer(lw, &cfg, placement.experts_on_host[il])?)
+            } else {
+                None
+            });
         }
         let group_ids: Vec<i32> = (0..cfg.o_groups as i32).collect();
         let weights = CudaWeights {
             gpu: gpu.clone(),
             token_embd: up.dense(&w.token_embd, placement.embedding_on_host)?,
             layers,
+            range,
             freqs,
             head_hc: up.hc(&w.head_hc)?,
             output_norm: up.vec(&w.output_norm)?,
@@ -397,6 +436,13 @@ impl CudaWeights {
         };
         gpu.release_staging()?;
         Ok(weights)
+    }
+
+    /// Layer `il`'s weights (one of [`CudaWeights::range`]).
+    pub fn layer(&self, il: usize) -> &LayerDev {
+        self.layers[il]
+            .as_ref()
+            .unwrap_or_else(|| panic!("layer {il} runs on another GPU ({:?} here)", self.range))
     }
 
     /// The output head's stream collapse and final norm.

@@ -22,6 +22,8 @@ mod imatrix;
 mod mtp;
 mod offload;
 pub use offload::check_offload;
+mod split;
+pub use split::check_split;
 mod spec;
 pub use imatrix::check_imatrix;
 mod steer;

@@ -70,6 +70,7 @@ fn load_engine(
             memory: ds4_engine::MemoryOptions {
                 offload: args.offload_experts,
                 ctx: args.ctx,
+                gpus: args.gpus.clone().map(|g| g.0).unwrap_or_default(),
             },
         },
     )

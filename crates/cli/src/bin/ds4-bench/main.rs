@@ -88,6 +88,11 @@ struct Args {
     /// never.
     #[arg(long, value_name = "auto|N", default_value = "auto")]
     offload_experts: ds4_engine::Offload,
+    /// Split the layers over these GPUs (e.g. `0,1`), in order; default: one GPU, or
+    /// every visible GPU when the model does not fit one (no expert offload then).
+    #[arg(long, value_name = "LIST")]
+    gpus: Option<ds4_engine::GpuList>,
+
     /// Exact numerics (f32 activations, f32 KV).
     #[arg(long)]
     quality: bool,
@@ -414,6 +419,7 @@ fn memory(a: &Args) -> ds4_engine::MemoryOptions {
     ds4_engine::MemoryOptions {
         offload: a.offload_experts,
         ctx: alloc(a),
+        gpus: a.gpus.clone().map(|g| g.0).unwrap_or_default(),
     }
 }
 

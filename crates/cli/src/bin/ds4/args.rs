@@ -174,6 +174,11 @@ pub struct Args {
     #[arg(long, value_name = "auto|N", default_value = "auto")]
     pub offload_experts: ds4_engine::Offload,
 
+    /// Split the layers over these GPUs (e.g. `0,1`), in order; default: one GPU, or
+    /// every visible GPU when the model does not fit one (no expert offload then).
+    #[arg(long, value_name = "LIST")]
+    pub gpus: Option<ds4_engine::GpuList>,
+
     /// Same as --backend cuda.
     #[arg(long, conflicts_with = "backend")]
     pub cuda: bool,

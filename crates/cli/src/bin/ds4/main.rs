@@ -69,6 +69,7 @@ fn run(args: &Args) -> Result<()> {
         ds4_engine::MemoryOptions {
             offload: args.offload_experts,
             ctx: args.ctx,
+            gpus: args.gpus.clone().map(|g| g.0).unwrap_or_default(),
         },
     )?;
     if args.inspect {

@@ -310,17 +310,21 @@ impl KvView<'_> {
         let g = &w.gpu.launcher(self.plan);
         let c = &w.config;
         let s = &b.s;
-        g.embed(
-            n_tok,
-            g.ptr(&s.step),
-            w.token_embd.buf.ptr(g),
-            w.token_embd.ty,
-            c.n_embd,
-            c.n_hc,
-            g.ptr(&s.h),
-        )?;
-        for il in 0..c.n_layer {
-            let layer = (il, &w.layers[il], &self.layers[il], w.rope(il));
+        // A later stage of a split model starts from the previous GPU's streams, which
+        // the caller put in `s.h` (cuda/split.rs).
+        if w.range.start == 0 {
+            g.embed(
+                n_tok,
+                g.ptr(&s.step),
+                w.token_embd.buf.ptr(g),
+                w.token_embd.ty,
+                c.n_embd,
+                c.n_hc,
+                g.ptr(&s.h),
+            )?;
+        }
+        for il in w.range.clone() {
+            let layer = (il, w.layer(il), &self.layers[il], w.rope(il));
             let px = self.pass(w, numerics, layer, &b.s, n_tok);
             self.layer(&px, &mut b.q8, b.plan.as_mut())?;
         }
@@ -349,8 +353,8 @@ impl KvView<'_> {
         s: &Scratch,
         n: usize,
     ) -> Result<()> {
-        for il in 0..w.config.n_layer {
-            let (l, st) = (&w.layers[il], &self.layers[il]);
+        for il in w.range.clone() {
+            let (l, st) = (w.layer(il), &self.layers[il]);
             let px = self.pass(w, numerics, (il, l, st, w.rope(il)), s, n);
             let p = |b: &DeviceBuf<f32>| px.g.ptr(b);
             if let (Some(cw), Some(comp)) = (&l.compressor, &st.comp) {

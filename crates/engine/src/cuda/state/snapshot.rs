@@ -17,6 +17,10 @@ impl DeviceState {
         kv.n_tokens = self.n_tokens;
         let hd = c.head_dim;
         for (il, (lc, st)) in kv.layers.iter_mut().zip(&self.layers).enumerate() {
+            if !w.range.contains(&il) {
+                // Another GPU's layer (a split model): its stage exports it.
+                continue;
+            }
             let ring = g.download(&st.ring)?;
             let n_raw = self.n_tokens.min(self.window);
             let first = self.n_tokens - n_raw;
@@ -60,7 +64,10 @@ impl DeviceState {
             )));
         }
         let hd = c.head_dim;
-        for (lc, st) in kv.layers.iter().zip(self.layers.iter_mut()) {
+        for (il, (lc, st)) in kv.layers.iter().zip(self.layers.iter_mut()).enumerate() {
+            if !w.range.contains(&il) {
+                continue;
+            }
             let n_raw = lc.n_raw();
             let mut ring = vec![0.0f32; self.raw_cap * hd];
             for i in 0..n_raw {

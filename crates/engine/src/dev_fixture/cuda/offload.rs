@@ -47,7 +47,14 @@ pub fn check_offload(
             experts_on_host: vec![true; n_layer],
             embedding_on_host: true,
         };
-        let offloaded = Arc::new(CudaWeights::upload_placed(gpu, &model, all, true, &|_| {})?);
+        let offloaded = Arc::new(CudaWeights::upload_placed(
+            gpu,
+            &model,
+            all,
+            0..n_layer,
+            true,
+            &|_| {},
+        )?);
         let moved = offloaded.host_bytes;
         for numerics in [Numerics::Exact, Numerics::Fast] {
             let want = script(&resident, &tokens, numerics)?;
