@@ -219,6 +219,13 @@ pub trait Backend: Send {
         None
     }
 
+    /// On a device: (free device bytes now, bytes one more session of this context
+    /// takes there, its prefill buffers included) — what sizes `ds4-server`'s session
+    /// pool. `None` where sessions live in host memory.
+    fn device_memory(&self) -> Option<(u64, u64)> {
+        None
+    }
+
     /// Tokens per `forward` call that keep this backend efficient: callers that split
     /// a prompt (for progress or cancellation) should not pass fewer.
     fn preferred_batch(&self) -> usize {

@@ -253,6 +253,12 @@ impl Session {
         self.backend.kv_bytes()
     }
 
+    /// (free device bytes, bytes of one more session like this one) on a GPU backend;
+    /// `None` on the CPU. `ds4-server` sizes its session pool from it.
+    pub fn device_memory(&self) -> Option<(u64, u64)> {
+        self.backend.device_memory()
+    }
+
     /// Logits per token (the vocabulary size).
     pub fn vocab(&self) -> usize {
         self.model.config().vocab

@@ -78,6 +78,10 @@ pub trait EngineBackend: Send {
     fn on_device(&self) -> bool {
         false
     }
+    /// (free device bytes, bytes of one more session) when sessions live on a GPU.
+    fn device_memory(&self) -> Option<(u64, u64)> {
+        None
+    }
 }
 
 /// One decode token for each of several timelines (the continuous-batching worker's
@@ -168,6 +172,9 @@ impl EngineBackend for RealEngine {
     }
     fn kv_bytes(&self) -> Option<u64> {
         self.session.kv_bytes()
+    }
+    fn device_memory(&self) -> Option<(u64, u64)> {
+        self.session.device_memory()
     }
     fn has_session(&self) -> bool {
         true

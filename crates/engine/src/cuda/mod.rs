@@ -274,6 +274,17 @@ impl Backend for CudaBackend {
         self.state.mtp_keep(&self.weights, n)
     }
 
+    fn kv_bytes(&self) -> Option<u64> {
+        Some(self.state.kv_bytes_used(&self.weights.config) as u64)
+    }
+
+    fn device_memory(&self) -> Option<(u64, u64)> {
+        let c = &self.weights.config;
+        let free = self.weights.gpu.mem_info().ok()?.0 as u64;
+        let one = state::session_bytes(c, self.state.ctx, self.state.chunk()) as u64;
+        Some((free, one))
+    }
+
     fn set_steering(&mut self, steering: Option<Arc<Steering>>) -> Result<()> {
         self.state
             .set_steering(&self.weights, steering.as_deref())?;

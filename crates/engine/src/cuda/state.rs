@@ -476,6 +476,21 @@ impl DeviceState {
         })
     }
 
+    /// KV bytes in use at `n_tokens`: the raw rows in the window and the compressed and
+    /// index rows so far (the cache's allocation is larger: it is sized for `ctx`).
+    pub fn kv_bytes_used(&self, c: &Config) -> usize {
+        let n = self.n_tokens;
+        let raw = n.min(self.window) * c.head_dim * c.n_layer;
+        let comp: usize = (0..c.n_layer)
+            .map(|il| match c.compress_ratios[il] {
+                0 => 0,
+                r if c.has_indexer(il) => n / r * (c.head_dim + c.idx_head_dim),
+                r => n / r * c.head_dim,
+            })
+            .sum();
+        4 * (raw + comp)
+    }
+
     /// Tokens per batched prefill chunk.
     pub fn chunk(&self) -> usize {
         self.chunk

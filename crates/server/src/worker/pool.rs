@@ -49,6 +49,14 @@ pub fn default_max_sessions(
     }
 }
 
+/// The default pool on a GPU: the first session (which exists already) and as many
+/// more as fit 90% of the `free` device bytes at `one` bytes each (a session at its
+/// full context with its prefill buffers, `Session::device_memory`), up to [`MAX_POOL`].
+pub fn device_pool_size(free: u64, one: u64) -> usize {
+    let more = (free / 10 * 9) / one.max(1);
+    (1 + usize::try_from(more).unwrap_or(MAX_POOL)).min(MAX_POOL)
+}
+
 /// One live session of the pool. The current slot's state lives in the worker's fields
 /// (here `engine` is `None`).
 pub(super) struct Slot {
@@ -462,6 +470,16 @@ mod tests {
             default_max_sessions(Some(1 << 50), Some(1), 1024, true),
             MAX_POOL
         );
+    }
+
+    #[test]
+    fn a_gpu_pool_fills_the_free_memory() {
+        // H200 with q2: 58 GiB free beside one 32k session of ~2.5 GiB.
+        assert_eq!(device_pool_size(58 << 30, 5 << 29), 16);
+        assert_eq!(device_pool_size(20 << 30, 5 << 29), 8);
+        // The H100 with offloaded experts: no room for a second session.
+        assert_eq!(device_pool_size(1 << 29, 2 << 30), 1);
+        assert_eq!(device_pool_size(0, 0), 1);
     }
 
     #[test]
