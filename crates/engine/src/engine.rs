@@ -524,7 +524,7 @@ fn choose_gpus(
 }
 
 /// The model split by layers over `gpus` (`cuda/split.rs`, the plan from
-/// [`crate::placement::split_layers`]).
+/// [`crate::placement::plan_split`]: with expert offload where the cards need it).
 #[cfg(feature = "cuda")]
 fn cuda_split(model: &Model, gpus: &[usize], opts: &EngineOptions) -> Result<(Device, String)> {
     use crate::cuda::{CudaWeights, Gpu};
@@ -536,11 +536,12 @@ fn cuda_split(model: &Model, gpus: &[usize], opts: &EngineOptions) -> Result<(De
         .map(|g| g.mem_info().map_or(0, |(free, _)| free as u64))
         .collect();
     let needs = crate::cuda::weights::memory_needs(model, opts.memory.ctx);
-    let ranges =
-        crate::placement::split_layers(&needs, &free).map_err(|e| EngineError::OutOfMemory {
+    let plan = crate::placement::plan_split(&needs, &free, opts.memory.offload).map_err(|e| {
+        EngineError::OutOfMemory {
             backend: "cuda",
             source: e.to_string().into(),
-        })?;
+        }
+    })?;
     // Every stage uploads the tensors outside the layers too.
     let outside = needs.weights - needs.layers.iter().sum::<u64>();
     let total = needs.weights + outside * (gpus.len() as u64 - 1);
@@ -551,18 +552,23 @@ fn cuda_split(model: &Model, gpus: &[usize], opts: &EngineOptions) -> Result<(De
             p(now, total);
         }
     };
-    let n_layer = model.config().n_layer;
     let mut stages = Vec::with_capacity(gpus.len());
     let mut parts = Vec::new();
-    for ((gpu, range), d) in opened.iter().zip(&ranges).zip(gpus) {
-        let all = crate::placement::Placement::resident(n_layer);
-        let w = CudaWeights::upload_placed(gpu, model, all, range.clone(), false, &progress)?;
-        parts.push(format!(
+    for (((gpu, stage), d), f) in opened.iter().zip(plan).zip(gpus).zip(&free) {
+        let range = stage.layers.clone();
+        let mut part = format!(
             "layers {}–{} on GPU {d} ({})",
             range.start,
             range.end - 1,
             gpu.info().name
-        ));
+        );
+        let tight = stage.placement.offloads();
+        if tight {
+            let line = stage.placement.describe(&needs.stage(&range), *f);
+            part += &format!(" with {line}");
+        }
+        let w = CudaWeights::upload_placed(gpu, model, stage.placement, range, tight, &progress)?;
+        parts.push(part);
         stages.push(Arc::new(w));
     }
     let line = parts.join(", ");

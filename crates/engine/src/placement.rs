@@ -163,7 +163,7 @@ impl Placement {
 
     /// Weight bytes on the device.
     pub fn device_bytes(&self, needs: &MemoryNeeds) -> u64 {
-        needs.weights - self.host_bytes(needs)
+        needs.weights.saturating_sub(self.host_bytes(needs))
     }
 
     /// Decides what goes where on a device with `free` bytes.
@@ -248,6 +248,51 @@ impl Placement {
 /// shape: reading them locally beats moving activations twice) and one session's
 /// buffers (its batch scratch is per device; the KV of a layer lives with the layer).
 pub fn split_layers(needs: &MemoryNeeds, free: &[u64]) -> Result<Vec<Range<usize>>, PlanError> {
+    let (ranges, room) = split_ranges(needs, free)?;
+    let layer_total: u64 = needs.layers.iter().sum();
+    let room_total: u64 = room.iter().sum();
+    if room_total < layer_total {
+        let fixed = stage_fixed(needs);
+        return Err(PlanError::Split(format!(
+            "the model needs {:.2} GiB on {} GPUs ({:.2} GiB of layers plus {:.2} GiB on \
+             each for the embedding, the head and a session) but {:.2} GiB are free: use \
+             more GPUs, a smaller --ctx, or --offload-experts",
+            gib(layer_total + fixed * free.len() as u64),
+            free.len(),
+            gib(layer_total),
+            gib(fixed),
+            gib(free.iter().sum())
+        )));
+    }
+    for (d, (r, room)) in ranges.iter().zip(&room).enumerate() {
+        let bytes: u64 = needs.layers[r.clone()].iter().sum();
+        if bytes > *room {
+            return Err(PlanError::Split(format!(
+                "layers {}–{} ({:.2} GiB) do not fit GPU {d} ({:.2} GiB free beside \
+                 the embedding, the head and a session)",
+                r.start,
+                r.end - 1,
+                gib(bytes),
+                gib(*room)
+            )));
+        }
+    }
+    Ok(ranges)
+}
+
+/// What every stage holds besides its layers: the tensors outside the layers, one
+/// session and the reserve.
+fn stage_fixed(needs: &MemoryNeeds) -> u64 {
+    let outside = needs.weights.saturating_sub(needs.layers.iter().sum());
+    outside + needs.session + needs.reserve
+}
+
+/// The ranges of [`split_layers`] without the fit check (each device at least one
+/// layer), and each device's room for layers.
+fn split_ranges(
+    needs: &MemoryNeeds,
+    free: &[u64],
+) -> Result<(Vec<Range<usize>>, Vec<u64>), PlanError> {
     let n_layer = needs.layers.len();
     if free.is_empty() || free.len() > n_layer {
         return Err(PlanError::Split(format!(
@@ -256,22 +301,11 @@ pub fn split_layers(needs: &MemoryNeeds, free: &[u64]) -> Result<Vec<Range<usize
         )));
     }
     let layer_total: u64 = needs.layers.iter().sum();
-    let outside = needs.weights.saturating_sub(layer_total);
-    let fixed = outside + needs.session + needs.reserve;
+    let fixed = stage_fixed(needs);
     let room: Vec<u64> = free.iter().map(|f| f.saturating_sub(fixed)).collect();
-    let room_total: u64 = room.iter().sum();
-    if room_total < layer_total {
-        return Err(PlanError::Split(format!(
-            "the model needs {:.2} GiB on {} GPUs ({:.2} GiB of layers plus {:.2} GiB on              each for the embedding, the head and a session) but {:.2} GiB are free: use              more GPUs, a smaller --ctx, or --offload-experts on one GPU",
-            gib(layer_total + fixed * free.len() as u64),
-            free.len(),
-            gib(layer_total),
-            gib(fixed),
-            gib(free.iter().sum())
-        )));
-    }
+    let room_total = room.iter().sum::<u64>().max(1);
     // Device d ends where the cumulative layer bytes pass its cumulative share of the
-    // room (each device at least one layer), then every range is checked to fit.
+    // room (midpoint rounding; each device at least one layer).
     let mut ranges = Vec::with_capacity(free.len());
     let (mut start, mut acc, mut share) = (0usize, 0u64, 0u128);
     for (d, r) in room.iter().enumerate() {
@@ -287,22 +321,116 @@ pub fn split_layers(needs: &MemoryNeeds, free: &[u64]) -> Result<Vec<Range<usize
                 end += 1;
             }
         }
-        let bytes: u64 = needs.layers[start..end].iter().sum();
-        if bytes > *r {
-            return Err(PlanError::Split(format!(
-                "layers {start}–{} ({:.2} GiB) do not fit GPU {d} ({:.2} GiB free beside                  the embedding, the head and a session)",
-                end - 1,
-                gib(bytes),
-                gib(*r)
-            )));
-        }
-        if left == 0 {
-            acc += bytes;
-        }
         ranges.push(start..end);
         start = end;
     }
-    Ok(ranges)
+    Ok((ranges, room))
+}
+
+/// One stage of a split: its layers and what of them lives in host memory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Stage {
+    pub layers: Range<usize>,
+    pub placement: Placement,
+}
+
+/// The split over devices with `free` bytes, with expert offload where the cards are
+/// too small together: `Offload::Auto` splits without offload when that fits, else
+/// splits by room and lets each stage offload the embedding and its last layers'
+/// experts as its card needs ([`Placement::plan`] on the stage's share); `Layers(N)`
+/// offloads the model's last N layers' experts (and every stage's embedding when
+/// N > 0) and `Layers(0)` never.
+pub fn plan_split(
+    needs: &MemoryNeeds,
+    free: &[u64],
+    offload: Offload,
+) -> Result<Vec<Stage>, PlanError> {
+    let n_layer = needs.layers.len();
+    let resident = |r: Range<usize>| Stage {
+        layers: r,
+        placement: Placement::resident(n_layer),
+    };
+    match offload {
+        Offload::Layers(0) => Ok(split_layers(needs, free)?
+            .into_iter()
+            .map(resident)
+            .collect()),
+        Offload::Auto => {
+            if let Ok(ranges) = split_layers(needs, free) {
+                return Ok(ranges.into_iter().map(resident).collect());
+            }
+            let (ranges, _) = split_ranges(needs, free)?;
+            let mut stages = Vec::with_capacity(ranges.len());
+            for (r, f) in ranges.into_iter().zip(free) {
+                let part = needs.stage(&r);
+                let mut placement = Placement::plan(&part, *f, Offload::Auto)?;
+                for (il, h) in placement.experts_on_host.iter_mut().enumerate() {
+                    *h &= r.contains(&il);
+                }
+                stages.push(Stage {
+                    layers: r,
+                    placement,
+                });
+            }
+            Ok(stages)
+        }
+        Offload::Layers(n) => {
+            if n > n_layer {
+                return Err(PlanError::TooManyLayers { asked: n, n_layer });
+            }
+            let mut global = Placement::resident(n_layer);
+            global.embedding_on_host = true;
+            for h in &mut global.experts_on_host[n_layer - n..] {
+                *h = true;
+            }
+            let (ranges, _) = split_ranges(needs, free)?;
+            let mut stages = Vec::with_capacity(ranges.len());
+            for (r, f) in ranges.into_iter().zip(free) {
+                let part = needs.stage(&r);
+                let mut placement = global.clone();
+                for (il, h) in placement.experts_on_host.iter_mut().enumerate() {
+                    *h &= r.contains(&il);
+                }
+                let need = placement.device_bytes(&part) + part.session + part.reserve;
+                if need > *f {
+                    return Err(PlanError::DoesNotFit {
+                        need,
+                        free: *f,
+                        choice: offload,
+                        all_offloaded: false,
+                    });
+                }
+                stages.push(Stage {
+                    layers: r,
+                    placement,
+                });
+            }
+            Ok(stages)
+        }
+    }
+}
+
+impl MemoryNeeds {
+    /// What one stage holding `layers` needs: the tensors outside the layers, those
+    /// layers, one session (the other layers count nothing).
+    pub fn stage(&self, layers: &Range<usize>) -> MemoryNeeds {
+        let keep = |v: &[u64]| -> Vec<u64> {
+            v.iter()
+                .enumerate()
+                .map(|(il, b)| if layers.contains(&il) { *b } else { 0 })
+                .collect()
+        };
+        let outside = self.weights.saturating_sub(self.layers.iter().sum());
+        let layers_kept = keep(&self.layers);
+        MemoryNeeds {
+            weights: outside + layers_kept.iter().sum::<u64>(),
+            embedding: self.embedding,
+            experts: keep(&self.experts),
+            layers: layers_kept,
+            session: self.session,
+            reserve: self.reserve,
+        }
+    }
 }
 
 /// "40–42" style ranges of the set entries.
@@ -510,6 +638,82 @@ mod tests {
         let e = split_layers(&q2(), &[GIB, 200 * GIB]).unwrap_err();
         assert!(matches!(e, PlanError::Split(_)), "{e:?}");
         assert!(split_layers(&q2(), &[]).is_err());
+    }
+
+    /// The q4 file: 164.6 GB, experts Q4_K (3.62 GB a layer).
+    fn q4() -> MemoryNeeds {
+        MemoryNeeds {
+            weights: 164_628_167_004,
+            embedding: 1_059_061_760,
+            experts: vec![3_623_878_656; 43],
+            layers: vec![3_791_000_000; 43],
+            session: 2 * GIB,
+            reserve: GIB,
+        }
+    }
+
+    #[test]
+    fn q4_over_two_80_gb_cards_offloads_on_each() {
+        let needs = q4();
+        let free = [79 * GIB, 79 * GIB];
+        assert!(split_layers(&needs, &free).is_err());
+        let stages = plan_split(&needs, &free, Offload::Auto).unwrap();
+        assert_eq!(stages.len(), 2);
+        assert_eq!(stages[0].layers.start, 0);
+        assert_eq!(stages[0].layers.end, stages[1].layers.start);
+        assert_eq!(stages[1].layers.end, 43);
+        // 22 + 21 layers: the first card offloads, the second just fits.
+        assert!(stages[0].placement.offloaded_layers() > 0, "{stages:?}");
+        for (s, f) in stages.iter().zip(free) {
+            let part = needs.stage(&s.layers);
+            let p = &s.placement;
+            // Only the stage's own layers, its last ones, and it fits its card.
+            let on: Vec<usize> = (0..43).filter(|&il| p.experts_on_host[il]).collect();
+            assert!(on.iter().all(|il| s.layers.contains(il)), "{on:?}");
+            if let Some(&last) = on.last() {
+                assert!(p.embedding_on_host);
+                assert_eq!(last, s.layers.end - 1);
+                assert_eq!(on.len(), last + 1 - on[0]);
+            }
+            assert!(p.device_bytes(&part) + part.session + part.reserve <= f);
+        }
+        // Enough room: no offload at all.
+        let big = plan_split(&needs, &[139 * GIB, 139 * GIB], Offload::Auto).unwrap();
+        assert!(big.iter().all(|s| !s.placement.offloads()));
+        // Never: refused with the split's message.
+        assert!(matches!(
+            plan_split(&needs, &free, Offload::Layers(0)),
+            Err(PlanError::Split(_))
+        ));
+    }
+
+    #[test]
+    fn a_stage_counts_only_its_own_layers() {
+        let needs = q4();
+        let all_host = Placement {
+            experts_on_host: vec![true; 43],
+            embedding_on_host: true,
+        };
+        let stage = needs.stage(&(22..43));
+        let outside = needs.weights - needs.layers.iter().sum::<u64>();
+        assert_eq!(stage.weights, outside + 21 * needs.layers[0]);
+        // Flags of other layers move nothing of this stage.
+        let host = 21 * needs.experts[0] + needs.embedding;
+        assert_eq!(all_host.host_bytes(&stage), host);
+        assert_eq!(all_host.device_bytes(&stage), stage.weights - host);
+    }
+
+    #[test]
+    fn an_explicit_offload_of_a_split_takes_the_models_last_layers() {
+        let needs = q4();
+        let stages = plan_split(&needs, &[139 * GIB, 139 * GIB], Offload::Layers(3)).unwrap();
+        assert!(!stages[0].placement.experts_on_host.iter().any(|&h| h));
+        let last = &stages[1].placement;
+        assert_eq!(last.offloaded_layers(), 3);
+        assert!(last.experts_on_host[40..].iter().all(|&h| h));
+        assert!(stages.iter().all(|s| s.placement.embedding_on_host));
+        // Too few for two small cards: refused.
+        assert!(plan_split(&needs, &[79 * GIB, 79 * GIB], Offload::Layers(1)).is_err());
     }
 
     #[test]

@@ -321,12 +321,13 @@ impl Worker {
         let max_sessions = if engine.speculative() {
             1
         } else {
-            shared.cfg.max_sessions.unwrap_or_else(|| {
-                match engine.device_memory() {
+            shared
+                .cfg
+                .max_sessions
+                .unwrap_or_else(|| match engine.device_memory() {
                     Some((free, one)) => pool::device_pool_size(free, one),
                     None => default_max_sessions(None, None, engine.ctx(), engine.on_device()),
-                }
-            })
+                })
         };
         let ram = pool::RamTier::new(shared.cfg.kv_ram_bytes);
         log!(

@@ -391,12 +391,8 @@ impl CudaWeights {
                 cfg.n_layer
             )));
         }
-        let needs = memory_needs(model, 0);
-        let outside: u64 = (needs.layers.iter().enumerate())
-            .filter(|(il, _)| !range.contains(il))
-            .map(|(_, b)| b)
-            .sum();
-        check_fits(gpu, (placement.device_bytes(&needs) - outside) as usize)?;
+        let stage = memory_needs(model, 0).stage(&range);
+        check_fits(gpu, placement.device_bytes(&stage) as usize)?;
         let inner = model.inner();
         let mut up = Uploader {
             gpu,

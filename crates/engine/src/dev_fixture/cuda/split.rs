@@ -52,44 +52,45 @@ pub fn check_split(
         let n_layer = model.config().n_layer;
         let cut = n_layer / 2;
         let whole = Arc::new(CudaWeights::upload(gpu, &model, &|_| {})?);
-        let stage = |r: std::ops::Range<usize>| -> Result<Arc<CudaWeights>> {
-            let all = Placement::resident(n_layer);
-            Ok(Arc::new(CudaWeights::upload_placed(
-                gpu,
-                &model,
-                all,
-                r,
-                false,
-                &|_| {},
-            )?))
+        let stage = |r: std::ops::Range<usize>, host: bool| -> Result<Arc<CudaWeights>> {
+            let p = Placement {
+                experts_on_host: vec![host; n_layer],
+                embedding_on_host: host,
+            };
+            let w = CudaWeights::upload_placed(gpu, &model, p, r, host, &|_| {})?;
+            Ok(Arc::new(w))
         };
-        let stages = [stage(0..cut)?, stage(cut..n_layer)?];
+        let stages = [stage(0..cut, false)?, stage(cut..n_layer, false)?];
+        // The second stage's experts and embedding in host memory (a split that offloads).
+        let offloaded = [stages[0].clone(), stage(cut..n_layer, true)?];
         for numerics in [Numerics::Exact, Numerics::Fast] {
             let one = || -> Result<Box<dyn Backend>> {
                 Ok(Box::new(CudaBackend::new(&whole, 4096, numerics)?))
             };
-            let split = || -> Result<Box<dyn Backend>> {
-                Ok(Box::new(crate::cuda::SplitBackend::new(
-                    &stages, 4096, numerics,
-                )?))
-            };
             let (want, want_kv) = script(&one, &tokens)?;
-            let (got, got_kv) = script(&split, &tokens)?;
-            let d = same_bits(&got, &want);
-            let same_kv = got_kv == want_kv;
-            tally.record(
-                line,
-                d.same() && same_kv,
-                format_args!(
-                    "{variant:<6} split {:<6}: layers 0–{} | {cut}–{}: {} of {} logits differ, exported state {} (must be bit-identical)",
-                    format!("{numerics:?}"),
-                    cut - 1,
-                    n_layer - 1,
-                    d.differ,
-                    d.total,
-                    if same_kv { "equal" } else { "DIFFERS" }
-                ),
-            );
+            for (what, st) in [("", &stages), (" +offload", &offloaded)] {
+                let split = || -> Result<Box<dyn Backend>> {
+                    Ok(Box::new(crate::cuda::SplitBackend::new(
+                        st, 4096, numerics,
+                    )?))
+                };
+                let (got, got_kv) = script(&split, &tokens)?;
+                let d = same_bits(&got, &want);
+                let same_kv = got_kv == want_kv;
+                tally.record(
+                    line,
+                    d.same() && same_kv,
+                    format_args!(
+                        "{variant:<6} split{what} {:<6}: layers 0–{} | {cut}–{}: {} of {} logits differ, exported state {} (must be bit-identical)",
+                        format!("{numerics:?}"),
+                        cut - 1,
+                        n_layer - 1,
+                        d.differ,
+                        d.total,
+                        if same_kv { "equal" } else { "DIFFERS" }
+                    ),
+                );
+            }
         }
     }
     Ok(tally)
