@@ -253,6 +253,52 @@ fn negative_counts_and_oversized_top_k_name_the_flag_and_the_rule() {
     }
 }
 
+// #23: the placement flags name the rule when refused, are in --help on all three
+// programs, and are accepted (and unused) on the CPU backend.
+#[test]
+fn placement_flags_are_checked_and_documented() {
+    for (args, want) in [
+        (
+            &["-p", "x", "--gpus", "0,0"][..],
+            "--gpus names device 0 twice",
+        ),
+        (
+            &["-p", "x", "--gpus", "first"][..],
+            "device numbers like 0,1",
+        ),
+        (
+            &["-p", "x", "--offload-experts", "some"][..],
+            "takes `auto` or a number of layers",
+        ),
+    ] {
+        let o = ds4(args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+        let err = text(&o.stderr);
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+    for bin in [DS4, env!("CARGO_BIN_EXE_ds4-bench")] {
+        let o = Command::new(bin).arg("--help").output().unwrap();
+        let help = text(&o.stdout);
+        for flag in ["--offload-experts", "--gpus"] {
+            assert!(help.contains(flag), "{bin}: {flag} missing from --help");
+        }
+    }
+    let o = ds4(&[
+        "--cpu",
+        "-p",
+        "hi",
+        "-n",
+        "2",
+        "--temp",
+        "0",
+        "--offload-experts",
+        "3",
+        "--gpus",
+        "0,1",
+    ]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+}
+
 // #19 item 4: `--backend cuda` on a machine without a usable GPU exits 2 (a usage
 // error) and says why; with a GPU the run itself must work.
 #[test]

@@ -169,7 +169,9 @@ impl Placement {
     /// Decides what goes where on a device with `free` bytes.
     pub fn plan(needs: &MemoryNeeds, free: u64, choice: Offload) -> Result<Placement, PlanError> {
         let n_layer = needs.experts.len();
-        let room = free.saturating_sub(needs.session + needs.reserve);
+        // Whether `p` leaves one session and the reserve free (not a saturated room: a
+        // card smaller than the session alone fits nothing).
+        let fits = |p: &Placement| p.device_bytes(needs) + needs.session + needs.reserve <= free;
         let mut p = Placement::resident(n_layer);
         match choice {
             Offload::Layers(0) => {}
@@ -183,10 +185,10 @@ impl Placement {
                 }
             }
             Offload::Auto => {
-                if needs.weights > room {
+                if !fits(&p) {
                     p.embedding_on_host = true;
                     for il in (0..n_layer).rev() {
-                        if p.device_bytes(needs) <= room {
+                        if fits(&p) {
                             break;
                         }
                         p.experts_on_host[il] = true;
@@ -194,7 +196,7 @@ impl Placement {
                 }
             }
         }
-        if p.device_bytes(needs) > room {
+        if !fits(&p) {
             return Err(PlanError::DoesNotFit {
                 need: p.device_bytes(needs) + needs.session + needs.reserve,
                 free,
@@ -264,9 +266,10 @@ pub fn split_layers(needs: &MemoryNeeds, free: &[u64]) -> Result<Vec<Range<usize
             gib(free.iter().sum())
         )));
     }
-    for (d, (r, room)) in ranges.iter().zip(&room).enumerate() {
+    let fixed = stage_fixed(needs);
+    for (d, ((r, room), f)) in ranges.iter().zip(&room).zip(free).enumerate() {
         let bytes: u64 = needs.layers[r.clone()].iter().sum();
-        if bytes > *room {
+        if bytes + fixed > *f {
             return Err(PlanError::Split(format!(
                 "layers {}–{} ({:.2} GiB) do not fit GPU {d} ({:.2} GiB free beside \
                  the embedding, the head and a session)",

@@ -26,7 +26,12 @@ pub struct Args {
     /// Keep the routed experts of some layers in pinned host memory, read over the bus:
     /// `auto` (default) offloads as few layers as the GPU needs for the model and one
     /// --ctx session (none when it fits), N the last N layers' experts, 0 never.
-    #[arg(long, value_name = "auto|N", default_value = "auto")]
+    #[arg(
+        long,
+        value_name = "auto|N",
+        default_value = "auto",
+        allow_negative_numbers = true
+    )]
     pub offload_experts: ds4_engine::Offload,
     /// Split the layers over these GPUs (e.g. `0,1`), in order; default: one GPU, or
     /// every visible GPU when the model does not fit one (no expert offload then).

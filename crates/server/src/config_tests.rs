@@ -143,3 +143,22 @@ fn path_flags_are_checked_before_the_load() {
     let err = parse(&["--chdir", x]).unwrap().check_chdir().unwrap_err();
     assert!(err.render().to_string().contains("no such directory"));
 }
+
+// #23: the placement flags parse as on `ds4`, and bad values name the rule.
+#[test]
+fn placement_flags_parse() {
+    let a = parse(&["--gpus", "1,0", "--offload-experts", "2"]).unwrap();
+    assert_eq!(a.gpus, Some(ds4_engine::GpuList(vec![1, 0])));
+    assert_eq!(a.offload_experts, ds4_engine::Offload::Layers(2));
+    let a = parse(&[]).unwrap();
+    assert_eq!(
+        (a.gpus, a.offload_experts),
+        (None, ds4_engine::Offload::Auto)
+    );
+    let e = parse(&["--gpus", "2,2"]).unwrap_err().to_string();
+    assert!(e.contains("names device 2 twice"), "{e}");
+    let e = parse(&["--offload-experts", "-1"]).unwrap_err().to_string();
+    assert!(e.contains("takes `auto` or a number of layers"), "{e}");
+    let help = Args::command().render_long_help().to_string();
+    assert!(help.contains("--gpus") && help.contains("--offload-experts"));
+}

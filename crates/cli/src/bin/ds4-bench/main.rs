@@ -86,7 +86,12 @@ struct Args {
     /// `auto` (default) offloads as few layers as the GPU needs for the model and one
     /// session of the benchmark's capacity (none when it fits), N the last N layers', 0
     /// never.
-    #[arg(long, value_name = "auto|N", default_value = "auto")]
+    #[arg(
+        long,
+        value_name = "auto|N",
+        default_value = "auto",
+        allow_negative_numbers = true
+    )]
     offload_experts: ds4_engine::Offload,
     /// Split the layers over these GPUs (e.g. `0,1`), in order; default: one GPU, or
     /// every visible GPU when the model does not fit one (no expert offload then).
