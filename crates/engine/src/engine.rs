@@ -386,12 +386,12 @@ impl Engine {
         if let Device::Cuda(w) = &self.device {
             w.mtp(&mtp).map_err(|e| mtp_upload_error(path, e))?;
         }
+        // A split model drafts on its last stage's GPU (cuda/split.rs).
         #[cfg(feature = "cuda")]
-        if let Device::CudaSplit(_) = &self.device {
-            return Err(EngineError::Invalid(
-                "--mtp needs the model on one GPU (its layers are split over several);                  run without --mtp"
-                    .into(),
-            ));
+        if let Device::CudaSplit(stages) = &self.device {
+            if let Some(w) = stages.last() {
+                w.mtp(&mtp).map_err(|e| mtp_upload_error(path, e))?;
+            }
         }
         Ok(mtp)
     }

@@ -7,16 +7,21 @@
 //! logits equal the single-GPU run's bit for bit (gpu-selftest checks it with both
 //! stages on one card).
 //!
-//! Multi-row steps (MTP verification), the MTP draft block and imatrix collection run
-//! on one GPU only for now: the backend refuses them with the default errors.
+//! Multi-row steps run stage by stage the same way (each stage keeps its own undo
+//! record and commits its own layers); the MTP draft block runs on the last stage,
+//! where the last layer's streams are. Imatrix collection runs on one GPU only (the
+//! backend refuses it with the default error).
 
 use std::sync::Arc;
 
 use super::state::DeviceState;
 use super::CudaWeights;
-use crate::backend::{check_tokens, Backend, LogitRows};
+use crate::backend::{
+    check_accepted, check_rows, check_tokens, check_vocab, no_pending, Backend, HcSource, LogitRows,
+};
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
+use crate::mtp::Mtp;
 use crate::ops::linear::Numerics;
 use crate::steer::Steering;
 
@@ -73,6 +78,17 @@ impl SplitBackend {
 
     fn first(&self) -> &Stage {
         &self.stages[0]
+    }
+
+    fn last_mut(&mut self) -> &mut Stage {
+        self.stages.last_mut().expect("a split has stages")
+    }
+
+    /// Drops a pending multi-row step's record on every stage (all rows kept).
+    fn accept_rows(&mut self) {
+        for st in &mut self.stages {
+            st.state.accept_rows();
+        }
     }
 
     fn fresh(&mut self) -> Result<()> {
@@ -171,6 +187,7 @@ impl Backend for SplitBackend {
     }
 
     fn forward(&mut self, tokens: &[u32], rows: LogitRows) -> Result<Vec<f32>> {
+        self.accept_rows();
         let vocab = self.first().weights.config.vocab;
         check_tokens(tokens, vocab, self.n_tokens(), self.ctx())?;
         self.fresh()?;
@@ -213,7 +230,76 @@ impl Backend for SplitBackend {
         Ok(kv)
     }
 
+    fn step_rows(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        check_rows(tokens.len())?;
+        self.accept_rows();
+        let vocab = self.first().weights.config.vocab;
+        check_tokens(tokens, vocab, self.n_tokens(), self.ctx())?;
+        self.fresh()?;
+        let numerics = self.numerics;
+        let last = self.stages.len() - 1;
+        let mut h: Vec<f32> = Vec::new();
+        for i in 0..self.stages.len() {
+            let st = &mut self.stages[i];
+            let h_in = (i > 0).then_some(&h[..]);
+            match st
+                .state
+                .step_rows_stage(&st.weights, numerics, tokens, h_in, i == last)
+            {
+                Ok(out) if i == last => return Ok(out),
+                Ok(out) => h = out,
+                Err(e) => {
+                    // The earlier stages ran their rows: take them back, so that no
+                    // step is half applied (a failing rewind is reported instead).
+                    for st in &mut self.stages[..i] {
+                        st.state.commit_rows(&st.weights, numerics, 0)?;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        unreachable!("a split has a last stage")
+    }
+
+    fn commit_rows(&mut self, accepted: usize) -> Result<()> {
+        let rows = self.pending_rows();
+        if rows == 0 {
+            return no_pending(accepted);
+        }
+        check_accepted(accepted, rows)?;
+        let numerics = self.numerics;
+        for st in &mut self.stages {
+            st.state.commit_rows(&st.weights, numerics, accepted)?;
+        }
+        Ok(())
+    }
+
+    fn pending_rows(&self) -> usize {
+        self.first().state.pending_rows()
+    }
+
+    /// The block runs on the last stage's GPU (the last layer's streams are there),
+    /// with the block uploaded to that GPU once per engine.
+    fn mtp_draft(&mut self, mtp: &Mtp, token: u32, src: HcSource, pos: usize) -> Result<Vec<f32>> {
+        let st = self.last_mut();
+        check_vocab(&[token], st.weights.config.vocab)?;
+        let mw = st.weights.mtp(mtp)?;
+        st.state
+            .mtp_draft(&st.weights, &mw, mtp.numerics(), (token, src, pos))
+    }
+
+    fn mtp_mark(&mut self) {
+        self.last_mut().state.mtp_mark();
+    }
+
+    fn mtp_keep(&mut self, n: usize) -> Result<()> {
+        let st = self.last_mut();
+        st.state.mtp_keep(&st.weights, n)
+    }
+
     fn import_state(&mut self, state: KvCache) -> Result<()> {
+        self.accept_rows();
+        self.last_mut().state.mtp_clear();
         self.fresh()?;
         for st in &mut self.stages {
             st.state.import(&st.weights, &state)?;
@@ -222,6 +308,8 @@ impl Backend for SplitBackend {
     }
 
     fn reset(&mut self) {
+        self.accept_rows();
+        self.last_mut().state.mtp_clear();
         for st in &mut self.stages {
             st.state.n_tokens = 0;
         }

@@ -59,7 +59,12 @@ impl RowStep {
         let mut journal = Vec::new();
         let mut journal_ptrs = Vec::with_capacity(c.n_layer);
         let (main_w, index_w) = (4 * c.head_dim, 4 * c.idx_head_dim);
-        for l in &st.layers {
+        for (il, l) in st.layers.iter().enumerate() {
+            if !w.range.contains(&il) {
+                // Another GPU's layer (a split model): nothing to journal or undo here.
+                journal_ptrs.push((0, 0));
+                continue;
+            }
             let mut one = |has: bool, width: usize| -> Result<u64> {
                 if !has {
                     return Ok(0);
@@ -76,7 +81,10 @@ impl RowStep {
         let mut saved = Vec::new();
         let mut items: Vec<i64> = Vec::new();
         let hd = c.head_dim;
-        for l in &st.layers {
+        for l in (st.layers.iter().enumerate())
+            .filter(|(il, _)| w.range.contains(il))
+            .map(|(_, l)| l)
+        {
             let ring_save = g.zeros::<f32>(MAX_ROWS * hd)?;
             items.extend([
                 g.ptr(&l.ring) as i64,
@@ -134,6 +142,21 @@ impl DeviceState {
         numerics: Numerics,
         tokens: &[u32],
     ) -> Result<Vec<f32>> {
+        self.step_rows_stage(w, numerics, tokens, None, true)
+    }
+
+    /// [`DeviceState::step_rows`] as one stage of a split model (`cuda/split.rs`): the
+    /// rows start from the previous stage's streams `h_in` (`[n][n_hc·n_embd]`) when
+    /// given, and without `head` the step returns its rows' final streams instead of
+    /// logits, for the next stage.
+    pub fn step_rows_stage(
+        &mut self,
+        w: &CudaWeights,
+        numerics: Numerics,
+        tokens: &[u32],
+        h_in: Option<&[f32]>,
+        head: bool,
+    ) -> Result<Vec<f32>> {
         let n = tokens.len();
         debug_assert!((1..=MAX_ROWS).contains(&n));
         if self.rows.is_none() {
@@ -141,7 +164,7 @@ impl DeviceState {
         }
         let mut rs = self.rows.take().expect("allocated above");
         rs.pending = None;
-        let result = self.run_rows(w, numerics, &mut rs, tokens);
+        let result = self.run_rows(w, numerics, &mut rs, tokens, h_in, head);
         if result.is_err() {
             // Back to the state before the step (the undo record was saved first).
             let g = w.gpu.launcher(self.plan);
@@ -164,10 +187,19 @@ impl DeviceState {
         numerics: Numerics,
         rs: &mut RowStep,
         tokens: &[u32],
+        h_in: Option<&[f32]>,
+        head: bool,
     ) -> Result<Vec<f32>> {
         let n = tokens.len();
         let g = &w.gpu.launcher(self.plan);
         rs.work.s.write_steps(&w.gpu, self.n_tokens, tokens)?;
+        if let Some(h) = h_in {
+            let mut dst = rs.work.s.h.slice_mut(0..h.len().min(rs.work.s.h.len()));
+            w.gpu
+                .stream()
+                .memcpy_htod(h, &mut dst)
+                .map_err(ds4_cuda::CudaError::from)?;
+        }
         if self.use_graphs {
             if rs.graph_numerics != Some(numerics) {
                 rs.graphs.iter_mut().for_each(|g| *g = None);
@@ -175,27 +207,34 @@ impl DeviceState {
             }
             if rs.graphs[n].is_none() {
                 g.begin_capture()?;
-                let enqueued = self.enqueue_rows(w, numerics, rs, n);
+                let enqueued = self.enqueue_rows(w, numerics, rs, n, head);
                 let graph = g.end_capture();
                 enqueued?;
                 rs.graphs[n] = Some(graph?);
             }
             rs.graphs[n].as_ref().expect("captured above").launch()?;
         } else {
-            self.enqueue_rows(w, numerics, rs, n)?;
+            self.enqueue_rows(w, numerics, rs, n, head)?;
         }
-        Ok(w.gpu.download_f32(&rs.logits, n * w.config.vocab)?)
+        if head {
+            Ok(w.gpu.download_f32(&rs.logits, n * w.config.vocab)?)
+        } else {
+            let c = &w.config;
+            Ok(w.gpu.download_f32(&rs.work.s.h, n * c.n_hc * c.n_embd)?)
+        }
     }
 
     /// Every launch of an `n`-row step (the step buffer holds the positions/tokens):
     /// the undo record, the layers (compressor inputs into the journal), the head of
-    /// every row.
+    /// every row (unless a later stage of a split runs it: `head` false). A stage is
+    /// always or never the last, so one graph per row count serves it.
     fn enqueue_rows(
         &self,
         w: &CudaWeights,
         numerics: Numerics,
         rs: &mut RowStep,
         n: usize,
+        head: bool,
     ) -> Result<()> {
         let g = &w.gpu.launcher(self.plan);
         let c = &w.config;
@@ -206,6 +245,9 @@ impl DeviceState {
             ..self.kv()
         };
         kv.enqueue(w, numerics, &mut rs.work, n)?;
+        if !head {
+            return Ok(());
+        }
         // The head of each row: the stream collapse per row, then one product of the
         // output matrix over every row (one pass over its weights).
         let hx = g.ptr(&rs.hx);

@@ -160,15 +160,19 @@ pub fn check_mtp(
                 ));
             }
         }
-        super::spec::spec_identity(
-            &model,
-            &weights,
-            &base,
-            &tokens[..PREFIX],
-            variant,
-            &mut tally,
-            line,
-        )?;
+        let prompt = &tokens[..PREFIX];
+        let one = [weights.clone()];
+        super::spec::spec_identity(&model, &one, &base, prompt, variant, &mut tally, line)?;
+        // The same on the model split over two stages (both on this GPU): the step's
+        // rows cross between the stages and the drafts run on the last one.
+        let n_layer = model.config().n_layer;
+        let stage = |r: std::ops::Range<usize>| -> Result<Arc<CudaWeights>> {
+            let all = crate::placement::Placement::resident(n_layer);
+            let w = CudaWeights::upload_placed(gpu, &model, all, r, false, &|_| {})?;
+            Ok(Arc::new(w))
+        };
+        let split = [stage(0..n_layer / 2)?, stage(n_layer / 2..n_layer)?];
+        super::spec::spec_identity(&model, &split, &base, prompt, variant, &mut tally, line)?;
         let mut b = CudaBackend::new(&weights, 4096, Numerics::Exact)?;
         b.forward(&tokens[..4], LogitRows::Last)?;
         b.reset();

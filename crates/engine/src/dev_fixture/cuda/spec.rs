@@ -17,9 +17,14 @@ use crate::{argmax, Numerics, Sampler, SamplerConfig, Session, SpecOptions, Spec
 /// Tokens generated after the prompt.
 const N_GEN: usize = 160;
 
-fn session(model: &Model, weights: &Arc<CudaWeights>, prompt: &[u32]) -> Result<Session> {
-    let b = CudaBackend::new(weights, 4096, Numerics::Exact)?;
-    let mut s = Session::with_backend(model, Box::new(b), Numerics::Exact, 2048);
+/// A session on `stages`: one upload (a single GPU), or several (a split model,
+/// `cuda/split.rs`, whose multi-row steps and drafts run stage by stage).
+fn session(model: &Model, stages: &[Arc<CudaWeights>], prompt: &[u32]) -> Result<Session> {
+    let b: Box<dyn crate::dev::Backend> = match stages {
+        [one] => Box::new(CudaBackend::new(one, 4096, Numerics::Exact)?),
+        many => Box::new(crate::cuda::SplitBackend::new(many, 4096, Numerics::Exact)?),
+    };
+    let mut s = Session::with_backend(model, b, Numerics::Exact, 2048);
     s.prefill(prompt)?;
     Ok(s)
 }
@@ -28,7 +33,7 @@ fn session(model: &Model, weights: &Arc<CudaWeights>, prompt: &[u32]) -> Result<
 /// and 4. Returns the report line and whether it passed.
 pub(super) fn spec_identity(
     model: &Model,
-    weights: &Arc<CudaWeights>,
+    weights: &[Arc<CudaWeights>],
     mtp: &Mtp,
     prompt: &[u32],
     variant: &str,
@@ -71,7 +76,8 @@ pub(super) fn spec_identity(
             line,
             ok,
             format_args!(
-                "{variant:<6} spec  Exact  draft {draft}: {N_GEN} greedy tokens {} the plain loop's ({:.2} tokens/cycle, {}/{} drafts accepted)",
+                "{variant:<6} spec{} Exact  draft {draft}: {N_GEN} greedy tokens {} the plain loop's ({:.2} tokens/cycle, {}/{} drafts accepted)",
+                if weights.len() > 1 { " split" } else { "" },
                 match first_diff {
                     None => "equal".to_string(),
                     Some(i) => format!("differ from (first at {i})"),

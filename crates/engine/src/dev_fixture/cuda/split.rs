@@ -14,9 +14,9 @@ use crate::dev_fixture::{Manifest, VARIANTS};
 use crate::placement::Placement;
 use crate::Numerics;
 
-/// Sequence b: a third as one batched forward, a third token by token, then the
-/// state moves through the host form into a fresh session and a copy of it decodes
-/// the rest.
+/// Sequence b: a third as one batched forward, a 4-row step of which 2 rows are kept,
+/// then token by token to two thirds; the state then moves through the host form into
+/// a fresh session and a copy of it decodes the rest.
 fn script(
     fresh: &dyn Fn() -> Result<Box<dyn Backend>>,
     tokens: &[u32],
@@ -24,7 +24,9 @@ fn script(
     let mut b = fresh()?;
     let (a, m) = (tokens.len() / 3, 2 * tokens.len() / 3);
     let mut out = b.forward(&tokens[..a], LogitRows::All)?;
-    for t in &tokens[a..m] {
+    out.extend(b.step_rows(&tokens[a..a + 4])?);
+    b.commit_rows(2)?;
+    for t in &tokens[a + 2..m] {
         out.extend(b.forward(std::slice::from_ref(t), LogitRows::Last)?);
     }
     let state = b.export_state()?;
