@@ -8,7 +8,7 @@ use cudarc::driver::{CudaSlice, PinnedHostSlice};
 
 use crate::device::Gpu;
 use crate::error::CudaError;
-use crate::upload::gather_into;
+use crate::upload::{check_gather, gather_into};
 
 /// Page-locked host bytes mapped into the device's address space.
 pub struct HostMapped {
@@ -68,12 +68,7 @@ impl Gpu {
         off: usize,
         len: usize,
     ) -> Result<HostMapped, CudaError> {
-        if block == 0 || len == 0 || off + len > block || !src.len().is_multiple_of(block) {
-            return Err(CudaError::Invalid(format!(
-                "gather of {len} bytes at {off} of {block}-byte blocks from {} bytes",
-                src.len()
-            )));
-        }
+        check_gather(src, block, off, len)?;
         let total = (src.len() / block * len).max(1);
         use cudarc::driver::sys::{CU_MEMHOSTALLOC_DEVICEMAP, CU_MEMHOSTALLOC_PORTABLE};
         // Cached (not write-combined) memory: the gather below writes it with plain

@@ -58,6 +58,23 @@ impl Drop for Staging {
     }
 }
 
+/// A gather of the `len` bytes at `off` of every `block`-byte block of `src` is well
+/// formed (device and mapped-host uploads alike).
+pub(crate) fn check_gather(
+    src: &[u8],
+    block: usize,
+    off: usize,
+    len: usize,
+) -> Result<(), CudaError> {
+    if block == 0 || len == 0 || off + len > block || !src.len().is_multiple_of(block) {
+        return Err(CudaError::Invalid(format!(
+            "gather of {len} bytes at {off} of {block}-byte blocks from {} bytes",
+            src.len()
+        )));
+    }
+    Ok(())
+}
+
 /// Gathers the `len` bytes at `off` of every `block`-byte block of `src` into `out`
 /// (`out.len() = src.len() / block · len`), in parallel.
 pub(crate) fn gather_into(out: &mut [u8], src: &[u8], block: usize, off: usize, len: usize) {
@@ -85,12 +102,7 @@ impl Gpu {
         off: usize,
         len: usize,
     ) -> Result<CudaSlice<u8>, CudaError> {
-        if block == 0 || len == 0 || off + len > block || !src.len().is_multiple_of(block) {
-            return Err(CudaError::Invalid(format!(
-                "gather of {len} bytes at {off} of {block}-byte blocks from {} bytes",
-                src.len()
-            )));
-        }
+        check_gather(src, block, off, len)?;
         let n_blocks = src.len() / block;
         let total = n_blocks * len;
         if total < SMALL_BYTES {

@@ -73,18 +73,8 @@ impl DeviceMatrix {
         cols: usize,
         n_mats: usize,
     ) -> Result<DeviceMatrix, CudaError> {
-        check_size(ty, src, rows, cols, n_mats)?;
-        let (block, layout) = part_layout(ty)?;
-        let parts = layout
-            .iter()
-            .map(|&(off, len)| gpu.upload_gather(src, block, off, len).map(Part::Device))
-            .collect::<Result<_, _>>()?;
-        Ok(DeviceMatrix {
-            ty,
-            rows,
-            cols,
-            n_mats,
-            parts,
+        Self::repack(ty, src, (rows, cols, n_mats), |block, off, len| {
+            gpu.upload_gather(src, block, off, len).map(Part::Device)
         })
     }
 
@@ -98,11 +88,23 @@ impl DeviceMatrix {
         cols: usize,
         n_mats: usize,
     ) -> Result<DeviceMatrix, CudaError> {
+        Self::repack(ty, src, (rows, cols, n_mats), |block, off, len| {
+            gpu.host_gather(src, block, off, len).map(Part::Host)
+        })
+    }
+
+    /// The stack of `src` with each repacked part (see [`part_layout`]) made by
+    /// `gather(block, off, len)`: on the device or in mapped host memory.
+    fn repack(
+        ty: GgmlType,
+        src: &[u8],
+        (rows, cols, n_mats): (usize, usize, usize),
+        gather: impl Fn(usize, usize, usize) -> Result<Part, CudaError>,
+    ) -> Result<DeviceMatrix, CudaError> {
         check_size(ty, src, rows, cols, n_mats)?;
         let (block, layout) = part_layout(ty)?;
-        let parts = layout
-            .iter()
-            .map(|&(off, len)| gpu.host_gather(src, block, off, len).map(Part::Host))
+        let parts = (layout.iter())
+            .map(|&(off, len)| gather(block, off, len))
             .collect::<Result<_, _>>()?;
         Ok(DeviceMatrix {
             ty,

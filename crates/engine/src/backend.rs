@@ -19,6 +19,19 @@ pub enum LogitRows {
     All,
 }
 
+impl LogitRows {
+    /// Whether token `i` of a forward over `n` tokens returns its logits row (the
+    /// CUDA backends' token-by-token loops).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn wants(self, i: usize, n: usize) -> bool {
+        match self {
+            LogitRows::None => false,
+            LogitRows::Last => i + 1 == n,
+            LogitRows::All => true,
+        }
+    }
+}
+
 /// Most rows of one multi-row step ([`Backend::step_rows`]): enough to verify the
 /// drafts of multi-token prediction, few enough that the undo record stays small.
 pub const MAX_ROWS: usize = 16;

@@ -462,18 +462,18 @@ fn pick(model: &Model, opts: &EngineOptions) -> Result<(Device, String)> {
 
 #[cfg(feature = "cuda")]
 fn cuda(model: &Model, device: usize, opts: &EngineOptions) -> Result<(Device, String)> {
-    use crate::cuda::{driver_present, CudaBackend};
+    use crate::cuda::{driver_present, CudaWeights};
     if !driver_present() {
         return Err(EngineError::Unavailable {
             backend: "cuda",
             reason: "no CUDA driver on this machine".into(),
         });
     }
-    let gpus = choose_gpus(model, device, &opts.memory)?;
+    let mut gpus = choose_gpus(model, device, &opts.memory)?;
     if gpus.len() > 1 {
         return cuda_split(model, &gpus, opts);
     }
-    let device = gpus[0];
+    let (device, gpu) = gpus.pop().expect("at least one GPU");
     let total = model.gguf().tensor_bytes();
     let done = std::sync::atomic::AtomicU64::new(0);
     let progress = |n: usize| {
@@ -482,7 +482,8 @@ fn cuda(model: &Model, device: usize, opts: &EngineOptions) -> Result<(Device, S
             p(now, total);
         }
     };
-    let (w, placed) = CudaBackend::load(model, device, &opts.memory, &progress)?;
+    let (w, placed) = CudaWeights::upload_planned(&gpu, model, &opts.memory, &progress)?;
+    let w = Arc::new(w);
     let mut reason = format!("CUDA device {device} ({})", w.gpu.info().name);
     if w.placement.offloads() {
         reason += &format!("; {placed}");
@@ -495,11 +496,17 @@ fn cuda(model: &Model, device: usize, opts: &EngineOptions) -> Result<(Device, S
 /// there are several and the model with one session does not fit `device` (expert
 /// offload is for a single card that is a little too small; a split uses no offload).
 #[cfg(feature = "cuda")]
+///
+/// Returns each chosen ordinal with its opened device (each opened once: the upload
+/// uses the one whose free memory was read).
 fn choose_gpus(
     model: &Model,
     device: usize,
     memory: &crate::placement::MemoryOptions,
-) -> Result<Vec<usize>> {
+) -> Result<Vec<(usize, Arc<crate::cuda::Gpu>)>> {
+    let open = |d: usize| -> Result<(usize, Arc<crate::cuda::Gpu>)> {
+        Ok((d, Arc::new(crate::cuda::Gpu::open(d)?)))
+    };
     let count = crate::cuda::device_count();
     if !memory.gpus.is_empty() {
         if let Some(d) = memory.gpus.iter().find(|&&d| d >= count) {
@@ -508,32 +515,37 @@ fn choose_gpus(
                 reason: format!("--gpus names device {d} but {count} are visible"),
             });
         }
-        return Ok(memory.gpus.clone());
+        return memory.gpus.iter().map(|&d| open(d)).collect();
     }
+    let first = open(device)?;
     if count < 2 || memory.offload != crate::placement::Offload::Auto {
-        return Ok(vec![device]);
+        return Ok(vec![first]);
     }
-    let gpu = crate::cuda::Gpu::open(device)?;
-    let free = gpu.mem_info().map_or(u64::MAX, |(free, _)| free as u64);
-    drop(gpu);
+    let free = first.1.mem_info().map_or(u64::MAX, |(free, _)| free as u64);
     let needs = crate::cuda::weights::memory_needs(model, memory.ctx);
     if needs.weights + needs.session + needs.reserve <= free {
-        return Ok(vec![device]);
+        return Ok(vec![first]);
     }
-    Ok((0..count).collect())
+    let mut first = Some(first);
+    (0..count)
+        .map(|d| match first.take_if(|f| f.0 == d) {
+            Some(f) => Ok(f),
+            None => open(d),
+        })
+        .collect()
 }
 
 /// The model split by layers over `gpus` (`cuda/split.rs`, the plan from
 /// [`crate::placement::plan_split`]: with expert offload where the cards need it).
 #[cfg(feature = "cuda")]
-fn cuda_split(model: &Model, gpus: &[usize], opts: &EngineOptions) -> Result<(Device, String)> {
-    use crate::cuda::{CudaWeights, Gpu};
-    let opened = gpus
-        .iter()
-        .map(|&d| Ok(Arc::new(Gpu::open(d)?)))
-        .collect::<Result<Vec<_>>>()?;
-    let free: Vec<u64> = (opened.iter())
-        .map(|g| g.mem_info().map_or(0, |(free, _)| free as u64))
+fn cuda_split(
+    model: &Model,
+    gpus: &[(usize, Arc<crate::cuda::Gpu>)],
+    opts: &EngineOptions,
+) -> Result<(Device, String)> {
+    use crate::cuda::CudaWeights;
+    let free: Vec<u64> = (gpus.iter())
+        .map(|(_, g)| g.mem_info().map_or(0, |(free, _)| free as u64))
         .collect();
     let needs = crate::cuda::weights::memory_needs(model, opts.memory.ctx);
     let plan = crate::placement::plan_split(&needs, &free, opts.memory.offload).map_err(|e| {
@@ -554,7 +566,7 @@ fn cuda_split(model: &Model, gpus: &[usize], opts: &EngineOptions) -> Result<(De
     };
     let mut stages = Vec::with_capacity(gpus.len());
     let mut parts = Vec::new();
-    for (((gpu, stage), d), f) in opened.iter().zip(plan).zip(gpus).zip(&free) {
+    for (((d, gpu), stage), f) in gpus.iter().zip(plan).zip(&free) {
         let range = stage.layers.clone();
         let mut part = format!(
             "layers {}–{} on GPU {d} ({})",

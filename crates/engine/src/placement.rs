@@ -142,6 +142,14 @@ impl Placement {
         self.embedding_on_host || self.experts_on_host.iter().any(|&h| h)
     }
 
+    /// Offloads no expert stack outside `layers` (a stage's placement: the other
+    /// layers run on other GPUs).
+    pub fn keep_layers(&mut self, layers: &Range<usize>) {
+        for (il, h) in self.experts_on_host.iter_mut().enumerate() {
+            *h &= layers.contains(&il);
+        }
+    }
+
     /// Layers whose experts are offloaded.
     pub fn offloaded_layers(&self) -> usize {
         self.experts_on_host.iter().filter(|&&h| h).count()
@@ -367,9 +375,7 @@ pub fn plan_split(
             for (r, f) in ranges.into_iter().zip(free) {
                 let part = needs.stage(&r);
                 let mut placement = Placement::plan(&part, *f, Offload::Auto)?;
-                for (il, h) in placement.experts_on_host.iter_mut().enumerate() {
-                    *h &= r.contains(&il);
-                }
+                placement.keep_layers(&r);
                 stages.push(Stage {
                     layers: r,
                     placement,
@@ -391,9 +397,7 @@ pub fn plan_split(
             for (r, f) in ranges.into_iter().zip(free) {
                 let part = needs.stage(&r);
                 let mut placement = global.clone();
-                for (il, h) in placement.experts_on_host.iter_mut().enumerate() {
-                    *h &= r.contains(&il);
-                }
+                placement.keep_layers(&r);
                 let need = placement.device_bytes(&part) + part.session + part.reserve;
                 if need > *f {
                     return Err(PlanError::DoesNotFit {

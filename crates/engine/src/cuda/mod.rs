@@ -171,11 +171,7 @@ impl Backend for CudaBackend {
             return Ok(out);
         }
         for (i, &t) in tokens.iter().enumerate() {
-            let want = match rows {
-                LogitRows::None => false,
-                LogitRows::Last => i + 1 == tokens.len(),
-                LogitRows::All => true,
-            };
+            let want = rows.wants(i, tokens.len());
             self.state.decode(&self.weights, self.numerics, t, want)?;
             if want {
                 let logits = self.state.logits(&self.weights)?;

@@ -203,11 +203,7 @@ impl Backend for SplitBackend {
             return Ok(out);
         }
         for (i, &t) in tokens.iter().enumerate() {
-            let want = match rows {
-                LogitRows::None => false,
-                LogitRows::Last => i + 1 == tokens.len(),
-                LogitRows::All => true,
-            };
+            let want = rows.wants(i, tokens.len());
             if let Some(logits) = self.token(t, want)? {
                 out.extend(logits);
             }

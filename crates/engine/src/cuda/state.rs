@@ -28,6 +28,22 @@ struct LayerState {
     issc: Option<DeviceBuf<f32>>,
 }
 
+impl LayerState {
+    /// A layer with a raw ring and no compressors (the MTP block's, or a placeholder
+    /// for a layer another GPU runs).
+    fn ring_only(ring: DeviceBuf<f32>) -> LayerState {
+        LayerState {
+            ring,
+            comp: None,
+            skv: None,
+            ssc: None,
+            index: None,
+            iskv: None,
+            issc: None,
+        }
+    }
+}
+
 /// Quantised activations of the fast numerics (ds4's: Q8_0 per 32 values before Q8_0
 /// weights, Q8_K per 256 before routed experts), for up to `cap` tokens.
 struct QuantBufs {
@@ -167,6 +183,27 @@ impl Scratch {
     /// lets a 2,048-token chunk fit beside the q2 weights on an 80 GB card.
     fn rep(&self) -> &DeviceBuf<f32> {
         &self.q
+    }
+
+    /// Writes the first rows of the streams `h` (`[n][n_hc·n_embd]`: a split's stage
+    /// input, from the previous stage).
+    fn set_streams(&mut self, g: &Gpu, rows: &[f32]) -> Result<()> {
+        if rows.len() > self.h.len() {
+            return Err(EngineError::Invalid(format!(
+                "{} stream values for a scratch of {}",
+                rows.len(),
+                self.h.len()
+            )));
+        }
+        let mut dst = self.h.slice_mut(0..rows.len());
+        Ok(g.stream()
+            .memcpy_htod(rows, &mut dst)
+            .map_err(CudaError::from)?)
+    }
+
+    /// The streams of the first `n` rows (a split's stage output).
+    fn streams(&self, g: &Gpu, c: &Config, n: usize) -> Result<Vec<f32>> {
+        Ok(g.download_f32(&self.h, n * c.n_hc * c.n_embd)?)
     }
 
     /// The routed experts' down outputs (k rows a token), in `heads`'s buffer (as
@@ -408,15 +445,7 @@ impl DeviceState {
         for il in 0..c.n_layer {
             if !w.range.contains(&il) {
                 // A layer another GPU runs (a split model): no state here.
-                layers.push(LayerState {
-                    ring: g.zeros::<f32>(1)?,
-                    comp: None,
-                    skv: None,
-                    ssc: None,
-                    index: None,
-                    iskv: None,
-                    issc: None,
-                });
+                layers.push(LayerState::ring_only(g.zeros::<f32>(1)?));
                 continue;
             }
             let r = c.compress_ratios[il];
@@ -580,18 +609,7 @@ impl DeviceState {
         } else {
             &mut self.s
         };
-        let h = &mut work.s.h;
-        if rows.len() > h.len() {
-            return Err(EngineError::Invalid(format!(
-                "{} stream values for a scratch of {}",
-                rows.len(),
-                h.len()
-            )));
-        }
-        let mut dst = h.slice_mut(0..rows.len());
-        Ok(g.stream()
-            .memcpy_htod(rows, &mut dst)
-            .map_err(CudaError::from)?)
+        work.s.set_streams(g, rows)
     }
 
     /// The streams of the last pass's `n` tokens (after a `prefill` when `batched`,
@@ -604,8 +622,7 @@ impl DeviceState {
             Some(&self.s)
         };
         let work = work.ok_or_else(|| EngineError::Invalid("no batch ran yet".into()))?;
-        let n = n * c.n_hc * c.n_embd;
-        Ok(w.gpu.download_f32(&work.s.h, n)?)
+        work.s.streams(&w.gpu, c, n)
     }
 
     /// Runs one token at position `n_tokens`; with `head` the logits are computed.

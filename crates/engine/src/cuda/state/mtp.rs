@@ -184,15 +184,7 @@ impl MtpDev {
         let z = |n: usize| g.zeros::<f32>(n.max(1));
         Ok(MtpDev {
             book: RingBook::new(cap),
-            layer: LayerState {
-                ring: z(cap * hd)?,
-                comp: None,
-                skv: None,
-                ssc: None,
-                index: None,
-                iskv: None,
-                issc: None,
-            },
+            layer: LayerState::ring_only(z(cap * hd)?),
             spare: z(cap * hd)?,
             undo: z(MAX_UNDO * hd)?,
             main_hc: z(nhc * e)?,

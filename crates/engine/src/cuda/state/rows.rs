@@ -194,11 +194,7 @@ impl DeviceState {
         let g = &w.gpu.launcher(self.plan);
         rs.work.s.write_steps(&w.gpu, self.n_tokens, tokens)?;
         if let Some(h) = h_in {
-            let mut dst = rs.work.s.h.slice_mut(0..h.len().min(rs.work.s.h.len()));
-            w.gpu
-                .stream()
-                .memcpy_htod(h, &mut dst)
-                .map_err(ds4_cuda::CudaError::from)?;
+            rs.work.s.set_streams(&w.gpu, h)?;
         }
         if self.use_graphs {
             if rs.graph_numerics != Some(numerics) {
@@ -219,8 +215,7 @@ impl DeviceState {
         if head {
             Ok(w.gpu.download_f32(&rs.logits, n * w.config.vocab)?)
         } else {
-            let c = &w.config;
-            Ok(w.gpu.download_f32(&rs.work.s.h, n * c.n_hc * c.n_embd)?)
+            rs.work.s.streams(&w.gpu, &w.config, n)
         }
     }
 
