@@ -29,6 +29,16 @@ typedef unsigned long long u64;
     extern "C" __global__ void BOUNDS NAME(PARAMS) { BODY<false>(ARGS); }    \
     extern "C" __global__ void BOUNDS VARIANT(PARAMS) { BODY<true>(ARGS); }
 
+// A batched step over several sessions passes a per-row KV table (ds4_consts.h,
+// KVT_*): row t's buffer `field` from it, else the launch's own pointer (one session).
+template <typename T>
+__device__ __forceinline__ T* kvt_ptr(const u64* kvt, int t, int field, T* own) {
+    return kvt ? reinterpret_cast<T*>(kvt[(i64)t * KVT_STRIDE + field]) : own;
+}
+__device__ __forceinline__ int kvt_raw_cap(const u64* kvt, int t, int own) {
+    return kvt ? (int)kvt[(i64)t * KVT_STRIDE + KVT_RAW_CAP] : own;
+}
+
 __device__ __forceinline__ float h2f(u16 h) {
     float f;
     asm("{ .reg .b16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));

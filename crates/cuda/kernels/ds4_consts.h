@@ -27,3 +27,17 @@
 // The one attention shape of attention_prefill_mma (mma_attention.cu).
 #define AMMA_HEADS 64 // rust: usize
 #define AMMA_HD 512 // rust: usize
+
+// The per-row KV table of a batched step over several sessions (KvTable in the Rust
+// launchers): for each row (token) KVT_STRIDE u64 — the device addresses of that row's
+// session's ring, main compressor state (kv, scores) and rows, indexer compressor
+// state (kv, scores) and rows, then its ring capacity (an integer).
+#define KVT_STRIDE 8 // rust: usize
+#define KVT_RING 0 // rust: usize
+#define KVT_SKV 1 // rust: usize
+#define KVT_SSC 2 // rust: usize
+#define KVT_COMP 3 // rust: usize
+#define KVT_ISKV 4 // rust: usize
+#define KVT_ISSC 5 // rust: usize
+#define KVT_INDEX 6 // rust: usize
+#define KVT_RAW_CAP 7 // rust: usize

@@ -115,9 +115,12 @@ template <bool SPREAD>
 __device__ __forceinline__ void indexer_scores_body(const Step* step, const float* index_rows,
                                                     const float* q, const float* wt, int heads,
                                                     int dim, float wscale, int ratio, int top_k,
-                                                    float* scores, int scores_stride) {
+                                                    float* scores, int scores_stride,
+                                                    const u64* kvt) {
     PDL_WAIT();
     PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
+    // A batched step over several sessions: this token's own index rows (kvt).
+    index_rows = kvt_ptr(kvt, blockIdx.y, KVT_INDEX, index_rows);
     extern __shared__ __align__(16) float ism[];
     float* qs = ism;                  // [dim][IDX_S]: qs[k][h]
     float* ks = ism + dim * IDX_S;    // [dim][IDX_S]: ks[k][row]
@@ -204,8 +207,10 @@ __device__ __forceinline__ void indexer_scores_body(const Step* step, const floa
 
 #define IDX_PARAMS                                                                        \
     const Step *step, const float *index_rows, const float *q, const float *wt, int heads, \
-        int dim, float wscale, int ratio, int top_k, float *scores, int scores_stride
-#define IDX_ARGS step, index_rows, q, wt, heads, dim, wscale, ratio, top_k, scores, scores_stride
+        int dim, float wscale, int ratio, int top_k, float *scores, int scores_stride,      \
+        const u64 *kvt
+#define IDX_ARGS \
+    step, index_rows, q, wt, heads, dim, wscale, ratio, top_k, scores, scores_stride, kvt
 KERNEL_PAIR(__launch_bounds__(256), indexer_scores, indexer_scores_sp, indexer_scores_body,
             IDX_PARAMS, IDX_ARGS)
 

@@ -19,11 +19,14 @@ __device__ __forceinline__ void block_rmsnorm(const float* x, float* y, int n, c
 // round), stored at ring slot pos % raw_cap. One block, blockDim.x ≥ 32.
 extern "C" __global__ void __launch_bounds__(512) kv_finish(const Step* step, const float* kv,
         const void* norm_w, int norm_type, int hd, float eps, RopeP p, int f16_round,
-        float* ring, int raw_cap) {
+        float* ring, int raw_cap, const u64* kvt) {
     PDL_WAIT();
     PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     __shared__ float v[1024];
     __shared__ float red[32];
+    // A batched step over several sessions: this row's ring (kvt).
+    ring = kvt_ptr(kvt, blockIdx.y, KVT_RING, ring);
+    raw_cap = kvt_raw_cap(kvt, blockIdx.y, raw_cap);
     step += blockIdx.y;
     kv += (i64)blockIdx.y * hd;
     block_rmsnorm(kv, v, hd, norm_w, norm_type, eps, red);
@@ -69,16 +72,25 @@ __device__ __forceinline__ void compressor_finish_row(float* v, float* red, int 
 // (w floats, APE not yet added). State: skv, ssc [L·r][w]. When (pos+1) % r == 0 the
 // pooled row is normed, rotated (position pos+1−r) and QAT-simulated, then stored as
 // row (pos+1)/r − 1 of `rows`. mode 0: main (FP8 on nope dims), 1: indexer
-// (Hadamard + FP4). One block of ≥ d threads (d ≤ 1024).
+// (Hadamard + FP4). One block of ≥ d threads (d ≤ 1024) per token: one session's
+// single token (gridDim.y = 1), or with `kvt` (a batched step over several sessions)
+// token blockIdx.y of its own session, whose state (skv, ssc, rows) is at fields
+// 0, 1, 2 of kvt (the caller offsets it to the main or the indexer compressor).
 extern "C" __global__ void __launch_bounds__(1024) compressor_step(const Step* step,
         const float* kvs, const void* ape, int ape_type, float* skv, float* ssc, int ratio,
         int lanes, int d, const void* norm_w, int norm_type, float eps, RopeP p, int mode,
-        int f16_round, float* rows) {
+        int f16_round, float* rows, const u64* kvt) {
     PDL_WAIT();
     PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
     __shared__ float v[1024];
     __shared__ float red[32];
     const int w = lanes * d;
+    const int t = blockIdx.y;
+    step += t;
+    kvs += (i64)t * 2 * w;
+    skv = kvt_ptr(kvt, t, 0, skv);
+    ssc = kvt_ptr(kvt, t, 1, ssc);
+    rows = kvt_ptr(kvt, t, 2, rows);
     const int pos = step->pos;
     const int pm = pos % ratio;
     const int slot = lanes == 2 ? ratio + pm : pm;

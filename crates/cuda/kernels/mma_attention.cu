@@ -65,7 +65,7 @@ template <bool SPLIT>
 __device__ __forceinline__ void attention_mma_body(const Step* step, const float* q,
         const float* ring, int raw_cap, int window, const float* comp, int ratio,
         const i32* sel, int top_k, const float* sinks, float scale, float* out,
-        int n_chunks, float* part_acc, float* part_ml) {
+        int n_chunks, float* part_acc, float* part_ml, const u64* kvt) {
     PDL_WAIT();
     extern __shared__ __align__(16) u8 smem[];
     u16* sQ = reinterpret_cast<u16*>(smem);
@@ -74,6 +74,10 @@ __device__ __forceinline__ void attention_mma_body(const Step* step, const float
     const int t = SPLIT ? blockIdx.y : blockIdx.x;
     const int tid = threadIdx.x, lane = tid % WARP, w = tid / WARP;
     const int g = lane >> 2, cq = lane & 3;
+    // A batched step over several sessions: token t's own ring and rows (kvt).
+    ring = kvt_ptr(kvt, t, KVT_RING, ring);
+    comp = kvt_ptr(kvt, t, KVT_COMP, comp);
+    raw_cap = kvt_raw_cap(kvt, t, raw_cap);
     const AttRows rows(step, t, window, ratio, sel, top_k);
     const int total = rows.total;
     const int all_tiles = (total + AMMA_ROWS - 1) / AMMA_ROWS;
@@ -260,13 +264,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) attention_prefill_mma(const
         const float* q, const float* ring, int raw_cap, int window, const float* comp,
         int ratio, const i32* sel, int top_k, const float* sinks, float scale, float* out) {
     attention_mma_body<false>(step, q, ring, raw_cap, window, comp, ratio, sel, top_k, sinks,
-                              scale, out, 1, nullptr, nullptr);
+                              scale, out, 1, nullptr, nullptr, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 1) attention_split_mma(const Step* step,
         const float* q, const float* ring, int raw_cap, int window, const float* comp,
         int ratio, const i32* sel, int top_k, const float* sinks, float scale, int n_chunks,
-        float* part_acc, float* part_ml) {
+        float* part_acc, float* part_ml, const u64* kvt) {
     attention_mma_body<true>(step, q, ring, raw_cap, window, comp, ratio, sel, top_k, sinks,
-                             scale, nullptr, n_chunks, part_acc, part_ml);
+                             scale, nullptr, n_chunks, part_acc, part_ml, kvt);
 }

@@ -34,6 +34,10 @@ pub struct AttnInput {
     /// `attention` applies head_norm_rope to the queries as it reads them (they are
     /// then the q projection's raw output; decode: one launch less before attention).
     pub q_norm: Option<QNorm>,
+    /// A batched step over several sessions: the rows' KV table (`KVT_*`), whose ring,
+    /// compressed rows and ring capacity replace `ring`, `comp` and `raw_cap` per
+    /// token. 0: one session.
+    pub kvt: u64,
 }
 
 /// head_norm_rope's work (unweighted RMS norm of each head, RoPE of its tail) done by
@@ -120,6 +124,7 @@ impl Launcher<'_> {
         top_k: usize,
         scores: u64,
         max_rows: usize,
+        kvt: u64,
     ) -> Result<(), CudaError> {
         if heads > 64 || dim > 128 || !dim.is_multiple_of(4) {
             return Err(CudaError::Invalid(format!(
@@ -129,7 +134,8 @@ impl Launcher<'_> {
         let (h, d, r, k) = (heads as i32, dim as i32, ratio as i32, top_k as i32);
         let ss = max_rows as i32;
         // A batch at the Flash shape on tensor cores (`idx_mma`, mma_indexer.cu).
-        if n_tok > 1 && heads == 64 && dim == 128 && self.on(Variant::IdxMma) {
+        // (Its tokens share each tile of rows: one session's only, so not with `kvt`.)
+        if n_tok > 1 && kvt == 0 && heads == 64 && dim == 128 && self.on(Variant::IdxMma) {
             // The rows and queries as bf16 [64][136] each, the dot products [64][68] f32.
             let smem = 2 * 64 * 136 * 2 + 64 * 68 * 4;
             let mut cfg = cfg2((max_rows as u32).div_ceil(64), n_tok.div_ceil(8), 128);
@@ -146,7 +152,7 @@ impl Launcher<'_> {
         cfg.shared_mem_bytes = smem as u32;
         let name = self.pick(Variant::IdxBanks, "indexer_scores", "indexer_scores_sp");
         self.allow_smem(name, smem)?;
-        launch!(self, name, cfg; step, rows, q, wt, h, d, wscale, r, k, scores, ss)
+        launch!(self, name, cfg; step, rows, q, wt, h, d, wscale, r, k, scores, ss, kvt)
     }
 
     /// Per token, the indices of the `k` best of its (pos+1)/ratio scores (row t of
@@ -242,7 +248,7 @@ impl Launcher<'_> {
             shared_mem_bytes: smem,
         };
         launch!(self, name, grid;
-            a.step, a.q, a.ring, rc, win, a.comp, r, a.sel, tk, a.sinks, nh, hd_, a.scale, rpc, part_acc, part_ml, out, q_norm, q_eps, q_rope
+            a.step, a.q, a.ring, rc, win, a.comp, r, a.sel, tk, a.sinks, nh, hd_, a.scale, rpc, part_acc, part_ml, out, q_norm, q_eps, q_rope, a.kvt
         )?;
         if n_chunks > 1 {
             self.attention_combine(a, n_chunks, part_acc, part_ml, out, tail)?;
@@ -316,7 +322,7 @@ impl Launcher<'_> {
             n_chunks as i32,
         );
         launch!(self, NAME, cfg;
-            a.step, a.q, a.ring, rc, win, a.comp, r, a.sel, tk, a.sinks, a.scale, nc, part_acc, part_ml
+            a.step, a.q, a.ring, rc, win, a.comp, r, a.sel, tk, a.sinks, a.scale, nc, part_acc, part_ml, a.kvt
         )?;
         self.attention_combine(a, n_chunks, part_acc, part_ml, out, tail)
     }
@@ -357,6 +363,11 @@ impl Launcher<'_> {
     /// DeepSeek V4 Flash shape (64 heads of 512).
     pub fn attention_prefill_mma(&self, a: &AttnInput, out: u64) -> Result<(), CudaError> {
         const NAME: &str = "attention_prefill_mma";
+        if a.kvt != 0 {
+            return Err(CudaError::Invalid(
+                "the prefill attention runs one session (no KV table)".into(),
+            ));
+        }
         let smem = self.mma_attention_smem(a, NAME)?;
         let (raw_cap, window) = (a.raw_cap, a.window);
         let cfg = LaunchConfig {

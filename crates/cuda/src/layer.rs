@@ -92,6 +92,10 @@ pub struct Compressor {
     pub indexer: bool,
     pub f16_round: bool,
     pub rows: u64,
+    /// A batched step over several sessions: the rows' KV table (`KVT_*`) offset to this
+    /// compressor's state fields (`KVT_SKV` or `KVT_ISKV`); `skv`, `ssc` and `rows` are
+    /// then unused. 0: one session.
+    pub kvt: u64,
 }
 
 /// The hyper-connection kernels keep a token's streams in fixed register arrays.
@@ -347,13 +351,14 @@ impl Launcher<'_> {
         f16_round: bool,
         ring: u64,
         raw_cap: usize,
+        kvt: u64,
     ) -> Result<(), CudaError> {
         if hd > 1024 {
             return Err(CudaError::Invalid(format!("head dim {hd} > 1024")));
         }
         let (hd_, fr, rc) = (hd as i32, f16_round as i32, raw_cap as i32);
         launch!(self, "kv_finish", cfg2(1, n_tok, 512);
-            step, kv, norm_w, norm_type, hd_, eps, rope, fr, ring, rc
+            step, kv, norm_w, norm_type, hd_, eps, rope, fr, ring, rc, kvt
         )
     }
 
@@ -368,8 +373,11 @@ impl Launcher<'_> {
                 "compressor width {d} unsupported"
             )));
         }
-        if n_tok == 1 {
-            return self.compressor_launch("compressor_step", cfg(1, 1024), None, c, true);
+        if n_tok == 1 || c.kvt != 0 {
+            // One token, or one token of each row's own session (a batched step over
+            // several sessions: every row advances its own frontier).
+            let grid = cfg2(1, n_tok, 1024);
+            return self.compressor_launch("compressor_step", grid, None, c, true);
         }
         if ratio == 0 || !(1..=2).contains(&lanes) {
             return Err(CudaError::Invalid(format!(
@@ -413,6 +421,9 @@ impl Launcher<'_> {
             if rows {
                 b.arg(&c.norm_w).arg(&c.norm_type).arg(&c.eps).arg(&c.rope);
                 b.arg(&mode).arg(&fr).arg(&c.rows);
+            }
+            if name == "compressor_step" {
+                b.arg(&c.kvt);
             }
             // SAFETY: the parameters of compressor_step / _emit / _state in
             // layer_kv.cu, in order and with the same types; buffer sizes are the

@@ -62,4 +62,16 @@ pub use layer::{Compressor, HcNorm, HcParams, RopeP, WT_BF16, WT_F16, WT_F32, WT
 pub use matmul::{Batch, RoutePlan};
 pub use ops::{ActRule, MatSel, QuantAct, Q8_TOKENS_MAX};
 pub use plan::{DecodePlan, Launcher, PlanError, Variant};
+
+/// The per-row KV table of a batched step over several sessions (`kvt` of
+/// [`AttnInput`], [`Compressor`], `kv_finish` and `indexer_scores`): per row
+/// [`kvt::STRIDE`] u64 — the device addresses of that row's session's buffers at the
+/// field indices below, then its ring capacity.
+pub mod kvt {
+    pub use crate::consts::{
+        KVT_COMP as COMP, KVT_INDEX as INDEX, KVT_ISKV as ISKV, KVT_ISSC as ISSC,
+        KVT_RAW_CAP as RAW_CAP, KVT_RING as RING, KVT_SKV as SKV, KVT_SSC as SSC,
+        KVT_STRIDE as STRIDE,
+    };
+}
 pub use weights::DeviceMatrix;

@@ -100,6 +100,20 @@ pub enum HcSource {
     Chain,
 }
 
+/// The error of every row of a [`Backend::decode_rows`] call whose token count is not
+/// its state count, or `None` when they match.
+pub(crate) fn decode_rows_mismatch(states: usize, tokens: usize) -> Option<Vec<Result<Vec<f32>>>> {
+    if tokens == states {
+        return None;
+    }
+    let msg = format!("a batched decode of {states} states got {tokens} tokens");
+    Some(
+        (0..states)
+            .map(|_| Err(EngineError::Invalid(msg.clone())))
+            .collect(),
+    )
+}
+
 pub trait Backend: Send {
     fn name(&self) -> &str;
 
@@ -208,15 +222,8 @@ pub trait Backend: Send {
         others: &mut [&mut dyn Backend],
         tokens: &[u32],
     ) -> Vec<Result<Vec<f32>>> {
-        if tokens.len() != others.len() + 1 {
-            let msg = format!(
-                "a batched decode of {} states got {} tokens",
-                others.len() + 1,
-                tokens.len()
-            );
-            return (0..=others.len())
-                .map(|_| Err(EngineError::Invalid(msg.clone())))
-                .collect();
+        if let Some(err) = decode_rows_mismatch(others.len() + 1, tokens.len()) {
+            return err;
         }
         let mut out = Vec::with_capacity(tokens.len());
         out.push(self.forward(&tokens[..1], LogitRows::Last));
@@ -224,6 +231,17 @@ pub trait Backend: Send {
             out.push(b.forward(std::slice::from_ref(t), LogitRows::Last));
         }
         out
+    }
+
+    /// The backend as `Any`, for a batched step that must find its own kind among the
+    /// `others` of [`Backend::decode_rows`]; `None` where no override needs it.
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
+
+    /// [`Backend::as_any`], mutable.
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        None
     }
 
     /// Bytes of KV state held now, when the backend can tell without copying it

@@ -16,8 +16,8 @@ mod cuda;
 
 #[cfg(feature = "cuda")]
 pub use cuda::{
-    check_graph_variants, check_imatrix, check_mtp, check_offload, check_split, check_steering,
-    run_fixtures, Tally,
+    check_batch, check_graph_variants, check_imatrix, check_mtp, check_offload, check_split,
+    check_steering, run_fixtures, Tally,
 };
 
 /// One (variant, sequence, mode) comparison.

@@ -84,6 +84,7 @@ impl DeviceInputs {
             hd: HD,
             scale: self.scale,
             q_norm: None,
+            kvt: 0,
         }
     }
 

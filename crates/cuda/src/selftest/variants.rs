@@ -248,6 +248,7 @@ impl IndexerBatch<'_> {
                 IDX_TOP_K,
                 gpu.ptr(&scores),
                 IDX_MAX_ROWS,
+                0,
             )?;
             Ok(gpu.download(&scores)?)
         })

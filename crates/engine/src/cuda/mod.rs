@@ -7,6 +7,7 @@
 //! activation quantisation); routed experts use int8 activations in `Fast` mode and
 //! f32 in `Exact` mode; `Fast` rounds stored KV rows to f16 as the CPU does.
 
+mod batched;
 mod imatrix;
 mod split;
 mod state;
@@ -272,6 +273,25 @@ impl Backend for CudaBackend {
 
     fn kv_bytes(&self) -> Option<u64> {
         Some(self.state.kv_bytes_used(&self.weights.config) as u64)
+    }
+
+    /// The sessions of this upload among `others` share batched steps
+    /// (`batched.rs`, `state/batch.rs`): one pass over the weights for up to
+    /// `MAX_ROWS` rows.
+    fn decode_rows(
+        &mut self,
+        others: &mut [&mut dyn Backend],
+        tokens: &[u32],
+    ) -> Vec<Result<Vec<f32>>> {
+        batched::decode_rows(self, others, tokens)
+    }
+
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
     }
 
     fn device_memory(&self) -> Option<(u64, u64)> {

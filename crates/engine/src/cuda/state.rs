@@ -3,6 +3,7 @@
 
 use ds4_cuda::{CudaError, DecodePlan, DeviceBuf, Gpu, Launcher, QuantAct, RoutePlan, TokenGraph};
 
+mod batch;
 mod layers;
 mod mtp;
 mod rows;
@@ -13,6 +14,7 @@ use super::weights::{CudaWeights, HcDev};
 use crate::config::Config;
 use crate::error::{EngineError, Result};
 use crate::ops::linear::Numerics;
+pub(crate) use batch::{decode_batch, unbatchable, BatchStep};
 use layers::{gemm, hc_params, mv, Gemm, KvView, SMALL_BATCH};
 
 /// KV state of one layer on the device. Row counts derive from the position: the raw
@@ -671,6 +673,7 @@ impl DeviceState {
             plan: self.plan,
             journal: None,
             steer: self.steer.as_ref(),
+            kvt: 0,
         }
     }
 
@@ -684,6 +687,7 @@ impl DeviceState {
             plan: self.plan,
             journal: None,
             steer: self.steer.as_ref(),
+            kvt: 0,
         };
         kv.enqueue(w, numerics, &mut self.s, 1)?;
         if head {
@@ -771,6 +775,20 @@ fn head_collapse(
 }
 
 impl Scratch {
+    /// Writes one (position, token) record per row (a batched step over several
+    /// sessions: each row at its own session's position).
+    fn write_rows(&mut self, g: &Gpu, rows: &[(usize, u32)]) -> Result<()> {
+        let steps: Vec<i32> = rows
+            .iter()
+            .flat_map(|&(pos, t)| [pos as i32, t as i32])
+            .collect();
+        let mut view = self.step.slice_mut(0..steps.len());
+        g.stream()
+            .memcpy_htod(&steps, &mut view)
+            .map_err(CudaError::from)?;
+        Ok(())
+    }
+
     /// Writes the (position, token) records of `tokens` at positions `n0..` into the
     /// step buffer, which the layer kernels read.
     fn write_steps(&mut self, g: &Gpu, n0: usize, tokens: &[u32]) -> Result<()> {

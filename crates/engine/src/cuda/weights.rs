@@ -68,6 +68,9 @@ pub struct CudaWeights {
     pub plan: DecodePlan,
     /// The MTP block last uploaded ([`CudaWeights::mtp`]), shared by every session.
     mtp: Mutex<Option<MtpCache>>,
+    /// The buffers and graphs of batched steps over several sessions
+    /// ([`CudaWeights::batch_step`]), shared by every session of this upload.
+    batch: Mutex<Option<super::state::BatchStep>>,
 }
 
 /// The MTP draft block (architecture.md §7) on the device: the block as a layer and the
@@ -429,9 +432,21 @@ impl CudaWeights {
             config: cfg,
             plan,
             mtp: Mutex::new(None),
+            batch: Mutex::new(None),
         };
         gpu.release_staging()?;
         Ok(weights)
+    }
+
+    /// The shared buffers and graphs of batched steps over several sessions (allocated
+    /// by the first step; `state/batch.rs`). After a panic mid-step (a poisoned lock)
+    /// they are dropped and built again.
+    pub(crate) fn batch_step(&self) -> std::sync::MutexGuard<'_, Option<super::state::BatchStep>> {
+        self.batch.lock().unwrap_or_else(|e| {
+            let mut g = e.into_inner();
+            *g = None;
+            g
+        })
     }
 
     /// Layer `il`'s weights (one of [`CudaWeights::range`]).

@@ -18,9 +18,11 @@ use crate::dev::{Backend, CpuBackend, LoadOptions, LogitRows, Model};
 use crate::dev::{CudaBackend, CudaWeights, Gpu};
 use crate::{argmax, Numerics};
 
+mod batch;
 mod imatrix;
 mod mtp;
 mod offload;
+pub use batch::check_batch;
 pub use offload::check_offload;
 mod split;
 pub use split::check_split;

@@ -115,3 +115,68 @@ pub fn time_rows(session: &mut Session, r: usize, n: usize, eos: u32, seed: u64)
         secs: t.elapsed().as_secs_f64(),
     })
 }
+
+/// `--sessions N`: N copies of the frontier's session decode together, one token each
+/// per batched step (`Session::decode_batch`: on CUDA one pass over the weights for all
+/// rows), `n` steps after one untimed step (it captures the N-row graph). Each row's
+/// token is drawn from a generator seeded with `seed` and N, so the rows route to
+/// different experts as distinct conversations would. Before timing, the first rows'
+/// logits of one step are compared with the same sessions decoding alone; the line
+/// returned says how far apart they are.
+pub fn time_sessions(
+    snapshot: &Session,
+    sessions: usize,
+    n: usize,
+    seed: u64,
+) -> Result<(Timed, String)> {
+    let vocab = snapshot.vocab() as u64;
+    let mut rng = Rng::stream(seed, 13, sessions as u64);
+    let mut all = (0..sessions)
+        .map(|_| snapshot.try_clone())
+        .collect::<Result<Vec<Session>, _>>()?;
+    let step = |all: &mut [Session], toks: &[u32]| -> Result<()> {
+        let mut rows: Vec<(&mut Session, u32)> = all.iter_mut().zip(toks.iter().copied()).collect();
+        for r in Session::decode_batch(&mut rows) {
+            r?;
+        }
+        Ok(())
+    };
+    // The check: the first rows against copies decoding alone.
+    let toks: Vec<u32> = (0..sessions).map(|_| rng.below(vocab) as u32).collect();
+    let checked = sessions.min(4);
+    let mut alone = all[..checked]
+        .iter()
+        .map(Session::try_clone)
+        .collect::<Result<Vec<Session>, _>>()?;
+    step(&mut all, &toks)?;
+    let (mut max, mut flips) = (0.0f32, 0);
+    for (i, a) in alone.iter_mut().enumerate() {
+        a.decode(toks[i])?;
+        let (x, y) = (all[i].logits(), a.logits());
+        max = x
+            .iter()
+            .zip(y)
+            .map(|(p, q)| (p - q).abs())
+            .fold(max, f32::max);
+        flips += usize::from(argmax(x) != argmax(y));
+    }
+    drop(alone);
+    let check = format!(
+        "batched rows against decoding alone ({checked} rows): max |Δlogit| {max:.3e}, {flips} greedy tokens differ"
+    );
+    let mut next = || -> Vec<u32> { (0..sessions).map(|_| rng.below(vocab) as u32).collect() };
+    let t = Instant::now();
+    for _ in 0..n {
+        let toks = next();
+        step(&mut all, &toks)?;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    Ok((
+        Timed {
+            cycles: n as u64,
+            tokens: (n * sessions) as u64,
+            secs,
+        },
+        check,
+    ))
+}

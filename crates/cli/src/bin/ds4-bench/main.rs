@@ -31,7 +31,7 @@ mod fuse_ab;
 mod plot;
 mod spec_run;
 
-use cycles::{decode_greedy, time_rows};
+use cycles::{decode_greedy, time_rows, time_sessions};
 use plot::{BenchRow, CSV_HEADER, CSV_HEADER_V1};
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -132,6 +132,14 @@ struct Args {
     /// accepted). One more CSV row per frontier (`rows` = R); 1 = only the plain decode.
     #[arg(long, default_value_t = 1)]
     rows: usize,
+    /// Also time batched decoding of this many sessions (2..=16) at each frontier: copies
+    /// of the frontier's session each decode one token per step, all rows in one step
+    /// (on CUDA one pass over the weights), --gen-tokens steps after one untimed step.
+    /// Rows take random tokens (distinct conversations route to distinct experts). One
+    /// more CSV row per frontier (`rows` = N, `effective_tps` the aggregate); stderr
+    /// also says how far the batched rows' logits are from decoding alone.
+    #[arg(long, default_value_t = 1)]
+    sessions: usize,
     /// An MTP draft file (`ds4-tool download mtp`): also time speculative decoding at each
     /// frontier. The plain greedy decode runs first and records its tokens; then from the
     /// same snapshot `Speculator::advance` cycles must emit exactly those tokens (checked:
@@ -363,6 +371,9 @@ fn check_args(a: &Args) -> Result<(), clap::Error> {
     if !(1..=16).contains(&a.rows) {
         return Err(cmd.error(ValueValidation, "--rows must be 1..=16"));
     }
+    if !(1..=16).contains(&a.sessions) {
+        return Err(cmd.error(ValueValidation, "--sessions must be 1..=16"));
+    }
     let mtp = a.mtp.is_some() || a.synthetic_mtp;
     if !(1..=15).contains(&a.mtp_draft) {
         return Err(cmd.error(ValueValidation, "--mtp-draft must be 1..=15"));
@@ -515,7 +526,7 @@ fn main() -> Result<()> {
         // A device copy only where a second run starts from this point; otherwise the
         // state waits in host memory. With the weights placed to leave room for one
         // session (expert offload) a device copy does not fit.
-        let (snapshot, host_snapshot) = if a.rows > 1 || spec.is_some() {
+        let (snapshot, host_snapshot) = if a.rows > 1 || a.sessions > 1 || spec.is_some() {
             (Some(session.try_clone()?), None)
         } else {
             (None, Some(session.export_state()?))
@@ -544,6 +555,15 @@ fn main() -> Result<()> {
                 time_rows(&mut session, a.rows, a.gen_tokens, eos, a.seed)?
                     .row(&base, a.rows as u64),
             );
+        }
+        if a.sessions > 1 {
+            let snap = snapshot.as_ref().expect("a snapshot for this run");
+            let (timed, check) = time_sessions(snap, a.sessions, a.gen_tokens, a.seed)?;
+            eprintln!(
+                "ds4-bench: ctx {frontier}: {} sessions: {check}",
+                a.sessions
+            );
+            runs.push(timed.row(&base, a.sessions as u64));
         }
         if let Some(spec) = spec.as_mut() {
             session = snapshot

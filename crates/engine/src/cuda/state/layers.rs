@@ -1,6 +1,7 @@
 //! One layer's launches (attention and FFN sublayers) for a batch of tokens, and the
 //! projection helpers they share (GEMM for batches, matvec for one token).
 
+use ds4_cuda::kvt;
 use ds4_cuda::{
     ActRule, Batch, CudaError, DecodePlan, DeviceBuf, DeviceMatrix, Gpu, Launcher, MatSel,
     QuantAct, RoutePlan, Variant,
@@ -8,6 +9,7 @@ use ds4_cuda::{
 use ds4_gguf::GgmlType;
 
 use super::{att_splits, comp_cap, LayerState, QuantBufs, Scratch, Work};
+use crate::backend::MAX_ROWS;
 use crate::config::Config;
 use crate::cuda::weights::{CompressorDev, CudaWeights, HcDev, LayerDev};
 use crate::error::Result;
@@ -83,6 +85,11 @@ pub(super) struct KvView<'a> {
     pub(super) journal: Option<&'a [(u64, u64)]>,
     /// Directional steering (state/steer.rs; `None`: off, nothing launched).
     pub(super) steer: Option<&'a super::steer::SteerDev>,
+    /// A batched step over several sessions (state/batch.rs): the device address of
+    /// the per-layer KV tables (`[n_layer][MAX_ROWS][kvt::STRIDE]`), whose rows name
+    /// each token's own session's buffers; `layers` then only says which buffers a
+    /// layer has, and no launch reads their addresses. 0: one session.
+    pub(super) kvt: u64,
 }
 
 /// A projection's input: f32 rows at `x`, their Q8_0 form in `xq` (already written
@@ -108,9 +115,32 @@ pub(super) struct Pass<'a> {
     step: u64,
     rope: ds4_cuda::RopeP,
     fast: bool,
+    /// The layer's KV table of a batched step over several sessions ([`KvView::kvt`]
+    /// at this layer), else 0.
+    kvt: u64,
 }
 
 impl Pass<'_> {
+    /// The address of a state buffer of this layer for the launches: 0 under a KV
+    /// table (each row's own comes from the table), so that no launch of a batched
+    /// step can touch one session's state through another's address.
+    fn state(&self, b: &DeviceBuf<f32>) -> u64 {
+        if self.kvt != 0 {
+            0
+        } else {
+            self.g.ptr(b)
+        }
+    }
+
+    /// The KV table at `field` (`kvt::SKV`, ...), or 0.
+    fn kvt_at(&self, field: usize) -> u64 {
+        if self.kvt != 0 {
+            self.kvt + (field * 8) as u64
+        } else {
+            0
+        }
+    }
+
     /// A sublayer's start: the input `s.y` from the streams `h`, and its RMS norm (weights
     /// `norm_w`) into `s.n` in the same launch; in the fast numerics, when `first` (the
     /// sublayer's first projection) is Q8_0, also into `xq` (its Q8_0 input).
@@ -281,8 +311,8 @@ impl Pass<'_> {
             kvs,
             ape: g.ptr(&cw.ape),
             ape_type: f32t,
-            skv: g.ptr(skv.expect("compressed layer state")),
-            ssc: g.ptr(ssc.expect("compressed layer state")),
+            skv: self.state(skv.expect("compressed layer state")),
+            ssc: self.state(ssc.expect("compressed layer state")),
             ratio: cw.ratio,
             lanes: cw.lanes,
             d: cw.dim,
@@ -292,7 +322,8 @@ impl Pass<'_> {
             rope: self.rope,
             indexer,
             f16_round: self.fast,
-            rows: rows_out,
+            rows: if self.kvt != 0 { 0 } else { rows_out },
+            kvt: self.kvt_at(if indexer { kvt::ISKV } else { kvt::SKV }),
         };
         g.compressor(n, &launch)
     }
@@ -385,6 +416,10 @@ impl KvView<'_> {
             Some(j) if il < j.len() => j[il],
             _ => (g.ptr(&s.ckv), g.ptr(&s.icv)),
         };
+        let kvt = match self.kvt {
+            0 => 0,
+            base => base + (il * MAX_ROWS * kvt::STRIDE * 8) as u64,
+        };
         Pass {
             g,
             c,
@@ -397,6 +432,7 @@ impl KvView<'_> {
             step,
             rope,
             fast,
+            kvt,
         }
     }
 
@@ -435,8 +471,9 @@ impl KvView<'_> {
                 c.rms_eps,
                 rope,
                 fast,
-                p(&st.ring),
+                px.state(&st.ring),
                 self.raw_cap,
+                px.kvt,
             )?;
             if let (Some(cw), Some(comp)) = (&l.compressor, &st.comp) {
                 px.compress(
@@ -491,7 +528,7 @@ impl KvView<'_> {
                 g.indexer_scores(
                     n,
                     step,
-                    p(index),
+                    px.state(index),
                     p(&s.qi),
                     p(&s.wt),
                     c.idx_heads,
@@ -501,6 +538,7 @@ impl KvView<'_> {
                     c.idx_topk,
                     p(&s.iscores),
                     s.iscores_stride,
+                    px.kvt,
                 )?;
                 g.topk_select(
                     n,
@@ -534,10 +572,10 @@ impl KvView<'_> {
             n_tok: n,
             step,
             q: p(&s.q),
-            ring: p(&st.ring),
+            ring: px.state(&st.ring),
             raw_cap: self.raw_cap,
             window: self.window,
-            comp: st.comp.as_ref().map_or(0, p),
+            comp: st.comp.as_ref().map_or(0, |b| px.state(b)),
             ratio: l.ratio,
             sel,
             top_k: c.idx_topk,
@@ -546,6 +584,7 @@ impl KvView<'_> {
             hd,
             scale,
             q_norm,
+            kvt: px.kvt,
         };
         // The output projection's input: the heads after the inverse RoPE of their tails
         // and, when out_a is Q8_0 in the fast numerics, their Q8_0 form (written by the

@@ -507,6 +507,7 @@ impl Draft {
             plan: self.plan,
             journal: None,
             steer: None,
+            kvt: 0,
         };
         let layer = (mw.il, &mw.layer, &m.layer, mw.rope(g, c.rope_dim));
         let px = kv.pass(w, self.numerics, layer, s, 1);
