@@ -56,6 +56,19 @@ fn iq2_rx_units(kernel: &str) -> (usize, usize) {
     }
 }
 
+/// `DS4_CUDA_EXP_PER_SM=N` (1–16): blocks per SM of the register-activation expert
+/// kernels instead of their tuned count, for timing batched steps (whose warps walk
+/// many more row units than a decode token's).
+fn exp_blocks_per_sm() -> Option<usize> {
+    static V: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *V.get_or_init(|| {
+        std::env::var("DS4_CUDA_EXP_PER_SM")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|n| (1..=16).contains(n))
+    })
+}
+
 /// Warps per row (1, 2, 4 or 8: divides ROWS_PER_BLOCK) for a product of `rows` rows
 /// and `n_sel` selections: short matrices split their columns so that the GPU holds
 /// enough warps to stream the weights at full bandwidth.
@@ -707,6 +720,7 @@ impl Launcher<'_> {
             // Warps walk row units of EXP_ROWS_PER_WARP (IQ2) / Q2K_RX_ROWS (Q2_K) rows;
             // the pipelined IQ2 kernels' units are smaller (see iq2_rx_units).
             let (unit_rows, per_sm) = iq2_rx_units(name);
+            let per_sm = exp_blocks_per_sm().unwrap_or(per_sm);
             let units = n_grid * m.rows.div_ceil(unit_rows);
             let blocks = units
                 .div_ceil(ROWS_PER_BLOCK as usize)

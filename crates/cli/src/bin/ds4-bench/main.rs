@@ -513,8 +513,11 @@ fn main() -> Result<()> {
     };
     writeln!(out, "{CSV_HEADER}")?;
     let mut rows = Vec::new();
-    let (mut profile_prefill, mut profile_decode) =
-        (KernelTimes::default(), KernelTimes::default());
+    let (mut profile_prefill, mut profile_decode, mut profile_sessions) = (
+        KernelTimes::default(),
+        KernelTimes::default(),
+        KernelTimes::default(),
+    );
     let mut frontier = a.ctx_start;
     loop {
         let have = session.n_tokens();
@@ -558,7 +561,9 @@ fn main() -> Result<()> {
         }
         if a.sessions > 1 {
             let snap = snapshot.as_ref().expect("a snapshot for this run");
+            profile_decode.add(hooks.profile_take()?);
             let (timed, check) = time_sessions(snap, a.sessions, a.gen_tokens, a.seed)?;
+            profile_sessions.add(hooks.profile_take()?);
             eprintln!(
                 "ds4-bench: ctx {frontier}: {} sessions: {check}",
                 a.sessions
@@ -643,6 +648,10 @@ fn main() -> Result<()> {
     if hooks.profiling() {
         profile_prefill.print("prefill (and the snapshots)");
         profile_decode.print(&format!("decode ({} tokens per frontier)", a.gen_tokens));
+        if a.sessions > 1 {
+            let what = format!("{} batched steps of {} sessions", a.gen_tokens + 1, a.sessions);
+            profile_sessions.print(&what);
+        }
     }
     if let Some(p) = &a.plot {
         let title = format!(
