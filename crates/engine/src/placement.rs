@@ -11,6 +11,10 @@
 //!    on PCIe 5), and a prefill chunk the whole stack once (1.8 GB).
 //!
 //! Nothing else is worth moving: every other weight is read in full by every token.
+//!
+//! Over several GPUs the layers are split into stages, by room ([`split_layers`],
+//! `--gpus`) or as `--device-map` says ([`device_map`]), and each stage plans its own
+//! offload ([`plan_split`], [`plan_device_map`]).
 
 use std::fmt;
 use std::ops::Range;
