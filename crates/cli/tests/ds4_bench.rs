@@ -267,3 +267,54 @@ fn a_mismatched_mtp_file_is_refused() {
         text(&o.stderr)
     );
 }
+
+// #23: ds4-bench takes --device-map as ds4 does: syntax and the conflict with --gpus
+// are usage errors before anything loads; the coverage is checked against the model.
+#[test]
+fn device_map_is_checked_like_on_ds4() {
+    let bench = |extra: &[&str]| {
+        Command::new(DS4_BENCH)
+            .arg("-m")
+            .arg(model())
+            .args([
+                "--backend",
+                "cpu",
+                "-t",
+                "1",
+                "--ctx-start",
+                "8",
+                "--ctx-max",
+                "8",
+            ])
+            .args(["-n", "2"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    for (extra, want) in [
+        (&["--device-map", "0:5-3"][..], "layers 5-3 run backwards"),
+        (
+            &["--gpus", "0,1", "--device-map", "0:0-2,1:3-5"][..],
+            "cannot be used with",
+        ),
+    ] {
+        let o = bench(extra);
+        assert_eq!(o.status.code(), Some(2), "{extra:?}");
+        assert!(
+            text(&o.stderr).contains(want),
+            "{extra:?}: {}",
+            text(&o.stderr)
+        );
+    }
+    let o = bench(&["--device-map", "0:0-4"]);
+    assert!(!o.status.success());
+    let err = text(&o.stderr);
+    assert!(err.contains("layer 5 is on no GPU"), "{err}");
+    assert!(err.contains("--device-map 0:0-5"), "{err}");
+    // A map that covers the 6 layers is accepted (and unused on the CPU).
+    let mut extra = TWO_FRONTIERS.to_vec();
+    extra.extend(["-n", "2", "--device-map", "0:0-2,1:3-5"]);
+    let out = bench_csv("device-map", &extra);
+    assert_eq!(out[0], HEADER);
+    assert_eq!(out.len(), 3, "{out:?}");
+}

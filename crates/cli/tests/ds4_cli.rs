@@ -270,6 +270,18 @@ fn placement_flags_are_checked_and_documented() {
             &["-p", "x", "--offload-experts", "some"][..],
             "takes `auto` or a number of layers",
         ),
+        (
+            &["-p", "x", "--device-map", "0:0-2,0:3-5"][..],
+            "--device-map names GPU 0 twice",
+        ),
+        (
+            &["-p", "x", "--device-map", "0:0-2;1:3-5"][..],
+            "takes GPU:LAYERS entries like 0:0-20,1:21-42",
+        ),
+        (
+            &["-p", "x", "--gpus", "0", "--device-map", "0:0-5"][..],
+            "cannot be used with",
+        ),
     ] {
         let o = ds4(args);
         assert_eq!(o.status.code(), Some(2), "{args:?}");
@@ -279,7 +291,7 @@ fn placement_flags_are_checked_and_documented() {
     for bin in [DS4, env!("CARGO_BIN_EXE_ds4-bench")] {
         let o = Command::new(bin).arg("--help").output().unwrap();
         let help = text(&o.stdout);
-        for flag in ["--offload-experts", "--gpus"] {
+        for flag in ["--offload-experts", "--gpus", "--device-map"] {
             assert!(help.contains(flag), "{bin}: {flag} missing from --help");
         }
     }
@@ -297,6 +309,43 @@ fn placement_flags_are_checked_and_documented() {
         "0,1",
     ]);
     assert!(o.status.success(), "{}", text(&o.stderr));
+}
+
+// #23: a `--device-map` is checked against the model once it is open (the tiny model
+// has 6 layers), on every backend: a map that covers the layers runs (unused on the
+// CPU); one that misses layers is refused, naming them and a map that fits.
+#[test]
+fn a_device_map_is_checked_against_the_model() {
+    let run = |map: &str| {
+        ds4(&[
+            "--cpu",
+            "-p",
+            "hi",
+            "-n",
+            "2",
+            "--temp",
+            "0",
+            "--device-map",
+            map,
+        ])
+    };
+    let o = run("0:0-2,1:3-5");
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let o = run("0:0-2");
+    assert_eq!(o.status.code(), Some(1));
+    let err = text(&o.stderr);
+    for want in [
+        "--device-map 0:0-2 does not cover this model's 6 layers (0–5)",
+        "layers 3–5 are on no GPU",
+        "A map over the same GPUs that does: --device-map 0:0-5",
+    ] {
+        assert!(err.contains(want), "{want}: {err}");
+    }
+    let err = text(&run("1:3-5,0:0-2").stderr);
+    assert!(
+        err.contains("list them in layer order (as in 0:0-2,1:3-5)"),
+        "{err}"
+    );
 }
 
 // #19 item 4: `--backend cuda` on a machine without a usable GPU exits 2 (a usage

@@ -443,6 +443,11 @@ fn cpu(threads: Option<usize>) -> Result<Device> {
 
 /// The one place that decides the backend.
 fn pick(model: &Model, opts: &EngineOptions) -> Result<(Device, String)> {
+    // A device map that does not fit the model is refused on every backend, before
+    // `Auto` could fall back to the CPU over it.
+    (opts.memory)
+        .check(model.config().n_layer)
+        .map_err(|e| EngineError::Invalid(e.to_string()))?;
     match opts.backend {
         BackendChoice::Cpu { threads } => {
             let reason = match threads {
@@ -470,7 +475,7 @@ fn cuda(model: &Model, device: usize, opts: &EngineOptions) -> Result<(Device, S
         });
     }
     let mut gpus = choose_gpus(model, device, &opts.memory)?;
-    if gpus.len() > 1 {
+    if gpus.len() > 1 || opts.memory.device_map.is_some() {
         return cuda_split(model, &gpus, opts);
     }
     let (device, gpu) = gpus.pop().expect("at least one GPU");
@@ -492,13 +497,14 @@ fn cuda(model: &Model, device: usize, opts: &EngineOptions) -> Result<(Device, S
     Ok((Device::Cuda(w), reason))
 }
 
-/// The GPUs to run on: `--gpus` as given; otherwise `device`, or every visible GPU when
-/// there are several and the model with one session does not fit `device` (expert
-/// offload is for a single card that is a little too small; a split uses no offload).
-#[cfg(feature = "cuda")]
+/// The GPUs to run on: those of `--device-map` or `--gpus` as given; otherwise
+/// `device`, or every visible GPU when there are several and the model with one session
+/// does not fit `device` (expert offload is for a single card that is a little too
+/// small; a split uses no offload).
 ///
 /// Returns each chosen ordinal with its opened device (each opened once: the upload
 /// uses the one whose free memory was read).
+#[cfg(feature = "cuda")]
 fn choose_gpus(
     model: &Model,
     device: usize,
@@ -508,14 +514,18 @@ fn choose_gpus(
         Ok((d, Arc::new(crate::cuda::Gpu::open(d)?)))
     };
     let count = crate::cuda::device_count();
-    if !memory.gpus.is_empty() {
-        if let Some(d) = memory.gpus.iter().find(|&&d| d >= count) {
+    let (named, flag) = match &memory.device_map {
+        Some(map) => (map.gpus(), "--device-map"),
+        None => (memory.gpus.clone(), "--gpus"),
+    };
+    if !named.is_empty() {
+        if let Some(d) = named.iter().find(|&&d| d >= count) {
             return Err(EngineError::Unavailable {
                 backend: "cuda",
-                reason: format!("--gpus names device {d} but {count} are visible"),
+                reason: format!("{flag} names device {d} but {count} are visible"),
             });
         }
-        return memory.gpus.iter().map(|&d| open(d)).collect();
+        return named.iter().map(|&d| open(d)).collect();
     }
     let first = open(device)?;
     if count < 2 || memory.offload != crate::placement::Offload::Auto {
@@ -536,7 +546,9 @@ fn choose_gpus(
 }
 
 /// The model split by layers over `gpus` (`cuda/split.rs`, the plan from
-/// [`crate::placement::plan_split`]: with expert offload where the cards need it).
+/// [`crate::placement::plan_split`], or [`crate::placement::plan_device_map`] for
+/// `--device-map`: with expert offload where the cards need it). A map of one entry
+/// runs as one GPU does (no split backend).
 #[cfg(feature = "cuda")]
 fn cuda_split(
     model: &Model,
@@ -548,12 +560,20 @@ fn cuda_split(
         .map(|(_, g)| g.mem_info().map_or(0, |(free, _)| free as u64))
         .collect();
     let needs = crate::cuda::weights::memory_needs(model, opts.memory.ctx);
-    let plan = crate::placement::plan_split(&needs, &free, opts.memory.offload).map_err(|e| {
-        EngineError::OutOfMemory {
-            backend: "cuda",
-            source: e.to_string().into(),
-        }
+    let map = opts.memory.device_map.as_ref();
+    let offload = opts.memory.offload;
+    let plan = match map {
+        Some(map) => crate::placement::plan_device_map(&needs, map, &free, offload),
+        None => crate::placement::plan_split(&needs, &free, offload),
+    }
+    .map_err(|e| EngineError::OutOfMemory {
+        backend: "cuda",
+        source: e.to_string().into(),
     })?;
+    let names: Vec<(usize, String)> = (gpus.iter())
+        .map(|(d, g)| (*d, g.info().name.clone()))
+        .collect();
+    let line = crate::placement::describe_split(&needs, &plan, &names, &free, map);
     // Every stage uploads the tensors outside the layers too.
     let outside = needs.weights - needs.layers.iter().sum::<u64>();
     let total = needs.weights + outside * (gpus.len() as u64 - 1);
@@ -565,27 +585,18 @@ fn cuda_split(
         }
     };
     let mut stages = Vec::with_capacity(gpus.len());
-    let mut parts = Vec::new();
-    for (((d, gpu), stage), f) in gpus.iter().zip(plan).zip(&free) {
-        let range = stage.layers.clone();
-        let mut part = format!(
-            "layers {}–{} on GPU {d} ({})",
-            range.start,
-            range.end - 1,
-            gpu.info().name
-        );
+    for ((_, gpu), stage) in gpus.iter().zip(plan) {
         let tight = stage.placement.offloads();
-        if tight {
-            let line = stage.placement.describe(&needs.stage(&range), *f);
-            part += &format!(" with {line}");
-        }
-        let w = CudaWeights::upload_placed(gpu, model, stage.placement, range, tight, &progress)?;
-        parts.push(part);
+        let (placement, range) = (stage.placement, stage.layers);
+        let w = CudaWeights::upload_placed(gpu, model, placement, range, tight, &progress)?;
         stages.push(Arc::new(w));
     }
-    let line = parts.join(", ");
     tracing::info!("weights: {line}");
-    Ok((Device::CudaSplit(stages), format!("CUDA, {line}")))
+    let reason = format!("CUDA, {line}");
+    if stages.len() == 1 {
+        return Ok((Device::Cuda(stages.pop().expect("one stage")), reason));
+    }
+    Ok((Device::CudaSplit(stages), reason))
 }
 
 /// A failed MTP upload; out of memory says what to do about it.

@@ -61,8 +61,9 @@ pub use imatrix::{
 pub use mtp::{Mtp, MtpDraft, MtpState};
 pub use ops::linear::Numerics;
 pub use placement::{
-    parse_gpus, plan_split, split_layers, GpuList, MemoryNeeds, MemoryOptions, Offload, Placement,
-    PlanError, Stage, DEFAULT_PLAN_CTX,
+    describe_split, parse_device_map, parse_gpus, plan_device_map, plan_split, split_layers,
+    DeviceMap, GpuList, MemoryNeeds, MemoryOptions, Offload, Placement, PlanError, Stage,
+    DEFAULT_PLAN_CTX,
 };
 pub use sampling::{argmax, generate, Sampler, SamplerConfig, StopReason};
 pub use session::{Session, SessionOptions, SessionState};

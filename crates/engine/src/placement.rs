@@ -11,10 +11,17 @@
 //!    on PCIe 5), and a prefill chunk the whole stack once (1.8 GB).
 //!
 //! Nothing else is worth moving: every other weight is read in full by every token.
+//!
+//! Over several GPUs the layers are split into stages, by room ([`split_layers`],
+//! `--gpus`) or as `--device-map` says ([`device_map`]), and each stage plans its own
+//! offload ([`plan_split`], [`plan_device_map`]).
 
 use std::fmt;
 use std::ops::Range;
 use std::str::FromStr;
+
+mod device_map;
+pub use device_map::{describe_split, parse_device_map, plan_device_map, DeviceMap};
 
 /// `--offload-experts auto|N`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -59,6 +66,9 @@ pub struct MemoryOptions {
     /// `--gpus`: the CUDA devices to split the layers over, in order. Empty: the
     /// backend's device, or every visible GPU when the model does not fit that one.
     pub gpus: Vec<usize>,
+    /// `--device-map`: the GPUs and each one's layers, given by hand ([`DeviceMap`];
+    /// not with `gpus`).
+    pub device_map: Option<DeviceMap>,
 }
 
 impl Default for MemoryOptions {
@@ -67,7 +77,29 @@ impl Default for MemoryOptions {
             offload: Offload::Auto,
             ctx: 0,
             gpus: Vec::new(),
+            device_map: None,
         }
+    }
+}
+
+impl MemoryOptions {
+    /// What can be checked against a model of `n_layer` layers before any device is
+    /// opened (on every backend: a map that does not fit the model is a mistake even
+    /// where it goes unused): `gpus` and `device_map` are not both given, and the map
+    /// covers the layers.
+    pub fn check(&self, n_layer: usize) -> Result<(), PlanError> {
+        let Some(map) = &self.device_map else {
+            return Ok(());
+        };
+        if !self.gpus.is_empty() {
+            return Err(PlanError::DeviceMap(
+                "--gpus and --device-map both choose the GPUs: pick one (--gpus splits the \
+                 layers over the cards by their free memory, --device-map names each \
+                 card's layers)"
+                    .to_string(),
+            ));
+        }
+        map.check(n_layer)
     }
 }
 
@@ -371,50 +403,72 @@ pub fn plan_split(
                 return Ok(ranges.into_iter().map(resident).collect());
             }
             let (ranges, _) = split_ranges(needs, free)?;
-            let mut stages = Vec::with_capacity(ranges.len());
-            for (r, f) in ranges.into_iter().zip(free) {
-                let part = needs.stage(&r);
-                let mut placement = Placement::plan(&part, *f, Offload::Auto)?;
-                placement.keep_layers(&r);
-                stages.push(Stage {
-                    layers: r,
-                    placement,
-                });
-            }
-            Ok(stages)
+            place_stages(needs, ranges, free, offload)
         }
         Offload::Layers(n) => {
             if n > n_layer {
                 return Err(PlanError::TooManyLayers { asked: n, n_layer });
             }
-            let mut global = Placement::resident(n_layer);
-            global.embedding_on_host = true;
-            for h in &mut global.experts_on_host[n_layer - n..] {
-                *h = true;
-            }
             let (ranges, _) = split_ranges(needs, free)?;
-            let mut stages = Vec::with_capacity(ranges.len());
-            for (r, f) in ranges.into_iter().zip(free) {
-                let part = needs.stage(&r);
-                let mut placement = global.clone();
-                placement.keep_layers(&r);
-                let need = placement.device_bytes(&part) + part.session + part.reserve;
-                if need > *f {
-                    return Err(PlanError::DoesNotFit {
-                        need,
-                        free: *f,
-                        choice: offload,
-                        all_offloaded: false,
-                    });
-                }
-                stages.push(Stage {
-                    layers: r,
-                    placement,
-                });
-            }
-            Ok(stages)
+            place_stages(needs, ranges, free, offload)
         }
     }
+}
+
+/// Each of `ranges` with [`stage_placement`] on the matching `free`.
+fn place_stages(
+    needs: &MemoryNeeds,
+    ranges: Vec<Range<usize>>,
+    free: &[u64],
+    offload: Offload,
+) -> Result<Vec<Stage>, PlanError> {
+    (ranges.into_iter().zip(free))
+        .map(|(r, f)| {
+            let placement = stage_placement(needs, &r, *f, offload)?;
+            Ok(Stage {
+                layers: r,
+                placement,
+            })
+        })
+        .collect()
+}
+
+/// What of the stage holding `layers` (of the whole model's `needs`) lives in host
+/// memory on a device with `free` bytes: `Auto` plans the stage's share alone (its
+/// embedding copy, then its own last layers' experts, as few as fit); `Layers(N)` the
+/// model's last N layers' experts that are in the stage, and its embedding copy when
+/// N > 0 (N ≤ the layer count: the callers check). `DoesNotFit` when the result does
+/// not leave the stage's session and reserve free.
+fn stage_placement(
+    needs: &MemoryNeeds,
+    layers: &Range<usize>,
+    free: u64,
+    offload: Offload,
+) -> Result<Placement, PlanError> {
+    let n_layer = needs.layers.len();
+    let part = needs.stage(layers);
+    let mut placement = match offload {
+        Offload::Auto => Placement::plan(&part, free, Offload::Auto)?,
+        Offload::Layers(n) => {
+            let mut p = Placement::resident(n_layer);
+            p.embedding_on_host = n > 0;
+            for h in &mut p.experts_on_host[n_layer.saturating_sub(n)..] {
+                *h = true;
+            }
+            p
+        }
+    };
+    placement.keep_layers(layers);
+    let need = placement.device_bytes(&part) + part.session + part.reserve;
+    if need > free {
+        return Err(PlanError::DoesNotFit {
+            need,
+            free,
+            choice: offload,
+            all_offloaded: layers.clone().all(|il| placement.experts_on_host[il]),
+        });
+    }
+    Ok(placement)
 }
 
 impl MemoryNeeds {
@@ -479,12 +533,47 @@ pub enum PlanError {
     },
     /// No split of the layers over the GPUs fits (the message says why).
     Split(String),
+    /// `--device-map` does not cover the model's layers, or comes with `--gpus` (the
+    /// message says what is wrong and what a right map looks like).
+    DeviceMap(String),
+    /// Stage `stage` (from 0) of `--device-map`, `layers` on GPU `gpu`, needs `need`
+    /// bytes there but `free` are (with `choice`; `all_offloaded`: even with every one
+    /// of its layers' experts in host memory).
+    StageDoesNotFit {
+        stage: usize,
+        gpu: usize,
+        layers: Range<usize>,
+        need: u64,
+        free: u64,
+        choice: Offload,
+        all_offloaded: bool,
+    },
 }
 
 impl fmt::Display for PlanError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            PlanError::Split(why) => f.write_str(why),
+            PlanError::Split(why) | PlanError::DeviceMap(why) => f.write_str(why),
+            PlanError::StageDoesNotFit {
+                stage,
+                gpu,
+                layers,
+                need,
+                free,
+                choice,
+                all_offloaded,
+            } => fmt::Display::fmt(
+                &device_map::StageShort {
+                    stage: *stage,
+                    gpu: *gpu,
+                    layers,
+                    need: *need,
+                    free: *free,
+                    choice: *choice,
+                    all_offloaded: *all_offloaded,
+                },
+                f,
+            ),
             PlanError::TooManyLayers { asked, n_layer } => write!(
                 f,
                 "--offload-experts {asked}: the model has {n_layer} layers"
@@ -524,11 +613,11 @@ impl std::error::Error for PlanError {}
 mod tests {
     use super::*;
 
-    const GIB: u64 = 1 << 30;
+    pub(super) const GIB: u64 = 1 << 30;
 
     /// The published q2 file's sizes (docs: 80.76 GiB; embedding F16 129,280 × 4,096;
     /// each layer's 256 experts ~1.69 GiB), a 2k session and a 1 GiB reserve.
-    fn q2() -> MemoryNeeds {
+    pub(super) fn q2() -> MemoryNeeds {
         MemoryNeeds {
             weights: 86_714_775_900,
             embedding: 1_059_061_760,
@@ -648,7 +737,7 @@ mod tests {
     }
 
     /// The q4 file: 164.6 GB, experts Q4_K (3.62 GB a layer).
-    fn q4() -> MemoryNeeds {
+    pub(super) fn q4() -> MemoryNeeds {
         MemoryNeeds {
             weights: 164_628_167_004,
             embedding: 1_059_061_760,

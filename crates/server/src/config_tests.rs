@@ -161,4 +161,39 @@ fn placement_flags_parse() {
     assert!(e.contains("takes `auto` or a number of layers"), "{e}");
     let help = Args::command().render_long_help().to_string();
     assert!(help.contains("--gpus") && help.contains("--offload-experts"));
+    assert!(help.contains("--device-map <GPU:LAYERS,...>"), "{help}");
+}
+
+// #23: `--device-map` parses to the map the engine plans with; its syntax is checked
+// at flag time, and it does not go with --gpus.
+#[test]
+fn device_map_flag_parses_and_excludes_gpus() {
+    let a = parse(&["--device-map", "1:0-20,0:21-42"]).unwrap();
+    let map = a.device_map.expect("a map");
+    assert_eq!(map.entries(), &[(1, 0..21), (0, 21..43)][..]);
+    assert_eq!(a.gpus, None);
+    assert_eq!(parse(&[]).unwrap().device_map, None);
+    for (args, want) in [
+        (&["--device-map", "0:0-20,0:21-42"][..], "names GPU 0 twice"),
+        (
+            &["--device-map", "0:20-0"][..],
+            "run backwards (write 0-20)",
+        ),
+        (&["--device-map", "0-20"][..], "takes GPU:LAYERS entries"),
+        (
+            &["--gpus", "0,1", "--device-map", "0:0-20,1:21-42"][..],
+            "cannot be used with",
+        ),
+    ] {
+        let e = parse(args).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains(want), "{args:?}: {msg}");
+        if want == "cannot be used with" {
+            assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict);
+            assert!(
+                msg.contains("--gpus") && msg.contains("--device-map"),
+                "{msg}"
+            );
+        }
+    }
 }

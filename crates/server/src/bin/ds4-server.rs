@@ -71,6 +71,7 @@ fn load_engine(
                 offload: args.offload_experts,
                 ctx: args.ctx,
                 gpus: args.gpus.clone().map(|g| g.0).unwrap_or_default(),
+                device_map: args.device_map.clone(),
             },
         },
     )

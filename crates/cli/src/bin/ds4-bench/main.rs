@@ -97,6 +97,12 @@ struct Args {
     /// every visible GPU when the model does not fit one (no expert offload then).
     #[arg(long, value_name = "LIST")]
     gpus: Option<ds4_engine::GpuList>,
+    /// Put the layers on GPUs by hand: `GPU:LAYERS` per stage, in the order they run,
+    /// e.g. `0:0-20,1:21-42` (inclusive ranges, together every layer from 0 to the
+    /// model's last once; a GPU at most once). Each stage keeps its last layers' experts
+    /// in host memory when its card needs it (--offload-experts). Not with --gpus.
+    #[arg(long, value_name = "GPU:LAYERS,...", conflicts_with = "gpus")]
+    device_map: Option<ds4_engine::DeviceMap>,
 
     /// Exact numerics (f32 activations, f32 KV).
     #[arg(long)]
@@ -436,6 +442,7 @@ fn memory(a: &Args) -> ds4_engine::MemoryOptions {
         offload: a.offload_experts,
         ctx: alloc(a),
         gpus: a.gpus.clone().map(|g| g.0).unwrap_or_default(),
+        device_map: a.device_map.clone(),
     }
 }
 

@@ -183,6 +183,12 @@ pub struct Args {
     /// every visible GPU when the model does not fit one (no expert offload then).
     #[arg(long, value_name = "LIST")]
     pub gpus: Option<ds4_engine::GpuList>,
+    /// Put the layers on GPUs by hand: `GPU:LAYERS` per stage, in the order they run,
+    /// e.g. `0:0-20,1:21-42` (inclusive ranges, together every layer from 0 to the
+    /// model's last once; a GPU at most once). Each stage keeps its last layers' experts
+    /// in host memory when its card needs it (--offload-experts). Not with --gpus.
+    #[arg(long, value_name = "GPU:LAYERS,...", conflicts_with = "gpus")]
+    pub device_map: Option<ds4_engine::DeviceMap>,
 
     /// Same as --backend cuda.
     #[arg(long, conflicts_with = "backend")]

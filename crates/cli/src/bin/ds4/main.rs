@@ -70,6 +70,7 @@ fn run(args: &Args) -> Result<()> {
             offload: args.offload_experts,
             ctx: args.ctx,
             gpus: args.gpus.clone().map(|g| g.0).unwrap_or_default(),
+            device_map: args.device_map.clone(),
         },
     )?;
     if args.inspect {
