@@ -175,10 +175,19 @@ def main():
     ap.add_argument("--timeout", type=float, default=600.0, help="socket timeout in seconds")
     ap.add_argument("--api-key", default=None, help="bearer token, if the server wants one")
     ap.add_argument("--csv-header", action="store_true", help="print the CSV header line first")
+    ap.add_argument(
+        "--delay",
+        type=float,
+        default=0.0,
+        help="seconds to wait before sending (a late arrival beside another run's clients)",
+    )
     a = ap.parse_args()
     if a.clients < 1 or a.requests < 1 or a.max_tokens < 1:
         ap.error("--clients, --requests and --max-tokens must be positive")
 
+    if a.delay < 0:
+        ap.error("--delay must be >= 0")
+    time.sleep(a.delay)
     system = system_prompt(a.system_words)
     results = []
     lock = threading.Lock()
@@ -225,7 +234,8 @@ def main():
         f"{len(errors)} failed, {tokens} tokens in {wall:.2f} s\n"
         f"  aggregate {agg:.1f} tok/s, per stream (median, after the first token) {stream:.1f} tok/s\n"
         f"  TTFT p50 {ms(percentile(ttft, 0.5)):.1f} ms  p99 {ms(percentile(ttft, 0.99)):.1f} ms\n"
-        f"  inter-token p50 {ms(percentile(gaps, 0.5)):.2f} ms  p99 {ms(percentile(gaps, 0.99)):.2f} ms",
+        f"  inter-token p50 {ms(percentile(gaps, 0.5)):.2f} ms  p99 {ms(percentile(gaps, 0.99)):.2f} ms"
+        f"  max {ms(max(gaps) if gaps else float('nan')):.2f} ms",
         file=sys.stderr,
     )
     for e in errors[:5]:
@@ -233,12 +243,13 @@ def main():
     if a.csv_header:
         print(
             "clients,requests,ok,failed,wall_s,tokens,agg_tok_s,stream_tok_s,"
-            "ttft_p50_ms,ttft_p99_ms,itl_p50_ms,itl_p99_ms"
+            "ttft_p50_ms,ttft_p99_ms,itl_p50_ms,itl_p99_ms,itl_max_ms"
         )
     print(
         f"{a.clients},{a.requests},{len(good)},{len(errors)},{wall:.3f},{tokens},{agg:.2f},"
         f"{stream:.2f},{ms(percentile(ttft, 0.5)):.2f},{ms(percentile(ttft, 0.99)):.2f},"
-        f"{ms(percentile(gaps, 0.5)):.3f},{ms(percentile(gaps, 0.99)):.3f}"
+        f"{ms(percentile(gaps, 0.5)):.3f},{ms(percentile(gaps, 0.99)):.3f},"
+        f"{ms(max(gaps) if gaps else float('nan')):.3f}"
     )
     return 0 if not errors else 1
 

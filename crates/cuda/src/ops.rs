@@ -820,6 +820,12 @@ impl Launcher<'_> {
             x_stride: bt.x_tok as i64,
             y_stride: bt.y_tok as i64,
         };
+        // The tensor-core form from 8 tokens (one full tile): at 2 and 4 tokens the dp4a
+        // kernels were faster (H200, 8 layers: R = 2 1.95 against 2.3 ms a step), at 8
+        // and 16 sessions the tensor cores (5.4 → 5.1, 11.3 → 9.9 ms; bench/RESULTS.md v24).
+        if n_tok >= 8 && self.on(Variant::TokensMma) && m.cols.is_multiple_of(64) {
+            return self.matvec_q8_tokens_mma(m, xq, y, bt, sel);
+        }
         // The one-token choice (see matvec_q8act_launch): warps per row, then, for one
         // warp a row of the early kernel, 4 or 2 rows a warp.
         // (A grouped stack's one-token launch has one selection per group.)
@@ -878,6 +884,62 @@ impl Launcher<'_> {
         // SAFETY: argument order matches Q8_TOK_KERNEL in matvec_q8act.cu; xq holds
         // n_tok rows at sel.x_stride (checked by the caller), y n_tok rows at
         // sel.y_stride of m.rows floats (caller).
+        unsafe { self.launch_timed(name, &mut b, cfg) }?;
+        Ok(())
+    }
+
+    /// [`Launcher::matvec_q8_tokens`] on int8 tensor cores (`tokens_mma`,
+    /// kernels/mma_tokens.cu; rows of a multiple of 64 columns): warp tiles of 16 rows,
+    /// split over `ks` warps where the matrix has few tiles so that ~1,024 warps stream
+    /// its weights.
+    fn matvec_q8_tokens_mma(
+        &self,
+        m: &DeviceMatrix,
+        xq: &QuantAct,
+        y: u64,
+        bt: Batch,
+        sel: MatSel,
+    ) -> Result<(), CudaError> {
+        let n_tok = bt.n_tok;
+        let name = if n_tok <= 8 {
+            "matvec_q8_0_q8_mma8"
+        } else {
+            "matvec_q8_0_q8_mma16"
+        };
+        let groups = bt.n_groups.max(1);
+        let tiles = m.rows.div_ceil(16);
+        let ks = (1024 / (tiles * groups).max(1))
+            .clamp(1, 8)
+            .next_power_of_two()
+            .min(8) as u32;
+        let tiles_per_block = ROWS_PER_BLOCK / ks;
+        let f = self.func(name)?;
+        let cfg = LaunchConfig {
+            grid_dim: ((tiles as u32).div_ceil(tiles_per_block), groups as u32, 1),
+            block_dim: (32, ROWS_PER_BLOCK, 1),
+            shared_mem_bytes: 0,
+        };
+        let elems = (m.rows * m.cols) as i64;
+        let (gx, gy) = (bt.x_grp as i64, bt.y_grp as i64);
+        let p: Vec<u64> = m.parts.iter().map(|b| b.ptr(self)).collect();
+        let strides = (elems, elems / 32);
+        let grid = 0u64;
+        let mut b = self.launch_stream().launch_builder(&f);
+        push_weights(&mut b, m.ty, &p, &strides, &grid);
+        let (xq_p, xd_p) = (self.ptr(&xq.q), self.ptr(&xq.d));
+        let (rows, cols, ks_arg, n_arg) = (m.rows as i32, m.cols as i32, ks as i32, n_tok as i32);
+        b.arg(&xq_p)
+            .arg(&xd_p)
+            .arg(&y)
+            .arg(&rows)
+            .arg(&cols)
+            .arg(&sel)
+            .arg(&ks_arg)
+            .arg(&n_arg)
+            .arg(&gx)
+            .arg(&gy);
+        // SAFETY: argument order matches Q8_MMA_KERNEL in mma_tokens.cu (Q8_TOK_KERNEL's);
+        // extents as matvec_q8_tokens (the caller's checks).
         unsafe { self.launch_timed(name, &mut b, cfg) }?;
         Ok(())
     }

@@ -39,6 +39,25 @@ pub use pool::default_max_sessions;
 /// progress; the engine's preferred batch when larger (the CUDA prefill chunk).
 const PREFILL_CHUNK: usize = 512;
 
+/// While other jobs are generating (continuous batching), a prefill chunk may hold up
+/// their next token by at most about this long (issue #21: a long prompt arriving adds
+/// ≤ 150 ms to the others' tokens; the rest is the decode step itself), so its size
+/// follows the prefill rate measured on this engine ([`Worker::interleave_chunk`]).
+const INTERLEAVE_BUDGET_S: f64 = 0.12;
+/// The interleaved chunk before any prefill was timed, and the smallest one.
+const INTERLEAVE_FIRST: usize = 256;
+const INTERLEAVE_MIN: usize = 64;
+
+/// Tokens of an interleaved prefill chunk for `secs_per_token` measured (None: not yet),
+/// at most `preferred` (the engine's chunk).
+fn interleave_chunk(secs_per_token: Option<f64>, preferred: usize) -> usize {
+    let n = match secs_per_token {
+        Some(s) if s > 0.0 && s.is_finite() => (INTERLEAVE_BUDGET_S / s) as usize,
+        _ => INTERLEAVE_FIRST,
+    };
+    n.clamp(INTERLEAVE_MIN, preferred.max(INTERLEAVE_MIN))
+}
+
 struct Queue {
     jobs: VecDeque<GenJob>,
     shutdown: bool,
@@ -205,6 +224,10 @@ pub struct Worker {
     max_sessions: usize,
     /// Pool recency counter.
     tick: u64,
+    /// Other jobs are generating: prefill in interleaved chunks ([`Worker::prefill_step`]).
+    interleave: bool,
+    /// Seconds per prefill token, as last measured (an average of the recent calls).
+    prefill_spt: Option<f64>,
 }
 
 /// Starts the worker thread; it returns once shutdown was requested and the queue is
@@ -276,9 +299,28 @@ fn disk_hit_fits(
 }
 
 impl Worker {
-    /// Tokens per prefill call.
+    /// Tokens per prefill call: the engine's batch, or while other jobs generate a
+    /// chunk that keeps their next token within [`INTERLEAVE_BUDGET_S`].
     fn prefill_step(&self) -> usize {
-        PREFILL_CHUNK.max(self.engine.preferred_batch())
+        let full = PREFILL_CHUNK.max(self.engine.preferred_batch());
+        if self.interleave {
+            interleave_chunk(self.prefill_spt, full)
+        } else {
+            full
+        }
+    }
+
+    /// Folds one timed prefill call (`n` tokens in `secs`) into the measured rate.
+    fn note_prefill(&mut self, n: usize, secs: f64) {
+        if n == 0 || !(secs > 0.0) {
+            return;
+        }
+        let spt = secs / n as f64;
+        self.prefill_spt = Some(match self.prefill_spt {
+            // The cost per token grows with the position (attention): follow it.
+            Some(old) => 0.5 * old + 0.5 * spt,
+            None => spt,
+        });
     }
 
     pub fn new(shared: Arc<Shared>, engine: Box<dyn EngineBackend>) -> Worker {
@@ -350,6 +392,8 @@ impl Worker {
             ram,
             max_sessions,
             tick: 0,
+            interleave: false,
+            prefill_spt: None,
         }
     }
 
@@ -547,5 +591,27 @@ impl Worker {
         }
         s.push_str(&format!("===== end request {} =====\n", job.id));
         let _ = f.write_all(s.as_bytes());
+    }
+}
+
+#[cfg(test)]
+mod interleave_tests {
+    use super::*;
+
+    #[test]
+    fn an_interleaved_chunk_fits_the_budget_at_the_measured_rate() {
+        // Before any measurement: the first guess, within the engine's chunk.
+        assert_eq!(interleave_chunk(None, 2048), INTERLEAVE_FIRST);
+        assert_eq!(interleave_chunk(None, 128), 128.max(INTERLEAVE_MIN));
+        // 4,000 tokens/s: 0.12 s holds 480 tokens.
+        assert_eq!(interleave_chunk(Some(1.0 / 4000.0), 2048), 480);
+        // Fast prefill: never more than the engine's chunk.
+        assert_eq!(interleave_chunk(Some(1e-6), 2048), 2048);
+        // Slow prefill (the CPU): at least the smallest chunk, so a prompt still moves.
+        assert_eq!(interleave_chunk(Some(0.05), 512), INTERLEAVE_MIN);
+        // Nonsense measurements fall back to the first guess.
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            assert_eq!(interleave_chunk(Some(bad), 2048), INTERLEAVE_FIRST, "{bad}");
+        }
     }
 }

@@ -71,7 +71,11 @@ pub const CHECKS: &[KernelCheck] = &[
         variants::check_router_wide,
     ),
     check("f16_early", &[Variant::F16Early], variants::check_f16_early),
-    check("tokens", &[Variant::Tokens], tokens::check_tokens),
+    check(
+        "tokens",
+        &[Variant::Tokens, Variant::TokensMma],
+        tokens::check_tokens,
+    ),
     check(
         "q8_rows",
         &[Variant::Q8Rows, Variant::Q8Rows2, Variant::OutaEarly],

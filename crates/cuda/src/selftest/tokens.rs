@@ -7,8 +7,10 @@ use anyhow::Result;
 use ds4_gguf::quant::random::Rng;
 use ds4_gguf::GgmlType;
 
-use super::common::{bit_identical, random_matrix, random_vec, same_bits, BitDiff, Check};
-use crate::{Batch, DeviceBuf, DeviceMatrix, Launcher, MatSel};
+use super::common::{
+    bit_identical, random_matrix, random_vec, rel_err, same_bits, BitDiff, Check, BOUND_F32,
+};
+use crate::{Batch, DeviceBuf, DeviceMatrix, Launcher, MatSel, Variant};
 
 /// Token counts: the smallest, a ragged one, one past a power of two, the most.
 const COUNTS: [usize; 4] = [2, 3, 5, 16];
@@ -16,6 +18,10 @@ const COUNTS: [usize; 4] = [2, 3, 5, 16];
 pub(super) fn check_tokens(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::stream(seed, 0x70c, 0);
     let mut checks = Vec::new();
+    // The tensor-core Q8_0 form first (against the dp4a kernels), then the dp4a
+    // kernels' bit identity with the one-token launch.
+    checks.extend(check_tokens_mma(gpu, &mut rng)?);
+    let gpu = &gpu.with(Variant::TokensMma, false);
     // Rows a warp: 4 (≤ 1,024 columns), 2 (longer rows), and split K (few rows: 2 or 4
     // warps a row), each with a ragged row count.
     // Q8_0 rows a warp: 4 (≤ 1,024 columns), 2 (longer rows), and split K (few rows: 2
@@ -140,4 +146,64 @@ fn check_groups(gpu: &Launcher, rng: &mut Rng) -> Result<Check> {
         ),
         same,
     ))
+}
+
+/// `tokens_mma` (kernels/mma_tokens.cu) against the dp4a multi-token kernels on the same
+/// int8 activations: the integer block sums are exact in both, so only the f32
+/// accumulation order differs (BOUND_F32). Plain matrices of the shapes that pick 1, 2,
+/// 4 and 8 warps a tile (ragged row counts too) and the grouped output projection, at
+/// 8 (one 8-token tile), 9, 13 and 16 tokens (it serves 8 and more).
+fn check_tokens_mma(gpu: &Launcher, rng: &mut Rng) -> Result<Vec<Check>> {
+    let mut checks = Vec::new();
+    let shapes = [
+        (32768, 1024, 1),
+        (4100, 2048, 1),
+        (2050, 4096, 1),
+        (530, 4096, 1),
+        (1024, 4096, 8),
+    ];
+    for (rows, cols, groups) in shapes {
+        let w = random_matrix(GgmlType::Q8_0, rows, cols, groups, rng);
+        let m = DeviceMatrix::upload(gpu, GgmlType::Q8_0, &w, rows, cols, groups)?;
+        let (x_tok, y_tok) = (groups * cols, groups * rows);
+        let mut worst = 0.0f64;
+        for n in [8usize, 9, 13, 16] {
+            let x = random_vec(n * x_tok, rng);
+            let xa = gpu.upload(&x)?;
+            let mut qa = gpu.alloc_quant_act(n * groups, cols)?;
+            gpu.quantize_act(gpu.ptr(&xa), &mut qa)?;
+            let b = Batch {
+                n_tok: n,
+                x_tok,
+                y_tok,
+                n_groups: groups,
+                x_grp: cols,
+                y_grp: rows,
+            };
+            let run = |l: &Launcher| -> Result<Vec<f32>> {
+                let y = l.upload(&vec![f32::NAN; n * y_tok])?;
+                if groups > 1 {
+                    l.matvec_q8act_groups(&m, &qa, l.ptr(&y), b)?;
+                } else {
+                    let sel = MatSel {
+                        ids: 0,
+                        x_stride: cols as i64,
+                        y_stride: rows as i64,
+                    };
+                    l.matvec_q8act(&m, &qa, l.ptr(&y), n, sel)?;
+                }
+                Ok(l.download(&y)?)
+            };
+            let want = run(&gpu.with(Variant::TokensMma, false))?;
+            let got = run(&gpu.with(Variant::TokensMma, true))?;
+            let want: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+            worst = worst.max(rel_err(&got, &want));
+        }
+        checks.push(Check {
+            name: format!("matvec_q8_0_q8_mma* = t* kernels, {groups}x({rows}x{cols})"),
+            rel_err: worst,
+            bound: BOUND_F32,
+        });
+    }
+    Ok(checks)
 }

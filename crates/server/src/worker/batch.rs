@@ -80,7 +80,10 @@ impl Worker {
                     .find(|&i| i >= next_prefill)
                     .unwrap_or(prefilling[0]);
                 next_prefill = pick + 1;
+                // Others generating: a chunk short enough not to stall their next token.
+                self.interleave = active.iter().any(|a| matches!(a.phase, Phase::Decode(_)));
                 self.guarded(&mut active[pick], Self::prefill_job);
+                self.interleave = false;
             }
             self.decode_step(&mut active);
             let mut i = 0;

@@ -128,9 +128,11 @@ impl Worker {
         if let Some(q) = pos.checked_div(step) {
             end = end.min((q + 1) * step);
         }
+        let call = Instant::now();
         self.engine
             .prefill(&eff[pos..end])
             .map_err(|e| (e.status(), e.to_string()))?;
+        self.note_prefill(end - pos, call.elapsed().as_secs_f64());
         p.spent += t.elapsed();
         let _ = job.tx.send(GenEvent::Progress {
             done: end - start,

@@ -656,7 +656,11 @@ fn main() -> Result<()> {
         profile_prefill.print("prefill (and the snapshots)");
         profile_decode.print(&format!("decode ({} tokens per frontier)", a.gen_tokens));
         if a.sessions > 1 {
-            let what = format!("{} batched steps of {} sessions", a.gen_tokens + 1, a.sessions);
+            let what = format!(
+                "{} batched steps of {} sessions",
+                a.gen_tokens + 1,
+                a.sessions
+            );
             profile_sessions.print(&what);
         }
     }
