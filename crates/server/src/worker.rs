@@ -312,7 +312,7 @@ impl Worker {
 
     /// Folds one timed prefill call (`n` tokens in `secs`) into the measured rate.
     fn note_prefill(&mut self, n: usize, secs: f64) {
-        if n == 0 || !(secs > 0.0) {
+        if n == 0 || secs.is_nan() || secs <= 0.0 {
             return;
         }
         let spt = secs / n as f64;
