@@ -91,8 +91,8 @@ __device__ __forceinline__ void matvec_q8_0_q8_mma_body(
         for (int u = 0; u < TMMA_UNROLL; ++u) {
             const int p = p0 + u * ks;
             const bool live = p < np;
-            wa[u] = live && oka ? *reinterpret_cast<const uint4*>(pa + p * 64) : zero4;
-            wb[u] = live && okb ? *reinterpret_cast<const uint4*>(pb + p * 64) : zero4;
+            wa[u] = live && oka ? ld_stream16(pa + p * 64) : zero4;
+            wb[u] = live && okb ? ld_stream16(pb + p * 64) : zero4;
         }
 #pragma unroll
         for (int u = 0; u < TMMA_UNROLL; ++u) {

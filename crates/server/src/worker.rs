@@ -48,6 +48,15 @@ const INTERLEAVE_BUDGET_S: f64 = 0.12;
 const INTERLEAVE_FIRST: usize = 256;
 const INTERLEAVE_MIN: usize = 64;
 
+/// Whether a prefill chunk is cut to the interleave budget: while at least as many jobs
+/// generate as wait for their prompt. A burst of new prompts (most jobs prefilling) takes
+/// whole chunks instead: each of them waits for its first token, and small chunks would
+/// make all of them wait longer (8 prompts at once on an H200: TTFT p50 6.9 s with small
+/// chunks, 3.1 s with whole ones) for the sake of a stream or two.
+fn interleave_wanted(generating: usize, prefilling: usize) -> bool {
+    generating > 0 && generating >= prefilling
+}
+
 /// Tokens of an interleaved prefill chunk for `secs_per_token` measured (None: not yet),
 /// at most `preferred` (the engine's chunk).
 fn interleave_chunk(secs_per_token: Option<f64>, preferred: usize) -> usize {
@@ -597,6 +606,15 @@ impl Worker {
 #[cfg(test)]
 mod interleave_tests {
     use super::*;
+
+    #[test]
+    fn chunks_are_cut_while_the_generating_jobs_are_not_outnumbered() {
+        assert!(!interleave_wanted(0, 1), "nothing generates: whole chunks");
+        assert!(interleave_wanted(7, 1), "a long prompt beside 7 streams");
+        assert!(interleave_wanted(1, 1));
+        assert!(!interleave_wanted(1, 7), "a burst of new prompts");
+        assert!(!interleave_wanted(3, 4));
+    }
 
     #[test]
     fn an_interleaved_chunk_fits_the_budget_at_the_measured_rate() {

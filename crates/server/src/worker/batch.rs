@@ -80,8 +80,13 @@ impl Worker {
                     .find(|&i| i >= next_prefill)
                     .unwrap_or(prefilling[0]);
                 next_prefill = pick + 1;
-                // Others generating: a chunk short enough not to stall their next token.
-                self.interleave = active.iter().any(|a| matches!(a.phase, Phase::Decode(_)));
+                // Others generating: a chunk short enough not to stall their next token
+                // (unless new prompts outnumber them, see `interleave_wanted`).
+                let generating = active
+                    .iter()
+                    .filter(|a| matches!(a.phase, Phase::Decode(_)))
+                    .count();
+                self.interleave = super::interleave_wanted(generating, prefilling.len());
                 self.guarded(&mut active[pick], Self::prefill_job);
                 self.interleave = false;
             }
