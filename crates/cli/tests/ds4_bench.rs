@@ -158,6 +158,35 @@ fn rows_adds_a_multi_row_step_row_per_frontier() {
 }
 
 #[test]
+fn sessions_adds_a_batched_decode_row_per_frontier() {
+    let flags = [&TWO_FRONTIERS[..], &["-n", "4", "--sessions", "3"]].concat();
+    let lines = bench_csv("sessions", &flags);
+    assert_eq!(lines[0], HEADER);
+    assert_eq!(lines.len(), 1 + 2 * 2, "{lines:?}");
+    for pair in lines[1..].chunks(2) {
+        let (plain, batch) = (fields(&pair[0]), fields(&pair[1]));
+        assert_eq!(plain[0], batch[0], "same frontier: {pair:?}");
+        // 4 steps of 3 sessions: 12 tokens, 3 rows and 3 tokens a step.
+        assert_eq!((batch[3], batch[6], batch[8]), (12.0, 3.0, 3.0), "{pair:?}");
+        let rate = 3.0 * 1e3 / batch[7].max(1e-3);
+        assert!(
+            (rate - batch[9]).abs() < 0.05 * rate,
+            "tokens/s = rows / step time: {pair:?}"
+        );
+        assert_eq!(plain[1..3], batch[1..3]);
+    }
+    // Out of range: a usage error before the model loads.
+    let o = Command::new(DS4_BENCH)
+        .arg("-m")
+        .arg(model())
+        .args(["--sessions", "17"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o.stderr).contains("--sessions must be 1..=16"));
+}
+
+#[test]
 fn plots_a_csv_with_a_rows_series() {
     let rows = "2048,2048,4329.64,64,127.70,52184460,1,7.831,1.000,127.70\n2048,2048,4329.64,66,300.10,52184460,3,9.997,3.000,300.10\n";
     let (_, s) = chart_of("plot-rows", HEADER, rows);

@@ -258,6 +258,14 @@ pub fn plan_device_map(
     Ok(stages)
 }
 
+/// `layers a–b`, or `layer a` for a stage of one layer.
+fn layer_span(r: &std::ops::Range<usize>) -> String {
+    match r.len() {
+        1 => format!("layer {}", r.start),
+        _ => format!("layers {}–{}", r.start, r.end.saturating_sub(1)),
+    }
+}
+
 /// The startup line of a split: per stage its layers, its GPU (`gpus`: ordinal and
 /// name, in stage order) and, where it offloads, what went to host memory
 /// ([`super::Placement::describe`] on the stage's share of `free`); led by the map when
@@ -272,11 +280,7 @@ pub fn describe_split(
     let parts: Vec<String> = (stages.iter().zip(gpus).zip(free))
         .map(|((s, (d, name)), f)| {
             let r = &s.layers;
-            let mut part = format!(
-                "layers {}–{} on GPU {d} ({name})",
-                r.start,
-                r.end.saturating_sub(1)
-            );
+            let mut part = format!("{} on GPU {d} ({name})", layer_span(r));
             if s.placement.offloads() {
                 part += &format!(" with {}", s.placement.describe(&needs.stage(r), *f));
             }

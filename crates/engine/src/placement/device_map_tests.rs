@@ -396,3 +396,9 @@ fn a_map_of_the_automatic_ranges_plans_as_the_automatic_split() {
     assert_eq!(mapped, auto);
     assert!(mapped[0].placement.offloaded_layers() > 0);
 }
+
+#[test]
+fn a_one_layer_stage_reads_layer_n() {
+    assert_eq!(layer_span(&(0..1)), "layer 0");
+    assert_eq!(layer_span(&(3..6)), "layers 3–5");
+}
