@@ -851,14 +851,32 @@ impl Launcher<'_> {
             (_, 2) => "matvec_q8_0_q8_t16r2",
             _ => "matvec_q8_0_q8_t16r4",
         };
-        let f = self.func(name)?;
         let rows_per_block = ROWS_PER_BLOCK / ks * r;
+        let grid = (
+            (m.rows as u32).div_ceil(rows_per_block),
+            bt.n_groups.max(1) as u32,
+        );
+        self.launch_q8_tokens(name, grid, m, xq, y, bt, sel, ks)
+    }
+
+    /// Launches a multi-token Q8_0 kernel (`matvec_q8_0_q8_t{T}r{R}`, or
+    /// `matvec_q8_0_q8_mma8/16`: the same parameters) over `grid` blocks of
+    /// ROWS_PER_BLOCK warps, `ks` warps a row (or a row tile).
+    #[allow(clippy::too_many_arguments)]
+    fn launch_q8_tokens(
+        &self,
+        name: &'static str,
+        (blocks, groups): (u32, u32),
+        m: &DeviceMatrix,
+        xq: &QuantAct,
+        y: u64,
+        bt: Batch,
+        sel: MatSel,
+        ks: u32,
+    ) -> Result<(), CudaError> {
+        let f = self.func(name)?;
         let cfg = LaunchConfig {
-            grid_dim: (
-                (m.rows as u32).div_ceil(rows_per_block),
-                bt.n_groups.max(1) as u32,
-                1,
-            ),
+            grid_dim: (blocks, groups, 1),
             block_dim: (32, ROWS_PER_BLOCK, 1),
             shared_mem_bytes: 0,
         };
@@ -870,7 +888,8 @@ impl Launcher<'_> {
         let mut b = self.launch_stream().launch_builder(&f);
         push_weights(&mut b, m.ty, &p, &strides, &grid);
         let (xq_p, xd_p) = (self.ptr(&xq.q), self.ptr(&xq.d));
-        let (rows, cols, ks_arg, n_arg) = (m.rows as i32, m.cols as i32, ks as i32, n_tok as i32);
+        let (rows, cols, ks_arg) = (m.rows as i32, m.cols as i32, ks as i32);
+        let n_arg = bt.n_tok as i32;
         b.arg(&xq_p)
             .arg(&xd_p)
             .arg(&y)
@@ -881,9 +900,10 @@ impl Launcher<'_> {
             .arg(&n_arg)
             .arg(&gx)
             .arg(&gy);
-        // SAFETY: argument order matches Q8_TOK_KERNEL in matvec_q8act.cu; xq holds
-        // n_tok rows at sel.x_stride (checked by the caller), y n_tok rows at
-        // sel.y_stride of m.rows floats (caller).
+        // SAFETY: argument order matches Q8_TOK_KERNEL in matvec_q8act.cu and
+        // Q8_MMA_KERNEL in mma_tokens.cu (the same list); xq holds n_tok rows at
+        // sel.x_stride (checked by the caller), y n_tok rows at sel.y_stride of m.rows
+        // floats (caller).
         unsafe { self.launch_timed(name, &mut b, cfg) }?;
         Ok(())
     }
@@ -913,35 +933,8 @@ impl Launcher<'_> {
             .next_power_of_two()
             .min(8) as u32;
         let tiles_per_block = ROWS_PER_BLOCK / ks;
-        let f = self.func(name)?;
-        let cfg = LaunchConfig {
-            grid_dim: ((tiles as u32).div_ceil(tiles_per_block), groups as u32, 1),
-            block_dim: (32, ROWS_PER_BLOCK, 1),
-            shared_mem_bytes: 0,
-        };
-        let elems = (m.rows * m.cols) as i64;
-        let (gx, gy) = (bt.x_grp as i64, bt.y_grp as i64);
-        let p: Vec<u64> = m.parts.iter().map(|b| b.ptr(self)).collect();
-        let strides = (elems, elems / 32);
-        let grid = 0u64;
-        let mut b = self.launch_stream().launch_builder(&f);
-        push_weights(&mut b, m.ty, &p, &strides, &grid);
-        let (xq_p, xd_p) = (self.ptr(&xq.q), self.ptr(&xq.d));
-        let (rows, cols, ks_arg, n_arg) = (m.rows as i32, m.cols as i32, ks as i32, n_tok as i32);
-        b.arg(&xq_p)
-            .arg(&xd_p)
-            .arg(&y)
-            .arg(&rows)
-            .arg(&cols)
-            .arg(&sel)
-            .arg(&ks_arg)
-            .arg(&n_arg)
-            .arg(&gx)
-            .arg(&gy);
-        // SAFETY: argument order matches Q8_MMA_KERNEL in mma_tokens.cu (Q8_TOK_KERNEL's);
-        // extents as matvec_q8_tokens (the caller's checks).
-        unsafe { self.launch_timed(name, &mut b, cfg) }?;
-        Ok(())
+        let grid = ((tiles as u32).div_ceil(tiles_per_block), groups as u32);
+        self.launch_q8_tokens(name, grid, m, xq, y, bt, sel, ks)
     }
 }
 

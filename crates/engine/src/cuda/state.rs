@@ -750,6 +750,39 @@ fn head_logits(
     Ok(())
 }
 
+/// The output head of the first `n` rows of a multi-row pass over `work` (a multi-row
+/// step, a batched step over sessions): each row's stream collapse into `hx`
+/// (`[n][n_embd]`), then one product of the output matrix over every row into `logits`
+/// (one pass over its weights).
+fn head_rows(
+    g: &Launcher,
+    w: &CudaWeights,
+    numerics: Numerics,
+    work: &mut Work,
+    (hx, logits): (&DeviceBuf<f32>, &DeviceBuf<f32>),
+    n: usize,
+) -> Result<()> {
+    let c = &w.config;
+    let (hx, h) = (g.ptr(hx), g.ptr(&work.s.h));
+    let row = (c.n_hc * c.n_embd * 4) as u64;
+    for r in 0..n {
+        let out = hx + (r * c.n_embd * 4) as u64;
+        head_collapse(g, w, &work.s, h + r as u64 * row, w.head(), out)?;
+    }
+    let fast = numerics == Numerics::Fast;
+    mv(
+        g,
+        &w.output,
+        hx,
+        &mut work.q8.embd,
+        false,
+        g.ptr(logits),
+        n,
+        fast,
+    )?;
+    Ok(())
+}
+
 /// The head's stream collapse of one token's HC state `h` (`hc`, then the final norm
 /// `norm`) into the `n_embd` floats at `out`, through `s`'s mix and tmp buffers.
 fn head_collapse(
@@ -775,12 +808,13 @@ fn head_collapse(
 }
 
 impl Scratch {
-    /// Writes one (position, token) record per row (a batched step over several
-    /// sessions: each row at its own session's position).
-    fn write_rows(&mut self, g: &Gpu, rows: &[(usize, u32)]) -> Result<()> {
+    /// Writes one (position, token) record per row into the step buffer, which the
+    /// layer kernels read (a batched step over several sessions: each row at its own
+    /// session's position).
+    fn write_rows(&mut self, g: &Gpu, rows: impl IntoIterator<Item = (usize, u32)>) -> Result<()> {
         let steps: Vec<i32> = rows
-            .iter()
-            .flat_map(|&(pos, t)| [pos as i32, t as i32])
+            .into_iter()
+            .flat_map(|(pos, t)| [pos as i32, t as i32])
             .collect();
         let mut view = self.step.slice_mut(0..steps.len());
         g.stream()
@@ -789,19 +823,9 @@ impl Scratch {
         Ok(())
     }
 
-    /// Writes the (position, token) records of `tokens` at positions `n0..` into the
-    /// step buffer, which the layer kernels read.
+    /// The records of `tokens` at positions `n0..` (one sequence).
     fn write_steps(&mut self, g: &Gpu, n0: usize, tokens: &[u32]) -> Result<()> {
-        let steps: Vec<i32> = tokens
-            .iter()
-            .enumerate()
-            .flat_map(|(i, &t)| [(n0 + i) as i32, t as i32])
-            .collect();
-        let mut view = self.step.slice_mut(0..steps.len());
-        g.stream()
-            .memcpy_htod(&steps, &mut view)
-            .map_err(CudaError::from)?;
-        Ok(())
+        self.write_rows(g, (n0..).zip(tokens.iter().copied()))
     }
 }
 

@@ -21,8 +21,8 @@
 
 use ds4_cuda::{kvt, CudaError, DecodePlan, DeviceBuf, TokenGraph};
 
-use super::layers::{mv, KvView};
-use super::{head_collapse, DeviceState, Work};
+use super::layers::KvView;
+use super::{head_rows, DeviceState, Work};
 use crate::backend::MAX_ROWS;
 use crate::cuda::weights::CudaWeights;
 use crate::error::{EngineError, Result};
@@ -160,12 +160,11 @@ pub(crate) fn decode_batch(
             .map_err(CudaError::from)?;
         bs.table_host = table;
     }
-    let rows: Vec<(usize, u32)> = states
+    let rows = states
         .iter()
         .map(|s| s.n_tokens)
-        .zip(tokens.iter().copied())
-        .collect();
-    bs.work.s.write_rows(g, &rows)?;
+        .zip(tokens.iter().copied());
+    bs.work.s.write_rows(g, rows)?;
 
     let plan = states[0].plan;
     let kv = KvView {
@@ -209,7 +208,7 @@ pub(crate) fn decode_batch(
 }
 
 /// Every launch of a `b`-row batched step: the layers over the KV tables, then the head
-/// of every row (the stream collapse per row, one product of the output matrix).
+/// of every row.
 fn enqueue(
     w: &CudaWeights,
     numerics: Numerics,
@@ -218,26 +217,6 @@ fn enqueue(
     b: usize,
 ) -> Result<()> {
     let g = &w.gpu.launcher(kv.plan);
-    let c = &w.config;
     kv.enqueue(w, numerics, &mut bs.work, b)?;
-    let hx = g.ptr(&bs.hx);
-    let row = (c.n_hc * c.n_embd * 4) as u64;
-    for r in 0..b {
-        let out = hx + (r * c.n_embd * 4) as u64;
-        let h = g.ptr(&bs.work.s.h) + r as u64 * row;
-        head_collapse(g, w, &bs.work.s, h, w.head(), out)?;
-    }
-    let fast = numerics == Numerics::Fast;
-    let logits = g.ptr(&bs.logits);
-    mv(
-        g,
-        &w.output,
-        hx,
-        &mut bs.work.q8.embd,
-        false,
-        logits,
-        b,
-        fast,
-    )?;
-    Ok(())
+    head_rows(g, w, numerics, &mut bs.work, (&bs.hx, &bs.logits), b)
 }

@@ -20,8 +20,8 @@
 
 use ds4_cuda::{DeviceBuf, TokenGraph};
 
-use super::layers::{mv, KvView};
-use super::{head_collapse, DeviceState, Work};
+use super::layers::KvView;
+use super::{head_rows, DeviceState, Work};
 use crate::backend::MAX_ROWS;
 use crate::cuda::weights::CudaWeights;
 use crate::error::Result;
@@ -232,7 +232,6 @@ impl DeviceState {
         head: bool,
     ) -> Result<()> {
         let g = &w.gpu.launcher(self.plan);
-        let c = &w.config;
         let step = g.ptr(&rs.work.s.step);
         g.rows_undo(g.ptr(&rs.items), rs.n_items, step, (0, n), false)?;
         let kv = KvView {
@@ -245,24 +244,7 @@ impl DeviceState {
         }
         // The head of each row: the stream collapse per row, then one product of the
         // output matrix over every row (one pass over its weights).
-        let hx = g.ptr(&rs.hx);
-        for r in 0..n {
-            let out = hx + (r * c.n_embd * 4) as u64;
-            head_collapse(g, w, &rs.work.s, rs.hc_row(w, r), w.head(), out)?;
-        }
-        let q8 = &mut rs.work.q8;
-        let fast = numerics == Numerics::Fast;
-        mv(
-            g,
-            &w.output,
-            hx,
-            &mut q8.embd,
-            false,
-            g.ptr(&rs.logits),
-            n,
-            fast,
-        )?;
-        Ok(())
+        head_rows(g, w, numerics, &mut rs.work, (&rs.hx, &rs.logits), n)
     }
 
     /// Keeps the first `accepted` rows of the pending step (see the module doc); the
