@@ -13,13 +13,14 @@
 // over blocks differs from the dp4a kernels (gpu-selftest: against them, f32 bound).
 //
 // Layout: warp tile = 16 rows; `ks` warps of a block split a tile's pairs of blocks
-// and sum through shared memory; 8 warps a block. Lane (g = lane / 4, q = lane % 4)
+// and sum through shared memory; 8 warps a block, or ks (up to 16) where ks > 8. Lane (g = lane / 4, q = lane % 4)
 // feeds rows g and g + 8 and token g; the mma's k order is a permutation of the
 // block's (the same for weights and activations), which a dot product does not see.
 // Accumulator c[j]: row g (+8 for j ≥ 2), token 2q + (j & 1) of the 8-token tile.
 #include "common.cuh"
 
 #define TMMA_UNROLL 4
+#define MMA_TOKENS_MAX_KS 16  // ops.rs MMA_TOKENS_MAX_KS
 
 __device__ __forceinline__ void tmma_s8(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
                                         u32 b1) {
@@ -45,7 +46,7 @@ __device__ __forceinline__ void matvec_q8_0_q8_mma_body(
     const i8* __restrict__ qs, const u16* __restrict__ dw, i64 mat_q, i64 mat_d,
     const i8* __restrict__ xq, const float* __restrict__ xd, float* __restrict__ y, int rows,
     int cols, MatSel sel, int ks, int n_tok, i64 gx, i64 gy) {
-    __shared__ float red[ROWS_PER_BLOCK][16][8 * NT];
+    __shared__ float red[MMA_TOKENS_MAX_KS][16][8 * NT];  // a block has ≤ 16 warps
     const int grp = blockIdx.y;
     qs += grp * mat_q;
     dw += grp * mat_d;
@@ -103,6 +104,18 @@ __device__ __forceinline__ void matvec_q8_0_q8_mma_body(
             const u32 ta1 = __shfl_xor_sync(0xffffffffu, wa[u].w, 2);
             const u32 tb0 = __shfl_xor_sync(0xffffffffu, wb[u].z, 2);
             const u32 tb1 = __shfl_xor_sync(0xffffffffu, wb[u].w, 2);
+            // The pair's two weight scales of each row and two activation scales of each
+            // token in one load apiece (cols and the token stride are multiples of 64).
+            const u32 sa2 = oka ? *reinterpret_cast<const u32*>(da + 2 * p) : 0u;
+            const u32 sb2 = okb ? *reinterpret_cast<const u32*>(db + 2 * p) : 0u;
+            float2 xs2[NT][2];
+#pragma unroll
+            for (int t = 0; t < NT; ++t)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    xs2[t][e] = tc[t][e] < n_tok
+                        ? *reinterpret_cast<const float2*>(xd + tc[t][e] * (xs / 32) + 2 * p)
+                        : make_float2(0.f, 0.f);
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 const int b = 2 * p + j;
@@ -110,8 +123,9 @@ __device__ __forceinline__ void matvec_q8_0_q8_mma_body(
                 const bool own = (j == 0) == first;
                 const uint2 a = own ? make_uint2(wa[u].x, wa[u].y) : make_uint2(ta0, ta1);
                 const uint2 c8 = own ? make_uint2(wb[u].x, wb[u].y) : make_uint2(tb0, tb1);
-                const float sa = oka ? h2f(da[b]) : 0.f;
-                const float sb = okb ? h2f(db[b]) : 0.f;
+                // (A missing row's scales are 0: its loads were skipped.)
+                const float sa = h2f((u16)(j == 0 ? sa2 & 0xffffu : sa2 >> 16));
+                const float sb = h2f((u16)(j == 0 ? sb2 & 0xffffu : sb2 >> 16));
                 const int o = j == 0 ? o0 : o1;
 #pragma unroll
                 for (int t = 0; t < NT; ++t) {
@@ -119,8 +133,8 @@ __device__ __forceinline__ void matvec_q8_0_q8_mma_body(
                         ? *reinterpret_cast<const uint2*>(px[t] + b * 32 + o) : zero;
                     int c[4] = {0, 0, 0, 0};
                     tmma_s8(c, a.x, c8.x, a.y, c8.y, x.x, x.y);
-                    const float x0 = tc[t][0] < n_tok ? xd[tc[t][0] * (xs / 32) + b] : 0.f;
-                    const float x1 = tc[t][1] < n_tok ? xd[tc[t][1] * (xs / 32) + b] : 0.f;
+                    const float x0 = j == 0 ? xs2[t][0].x : xs2[t][0].y;
+                    const float x1 = j == 0 ? xs2[t][1].x : xs2[t][1].y;
                     // As q8_block_dot: (weight scale · activation scale) · integer sum.
                     acc[t][0] += (sa * x0) * (float)c[0];
                     acc[t][1] += (sa * x1) * (float)c[1];
@@ -163,7 +177,7 @@ __device__ __forceinline__ void matvec_q8_0_q8_mma_body(
 }
 
 #define Q8_MMA_KERNEL(NAME, NT)                                                             \
-    extern "C" __global__ void __launch_bounds__(256) NAME(                                 \
+    extern "C" __global__ void __launch_bounds__(512) NAME(                                 \
         const i8* __restrict__ qs, const u16* __restrict__ dw, i64 mat_q, i64 mat_d,       \
         const i8* __restrict__ xq, const float* __restrict__ xd, float* __restrict__ y,    \
         int rows, int cols, MatSel sel, int ks, int n_tok, i64 gx, i64 gy) {               \

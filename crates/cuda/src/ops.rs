@@ -50,11 +50,20 @@ use crate::consts::{EXP_ROWS_PER_WARP, IQ2_RX_STEPS, Q8_ROWS_PER_WARP, ROWS_PER_
 fn iq2_rx_units(kernel: &str) -> (usize, usize) {
     match kernel {
         "probe_iq2_rxp4" => (4, 1),
-        "matvec_iq2_xxs_q8_rxp" | "matvec_iq2_xxs_q8_rxtp" => (2, 2),
+        "matvec_iq2_xxs_q8_rxp" | "matvec_iq2_xxs_q8_rxtp" | "matvec_iq2_xxs_q8_rxtl" => (2, 2),
         k if k.starts_with("probe_iq2_rxp_") => (2, 2),
         _ => (EXP_ROWS_PER_WARP as usize, 2),
     }
 }
+
+/// Fewest expert pairs (selections) of a launch that take the 32-copy IQ2_XXS tables
+/// (`iq2_lut32`): their 48 KB a block are filled before the PDL wait, and a decode
+/// token's 6 pairs measured no gain from conflict-free lookups (NOTES.md, session 10).
+const IQ2_LUT32_MIN_PAIRS: usize = 12;
+
+/// Dynamic shared memory of `matvec_iq2_xxs_q8_rxtl`: its 48 KB of tables and up to
+/// 32 KB to reach a 32 KB boundary (IQ2_LUT32_SMEM in matvec_q8act.cu).
+const IQ2_LUT32_SMEM: usize = 384 * 32 * 4 + 32768;
 
 /// `DS4_CUDA_EXP_PER_SM=N` (1–16): blocks per SM of the register-activation expert
 /// kernels instead of their tuned count, for timing batched steps (whose warps walk
@@ -655,7 +664,12 @@ impl Launcher<'_> {
             Some(k) => k,
             None if iq2_shape && self.on(Variant::Iq2Rx) => {
                 if self.on(Variant::Iq2Tab) {
-                    if self.on(Variant::Iq2Pipe) {
+                    if self.on(Variant::Iq2Pipe)
+                        && self.on(Variant::Iq2Lut32)
+                        && n_sel >= IQ2_LUT32_MIN_PAIRS
+                    {
+                        "matvec_iq2_xxs_q8_rxtl"
+                    } else if self.on(Variant::Iq2Pipe) {
                         "matvec_iq2_xxs_q8_rxtp"
                     } else {
                         "matvec_iq2_xxs_q8_rxt"
@@ -725,10 +739,16 @@ impl Launcher<'_> {
             let blocks = units
                 .div_ceil(ROWS_PER_BLOCK as usize)
                 .min(per_sm * self.info().multiprocessors.max(1) as usize);
+            let smem = if name == "matvec_iq2_xxs_q8_rxtl" {
+                self.allow_smem(name, IQ2_LUT32_SMEM)?;
+                IQ2_LUT32_SMEM as u32
+            } else {
+                0
+            };
             LaunchConfig {
                 grid_dim: (blocks as u32, 1, 1),
                 block_dim: (32, ROWS_PER_BLOCK, 1),
-                shared_mem_bytes: 0,
+                shared_mem_bytes: smem,
             }
         } else {
             LaunchConfig {
@@ -823,7 +843,14 @@ impl Launcher<'_> {
         // The tensor-core form from 8 tokens (one full tile): at 2 and 4 tokens the dp4a
         // kernels were faster (H200, 8 layers: R = 2 1.95 against 2.3 ms a step), at 8
         // and 16 sessions the tensor cores (5.4 → 5.1, 11.3 → 9.9 ms; bench/RESULTS.md v24).
-        if n_tok >= 8 && self.on(Variant::TokensMma) && m.cols.is_multiple_of(64) {
+        // (Rows and token strides of a multiple of 64 columns: the kernel reads a pair of
+        // blocks' scales in one load.)
+        if n_tok >= 8
+            && self.on(Variant::TokensMma)
+            && m.cols.is_multiple_of(64)
+            && bt.x_tok.is_multiple_of(64)
+            && bt.x_grp.is_multiple_of(64)
+        {
             return self.matvec_q8_tokens_mma(m, xq, y, bt, sel);
         }
         // The one-token choice (see matvec_q8act_launch): warps per row, then, for one
@@ -856,17 +883,18 @@ impl Launcher<'_> {
             (m.rows as u32).div_ceil(rows_per_block),
             bt.n_groups.max(1) as u32,
         );
-        self.launch_q8_tokens(name, grid, m, xq, y, bt, sel, ks)
+        self.launch_q8_tokens(name, grid, ROWS_PER_BLOCK, m, xq, y, bt, sel, ks)
     }
 
     /// Launches a multi-token Q8_0 kernel (`matvec_q8_0_q8_t{T}r{R}`, or
-    /// `matvec_q8_0_q8_mma8/16`: the same parameters) over `grid` blocks of
-    /// ROWS_PER_BLOCK warps, `ks` warps a row (or a row tile).
+    /// `matvec_q8_0_q8_mma8/16`: the same parameters) over `grid` blocks of `warps`
+    /// warps, `ks` warps a row (or a row tile).
     #[allow(clippy::too_many_arguments)]
     fn launch_q8_tokens(
         &self,
         name: &'static str,
         (blocks, groups): (u32, u32),
+        warps: u32,
         m: &DeviceMatrix,
         xq: &QuantAct,
         y: u64,
@@ -877,7 +905,7 @@ impl Launcher<'_> {
         let f = self.func(name)?;
         let cfg = LaunchConfig {
             grid_dim: (blocks, groups, 1),
-            block_dim: (32, ROWS_PER_BLOCK, 1),
+            block_dim: (32, warps, 1),
             shared_mem_bytes: 0,
         };
         let elems = (m.rows * m.cols) as i64;
@@ -910,8 +938,9 @@ impl Launcher<'_> {
 
     /// [`Launcher::matvec_q8_tokens`] on int8 tensor cores (`tokens_mma`,
     /// kernels/mma_tokens.cu; rows of a multiple of 64 columns): warp tiles of 16 rows,
-    /// split over `ks` warps where the matrix has few tiles so that ~1,024 warps stream
-    /// its weights.
+    /// split over `ks` warps where the matrix has few tiles so that enough warps stream
+    /// its weights (`mma_wide`: ~4,096 warps, up to 16 a tile in blocks of up to 16
+    /// warps; else ~1,024 warps, up to 8 a tile).
     fn matvec_q8_tokens_mma(
         &self,
         m: &DeviceMatrix,
@@ -928,15 +957,28 @@ impl Launcher<'_> {
         };
         let groups = bt.n_groups.max(1);
         let tiles = m.rows.div_ceil(16);
-        let ks = (1024 / (tiles * groups).max(1))
-            .clamp(1, 8)
+        // ncu (H200, a batched step of 8 sessions): at ~1,024 warps the grouped output
+        // projection and wo_b ran one 8-warp block an SM, long-scoreboard stalls 7.7
+        // cycles an instruction, 0.87 TB/s.
+        let (target, max_ks) = if self.on(Variant::MmaWide) {
+            (4096, MMA_TOKENS_MAX_KS)
+        } else {
+            (1024, ROWS_PER_BLOCK as usize)
+        };
+        let ks = (target / (tiles * groups).max(1))
+            .clamp(1, max_ks)
             .next_power_of_two()
-            .min(8) as u32;
-        let tiles_per_block = ROWS_PER_BLOCK / ks;
+            .min(max_ks) as u32;
+        let warps = ks.max(ROWS_PER_BLOCK);
+        let tiles_per_block = warps / ks;
         let grid = ((tiles as u32).div_ceil(tiles_per_block), groups as u32);
-        self.launch_q8_tokens(name, grid, m, xq, y, bt, sel, ks)
+        self.launch_q8_tokens(name, grid, warps, m, xq, y, bt, sel, ks)
     }
 }
+
+/// Most warps a row tile of the tensor-core multi-token kernels (and warps a block:
+/// their reduction buffer, `red` in mma_tokens.cu, has this many rows).
+const MMA_TOKENS_MAX_KS: usize = 16;
 
 /// Most tokens of one [`Launcher::matvec_q8act`] call that share a pass over a plain
 /// Q8_0 matrix (the multi-row step's rows; more take the GEMMs).

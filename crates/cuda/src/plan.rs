@@ -87,7 +87,9 @@ variants! {
     Tokens = "tokens", true, "A multi-row step's plain Q8_0 (int8 activations) and F16 products read each weight block once for all their tokens (matvec_q8_0_q8_t*, matvec_f16_t*), not once per token.";
     AttMmaSplit = "att_mma_split", true, "A multi-row step's attention in the fast numerics on tensor cores, each token's rows split over chunks (attention_split_mma), not on the FMA pipes (attention_split_early).";
     OutaEarly = "outa_early", true, "The attention's grouped output projection through the early-load Q8_0 kernels (constant ids).";
+    Iq2Lut32 = "iq2_lut32", true, "With iq2_tab and iq2_pipe: the IQ2_XXS lookups in 32 interleaved copies of the tables, one bank per lane (matvec_iq2_xxs_q8_rxtl), for launches of 12 or more expert pairs (a multi-row or batched step).";
     TokensMma = "tokens_mma", true, "With tokens: a step's plain and grouped Q8_0 products of 8 to 16 tokens (a batched step over sessions, a long multi-row step) on int8 tensor cores (matvec_q8_0_q8_mma8/16), not the dp4a kernels (matvec_q8_0_q8_t*).";
+    MmaWide = "mma_wide", true, "With tokens_mma: ~4,096 warps a product, a row tile split over up to 16 warps (blocks of up to 16 warps), not ~1,024 warps and up to 8.";
 }
 
 const _: () = assert!(Variant::ALL.len() <= 64, "DecodePlan is a u64 bitset");

@@ -297,6 +297,7 @@ pub fn probe_q8_splits(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
             "probe_iq2_rxp4",
             "matvec_iq2_xxs_q8_rxt",
             "matvec_iq2_xxs_q8_rxtp",
+            "matvec_iq2_xxs_q8_rxtl",
             "probe_iq2_rx_nolut",
             "probe_iq2_rx_loads",
             "probe_iq2_rxp_nolut",

@@ -302,7 +302,8 @@ fn check_q8act_pair(gpu: &Launcher, rng: &mut Rng, m: &DeviceMatrix, ids: &[i32]
 /// bit for bit, with per-selection inputs and one shared input: IQ2_XXS at 4096 columns
 /// (`matvec_iq2_xxs_q8_rx`, `_rxe` building its tables
 /// before the PDL wait, `_rxp` and `probe_iq2_rxp4` loading the next row unit while
-/// computing one, `_rxt` / `_rxtp` with iq2_xxs_dot_tab's lookups), Q2_K
+/// computing one, `_rxt` / `_rxtp` with iq2_xxs_dot_tab's lookups, `_rxtl` with the
+/// 32-copy tables), Q2_K
 /// at 2048 (`matvec_q2_k_q8_rx`), Q8_0 with its first weight loads before the PDL wait
 /// (`matvec_q8_0_q8_early`). Other shapes have only the staged kernel.
 fn check_kernel_variants(
@@ -322,6 +323,7 @@ fn check_kernel_variants(
                 "probe_iq2_rxp4",
                 "matvec_iq2_xxs_q8_rxt",
                 "matvec_iq2_xxs_q8_rxtp",
+                "matvec_iq2_xxs_q8_rxtl",
             ],
         ),
         (GgmlType::Q2_K, 2048) => ("matvec_q2_k_q8", &["matvec_q2_k_q8_rx"]),

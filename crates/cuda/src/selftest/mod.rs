@@ -54,6 +54,7 @@ pub const CHECKS: &[KernelCheck] = &[
             Variant::Iq2Early,
             Variant::Iq2Tab,
             Variant::Iq2Pipe,
+            Variant::Iq2Lut32,
             Variant::Q2kRx,
             Variant::Q8Early,
             Variant::SharedPair,
@@ -73,7 +74,7 @@ pub const CHECKS: &[KernelCheck] = &[
     check("f16_early", &[Variant::F16Early], variants::check_f16_early),
     check(
         "tokens",
-        &[Variant::Tokens, Variant::TokensMma],
+        &[Variant::Tokens, Variant::TokensMma, Variant::MmaWide],
         tokens::check_tokens,
     ),
     check(
