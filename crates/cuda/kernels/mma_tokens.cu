@@ -86,55 +86,66 @@ __device__ __forceinline__ void matvec_q8_0_q8_mma_body(
     const uint4 zero4 = make_uint4(0u, 0u, 0u, 0u);
     const uint2 zero = make_uint2(0u, 0u);
     PDL_WAIT();
-    for (int p0 = split; p0 < np; p0 += TMMA_UNROLL * ks) {
-        uint4 wa[TMMA_UNROLL], wb[TMMA_UNROLL];
+    // A step of U pairs issues all its loads first — weights, their scales, the
+    // tokens' activations and scales — then computes: with the activation loads after
+    // each pair's shuffles (behind the `break` of a short last step) every pair paid an
+    // L1/L2 round trip on top of the step's DRAM one (ncu: long-scoreboard stalls 7–8
+    // cycles an instruction). U = 4 pairs for 8 tokens, 2 for 16 (registers).
+    constexpr int U = NT == 1 ? TMMA_UNROLL : TMMA_UNROLL / 2;
+    for (int p0 = split; p0 < np; p0 += U * ks) {
+        uint4 wa[U], wb[U];
+        u32 sa2[U], sb2[U];
+        float2 xs2[U][NT][2];
+        uint2 xv[U][NT][2];
 #pragma unroll
-        for (int u = 0; u < TMMA_UNROLL; ++u) {
+        for (int u = 0; u < U; ++u) {
             const int p = p0 + u * ks;
             const bool live = p < np;
             wa[u] = live && oka ? ld_stream16(pa + p * 64) : zero4;
             wb[u] = live && okb ? ld_stream16(pb + p * 64) : zero4;
+            // The pair's two weight scales of each row and two activation scales of each
+            // token in one load apiece (cols and the token stride are multiples of 64).
+            sa2[u] = live && oka ? *reinterpret_cast<const u32*>(da + 2 * p) : 0u;
+            sb2[u] = live && okb ? *reinterpret_cast<const u32*>(db + 2 * p) : 0u;
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    xs2[u][t][e] = live && tc[t][e] < n_tok
+                        ? *reinterpret_cast<const float2*>(xd + tc[t][e] * (xs / 32) + 2 * p)
+                        : make_float2(0.f, 0.f);
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+                    xv[u][t][j] = live && okx[t]
+                        ? *reinterpret_cast<const uint2*>(px[t] + (2 * p + j) * 32 +
+                                                          (j == 0 ? o0 : o1))
+                        : zero;
+            }
         }
 #pragma unroll
-        for (int u = 0; u < TMMA_UNROLL; ++u) {
-            const int p = p0 + u * ks;
-            if (p >= np) break;
+        for (int u = 0; u < U; ++u) {
+            if (p0 + u * ks >= np) break;  // the same for every lane of the warp
             // Trade the last 8 bytes with lane q ^ 2: (own, theirs) per row.
             const u32 ta0 = __shfl_xor_sync(0xffffffffu, wa[u].z, 2);
             const u32 ta1 = __shfl_xor_sync(0xffffffffu, wa[u].w, 2);
             const u32 tb0 = __shfl_xor_sync(0xffffffffu, wb[u].z, 2);
             const u32 tb1 = __shfl_xor_sync(0xffffffffu, wb[u].w, 2);
-            // The pair's two weight scales of each row and two activation scales of each
-            // token in one load apiece (cols and the token stride are multiples of 64).
-            const u32 sa2 = oka ? *reinterpret_cast<const u32*>(da + 2 * p) : 0u;
-            const u32 sb2 = okb ? *reinterpret_cast<const u32*>(db + 2 * p) : 0u;
-            float2 xs2[NT][2];
-#pragma unroll
-            for (int t = 0; t < NT; ++t)
-#pragma unroll
-                for (int e = 0; e < 2; ++e)
-                    xs2[t][e] = tc[t][e] < n_tok
-                        ? *reinterpret_cast<const float2*>(xd + tc[t][e] * (xs / 32) + 2 * p)
-                        : make_float2(0.f, 0.f);
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
-                const int b = 2 * p + j;
                 // Block j's 8 bytes of rows g and g + 8: own for the loading lanes.
                 const bool own = (j == 0) == first;
                 const uint2 a = own ? make_uint2(wa[u].x, wa[u].y) : make_uint2(ta0, ta1);
                 const uint2 c8 = own ? make_uint2(wb[u].x, wb[u].y) : make_uint2(tb0, tb1);
                 // (A missing row's scales are 0: its loads were skipped.)
-                const float sa = h2f((u16)(j == 0 ? sa2 & 0xffffu : sa2 >> 16));
-                const float sb = h2f((u16)(j == 0 ? sb2 & 0xffffu : sb2 >> 16));
-                const int o = j == 0 ? o0 : o1;
+                const float sa = h2f((u16)(j == 0 ? sa2[u] & 0xffffu : sa2[u] >> 16));
+                const float sb = h2f((u16)(j == 0 ? sb2[u] & 0xffffu : sb2[u] >> 16));
 #pragma unroll
                 for (int t = 0; t < NT; ++t) {
-                    const uint2 x = okx[t]
-                        ? *reinterpret_cast<const uint2*>(px[t] + b * 32 + o) : zero;
+                    const uint2 x = xv[u][t][j];
                     int c[4] = {0, 0, 0, 0};
                     tmma_s8(c, a.x, c8.x, a.y, c8.y, x.x, x.y);
-                    const float x0 = j == 0 ? xs2[t][0].x : xs2[t][0].y;
-                    const float x1 = j == 0 ? xs2[t][1].x : xs2[t][1].y;
+                    const float x0 = j == 0 ? xs2[u][t][0].x : xs2[u][t][0].y;
+                    const float x1 = j == 0 ? xs2[u][t][1].x : xs2[u][t][1].y;
                     // As q8_block_dot: (weight scale · activation scale) · integer sum.
                     acc[t][0] += (sa * x0) * (float)c[0];
                     acc[t][1] += (sa * x1) * (float)c[1];

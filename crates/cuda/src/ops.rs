@@ -61,6 +61,19 @@ fn iq2_rx_units(kernel: &str) -> (usize, usize) {
 /// token's 6 pairs measured no gain from conflict-free lookups (NOTES.md, session 10).
 const IQ2_LUT32_MIN_PAIRS: usize = 12;
 
+/// `DS4_CUDA_LUT32_PAIRS=N` (1–4096): the fewest expert pairs that take the 32-copy
+/// tables instead of IQ2_LUT32_MIN_PAIRS, for timing decode (6 pairs) with them.
+fn lut32_min_pairs() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *V.get_or_init(|| {
+        std::env::var("DS4_CUDA_LUT32_PAIRS")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|n| (1..=4096).contains(n))
+            .unwrap_or(IQ2_LUT32_MIN_PAIRS)
+    })
+}
+
 /// Dynamic shared memory of `matvec_iq2_xxs_q8_rxtl`: its 48 KB of tables and up to
 /// 32 KB to reach a 32 KB boundary (IQ2_LUT32_SMEM in matvec_q8act.cu).
 const IQ2_LUT32_SMEM: usize = 384 * 32 * 4 + 32768;
@@ -666,7 +679,7 @@ impl Launcher<'_> {
                 if self.on(Variant::Iq2Tab) {
                     if self.on(Variant::Iq2Pipe)
                         && self.on(Variant::Iq2Lut32)
-                        && n_sel >= IQ2_LUT32_MIN_PAIRS
+                        && n_sel >= lut32_min_pairs()
                     {
                         "matvec_iq2_xxs_q8_rxtl"
                     } else if self.on(Variant::Iq2Pipe) {

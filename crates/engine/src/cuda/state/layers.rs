@@ -8,7 +8,7 @@ use ds4_cuda::{
 };
 use ds4_gguf::GgmlType;
 
-use super::{att_splits, comp_cap, LayerState, QuantBufs, Scratch, Work};
+use super::{att_splits, comp_cap, LayerState, QuantBufs, Scratch, Work, ATT_SPLITS_ROWS};
 use crate::backend::MAX_ROWS;
 use crate::config::Config;
 use crate::cuda::weights::{CompressorDev, CudaWeights, HcDev, LayerDev};
@@ -615,10 +615,13 @@ impl KvView<'_> {
             && g.on(Variant::AttMmaSplit)
         {
             // A multi-row step: each token's rows split over chunks on tensor cores (the
-            // FMA kernel reads every row once per 8 heads; its cost grew with the rows).
+            // FMA kernel reads every row once per 8 heads; its cost grew with the rows),
+            // fewer chunks than decode's: the tokens fill the GPU, and every chunk's
+            // partials grow with them. (Fast numerics only: the FMA path below keeps
+            // decode's chunks, so an Exact step's sums stay decode's.)
             g.attention_split_mma(
                 &att,
-                n_chunks,
+                n_chunks.min(ATT_SPLITS_ROWS),
                 p(&s.att_acc),
                 p(&s.att_ml),
                 p(&s.heads),
