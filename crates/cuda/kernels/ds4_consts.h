@@ -12,6 +12,14 @@
 #define IQ2_RX_STEPS 2 // rust: usize
 // Rows per warp of matvec_q8_0_q8_r4 (`q8_rows`).
 #define Q8_ROWS_PER_WARP 4 // rust: u32
+// The 32-copy IQ2_XXS tables of matvec_iq2_xxs_q8_rxtl (`iq2_lut32`): their words
+// (384 entries × 32 lanes) and the dynamic shared memory a block asks for (the tables
+// and up to 32 KB to reach a 32 KB boundary).
+#define IQ2_LUT32_WORDS 12288 // rust: usize
+#define IQ2_LUT32_SMEM 81920 // rust: usize
+// Most warps a row tile (and a block) of the tensor-core multi-token Q8_0 kernels
+// (mma_tokens.cu).
+#define MMA_TOKENS_MAX_KS 16 // rust: usize
 
 // Storage type codes of small dense tensors passed to the layer kernels.
 #define WT_F32 0 // rust: i32

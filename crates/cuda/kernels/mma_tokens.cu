@@ -20,7 +20,7 @@
 #include "common.cuh"
 
 #define TMMA_UNROLL 4
-#define MMA_TOKENS_MAX_KS 16  // ops.rs MMA_TOKENS_MAX_KS
+// (MMA_TOKENS_MAX_KS: ds4_consts.h.)
 
 __device__ __forceinline__ void tmma_s8(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
                                         u32 b1) {

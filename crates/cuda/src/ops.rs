@@ -41,7 +41,13 @@ unsafe impl DeviceRepr for MatSel {}
 // EXP_ROWS_PER_WARP: rows per warp of the int8 expert kernels (Q2K_RX_ROWS, the row
 // unit of matvec_q2_k_q8_rx, is the same); IQ2_RX_STEPS: steps of 32 lanes per row of
 // `matvec_iq2_xxs_q8_rx`; Q8_ROWS_PER_WARP: rows per warp of `matvec_q8_0_q8_r4`.
-use crate::consts::{EXP_ROWS_PER_WARP, IQ2_RX_STEPS, Q8_ROWS_PER_WARP, ROWS_PER_BLOCK};
+// IQ2_LUT32_SMEM: the dynamic shared memory of `matvec_iq2_xxs_q8_rxtl` (its 48 KB of
+// tables at a 32 KB boundary); MMA_TOKENS_MAX_KS: most warps a row tile and a block of
+// the tensor-core multi-token kernels.
+use crate::consts::{
+    EXP_ROWS_PER_WARP, IQ2_LUT32_SMEM, IQ2_RX_STEPS, MMA_TOKENS_MAX_KS, Q8_ROWS_PER_WARP,
+    ROWS_PER_BLOCK,
+};
 
 /// Rows per warp unit and blocks per SM of a register-activation expert kernel: units
 /// of EXP_ROWS_PER_WARP at two blocks per SM, except the pipelined IQ2_XXS kernels
@@ -73,10 +79,6 @@ fn lut32_min_pairs() -> usize {
             .unwrap_or(IQ2_LUT32_MIN_PAIRS)
     })
 }
-
-/// Dynamic shared memory of `matvec_iq2_xxs_q8_rxtl`: its 48 KB of tables and up to
-/// 32 KB to reach a 32 KB boundary (IQ2_LUT32_SMEM in matvec_q8act.cu).
-const IQ2_LUT32_SMEM: usize = 384 * 32 * 4 + 32768;
 
 /// `DS4_CUDA_EXP_PER_SM=N` (1–16): blocks per SM of the register-activation expert
 /// kernels instead of their tuned count, for timing batched steps (whose warps walk
@@ -988,10 +990,6 @@ impl Launcher<'_> {
         self.launch_q8_tokens(name, grid, warps, m, xq, y, bt, sel, ks)
     }
 }
-
-/// Most warps a row tile of the tensor-core multi-token kernels (and warps a block:
-/// their reduction buffer, `red` in mma_tokens.cu, has this many rows).
-const MMA_TOKENS_MAX_KS: usize = 16;
 
 /// Most tokens of one [`Launcher::matvec_q8act`] call that share a pass over a plain
 /// Q8_0 matrix (the multi-row step's rows; more take the GEMMs).

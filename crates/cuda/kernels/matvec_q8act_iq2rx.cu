@@ -1,0 +1,342 @@
+// The IQ2_XXS expert matvecs with their activations in registers (`iq2_rx` and the
+// variants built on it: `iq2_early`, `iq2_tab`, `iq2_pipe`, `iq2_lut32`), for rows of
+// 4096 columns — the routed experts' gate and up. They share matvec_q8act.cu's IQ2
+// lookup scheme (IQ2_LUT_POS/NEG, iq2_tables, iq2_xxs_dot, iq2_xxs_dot_tab) and
+// parameter list (IQ2_MATVEC_PARAMS), and give its staged kernel's sums bit for bit
+// (gpu-selftest's expert line). build.rs concatenates the kernel files in name order,
+// so this file follows matvec_q8act.cu.
+#include "common.cuh"
+
+// The IQ2 tables with 32 interleaved copies (`iq2_lut32`): entry e of lane l is word
+// e·32 + l, so a warp's 32 lookups fall on 32 distinct banks whatever the indices. With
+// one copy a warp's random indices land ~3 to a bank: in a batched step (48 expert
+// pairs a layer) ncu counted 12.4M bank conflicts on 18.7M shared-load wavefronts and
+// short-scoreboard and MIO-throttle stalls as 3.1 of the 6.8 cycles between a warp's
+// instructions. 48 KB a block in dynamic shared memory, placed at its first 32 KB
+// boundary (the launch asks for IQ2_LUT32_SMEM: user shared memory starts after the
+// CTA's reserved 1 KB), filled from the grid before the PDL wait.
+// (IQ2_LUT32_WORDS, IQ2_LUT32_SMEM: ds4_consts.h.)
+static_assert(IQ2_LUT32_WORDS == 384 * 32, "256 code and 128 sign entries, 32 copies");
+static_assert(IQ2_LUT32_SMEM >= IQ2_LUT32_WORDS * 4 + 32768 - 16,
+              "the tables at the first 32 KB boundary of 16-byte aligned dynamic memory");
+__device__ __forceinline__ void iq2_tables32(u32* tab, const u64* grid_g) {
+    const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+    const int nthreads = blockDim.x * blockDim.y;
+    for (int e = tid; e < 384; e += nthreads) {
+        u32 v;
+        if (e < 256) {
+            const u64 g = grid_g[e];
+            v = 0;
+#pragma unroll
+            for (int b = 0; b < 8; ++b) {
+                const u32 q = (u32)(g >> (8 * b)) & 0xff;
+                v |= (q == 8 ? 0u : (q == 25 ? 1u : 2u)) << (4 * b);
+            }
+        } else {
+            u32 s7 = e - 256;
+            s7 |= (__popc(s7) & 1) << 7;
+            v = 0;
+#pragma unroll
+            for (int b = 0; b < 8; ++b) v |= ((s7 >> b) & 1u) << (4 * b + 2);
+        }
+        // 8 16-byte stores of the entry's 32 copies, started at a thread-dependent
+        // piece so that a warp's stores spread over the banks.
+        uint4* row = reinterpret_cast<uint4*>(tab + e * 32);
+        const uint4 v4 = make_uint4(v, v, v, v);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) row[(k + tid) & 7] = v4;
+    }
+}
+
+// The sign half of the 32-copy tables, 32 KB past the code half.
+__device__ __forceinline__ u32 lds_u32_32k(u32 addr) {
+    u32 v;
+    asm volatile("ld.shared.u32 %0, [%1+32768];" : "=r"(v) : "r"(addr));
+    return v;
+}
+
+// iq2_xxs_dot_tab on the 32-copy tables. `tl` is the table's shared address (32 KB
+// aligned) OR the lane's byte offset (lane · 4): entry e of this lane sits at tl +
+// e·128, so an index field shifted to bits 7..14 and OR-ed into tl is the address —
+// one LOP3 after at most one shift, the sign half's 32 KB in the load's immediate.
+// (Plain array indexing let the compiler turn the OR into an add, reassociate it with
+// the base and pay one IADD more per lookup.) The same products and sums as
+// iq2_xxs_dot<0>.
+__device__ __forceinline__ float iq2_xxs_dot_l32(const W4 w, u16 d, const int4 (&x)[4],
+                                                 const float (&s)[2], u32 tl) {
+    const float db = h2f(d) * 0.25f;
+    const u32 words[4] = {w.a, w.b, w.c, w.d};
+    float acc = 0.f;
+#pragma unroll
+    for (int g = 0; g < 2; ++g) {
+        const u32 idx = words[2 * g], sg = words[2 * g + 1];
+        const int4 x01 = x[2 * g], x23 = x[2 * g + 1];
+        const int xs[8] = {x01.x, x01.y, x01.z, x01.w, x23.x, x23.y, x23.z, x23.w};
+        int sumi = 0;
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            // Code byte l to bits 7..14; sign field l (bits 7l..7l+6) likewise.
+            const u32 ci = (l == 0 ? idx << 7 : idx >> (8 * l - 7)) & 0x7f80u;
+            const u32 si = (l == 0 ? sg << 7 : (l == 1 ? sg : sg >> (7 * l - 7))) & 0x3f80u;
+            const u32 sel = lds_u32(tl | ci) | lds_u32_32k(tl | si);
+            const int vlo = (int)prmt_raw(IQ2_LUT_POS, IQ2_LUT_NEG, sel);
+            const int vhi = (int)prmt_raw(IQ2_LUT_POS, IQ2_LUT_NEG, sel >> 16);
+            sumi = __dp4a(vlo, xs[2 * l], sumi);
+            sumi = __dp4a(vhi, xs[2 * l + 1], sumi);
+        }
+        acc += db * (0.5f + (float)(sg >> 28)) * s[g] * (float)sumi;
+    }
+    return acc;
+}
+
+// matvec_iq2_xxs_q8 for rows of IQ2_RX_STEPS × 32 16-byte steps (the Flash experts'
+// 4096 columns): lane l always takes steps l, l + 32, … of a row, so its activations
+// (64 int8 values and 2 scales per step) sit in registers, read once from global memory
+// per selection input: no staging, no barrier but the tables', and no shared-memory
+// reads of x, which the probes showed the staged kernel waiting on (6-expert gate, H100:
+// 17.2 µs, 11.1 without activation reads). Warps walk units of EXP_ROWS_PER_WARP
+// consecutive rows of any matrix in the launch on their own (the grid is ~2 blocks per
+// SM), all of a unit's weight loads in flight at once. The sums are
+// matvec_iq2_xxs_q8's, in the same order.
+//
+// EARLY (matvec_iq2_xxs_q8_rxe, `iq2_early`): the tables are built before the PDL wait
+// (they come from the constant grid; the plain kernel builds them after it: an L2 load
+// and a barrier on the routed experts' chain, 43 times a token). Same sums.
+// (IQ2_RX_STEPS: ds4_consts.h.)
+
+// The register-activation kernels' loads. A unit: R consecutive rows from row0 of the
+// matrix at (q, dw) (rows past the last repeat it), lane's steps lane + 32k, k < S.
+template <int R, int S>
+__device__ __forceinline__ void iq2_rx_load_rows(const u8* q, const u16* dw, int row0, int rows,
+                                                 int lane, W4 (&w)[R][S], u16 (&d)[R][S]) {
+    constexpr int nc = S * WARP;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int row = min(row0 + r, rows - 1);
+        const u8* qr = q + (i64)row * nc * 16;
+        const u16* dr = dw + (i64)row * (nc / 4);
+#pragma unroll
+        for (int k = 0; k < S; ++k) {
+            const int c = lane + k * WARP;
+            const uint4 v = ld_stream16(qr + c * 16);
+            w[r][k].a = v.x; w[r][k].b = v.y; w[r][k].c = v.z; w[r][k].d = v.w;
+            d[r][k] = dr[c >> 2];
+        }
+    }
+}
+// The lane's activations (64 int8 values and 2 scales a step) of the input at xo.
+template <int S>
+__device__ __forceinline__ void iq2_rx_load_x(const i8* xq, const float* xd, i64 xo, int lane,
+                                              int4 (&x)[S][4], float (&s)[S][2]) {
+#pragma unroll
+    for (int k = 0; k < S; ++k) {
+        const int grp = 2 * (lane + k * WARP);
+        const int4* xv = reinterpret_cast<const int4*>(xq + xo + grp * 32);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) x[k][i] = xv[i];
+        s[k][0] = xd[xo / 32 + grp];
+        s[k][1] = xd[xo / 32 + grp + 1];
+    }
+}
+
+template <bool EARLY>
+__device__ __forceinline__ void iq2_xxs_q8_rx_body(IQ2_MATVEC_PARAMS) {
+    if (!EARLY) PDL_WAIT();
+    constexpr int R = EXP_ROWS_PER_WARP, S = IQ2_RX_STEPS;
+    __shared__ u32 base_codes[256], base_signs[128];
+    iq2_tables(base_codes, base_signs, grid_g);
+    __syncthreads();
+    const u32* codes = base_codes;
+    const u32* signs = base_signs;
+    if (EARLY) PDL_WAIT();
+    (void)cols;  // S × 32 steps of 64 values (the host checks)
+    const int lane = threadIdx.x;
+    const int units_per_sel = (rows + R - 1) / R;
+    const int n_units = (qs2 != nullptr ? 2 : 1) * n_pair * units_per_sel;
+    int4 x[S][4];
+    float s[S][2];
+    i64 x_at = -1;
+    for (int u = blockIdx.x * blockDim.y + threadIdx.y; u < n_units;
+         u += gridDim.x * blockDim.y) {
+        int yi = u / units_per_sel;
+        const int row0 = (u - yi * units_per_sel) * R;
+        const u8* qm = qs;
+        const u16* dm = dw;
+        float* ym = y;
+        if (qs2 != nullptr && yi >= n_pair) {
+            yi -= n_pair;
+            qm = qs2;
+            dm = dw2;
+            ym = y2;
+        }
+        const int m = sel.ids ? sel.ids[yi] : 0;
+        W4 w[R][S];
+        u16 d[R][S];
+        iq2_rx_load_rows(qm + m * mat_q, dm + m * mat_d, row0, rows, lane, w, d);
+        const i64 xo = (i64)yi * sel.x_stride;
+        if (xo != x_at) {
+            x_at = xo;
+            iq2_rx_load_x(xq, xd, xo, lane, x, s);
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float acc = 0.f;
+#pragma unroll
+            for (int k = 0; k < S; ++k)
+                acc += iq2_xxs_dot<0>(w[r][k], d[r][k], x[k], s[k], codes, signs);
+            acc = warp_sum(acc);
+            if (lane == 0 && row0 + r < rows) ym[yi * sel.y_stride + row0 + r] = acc;
+        }
+    }
+    PDL_TRIGGER();
+}
+
+KERNEL_PAIR(__launch_bounds__(256, 2), matvec_iq2_xxs_q8_rx, matvec_iq2_xxs_q8_rxe,
+            iq2_xxs_q8_rx_body, IQ2_MATVEC_PARAMS, IQ2_MATVEC_ARGS)
+
+// The register-activation IQ2_XXS kernel with its next row unit's weights in flight
+// while the current one is computed (`iq2_pipe`): the rx kernel loads a unit, waits,
+// computes, and only then loads the next, so each warp's ~3 units a launch pay the
+// memory latency one after another, in step with every other warp of the SM. Units of
+// R rows (2 here, so that two units' loads fit the registers of 2 blocks per SM), the
+// tables built before the PDL wait as in rxe. Per row the same steps, products and
+// warp_sum as matvec_iq2_xxs_q8: the same sums.
+//
+// MODE: 0 = iq2_xxs_dot, 4 = iq2_xxs_dot_tab (same sums, fewer instructions), 5 =
+// iq2_xxs_dot_l32 (the 32-copy tables); probe.cu only: 1 = no table lookups (arithmetic
+// on the weight bits), 3 = weight loads only (outputs meaningless).
+template <int R, bool PIPE, int MODE>
+__device__ __forceinline__ void iq2_xxs_q8_rxp_body(IQ2_MATVEC_PARAMS) {
+    constexpr int S = IQ2_RX_STEPS;
+    __shared__ __align__(2048) u32 tab[MODE == 5 ? 1 : 384];  // 256 codes, 128 sign masks
+    const u32* codes = tab;
+    const u32* signs = tab + 256;
+    u32 tl = 0;  // MODE 5: the 32-copy tables' address | lane · 4
+    if constexpr (MODE == 5) {
+        extern __shared__ __align__(16) u8 iq2_l32_smem[];
+        const u32 base = ((u32)__cvta_generic_to_shared(iq2_l32_smem) + 32767u) & ~32767u;
+        u32* t32 = reinterpret_cast<u32*>(iq2_l32_smem + (base - (u32)__cvta_generic_to_shared(
+                                                                      iq2_l32_smem)));
+        iq2_tables32(t32, grid_g);
+        tl = base | (threadIdx.x * 4);
+    } else {
+        iq2_tables(tab, tab + 256, grid_g);
+    }
+    __syncthreads();
+    PDL_WAIT();
+    (void)cols;  // S × 32 steps of 64 values (the host checks)
+    const int lane = threadIdx.x;
+    const int units_per_sel = (rows + R - 1) / R;
+    const int n_units = (qs2 != nullptr ? 2 : 1) * n_pair * units_per_sel;
+    const int stride = gridDim.x * blockDim.y;
+    // Unit u = yi · ups + ru: selection yi (past n_pair: the second stack's), row unit
+    // ru. A warp walks u by `stride` and advances the quotient and remainder instead of
+    // dividing again (two signed divisions a unit were ~50 of its ~690 instructions),
+    // and reads the expert id of the unit after next a unit early, so the next unit's
+    // weight loads do not wait on it.
+    struct UnitPos {
+        int yi, ru;
+    };
+    const int ups = units_per_sel;
+    const int step_q = stride / ups, step_r = stride - step_q * ups;
+    auto advance = [&](UnitPos p) {
+        p.yi += step_q;
+        p.ru += step_r;
+        if (p.ru >= ups) {
+            p.ru -= ups;
+            ++p.yi;
+        }
+        return p;
+    };
+    auto id_of = [&](int uu, UnitPos p) -> int {
+        if (sel.ids == nullptr || uu >= n_units) return 0;
+        return sel.ids[qs2 != nullptr && p.yi >= n_pair ? p.yi - n_pair : p.yi];
+    };
+    // Issues every weight load of the unit at p (expert m) into wt, dt.
+    auto load = [&](UnitPos p, int m, W4 (&wt)[R][S], u16 (&dt)[R][S]) {
+        const bool second = qs2 != nullptr && p.yi >= n_pair;
+        const u8* qm = second ? qs2 : qs;
+        const u16* dm = second ? dw2 : dw;
+        iq2_rx_load_rows(qm + m * mat_q, dm + m * mat_d, p.ru * R, rows, lane, wt, dt);
+    };
+    int4 x[S][4];
+    float s[S][2];
+    i64 x_at = -1;
+    int u = blockIdx.x * blockDim.y + threadIdx.y;
+    UnitPos pos = {u / ups, u - (u / ups) * ups};
+    int m_cur = id_of(u, pos);
+    UnitPos next = advance(pos);
+    int m_next = id_of(u + stride, next);
+    // Unit u from (wc, dc) — loaded here unless PIPE — with PIPE the next unit's loads
+    // into (wn, dn) issued first. The loop below alternates the two buffers, so no
+    // registers are copied between units (38 moves a unit when one buffer was copied).
+    auto unit = [&](W4 (&wc)[R][S], u16 (&dc)[R][S], W4 (&wn)[R][S], u16 (&dn)[R][S]) {
+        if (!PIPE) load(pos, m_cur, wc, dc);
+        const UnitPos after = advance(next);
+        const int m_after = id_of(u + 2 * stride, after);
+        if (PIPE && u + stride < n_units) load(next, m_next, wn, dn);
+        int yi = pos.yi;
+        const int row0 = pos.ru * R;
+        float* ym = y;
+        if (qs2 != nullptr && yi >= n_pair) {
+            yi -= n_pair;
+            ym = y2;
+        }
+        pos = next;
+        next = after;
+        m_cur = m_next;
+        m_next = m_after;
+        const i64 xo = (i64)yi * sel.x_stride;
+        if (MODE != 3 && xo != x_at) {
+            x_at = xo;
+            iq2_rx_load_x(xq, xd, xo, lane, x, s);
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float acc = 0.f;
+#pragma unroll
+            for (int k = 0; k < S; ++k) {
+                if constexpr (MODE == 3)
+                    acc += (float)(wc[r][k].a ^ wc[r][k].b ^ wc[r][k].c ^ wc[r][k].d ^ dc[r][k]);
+                else if constexpr (MODE == 4)
+                    acc += iq2_xxs_dot_tab(wc[r][k], dc[r][k], x[k], s[k], tab);
+                else if constexpr (MODE == 5)
+                    acc += iq2_xxs_dot_l32(wc[r][k], dc[r][k], x[k], s[k], tl);
+                else
+                    acc += iq2_xxs_dot<MODE == 1 ? 1 : 0>(wc[r][k], dc[r][k], x[k], s[k], codes,
+                                                          signs);
+            }
+            acc = warp_sum(acc);
+            if (lane == 0 && row0 + r < rows) ym[yi * sel.y_stride + row0 + r] = acc;
+        }
+    };
+    W4 wa[R][S], wb[R][S];
+    u16 da[R][S], db[R][S];
+    if (PIPE && u < n_units) load(pos, m_cur, wa, da);
+    while (u < n_units) {
+        unit(wa, da, wb, db);
+        u += stride;
+        if (u >= n_units) break;
+        unit(wb, db, wa, da);
+        u += stride;
+    }
+    PDL_TRIGGER();
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) matvec_iq2_xxs_q8_rxp(IQ2_MATVEC_PARAMS) {
+    iq2_xxs_q8_rxp_body<2, true, 0>(IQ2_MATVEC_ARGS);
+}
+// `iq2_tab`: units of 4 rows loaded then computed (as rxe), iq2_xxs_dot_tab.
+extern "C" __global__ void __launch_bounds__(256, 2) matvec_iq2_xxs_q8_rxt(IQ2_MATVEC_PARAMS) {
+    iq2_xxs_q8_rxp_body<4, false, 4>(IQ2_MATVEC_ARGS);
+}
+// `iq2_tab` with `iq2_pipe`: pipelined units of 2 rows, iq2_xxs_dot_tab.
+extern "C" __global__ void __launch_bounds__(256, 2) matvec_iq2_xxs_q8_rxtp(IQ2_MATVEC_PARAMS) {
+    iq2_xxs_q8_rxp_body<2, true, 4>(IQ2_MATVEC_ARGS);
+}
+
+// `iq2_lut32` with `iq2_pipe`: pipelined units of 2 rows, iq2_xxs_dot_l32.
+extern "C" __global__ void __launch_bounds__(256, 2) matvec_iq2_xxs_q8_rxtl(IQ2_MATVEC_PARAMS) {
+    iq2_xxs_q8_rxp_body<2, true, 5>(IQ2_MATVEC_ARGS);
+}
+
