@@ -66,38 +66,6 @@ __device__ __forceinline__ void iq2_tables(u32* codes, u32* signs, const u64* gr
     }
 }
 
-// The products of one IQ2_XXS lane step: 16 weight bytes (groups 2c and 2c + 1 of 32,
-// super-block c >> 2, scale d as f16) against their int8 activations x (two int4 per
-// group) and activation scales s. PROBE 1 (gpu-selftest --probe-q8 only; 0 in
-// production) replaces the table lookups by arithmetic on the weight bits.
-template <int PROBE>
-__device__ __forceinline__ float iq2_xxs_dot(const W4 w, u16 d, const int4 (&x)[4],
-                                             const float (&s)[2], const u32* codes,
-                                             const u32* signs) {
-    const float db = h2f(d) * 0.25f;
-    const u32 words[4] = {w.a, w.b, w.c, w.d};
-    float acc = 0.f;
-#pragma unroll
-    for (int g = 0; g < 2; ++g) {
-        const u32 idx = words[2 * g], sg = words[2 * g + 1];
-        const int4 x01 = x[2 * g], x23 = x[2 * g + 1];
-        const int xs[8] = {x01.x, x01.y, x01.z, x01.w, x23.x, x23.y, x23.z, x23.w};
-        int sumi = 0;
-#pragma unroll
-        for (int l = 0; l < 4; ++l) {
-            const u32 sel = PROBE == 1
-                                ? ((idx >> (8 * l)) ^ (sg >> (7 * l))) & 0x33333333u
-                                : codes[(idx >> (8 * l)) & 0xff] | signs[(sg >> (7 * l)) & 127];
-            const int vlo = (int)__byte_perm(IQ2_LUT_POS, IQ2_LUT_NEG, sel);
-            const int vhi = (int)__byte_perm(IQ2_LUT_POS, IQ2_LUT_NEG, sel >> 16);
-            sumi = __dp4a(vlo, xs[2 * l], sumi);
-            sumi = __dp4a(vhi, xs[2 * l + 1], sumi);
-        }
-        acc += db * (0.5f + (float)(sg >> 28)) * s[g] * (float)sumi;
-    }
-    return acc;
-}
-
 // prmt.b32 in its default mode: unlike __byte_perm (which keeps 3 bits of each selector
 // nibble, so the compiler masks the selector), the mode bit is passed through; the IQ2
 // selectors' nibbles are at most 6, so no mask is needed.
@@ -113,14 +81,15 @@ __device__ __forceinline__ u32 lds_u32(u32 addr) {
     return v;
 }
 
-// iq2_xxs_dot with fewer integer instructions (the register-activation kernels are
-// bound by the integer pipe, not by memory: H200, 6-expert gate+up 19.4 µs, 9.2 with
-// loads only): one shared table (256 codes, then 128 sign masks) addressed as the
-// kernel's own array, so the base folds into the LDS address; raw prmt without the
-// selector masks. The same products and sums as iq2_xxs_dot<0>.
-__device__ __forceinline__ float iq2_xxs_dot_tab(const W4 w, u16 d, const int4 (&x)[4],
-                                                 const float (&s)[2], const u32 (&tab)[384]) {
-    const u32 tb = (u32)__cvta_generic_to_shared(tab);
+// The products of one IQ2_XXS lane step: 16 weight bytes (groups 2c and 2c + 1 of 32,
+// super-block c >> 2, scale d as f16) against their int8 activations x (two int4 per
+// group) and activation scales s. `sel_of(idx, sg, l)` gives entry l's byte selectors
+// (its code nibbles OR its sign masks) from a group's index word and sign word: the
+// kernels differ only in where those tables live. RAW: raw prmt (see prmt_raw) instead
+// of __byte_perm. Every form gives the same products and sums.
+template <bool RAW, typename SelOf>
+__device__ __forceinline__ float iq2_xxs_dot_sel(const W4 w, u16 d, const int4 (&x)[4],
+                                                 const float (&s)[2], SelOf sel_of) {
     const float db = h2f(d) * 0.25f;
     const u32 words[4] = {w.a, w.b, w.c, w.d};
     float acc = 0.f;
@@ -132,17 +101,49 @@ __device__ __forceinline__ float iq2_xxs_dot_tab(const W4 w, u16 d, const int4 (
         int sumi = 0;
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
-            // tb is 2 KB aligned: OR-ing the scaled index into it is one LOP3.
-            const u32 sel = lds_u32(tb | (((idx >> (8 * l)) & 0xff) << 2)) |
-                            lds_u32((tb + 1024) | (((sg >> (7 * l)) & 127) << 2));
-            const int vlo = (int)prmt_raw(IQ2_LUT_POS, IQ2_LUT_NEG, sel);
-            const int vhi = (int)prmt_raw(IQ2_LUT_POS, IQ2_LUT_NEG, sel >> 16);
+            const u32 sel = sel_of(idx, sg, l);
+            const int vlo = (int)(RAW ? prmt_raw(IQ2_LUT_POS, IQ2_LUT_NEG, sel)
+                                      : __byte_perm(IQ2_LUT_POS, IQ2_LUT_NEG, sel));
+            const int vhi = (int)(RAW ? prmt_raw(IQ2_LUT_POS, IQ2_LUT_NEG, sel >> 16)
+                                      : __byte_perm(IQ2_LUT_POS, IQ2_LUT_NEG, sel >> 16));
             sumi = __dp4a(vlo, xs[2 * l], sumi);
             sumi = __dp4a(vhi, xs[2 * l + 1], sumi);
         }
         acc += db * (0.5f + (float)(sg >> 28)) * s[g] * (float)sumi;
     }
     return acc;
+}
+
+// iq2_xxs_dot_sel on the tables built by iq2_tables. PROBE 1 (gpu-selftest --probe-q8
+// only; 0 in production) replaces the table lookups by arithmetic on the weight bits.
+template <int PROBE>
+__device__ __forceinline__ float iq2_xxs_dot(const W4 w, u16 d, const int4 (&x)[4],
+                                             const float (&s)[2], const u32* codes,
+                                             const u32* signs) {
+    return iq2_xxs_dot_sel<false>(w, d, x, s, [&](u32 idx, u32 sg, int l) -> u32 {
+        if constexpr (PROBE == 1)
+            return ((idx >> (8 * l)) ^ (sg >> (7 * l))) & 0x33333333u;
+        else
+            return codes[(idx >> (8 * l)) & 0xff] | signs[(sg >> (7 * l)) & 127];
+    });
+}
+
+// iq2_xxs_dot with fewer integer instructions (the register-activation kernels are
+// bound by the integer pipe, not by memory: H200, 6-expert gate+up 19.4 µs, 9.2 with
+// loads only): one shared table (256 codes, then 128 sign masks) addressed as the
+// kernel's own array, so the base folds into the LDS address; raw prmt without the
+// selector masks. The table sits at 0x400 + 2048k in the shared window (`__align__` is
+// relative to the start of user shared memory, after the CTA's reserved 1 KB), so tb's
+// low 10 bits and tb + 1024's low 11 are zero: OR-ing a scaled index (< 1 KB, < 512 B)
+// into them is one LOP3. gpu-selftest's bit-identical expert line catches a placement
+// that breaks this.
+__device__ __forceinline__ float iq2_xxs_dot_tab(const W4 w, u16 d, const int4 (&x)[4],
+                                                 const float (&s)[2], const u32 (&tab)[384]) {
+    const u32 tb = (u32)__cvta_generic_to_shared(tab);
+    return iq2_xxs_dot_sel<true>(w, d, x, s, [&](u32 idx, u32 sg, int l) -> u32 {
+        return lds_u32(tb | (((idx >> (8 * l)) & 0xff) << 2)) |
+               lds_u32((tb + 1024) | (((sg >> (7 * l)) & 127) << 2));
+    });
 }
 
 // One IQ2_XXS lane step of step index c against the activation staged in shared memory.

@@ -64,29 +64,12 @@ __device__ __forceinline__ u32 lds_u32_32k(u32 addr) {
 // iq2_xxs_dot<0>.
 __device__ __forceinline__ float iq2_xxs_dot_l32(const W4 w, u16 d, const int4 (&x)[4],
                                                  const float (&s)[2], u32 tl) {
-    const float db = h2f(d) * 0.25f;
-    const u32 words[4] = {w.a, w.b, w.c, w.d};
-    float acc = 0.f;
-#pragma unroll
-    for (int g = 0; g < 2; ++g) {
-        const u32 idx = words[2 * g], sg = words[2 * g + 1];
-        const int4 x01 = x[2 * g], x23 = x[2 * g + 1];
-        const int xs[8] = {x01.x, x01.y, x01.z, x01.w, x23.x, x23.y, x23.z, x23.w};
-        int sumi = 0;
-#pragma unroll
-        for (int l = 0; l < 4; ++l) {
-            // Code byte l to bits 7..14; sign field l (bits 7l..7l+6) likewise.
-            const u32 ci = (l == 0 ? idx << 7 : idx >> (8 * l - 7)) & 0x7f80u;
-            const u32 si = (l == 0 ? sg << 7 : (l == 1 ? sg : sg >> (7 * l - 7))) & 0x3f80u;
-            const u32 sel = lds_u32(tl | ci) | lds_u32_32k(tl | si);
-            const int vlo = (int)prmt_raw(IQ2_LUT_POS, IQ2_LUT_NEG, sel);
-            const int vhi = (int)prmt_raw(IQ2_LUT_POS, IQ2_LUT_NEG, sel >> 16);
-            sumi = __dp4a(vlo, xs[2 * l], sumi);
-            sumi = __dp4a(vhi, xs[2 * l + 1], sumi);
-        }
-        acc += db * (0.5f + (float)(sg >> 28)) * s[g] * (float)sumi;
-    }
-    return acc;
+    return iq2_xxs_dot_sel<true>(w, d, x, s, [&](u32 idx, u32 sg, int l) -> u32 {
+        // Code byte l to bits 7..14; sign field l (bits 7l..7l+6) likewise.
+        const u32 ci = (l == 0 ? idx << 7 : idx >> (8 * l - 7)) & 0x7f80u;
+        const u32 si = (l == 0 ? sg << 7 : (l == 1 ? sg : sg >> (7 * l - 7))) & 0x3f80u;
+        return lds_u32(tl | ci) | lds_u32_32k(tl | si);
+    });
 }
 
 // matvec_iq2_xxs_q8 for rows of IQ2_RX_STEPS × 32 16-byte steps (the Flash experts'
