@@ -63,6 +63,8 @@ pub struct Gpu {
     pub(crate) pdl: bool,
     module: Arc<CudaModule>,
     funcs: Mutex<HashMap<&'static str, CudaFunction>>,
+    /// The dynamic shared memory each kernel has been allowed so far (`allow_smem`).
+    smem_allowed: Mutex<HashMap<&'static str, usize>>,
     pub(crate) iq2_grid: CudaSlice<u64>,
     /// Matrix ids 0 and 1: the selections of a two-matrix launch (`matvec_q8act_pair`).
     pub(crate) pair_ids: CudaSlice<i32>,
@@ -169,6 +171,7 @@ impl Gpu {
             iq2_grid,
             pair_ids,
             funcs: Mutex::new(HashMap::new()),
+            smem_allowed: Mutex::new(HashMap::new()),
             info,
             profile: profile.then(Default::default),
             skip: std::env::var("DS4_CUDA_SKIP")
@@ -289,8 +292,14 @@ impl Gpu {
     }
 
     /// Lets kernel `name` use `bytes` of dynamic shared memory (beyond the default 48 KiB).
+    /// The launchers call this before every launch; the driver is asked only when the
+    /// kernel needs more than it was allowed before (the limit is a maximum).
     pub(crate) fn allow_smem(&self, name: &'static str, bytes: usize) -> Result<(), CudaError> {
         if bytes <= 48 << 10 {
+            return Ok(());
+        }
+        let mut allowed = self.smem_allowed.lock().expect("shared memory table lock");
+        if allowed.get(name).is_some_and(|&b| b >= bytes) {
             return Ok(());
         }
         let f = self.func(name)?;
@@ -298,6 +307,7 @@ impl Gpu {
             cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             bytes as i32,
         )?;
+        allowed.insert(name, bytes);
         Ok(())
     }
 

@@ -42,6 +42,20 @@ impl Batch {
             y_grp: 0,
         }
     }
+
+    /// `n_tok` tokens of `groups` matrices side by side: matrix g reads columns
+    /// g·cols… of a token's `groups`·cols inputs and writes rows g·rows… of its
+    /// `groups`·rows outputs (the attention's grouped output projection).
+    pub fn grouped(n_tok: usize, groups: usize, cols: usize, rows: usize) -> Batch {
+        Batch {
+            n_tok,
+            x_tok: groups * cols,
+            y_tok: groups * rows,
+            n_groups: groups,
+            x_grp: cols,
+            y_grp: rows,
+        }
+    }
 }
 
 /// Pairs per work item of the expert GEMM (EXP tile N in matmul.cu).

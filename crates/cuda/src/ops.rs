@@ -71,13 +71,16 @@ const IQ2_LUT32_MIN_PAIRS: usize = 12;
 /// tables instead of IQ2_LUT32_MIN_PAIRS, for timing decode (6 pairs) with them.
 fn lut32_min_pairs() -> usize {
     static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *V.get_or_init(|| {
-        std::env::var("DS4_CUDA_LUT32_PAIRS")
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok())
-            .filter(|n| (1..=4096).contains(n))
-            .unwrap_or(IQ2_LUT32_MIN_PAIRS)
-    })
+    *V.get_or_init(|| env_count("DS4_CUDA_LUT32_PAIRS", 1..=4096).unwrap_or(IQ2_LUT32_MIN_PAIRS))
+}
+
+/// The timing knob `var` as a count within `range` (unset, unparsable or outside it:
+/// None, so the tuned value stays).
+fn env_count(var: &str, range: std::ops::RangeInclusive<usize>) -> Option<usize> {
+    std::env::var(var)
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|n| range.contains(n))
 }
 
 /// `DS4_CUDA_EXP_PER_SM=N` (1–16): blocks per SM of the register-activation expert
@@ -85,12 +88,7 @@ fn lut32_min_pairs() -> usize {
 /// many more row units than a decode token's).
 fn exp_blocks_per_sm() -> Option<usize> {
     static V: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    *V.get_or_init(|| {
-        std::env::var("DS4_CUDA_EXP_PER_SM")
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok())
-            .filter(|n| (1..=16).contains(n))
-    })
+    *V.get_or_init(|| env_count("DS4_CUDA_EXP_PER_SM", 1..=16))
 }
 
 /// Warps per row (1, 2, 4 or 8: divides ROWS_PER_BLOCK) for a product of `rows` rows

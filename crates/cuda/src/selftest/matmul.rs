@@ -260,13 +260,11 @@ impl Dense {
 
 /// Layout of a dense check: groups side by side, optionally padded token strides.
 fn layout(rows: usize, cols: usize, n_tok: usize, groups: usize, pad: bool) -> Batch {
+    let b = Batch::grouped(n_tok, groups, cols, rows);
     Batch {
-        n_tok,
-        x_tok: groups * cols + if pad { 256 } else { 0 },
-        y_tok: groups * rows + if pad { 3 } else { 0 },
-        n_groups: groups,
-        x_grp: cols,
-        y_grp: rows,
+        x_tok: b.x_tok + if pad { 256 } else { 0 },
+        y_tok: b.y_tok + if pad { 3 } else { 0 },
+        ..b
     }
 }
 

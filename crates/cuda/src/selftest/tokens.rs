@@ -129,14 +129,7 @@ fn check_groups(gpu: &Launcher, rng: &mut Rng) -> Result<Check> {
         let mut qa = gpu.alloc_quant_act(n * groups, cols)?;
         gpu.quantize_act(gpu.ptr(&xa), &mut qa)?;
         let y = gpu.upload(&vec![f32::NAN; n * y_tok])?;
-        let b = Batch {
-            n_tok: n,
-            x_tok,
-            y_tok,
-            n_groups: groups,
-            x_grp: cols,
-            y_grp: rows,
-        };
+        let b = Batch::grouped(n, groups, cols, rows);
         gpu.matvec_q8act_groups(&m, &qa, gpu.ptr(&y), b)?;
         same = same.merge(same_bits(&gpu.download(&y)?, &want));
     }
@@ -172,14 +165,7 @@ fn check_tokens_mma(gpu: &Launcher, rng: &mut Rng) -> Result<Vec<Check>> {
             let xa = gpu.upload(&x)?;
             let mut qa = gpu.alloc_quant_act(n * groups, cols)?;
             gpu.quantize_act(gpu.ptr(&xa), &mut qa)?;
-            let b = Batch {
-                n_tok: n,
-                x_tok,
-                y_tok,
-                n_groups: groups,
-                x_grp: cols,
-                y_grp: rows,
-            };
+            let b = Batch::grouped(n, groups, cols, rows);
             let run = |l: &Launcher| -> Result<Vec<f32>> {
                 let y = l.upload(&vec![f32::NAN; n * y_tok])?;
                 if groups > 1 {

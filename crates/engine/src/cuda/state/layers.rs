@@ -651,14 +651,8 @@ impl KvView<'_> {
             y_stride: c.o_lora_rank as i64,
         };
         let og = c.o_groups;
-        let grouped = Batch {
-            n_tok: n,
-            x_tok: c.q_dim(),
-            y_tok: og * c.o_lora_rank,
-            n_groups: og,
-            x_grp: c.q_dim() / og,
-            y_grp: c.o_lora_rank,
-        };
+        // (n_head, hence q_dim, is a multiple of o_groups: Config::validate.)
+        let grouped = Batch::grouped(n, og, c.q_dim() / og, c.o_lora_rank);
         if n > SMALL_BATCH && gemm(Gemm::Group) && heads_q8 {
             g.matmul_q8act(&l.out_a, &qb.heads, p(&s.low), grouped)?;
         } else if n > 1 && heads_q8 && g.on(Variant::Tokens) {
