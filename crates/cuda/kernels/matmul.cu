@@ -208,17 +208,23 @@ __device__ __forceinline__ void mm_q8_0_body(const i8* __restrict__ qs, const u1
         }
 }
 
-#define MM_Q8_0_KERNEL(BM, BN)                                                                  \
-    extern "C" __global__ void __launch_bounds__(256) mm_q8_0_##BM##x##BN(                     \
+// BOUNDS: the launch bounds. The 128×128 tile at one block an SM (185 registers, 8 warps)
+// waited on its barriers and loads with nothing else to issue; at two (128 registers,
+// 136 bytes spilled outside the k loop) a 2,048-token prefill's 128×128 products took
+// 572 µs instead of 602 (H200). The 128×64 tile lost at two (138 → 143 µs), and with
+// (256, 1) ptxas gave it 217 registers instead of the 104 of plain (256): one block an
+// SM, 186 µs. So the others keep (256).
+#define MM_Q8_0_KERNEL(BM, BN, BOUNDS)                                                          \
+    extern "C" __global__ void __launch_bounds__ BOUNDS mm_q8_0_##BM##x##BN(                   \
         const i8* __restrict__ qs, const u16* __restrict__ dw, i64 mat_q, i64 mat_d,            \
         const i8* __restrict__ xq, const float* __restrict__ xd, float* __restrict__ y,         \
         int rows, int cols, int n_tok, i64 x_tok, i64 x_grp, i64 y_tok, i64 y_grp) { PDL_WAIT();            \
         mm_q8_0_body<BM, BN>(qs, dw, mat_q, mat_d, xq, xd, y, rows, cols, n_tok, x_tok, x_grp,  \
                              y_tok, y_grp);                                                     \
     }
-MM_Q8_0_KERNEL(128, 128)
-MM_Q8_0_KERNEL(128, 64)
-MM_Q8_0_KERNEL(64, 64)
+MM_Q8_0_KERNEL(128, 128, (256, 2))
+MM_Q8_0_KERNEL(128, 64, (256))
+MM_Q8_0_KERNEL(64, 64, (256))
 
 // ---------------------------------------------------------------------------------------
 // Expert (and dense non-Q8_0) GEMM: block = 4 warps, 128 rows (32 per warp: two m-tiles)

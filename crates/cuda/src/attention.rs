@@ -8,7 +8,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use crate::device::Gpu;
 use crate::error::CudaError;
-use crate::layer::{cfg2, RopeP};
+use crate::layer::{cfg2, wide_grid, wide_rope_fits, RopeP, WIDE_THREADS};
 use crate::plan::{Launcher, Variant};
 
 /// What the attention launchers read for `n_tok` tokens (device addresses): queries
@@ -351,6 +351,11 @@ impl Launcher<'_> {
     /// The [`AttnTail`] of an attention output `out` written without it.
     pub fn attention_tail(&self, a: &AttnInput, t: &AttnTail, out: u64) -> Result<(), CudaError> {
         t.check(a.hd)?;
+        if t.q != 0 && self.on(Variant::Wide) && wide_rope_fits(a.hd, t.rope) {
+            let (hd, heads) = (a.hd as i32, a.heads as i32);
+            let grid = wide_grid(a.n_tok, a.heads * a.hd / (4 * WIDE_THREADS as usize));
+            return launch!(self, "rope_tail_q8", grid; a.step, out, hd, heads, t.rope, 1i32, t.q, t.d);
+        }
         self.rope_tail(a.n_tok, a.step, out, a.hd, a.heads, 0, t.rope, true)?;
         if t.q != 0 {
             self.quantize_q8_raw(out, t.q, t.d, a.n_tok * a.heads * a.hd / 32)?;

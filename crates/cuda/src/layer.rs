@@ -109,6 +109,34 @@ fn check_hc_streams(n_hc: usize) -> Result<(), CudaError> {
 }
 
 /// `tokens` blocks in y: the token of a batch (per-token kernels).
+/// Fewest tokens of a launch that `hc_post_x4` (variant `wide`) takes: prefill chunks.
+/// Decode and the steps over sessions keep `hc_post_pl`'s one value a thread: at 16
+/// tokens its 4× more threads were faster (16 sessions 30.3 → 31.0 ms a step with 16).
+pub(crate) const WIDE_MIN_TOKENS: usize = 64;
+
+/// Threads a block of the `layer_wide.cu` kernels (one token a block).
+pub(crate) const WIDE_THREADS: u32 = 512;
+
+/// Whether the `layer_wide.cu` RoPE kernels take heads of `hd` with this RoPE tail: the
+/// tail starts on a 4-value boundary inside the head, and its pairs fit the token's
+/// shared-memory table (WIDE_ROPE_PAIRS).
+pub(crate) fn wide_rope_fits(hd: usize, rope: RopeP) -> bool {
+    let rd = rope.rope_dim;
+    rd >= 0 && rd % 4 == 0 && rd as usize <= hd && rd / 2 <= 128
+}
+
+/// The grid of a `layer_wide.cu` kernel: one block a token (x), and for a few tokens
+/// the token's work split over up to `max_split` blocks (y) so that the launch still
+/// fills the GPU.
+pub(crate) fn wide_grid(n_tok: usize, max_split: usize) -> LaunchConfig {
+    let split = (256 / n_tok.max(1)).clamp(1, max_split.max(1));
+    LaunchConfig {
+        grid_dim: ((n_tok as u32).max(1), split as u32, 1),
+        block_dim: (WIDE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 pub(crate) fn cfg2(grid: u32, tokens: usize, block: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (grid.max(1), (tokens as u32).max(1), 1),
@@ -278,6 +306,11 @@ impl Launcher<'_> {
     ) -> Result<(), CudaError> {
         check_hc_streams(n_hc)?;
         let (nh, ne, np) = (n_hc as i32, n_embd as i32, n_parts as i32);
+        if self.on(Variant::Wide) && n_tok >= WIDE_MIN_TOKENS && n_embd.is_multiple_of(4) {
+            return launch!(self, "hc_post_x4", cfg2((n_embd as u32 / 4).div_ceil(256), n_tok, 256);
+                h, out, parts, np, hcp, nh, ne, h_out
+            );
+        }
         let name = self.pick(Variant::HcPreload, "hc_post", "hc_post_pl");
         launch!(self, name, cfg2((n_embd as u32).div_ceil(256), n_tok, 256);
             h, out, parts, np, hcp, nh, ne, h_out
@@ -333,6 +366,15 @@ impl Launcher<'_> {
         rope: RopeP,
     ) -> Result<(), CudaError> {
         let st = stride as i32;
+        if self.on(Variant::Wide)
+            && stride.is_multiple_of(128)
+            && stride <= 512
+            && wide_rope_fits(stride, rope)
+        {
+            let heads = rows as i32;
+            let grid = wide_grid(n_tok, rows / (WIDE_THREADS as usize / 32));
+            return launch!(self, "head_norm_rope_t", grid; step, x, st, heads, eps, rope);
+        }
         launch!(self, "head_norm_rope", cfg2(rows as u32, n_tok, 256); step, x, st, eps, rope)
     }
 

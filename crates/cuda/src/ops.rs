@@ -62,6 +62,15 @@ fn iq2_rx_units(kernel: &str) -> (usize, usize) {
     }
 }
 
+/// Fewest Q8_0 blocks of 32 that `quantize_q8_32x4` (variant `wide`) quantises: prefill
+/// chunks (a 2,048-token chunk's 8,192-wide rows: 524,288 blocks); decode and the steps
+/// over sessions (16 × 8,192 values: 4,096 blocks) keep a lane a value, more warps.
+const WIDE_QUANT_BLOCKS: usize = 16384;
+
+/// Fewest 256-blocks that `swiglu_q8k_w` (variant `wide`) takes: prefill chunks; a decode
+/// token's 48 blocks (and the steps' few hundred) keep a thread a value, more warps.
+const WIDE_SWIGLU_BLOCKS: usize = 1024;
+
 /// Fewest expert pairs (selections) of a launch that take the 32-copy IQ2_XXS tables
 /// (`iq2_lut32`): their 48 KB a block are filled before the PDL wait, and a decode
 /// token's 6 pairs measured no gain from conflict-free lookups (NOTES.md, session 10).
@@ -400,6 +409,11 @@ impl Launcher<'_> {
         n_blocks: usize,
     ) -> Result<(), CudaError> {
         // x holds n_blocks × 32 floats, q and d room for their Q8_0 form (caller).
+        if self.on(Variant::Wide) && n_blocks >= WIDE_QUANT_BLOCKS {
+            let nb = n_blocks as i64;
+            let grid = cfg((n_blocks * 8).div_ceil(256) as u32, 256);
+            return launch!(self, "quantize_q8_32x4", grid; x, q, d, nb);
+        }
         let blocks = n_blocks as i32;
         let warps_per_block = 8u32;
         let grid = cfg(
@@ -461,7 +475,11 @@ impl Launcher<'_> {
         }
         let (q, d, nn, ns) = (self.ptr(&qa.q), self.ptr(&qa.d), n as i32, n_sel as i32);
         // gate/up/mid hold n·n_sel floats (caller).
-        if k_rule {
+        if k_rule && self.on(Variant::Wide) && total / 256 >= WIDE_SWIGLU_BLOCKS {
+            let n_blocks = (total / 256) as i64;
+            let grid = cfg((total / 256).div_ceil(8).max(1) as u32, 256);
+            launch!(self, "swiglu_q8k_w", grid; gate, up, weights, nn, clamp, mid, q, d, n_blocks)
+        } else if k_rule {
             let grid = cfg((total / 256) as u32, 256);
             launch!(self, "swiglu_q8k", grid; gate, up, weights, nn, clamp, mid, q, d)
         } else {

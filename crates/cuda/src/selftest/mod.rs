@@ -21,6 +21,7 @@ mod matmul;
 mod matvec;
 mod tokens;
 mod variants;
+mod wide;
 
 use anyhow::Result;
 
@@ -98,6 +99,7 @@ pub const CHECKS: &[KernelCheck] = &[
         Ok(vec![variants::check_indexer_q_warp(gpu, seed)?])
     }),
     check("matmul", &[Variant::MmPitch], matmul::check_matmul),
+    check("wide", &[Variant::Wide], wide::check_wide),
     check(
         "attention",
         &[
