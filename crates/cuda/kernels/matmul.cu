@@ -102,18 +102,40 @@ __device__ __forceinline__ void mm_q8_0_body(const i8* __restrict__ qs, const u1
     const bool fast_scales = (cols % MM_BK) == 0;
     const u32 smem_s = mm_smem(smem);
 
+    // A thread's loads of a k-tile: quant rows lr + 32j of A and B (16 bytes at column lc),
+    // the scales of B's token sb_r. Their addresses and row checks are fixed over the k
+    // loop, so they are set up once: recomputed for every load (with a branch around
+    // each address) they were ~1,000 instructions of the loop's load code, as many as its
+    // mma and scaling. The same bytes land in the same places.
+    constexpr int A_IT = BM / 32, B_IT = BN / 32, SB_IT = BN / 64;
+    static_assert(256 % BN == 0 && BM <= 256, "the scale loads' thread mapping");
+    const int lr = tid >> 3, lc = 16 * (tid & 7);
+    bool a_ok[A_IT], b_ok[B_IT];
+#pragma unroll
+    for (int j = 0; j < A_IT; ++j) a_ok[j] = m0 + lr + 32 * j < rows;
+#pragma unroll
+    for (int j = 0; j < B_IT; ++j) b_ok[j] = n0 + lr + 32 * j < n_tok;
+    const i64 a_off = (i64)(m0 + lr) * cols + lc, b_off = (i64)(n0 + lr) * x_tok + lc;
+    const u32 ab_dst = (u32)(lr * MM_PITCH + lc);
+    const int sb_r = tid % BN;
+    const bool sb_ok = n0 + sb_r < n_tok;
+    const i64 sb_off = (i64)(n0 + sb_r) * (x_tok / 32);
+
     auto load = [&](int kt, int s) {
         const u32 st = smem_s + s * STAGE;
         const int k0 = kt * MM_BK;
-        for (int i = tid; i < BM * 8; i += 256) {
-            const int r = i >> 3, c = i & 7, row = m0 + r, kc = k0 + 16 * c;
-            const bool ok = row < rows && kc < cols;
-            mm_cp16(st + r * MM_PITCH + 16 * c, ok ? qs + (i64)row * cols + kc : qs, ok);
+        const bool kc_ok = k0 + lc < cols;
+#pragma unroll
+        for (int j = 0; j < A_IT; ++j) {
+            const bool ok = a_ok[j] && kc_ok;
+            mm_cp16(st + ab_dst + j * 32 * MM_PITCH, ok ? qs + a_off + (i64)j * 32 * cols + k0 : qs,
+                    ok);
         }
-        for (int i = tid; i < BN * 8; i += 256) {
-            const int r = i >> 3, c = i & 7, t = n0 + r, kc = k0 + 16 * c;
-            const bool ok = t < n_tok && kc < cols;
-            mm_cp16(st + B_OFF + r * MM_PITCH + 16 * c, ok ? xq + (i64)t * x_tok + kc : xq, ok);
+#pragma unroll
+        for (int j = 0; j < B_IT; ++j) {
+            const bool ok = b_ok[j] && kc_ok;
+            mm_cp16(st + B_OFF + ab_dst + j * 32 * MM_PITCH,
+                    ok ? xq + b_off + (i64)j * 32 * x_tok + k0 : xq, ok);
         }
         if (fast_scales) {
             for (int r = tid; r < BM; r += 256) {
@@ -128,10 +150,11 @@ __device__ __forceinline__ void mm_q8_0_body(const i8* __restrict__ qs, const u1
                 sa[i] = (row < rows && kb < nb32) ? dw[(i64)row * nb32 + kb] : (u16)0;
             }
         }
-        for (int i = tid; i < BN * 4; i += 256) {
-            const int j = i / BN, r = i % BN, t = n0 + r, kb = k0 / 32 + j;
-            const bool ok = t < n_tok && kb < nb32;
-            mm_cp4(st + SB_OFF + i * 4, ok ? xd + (i64)t * (x_tok / 32) + kb : xd, ok);
+#pragma unroll
+        for (int j = 0; j < SB_IT; ++j) {
+            const int i = tid + 256 * j, kb = k0 / 32 + i / BN;
+            const bool ok = sb_ok && kb < nb32;
+            mm_cp4(st + SB_OFF + i * 4, ok ? xd + sb_off + kb : xd, ok);
         }
     };
 
@@ -209,11 +232,12 @@ __device__ __forceinline__ void mm_q8_0_body(const i8* __restrict__ qs, const u1
 }
 
 // BOUNDS: the launch bounds. The 128×128 tile at one block an SM (185 registers, 8 warps)
-// waited on its barriers and loads with nothing else to issue; at two (128 registers,
-// 136 bytes spilled outside the k loop) a 2,048-token prefill's 128×128 products took
-// 572 µs instead of 602 (H200). The 128×64 tile lost at two (138 → 143 µs), and with
-// (256, 1) ptxas gave it 217 registers instead of the 104 of plain (256): one block an
-// SM, 186 µs. So the others keep (256).
+// waited on its barriers and loads with nothing else to issue; at two (128 registers, a
+// few spills) a 2,048-token prefill's 128×128 products took 572 µs instead of 602 (H200),
+// 551 with the load addresses set up once. The 128×64 tile: with those loads plain (256)
+// gave it 141 registers (one block an SM, 143 µs), (256, 2) 128 (132 µs; with the old
+// loads two blocks had lost, 138 → 143). Never (256, 1): ptxas then took 217 registers
+// where plain (256) took 104.
 #define MM_Q8_0_KERNEL(BM, BN, BOUNDS)                                                          \
     extern "C" __global__ void __launch_bounds__ BOUNDS mm_q8_0_##BM##x##BN(                   \
         const i8* __restrict__ qs, const u16* __restrict__ dw, i64 mat_q, i64 mat_d,            \
@@ -223,7 +247,7 @@ __device__ __forceinline__ void mm_q8_0_body(const i8* __restrict__ qs, const u1
                              y_tok, y_grp);                                                     \
     }
 MM_Q8_0_KERNEL(128, 128, (256, 2))
-MM_Q8_0_KERNEL(128, 64, (256))
+MM_Q8_0_KERNEL(128, 64, (256, 2))
 MM_Q8_0_KERNEL(64, 64, (256))
 
 // ---------------------------------------------------------------------------------------
