@@ -108,7 +108,6 @@ fn check_hc_streams(n_hc: usize) -> Result<(), CudaError> {
     Ok(())
 }
 
-/// `tokens` blocks in y: the token of a batch (per-token kernels).
 /// Fewest tokens of a launch that `hc_post_x4` (variant `wide`) takes: prefill chunks.
 /// Decode and the steps over sessions keep `hc_post_pl`'s one value a thread: at 16
 /// tokens its 4× more threads were faster (16 sessions 30.3 → 31.0 ms a step with 16).
@@ -137,6 +136,7 @@ pub(crate) fn wide_grid(n_tok: usize, max_split: usize) -> LaunchConfig {
     }
 }
 
+/// `tokens` blocks in y: the token of a batch (per-token kernels).
 pub(crate) fn cfg2(grid: u32, tokens: usize, block: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (grid.max(1), (tokens as u32).max(1), 1),
