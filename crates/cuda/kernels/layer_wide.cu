@@ -38,7 +38,9 @@ __device__ __forceinline__ void rope_rot(float& x0, float& x1, float c, float s)
 // token's `heads` rows of hd (rope_tail), written back, then the whole token row to Q8_0
 // (quantize_q8_32's rule, 8 threads a block of 32). One block per token (blockIdx.x),
 // its row split over gridDim.y blocks when there are few tokens. The host checks
-// hd % 32 == 0, rope_dim % 4 == 0, rope_dim / 2 <= WIDE_ROPE_PAIRS.
+// hd % 32 == 0, heads · hd % 128 == 0 (a warp's 32 lanes take the same number of steps:
+// quant_block32_x4 shuffles over all of them), rope_dim % 4 == 0, rope_dim / 2 <=
+// WIDE_ROPE_PAIRS.
 extern "C" __global__ void __launch_bounds__(512) rope_tail_q8(const Step* step, float* x,
         int hd, int heads, RopeP p, int inverse, i8* q, float* d) {
     PDL_WAIT();

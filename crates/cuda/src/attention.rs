@@ -351,7 +351,10 @@ impl Launcher<'_> {
     /// The [`AttnTail`] of an attention output `out` written without it.
     pub fn attention_tail(&self, a: &AttnInput, t: &AttnTail, out: u64) -> Result<(), CudaError> {
         t.check(a.hd)?;
-        if t.q != 0 && self.on(Variant::Wide) && wide_rope_fits(a.hd, t.rope) {
+        // rope_tail_q8's warps quantise with shuffles over all 32 lanes: every warp must
+        // run the same number of 128-value steps, so a token's row is whole steps.
+        let whole_steps = (a.heads * a.hd).is_multiple_of(128);
+        if t.q != 0 && self.on(Variant::Wide) && whole_steps && wide_rope_fits(a.hd, t.rope) {
             let (hd, heads) = (a.hd as i32, a.heads as i32);
             let grid = wide_grid(a.n_tok, a.heads * a.hd / (4 * WIDE_THREADS as usize));
             return launch!(self, "rope_tail_q8", grid; a.step, out, hd, heads, t.rope, 1i32, t.q, t.d);
