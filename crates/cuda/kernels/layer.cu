@@ -438,29 +438,55 @@ KERNEL_PAIR(__launch_bounds__(1024), hc_pre, hc_pre_pl, hc_pre_body, HC_PRE_PARA
 // (the first hc_post_pl fused o·post and failed its bit-identity check), so both
 // kernels spell the multiply and the FMAs out.
 #define HC_POST_PARTS 8
+
+// Token t's rows: its streams in and out, its sublayer output and parts, its post/comb.
+__device__ __forceinline__ void hc_post_rows(i64 t, int n_hc, int n_embd, int n_parts,
+                                             const float*& h, float*& h_out, const float*& out,
+                                             const float*& parts, const float*& hcp) {
+    h += t * n_hc * n_embd;
+    h_out += t * n_hc * n_embd;
+    out += t * n_embd;
+    if (parts) parts += t * n_parts * n_embd;
+    hcp += t * (n_hc + n_hc * n_hc);
+}
+
+// A token's post (n_hc) and comb (n_hc × n_hc) from hcp into registers (n_hc ≤ PM).
+template <int PM>
+__device__ __forceinline__ void hc_post_coefs(const float* hcp, int n_hc, float (&post)[PM],
+                                              float (&comb)[PM][PM]) {
+#pragma unroll
+    for (int i = 0; i < PM; ++i) {
+        if (i < n_hc) post[i] = hcp[i];
+#pragma unroll
+        for (int j = 0; j < PM; ++j)
+            if (i < n_hc && j < n_hc) comb[i][j] = hcp[n_hc + i * n_hc + j];
+    }
+}
+
+// Output stream j of one value: o·post_j, then comb[i][j]·H_i in i order, each rounding
+// spelled out (see above).
+template <int PM>
+__device__ __forceinline__ float hc_post_stream(float o, int j, const float (&post)[PM],
+                                                const float (&comb)[PM][PM],
+                                                const float (&hv)[PM], int n_hc) {
+    float acc = __fmul_rn(o, post[j]);
+#pragma unroll
+    for (int i = 0; i < PM; ++i)
+        if (i < n_hc) acc = __fmaf_rn(comb[i][j], hv[i], acc);
+    return acc;
+}
+
 template <bool PRELOAD>
 __device__ __forceinline__ void hc_post_body(const float* h, const float* out,
                                              const float* parts, int n_parts, const float* hcp,
                                              int n_hc, int n_embd, float* h_out) {
     PDL_WAIT();
     PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
-    h += (i64)blockIdx.y * n_hc * n_embd;
-    h_out += (i64)blockIdx.y * n_hc * n_embd;
-    out += (i64)blockIdx.y * n_embd;
-    if (parts) parts += (i64)blockIdx.y * n_parts * n_embd;
-    hcp += (i64)blockIdx.y * (n_hc + n_hc * n_hc);
+    hc_post_rows(blockIdx.y, n_hc, n_embd, n_parts, h, h_out, out, parts, hcp);
     if (PRELOAD && n_hc > HC_MAX) return;  // the launcher checks n_hc
     constexpr int PM = PRELOAD ? HC_MAX : 1;
     float post[PM], comb[PM][PM];
-    if (PRELOAD) {
-#pragma unroll
-        for (int i = 0; i < PM; ++i) {
-            if (i < n_hc) post[i] = hcp[i];
-#pragma unroll
-            for (int j = 0; j < PM; ++j)
-                if (i < n_hc && j < n_hc) comb[i][j] = hcp[n_hc + i * n_hc + j];
-        }
-    }
+    if (PRELOAD) hc_post_coefs(hcp, n_hc, post, comb);
     for (int d = threadIdx.x + blockIdx.x * blockDim.x; d < n_embd; d += blockDim.x * gridDim.x) {
         float o = out[d];
         if (PRELOAD) {
@@ -481,15 +507,8 @@ __device__ __forceinline__ void hc_post_body(const float* h, const float* out,
                 o = acc + o;
             }
 #pragma unroll
-            for (int j = 0; j < PM; ++j) {
-                if (j < n_hc) {
-                    float acc = __fmul_rn(o, post[j]);
-#pragma unroll
-                    for (int i = 0; i < PM; ++i)
-                        if (i < n_hc) acc = __fmaf_rn(comb[i][j], hv[i], acc);
-                    h_out[(i64)j * n_embd + d] = acc;
-                }
-            }
+            for (int j = 0; j < PM; ++j)
+                if (j < n_hc) h_out[(i64)j * n_embd + d] = hc_post_stream(o, j, post, comb, hv, n_hc);
         } else {
             if (parts) {
                 float acc = 0.f;

@@ -117,18 +117,21 @@ extern "C" __global__ void __launch_bounds__(512) router_split(ROUTER_PARAMS) {
     router_body<true, true>(ROUTER_ARGS);
 }
 
-// ---- SwiGLU with the asymmetric clamp, scaled by the routing weight (null: 1).
+// ---- SwiGLU with the asymmetric clamp, scaled by the routing weight (1 without one):
+// one value, as every swiglu kernel computes it (swiglu_q8, swiglu_q8k, swiglu_q8k_w).
+__device__ __forceinline__ float swiglu_of(float gate, float up, float wt, float clamp) {
+    const float g = fminf(gate, clamp);
+    const float u = fminf(fmaxf(up, -clamp), clamp);
+    return g * sigmoidf_(g) * u * wt;
+}
+
 // gu holds gate rows then up rows: [2][n_sel][n].
 extern "C" __global__ void swiglu(const float* gate, const float* up, const float* weights,
                                   int n, int n_sel, float clamp, float* mid) {
     PDL_WAIT();
     PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
-    for (int i = threadIdx.x + blockIdx.x * blockDim.x; i < n * n_sel; i += blockDim.x * gridDim.x) {
-        const float g = fminf(gate[i], clamp);
-        const float u = fminf(fmaxf(up[i], -clamp), clamp);
-        const float w = weights ? weights[i / n] : 1.f;
-        mid[i] = g * sigmoidf_(g) * u * w;
-    }
+    for (int i = threadIdx.x + blockIdx.x * blockDim.x; i < n * n_sel; i += blockDim.x * gridDim.x)
+        mid[i] = swiglu_of(gate[i], up[i], weights ? weights[i / n] : 1.f, clamp);
 }
 
 // ---- dst row blockIdx.y = src row blockIdx.y / k.

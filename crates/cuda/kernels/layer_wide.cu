@@ -4,7 +4,8 @@
 // per (row, token): a 2,048-token prefill chunk spent ~370 µs a layer in rope_tail +
 // quantize_q8_32 on its attention output and 271 µs in head_norm_rope (H200,
 // DS4_CUDA_PROFILE), against ~100 µs of memory traffic. build.rs concatenates the kernel
-// files in name order, so this file follows layer.cu (RopeP, quant_block32_x4).
+// files in name order, so this file follows layer.cu (RopeP, quant_block32_x4, hc_post_rows/_coefs/_stream,
+// swiglu_of).
 #include "common.cuh"
 
 // Most RoPE pairs a token's table holds (the Flash tail: 32).
@@ -121,7 +122,7 @@ extern "C" __global__ void __launch_bounds__(512) head_norm_rope_t(const Step* s
 }
 
 // swiglu_q8k with one warp per 256 values (8 a lane: values 4·lane…+3 and 128 + 4·lane…+3)
-// instead of a 256-thread block with two barriers. The same values (swiglu_value), the
+// instead of a 256-thread block with two barriers. The same values (swiglu_of), the
 // same winner of the Q8_K rule (largest |v|, the smallest index among ties: a total
 // order, so the reduction order does not matter) and the same quantised bytes and
 // scales. 8 warps a block; the host checks n % 256 == 0.
@@ -145,10 +146,7 @@ extern "C" __global__ void __launch_bounds__(256) swiglu_q8k_w(const float* gate
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const i64 i = base + o + e;
-            const float g = fminf(gv[e], clamp);
-            const float u = fminf(fmaxf(uv[e], -clamp), clamp);
-            const float wt = weights ? weights[i / n] : 1.f;
-            const float val = g * sigmoidf_(g) * u * wt;
+            const float val = swiglu_of(gv[e], uv[e], weights ? weights[i / n] : 1.f, clamp);
             v[4 * h + e] = val;
             const float a = fabsf(val);
             if (a > best_a) {  // ascending indices: a tie keeps the smaller one
@@ -213,29 +211,25 @@ extern "C" __global__ void __launch_bounds__(256) hc_post_x4(const float* h, con
         const float* parts, int n_parts, const float* hcp, int n_hc, int n_embd, float* h_out) {
     PDL_WAIT();
     PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
+    hc_post_rows(blockIdx.y, n_hc, n_embd, n_parts, h, h_out, out, parts, hcp);
     if (n_hc > HC_MAX) return;  // the launcher checks n_hc
-    const i64 t = blockIdx.y;
-    h += t * n_hc * n_embd;
-    h_out += t * n_hc * n_embd;
-    out += t * n_embd;
-    if (parts) parts += t * n_parts * n_embd;
-    hcp += t * (n_hc + n_hc * n_hc);
     float post[HC_MAX], comb[HC_MAX][HC_MAX];
-#pragma unroll
-    for (int i = 0; i < HC_MAX; ++i) {
-        if (i < n_hc) post[i] = hcp[i];
-#pragma unroll
-        for (int j = 0; j < HC_MAX; ++j)
-            if (i < n_hc && j < n_hc) comb[i][j] = hcp[n_hc + i * n_hc + j];
-    }
+    hc_post_coefs(hcp, n_hc, post, comb);
     for (int d = 4 * (threadIdx.x + blockIdx.x * blockDim.x); d < n_embd;
          d += 4 * blockDim.x * gridDim.x) {
         const float4 o4 = ldx4(out + d);
         float o[4] = {o4.x, o4.y, o4.z, o4.w};
-        float4 hv[HC_MAX];
+        float hv[4][HC_MAX];  // value e of stream i
 #pragma unroll
-        for (int i = 0; i < HC_MAX; ++i)
-            if (i < n_hc) hv[i] = ldx4(h + (i64)i * n_embd + d);
+        for (int i = 0; i < HC_MAX; ++i) {
+            if (i < n_hc) {
+                const float4 a = ldx4(h + (i64)i * n_embd + d);
+                hv[0][i] = a.x;
+                hv[1][i] = a.y;
+                hv[2][i] = a.z;
+                hv[3][i] = a.w;
+            }
+        }
         if (parts) {
             float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 8
@@ -254,15 +248,7 @@ extern "C" __global__ void __launch_bounds__(256) hc_post_x4(const float* h, con
             if (j >= n_hc) continue;
             float r[4];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) r[e] = __fmul_rn(o[e], post[j]);
-#pragma unroll
-            for (int i = 0; i < HC_MAX; ++i) {
-                if (i >= n_hc) continue;
-                r[0] = __fmaf_rn(comb[i][j], hv[i].x, r[0]);
-                r[1] = __fmaf_rn(comb[i][j], hv[i].y, r[1]);
-                r[2] = __fmaf_rn(comb[i][j], hv[i].z, r[2]);
-                r[3] = __fmaf_rn(comb[i][j], hv[i].w, r[3]);
-            }
+            for (int e = 0; e < 4; ++e) r[e] = hc_post_stream(o[e], j, post, comb, hv[e], n_hc);
             *reinterpret_cast<float4*>(h_out + (i64)j * n_embd + d) = make_float4(r[0], r[1], r[2], r[3]);
         }
     }

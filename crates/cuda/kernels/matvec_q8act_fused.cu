@@ -77,10 +77,7 @@ KERNEL_PAIR(__launch_bounds__(1024), rmsnorm_q8, rmsnorm_q8_pl, rmsnorm_q8_body,
 
 __device__ __forceinline__ float swiglu_value(const float* gate, const float* up,
         const float* weights, int n, float clamp, i64 i) {
-    const float g = fminf(gate[i], clamp);
-    const float u = fminf(fmaxf(up[i], -clamp), clamp);
-    const float wt = weights ? weights[i / n] : 1.f;
-    return g * sigmoidf_(g) * u * wt;
+    return swiglu_of(gate[i], up[i], weights ? weights[i / n] : 1.f, clamp);
 }
 
 // swiglu (as `swiglu`) then Q8_0: one warp per 32 values of the n·n_sel.
