@@ -4,8 +4,9 @@
 //   one k-step is one 32-block, so the int32 result of each mma is scaled by
 //   (weight scale × activation scale) and accumulated in f32.
 // * mm_exp_*: the same product for expert stacks (IQ2_XXS, Q2_K, Q4_K, Q8_0) over a
-//   device-built route plan: a block takes 128 rows of one expert and up to 32 of its
-//   (token, expert) pairs, so each expert's weights are streamed once per 32 pairs.
+//   device-built route plan: a block takes 128 rows of one expert and up to 32 (_w: 64)
+//   of its (token, expert) pairs, so each expert's weights are streamed once per 32 (64)
+//   pairs.
 //   The quantised weights are decoded in registers straight into the A fragments.
 //   K-quant minimums use a second mma whose A operand is the sub-block minimum
 //   broadcast over its values (Σ m·x exactly in int32).
@@ -252,7 +253,8 @@ MM_Q8_0_KERNEL(64, 64, (256))
 
 // ---------------------------------------------------------------------------------------
 // Expert (and dense non-Q8_0) GEMM: block = 4 warps, 128 rows (32 per warp: two m-tiles)
-// × up to 32 pairs (four n-tiles, empty ones skipped), k-stages of one 256 super-block.
+// × up to 32 pairs (four n-tiles, empty ones skipped), or (_w) 8 warps of 16 rows × up to
+// 64 pairs; k-stages of one 256 super-block.
 // Shared memory per stage: the raw weight blocks of the 128 rows (row pitches padded so
 // the fragment loads hit distinct banks), then the activations [32][XP] int8 and their
 // scales [8][32] f32.
@@ -277,8 +279,26 @@ __host__ __device__ constexpr bool exp_iq2() { return F == EXP_F_IQ2; }
 
 template <int F>
 __host__ __device__ constexpr int exp_xpitch() { return F == EXP_F_Q8_0 ? 272 : 288; }
-template <int F>
-__host__ __device__ constexpr int exp_x_bytes() { return 32 * exp_xpitch<F>() + 8 * 32 * 4; }
+// The warp tile: NT n-tiles of 8 pairs × 8 / NT m-tiles of 16 rows, so every warp holds
+// 32 accumulators a lane. NT = 4: 4 warps of 32 rows × 32 pairs (mm_exp_*_b2/_b3/_b4);
+// NT = 8: 8 warps of 16 rows × 64 pairs (mm_exp_*_w), which decode each weight tile once
+// per 64 pairs instead of per 32: an expert with 33..64 pairs of a prefill chunk (2,048
+// tokens give each of 256 experts ~48) is one work item, not two. A block is 128 rows
+// either way.
+template <int NT>
+__host__ __device__ constexpr int exp_mt() { return 8 / NT; }
+template <int NT>
+__host__ __device__ constexpr int exp_pairs() { return 8 * NT; }
+template <int NT>
+__host__ __device__ constexpr int exp_threads() { return 32 * 128 / (16 * exp_mt<NT>()); }
+// IQ2_XXS grid table copies (exp_decode): 16 (32 KB) in the 64-pair kernels, whose two
+// blocks an SM have the room; one (2 KB) in the 32-pair kernels, which would lose blocks.
+template <int NT>
+__host__ __device__ constexpr int exp_grid_copies() { return NT == 8 ? 16 : 1; }
+template <int F, int NT>
+__host__ __device__ constexpr int exp_x_bytes() {
+    return exp_pairs<NT>() * exp_xpitch<F>() + 8 * exp_pairs<NT>() * 4;
+}
 // Weight row pitch in the stage (quant bytes).
 template <int F>
 __host__ __device__ constexpr int exp_wpitch() {
@@ -331,8 +351,13 @@ struct ExpTile {
     int fi[2];
 };
 
-// Decodes k-step j of the m-tile whose lane rows are r and r + 8 (tile-local).
-template <int F>
+// Decodes k-step j of the m-tile whose lane rows are r and r + 8 (tile-local). COPIES:
+// the IQ2_XXS grid table's interleaved copies in shared memory (entry e of copy c at
+// e·COPIES + c; lane l reads copy l mod COPIES). With 16, each half-warp of an 8-byte
+// load reads 16 distinct bank pairs: no conflicts, where one copy's random entries cost
+// a few wavefronts a load (Nsight Compute: the 32-pair kernel is bound by the L1/shared
+// pipe at 77%, not by its ALU work).
+template <int F, int COPIES>
 __device__ __forceinline__ void exp_decode(const u8* wst, u32 wst_s, const u64* grid64, int r,
                                            int j, int lane, ExpTile& o) {
     constexpr int WP = exp_wpitch<F>();
@@ -349,7 +374,7 @@ __device__ __forceinline__ void exp_decode(const u8* wst, u32 wst_s, const u64* 
         for (int hh = 0; hh < 2; ++hh) {
             const int row = r + 8 * hh;
             const uint2 v = *reinterpret_cast<const uint2*>(wst + row * WP + 8 * j);
-            const u64 gv = grid64[(v.x >> (8 * tq)) & 255];
+            const u64 gv = grid64[((v.x >> (8 * tq)) & 255) * COPIES + (lane & (COPIES - 1))];
             u32 s = (v.y >> (7 * tq)) & 127;
             s |= (__popc(s) & 1) << 7;
             const u32 bl = ((s & 15) * 0x204081u) & 0x01010101u;
@@ -415,60 +440,60 @@ __device__ __forceinline__ void exp_stage_scales(const u8* wst, int row, float& 
     }
 }
 
-// One stage (256 values) of a warp's 32 rows × nnt n-tiles.
-template <int F, bool FAST>
+// One stage (256 values) of a warp's 16·MT rows × nnt n-tiles.
+template <int F, bool FAST, int NT>
 __device__ __forceinline__ void exp_stage(const u8* wst, u32 wst_s, const u8* xst, u32 xst_s,
                                           const u64* grid64, int lane, int warp, int nnt,
-                                          float (&acc)[2][4][4]) {
-    constexpr int XP = exp_xpitch<F>();
+                                          float (&acc)[exp_mt<NT>()][NT][4]) {
+    constexpr int XP = exp_xpitch<F>(), MT = exp_mt<NT>(), PAIRS = exp_pairs<NT>();
     constexpr bool KQ = F == EXP_F_Q2K || F == EXP_F_Q4K;
     const int gq = lane >> 2, tq = lane & 3;
-    const float* xds = reinterpret_cast<const float*>(xst + 32 * XP);
-    int ci[2][4][4], cm[2][4][4];
+    const float* xds = reinterpret_cast<const float*>(xst + PAIRS * XP);
+    int ci[MT][NT][4], cm[MT][NT][4];
     if (FAST) {
 #pragma unroll
-        for (int a = 0; a < 2; ++a)
+        for (int a = 0; a < MT; ++a)
 #pragma unroll
-            for (int b = 0; b < 4; ++b)
+            for (int b = 0; b < NT; ++b)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) ci[a][b][i] = cm[a][b][i] = 0;
     }
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-        u32 bf[4][2];
+        u32 bf[NT][2];
         if (F == EXP_F_Q8_0) {
             const int r = (lane & 7) + (lane >> 4) * 8;
             const u32 off = 32 * j + ((lane >> 3) & 1) * 16;
-            mm_ldsm4(xst_s + r * XP + off, bf[0][0], bf[0][1], bf[1][0], bf[1][1]);
-            if (nnt > 2)
-                mm_ldsm4(xst_s + (r + 16) * XP + off, bf[2][0], bf[2][1], bf[3][0], bf[3][1]);
-            else
-                bf[2][0] = bf[2][1] = bf[3][0] = bf[3][1] = 0;
+            // Two n-tiles per ldmatrix.x4 (16 pair rows). Every n-tile is loaded: the
+            // stage's rows past the item's pairs are zero-filled (cp.async), and only
+            // the products below skip them — predicated loads cost a zeroing CS2R each
+            // and predicate registers the k loop then spilled (P2R).
+#pragma unroll
+            for (int h = 0; h < NT / 2; ++h)
+                mm_ldsm4(xst_s + (r + 16 * h) * XP + off, bf[2 * h][0], bf[2 * h][1],
+                         bf[2 * h + 1][0], bf[2 * h + 1][1]);
         } else {
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-                if (nt < nnt) {
-                    const uint2 v = *reinterpret_cast<const uint2*>(
-                        xst + (nt * 8 + gq) * XP + 32 * j + 8 * tq);
-                    bf[nt][0] = v.x;
-                    bf[nt][1] = v.y;
-                } else {
-                    bf[nt][0] = bf[nt][1] = 0;
-                }
+            for (int nt = 0; nt < NT; ++nt) {
+                const uint2 v =
+                    *reinterpret_cast<const uint2*>(xst + (nt * 8 + gq) * XP + 32 * j + 8 * tq);
+                bf[nt][0] = v.x;
+                bf[nt][1] = v.y;
             }
         }
-        float2 xv[4];
+        float2 xv[NT];
         if (!FAST) {
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt)
-                xv[nt] = *reinterpret_cast<const float2*>(xds + j * 32 + nt * 8 + 2 * tq);
+            for (int nt = 0; nt < NT; ++nt)
+                xv[nt] = *reinterpret_cast<const float2*>(xds + j * PAIRS + nt * 8 + 2 * tq);
         }
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
+        for (int mt = 0; mt < MT; ++mt) {
             ExpTile t;
-            exp_decode<F>(wst, wst_s, grid64, warp * 32 + mt * 16 + gq, j, lane, t);
+            exp_decode<F, exp_grid_copies<NT>()>(wst, wst_s, grid64, warp * 16 * MT + mt * 16 + gq,
+                                                 j, lane, t);
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
+            for (int nt = 0; nt < NT; ++nt) {
                 if (nt >= nnt) continue;
                 if (FAST) {
                     if (F == EXP_F_Q2K) {
@@ -504,13 +529,13 @@ __device__ __forceinline__ void exp_stage(const u8* wst, u32 wst_s, const u8* xs
     }
     if (FAST) {
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
+        for (int mt = 0; mt < MT; ++mt) {
             float d1[2], d2[2];
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh)
-                exp_stage_scales<F>(wst, warp * 32 + mt * 16 + gq + 8 * hh, d1[hh], d2[hh]);
+                exp_stage_scales<F>(wst, warp * 16 * MT + mt * 16 + gq + 8 * hh, d1[hh], d2[hh]);
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
+            for (int nt = 0; nt < NT; ++nt) {
                 if (nt >= nnt) continue;
                 const float2 xu = *reinterpret_cast<const float2*>(xds + nt * 8 + 2 * tq);
 #pragma unroll
@@ -525,11 +550,12 @@ __device__ __forceinline__ void exp_stage(const u8* wst, u32 wst_s, const u8* xs
     }
 }
 
-// Plan mode (items != null): block y = work item {expert, first pair, pairs}; pair p reads
-// input row p / k_div (x_tok int8 per row) and writes y[p·y_tok + row]. Dense mode: block
-// y = tokens 32y.., block z = group (matrix z), token t reads xq[t·x_tok + z·x_grp] and
-// writes y[t·y_tok + z·y_grp + row].
-template <int F>
+// Plan mode (items != null): block y = work item {expert, first pair, pairs}, block z =
+// which PAIRS-slice of it (a plan of 64-pair items run by the 32-pair kernels: z = 0, 1);
+// pair p reads input row p / k_div (x_tok int8 per row) and writes y[p·y_tok + row].
+// Dense mode: block y = tokens PAIRS·y.., block z = group (matrix z), token t reads
+// xq[t·x_tok + z·x_grp] and writes y[t·y_tok + z·y_grp + row].
+template <int F, int NT>
 __device__ __forceinline__ void mm_exp_body(
     const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2, i64 mat0,
     i64 mat1, i64 mat2, const u64* __restrict__ grid_g, const i8* __restrict__ xq,
@@ -537,21 +563,24 @@ __device__ __forceinline__ void mm_exp_body(
     const int4* __restrict__ items, const i32* __restrict__ n_items, const i32* __restrict__ pairs,
     int k_div, int n_tok, i64 x_tok, i64 x_grp, i64 y_tok, i64 y_grp) {
     constexpr int WB = exp_w_bytes<F>(), WP = exp_wpitch<F>(), XP = exp_xpitch<F>();
-    constexpr int STAGE = WB + exp_x_bytes<F>();
+    constexpr int STAGE = WB + exp_x_bytes<F, NT>();
+    constexpr int MT = exp_mt<NT>(), PAIRS = exp_pairs<NT>(), THREADS = exp_threads<NT>();
     extern __shared__ __align__(16) u8 smem[];
-    __shared__ i64 s_xoff[32], s_yoff[32];
+    __shared__ i64 s_xoff[PAIRS], s_yoff[PAIRS];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gq = lane >> 2, tq = lane & 3;
     int e, len;
     if (items) {
         if ((int)blockIdx.y >= *n_items) return;
         const int4 it = items[blockIdx.y];
+        const int first = it.y + PAIRS * (int)blockIdx.z;
         e = it.x;
-        len = it.z;
-        if (tid < 32) {
+        len = min(PAIRS, it.z - PAIRS * (int)blockIdx.z);
+        if (len <= 0) return;
+        if (tid < PAIRS) {
             i64 xo = -1, yo = -1;
             if (tid < len) {
-                const int p = pairs[it.y + tid];
+                const int p = pairs[first + tid];
                 xo = (i64)(p / k_div) * x_tok;
                 yo = (i64)p * y_tok;
             }
@@ -560,9 +589,9 @@ __device__ __forceinline__ void mm_exp_body(
         }
     } else {
         e = blockIdx.z;
-        const int t0 = blockIdx.y * 32;
-        len = min(32, n_tok - t0);
-        if (tid < 32) {
+        const int t0 = blockIdx.y * PAIRS;
+        len = min(PAIRS, n_tok - t0);
+        if (tid < PAIRS) {
             const bool ok = tid < len;
             s_xoff[tid] = ok ? (i64)(t0 + tid) * x_tok + e * x_grp : -1;
             s_yoff[tid] = ok ? (i64)(t0 + tid) * y_tok + e * y_grp : -1;
@@ -570,7 +599,8 @@ __device__ __forceinline__ void mm_exp_body(
     }
     u64* grid64 = reinterpret_cast<u64*>(smem + 2 * STAGE);
     if (exp_iq2<F>())
-        for (int i = tid; i < 256; i += 128) grid64[i] = grid_g[i];
+        for (int i = tid; i < 256 * exp_grid_copies<NT>(); i += THREADS)
+            grid64[i] = grid_g[i / exp_grid_copies<NT>()];
     __syncthreads();
 
     const int row0 = blockIdx.x * 128;
@@ -579,7 +609,9 @@ __device__ __forceinline__ void mm_exp_body(
     w1 += e * mat1;
     w2 += e * mat2;
     const u32 smem_s = mm_smem(smem);
-    const int my_row = row0 + tid;  // the row whose per-row scales this thread fetches
+    // The row whose per-row scales this thread fetches (threads 0..127).
+    const int my_row = row0 + tid;
+    const bool scales = THREADS == 128 || tid < 128;
 
     // Stage s ← super-block b. IQ2_XXS scales are 2-byte values: fetched into `dnext` by
     // a plain load and stored after the compute of the current stage.
@@ -587,59 +619,65 @@ __device__ __forceinline__ void mm_exp_body(
         const u32 st = smem_s + s * STAGE;
         if (F == EXP_F_Q8_0) {
 #pragma unroll
-            for (int u = 0; u < 16; ++u) {
-                const int i = tid + 128 * u, r = i >> 4, c = i & 15;
+            for (int u = 0; u < 2048 / THREADS; ++u) {
+                const int i = tid + THREADS * u, r = i >> 4, c = i & 15;
                 const bool ok = row0 + r < rows;
                 mm_cp16(st + r * WP + 16 * c, ok ? w0 + (i64)(row0 + r) * cols + b * 256 + 16 * c : w0, ok);
             }
-            const bool ok = my_row < rows;
-            mm_cp16(st + 128 * WP + tid * 16, ok ? w1 + ((i64)my_row * (cols / 32) + b * 8) * 2 : w1, ok);
+            if (scales) {
+                const bool ok = my_row < rows;
+                mm_cp16(st + 128 * WP + tid * 16, ok ? w1 + ((i64)my_row * (cols / 32) + b * 8) * 2 : w1, ok);
+            }
         } else if (F == EXP_F_Q4K) {
 #pragma unroll
-            for (int u = 0; u < 9; ++u) {
-                const int i = tid + 128 * u, r = i / 9, c = i % 9;
+            for (int u = 0; u < (1152 + THREADS - 1) / THREADS; ++u) {
+                const int i = tid + THREADS * u, r = i / 9, c = i % 9;
+                if (1152 % THREADS != 0 && i >= 1152) break;
                 const bool ok = row0 + r < rows;
                 mm_cp16(st + r * WP + 16 * c, ok ? w0 + ((i64)(row0 + r) * nb + b) * 144 + 16 * c : w0, ok);
             }
         } else {
 #pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                const int i = tid + 128 * u, r = i >> 2, c = i & 3;
+            for (int u = 0; u < 512 / THREADS; ++u) {
+                const int i = tid + THREADS * u, r = i >> 2, c = i & 3;
                 const bool ok = row0 + r < rows;
                 mm_cp16(st + r * WP + 16 * c, ok ? w0 + ((i64)(row0 + r) * nb + b) * 64 + 16 * c : w0, ok);
             }
-            const bool ok = my_row < rows;
-            const i64 blk = (i64)my_row * nb + b;
-            if (exp_iq2<F>()) {
-                dnext = ok ? reinterpret_cast<const u16*>(w1)[blk] : (u16)0;
-            } else {
-                mm_cp16(st + 128 * WP + tid * 16, ok ? w1 + blk * 16 : w1, ok);
-                mm_cp4(st + 128 * WP + 128 * 16 + tid * 4, ok ? w2 + blk * 4 : w2, ok);
+            if (scales) {
+                const bool ok = my_row < rows;
+                const i64 blk = (i64)my_row * nb + b;
+                if (exp_iq2<F>()) {
+                    dnext = ok ? reinterpret_cast<const u16*>(w1)[blk] : (u16)0;
+                } else {
+                    mm_cp16(st + 128 * WP + tid * 16, ok ? w1 + blk * 16 : w1, ok);
+                    mm_cp4(st + 128 * WP + 128 * 16 + tid * 4, ok ? w2 + blk * 4 : w2, ok);
+                }
             }
         }
         const u32 xs = st + WB;
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            const int i = tid + 128 * u, pr = i >> 4, c = i & 15;
+        for (int u = 0; u < PAIRS * 16 / THREADS; ++u) {
+            const int i = tid + THREADS * u, pr = i >> 4, c = i & 15;
             const i64 xo = s_xoff[pr];
             mm_cp16(xs + pr * XP + 16 * c, xo >= 0 ? xq + xo + b * 256 + 16 * c : xq, xo >= 0);
         }
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            const int i = tid + 128 * u, j = i >> 5, pr = i & 31;
+        for (int u = 0; u < 8 * PAIRS / THREADS; ++u) {
+            const int i = tid + THREADS * u, j = i / PAIRS, pr = i % PAIRS;
             const i64 xo = s_xoff[pr];
-            mm_cp4(xs + 32 * XP + i * 4, xo >= 0 ? xd + (xo >> 5) + b * 8 + j : xd, xo >= 0);
+            mm_cp4(xs + PAIRS * XP + i * 4, xo >= 0 ? xd + (xo >> 5) + b * 8 + j : xd, xo >= 0);
         }
     };
     auto store_d = [&](int s, u16 d) {
-        if (exp_iq2<F>()) reinterpret_cast<float*>(smem + s * STAGE + 128 * WP)[tid] = h2f(d);
+        if (exp_iq2<F>() && scales)
+            reinterpret_cast<float*>(smem + s * STAGE + 128 * WP)[tid] = h2f(d);
     };
 
-    float acc[2][4][4];
+    float acc[MT][NT][4];
 #pragma unroll
-    for (int a = 0; a < 2; ++a)
+    for (int a = 0; a < MT; ++a)
 #pragma unroll
-        for (int b = 0; b < 4; ++b)
+        for (int b = 0; b < NT; ++b)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[a][b][i] = 0.f;
     const int nnt = (len + 7) >> 3;
@@ -657,28 +695,31 @@ __device__ __forceinline__ void mm_exp_body(
         const u8* wst = smem + s * STAGE;
         const u32 wst_s = smem_s + s * STAGE;
         if (F == EXP_F_Q8_0) {
-            exp_stage<F, false>(wst, wst_s, wst + WB, wst_s + WB, grid64, lane, warp, nnt, acc);
+            exp_stage<F, false, NT>(wst, wst_s, wst + WB, wst_s + WB, grid64, lane, warp, nnt, acc);
         } else {
             // Fast stage when every pair slot has one activation scale over the stage.
-            const float* xds = reinterpret_cast<const float*>(wst + WB + 32 * XP);
-            const float x0 = xds[lane];
+            const float* xds = reinterpret_cast<const float*>(wst + WB + PAIRS * XP);
             bool same = true;
 #pragma unroll
-            for (int j = 1; j < 8; ++j) same &= xds[j * 32 + lane] == x0;
+            for (int h = 0; h < PAIRS / 32; ++h) {
+                const float x0 = xds[32 * h + lane];
+#pragma unroll
+                for (int j = 1; j < 8; ++j) same &= xds[j * PAIRS + 32 * h + lane] == x0;
+            }
             if (__all_sync(0xffffffffu, same))
-                exp_stage<F, true>(wst, wst_s, wst + WB, wst_s + WB, grid64, lane, warp, nnt, acc);
+                exp_stage<F, true, NT>(wst, wst_s, wst + WB, wst_s + WB, grid64, lane, warp, nnt, acc);
             else
-                exp_stage<F, false>(wst, wst_s, wst + WB, wst_s + WB, grid64, lane, warp, nnt, acc);
+                exp_stage<F, false, NT>(wst, wst_s, wst + WB, wst_s + WB, grid64, lane, warp, nnt, acc);
         }
         if (b + 1 < nb) store_d((b + 1) & 1, dn);
         __syncthreads();
     }
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
+        for (int nt = 0; nt < NT; ++nt) {
             if (nt >= nnt) continue;
-            const int r = row0 + warp * 32 + mt * 16 + gq;
+            const int r = row0 + warp * 16 * MT + mt * 16 + gq;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int rr = r + (i >> 1) * 8, n = nt * 8 + 2 * tq + (i & 1);
@@ -687,28 +728,32 @@ __device__ __forceinline__ void mm_exp_body(
         }
 }
 
-// Each format in three occupancy targets (minimum blocks per SM 2, 3, 4: the register
-// cap trades spills against warps in flight); the launcher picks one.
-#define MM_EXP_KERNEL(NAME, F, MB)                                                              \
-    extern "C" __global__ void __launch_bounds__(128, MB) NAME(                                \
+// Each format in three occupancy targets of the 32-pair tile (minimum blocks per SM 2, 3,
+// 4: the register cap trades spills against warps in flight) and the 64-pair tile (_w);
+// the launcher picks one.
+#define MM_EXP_KERNEL(NAME, F, NT, BOUNDS)                                                      \
+    extern "C" __global__ void __launch_bounds__ BOUNDS NAME(                                  \
         const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2,        \
         i64 mat0, i64 mat1, i64 mat2, const u64* __restrict__ grid_g, const i8* __restrict__ xq, \
         const float* __restrict__ xd, float* __restrict__ y, int rows, int cols,                \
         const int4* __restrict__ items, const i32* __restrict__ n_items,                        \
         const i32* __restrict__ pairs, int k_div, int n_tok, i64 x_tok, i64 x_grp, i64 y_tok,   \
         i64 y_grp) { PDL_WAIT();                                                                            \
-        mm_exp_body<F>(w0, w1, w2, mat0, mat1, mat2, grid_g, xq, xd, y, rows, cols, items,      \
+        mm_exp_body<F, NT>(w0, w1, w2, mat0, mat1, mat2, grid_g, xq, xd, y, rows, cols, items,  \
                        n_items, pairs, k_div, n_tok, x_tok, x_grp, y_tok, y_grp);               \
     }
-// mm_exp_<fmt>_b2, _b3 and _b4 of one format.
-#define MM_EXP_KERNELS(FMT, F)              \
-    MM_EXP_KERNEL(mm_exp_##FMT##_b2, F, 2)  \
-    MM_EXP_KERNEL(mm_exp_##FMT##_b3, F, 3)  \
-    MM_EXP_KERNEL(mm_exp_##FMT##_b4, F, 4)
-MM_EXP_KERNELS(q8_0, EXP_F_Q8_0)
-MM_EXP_KERNELS(iq2_xxs, EXP_F_IQ2)
-MM_EXP_KERNELS(q2_k, EXP_F_Q2K)
-MM_EXP_KERNELS(q4_k, EXP_F_Q4K)
+// mm_exp_<fmt>_b2, _b3, _b4 and _w of one format; WMB: the 64-pair tile's minimum blocks
+// an SM. Two (128 registers) for IQ2_XXS (28 bytes spilled), Q2_K (24) and Q8_0 (none);
+// Q4_K needs its 32-pair tile's ~255 registers (872 bytes spilled at two), so one.
+#define MM_EXP_KERNELS(FMT, F, WMB)                      \
+    MM_EXP_KERNEL(mm_exp_##FMT##_b2, F, 4, (128, 2))     \
+    MM_EXP_KERNEL(mm_exp_##FMT##_b3, F, 4, (128, 3))     \
+    MM_EXP_KERNEL(mm_exp_##FMT##_b4, F, 4, (128, 4))     \
+    MM_EXP_KERNEL(mm_exp_##FMT##_w, F, 8, (256, WMB))
+MM_EXP_KERNELS(q8_0, EXP_F_Q8_0, 2)
+MM_EXP_KERNELS(iq2_xxs, EXP_F_IQ2, 2)
+MM_EXP_KERNELS(q2_k, EXP_F_Q2K, 2)
+MM_EXP_KERNELS(q4_k, EXP_F_Q4K, 1)
 
 // Inclusive prefix sums of two values across a warp at once.
 __device__ __forceinline__ void warp_scan2(int& a, int& b, int lane) {

@@ -59,7 +59,7 @@ pub use error::CudaError;
 pub use graph::TokenGraph;
 pub use hostmem::{HostMapped, Part};
 pub use layer::{Compressor, HcNorm, HcParams, RopeP, WT_BF16, WT_F16, WT_F32, WT_Q8_0};
-pub use matmul::{Batch, RoutePlan};
+pub use matmul::{Batch, RoutePlan, EXP_VARIANT_WIDE};
 pub use ops::{ActRule, MatSel, QuantAct, Q8_TOKENS_MAX};
 pub use plan::{DecodePlan, Launcher, PlanError, Variant};
 

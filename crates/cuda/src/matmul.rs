@@ -58,10 +58,16 @@ impl Batch {
     }
 }
 
-/// Pairs per work item of the expert GEMM (EXP tile N in matmul.cu).
+/// Pairs per work item of the expert GEMM (`mm_exp_*_b*`: 4 warps of 32 rows × 32 pairs).
 const EXP_TILE: usize = 32;
-/// Rows per block of the expert GEMM.
+/// Pairs per work item of the wide expert GEMM (`mm_exp_*_w`: 8 warps of 16 rows × 64
+/// pairs), for plans whose experts average at least EXP_TILE pairs (Variant::ExpWide).
+const EXP_TILE_WIDE: usize = 64;
+/// Rows per block of the expert GEMM (either tile).
 const EXP_ROWS: usize = 128;
+/// `matmul_experts_q8act`'s `variant` that forces the wide kernel (0..=2 force the
+/// 32-pair kernel at minimum 2, 3, 4 blocks per SM).
+pub const EXP_VARIANT_WIDE: usize = 3;
 
 /// A per-call plan of the routed-expert GEMM, built on the device by [`Launcher::route_plan`].
 pub struct RoutePlan {
@@ -70,12 +76,15 @@ pub struct RoutePlan {
     max_items: usize,
     /// Pairs of the last [`Launcher::route_plan`] call.
     n_pairs: usize,
+    /// Pairs per work item of the last [`Launcher::route_plan`] call (EXP_TILE or
+    /// EXP_TILE_WIDE).
+    tile: usize,
     /// `[n_expert + 1]`: first slot of each expert in `pairs`; the last entry is the
     /// number of valid pairs.
     pub offsets: CudaSlice<i32>,
     /// `[max_pairs]`: pair indices grouped by expert (order within an expert unspecified).
     pub pairs: CudaSlice<i32>,
-    /// `[max_items][4]`: {expert, first slot, pairs ≤ 32, 0}.
+    /// `[max_items][4]`: {expert, first slot, pairs ≤ tile, 0}.
     items: CudaSlice<i32>,
     n_items: CudaSlice<i32>,
 }
@@ -85,11 +94,17 @@ impl RoutePlan {
     pub fn n_pairs(&self) -> usize {
         self.n_pairs
     }
+
+    /// Pairs per work item of the last [`Launcher::route_plan`] call.
+    pub fn tile(&self) -> usize {
+        self.tile
+    }
 }
 
-/// Upper bound on work items for `n_pairs` pairs over `n_expert` experts.
-fn max_items(n_pairs: usize, n_expert: usize) -> usize {
-    n_pairs / EXP_TILE + n_pairs.min(n_expert)
+/// Upper bound on work items for `n_pairs` pairs over `n_expert` experts, `tile` pairs
+/// an item at most.
+fn max_items(n_pairs: usize, n_expert: usize, tile: usize) -> usize {
+    n_pairs / tile + n_pairs.min(n_expert)
 }
 
 /// Tile shapes of the dense Q8_0 kernel (rows × tokens).
@@ -103,9 +118,9 @@ fn q8_stage_bytes(bm: usize, bn: usize) -> usize {
     (bm + bn) * 144 + bm * 8 + 4 * bn * 4
 }
 
-/// Stage bytes of the expert GEMM: weights (`exp_w_bytes`) + activations
-/// (`exp_x_bytes`) in matmul.cu.
-fn exp_stage_bytes(ty: GgmlType) -> usize {
+/// Stage bytes of the expert GEMM over `pairs` pairs a block: weights (`exp_w_bytes`) +
+/// activations (`exp_x_bytes`) in matmul.cu.
+fn exp_stage_bytes(ty: GgmlType, pairs: usize) -> usize {
     let w = match ty {
         GgmlType::Q8_0 => 128 * 272 + 128 * 16,
         GgmlType::IQ2_XXS => 128 * 96 + 128 * 4,
@@ -113,7 +128,7 @@ fn exp_stage_bytes(ty: GgmlType) -> usize {
         _ => 128 * 160,
     };
     let x_pitch = if ty == GgmlType::Q8_0 { 272 } else { 288 };
-    w + 32 * x_pitch + 8 * 32 * 4
+    w + pairs * x_pitch + 8 * pairs * 4
 }
 
 /// The arguments that end every GEMM kernel's signature: `n_tok` (i32), then the token
@@ -151,13 +166,15 @@ macro_rules! split_k_names {
     };
 }
 
-/// The expert GEMM of a format at minimum 2, 3 and 4 blocks per SM (`PREFIX_b2` …).
+/// The expert GEMM of a format at minimum 2, 3 and 4 blocks per SM (`PREFIX_b2` …), then
+/// its 64-pair tile (`PREFIX_w`, index EXP_VARIANT_WIDE).
 macro_rules! occupancy_names {
     ($prefix:literal) => {
         [
             concat!($prefix, "_b2"),
             concat!($prefix, "_b3"),
             concat!($prefix, "_b4"),
+            concat!($prefix, "_w"),
         ]
     };
 }
@@ -204,12 +221,13 @@ impl Gpu {
                 "route plan: {n_expert} experts (1..=1024), {max_pairs} pairs"
             )));
         }
-        let mi = max_items(max_pairs, n_expert).max(1);
+        let mi = max_items(max_pairs, n_expert, EXP_TILE).max(1);
         Ok(RoutePlan {
             n_expert,
             max_pairs,
             max_items: mi,
             n_pairs: 0,
+            tile: EXP_TILE,
             offsets: self.zeros(n_expert + 1)?,
             pairs: self.zeros(max_pairs.max(1))?,
             items: self.zeros(4 * mi)?,
@@ -332,7 +350,8 @@ impl Launcher<'_> {
         launch!(self, name, cfg; qs, dw, mat_q, mat_d, xqp, xdp, y, rows, cols; tail)
     }
 
-    /// The expert-layout GEMM (`mm_exp_*`): with `plan` over its work items, otherwise
+    /// The expert-layout GEMM (`mm_exp_*`): with `plan` over its work items (a kernel of
+    /// fewer pairs than the plan's items takes each item in slices, grid z), otherwise
     /// dense over `b` (tokens in tiles of 32, groups in grid z).
     #[allow(clippy::too_many_arguments)]
     fn launch_exp(
@@ -345,22 +364,37 @@ impl Launcher<'_> {
         b: &Batch,
         variant: Option<usize>,
     ) -> Result<(), CudaError> {
-        // Kernels per format with minimum 2, 3, 4 blocks per SM (register caps).
-        let (names, default) = match m.ty {
-            GgmlType::Q8_0 => (occupancy_names!("mm_exp_q8_0"), 2),
-            GgmlType::IQ2_XXS => (occupancy_names!("mm_exp_iq2_xxs"), 2),
-            GgmlType::Q2_K => (occupancy_names!("mm_exp_q2_k"), 1),
-            GgmlType::Q4_K => (occupancy_names!("mm_exp_q4_k"), 0),
+        // Kernels per format with minimum 2, 3, 4 blocks per SM (register caps), then the
+        // wide one; the default of a 32-pair plan, then of a 64-pair plan. Only IQ2_XXS
+        // gains from the wide kernel (its grid lookups, conflict-free there); Q2_K's lost
+        // (1,098 against 984 µs a 2,048-token launch: 128 registers, 24 bytes spilled,
+        // against 163 at three 4-warp blocks), so its 64-pair items run in two slices.
+        let (names, default, default_wide) = match m.ty {
+            GgmlType::Q8_0 => (occupancy_names!("mm_exp_q8_0"), 2, 2),
+            GgmlType::IQ2_XXS => (occupancy_names!("mm_exp_iq2_xxs"), 2, EXP_VARIANT_WIDE),
+            GgmlType::Q2_K => (occupancy_names!("mm_exp_q2_k"), 1, 1),
+            GgmlType::Q4_K => (occupancy_names!("mm_exp_q4_k"), 0, 0),
             other => {
                 return Err(invalid(format!(
                     "no int8 tensor-core GEMM for {other} weights"
                 )))
             }
         };
-        let name = match variant {
-            None => names[default],
-            Some(v) if v < names.len() => names[v],
-            Some(v) => return Err(invalid(format!("no expert GEMM variant {v}"))),
+        let pick = match (variant, plan) {
+            // The dense mode's grid is in 32-token tiles.
+            (Some(EXP_VARIANT_WIDE), None) => {
+                return Err(invalid("the wide expert GEMM takes a route plan".into()))
+            }
+            (Some(v), _) if v < names.len() => v,
+            (Some(v), _) => return Err(invalid(format!("no expert GEMM variant {v}"))),
+            (None, Some(pl)) if pl.tile == EXP_TILE_WIDE => default_wide,
+            (None, _) => default,
+        };
+        let name = names[pick];
+        let kernel_pairs = if pick == EXP_VARIANT_WIDE {
+            EXP_TILE_WIDE
+        } else {
+            EXP_TILE
         };
         if !m.cols.is_multiple_of(256) {
             return Err(invalid(format!(
@@ -368,8 +402,14 @@ impl Launcher<'_> {
                 m.cols
             )));
         }
-        let stage = exp_stage_bytes(m.ty);
-        let smem = 2 * stage + if m.ty == GgmlType::IQ2_XXS { 2048 } else { 0 };
+        let stage = exp_stage_bytes(m.ty, kernel_pairs);
+        // The IQ2_XXS grid table: 16 copies in the wide kernel (exp_grid_copies).
+        let table = match (m.ty, kernel_pairs) {
+            (GgmlType::IQ2_XXS, EXP_TILE_WIDE) => 16 * 2048,
+            (GgmlType::IQ2_XXS, _) => 2048,
+            _ => 0,
+        };
+        let smem = 2 * stage + table;
         self.allow_smem(name, smem)?;
         let elems = m.rows * m.cols;
         let nb = (elems / 256) as i64;
@@ -389,8 +429,8 @@ impl Launcher<'_> {
                 self.ptr(&pl.items),
                 self.ptr(&pl.n_items),
                 self.ptr(&pl.pairs),
-                max_items(pl.n_pairs, pl.n_expert),
-                1,
+                max_items(pl.n_pairs, pl.n_expert, pl.tile),
+                pl.tile.div_ceil(kernel_pairs),
             ),
             None => (0, 0, 0, b.n_tok.div_ceil(EXP_TILE), b.n_groups),
         };
@@ -402,7 +442,7 @@ impl Launcher<'_> {
                 grid_y as u32,
                 grid_z as u32,
             ),
-            block_dim: (128, 1, 1),
+            block_dim: (4 * kernel_pairs as u32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
         // Inputs were checked by the callers, the plan's items index pairs < n_pairs.
@@ -509,7 +549,9 @@ impl Launcher<'_> {
 
     /// Builds on the device, without a host sync, the per-expert pair lists of `n_pairs`
     /// pairs whose expert ids (device `i32 [n_pairs]`, pair p = t·k + j) are at `ids`.
-    /// Ids outside `0..n_expert` are dropped (their outputs are not written).
+    /// Ids outside `0..n_expert` are dropped (their outputs are not written). Work items
+    /// of 64 pairs (the wide kernels) where the experts average at least 32 pairs and
+    /// `exp_wide` is on, else of 32.
     pub fn route_plan(
         &self,
         ids: u64,
@@ -517,15 +559,34 @@ impl Launcher<'_> {
         n_expert: usize,
         plan: &mut RoutePlan,
     ) -> Result<(), CudaError> {
+        let wide = self.on(Variant::ExpWide) && n_pairs >= EXP_TILE * n_expert;
+        let tile = if wide { EXP_TILE_WIDE } else { EXP_TILE };
+        self.route_plan_tile(ids, n_pairs, n_expert, plan, tile)
+    }
+
+    /// [`Launcher::route_plan`] with work items of `tile` (32 or 64) pairs. For the checks.
+    #[doc(hidden)]
+    pub fn route_plan_tile(
+        &self,
+        ids: u64,
+        n_pairs: usize,
+        n_expert: usize,
+        plan: &mut RoutePlan,
+        tile: usize,
+    ) -> Result<(), CudaError> {
+        if tile != EXP_TILE && tile != EXP_TILE_WIDE {
+            return Err(invalid(format!("route_plan: items of {tile} pairs")));
+        }
         if n_expert != plan.n_expert || n_pairs > plan.max_pairs {
             return Err(invalid(format!(
                 "route_plan: {n_pairs} pairs over {n_expert} experts into a plan for {} over {}",
                 plan.max_pairs, plan.n_expert
             )));
         }
-        debug_assert!(max_items(n_pairs, n_expert) <= plan.max_items);
+        debug_assert!(max_items(n_pairs, n_expert, tile) <= plan.max_items);
         plan.n_pairs = n_pairs;
-        let (np, ne, tile) = (n_pairs as i32, n_expert as i32, EXP_TILE as i32);
+        plan.tile = tile;
+        let (np, ne, tile) = (n_pairs as i32, n_expert as i32, tile as i32);
         let (off, pairs, items, n_items) = (
             self.ptr(&plan.offsets),
             self.ptr(&plan.pairs),
@@ -542,8 +603,9 @@ impl Launcher<'_> {
     /// Routed experts: `Y[p][r] = W_{ids[p]}·X[row(p)]` for the pairs of the last
     /// [`Launcher::route_plan`], `row(p) = p / k` when `shared_input` (gate/up) else `p`
     /// (down). Activation rows are `xq.cols` apart; `y` holds `n_pairs × m.rows` floats.
-    /// `variant` forces a kernel (minimum 2, 3 or 4 blocks per SM for 0, 1, 2; the checks
-    /// use it); `None` is the default per format.
+    /// `variant` forces a kernel (the 32-pair tile at minimum 2, 3 or 4 blocks per SM for
+    /// 0, 1, 2, the 64-pair tile for EXP_VARIANT_WIDE; the checks use it); `None` is the
+    /// plan's tile with the default per format.
     #[allow(clippy::too_many_arguments)]
     pub fn matmul_experts_q8act(
         &self,
@@ -602,13 +664,17 @@ mod tests {
             (64, 2),
         ] {
             let nonempty = n.min(e);
-            let worst: usize = (0..nonempty)
-                .map(|i| {
-                    let c = n / nonempty.max(1) + usize::from(i < n % nonempty.max(1));
-                    c.div_ceil(EXP_TILE)
-                })
-                .sum();
-            assert!(worst <= max_items(n, e), "{n} pairs, {e} experts");
+            for tile in [EXP_TILE, EXP_TILE_WIDE] {
+                let worst: usize = (0..nonempty)
+                    .map(|i| {
+                        let c = n / nonempty.max(1) + usize::from(i < n % nonempty.max(1));
+                        c.div_ceil(tile)
+                    })
+                    .sum();
+                assert!(worst <= max_items(n, e, tile), "{n} pairs, {e} experts");
+                // A plan is allocated for 32-pair items: wider items need no more.
+                assert!(max_items(n, e, tile) <= max_items(n, e, EXP_TILE));
+            }
         }
     }
 
@@ -621,8 +687,14 @@ mod tests {
             GgmlType::Q2_K,
             GgmlType::Q4_K,
         ] {
-            assert_eq!(exp_stage_bytes(ty) % 16, 0);
-            assert!(2 * exp_stage_bytes(ty) + 2048 <= 227 << 10);
+            for pairs in [EXP_TILE, EXP_TILE_WIDE] {
+                assert_eq!(exp_stage_bytes(ty, pairs) % 16, 0);
+                assert!(2 * exp_stage_bytes(ty, pairs) + 2048 <= 227 << 10);
+            }
         }
+        // The wide IQ2_XXS kernel's two stages and 16 table copies: two blocks an SM
+        // (228 KB, 1 KB reserved a block), its register-bound occupancy.
+        let wide = 2 * exp_stage_bytes(GgmlType::IQ2_XXS, EXP_TILE_WIDE) + 16 * 2048;
+        assert!(2 * (wide + 1024) <= 228 << 10);
     }
 }

@@ -193,6 +193,18 @@ pub fn check_matmul(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
         // Q8_0-rule activations (scales vary within 256 values: the per-k-step path).
         let shape = (8, 128, 512, 64);
         out.extend(check_experts(gpu, &mut rng, ty, shape, true, false, None)?);
+        // The 64-pair tile (exp_wide) against the 32-pair tile, on both plans.
+        for &(n_tok, shared, k_rule) in
+            &[(64usize, true, true), (512, false, true), (64, true, false)]
+        {
+            if !k_rule && ty != GgmlType::IQ2_XXS && ty != GgmlType::Q8_0 {
+                continue;
+            }
+            let shape = (16, 160, 1024, n_tok);
+            out.push(check_experts_wide(
+                gpu, &mut rng, ty, shape, shared, k_rule,
+            )?);
+        }
     }
     out.push(check_plan(gpu, &mut rng)?);
     // f32 activations.
@@ -412,6 +424,54 @@ fn check_experts(
     let mv: Vec<f64> = gpu.download(&y2)?.iter().map(|&v| v as f64).collect();
     out.push(check(format!("{name} vs matvec_q8act"), rel_err(&got, &mv)));
     Ok(out)
+}
+
+/// The wide expert GEMM (64 pairs a block) and the 32-pair one on plans of 32- and
+/// 64-pair items: every value bit-identical to the 32-pair kernel on the 32-pair plan
+/// (each output sums the same k-steps in the same order; only the tiling differs).
+fn check_experts_wide(
+    gpu: &Launcher,
+    rng: &mut Rng,
+    ty: GgmlType,
+    (n_expert, rows, cols, n_tok): (usize, usize, usize, usize),
+    shared: bool,
+    k_rule: bool,
+) -> Result<Check> {
+    let k = 6;
+    let n_pairs = n_tok * k;
+    let w = random_matrix(ty, rows, cols, n_expert, rng);
+    let m = upload(gpu, ty, &w, rows, cols, n_expert)?;
+    let ids = route(rng, n_tok, k, n_expert);
+    let idd = gpu.upload(&ids)?;
+    let in_rows = if shared { n_tok } else { n_pairs };
+    let xd = gpu.upload(&random_vec(in_rows * cols, rng))?;
+    let mut qa = gpu.alloc_quant_act(in_rows, cols)?;
+    if k_rule {
+        gpu.quantize_act_k(gpu.ptr(&xd), &mut qa)?;
+    } else {
+        gpu.quantize_act(gpu.ptr(&xd), &mut qa)?;
+    }
+    let mut plan = gpu.alloc_route_plan(n_pairs, n_expert)?;
+    let mut run = |tile: usize, variant: Option<usize>| -> Result<Vec<f32>> {
+        gpu.route_plan_tile(gpu.ptr(&idd), n_pairs, n_expert, &mut plan, tile)?;
+        let yd = gpu.upload(&vec![f32::NAN; n_pairs * rows])?;
+        gpu.matmul_experts_q8act(&m, &qa, &plan, k, shared, gpu.ptr(&yd), variant)?;
+        Ok(gpu.download(&yd)?)
+    };
+    let want = run(32, None)?;
+    let wide = Some(crate::EXP_VARIANT_WIDE);
+    let diff = same_bits(&run(64, wide)?, &want)
+        .merge(same_bits(&run(32, wide)?, &want))
+        .merge(same_bits(&run(64, None)?, &want))
+        .merge(same_bits(&run(64, Some(0))?, &want));
+    Ok(bit_identical(
+        format!(
+            "mm_exp wide = 32-pair {ty} {n_expert}x{rows}x{cols} n{n_tok} {}{}, plans of 32/64",
+            if shared { "shared" } else { "per-pair" },
+            if k_rule { "" } else { " q8_0-act" },
+        ),
+        diff,
+    ))
 }
 
 /// The plan lists every valid pair exactly once under its expert (bad ids dropped).

@@ -98,7 +98,11 @@ pub const CHECKS: &[KernelCheck] = &[
     check("indexer_q", &[Variant::IdxqWarp], |gpu, seed| {
         Ok(vec![variants::check_indexer_q_warp(gpu, seed)?])
     }),
-    check("matmul", &[Variant::MmPitch], matmul::check_matmul),
+    check(
+        "matmul",
+        &[Variant::MmPitch, Variant::ExpWide],
+        matmul::check_matmul,
+    ),
     check("wide", &[Variant::Wide], wide::check_wide),
     check(
         "attention",
