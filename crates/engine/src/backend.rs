@@ -251,8 +251,8 @@ pub trait Backend: Send {
     }
 
     /// On a device: (free device bytes now, bytes one more session of this context
-    /// takes there, its prefill buffers included) — what sizes `ds4-server`'s session
-    /// pool. `None` where sessions live in host memory.
+    /// takes there) — what sizes `ds4-server`'s session pool. `None` where sessions live
+    /// in host memory.
     fn device_memory(&self) -> Option<(u64, u64)> {
         None
     }

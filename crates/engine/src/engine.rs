@@ -335,7 +335,8 @@ impl Engine {
     }
 
     /// A new, empty session. On CUDA the prefill chunk is the backend's own (sized to
-    /// the device memory); `opts.prefill_chunk` splits calls above it.
+    /// the device memory); `opts.prefill_chunk` (default: that chunk) splits calls above
+    /// it.
     pub fn new_session_with(&self, mut opts: SessionOptions) -> Result<Session> {
         opts.numerics = opts.numerics.or(Some(self.numerics));
         let mut session = self.new_session_unsteered(opts)?;
@@ -353,11 +354,12 @@ impl Engine {
                 crate::session::check_ctx(opts.ctx)?;
                 let numerics = opts.numerics.unwrap_or(self.numerics);
                 let b = crate::cuda::CudaBackend::new(w, opts.ctx, numerics)?;
+                let chunk = opts.prefill_chunk.unwrap_or_else(|| b.prefill_chunk());
                 Ok(Session::on_backend(
                     &self.model,
                     Box::new(b),
                     numerics,
-                    opts.prefill_chunk,
+                    chunk,
                 ))
             }
             #[cfg(feature = "cuda")]
@@ -365,11 +367,14 @@ impl Engine {
                 crate::session::check_ctx(opts.ctx)?;
                 let numerics = opts.numerics.unwrap_or(self.numerics);
                 let b = crate::cuda::SplitBackend::new(stages, opts.ctx, numerics)?;
+                let chunk = opts
+                    .prefill_chunk
+                    .unwrap_or_else(|| crate::backend::Backend::preferred_batch(&b));
                 Ok(Session::on_backend(
                     &self.model,
                     Box::new(b),
                     numerics,
-                    opts.prefill_chunk,
+                    chunk,
                 ))
             }
         }

@@ -66,6 +66,6 @@ pub use placement::{
     DEFAULT_PLAN_CTX,
 };
 pub use sampling::{argmax, generate, Sampler, SamplerConfig, StopReason};
-pub use session::{Session, SessionOptions, SessionState};
+pub use session::{Session, SessionOptions, SessionState, DEFAULT_PREFILL_CHUNK};
 pub use spec::{SpecOptions, SpecStats, Speculator, MAX_DRAFT};
 pub use steer::{Component, Steering};

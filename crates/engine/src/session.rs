@@ -22,14 +22,18 @@ pub(crate) fn check_ctx(ctx: usize) -> Result<()> {
     Ok(())
 }
 
+/// Tokens per forward call of a CPU session's prefill ([`SessionOptions::prefill_chunk`]).
+pub const DEFAULT_PREFILL_CHUNK: usize = 2048;
+
 #[derive(Clone, Debug)]
 pub struct SessionOptions {
     /// Context capacity in tokens.
     pub ctx: usize,
     /// `None`: the model's default.
     pub numerics: Option<Numerics>,
-    /// Tokens per forward call during prefill (results do not depend on it).
-    pub prefill_chunk: usize,
+    /// Tokens per forward call during prefill (results do not depend on it); `None`:
+    /// the backend's preferred batch (CPU DEFAULT_PREFILL_CHUNK, CUDA its prefill chunk).
+    pub prefill_chunk: Option<usize>,
 }
 
 impl SessionOptions {
@@ -37,7 +41,7 @@ impl SessionOptions {
         SessionOptions {
             ctx,
             numerics: None,
-            prefill_chunk: 2048,
+            prefill_chunk: None,
         }
     }
 }
@@ -121,7 +125,7 @@ impl Session {
             model,
             backend,
             numerics,
-            opts.prefill_chunk,
+            opts.prefill_chunk.unwrap_or(DEFAULT_PREFILL_CHUNK),
         ))
     }
 

@@ -17,7 +17,7 @@ fn seq() -> Vec<u32> {
 
 fn session(model: &Model, chunk: usize) -> Session {
     let mut o = SessionOptions::new(4096);
-    o.prefill_chunk = chunk;
+    o.prefill_chunk = Some(chunk);
     Session::with_options(model, o).unwrap()
 }
 

@@ -61,7 +61,7 @@ fn dat_equals_recomputation_from_a_tap() {
     // A prefill chunk of 7 splits each prompt into several batches.
     let mut s = Session::with_options(&model, {
         let mut o = ds4_engine::SessionOptions::new(256);
-        o.prefill_chunk = 7;
+        o.prefill_chunk = Some(7);
         o
     })
     .unwrap();

@@ -297,7 +297,9 @@ impl Backend for CudaBackend {
     fn device_memory(&self) -> Option<(u64, u64)> {
         let c = &self.weights.config;
         let free = self.weights.gpu.mem_info().ok()?.0 as u64;
-        let one = state::session_bytes(c, self.state.ctx, self.state.chunk()) as u64;
+        // Another session's KV and scratch: the prefill buffers are the GPU's, allocated
+        // with the first session.
+        let one = state::pool_session_bytes(c, self.state.ctx, self.state.chunk()) as u64;
         Some((free, one))
     }
 

@@ -154,6 +154,54 @@ struct Scratch {
     group_ids: DeviceBuf<i32>,
 }
 
+/// The prefill chunk's buffers of one GPU ([`CudaWeights::prefill_work`]): every session
+/// of an upload prefills through them, one chunk at a time on the GPU's one stream, so a
+/// chunk's ~1 MB a token of scratch is paid once per GPU, not once per session (a pool
+/// of sessions at 8,192-token chunks would otherwise hold ~8 GB each).
+pub(crate) struct PrefillWork {
+    work: Work,
+    /// The context and attention stride the buffers were sized for (the indexer scores
+    /// and split-attention partials depend on them): a session of another context
+    /// allocates them again.
+    ctx: usize,
+    att_stride: usize,
+}
+
+/// The shared prefill buffers (`slot`) sized for a session of `ctx` tokens with chunks of
+/// `chunk`: kept when they fit, else dropped and allocated again.
+fn prefill_work<'a>(
+    slot: &'a mut Option<PrefillWork>,
+    w: &CudaWeights,
+    ctx: usize,
+    chunk: usize,
+    att_stride: usize,
+) -> Result<&'a mut Work> {
+    let fits = slot
+        .as_ref()
+        .is_some_and(|p| p.ctx == ctx && p.att_stride == att_stride && p.work.s.cap >= chunk);
+    if !fits {
+        // The old buffers go before the new ones are allocated (one fits where two may not).
+        *slot = None;
+        let g = &*w.gpu;
+        let before = g.mem_info().map_or(0, |(free, _)| free);
+        let work = Work::new(g, &w.config, ctx, chunk, att_stride)?;
+        let after = g.mem_info().map_or(0, |(free, _)| free);
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        tracing::debug!(
+            "prefill buffers for {chunk} tokens: {:.3} GiB ({:.3} GiB free after; estimate {:.3})",
+            gib(before.saturating_sub(after)),
+            gib(after),
+            gib(chunk * work_bytes_per_token(&w.config, ctx))
+        );
+        *slot = Some(PrefillWork {
+            work,
+            ctx,
+            att_stride,
+        });
+    }
+    Ok(&mut slot.as_mut().expect("allocated above").work)
+}
+
 /// The scratch of up to `cap` tokens with its quantised activations.
 struct Work {
     s: Scratch,
@@ -285,10 +333,9 @@ pub(super) struct DeviceState {
     chunk: usize,
     att_stride: usize,
     layers: Vec<LayerState>,
-    /// One token (decode, captured in graphs).
+    /// One token (decode, captured in graphs). A prefill chunk runs in the GPU's shared
+    /// [`PrefillWork`].
     s: Work,
-    /// `chunk` tokens, allocated on the first batched forward.
-    batch: Option<Work>,
     /// One captured token (without / with the output head), replayed per token; all
     /// position-dependent counts are read from the device step buffer.
     graphs: [Option<TokenGraph>; 2],
@@ -319,8 +366,12 @@ const CHUNK_SCORE_BUDGET: usize = 512 << 20;
 /// Tokens per prefill chunk at most. Each chunk streams every routed expert's weights
 /// once (a chunk of 512 gives each expert ~12 tokens), so longer chunks amortise the
 /// weight decoding: H200 q2 prefill at 2k / 16k 3,179 / 2,552 tok/s with 512,
-/// 3,927 / 2,979 with 1,024, 4,378 / 3,219 with 2,048 (bench/RESULTS.md, v10f).
-const MAX_CHUNK: usize = 2048;
+/// 3,927 / 2,979 with 1,024, 4,378 / 3,219 with 2,048 (bench/RESULTS.md, v10f); at 16k
+/// 4,862 with 2,048, 5,012 with 4,096 and 5,128 with 8,192 (NOTES session 18: each
+/// expert's ~48 pairs of a 2,048 chunk fill 1.5 of the expert GEMM's 32-pair tiles).
+/// The chunk's buffers are one per GPU ([`PrefillWork`]); each session's raw ring holds
+/// the window plus a chunk (43 layers × 8,320 rows × 2 KB = 733 MB at 8,192).
+const MAX_CHUNK: usize = 8192;
 /// A chunk's buffers (~1 MB per token at the Flash shape) take at most this fraction
 /// of the device memory free when the session is created.
 const CHUNK_MEM_FRACTION: usize = 4;
@@ -351,7 +402,7 @@ fn prefill_chunk(c: &Config, ctx: usize, budget: usize, asked: Option<usize>) ->
 /// not fit beside a session (expert offload). A chunk streams every offloaded layer's
 /// expert stack over the bus once, so halving it doubles that traffic: on one H100 (q2,
 /// 2 layers offloaded, 2k prompt) 1,024 gave 2,840 tok/s (bench/RESULTS.md v23).
-pub(crate) const PLAN_CHUNK: usize = MAX_CHUNK;
+pub(crate) const PLAN_CHUNK: usize = 2048;
 
 /// Device bytes of a session's KV at `ctx` with a raw ring of window + `chunk` slots:
 /// per layer the ring, compressed and index rows and the compressors' frontiers.
@@ -385,8 +436,15 @@ pub(crate) fn fixed_session_bytes(c: &Config, ctx: usize) -> usize {
     (1 + SMALL_BATCH) * work_bytes_per_token(c, ctx) + 4 * c.vocab * (SMALL_BATCH + 2) + (128 << 20)
 }
 
-/// Device bytes of one session at `ctx` with prefill chunks of `chunk` tokens: what the
-/// memory planner (placement.rs) reserves beside the weights.
+/// Device bytes of one more session at `ctx` beside the first: its KV (a raw ring of the
+/// window + `chunk`) and decode scratch, not the GPU's shared prefill buffers.
+pub(crate) fn pool_session_bytes(c: &Config, ctx: usize, chunk: usize) -> usize {
+    kv_bytes(c, ctx, chunk) + fixed_session_bytes(c, ctx)
+}
+
+/// Device bytes of one session at `ctx` with prefill chunks of `chunk` tokens, the GPU's
+/// prefill buffers included: what the memory planner (placement.rs) reserves beside the
+/// weights.
 pub(crate) fn session_bytes(c: &Config, ctx: usize, chunk: usize) -> usize {
     kv_bytes(c, ctx, chunk) + fixed_session_bytes(c, ctx) + chunk * work_bytes_per_token(c, ctx)
 }
@@ -490,6 +548,9 @@ impl DeviceState {
                 issc,
             });
         }
+        // The GPU's prefill buffers, sized for this session now (not at its first chunk),
+        // so that the free memory a session pool sees already excludes them.
+        prefill_work(&mut w.prefill_work(), w, ctx, chunk, att_stride)?;
         Ok(DeviceState {
             ctx,
             n_tokens: 0,
@@ -499,7 +560,6 @@ impl DeviceState {
             att_stride,
             layers,
             s: Work::new(g, c, ctx, 1, att_stride)?,
-            batch: None,
             graphs: [None, None],
             graph_numerics: None,
             use_graphs: !g.profiling()
@@ -557,53 +617,36 @@ impl DeviceState {
             )));
         }
         let g = &*w.gpu;
-        self.ensure_batch(w)?;
-        let mut b = self.batch.take().expect("allocated above");
+        let mut slot = w.prefill_work();
+        let b = prefill_work(&mut slot, w, self.ctx, self.chunk, self.att_stride)?;
         debug_assert!(n <= b.s.cap);
-        let result = (|| -> Result<Vec<f32>> {
-            b.s.write_steps(g, self.n_tokens, tokens)?;
-            self.enqueue_layers(w, numerics, &mut b, n)?;
-            let c = &w.config;
-            let row = (c.n_hc * c.n_embd * 4) as u64;
-            // The MTP draft's `HcSource::Last`: the batch's last row.
-            self.last_hc = Some(g.ptr(&b.s.h) + (n as u64 - 1) * row);
-            let mut out = Vec::new();
-            if all_rows {
-                for t in 0..n {
-                    self.head(w, numerics, g.ptr(&b.s.h) + t as u64 * row)?;
-                    out.extend(g.download_f32(&self.s.s.logits, usize::MAX)?);
-                }
-            } else if head {
-                self.head(w, numerics, g.ptr(&b.s.h) + (n as u64 - 1) * row)?;
-                out = g.download_f32(&self.s.s.logits, usize::MAX)?;
+        b.s.write_steps(g, self.n_tokens, tokens)?;
+        self.enqueue_layers(w, numerics, b, n)?;
+        let c = &w.config;
+        let row = c.n_hc * c.n_embd;
+        // The MTP draft's `HcSource::Last`: the batch's last row, into this session's
+        // decode scratch (the shared buffers are the next session's to overwrite).
+        {
+            let src = b.s.h.slice((n - 1) * row..n * row);
+            let mut dst = self.s.s.h.slice_mut(0..row);
+            g.stream()
+                .memcpy_dtod(&src, &mut dst)
+                .map_err(CudaError::from)?;
+        }
+        self.last_hc = Some(g.ptr(&self.s.s.h));
+        let bytes = (row * 4) as u64;
+        let mut out = Vec::new();
+        if all_rows {
+            for t in 0..n {
+                self.head(w, numerics, g.ptr(&b.s.h) + t as u64 * bytes)?;
+                out.extend(g.download_f32(&self.s.s.logits, usize::MAX)?);
             }
-            Ok(out)
-        })();
-        self.batch = Some(b);
-        let out = result?;
+        } else if head {
+            self.head(w, numerics, g.ptr(&b.s.h) + (n as u64 - 1) * bytes)?;
+            out = g.download_f32(&self.s.s.logits, usize::MAX)?;
+        }
         self.n_tokens += n;
         Ok(out)
-    }
-
-    /// The batch buffers of a prefill chunk, allocated on the first batched forward.
-    fn ensure_batch(&mut self, w: &CudaWeights) -> Result<()> {
-        if self.batch.is_some() {
-            return Ok(());
-        }
-        let g = &*w.gpu;
-        let before = g.mem_info().map_or(0, |(free, _)| free);
-        let work = Work::new(g, &w.config, self.ctx, self.chunk, self.att_stride)?;
-        self.batch = Some(work);
-        let after = g.mem_info().map_or(0, |(free, _)| free);
-        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
-        tracing::debug!(
-            "prefill buffers for {} tokens: {:.3} GiB ({:.3} GiB free after; estimate {:.3})",
-            self.chunk,
-            gib(before.saturating_sub(after)),
-            gib(after),
-            gib(self.chunk * work_bytes_per_token(&w.config, self.ctx))
-        );
-        Ok(())
     }
 
     /// A later stage of a split model (`cuda/split.rs`): the previous GPU's streams of
@@ -611,12 +654,11 @@ impl DeviceState {
     /// the scratch that pass starts from (it embeds nothing: `w.range` starts past 0).
     pub fn set_input(&mut self, w: &CudaWeights, rows: &[f32], batched: bool) -> Result<()> {
         let g = &*w.gpu;
-        let work = if batched {
-            self.ensure_batch(w)?;
-            self.batch.as_mut().expect("allocated above")
-        } else {
-            &mut self.s
-        };
+        if !batched {
+            return self.s.s.set_streams(g, rows);
+        }
+        let mut slot = w.prefill_work();
+        let work = prefill_work(&mut slot, w, self.ctx, self.chunk, self.att_stride)?;
         work.s.set_streams(g, rows)
     }
 
@@ -624,13 +666,17 @@ impl DeviceState {
     /// else a `decode`), `[n][n_hc·n_embd]`: what the next stage of a split starts from.
     pub fn hidden(&self, w: &CudaWeights, n: usize, batched: bool) -> Result<Vec<f32>> {
         let c = &w.config;
-        let work = if batched {
-            self.batch.as_ref()
-        } else {
-            Some(&self.s)
-        };
-        let work = work.ok_or_else(|| EngineError::Invalid("no batch ran yet".into()))?;
-        work.s.streams(&w.gpu, c, n)
+        if !batched {
+            return self.s.s.streams(&w.gpu, c, n);
+        }
+        // The split's stages run a chunk and hand its streams on in one call, so no other
+        // session's chunk comes between.
+        let slot = w.prefill_work();
+        let work = slot
+            .as_ref()
+            .filter(|p| p.ctx == self.ctx && p.work.s.cap >= n)
+            .ok_or_else(|| EngineError::Invalid("no batch ran yet".into()))?;
+        work.work.s.streams(&w.gpu, c, n)
     }
 
     /// Runs one token at position `n_tokens`; with `head` the logits are computed.
@@ -863,7 +909,7 @@ mod tests {
     }
 
     #[test]
-    fn chunks_are_2048_tokens_when_memory_allows() {
+    fn chunks_are_max_chunk_tokens_when_memory_allows() {
         let c = flash();
         assert_eq!(
             prefill_chunk(&c, 32768, (50 << 30) / CHUNK_MEM_FRACTION, None),

@@ -71,6 +71,9 @@ pub struct CudaWeights {
     /// The buffers and graphs of batched steps over several sessions
     /// ([`CudaWeights::batch_step`]), shared by every session of this upload.
     batch: Mutex<Option<super::state::BatchStep>>,
+    /// The prefill chunk's buffers ([`CudaWeights::prefill_work`]), shared by every
+    /// session of this upload.
+    prefill: Mutex<Option<super::state::PrefillWork>>,
 }
 
 /// The MTP draft block (architecture.md §7) on the device: the block as a layer and the
@@ -433,6 +436,7 @@ impl CudaWeights {
             plan,
             mtp: Mutex::new(None),
             batch: Mutex::new(None),
+            prefill: Mutex::new(None),
         };
         gpu.release_staging()?;
         Ok(weights)
@@ -443,6 +447,19 @@ impl CudaWeights {
     /// they are dropped and built again.
     pub(crate) fn batch_step(&self) -> std::sync::MutexGuard<'_, Option<super::state::BatchStep>> {
         self.batch.lock().unwrap_or_else(|e| {
+            let mut g = e.into_inner();
+            *g = None;
+            g
+        })
+    }
+
+    /// The prefill chunk's buffers, one per GPU (`state.rs` [`super::state::PrefillWork`]:
+    /// sessions prefill one chunk at a time). After a panic mid-chunk (a poisoned lock)
+    /// they are dropped and allocated again.
+    pub(crate) fn prefill_work(
+        &self,
+    ) -> std::sync::MutexGuard<'_, Option<super::state::PrefillWork>> {
+        self.prefill.lock().unwrap_or_else(|e| {
             let mut g = e.into_inner();
             *g = None;
             g
