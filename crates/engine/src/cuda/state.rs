@@ -361,8 +361,9 @@ fn comp_cap(ctx: usize, ratio: usize) -> usize {
 }
 
 /// Device bytes per token of the batch buffers that grow with the context (attention
-/// scores and indexer scores); chunks are sized so these stay within 512 MiB.
-const CHUNK_SCORE_BUDGET: usize = 512 << 20;
+/// scores and indexer scores); chunks are sized so these stay within 1 GiB (one buffer
+/// per GPU: 8,192-token chunks up to a 128k context, 1,024 at 1M).
+const CHUNK_SCORE_BUDGET: usize = 1 << 30;
 /// Tokens per prefill chunk at most. Each chunk streams every routed expert's weights
 /// once (a chunk of 512 gives each expert ~12 tokens), so longer chunks amortise the
 /// weight decoding: H200 q2 prefill at 2k / 16k 3,179 / 2,552 tok/s with 512,
