@@ -22,9 +22,10 @@ struct AttRows {
         total = n_raw + (masked ? top_k : n_comp_all);
     }
 
-    // Row r < total of `hd` floats.
-    __device__ __forceinline__ const float* row(int r, const float* ring, int raw_cap,
-                                                const float* comp, int hd) const {
+    // Row r < total of `hd` values (f32, or the fp16 copies of attention_prefill_mma_h).
+    template <typename T>
+    __device__ __forceinline__ const T* row(int r, const T* ring, int raw_cap, const T* comp,
+                                            int hd) const {
         if (r < n_raw) return ring + (i64)((pos - n_raw + 1 + r) % raw_cap) * hd;
         const int ci = masked ? st[r - n_raw] : r - n_raw;
         return comp + (i64)ci * hd;

@@ -15,6 +15,13 @@
 // memory exchange). Shared memory: Q [64][AMMA_LD] fp16, the row tile [32][AMMA_LD]
 // fp16, and the next tile's f32 rows [32][512] arriving by cp.async while this tile
 // computes. Rows are padded to AMMA_LD halves so ldmatrix rows land on distinct banks.
+//
+// HALF (attention_prefill_mma_h, a prefill chunk): the rows come as fp16 copies made
+// once per layer and chunk (rows_f16: the ring and the compressed rows; a token's ~640
+// rows are shared with its neighbours, so converting each row per token was ~8,000×
+// the work), straight into two alternating row tiles by cp.async — half the bytes, no
+// conversion pass and one barrier a tile instead of two. The fp16 operands are the
+// same values (cvt.rn either way): bit-identical to attention_prefill_mma.
 #include "common.cuh"
 
 // (AMMA_HEADS, AMMA_HD: ds4_consts.h.)
@@ -61,15 +68,17 @@ __device__ __forceinline__ void amma_wait_all() {
 // [t][h][c][hd], (max, sum) [t][h][c]) for attention_combine, which adds the sink and the
 // tail: a decode-sized batch cannot fill the GPU with one block per token. A chunk
 // without rows writes an empty partial (sum 0, which the combine skips).
-template <bool SPLIT>
+template <bool SPLIT, bool HALF>
 __device__ __forceinline__ void attention_mma_body(const Step* step, const float* q,
         const float* ring, int raw_cap, int window, const float* comp, int ratio,
         const i32* sel, int top_k, const float* sinks, float scale, float* out,
-        int n_chunks, float* part_acc, float* part_ml, const u64* kvt) {
+        int n_chunks, float* part_acc, float* part_ml, const u64* kvt,
+        const u16* ring16 = nullptr, const u16* comp16 = nullptr) {
     PDL_WAIT();
     extern __shared__ __align__(16) u8 smem[];
     u16* sQ = reinterpret_cast<u16*>(smem);
     u16* sK = sQ + AMMA_HEADS * AMMA_LD;
+    // (HALF: a second row tile at sK + AMMA_ROWS · AMMA_LD instead of the f32 stage.)
     float* sF = reinterpret_cast<float*>(sK + AMMA_ROWS * AMMA_LD);
     const int t = SPLIT ? blockIdx.y : blockIdx.x;
     const int tid = threadIdx.x, lane = tid % WARP, w = tid / WARP;
@@ -104,6 +113,23 @@ __device__ __forceinline__ void attention_mma_body(const Step* step, const float
     // The f32 rows of tile `tile` into sF: 32 rows × 128 chunks of 16 bytes; thread
     // tid copies chunk tid % 128 of rows tid / 128 + 2i (rows past the end are zeros).
     auto issue = [&](int tile) {
+        if (HALF) {
+            // Tile `tile`'s fp16 rows into row tile tile & 1: 32 rows × 64 chunks of 16
+            // bytes; thread tid copies chunk tid % 64 of rows tid / 64 + 4i.
+            u16* dst = sK + (tile & 1) * AMMA_ROWS * AMMA_LD;
+            tile += tile0;
+            const int cc = tid & 63;
+#pragma unroll
+            for (int i = 0; i < AMMA_ROWS / 4; ++i) {
+                const int rr = (tid >> 6) + 4 * i;
+                const int r = tile * AMMA_ROWS + rr;
+                const bool ok = r < total;
+                const u16* src = ok ? rows.row(r, ring16, raw_cap, comp16, AMMA_HD) + cc * 8 : ring16;
+                mm_cp16(mm_smem(dst + rr * AMMA_LD + cc * 8), src, ok);
+            }
+            mm_commit();
+            return;
+        }
         tile += tile0;
         const int cc = tid & 127;
 #pragma unroll 4
@@ -141,16 +167,24 @@ __device__ __forceinline__ void attention_mma_body(const Step* step, const float
 
     for (int tile = 0; tile < n_tiles; ++tile) {
         amma_wait_all();
-        __syncthreads();  // sF holds this tile; every warp is done with the last sK
+        // HALF: row tile tile & 1 holds this tile; every warp is done with the other
+        // (the last tile's), which the next tile's copies now fill.
+        // Else: sF holds this tile; every warp is done with the last sK.
+        __syncthreads();
+        u32 kb = 0;  // byte offset of this tile's row tile from sK
+        if (HALF) {
+            kb = (tile & 1) * AMMA_ROWS * AMMA_LD * 2;
+        } else {
 #pragma unroll 4
-        for (int i = tid; i < AMMA_ROWS * AMMA_HD / 4; i += 256) {
-            const int r = (4 * i) / AMMA_HD, d = (4 * i) % AMMA_HD;
-            const float4 v = *reinterpret_cast<const float4*>(sF + 4 * i);
-            u32* dst = reinterpret_cast<u32*>(sK + r * AMMA_LD + d);
-            dst[0] = amma_pack(v.x, v.y);
-            dst[1] = amma_pack(v.z, v.w);
+            for (int i = tid; i < AMMA_ROWS * AMMA_HD / 4; i += 256) {
+                const int r = (4 * i) / AMMA_HD, d = (4 * i) % AMMA_HD;
+                const float4 v = *reinterpret_cast<const float4*>(sF + 4 * i);
+                u32* dst = reinterpret_cast<u32*>(sK + r * AMMA_LD + d);
+                dst[0] = amma_pack(v.x, v.y);
+                dst[1] = amma_pack(v.z, v.w);
+            }
+            __syncthreads();  // sK ready; sF free for the next tile
         }
-        __syncthreads();  // sK ready; sF free for the next tile
         if (tile + 1 < n_tiles) issue(tile + 1);
 
         // Scores of 16 heads × 32 rows.
@@ -164,7 +198,7 @@ __device__ __forceinline__ void attention_mma_body(const Step* step, const float
 #pragma unroll
             for (int np = 0; np < 2; ++np) {
                 u32 b0, b1, b2, b3;
-                mm_ldsm4(sK_s + np * 16 * AMMA_LD * 2 + ks * 32, b0, b1, b2, b3);
+                mm_ldsm4(sK_s + kb + np * 16 * AMMA_LD * 2 + ks * 32, b0, b1, b2, b3);
                 amma_mma2(s[2 * np], s[2 * np + 1], a0, a1, a2, a3, b0, b1, b2, b3);
             }
         }
@@ -215,7 +249,7 @@ __device__ __forceinline__ void attention_mma_body(const Step* step, const float
 #pragma unroll
             for (int np = 0; np < 16; ++np) {
                 u32 b0, b1, b2, b3;
-                amma_ldsm4_t(sK_v + kk * 16 * AMMA_LD * 2 + np * 32, b0, b1, b2, b3);
+                amma_ldsm4_t(sK_v + kb + kk * 16 * AMMA_LD * 2 + np * 32, b0, b1, b2, b3);
                 amma_mma2(o[2 * np], o[2 * np + 1], a0, a1, a2, a3, b0, b1, b2, b3);
             }
         }
@@ -263,14 +297,38 @@ __device__ __forceinline__ void attention_mma_body(const Step* step, const float
 extern "C" __global__ void __launch_bounds__(256, 1) attention_prefill_mma(const Step* step,
         const float* q, const float* ring, int raw_cap, int window, const float* comp,
         int ratio, const i32* sel, int top_k, const float* sinks, float scale, float* out) {
-    attention_mma_body<false>(step, q, ring, raw_cap, window, comp, ratio, sel, top_k, sinks,
-                              scale, out, 1, nullptr, nullptr, nullptr);
+    attention_mma_body<false, false>(step, q, ring, raw_cap, window, comp, ratio, sel, top_k,
+                                     sinks, scale, out, 1, nullptr, nullptr, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) attention_prefill_mma_h(const Step* step,
+        const float* q, const u16* ring16, int raw_cap, int window, const u16* comp16,
+        int ratio, const i32* sel, int top_k, const float* sinks, float scale, float* out) {
+    attention_mma_body<false, true>(step, q, nullptr, raw_cap, window, nullptr, ratio, sel,
+                                    top_k, sinks, scale, out, 1, nullptr, nullptr, nullptr,
+                                    ring16, comp16);
+}
+
+// fp16 copies of n f32 values (n a multiple of 8): attention_prefill_mma_h's rows.
+extern "C" __global__ void __launch_bounds__(256) rows_f16(const float* __restrict__ x,
+                                                            u16* __restrict__ y, i64 n) {
+    PDL_WAIT();
+    const i64 i = 8 * ((i64)blockIdx.x * 256 + threadIdx.x);
+    if (i >= n) return;
+    const float4 a = *reinterpret_cast<const float4*>(x + i);
+    const float4 b = *reinterpret_cast<const float4*>(x + i + 4);
+    uint4 o;
+    o.x = amma_pack(a.x, a.y);
+    o.y = amma_pack(a.z, a.w);
+    o.z = amma_pack(b.x, b.y);
+    o.w = amma_pack(b.z, b.w);
+    *reinterpret_cast<uint4*>(y + i) = o;
 }
 
 extern "C" __global__ void __launch_bounds__(256, 1) attention_split_mma(const Step* step,
         const float* q, const float* ring, int raw_cap, int window, const float* comp,
         int ratio, const i32* sel, int top_k, const float* sinks, float scale, int n_chunks,
         float* part_acc, float* part_ml, const u64* kvt) {
-    attention_mma_body<true>(step, q, ring, raw_cap, window, comp, ratio, sel, top_k, sinks,
-                             scale, nullptr, n_chunks, part_acc, part_ml, kvt);
+    attention_mma_body<true, false>(step, q, ring, raw_cap, window, comp, ratio, sel, top_k,
+                                    sinks, scale, nullptr, n_chunks, part_acc, part_ml, kvt);
 }

@@ -8,7 +8,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use crate::device::Gpu;
 use crate::error::CudaError;
-use crate::layer::{cfg2, wide_grid, wide_rope_fits, RopeP, WIDE_THREADS};
+use crate::layer::{cfg, cfg2, wide_grid, wide_rope_fits, RopeP, WIDE_THREADS};
 use crate::plan::{Launcher, Variant};
 
 /// What the attention launchers read for `n_tok` tokens (device addresses): queries
@@ -392,5 +392,55 @@ impl Launcher<'_> {
         launch!(self, NAME, cfg;
             a.step, a.q, a.ring, rc, win, a.comp, r, a.sel, tk, a.sinks, a.scale, out
         )
+    }
+
+    /// [`Launcher::attention_prefill_mma`] over fp16 copies of the rows (`att_half`):
+    /// `ring16` holds `a.raw_cap` rows and `comp16` the compressed rows the tokens
+    /// attend, both as [`Launcher::rows_f16`] writes them from `a.ring` and `a.comp`.
+    /// Bit-identical to the f32-row kernel (the same fp16 operands).
+    pub fn attention_prefill_mma_h(
+        &self,
+        a: &AttnInput,
+        ring16: u64,
+        comp16: u64,
+        out: u64,
+    ) -> Result<(), CudaError> {
+        const NAME: &str = "attention_prefill_mma_h";
+        if a.kvt != 0 {
+            return Err(CudaError::Invalid(
+                "the prefill attention runs one session (no KV table)".into(),
+            ));
+        }
+        // Validates the shape as the f32-row kernel; Q and two fp16 row tiles.
+        self.mma_attention_smem(a, "attention_prefill_mma")?;
+        let smem = (AMMA_HEADS + 2 * 32) * (AMMA_HD + 8) * 2;
+        self.allow_smem(NAME, smem)?;
+        let cfg = LaunchConfig {
+            grid_dim: (a.n_tok as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let (rc, win, r, tk) = (
+            a.raw_cap as i32,
+            a.window as i32,
+            a.ratio as i32,
+            a.top_k as i32,
+        );
+        launch!(self, NAME, cfg;
+            a.step, a.q, ring16, rc, win, comp16, r, a.sel, tk, a.sinks, a.scale, out
+        )
+    }
+
+    /// fp16 copies (round to nearest) of `n` floats at `x` into `y` (u16 × n), `n` a
+    /// multiple of 8: the rows of [`Launcher::attention_prefill_mma_h`].
+    pub fn rows_f16(&self, x: u64, y: u64, n: usize) -> Result<(), CudaError> {
+        if !n.is_multiple_of(8) {
+            return Err(CudaError::Invalid(format!("rows_f16: {n} values")));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let nn = n as i64;
+        launch!(self, "rows_f16", cfg((n / 8).div_ceil(256) as u32, 256); x, y, nn)
     }
 }

@@ -92,6 +92,7 @@ variants! {
     MmaWide = "mma_wide", true, "With tokens_mma: ~4,096 warps a product, a row tile split over up to 16 warps (blocks of up to 16 warps), not ~1,024 warps and up to 8.";
     Wide = "wide", true, "Element-wise work of many tokens one block a token with its RoPE angles computed once (prefill chunks; the query norm also in the multi-row and batched steps): the attention output's inverse RoPE + Q8_0 in one launch (rope_tail_q8), the query norm + RoPE a warp a head (head_norm_rope_t), the experts' swiglu + Q8_K a warp a 256-block (swiglu_q8k_w), wide Q8_0 and the HC post four values a thread (quantize_q8_32x4, hc_post_x4).";
     ExpWide = "exp_wide", true, "A prefill chunk's routed-expert GEMMs over 64 pairs a block (mm_exp_*_w: 8 warps of 16 rows × 64 pairs) where the experts average 32 pairs or more: each weight tile decoded once per 64 pairs, not per 32.";
+    AttHalf = "att_half", true, "A prefill chunk's tensor-core attention over fp16 copies of the ring and compressed rows made once a layer (rows_f16, attention_prefill_mma_h), not each token's rows converted in every block.";
 }
 
 const _: () = assert!(Variant::ALL.len() <= 64, "DecodePlan is a u64 bitset");

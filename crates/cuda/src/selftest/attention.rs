@@ -232,11 +232,26 @@ pub(super) fn check_attention_mma(gpu: &Launcher, seed: u64) -> Result<Vec<Check
         )?;
         let out = gpu.upload(&vec![f32::NAN; n * HEADS * HD])?;
         inputs.mma(gpu, gpu.ptr(&out))?;
+        let got = gpu.download(&out)?;
         checks.push(Check {
             name: format!("attention mma {}", case.name),
-            rel_err: rel_err(&gpu.download(&out)?, &want),
+            rel_err: rel_err(&got, &want),
             bound: BOUND_FP16_MMA,
         });
+        // att_half: the rows' fp16 copies (rows_f16) read by attention_prefill_mma_h.
+        let ring16 = gpu.zeros::<u16>(RAW_CAP * HD)?;
+        let comp16 = gpu.zeros::<u16>(n_comp_rows * HD)?;
+        let a = inputs.input(gpu);
+        gpu.rows_f16(a.ring, gpu.ptr(&ring16), RAW_CAP * HD)?;
+        if a.comp != 0 {
+            gpu.rows_f16(a.comp, gpu.ptr(&comp16), n_comp_rows * HD)?;
+        }
+        let half = gpu.upload(&vec![f32::NAN; n * HEADS * HD])?;
+        gpu.attention_prefill_mma_h(&a, gpu.ptr(&ring16), gpu.ptr(&comp16), gpu.ptr(&half))?;
+        checks.push(bit_identical(
+            format!("attention mma fp16 rows = f32 rows {}", case.name),
+            same_bits(&gpu.download(&half)?, &got),
+        ));
         let stride = WINDOW + TOP_K.max(n_comp_rows);
         let split = gpu.upload(&vec![f32::NAN; n * HEADS * HD])?;
         inputs.f32(gpu, stride, gpu.ptr(&split))?;

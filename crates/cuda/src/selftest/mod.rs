@@ -112,6 +112,7 @@ pub const CHECKS: &[KernelCheck] = &[
             Variant::CombinePl,
             Variant::QNorm,
             Variant::AttMmaSplit,
+            Variant::AttHalf,
         ],
         attention::check_attention_mma,
     ),

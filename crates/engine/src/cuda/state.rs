@@ -104,7 +104,8 @@ fn work_bytes_per_token(c: &Config, ctx: usize) -> usize {
     let ints = 2 + c.idx_topk + k + c.o_groups;
     // int8 values plus one f32 scale per 32.
     let q8 = e + c.q_lora_rank + c.q_dim() + og + ffs + k * e + k * ff;
-    4 * (floats + ints) + q8 + q8 / 8
+    // The fp16 copy of a ring row (`Scratch::ring16`).
+    4 * (floats + ints) + q8 + q8 / 8 + 2 * hd
 }
 
 /// Scratch activations of up to `cap` tokens (rows of token t at t × width).
@@ -152,6 +153,11 @@ struct Scratch {
     logits: DeviceBuf<f32>,
     /// Matrix ids g = i mod o_groups of the grouped output projection, cap × o_groups.
     group_ids: DeviceBuf<i32>,
+    /// A prefill chunk's scratch (cap > SMALL_BATCH): fp16 copies of the layer's raw
+    /// ring (window + cap rows) and compressed rows (the most any layer has at `ctx`),
+    /// which the tensor-core attention reads (`att_half`).
+    ring16: Option<DeviceBuf<u16>>,
+    comp16: Option<DeviceBuf<u16>>,
 }
 
 /// The prefill chunk's buffers of one GPU ([`CudaWeights::prefill_work`]): every session
@@ -270,6 +276,13 @@ impl Scratch {
         let icap = comp_cap(ctx, 4);
         let hd = c.head_dim;
         let z = |n: usize| g.zeros::<f32>(n.max(1));
+        let half = |n: usize| -> Result<Option<DeviceBuf<u16>>> {
+            Ok(if cap > SMALL_BATCH {
+                Some(g.zeros::<u16>(n.max(8))?)
+            } else {
+                None
+            })
+        };
         let groups: Vec<i32> = (0..cap * c.o_groups)
             .map(|i| (i % c.o_groups) as i32)
             .collect();
@@ -317,6 +330,8 @@ impl Scratch {
             tmp: z(e)?,
             logits: z(c.vocab)?,
             group_ids: g.upload(&groups)?,
+            ring16: half((c.window.max(1) + cap) * hd)?,
+            comp16: half(max_comp_rows(c, ctx) * hd)?,
         })
     }
 }
@@ -358,6 +373,16 @@ pub(super) struct DeviceState {
 
 fn comp_cap(ctx: usize, ratio: usize) -> usize {
     ctx / ratio + 2
+}
+
+/// The most compressed rows any layer keeps at `ctx`.
+fn max_comp_rows(c: &Config, ctx: usize) -> usize {
+    c.compress_ratios
+        .iter()
+        .filter(|&&r| r != 0)
+        .map(|&r| comp_cap(ctx, r))
+        .max()
+        .unwrap_or(0)
 }
 
 /// Device bytes per token of the batch buffers that grow with the context (attention
@@ -447,7 +472,12 @@ pub(crate) fn pool_session_bytes(c: &Config, ctx: usize, chunk: usize) -> usize 
 /// prefill buffers included: what the memory planner (placement.rs) reserves beside the
 /// weights.
 pub(crate) fn session_bytes(c: &Config, ctx: usize, chunk: usize) -> usize {
-    kv_bytes(c, ctx, chunk) + fixed_session_bytes(c, ctx) + chunk * work_bytes_per_token(c, ctx)
+    // The prefill buffers' fp16 compressed rows (`Scratch::comp16`) grow with the context.
+    let comp16 = 2 * c.head_dim * max_comp_rows(c, ctx);
+    kv_bytes(c, ctx, chunk)
+        + fixed_session_bytes(c, ctx)
+        + chunk * work_bytes_per_token(c, ctx)
+        + comp16
 }
 
 fn att_splits(att_stride: usize) -> usize {
@@ -727,6 +757,7 @@ impl DeviceState {
             journal: None,
             steer: self.steer.as_ref(),
             kvt: 0,
+            end: self.ctx,
         }
     }
 
@@ -741,6 +772,7 @@ impl DeviceState {
             journal: None,
             steer: self.steer.as_ref(),
             kvt: 0,
+            end: self.ctx,
         };
         kv.enqueue(w, numerics, &mut self.s, 1)?;
         if head {
@@ -764,7 +796,11 @@ impl DeviceState {
         b: &mut Work,
         n_tok: usize,
     ) -> Result<()> {
-        self.kv().enqueue(w, numerics, b, n_tok)
+        let kv = KvView {
+            end: self.n_tokens + n_tok,
+            ..self.kv()
+        };
+        kv.enqueue(w, numerics, b, n_tok)
     }
 
     /// The logits of the HC state at `h` into the decode scratch.

@@ -90,6 +90,9 @@ pub(super) struct KvView<'a> {
     /// each token's own session's buffers; `layers` then only says which buffers a
     /// layer has, and no launch reads their addresses. 0: one session.
     pub(super) kvt: u64,
+    /// Positions written once the pass's tokens are (a prefill chunk: n_tokens + n; else
+    /// ctx): how many compressed rows a chunk's fp16 copies cover.
+    pub(super) end: usize,
 }
 
 /// A projection's input: f32 rows at `x`, their Q8_0 form in `xq` (already written
@@ -606,7 +609,22 @@ impl KvView<'_> {
         // The split kernels' chunks (the partial buffers are sized for them).
         let n_chunks = att_splits(s.att_stride);
         if n > SMALL_BATCH && mma_shape {
-            g.attention_prefill_mma(&att, p(&s.heads))?;
+            // att_half: the ring's and the compressed rows' fp16 copies, once a layer.
+            let n_comp = self.end.checked_div(l.ratio).unwrap_or(0);
+            match (&s.ring16, &s.comp16) {
+                (Some(r16), Some(c16))
+                    if g.on(Variant::AttHalf)
+                        && self.raw_cap * hd <= r16.len()
+                        && n_comp * hd <= c16.len() =>
+                {
+                    g.rows_f16(att.ring, g.ptr(r16), self.raw_cap * hd)?;
+                    if att.comp != 0 {
+                        g.rows_f16(att.comp, g.ptr(c16), n_comp * hd)?;
+                    }
+                    g.attention_prefill_mma_h(&att, g.ptr(r16), g.ptr(c16), p(&s.heads))?;
+                }
+                _ => g.attention_prefill_mma(&att, p(&s.heads))?,
+            }
             g.attention_tail(&att, &tail, p(&s.heads))?;
         } else if n > 1
             && mma_shape

@@ -508,6 +508,7 @@ impl Draft {
             journal: None,
             steer: None,
             kvt: 0,
+            end: self.ctx,
         };
         let layer = (mw.il, &mw.layer, &m.layer, mw.rope(g, c.rope_dim));
         let px = kv.pass(w, self.numerics, layer, s, 1);
