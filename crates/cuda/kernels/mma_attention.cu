@@ -58,6 +58,27 @@ __device__ __forceinline__ void amma_mma2(float (&c0)[4], float (&c1)[4], u32 a0
     amma_mma(c1, a0, a1, a2, a3, b2, b3);
 }
 
+// cp.async of 32-row tile `tile` of a token's rows (`T`: f32 or fp16 values, AMMA_HD a
+// row; `total` of them) into shared memory at `dst`, rows LD elements apart: each row is CH chunks of 16
+// bytes, and thread tid copies chunk tid % CH of rows tid / CH + (256 / CH)·i. Rows past
+// the end are zero-filled. UNROLL: the copy loop's unroll factor.
+template <typename T, int LD, int UNROLL>
+__device__ __forceinline__ void amma_copy_rows(T* dst, const AttRows& rows, int total, int tile,
+                                               int tid, const T* ring, int raw_cap, const T* comp) {
+    constexpr int EL = 16 / sizeof(T), CH = AMMA_HD / EL, STEP = 256 / CH;
+    constexpr int LOG_CH = CH == 128 ? 7 : 6;
+    static_assert(CH == 1 << LOG_CH, "64 or 128 chunks a row");
+    const int cc = tid & (CH - 1);
+#pragma unroll UNROLL
+    for (int i = 0; i < AMMA_ROWS / STEP; ++i) {
+        const int rr = (tid >> LOG_CH) + STEP * i;
+        const int r = tile * AMMA_ROWS + rr;
+        const bool ok = r < total;
+        const T* src = ok ? rows.row(r, ring, raw_cap, comp, AMMA_HD) + cc * EL : ring;
+        mm_cp16(mm_smem(dst + rr * LD + cc * EL), src, ok);
+    }
+}
+
 __device__ __forceinline__ void amma_wait_all() {
     asm volatile("cp.async.wait_all;" ::: "memory");
 }
@@ -110,36 +131,15 @@ __device__ __forceinline__ void attention_mma_body(const Step* step, const float
         }
     }
 
-    // The f32 rows of tile `tile` into sF: 32 rows × 128 chunks of 16 bytes; thread
-    // tid copies chunk tid % 128 of rows tid / 128 + 2i (rows past the end are zeros).
+    // Tile `tile`'s rows: f32 into sF, or (HALF) fp16 into row tile tile & 1.
     auto issue = [&](int tile) {
-        if (HALF) {
-            // Tile `tile`'s fp16 rows into row tile tile & 1: 32 rows × 64 chunks of 16
-            // bytes; thread tid copies chunk tid % 64 of rows tid / 64 + 4i.
-            u16* dst = sK + (tile & 1) * AMMA_ROWS * AMMA_LD;
-            tile += tile0;
-            const int cc = tid & 63;
-#pragma unroll
-            for (int i = 0; i < AMMA_ROWS / 4; ++i) {
-                const int rr = (tid >> 6) + 4 * i;
-                const int r = tile * AMMA_ROWS + rr;
-                const bool ok = r < total;
-                const u16* src = ok ? rows.row(r, ring16, raw_cap, comp16, AMMA_HD) + cc * 8 : ring16;
-                mm_cp16(mm_smem(dst + rr * AMMA_LD + cc * 8), src, ok);
-            }
-            mm_commit();
-            return;
-        }
-        tile += tile0;
-        const int cc = tid & 127;
-#pragma unroll 4
-        for (int i = 0; i < AMMA_ROWS / 2; ++i) {
-            const int rr = (tid >> 7) + 2 * i;
-            const int r = tile * AMMA_ROWS + rr;
-            const bool ok = r < total;
-            const float* src = ok ? rows.row(r, ring, raw_cap, comp, AMMA_HD) + cc * 4 : ring;
-            mm_cp16(mm_smem(sF + rr * AMMA_HD + cc * 4), src, ok);
-        }
+        if (HALF)
+            amma_copy_rows<u16, AMMA_LD, AMMA_ROWS / 4>(sK + (tile & 1) * AMMA_ROWS * AMMA_LD,
+                                                        rows, total, tile0 + tile, tid, ring16,
+                                                        raw_cap, comp16);
+        else
+            amma_copy_rows<float, AMMA_HD, 4>(sF, rows, total, tile0 + tile, tid, ring, raw_cap,
+                                              comp);
         mm_commit();
     };
     issue(0);
