@@ -350,15 +350,28 @@ fn route(rng: &mut Rng, n_tok: usize, k: usize, n_expert: usize) -> Vec<i32> {
     ids
 }
 
-fn check_experts(
+/// A routed-expert GEMM's inputs: `n_expert` random matrices of `ty`, k = 6 experts a
+/// token (`route`), and the activations quantised by the Q8_K rule (`k_rule`) or Q8_0's.
+struct ExpertInputs {
+    k: usize,
+    n_pairs: usize,
+    w: Vec<u8>,
+    m: DeviceMatrix,
+    ids: Vec<i32>,
+    idd: DeviceBuf<i32>,
+    qa: QuantAct,
+    /// The f32 activations `qa` was quantised from (kept while the GPU may read them).
+    _xd: DeviceBuf<f32>,
+}
+
+fn expert_inputs(
     gpu: &Launcher,
     rng: &mut Rng,
     ty: GgmlType,
     (n_expert, rows, cols, n_tok): (usize, usize, usize, usize),
     shared: bool,
     k_rule: bool,
-    variant: Option<usize>,
-) -> Result<Vec<Check>> {
+) -> Result<ExpertInputs> {
     let k = 6;
     let n_pairs = n_tok * k;
     let w = random_matrix(ty, rows, cols, n_expert, rng);
@@ -366,14 +379,45 @@ fn check_experts(
     let ids = route(rng, n_tok, k, n_expert);
     let idd = gpu.upload(&ids)?;
     let in_rows = if shared { n_tok } else { n_pairs };
-    let x = random_vec(in_rows * cols, rng);
-    let xd = gpu.upload(&x)?;
+    let xd = gpu.upload(&random_vec(in_rows * cols, rng))?;
     let mut qa = gpu.alloc_quant_act(in_rows, cols)?;
     if k_rule {
         gpu.quantize_act_k(gpu.ptr(&xd), &mut qa)?;
     } else {
         gpu.quantize_act(gpu.ptr(&xd), &mut qa)?;
     }
+    Ok(ExpertInputs {
+        k,
+        n_pairs,
+        w,
+        m,
+        ids,
+        idd,
+        qa,
+        _xd: xd,
+    })
+}
+
+fn check_experts(
+    gpu: &Launcher,
+    rng: &mut Rng,
+    ty: GgmlType,
+    shape: (usize, usize, usize, usize),
+    shared: bool,
+    k_rule: bool,
+    variant: Option<usize>,
+) -> Result<Vec<Check>> {
+    let (n_expert, rows, cols, n_tok) = shape;
+    let ExpertInputs {
+        k,
+        n_pairs,
+        w,
+        m,
+        ids,
+        idd,
+        qa,
+        _xd,
+    } = expert_inputs(gpu, rng, ty, shape, shared, k_rule)?;
     let mut plan = gpu.alloc_route_plan(n_pairs + 5, n_expert)?;
     gpu.route_plan(gpu.ptr(&idd), n_pairs, n_expert, &mut plan)?;
     let run = || -> Result<Vec<f32>> {
@@ -433,24 +477,20 @@ fn check_experts_wide(
     gpu: &Launcher,
     rng: &mut Rng,
     ty: GgmlType,
-    (n_expert, rows, cols, n_tok): (usize, usize, usize, usize),
+    shape: (usize, usize, usize, usize),
     shared: bool,
     k_rule: bool,
 ) -> Result<Check> {
-    let k = 6;
-    let n_pairs = n_tok * k;
-    let w = random_matrix(ty, rows, cols, n_expert, rng);
-    let m = upload(gpu, ty, &w, rows, cols, n_expert)?;
-    let ids = route(rng, n_tok, k, n_expert);
-    let idd = gpu.upload(&ids)?;
-    let in_rows = if shared { n_tok } else { n_pairs };
-    let xd = gpu.upload(&random_vec(in_rows * cols, rng))?;
-    let mut qa = gpu.alloc_quant_act(in_rows, cols)?;
-    if k_rule {
-        gpu.quantize_act_k(gpu.ptr(&xd), &mut qa)?;
-    } else {
-        gpu.quantize_act(gpu.ptr(&xd), &mut qa)?;
-    }
+    let (n_expert, rows, cols, n_tok) = shape;
+    let ExpertInputs {
+        k,
+        n_pairs,
+        m,
+        idd,
+        qa,
+        _xd,
+        ..
+    } = expert_inputs(gpu, rng, ty, shape, shared, k_rule)?;
     let mut plan = gpu.alloc_route_plan(n_pairs, n_expert)?;
     let mut run = |tile: usize, variant: Option<usize>| -> Result<Vec<f32>> {
         gpu.route_plan_tile(gpu.ptr(&idd), n_pairs, n_expert, &mut plan, tile)?;
