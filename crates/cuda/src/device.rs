@@ -531,6 +531,12 @@ impl Gpu {
         r
     }
 
+    /// The launch lane of the work being enqueued (0: the main stream, and every lane
+    /// when branches are off).
+    pub(crate) fn current_lane(&self) -> usize {
+        self.lane.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     fn side_stream(&self, lane: usize) -> Result<&Arc<CudaStream>, CudaError> {
         lane.checked_sub(1)
             .and_then(|i| self.side.get(i))

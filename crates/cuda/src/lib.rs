@@ -42,6 +42,7 @@ mod graph;
 mod hostmem;
 mod layer;
 mod matmul;
+mod matmul_f16;
 mod mtp;
 mod ops;
 pub mod plan;
@@ -60,6 +61,7 @@ pub use graph::TokenGraph;
 pub use hostmem::{HostMapped, Part};
 pub use layer::{Compressor, HcNorm, HcParams, RopeP, WT_BF16, WT_F16, WT_F32, WT_Q8_0};
 pub use matmul::{Batch, RoutePlan, EXP_VARIANT_WIDE};
+pub use matmul_f16::{F16Slot, F16Work};
 pub use ops::{ActRule, MatSel, QuantAct, Q8_TOKENS_MAX};
 pub use plan::{DecodePlan, Launcher, PlanError, Variant};
 

@@ -93,6 +93,7 @@ variants! {
     Wide = "wide", true, "Element-wise work of many tokens one block a token with its RoPE angles computed once (prefill chunks; the query norm also in the multi-row and batched steps): the attention output's inverse RoPE + Q8_0 in one launch (rope_tail_q8), the query norm + RoPE a warp a head (head_norm_rope_t), the experts' swiglu + Q8_K a warp a 256-block (swiglu_q8k_w), wide Q8_0 and the HC post four values a thread (quantize_q8_32x4, hc_post_x4).";
     ExpWide = "exp_wide", true, "A prefill chunk's routed-expert GEMMs over 64 pairs a block (mm_exp_*_w: 8 warps of 16 rows × 64 pairs) where the experts average 32 pairs or more: each weight tile decoded once per 64 pairs, not per 32.";
     AttHalf = "att_half", true, "A prefill chunk's tensor-core attention over fp16 copies of the ring and compressed rows made once a layer (rows_f16, attention_prefill_mma_h), not each token's rows converted in every block.";
+    Q8F16 = "q8_f16", true, "A prefill chunk's Q8_0 products on fp16 tensor cores (q8_0_to_f16, q8act_to_f16, mm_f16_128x128: weights and int8 activations expanded to fp16 once a call, no per-32 scale epilogue), not int8 mma with two block scales per 32 values (mm_q8_0_*).";
 }
 
 const _: () = assert!(Variant::ALL.len() <= 64, "DecodePlan is a u64 bitset");

@@ -18,6 +18,7 @@ mod attention;
 mod bench;
 mod common;
 mod matmul;
+mod matmul_f16;
 mod matvec;
 mod tokens;
 mod variants;
@@ -103,6 +104,7 @@ pub const CHECKS: &[KernelCheck] = &[
         &[Variant::MmPitch, Variant::ExpWide],
         matmul::check_matmul,
     ),
+    check("q8_f16", &[Variant::Q8F16], matmul_f16::check_q8_f16),
     check("wide", &[Variant::Wide], wide::check_wide),
     check(
         "attention",

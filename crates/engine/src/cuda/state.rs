@@ -1,7 +1,9 @@
 //! Per-session device state (KV rows, compressor frontiers, scratch) and the decode
 //! of one token.
 
-use ds4_cuda::{CudaError, DecodePlan, DeviceBuf, Gpu, Launcher, QuantAct, RoutePlan, TokenGraph};
+use ds4_cuda::{
+    CudaError, DecodePlan, DeviceBuf, F16Work, Gpu, Launcher, QuantAct, RoutePlan, TokenGraph,
+};
 
 mod batch;
 mod layers;
@@ -108,7 +110,30 @@ fn work_bytes_per_token(c: &Config, ctx: usize) -> usize {
     // int8 values plus one f32 scale per 32.
     let q8 = e + c.q_lora_rank + c.q_dim() + og + ffs + k * e + k * ff;
     // The fp16 copy of a ring row (`Scratch::ring16`).
-    4 * (floats + ints) + q8 + q8 / 8 + 2 * hd
+    // The fp16 activations of the Q8_0 products (`f16_sizes`), with their token scales.
+    let f16 = F16Work::bytes(&f16_sizes(c, 1)) - 2 * f16_weights(c);
+    4 * (floats + ints) + q8 + q8 / 8 + 2 * hd + f16
+}
+
+/// Device bytes of a prefill chunk's fp16 weight copies (`f16_sizes`), whatever its size.
+fn f16_weights(c: &Config) -> usize {
+    f16_sizes(c, 0).iter().map(|s| s.0).sum()
+}
+
+/// The [`F16Work`] slots of a prefill chunk of `cap` tokens, `(weights, activations,
+/// tokens)`: the main lane's Q8_0 products (q_a, q_b, the grouped output projection with
+/// all its groups, out_b) and side lane 1's (kv, the shared expert).
+fn f16_sizes(c: &Config, cap: usize) -> [(usize, usize, usize); 2] {
+    let (e, qd, og) = (c.n_embd, c.q_dim(), c.o_groups * c.o_lora_rank);
+    let ffs = c.n_ff_exp * c.n_expert_shared;
+    let main_w = (c.q_lora_rank * e)
+        .max(qd * c.q_lora_rank)
+        .max(c.o_lora_rank * qd)
+        .max(e * og);
+    let main_x = e.max(c.q_lora_rank).max(qd).max(og);
+    let side_w = (c.head_dim * e).max(ffs * e);
+    let side_x = e.max(ffs);
+    [(main_w, cap * main_x, cap), (side_w, cap * side_x, cap)]
 }
 
 /// Scratch activations of up to `cap` tokens (rows of token t at t × width).
@@ -161,6 +186,9 @@ struct Scratch {
     /// which the tensor-core attention reads (`att_half`).
     ring16: Option<DeviceBuf<u16>>,
     comp16: Option<DeviceBuf<u16>>,
+    /// A prefill chunk's fp16 copies of its Q8_0 products' weights and activations
+    /// (`q8_f16`), a slot for the main lane and one for side lane 1 ([`f16_sizes`]).
+    f16: Option<F16Work>,
 }
 
 /// The scratch of up to `cap` tokens with its quantised activations.
@@ -287,6 +315,11 @@ impl Scratch {
             group_ids: g.upload(&groups)?,
             ring16: half((c.window.max(1) + cap) * hd)?,
             comp16: half(max_comp_rows(c, ctx) * hd)?,
+            f16: if cap > SMALL_BATCH {
+                Some(g.alloc_f16_work(&f16_sizes(c, cap))?)
+            } else {
+                None
+            },
         })
     }
 }
@@ -433,6 +466,7 @@ pub(crate) fn session_bytes(c: &Config, ctx: usize, chunk: usize) -> usize {
         + fixed_session_bytes(c, ctx)
         + chunk * work_bytes_per_token(c, ctx)
         + comp16
+        + 2 * f16_weights(c)
 }
 
 fn att_splits(att_stride: usize) -> usize {
@@ -709,7 +743,16 @@ fn head_logits(
     head_collapse(g, w, &b.s, h, head, hx)?;
     let fast = numerics == Numerics::Fast;
     let logits = g.ptr(&b.s.logits);
-    mv(g, &w.output, hx, &mut b.q8.embd, false, logits, 1, fast)?;
+    mv(
+        g,
+        &w.output,
+        hx,
+        &mut b.q8.embd,
+        false,
+        (logits, None),
+        1,
+        fast,
+    )?;
     Ok(())
 }
 
@@ -739,7 +782,7 @@ fn head_rows(
         hx,
         &mut work.q8.embd,
         false,
-        g.ptr(logits),
+        (g.ptr(logits), None),
         n,
         fast,
     )?;

@@ -1,0 +1,215 @@
+// Prefill Q8_0 products on fp16 tensor cores (variant `q8_f16`).
+//
+// Why: the int8 form (mm_q8_0_*, matmul.cu) scales every mma.m16n8k32's int32 result by
+// its two per-32 block scales in f32 — three FP instructions per accumulator per 32
+// values, which issue-bound it near a quarter of the tensor rate. Here the weights are
+// expanded once per call to fp16 (q·d rounded once: q·d is exact in f32, 8 + 11 bits)
+// and the int8 activations to fp16 (q·d/s_t with s_t a power of two per token, so the
+// largest block lands in [127, 254) far from fp16's range), and one f32-accumulating
+// mma.m16n8k16 per 16 values needs no epilogue at all: y = s_t · Σ w16·x16.
+//
+// Numerics: each product term is the int8 path's term with two fp16 roundings (relative
+// ≤ 2^-11 each), far below the Q8_0 activation quantisation both paths share; the check
+// (selftest "matmul f16") rounds the same way on the CPU and sums in f64.
+//
+// Layout (the same Batch as matmul_q8act): y[t·y_tok + g·y_grp + r] for weight rows r of
+// matrix g, tokens t; W16 [groups][rows][cols], X16 [n_tok][x_tok] (matrix g reads
+// columns g·x_grp..).
+
+#include "common.cuh"
+
+// Weights: n_vals Q8_0 values (qs int8, one f16 scale per 32) to fp16, 8 a thread.
+extern "C" __global__ void q8_0_to_f16(const i8* __restrict__ qs, const u16* __restrict__ dw,
+                                       u16* __restrict__ out, i64 n_vals) {
+    const i64 n8 = n_vals / 8;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n8;
+         i += (i64)gridDim.x * blockDim.x) {
+        const uint2 q = *reinterpret_cast<const uint2*>(qs + i * 8);
+        const float d = h2f(dw[i / 4]);
+        u32 o[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u32 w = j < 2 ? q.x : q.y;
+            const int sh = (j & 1) * 16;
+            const float lo = (float)(i8)((w >> sh) & 0xff) * d;
+            const float hi = (float)(i8)((w >> (sh + 8)) & 0xff) * d;
+            o[j] = (u32)f2h(lo) | ((u32)f2h(hi) << 16);
+        }
+        *reinterpret_cast<uint4*>(out + i * 8) = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+}
+
+// The power of two s with s ≤ m < 2s (m > 0 and normal), else 1.
+__device__ __forceinline__ float pow2_floor(float m) {
+    const u32 e = __float_as_uint(m) & 0x7f800000u;
+    return e == 0 || e == 0x7f800000u ? 1.0f : __uint_as_float(e);
+}
+
+// Activations: token t's `cols` int8 values (one f32 scale per 32) to fp16 q·(d/s_t),
+// with s_t = pow2_floor(the token's largest scale) into tscale[t]. A block a token.
+extern "C" __global__ void __launch_bounds__(256) q8act_to_f16(const i8* __restrict__ q,
+                                                               const float* __restrict__ d,
+                                                               u16* __restrict__ out,
+                                                               float* __restrict__ tscale,
+                                                               int cols) {
+    const i64 t = blockIdx.x;
+    const int nb = cols / 32;
+    const float* dt = d + t * nb;
+    float m = 0.0f;
+    for (int b = threadIdx.x; b < nb; b += blockDim.x) m = fmaxf(m, fabsf(dt[b]));
+    __shared__ float red[8];
+    m = warp_max(m);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = red[0];
+#pragma unroll
+    for (int w = 1; w < 8; ++w) m = fmaxf(m, red[w]);
+    const float s = pow2_floor(m);
+    const float inv = 1.0f / s;  // exact: a power of two
+    if (threadIdx.x == 0) tscale[t] = s;
+    const i8* qt = q + t * cols;
+    u16* ot = out + t * cols;
+    for (int i = threadIdx.x; i < cols / 8; i += blockDim.x) {
+        const uint2 v = *reinterpret_cast<const uint2*>(qt + i * 8);
+        const float dd = dt[i / 4] * inv;
+        u32 o[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u32 w = j < 2 ? v.x : v.y;
+            const int sh = (j & 1) * 16;
+            const float lo = (float)(i8)((w >> sh) & 0xff) * dd;
+            const float hi = (float)(i8)((w >> (sh + 8)) & 0xff) * dd;
+            o[j] = (u32)f2h(lo) | ((u32)f2h(hi) << 16);
+        }
+        *reinterpret_cast<uint4*>(ot + i * 8) = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+}
+
+__device__ __forceinline__ void mf_mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                       u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Block tile: 128 weight rows × 128 tokens, k-tiles of 64 in MF_STAGES cp.async stages;
+// 8 warps as 2 (rows) × 4 (tokens), each 64 rows × 32 tokens (4 × 4 mma tiles, 64
+// accumulators a lane). Rows of a stage are MF_PITCH halves apart (144 bytes: the 8 rows
+// an ldmatrix reads land on distinct banks).
+#define MF_BM 128
+#define MF_BN 128
+#define MF_BK 64
+#define MF_PITCH 72
+#define MF_STAGES 3
+#define MF_STAGE_HALVES ((MF_BM + MF_BN) * MF_PITCH)
+
+// Requires rows % 128 == 0 and cols % 64 == 0 (the launcher checks); tokens ≥ n_tok are
+// zero-filled and not stored.
+extern "C" __global__ void __launch_bounds__(256, 2)
+    mm_f16_128x128(const u16* __restrict__ w16, const u16* __restrict__ x16,
+                   const float* __restrict__ tscale, float* __restrict__ y, int rows, int cols,
+                   int n_tok, i64 x_tok, i64 y_tok, i64 x_grp, i64 y_grp) {
+    extern __shared__ __align__(16) u16 mf_smem[];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp >> 2, wn = warp & 3;  // 2 × 4 warps
+    const int tok0 = blockIdx.x * MF_BN, row0 = blockIdx.y * MF_BM, grp = blockIdx.z;
+    const u16* wg = w16 + ((i64)grp * rows + row0) * cols;
+    const u16* xg = x16 + (i64)grp * x_grp;
+
+    // This thread's cp.async sources: rows lr + 32j (j < 4) at 16-byte column lc, for A
+    // (weights) and B (tokens); set up once.
+    const int lr = tid >> 3, lc = (tid & 7) * 8;
+    const u16* asrc = wg + (i64)lr * cols + lc;
+    const u16* bsrc[4];
+    bool bok[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int t = tok0 + lr + 32 * j;
+        bok[j] = t < n_tok;
+        bsrc[j] = xg + (i64)(bok[j] ? t : 0) * x_tok + lc;
+    }
+    const u32 sbase = mm_smem(mf_smem);
+    const u32 sdst = (u32)((lr * MF_PITCH + lc) * 2);
+    auto load = [&](int stage, int kt) {
+        const u32 st = sbase + (u32)(stage * MF_STAGE_HALVES * 2);
+        const i64 k = (i64)kt * MF_BK;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            mm_cp16(st + sdst + (u32)(32 * j * MF_PITCH * 2), asrc + (i64)32 * j * cols + k, true);
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            mm_cp16(st + (u32)(MF_BM * MF_PITCH * 2) + sdst + (u32)(32 * j * MF_PITCH * 2),
+                    bsrc[j] + k, bok[j]);
+    };
+
+    float acc[4][4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.0f;
+
+    const int nk = cols / MF_BK;
+#pragma unroll
+    for (int s = 0; s < MF_STAGES - 1; ++s) {
+        if (s < nk) load(s, s);
+        mm_commit();
+    }
+    // ldmatrix lane offsets: A x4 = rows (lane & 15), k 8·(lane >> 4); B x4 = two 8-token
+    // n-tiles: token (lane & 7) + 8·(lane >> 4), k 8·((lane >> 3) & 1).
+    const u32 a_off = (u32)(((wm * 64 + (lane & 15)) * MF_PITCH + (lane >> 4) * 8) * 2);
+    const u32 b_off = (u32)((MF_BM * MF_PITCH +
+                             (wn * 32 + (lane & 7) + ((lane >> 4) << 3)) * MF_PITCH +
+                             ((lane >> 3) & 1) * 8) *
+                            2);
+    for (int kt = 0; kt < nk; ++kt) {
+        asm volatile("cp.async.wait_group %0;" ::"n"(MF_STAGES - 2) : "memory");
+        __syncthreads();
+        {
+            const int nt = kt + MF_STAGES - 1;
+            if (nt < nk) load(nt % MF_STAGES, nt);
+            mm_commit();
+        }
+        const u32 st = sbase + (u32)((kt % MF_STAGES) * MF_STAGE_HALVES * 2);
+#pragma unroll
+        for (int kk = 0; kk < MF_BK / 16; ++kk) {
+            u32 a[4][4], b[4][2];
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                mm_ldsm4(st + a_off + (u32)((i * 16 * MF_PITCH + kk * 16) * 2), a[i][0], a[i][1],
+                         a[i][2], a[i][3]);
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+                mm_ldsm4(st + b_off + (u32)((j * 16 * MF_PITCH + kk * 16) * 2), b[2 * j][0],
+                         b[2 * j][1], b[2 * j + 1][0], b[2 * j + 1][1]);
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    mf_mma(acc[i][j], a[i][0], a[i][1], a[i][2], a[i][3], b[j][0], b[j][1]);
+        }
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+
+    // c0/c1 = (row g, tokens 2t, 2t+1), c2/c3 = (row g + 8, same tokens).
+    const int g = lane >> 2, t4 = lane & 3;
+    float* yg = y + (i64)grp * y_grp;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int t = tok0 + wn * 32 + j * 8 + 2 * t4 + h;
+            if (t >= n_tok) continue;
+            const float s = tscale[t];
+            float* yt = yg + (i64)t * y_tok + row0 + wm * 64 + g;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                yt[i * 16] = acc[i][j][h] * s;
+                yt[i * 16 + 8] = acc[i][j][2 + h] * s;
+            }
+        }
+    }
+}
