@@ -1,19 +1,25 @@
-// Prefill Q8_0 products on fp16 tensor cores (variant `q8_f16`).
+// Prefill products on fp16 tensor cores: Q8_0 weights (variant `q8_f16`) and F16 weights
+// (variant `f16_split`).
 //
-// Why: the int8 form (mm_q8_0_*, matmul.cu) scales every mma.m16n8k32's int32 result by
-// its two per-32 block scales in f32 — three FP instructions per accumulator per 32
+// Why Q8_0: the int8 form (mm_q8_0_*, matmul.cu) scales every mma.m16n8k32's int32 result
+// by its two per-32 block scales in f32 — three FP instructions per accumulator per 32
 // values, which issue-bound it near a quarter of the tensor rate. Here the weights are
 // expanded once per call to fp16 (q·d rounded once: q·d is exact in f32, 8 + 11 bits)
 // and the int8 activations to fp16 (q·d/s_t with s_t a power of two per token, so the
 // largest block lands in [127, 254) far from fp16's range), and one f32-accumulating
-// mma.m16n8k16 per 16 values needs no epilogue at all: y = s_t · Σ w16·x16.
+// mma.m16n8k16 per 16 values needs no epilogue at all: y = s_t · Σ w16·x16. Each product
+// term is the int8 path's with two fp16 roundings (relative ≤ 2^-11 each), far below the
+// Q8_0 activation quantisation both paths share.
 //
-// Numerics: each product term is the int8 path's term with two fp16 roundings (relative
-// ≤ 2^-11 each), far below the Q8_0 activation quantisation both paths share; the check
-// (selftest "matmul f16") rounds the same way on the CPU and sums in f64.
+// Why F16: the tf32 kernels (mm_tc_*, matmul_f32.cu) keep f32-grade products by two tf32
+// mma per product on a 64×64 tile. F16 weights are exact in fp16, and an f32 activation
+// is x·2^-e = hi + lo with hi, lo fp16 (22 bits, the tf32 split's precision; e puts the
+// token's largest value in [2^14, 2^15), so lo stays normal down to 2^-24 of it). The
+// token's fp16 row is [hi | lo] (2·cols values) and the GEMM runs over k < 2·cols with
+// the weight's column k mod cols: the same kernel, twice the k.
 //
 // Layout (the same Batch as matmul_q8act): y[t·y_tok + g·y_grp + r] for weight rows r of
-// matrix g, tokens t; W16 [groups][rows][cols], X16 [n_tok][x_tok] (matrix g reads
+// matrix g, tokens t; W16 [groups][rows][a_cols], X16 [n_tok][x_tok] (matrix g reads
 // columns g·x_grp..).
 
 #include "common.cuh"
@@ -85,6 +91,41 @@ extern "C" __global__ void __launch_bounds__(256) q8act_to_f16(const i8* __restr
     }
 }
 
+// F16 products' activations: token t's `cols` f32 values (x_tok apart) to fp16
+// [hi | lo] (2·cols values) of x/s_t, s_t = 2^-14 · pow2_floor(the token's largest |x|)
+// into tscale[t]. A block a token.
+extern "C" __global__ void __launch_bounds__(256) f32_to_f16x2(const float* __restrict__ x,
+                                                               i64 x_tok,
+                                                               u16* __restrict__ out,
+                                                               float* __restrict__ tscale,
+                                                               int cols) {
+    const i64 t = blockIdx.x;
+    const float* xt = x + t * x_tok;
+    float m = 0.0f;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) m = fmaxf(m, fabsf(xt[i]));
+    __shared__ float red[8];
+    m = warp_max(m);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = red[0];
+#pragma unroll
+    for (int w = 1; w < 8; ++w) m = fmaxf(m, red[w]);
+    // s = 2^-14 · pow2_floor(max), so max/s is in [2^14, 2^15); 1 where the row is zero,
+    // not finite, or below 2^-112 (whose fp16 values would be zero anyway; 1/s must not
+    // overflow). Powers of two: x/s is exact.
+    const u32 e = __float_as_uint(m) & 0x7f800000u;
+    const float s = e < (15u << 23) || e == 0x7f800000u ? 1.0f : __uint_as_float(e - (14u << 23));
+    const float inv = 1.0f / s;
+    if (threadIdx.x == 0) tscale[t] = s;
+    u16* ot = out + t * 2 * (i64)cols;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        const float v = xt[i] * inv;
+        const u16 hi = f2h(v);
+        ot[i] = hi;
+        ot[cols + i] = f2h(v - h2f(hi));
+    }
+}
+
 __device__ __forceinline__ void mf_mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
                                        u32 b1) {
     asm volatile(
@@ -105,23 +146,23 @@ __device__ __forceinline__ void mf_mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u3
 #define MF_STAGES 3
 #define MF_STAGE_HALVES ((MF_BM + MF_BN) * MF_PITCH)
 
-// Requires rows % 128 == 0 and cols % 64 == 0 (the launcher checks); tokens ≥ n_tok are
-// zero-filled and not stored.
+// Requires rows % 128 == 0, a_cols % 64 == 0 and cols = a_cols (Q8_0) or 2·a_cols (F16:
+// [hi | lo]) (the launcher checks); tokens ≥ n_tok are zero-filled and not stored.
 extern "C" __global__ void __launch_bounds__(256, 2)
     mm_f16_128x128(const u16* __restrict__ w16, const u16* __restrict__ x16,
                    const float* __restrict__ tscale, float* __restrict__ y, int rows, int cols,
-                   int n_tok, i64 x_tok, i64 y_tok, i64 x_grp, i64 y_grp) {
+                   int a_cols, int n_tok, i64 x_tok, i64 y_tok, i64 x_grp, i64 y_grp) {
     extern __shared__ __align__(16) u16 mf_smem[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp >> 2, wn = warp & 3;  // 2 × 4 warps
     const int tok0 = blockIdx.x * MF_BN, row0 = blockIdx.y * MF_BM, grp = blockIdx.z;
-    const u16* wg = w16 + ((i64)grp * rows + row0) * cols;
+    const u16* wg = w16 + ((i64)grp * rows + row0) * a_cols;
     const u16* xg = x16 + (i64)grp * x_grp;
 
     // This thread's cp.async sources: rows lr + 32j (j < 4) at 16-byte column lc, for A
     // (weights) and B (tokens); set up once.
     const int lr = tid >> 3, lc = (tid & 7) * 8;
-    const u16* asrc = wg + (i64)lr * cols + lc;
+    const u16* asrc = wg + (i64)lr * a_cols + lc;
     const u16* bsrc[4];
     bool bok[4];
 #pragma unroll
@@ -135,9 +176,12 @@ extern "C" __global__ void __launch_bounds__(256, 2)
     auto load = [&](int stage, int kt) {
         const u32 st = sbase + (u32)(stage * MF_STAGE_HALVES * 2);
         const i64 k = (i64)kt * MF_BK;
+        // The weight column: k, or k − a_cols in an F16 product's lo half.
+        const i64 ka = k < a_cols ? k : k - a_cols;
 #pragma unroll
         for (int j = 0; j < 4; ++j)
-            mm_cp16(st + sdst + (u32)(32 * j * MF_PITCH * 2), asrc + (i64)32 * j * cols + k, true);
+            mm_cp16(st + sdst + (u32)(32 * j * MF_PITCH * 2), asrc + (i64)32 * j * a_cols + ka,
+                    true);
 #pragma unroll
         for (int j = 0; j < 4; ++j)
             mm_cp16(st + (u32)(MF_BM * MF_PITCH * 2) + sdst + (u32)(32 * j * MF_PITCH * 2),

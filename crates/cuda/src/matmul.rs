@@ -286,6 +286,10 @@ impl Launcher<'_> {
         y: u64,
         b: Batch,
     ) -> Result<(), CudaError> {
+        // A prefill chunk's launcher may take fp16 tensor cores (matmul_f16.rs).
+        if let Some(slot) = self.q8_f16_slot(m, xq, &b) {
+            return self.matmul_q8act_f16(m, xq, y, b, slot);
+        }
         self.matmul_q8act_tiled(m, xq, y, b, None)
     }
 
@@ -457,6 +461,11 @@ impl Launcher<'_> {
     /// k-tile, then across tiles (the numerics of the decode matvecs up to summation order). `x` holds the
     /// addressed floats (x_tok, x_grp multiples of 4), `y` the outputs.
     pub fn matmul_f32(&self, m: &DeviceMatrix, x: u64, y: u64, b: Batch) -> Result<(), CudaError> {
+        // A prefill chunk's launcher may take fp16 tensor cores for F16 weights
+        // (matmul_f16.rs: the activation as fp16 hi + lo, the tf32 split's precision).
+        if let Some(slot) = self.f16_split_slot(m, &b) {
+            return self.matmul_f16_split(m, x, y, b, slot);
+        }
         self.matmul_f32_opts(m, x, y, b, None, None)
     }
 

@@ -1,15 +1,20 @@
-//! Prefill Q8_0 products on fp16 tensor cores (`Variant::Q8F16`, `kernels/matmul_f16.cu`).
+//! Prefill products on fp16 tensor cores (`kernels/matmul_f16.cu`): Q8_0 weights
+//! (`Variant::Q8F16`) and F16 weights (`Variant::F16Split`).
 //!
 //! The int8 GEMM (`mm_q8_0_*`) pays three FP instructions per accumulator for every 32
 //! values (the two block scales), which bounds it near a quarter of the tensor rate.
 //! Here a call expands the weights to fp16 (`q8_0_to_f16`, once per call: ~2% of a
 //! 2,048-token product's time) and the int8 activations to fp16 with one power-of-two
 //! scale per token (`q8act_to_f16`), then runs a plain fp16 GEMM with f32 accumulators
-//! (`mm_f16_128x128`) whose only epilogue is that token scale.
+//! (`mm_f16_128x128`) whose only epilogue is that token scale. F16 weights need no
+//! expansion; their f32 activations become fp16 hi and lo halves (`f32_to_f16x2`: the
+//! precision of the tf32 split the `mm_tc_*` kernels use) and the GEMM runs over both.
 //!
-//! The expanded copies live in an [`F16Work`]: one slot per launch lane, since the
-//! prefill's side lane 1 (the kv projection, the shared expert) runs its products
-//! beside the main lane's.
+//! The expanded copies live in an [`F16Work`] that a prefill chunk's [`Launcher`]
+//! carries (`Launcher::with_f16`): one slot per launch lane, since the prefill's side
+//! lanes (the kv projection and the shared expert on lane 1, the indexer on lane 2) run
+//! their products beside the main lane's. `matmul_q8act` and `matmul_f32` take this path
+//! by themselves where it applies.
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use ds4_gguf::GgmlType;
@@ -39,8 +44,8 @@ pub struct F16Slot {
     pub tokens: usize,
 }
 
-/// The buffers of [`Launcher::matmul_q8act_auto`]: slot i serves launch lane i (0 = the
-/// main stream); a lane without a slot runs the int8 GEMM.
+/// The buffers of the fp16 products: slot i serves launch lane i (0 = the main stream);
+/// a lane without a slot (or one too small) runs the int8 / tf32 GEMMs.
 pub struct F16Work {
     slots: Vec<F16Slot>,
 }
@@ -81,24 +86,20 @@ fn invalid(msg: String) -> CudaError {
     CudaError::Invalid(msg)
 }
 
-/// Why `slot` cannot take the product, if it cannot: the kernel's shape rules (Q8_0,
-/// rows a multiple of 128, cols of 64, tokens packed at the activation's width) and the
+/// Why `slot` cannot take a product of `m` over `n_tok` tokens whose fp16 rows are
+/// `x_cols` wide (Q8_0: the activation's width; F16: twice the matrix's columns), if it
+/// cannot: the kernel's shape rules (rows a multiple of 128, columns of 64) and the
 /// slot's capacities.
-fn unfit(m: &DeviceMatrix, xq: &QuantAct, b: &Batch, slot: &F16Slot) -> Option<String> {
-    if m.ty != GgmlType::Q8_0 {
-        return Some(format!("{} is not Q8_0", m.ty));
-    }
+fn unfit(m: &DeviceMatrix, b: &Batch, x_cols: usize, slot: &F16Slot) -> Option<String> {
     if !m.rows.is_multiple_of(BM) || !m.cols.is_multiple_of(BK) {
         return Some(format!("{}×{} is not whole 128×64 tiles", m.rows, m.cols));
     }
-    if b.x_tok != xq.cols || b.n_tok > xq.rows {
-        return Some(format!(
-            "tokens {} apart of {} (the fp16 copy is packed)",
-            b.x_tok, xq.cols
-        ));
-    }
-    let w = b.n_groups * m.rows * m.cols;
-    let x = b.n_tok * xq.cols;
+    let w = if m.ty == GgmlType::F16 {
+        0
+    } else {
+        b.n_groups * m.rows * m.cols
+    };
+    let x = b.n_tok * x_cols;
     if w > slot.w_elems || x > slot.x_elems || b.n_tok > slot.tokens {
         return Some(format!(
             "{w} weights / {x} activations / {} tokens exceed the slot ({} / {} / {})",
@@ -108,28 +109,76 @@ fn unfit(m: &DeviceMatrix, xq: &QuantAct, b: &Batch, slot: &F16Slot) -> Option<S
     None
 }
 
+/// Why a Q8_0 product cannot run through `slot`, if it cannot.
+fn unfit_q8(m: &DeviceMatrix, xq: &QuantAct, b: &Batch, slot: &F16Slot) -> Option<String> {
+    if m.ty != GgmlType::Q8_0 {
+        return Some(format!("{} is not Q8_0", m.ty));
+    }
+    if b.x_tok != xq.cols || b.n_tok > xq.rows {
+        return Some(format!(
+            "tokens {} apart of {} (the fp16 copy is packed)",
+            b.x_tok, xq.cols
+        ));
+    }
+    if (b.n_groups - 1) * b.x_grp + m.cols > xq.cols {
+        return Some("groups read past the activation row".into());
+    }
+    unfit(m, b, xq.cols, slot)
+}
+
+/// Why an F16 product cannot run through `slot`, if it cannot.
+fn unfit_split(m: &DeviceMatrix, b: &Batch, slot: &F16Slot) -> Option<String> {
+    if m.ty != GgmlType::F16 {
+        return Some(format!("{} is not F16", m.ty));
+    }
+    if b.n_groups != 1 {
+        return Some("grouped".into());
+    }
+    unfit(m, b, 2 * m.cols, slot)
+}
+
 impl Launcher<'_> {
-    /// [`Launcher::matmul_q8act`], on fp16 tensor cores through `work` when `q8_f16` is
-    /// on, this lane has a slot that fits, and the 128×128 tiles fill at least half the
-    /// GPU's SMs (a 2,048-token chunk's q_a: 128 tiles); else the int8 GEMM.
-    pub fn matmul_q8act_auto(
+    /// The slot of this lane that takes a product of `m` over `b` in fp16 (`v` on, the
+    /// 128×128 tiles fill at least 1/`share` of the GPU's SMs, and `fits`), if any.
+    /// Q8_0 takes share 2 (a 2,048-token chunk's q_a is 128 tiles; the kv projection's
+    /// 64 tiles lose to the int8 128×64 tile), F16 share 4 (the 512-row compressors'
+    /// 64 tiles still beat two tf32 mma a product).
+    fn f16_slot(
+        &self,
+        (v, share): (Variant, usize),
+        m: &DeviceMatrix,
+        b: &Batch,
+        fits: impl Fn(&F16Slot) -> bool,
+    ) -> Option<&F16Slot> {
+        let sms = self.info().multiprocessors.max(1) as usize;
+        let tiles = (m.rows / BM) * b.n_tok.div_ceil(BN) * b.n_groups;
+        self.f16_work()
+            .filter(|_| self.on(v) && share * tiles >= sms)
+            .and_then(|w| w.slots.get(self.current_lane()))
+            .filter(|s| fits(s))
+    }
+
+    /// The slot that takes a Q8_0 product (`matmul_q8act`), if any.
+    pub(crate) fn q8_f16_slot(
         &self,
         m: &DeviceMatrix,
         xq: &QuantAct,
-        y: u64,
-        b: Batch,
-        work: Option<&F16Work>,
-    ) -> Result<(), CudaError> {
-        let sms = self.info().multiprocessors.max(1) as usize;
-        let tiles = (m.rows / BM) * b.n_tok.div_ceil(BN) * b.n_groups;
-        let slot = work
-            .filter(|_| self.on(Variant::Q8F16) && 2 * tiles >= sms)
-            .and_then(|w| w.slots.get(self.current_lane()))
-            .filter(|s| unfit(m, xq, &b, s).is_none());
-        match slot {
-            Some(s) => self.matmul_q8act_f16(m, xq, y, b, s),
-            None => self.matmul_q8act(m, xq, y, b),
+        b: &Batch,
+    ) -> Option<&F16Slot> {
+        self.f16_slot((Variant::Q8F16, 2), m, b, |s| {
+            unfit_q8(m, xq, b, s).is_none()
+        })
+    }
+
+    /// The slot that takes an F16 product (`matmul_f32`), if any.
+    pub(crate) fn f16_split_slot(&self, m: &DeviceMatrix, b: &Batch) -> Option<&F16Slot> {
+        // cp.async reads the weights 16 bytes at a time.
+        if !m.part_ptr(self, 0).is_multiple_of(16) {
+            return None;
         }
+        self.f16_slot((Variant::F16Split, 4), m, b, |s| {
+            unfit_split(m, b, s).is_none()
+        })
     }
 
     /// The fp16 form of [`Launcher::matmul_q8act`] through `slot` (any token count; for
@@ -152,13 +201,8 @@ impl Launcher<'_> {
                 b.n_groups, m.n_mats
             )));
         }
-        if let Some(why) = unfit(m, xq, &b, slot) {
+        if let Some(why) = unfit_q8(m, xq, &b, slot) {
             return Err(invalid(format!("{what}: {why}")));
-        }
-        if (b.n_groups - 1) * b.x_grp + m.cols > xq.cols {
-            return Err(invalid(format!(
-                "{what}: groups read past the activation row"
-            )));
         }
         // The weights: every group's matrix, 8 values a thread.
         let n_vals = (b.n_groups * m.rows * m.cols) as i64;
@@ -175,13 +219,52 @@ impl Launcher<'_> {
         let (x16, ts) = (self.ptr(&slot.x), self.ptr(&slot.scale));
         let (xqp, xdp) = (self.ptr(&xq.q), self.ptr(&xq.d));
         let cols = xq.cols as i32;
-        let cfg = LaunchConfig {
-            grid_dim: (b.n_tok as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
+        launch!(self, "q8act_to_f16", per_token(b.n_tok); xqp, xdp, x16, ts, cols)?;
+        self.mm_f16(w16, (x16, ts), y, m, &b, m.cols)
+    }
+
+    /// The fp16 form of [`Launcher::matmul_f32`] for F16 weights through `slot`: each
+    /// token's activations as fp16 hi + lo (any token count; for the checks). `x` holds
+    /// `n_tok` rows of m.cols floats, x_tok apart; `y` must hold the addressed floats.
+    pub fn matmul_f16_split(
+        &self,
+        m: &DeviceMatrix,
+        x: u64,
+        y: u64,
+        b: Batch,
+        slot: &F16Slot,
+    ) -> Result<(), CudaError> {
+        if b.n_tok == 0 {
+            return Ok(());
+        }
+        let what = format!("matmul_f16_split {}×{}", m.rows, m.cols);
+        if let Some(why) = unfit_split(m, &b, slot) {
+            return Err(invalid(format!("{what}: {why}")));
+        }
+        if !m.part_ptr(self, 0).is_multiple_of(16) {
+            return Err(invalid(format!("{what}: weights not 16-byte aligned")));
+        }
+        let (x16, ts) = (self.ptr(&slot.x), self.ptr(&slot.scale));
+        let (x_tok, cols) = (b.x_tok as i64, m.cols as i32);
+        launch!(self, "f32_to_f16x2", per_token(b.n_tok); x, x_tok, x16, ts, cols)?;
+        let packed = Batch {
+            x_tok: 2 * m.cols,
+            ..b
         };
-        launch!(self, "q8act_to_f16", cfg; xqp, xdp, x16, ts, cols)?;
-        // The product.
+        self.mm_f16(m.part_ptr(self, 0), (x16, ts), y, m, &packed, 2 * m.cols)
+    }
+
+    /// `mm_f16_128x128` over fp16 weights `w16` (m's shape) and fp16 token rows `x16` of
+    /// `k` values (x_tok apart in `b`) with their token scales `ts`.
+    fn mm_f16(
+        &self,
+        w16: u64,
+        (x16, ts): (u64, u64),
+        y: u64,
+        m: &DeviceMatrix,
+        b: &Batch,
+        k: usize,
+    ) -> Result<(), CudaError> {
         let name = "mm_f16_128x128";
         self.allow_smem(name, SMEM)?;
         let cfg = LaunchConfig {
@@ -193,9 +276,18 @@ impl Launcher<'_> {
             block_dim: (256, 1, 1),
             shared_mem_bytes: SMEM as u32,
         };
-        let (rows, mcols, n_tok) = (m.rows as i32, m.cols as i32, b.n_tok as i32);
+        let (rows, k, a_cols, n_tok) = (m.rows as i32, k as i32, m.cols as i32, b.n_tok as i32);
         let strides = [b.x_tok, b.y_tok, b.x_grp, b.y_grp].map(|v| v as i64);
-        launch!(self, name, cfg; w16, x16, ts, y, rows, mcols, n_tok,
+        launch!(self, name, cfg; w16, x16, ts, y, rows, k, a_cols, n_tok,
             strides[0], strides[1], strides[2], strides[3])
+    }
+}
+
+/// A block of 256 threads a token.
+fn per_token(n_tok: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n_tok as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
     }
 }

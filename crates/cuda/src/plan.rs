@@ -15,6 +15,7 @@ use std::fmt;
 use std::ops::Deref;
 
 use crate::device::Gpu;
+use crate::matmul_f16::F16Work;
 
 macro_rules! variants {
     ($($v:ident = $name:literal, $on:literal, $doc:literal;)*) => {
@@ -94,6 +95,7 @@ variants! {
     ExpWide = "exp_wide", true, "A prefill chunk's routed-expert GEMMs over 64 pairs a block (mm_exp_*_w: 8 warps of 16 rows × 64 pairs) where the experts average 32 pairs or more: each weight tile decoded once per 64 pairs, not per 32.";
     AttHalf = "att_half", true, "A prefill chunk's tensor-core attention over fp16 copies of the ring and compressed rows made once a layer (rows_f16, attention_prefill_mma_h), not each token's rows converted in every block.";
     Q8F16 = "q8_f16", true, "A prefill chunk's Q8_0 products on fp16 tensor cores (q8_0_to_f16, q8act_to_f16, mm_f16_128x128: weights and int8 activations expanded to fp16 once a call, no per-32 scale epilogue), not int8 mma with two block scales per 32 values (mm_q8_0_*).";
+    F16Split = "f16_split", true, "A prefill chunk's F16-weight products (compressors, indexer, router) on fp16 tensor cores with each activation as fp16 hi + lo (f32_to_f16x2, mm_f16_128x128), not two tf32 mma a product on 64×64 tiles (mm_tc_f16_p_*).";
 }
 
 const _: () = assert!(Variant::ALL.len() <= 64, "DecodePlan is a u64 bitset");
@@ -246,12 +248,19 @@ impl fmt::Debug for DecodePlan {
 pub struct Launcher<'g> {
     gpu: &'g Gpu,
     plan: DecodePlan,
+    /// A prefill chunk's fp16 buffers: with them the batched products may run on fp16
+    /// tensor cores (`matmul_f16.rs`); without them (decode, steps) they never do.
+    f16: Option<&'g F16Work>,
 }
 
 impl Gpu {
     /// This GPU launching under `plan`.
     pub fn launcher(&self, plan: DecodePlan) -> Launcher<'_> {
-        Launcher { gpu: self, plan }
+        Launcher {
+            gpu: self,
+            plan,
+            f16: None,
+        }
     }
 }
 
@@ -274,7 +283,21 @@ impl<'g> Launcher<'g> {
     /// This launcher with `v` turned on or off.
     #[must_use]
     pub fn with(&self, v: Variant, on: bool) -> Launcher<'g> {
-        self.gpu.launcher(self.plan.with(v, on))
+        Launcher {
+            plan: self.plan.with(v, on),
+            ..*self
+        }
+    }
+
+    /// This launcher with a prefill chunk's fp16 buffers (`None`: without).
+    #[must_use]
+    pub fn with_f16(&self, work: Option<&'g F16Work>) -> Launcher<'g> {
+        Launcher { f16: work, ..*self }
+    }
+
+    /// The fp16 buffers, if this launcher has them.
+    pub(crate) fn f16_work(&self) -> Option<&'g F16Work> {
+        self.f16
     }
 
     /// `f` run on this launcher with `v` turned on or off: the selftest's comparisons

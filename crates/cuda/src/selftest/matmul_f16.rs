@@ -1,10 +1,16 @@
-//! Checks of the fp16 Q8_0 prefill product (`matmul_q8act_f16`, variant `q8_f16`).
+//! Checks of the fp16 prefill products: Q8_0 (`matmul_q8act_f16`, variant `q8_f16`) and
+//! F16 (`matmul_f16_split`, variant `f16_split`).
 //!
-//! The CPU twin rounds exactly as the kernels do — each weight q·d to fp16, each
+//! Q8_0: the CPU twin rounds exactly as the kernels do — each weight q·d to fp16, each
 //! activation q·(d/s_t) to fp16 with s_t the power of two at or below the token's
 //! largest block scale — and sums the products in f64, so only the tensor cores' f32
 //! summation differs (bound 1e-5). The int8 GEMM on the same inputs differs by the two
 //! fp16 roundings of every term (bound: the fp16 tensor-core bound).
+//!
+//! F16: the weights are exact in fp16 and the activation is split into fp16 hi + lo
+//! (22 bits), so the product is compared with the f64 product of the exact weights and
+//! f32 activations, and with the tf32-split kernels, both within `BOUND_F16_SPLIT` (the
+//! tensor cores' f32 accumulation, not the operands, sets it).
 
 use anyhow::Result;
 use ds4_gguf::quant::random::Rng;
@@ -12,8 +18,10 @@ use ds4_gguf::GgmlType;
 use half::f16;
 use rayon::prelude::*;
 
-use super::common::{random_matrix, random_vec, rel_err, Check, BOUND_F32, BOUND_FP16_MMA};
-use crate::{Batch, DeviceMatrix, Launcher, QuantAct};
+use super::common::{
+    random_matrix, random_vec, rel_err, Check, BOUND_F16_SPLIT, BOUND_F32, BOUND_FP16_MMA,
+};
+use crate::{Batch, DeviceMatrix, F16Slot, Launcher, QuantAct};
 
 /// The power of two s with s ≤ m < 2s (m > 0 and normal), else 1: `pow2_floor` of the
 /// kernel.
@@ -73,7 +81,7 @@ fn gather(y: &[f32], b: &Batch, rows: usize) -> (Vec<f32>, bool) {
     (out, canaries)
 }
 
-pub(super) fn check_q8_f16(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
+pub(super) fn check_f16_gemm(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::stream(seed, 0x7f16, 0);
     let mut out = Vec::new();
     let work = gpu.alloc_f16_work(&[(8 << 20, 4 << 20, 1024)])?;
@@ -156,5 +164,77 @@ pub(super) fn check_q8_f16(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
         rel_err: if refused { 0.0 } else { f64::NAN },
         bound: BOUND_F32,
     });
+    out.extend(check_split(gpu, &mut rng, slot)?);
+    Ok(out)
+}
+
+/// The F16 products: exact weights × f32 activations in f64, and the tf32-split kernel.
+fn check_split(gpu: &Launcher, rng: &mut Rng, slot: &F16Slot) -> Result<Vec<Check>> {
+    let mut out = Vec::new();
+    // (rows, cols, tokens, input pad, output pad, activation scale)
+    for &(rows, cols, n_tok, xpad, ypad, scale) in &[
+        (256usize, 4096usize, 300usize, 0usize, 0usize, 1.0f32),
+        (1024, 1024, 7, 64, 3, 1.0),
+        (128, 64, 1000, 0, 0, 1.0),
+        // Far past fp16's range, and far below its normal range.
+        (384, 2048, 129, 4, 5, 3.0e9),
+        (128, 512, 65, 0, 0, 1.0e-30),
+    ] {
+        let wf: Vec<f32> = random_vec(rows * cols, rng);
+        let w16: Vec<f16> = wf.iter().map(|&v| f16::from_f32(v)).collect();
+        let bytes: Vec<u8> = w16.iter().flat_map(|h| h.to_le_bytes()).collect();
+        let m = DeviceMatrix::upload(gpu, GgmlType::F16, &bytes, rows, cols, 1)?;
+        let b = Batch {
+            x_tok: cols + xpad,
+            y_tok: rows + ypad,
+            ..Batch::plain(n_tok, cols, rows)
+        };
+        let mut x: Vec<f32> = random_vec(n_tok * b.x_tok, rng)
+            .into_iter()
+            .map(|v| v * scale)
+            .collect();
+        // One all-zero token; one with a single value far above the rest.
+        x[b.x_tok * (n_tok / 2)..b.x_tok * (n_tok / 2) + cols].fill(0.0);
+        x[b.x_tok * (n_tok - 1) + cols / 3] *= 1.0e4;
+        let xd = gpu.upload(&x)?;
+        let ylen = n_tok * b.y_tok;
+        let yd = gpu.upload(&vec![f32::NAN; ylen])?;
+        gpu.matmul_f16_split(&m, gpu.ptr(&xd), gpu.ptr(&yd), b, slot)?;
+        let (got, canaries) = gather(&gpu.download(&yd)?, &b, rows);
+        let want: Vec<f64> = (0..n_tok)
+            .into_par_iter()
+            .flat_map_iter(|t| {
+                let (w16, x) = (&w16, &x);
+                (0..rows).map(move |r| {
+                    let xs = &x[t * b.x_tok..][..cols];
+                    let wr = &w16[r * cols..][..cols];
+                    wr.iter()
+                        .zip(xs)
+                        .map(|(a, &v)| a.to_f64() * v as f64)
+                        .sum::<f64>()
+                })
+            })
+            .collect();
+        let name = format!("matmul_f16_split {rows}x{cols} n{n_tok} x{scale:e}");
+        let e = if canaries {
+            rel_err(&got, &want)
+        } else {
+            f64::NAN
+        };
+        out.push(Check {
+            name: format!("{name} vs f64"),
+            rel_err: e,
+            bound: BOUND_F16_SPLIT,
+        });
+        let y2 = gpu.upload(&vec![f32::NAN; ylen])?;
+        gpu.matmul_f32_opts(&m, gpu.ptr(&xd), gpu.ptr(&y2), b, None, Some(true))?;
+        let (tf32, _) = gather(&gpu.download(&y2)?, &b, rows);
+        let tf32: Vec<f64> = tf32.iter().map(|&v| v as f64).collect();
+        out.push(Check {
+            name: format!("{name} vs tf32 split"),
+            rel_err: rel_err(&got, &tf32),
+            bound: BOUND_F16_SPLIT,
+        });
+    }
     Ok(out)
 }

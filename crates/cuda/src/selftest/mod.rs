@@ -104,7 +104,11 @@ pub const CHECKS: &[KernelCheck] = &[
         &[Variant::MmPitch, Variant::ExpWide],
         matmul::check_matmul,
     ),
-    check("q8_f16", &[Variant::Q8F16], matmul_f16::check_q8_f16),
+    check(
+        "f16_gemm",
+        &[Variant::Q8F16, Variant::F16Split],
+        matmul_f16::check_f16_gemm,
+    ),
     check("wide", &[Variant::Wide], wide::check_wide),
     check(
         "attention",

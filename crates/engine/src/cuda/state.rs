@@ -121,19 +121,26 @@ fn f16_weights(c: &Config) -> usize {
 }
 
 /// The [`F16Work`] slots of a prefill chunk of `cap` tokens, `(weights, activations,
-/// tokens)`: the main lane's Q8_0 products (q_a, q_b, the grouped output projection with
-/// all its groups, out_b) and side lane 1's (kv, the shared expert).
-fn f16_sizes(c: &Config, cap: usize) -> [(usize, usize, usize); 2] {
+/// tokens)`, one per launch lane: the main lane's Q8_0 products (q_a, q_b, the grouped
+/// output projection with all its groups, out_b) and F16 router; side lane 1's kv
+/// projection, shared expert and compressor; side lane 2's indexer (its compressor,
+/// projection and q_b). An F16 product's fp16 row is twice its input (hi | lo).
+fn f16_sizes(c: &Config, cap: usize) -> [(usize, usize, usize); 3] {
     let (e, qd, og) = (c.n_embd, c.q_dim(), c.o_groups * c.o_lora_rank);
     let ffs = c.n_ff_exp * c.n_expert_shared;
     let main_w = (c.q_lora_rank * e)
         .max(qd * c.q_lora_rank)
         .max(c.o_lora_rank * qd)
         .max(e * og);
-    let main_x = e.max(c.q_lora_rank).max(qd).max(og);
+    let main_x = e.max(c.q_lora_rank).max(qd).max(og).max(2 * e);
     let side_w = (c.head_dim * e).max(ffs * e);
-    let side_x = e.max(ffs);
-    [(main_w, cap * main_x, cap), (side_w, cap * side_x, cap)]
+    let side_x = ffs.max(2 * e);
+    let index_x = 2 * e.max(c.q_lora_rank);
+    [
+        (main_w, cap * main_x, cap),
+        (side_w, cap * side_x, cap),
+        (0, cap * index_x, cap),
+    ]
 }
 
 /// Scratch activations of up to `cap` tokens (rows of token t at t × width).
@@ -743,16 +750,7 @@ fn head_logits(
     head_collapse(g, w, &b.s, h, head, hx)?;
     let fast = numerics == Numerics::Fast;
     let logits = g.ptr(&b.s.logits);
-    mv(
-        g,
-        &w.output,
-        hx,
-        &mut b.q8.embd,
-        false,
-        (logits, None),
-        1,
-        fast,
-    )?;
+    mv(g, &w.output, hx, &mut b.q8.embd, false, logits, 1, fast)?;
     Ok(())
 }
 
@@ -782,7 +780,7 @@ fn head_rows(
         hx,
         &mut work.q8.embd,
         false,
-        (g.ptr(logits), None),
+        g.ptr(logits),
         n,
         fast,
     )?;

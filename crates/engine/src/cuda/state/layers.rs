@@ -3,7 +3,7 @@
 
 use ds4_cuda::kvt;
 use ds4_cuda::{
-    ActRule, Batch, CudaError, DecodePlan, DeviceBuf, DeviceMatrix, F16Work, Gpu, Launcher, MatSel,
+    ActRule, Batch, CudaError, DecodePlan, DeviceBuf, DeviceMatrix, Gpu, Launcher, MatSel,
     QuantAct, RoutePlan, Variant,
 };
 use ds4_gguf::GgmlType;
@@ -236,8 +236,7 @@ impl Pass<'_> {
     /// See [`mv`]: a projection of the batch's `n` rows (`src`: x, xq, quantized).
     fn mv(&self, m: &DeviceMatrix, src: Src, y: u64) -> Result<(), CudaError> {
         let (x, xq, quantized) = src;
-        let work = self.s.f16.as_ref();
-        mv(&self.g, m, x, xq, quantized, (y, work), self.n, self.fast)
+        mv(&self.g, m, x, xq, quantized, y, self.n, self.fast)
     }
 
     /// A grouped projection (`n_sel` selections fixed before the token, inputs at
@@ -413,7 +412,8 @@ impl KvView<'_> {
         s: &'a Scratch,
         n: usize,
     ) -> Pass<'a> {
-        let g = w.gpu.launcher(self.plan);
+        // A prefill chunk's products may run on fp16 tensor cores through its buffers.
+        let g = w.gpu.launcher(self.plan).with_f16(s.f16.as_ref());
         let step = g.ptr(&s.step);
         let (c, fast) = (&w.config, numerics == Numerics::Fast);
         let kvs = match self.journal {
@@ -673,7 +673,7 @@ impl KvView<'_> {
         // (n_head, hence q_dim, is a multiple of o_groups: Config::validate.)
         let grouped = Batch::grouped(n, og, c.q_dim() / og, c.o_lora_rank);
         if n > SMALL_BATCH && gemm(Gemm::Group) && heads_q8 {
-            g.matmul_q8act_auto(&l.out_a, &qb.heads, p(&s.low), grouped, s.f16.as_ref())?;
+            g.matmul_q8act(&l.out_a, &qb.heads, p(&s.low), grouped)?;
         } else if n > 1 && heads_q8 && g.on(Variant::Tokens) {
             // A multi-row step: every token's groups in one pass over the weights (the
             // attention tail wrote the heads' Q8_0 form).
@@ -918,8 +918,7 @@ fn rows(m: &DeviceMatrix) -> MatSel {
 
 /// One projection of `n` input rows: in the fast numerics a Q8_0 weight gets its input
 /// quantised to Q8_0 first (into `xq`, which `quantized` says already holds `x`), as on
-/// the CPU. A prefill chunk's `work` lets the product run on fp16 tensor cores
-/// (`Launcher::matmul_q8act_auto`).
+/// the CPU.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn mv(
     g: &Launcher,
@@ -927,7 +926,7 @@ pub(super) fn mv(
     x: u64,
     xq: &mut QuantAct,
     quantized: bool,
-    (y, work): (u64, Option<&F16Work>),
+    y: u64,
     n: usize,
     fast: bool,
 ) -> Result<(), CudaError> {
@@ -936,7 +935,7 @@ pub(super) fn mv(
             g.quantize_rows(x, xq, n, ActRule::Q8_0)?;
         }
         if n > SMALL_BATCH && gemm(Gemm::Q8) {
-            g.matmul_q8act_auto(m, xq, y, Batch::plain(n, xq.cols, m.rows), work)
+            g.matmul_q8act(m, xq, y, Batch::plain(n, xq.cols, m.rows))
         } else {
             g.matvec_q8act(m, xq, y, n, rows(m))
         }

@@ -483,7 +483,7 @@ impl Draft {
             p(&m.emb_n),
             &mut m.q,
             false,
-            (e_proj, None),
+            e_proj,
             1,
             fast,
         )?;
@@ -494,7 +494,7 @@ impl Draft {
             p(&m.g_n),
             &mut m.q,
             false,
-            (p(&s.h), None),
+            p(&s.h),
             nhc,
             fast,
         )?;
