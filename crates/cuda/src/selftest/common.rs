@@ -6,7 +6,7 @@ use anyhow::Result;
 use ds4_gguf::quant::random::{fill_blocks, Rng};
 use ds4_gguf::GgmlType;
 
-use crate::{Launcher, Variant};
+use crate::{Batch, Launcher, Variant};
 
 /// A matvec against the f64 product of the exactly dequantized weights: f32 sums over
 /// up to 16,384 columns in the kernel's order.
@@ -243,6 +243,24 @@ pub fn bit_identical(name: String, diff: BitDiff) -> Check {
         rel_err: diff.max_rel.max(f64::MIN_POSITIVE),
         bound: 0.0,
     }
+}
+
+/// Addressed outputs of a batch, in (token, group, row) order, and whether every other
+/// slot of the buffer kept its NaN canary.
+pub fn gather(y: &[f32], b: &Batch, rows: usize) -> (Vec<f32>, bool) {
+    let mut out = Vec::with_capacity(b.n_tok * b.n_groups * rows);
+    let mut touched = vec![false; y.len()];
+    for t in 0..b.n_tok {
+        for g in 0..b.n_groups {
+            for r in 0..rows {
+                let i = t * b.y_tok + g * b.y_grp + r;
+                out.push(y[i]);
+                touched[i] = true;
+            }
+        }
+    }
+    let canaries = y.iter().zip(&touched).all(|(v, &t)| t || v.is_nan());
+    (out, canaries)
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@ use ds4_gguf::GgmlType;
 use rayon::prelude::*;
 
 use super::common::{
-    bit_identical, random_matrix, random_vec, rel_err, same_bits, Check, Timing, BOUND_F32,
+    bit_identical, gather, random_matrix, random_vec, rel_err, same_bits, Check, Timing, BOUND_F32,
     Q8_SHAPES,
 };
 use crate::{Batch, DeviceBuf, DeviceMatrix, Launcher, MatSel, QuantAct, Variant};
@@ -54,24 +54,6 @@ fn act_values(gpu: &Launcher, qa: &QuantAct) -> Result<Vec<f64>> {
 
 fn dot(w: &[f32], x: &[f64]) -> f64 {
     w.iter().zip(x).map(|(&a, &b)| a as f64 * b).sum()
-}
-
-/// Addressed outputs of a batch, in (token, group, row) order, and whether every other
-/// slot of the buffer kept its NaN canary.
-fn gather(y: &[f32], b: &Batch, rows: usize) -> (Vec<f32>, bool) {
-    let mut out = Vec::with_capacity(b.n_tok * b.n_groups * rows);
-    let mut touched = vec![false; y.len()];
-    for t in 0..b.n_tok {
-        for g in 0..b.n_groups {
-            for r in 0..rows {
-                let i = t * b.y_tok + g * b.y_grp + r;
-                out.push(y[i]);
-                touched[i] = true;
-            }
-        }
-    }
-    let canaries = y.iter().zip(&touched).all(|(v, &t)| t || v.is_nan());
-    (out, canaries)
 }
 
 /// f64 reference of a batch: `[t][g][r]`.

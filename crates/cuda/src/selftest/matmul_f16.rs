@@ -19,7 +19,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::common::{
-    random_matrix, random_vec, rel_err, Check, BOUND_F16_SPLIT, BOUND_F32, BOUND_FP16_MMA,
+    gather, random_matrix, random_vec, rel_err, Check, BOUND_F16_SPLIT, BOUND_F32, BOUND_FP16_MMA,
 };
 use crate::{Batch, DeviceMatrix, F16Slot, Launcher, QuantAct};
 
@@ -62,23 +62,6 @@ fn acts16(gpu: &Launcher, qa: &QuantAct, n_tok: usize) -> Result<(Vec<f64>, Vec<
         s.push(st as f64);
     }
     Ok((x, s))
-}
-
-/// Addressed outputs `[t][g][r]` and whether every other slot kept its NaN canary.
-fn gather(y: &[f32], b: &Batch, rows: usize) -> (Vec<f32>, bool) {
-    let mut out = Vec::new();
-    let mut touched = vec![false; y.len()];
-    for t in 0..b.n_tok {
-        for g in 0..b.n_groups {
-            for r in 0..rows {
-                let i = t * b.y_tok + g * b.y_grp + r;
-                out.push(y[i]);
-                touched[i] = true;
-            }
-        }
-    }
-    let canaries = y.iter().zip(&touched).all(|(v, &t)| t || v.is_nan());
-    (out, canaries)
 }
 
 pub(super) fn check_f16_gemm(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
