@@ -257,3 +257,130 @@ extern "C" __global__ void __launch_bounds__(256, 2)
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// The same product on Hopper's warpgroup MMA (variant `f16_wgmma`; sm_90a only: the
+// compute_90 PTX of the fatbin and NVRTC builds trap, and the launcher takes it only
+// from the fatbin on a 9.0 GPU). Block = 2 warpgroups, tile 128 rows × 128 tokens; each
+// warpgroup runs wgmma.m64n128k16 over its 64 rows, reading both operands from shared
+// memory (no ldmatrix: the register traffic that bounds mm_f16_128x128). Stages hold a
+// k-tile of 64 values as 128-byte rows in the 128-byte swizzle (16-byte chunk c of row r
+// at c ^ (r mod 8)), which the descriptors name (SBO = 8 rows = 1,024 bytes); a k16 step
+// advances the descriptors' start by 32 bytes.
+#define MW_STAGES 3
+#define MW_TILE_BYTES (128 * 128)
+#define MW_STAGE_BYTES (2 * MW_TILE_BYTES)
+
+__device__ __forceinline__ u64 mw_desc(u32 saddr) {
+    return (u64)((saddr & 0x3ffff) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) |
+           ((u64)1 << 62);
+}
+
+__device__ __forceinline__ void mw_mma(float (&d)[64], u64 da, u64 db) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, 1, 1, 1, 0, 0;"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db));
+#else
+    __trap();
+#endif
+}
+
+__device__ __forceinline__ void mw_fence() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void mw_commit_wait() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2)
+    mm_f16_wg_128x128(const u16* __restrict__ w16, const u16* __restrict__ x16,
+                      const float* __restrict__ tscale, float* __restrict__ y, int rows, int cols,
+                      int a_cols, int n_tok, i64 x_tok, i64 y_tok, i64 x_grp, i64 y_grp) {
+    extern __shared__ __align__(16) u8 mw_smem[];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wg = warp >> 2, w4 = warp & 3;
+    const int tok0 = blockIdx.x * MF_BN, row0 = blockIdx.y * MF_BM, grp = blockIdx.z;
+    const u16* wg_ = w16 + ((i64)grp * rows + row0) * a_cols;
+    const u16* xg = x16 + (i64)grp * x_grp;
+    // cp.async: rows lr + 32j (j < 4), 16-byte chunk lc8 of the 128-byte k-row, stored
+    // at its swizzled place (lr + 32j ≡ lr mod 8).
+    const int lr = tid >> 3, lc8 = tid & 7;
+    const u16* asrc = wg_ + (i64)lr * a_cols + lc8 * 8;
+    const u16* bsrc[4];
+    bool bok[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int t = tok0 + lr + 32 * j;
+        bok[j] = t < n_tok;
+        bsrc[j] = xg + (i64)(bok[j] ? t : 0) * x_tok + lc8 * 8;
+    }
+    // The swizzle is a function of the address: the stages start at a 1,024-byte
+    // boundary (the launcher asks for 1 KB more than the stages).
+    const u32 sbase = (mm_smem(mw_smem) + 1023u) & ~1023u;
+    const u32 sdst = (u32)(lr * 128 + ((lc8 ^ (lr & 7)) << 4));
+    auto load = [&](int stage, int kt) {
+        const u32 st = sbase + (u32)(stage * MW_STAGE_BYTES);
+        const i64 k = (i64)kt * MF_BK;
+        const i64 ka = k < a_cols ? k : k - a_cols;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            mm_cp16(st + sdst + (u32)(j * 32 * 128), asrc + (i64)32 * j * a_cols + ka, true);
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            mm_cp16(st + MW_TILE_BYTES + sdst + (u32)(j * 32 * 128), bsrc[j] + k, bok[j]);
+    };
+
+    float d[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) d[i] = 0.0f;
+    const int nk = cols / MF_BK;
+#pragma unroll
+    for (int s = 0; s < MW_STAGES - 1; ++s) {
+        if (s < nk) load(s, s);
+        mm_commit();
+    }
+    for (int kt = 0; kt < nk; ++kt) {
+        asm volatile("cp.async.wait_group %0;" ::"n"(MW_STAGES - 2) : "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncthreads();
+        {
+            const int nt = kt + MW_STAGES - 1;
+            if (nt < nk) load(nt % MW_STAGES, nt);
+            mm_commit();
+        }
+        const u32 st = sbase + (u32)((kt % MW_STAGES) * MW_STAGE_BYTES);
+        const u32 a0 = st + (u32)(wg * 64 * 128), b0 = st + MW_TILE_BYTES;
+        mw_fence();
+#pragma unroll
+        for (int kk = 0; kk < MF_BK / 16; ++kk)
+            mw_mma(d, mw_desc(a0 + kk * 32), mw_desc(b0 + kk * 32));
+        mw_commit_wait();
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+
+    // d[4j + 0/1] = (row g, tokens 8j + 2t, +1), d[4j + 2/3] = (row g + 8, same tokens) of
+    // the warp's 16 rows.
+    const int g = lane >> 2, t4 = lane & 3;
+    float* yg = y + (i64)grp * y_grp;
+    const int r = row0 + wg * 64 + w4 * 16 + g;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int t = tok0 + 8 * j + 2 * t4 + h;
+            if (t >= n_tok) continue;
+            const float s = tscale[t];
+            float* yt = yg + (i64)t * y_tok + r;
+            yt[0] = d[4 * j + h] * s;
+            yt[8] = d[4 * j + 2 + h] * s;
+        }
+    }
+}

@@ -19,7 +19,7 @@
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use ds4_gguf::GgmlType;
 
-use crate::device::Gpu;
+use crate::device::{Gpu, KernelSource};
 use crate::error::CudaError;
 use crate::matmul::Batch;
 use crate::ops::QuantAct;
@@ -32,6 +32,8 @@ const BN: usize = 128;
 const BK: usize = 64;
 /// Its shared memory: 3 stages of (128 + 128) rows × 72 halves.
 const SMEM: usize = 3 * (BM + BN) * 72 * 2;
+/// `mm_f16_wg_128x128`'s: 3 stages of (128 + 128) rows × 128 bytes, 1 KB for alignment.
+const SMEM_WG: usize = 3 * (BM + BN) * 128 + 1024;
 
 /// The expanded weights and activations of one lane's fp16 products.
 pub struct F16Slot {
@@ -265,8 +267,17 @@ impl Launcher<'_> {
         b: &Batch,
         k: usize,
     ) -> Result<(), CudaError> {
-        let name = "mm_f16_128x128";
-        self.allow_smem(name, SMEM)?;
+        let info = self.info();
+        // The wgmma kernel is sm_90a machine code: only from the fatbin on a 9.0 GPU.
+        let wgmma = self.on(Variant::F16Wgmma)
+            && matches!(info.kernels, KernelSource::Fatbin)
+            && info.compute_capability == (9, 0);
+        let (name, smem) = if wgmma {
+            ("mm_f16_wg_128x128", SMEM_WG)
+        } else {
+            ("mm_f16_128x128", SMEM)
+        };
+        self.allow_smem(name, smem)?;
         let cfg = LaunchConfig {
             grid_dim: (
                 b.n_tok.div_ceil(BN) as u32,
@@ -274,7 +285,7 @@ impl Launcher<'_> {
                 b.n_groups as u32,
             ),
             block_dim: (256, 1, 1),
-            shared_mem_bytes: SMEM as u32,
+            shared_mem_bytes: smem as u32,
         };
         let (rows, k, a_cols, n_tok) = (m.rows as i32, k as i32, m.cols as i32, b.n_tok as i32);
         let strides = [b.x_tok, b.y_tok, b.x_grp, b.y_grp].map(|v| v as i64);

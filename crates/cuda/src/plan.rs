@@ -96,6 +96,7 @@ variants! {
     AttHalf = "att_half", true, "A prefill chunk's tensor-core attention over fp16 copies of the ring and compressed rows made once a layer (rows_f16, attention_prefill_mma_h), not each token's rows converted in every block.";
     Q8F16 = "q8_f16", true, "A prefill chunk's Q8_0 products on fp16 tensor cores (q8_0_to_f16, q8act_to_f16, mm_f16_128x128: weights and int8 activations expanded to fp16 once a call, no per-32 scale epilogue), not int8 mma with two block scales per 32 values (mm_q8_0_*).";
     F16Split = "f16_split", true, "A prefill chunk's F16-weight products (compressors, indexer, router) on fp16 tensor cores with each activation as fp16 hi + lo (f32_to_f16x2, mm_f16_128x128), not two tf32 mma a product on 64×64 tiles (mm_tc_f16_p_*).";
+    F16Wgmma = "f16_wgmma", true, "With q8_f16 / f16_split: the fp16 prefill GEMM on warpgroup MMA (mm_f16_wg_128x128: wgmma.m64n128k16 from swizzled shared memory), not mma.sync with ldmatrix (mm_f16_128x128); sm_90a builds on 9.0 GPUs only.";
 }
 
 const _: () = assert!(Variant::ALL.len() <= 64, "DecodePlan is a u64 bitset");

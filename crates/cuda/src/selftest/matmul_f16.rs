@@ -21,7 +21,7 @@ use rayon::prelude::*;
 use super::common::{
     gather, random_matrix, random_vec, rel_err, Check, BOUND_F16_SPLIT, BOUND_F32, BOUND_FP16_MMA,
 };
-use crate::{Batch, DeviceMatrix, F16Slot, Launcher, QuantAct};
+use crate::{Batch, DeviceMatrix, F16Slot, Launcher, QuantAct, Variant};
 
 /// The power of two s with s ≤ m < 2s (m > 0 and normal), else 1: `pow2_floor` of the
 /// kernel.
@@ -64,11 +64,29 @@ fn acts16(gpu: &Launcher, qa: &QuantAct, n_tok: usize) -> Result<(Vec<f64>, Vec<
     Ok((x, s))
 }
 
+/// Every check, through the mma.sync GEMM and (sm_90a) the wgmma one.
 pub(super) fn check_f16_gemm(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
-    let mut rng = Rng::stream(seed, 0x7f16, 0);
-    let mut out = Vec::new();
     let work = gpu.alloc_f16_work(&[(8 << 20, 4 << 20, 1024)])?;
     let slot = &work.slots()[0];
+    let mut out = Vec::new();
+    for wgmma in [false, true] {
+        let mut rng = Rng::stream(seed, 0x7f16, 0);
+        let g = gpu.with(Variant::F16Wgmma, wgmma);
+        let mut checks = check_products(&g, &mut rng, slot)?;
+        checks.extend(check_split(&g, &mut rng, slot)?);
+        if wgmma {
+            for c in &mut checks {
+                c.name = format!("{} wg", c.name);
+            }
+        }
+        out.extend(checks);
+    }
+    Ok(out)
+}
+
+/// The Q8_0 products and a refused shape.
+fn check_products(gpu: &Launcher, rng: &mut Rng, slot: &F16Slot) -> Result<Vec<Check>> {
+    let mut out = Vec::new();
     // (rows, cols, tokens, groups, output pad, activation scale)
     for &(rows, cols, n_tok, groups, pad, scale) in &[
         (256usize, 4096usize, 300usize, 1usize, 0usize, 1.0f32),
@@ -77,14 +95,14 @@ pub(super) fn check_f16_gemm(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
         // Activations far past fp16's range: the token scale keeps them in it.
         (384, 2048, 129, 1, 5, 3.0e6),
     ] {
-        let w = random_matrix(GgmlType::Q8_0, rows, cols, groups, &mut rng);
+        let w = random_matrix(GgmlType::Q8_0, rows, cols, groups, rng);
         let m = DeviceMatrix::upload(gpu, GgmlType::Q8_0, &w, rows, cols, groups)?;
         let g = Batch::grouped(n_tok, groups, cols, rows);
         let b = Batch {
             y_tok: g.y_tok + pad,
             ..g
         };
-        let mut x: Vec<f32> = random_vec(n_tok * b.x_tok, &mut rng)
+        let mut x: Vec<f32> = random_vec(n_tok * b.x_tok, rng)
             .into_iter()
             .map(|v| v * scale)
             .collect();
@@ -135,7 +153,7 @@ pub(super) fn check_f16_gemm(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
         });
     }
     // What the shapes the kernel cannot take give: an error, nothing launched.
-    let w = random_matrix(GgmlType::Q8_0, 100, 512, 1, &mut rng);
+    let w = random_matrix(GgmlType::Q8_0, 100, 512, 1, rng);
     let m = DeviceMatrix::upload(gpu, GgmlType::Q8_0, &w, 100, 512, 1)?;
     let qa = gpu.alloc_quant_act(4, 512)?;
     let yd = gpu.upload(&vec![0.0f32; 400])?;
@@ -147,7 +165,6 @@ pub(super) fn check_f16_gemm(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
         rel_err: if refused { 0.0 } else { f64::NAN },
         bound: BOUND_F32,
     });
-    out.extend(check_split(gpu, &mut rng, slot)?);
     Ok(out)
 }
 

@@ -106,7 +106,7 @@ pub const CHECKS: &[KernelCheck] = &[
     ),
     check(
         "f16_gemm",
-        &[Variant::Q8F16, Variant::F16Split],
+        &[Variant::Q8F16, Variant::F16Split, Variant::F16Wgmma],
         matmul_f16::check_f16_gemm,
     ),
     check("wide", &[Variant::Wide], wide::check_wide),
