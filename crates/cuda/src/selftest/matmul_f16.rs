@@ -66,7 +66,7 @@ fn acts16(gpu: &Launcher, qa: &QuantAct, n_tok: usize) -> Result<(Vec<f64>, Vec<
 
 /// Every check, through the mma.sync GEMM and (sm_90a) the wgmma one.
 pub(super) fn check_f16_gemm(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
-    let work = gpu.alloc_f16_work(&[(8 << 20, 4 << 20, 1024)])?;
+    let work = gpu.alloc_f16_work(&[(8 << 20, 4 << 20, 2048)])?;
     let slot = &work.slots()[0];
     let mut out = Vec::new();
     for wgmma in [false, true] {
@@ -94,6 +94,8 @@ fn check_products(gpu: &Launcher, rng: &mut Rng, slot: &F16Slot) -> Result<Vec<C
         (128, 512, 1000, 8, 0, 1.0),
         // Activations far past fp16's range: the token scale keeps them in it.
         (384, 2048, 129, 1, 5, 3.0e6),
+        // Enough 256-row tiles to fill 132 SMs: the wide wgmma tile.
+        (4096, 512, 1100, 1, 0, 1.0),
     ] {
         let w = random_matrix(GgmlType::Q8_0, rows, cols, groups, rng);
         let m = DeviceMatrix::upload(gpu, GgmlType::Q8_0, &w, rows, cols, groups)?;
@@ -179,6 +181,7 @@ fn check_split(gpu: &Launcher, rng: &mut Rng, slot: &F16Slot) -> Result<Vec<Chec
         // Far past fp16's range, and far below its normal range.
         (384, 2048, 129, 4, 5, 3.0e9),
         (128, 512, 65, 0, 0, 1.0e-30),
+        (4096, 512, 1100, 0, 1, 1.0),
     ] {
         let wf: Vec<f32> = random_vec(rows * cols, rng);
         let w16: Vec<f16> = wf.iter().map(|&v| f16::from_f32(v)).collect();
