@@ -51,6 +51,16 @@ __device__ __forceinline__ u16 f2h(float f) {
     return h;
 }
 
+// c += A·B, mma.sync m16n8k16 with fp16 inputs and f32 accumulators (the prefill
+// attention's and the fp16 GEMM's).
+__device__ __forceinline__ void mma_f16_f32(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3,
+                                            u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // ACC[i][j] = FMA(a[i], b[j], ACC[i][j]) on a 4×4 register tile from the float4s A and
 // B. A macro, not a function: the GEMM loops it sits in are scheduled as written.
 #define FMA_OUTER4(ACC, A, B, FMA)                                                  \

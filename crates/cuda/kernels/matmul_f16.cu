@@ -24,6 +24,20 @@
 
 #include "common.cuh"
 
+// Eight int8 values (q, little-endian) times d, each rounded once to fp16, packed in order.
+__device__ __forceinline__ uint4 q8x8_to_f16(uint2 q, float d) {
+    u32 o[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const u32 w = j < 2 ? q.x : q.y;
+        const int sh = (j & 1) * 16;
+        const float lo = (float)(i8)((w >> sh) & 0xff) * d;
+        const float hi = (float)(i8)((w >> (sh + 8)) & 0xff) * d;
+        o[j] = (u32)f2h(lo) | ((u32)f2h(hi) << 16);
+    }
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
 // Weights: n_vals Q8_0 values (qs int8, one f16 scale per 32) to fp16, 8 a thread.
 extern "C" __global__ void q8_0_to_f16(const i8* __restrict__ qs, const u16* __restrict__ dw,
                                        u16* __restrict__ out, i64 n_vals) {
@@ -31,17 +45,7 @@ extern "C" __global__ void q8_0_to_f16(const i8* __restrict__ qs, const u16* __r
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n8;
          i += (i64)gridDim.x * blockDim.x) {
         const uint2 q = *reinterpret_cast<const uint2*>(qs + i * 8);
-        const float d = h2f(dw[i / 4]);
-        u32 o[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const u32 w = j < 2 ? q.x : q.y;
-            const int sh = (j & 1) * 16;
-            const float lo = (float)(i8)((w >> sh) & 0xff) * d;
-            const float hi = (float)(i8)((w >> (sh + 8)) & 0xff) * d;
-            o[j] = (u32)f2h(lo) | ((u32)f2h(hi) << 16);
-        }
-        *reinterpret_cast<uint4*>(out + i * 8) = make_uint4(o[0], o[1], o[2], o[3]);
+        *reinterpret_cast<uint4*>(out + i * 8) = q8x8_to_f16(q, h2f(dw[i / 4]));
     }
 }
 
@@ -63,13 +67,8 @@ extern "C" __global__ void __launch_bounds__(256) q8act_to_f16(const i8* __restr
     const float* dt = d + t * nb;
     float m = 0.0f;
     for (int b = threadIdx.x; b < nb; b += blockDim.x) m = fmaxf(m, fabsf(dt[b]));
-    __shared__ float red[8];
-    m = warp_max(m);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
-    __syncthreads();
-    m = red[0];
-#pragma unroll
-    for (int w = 1; w < 8; ++w) m = fmaxf(m, red[w]);
+    __shared__ float red[32];
+    m = block_max(m, red);
     const float s = pow2_floor(m);
     const float inv = 1.0f / s;  // exact: a power of two
     if (threadIdx.x == 0) tscale[t] = s;
@@ -77,17 +76,7 @@ extern "C" __global__ void __launch_bounds__(256) q8act_to_f16(const i8* __restr
     u16* ot = out + t * cols;
     for (int i = threadIdx.x; i < cols / 8; i += blockDim.x) {
         const uint2 v = *reinterpret_cast<const uint2*>(qt + i * 8);
-        const float dd = dt[i / 4] * inv;
-        u32 o[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const u32 w = j < 2 ? v.x : v.y;
-            const int sh = (j & 1) * 16;
-            const float lo = (float)(i8)((w >> sh) & 0xff) * dd;
-            const float hi = (float)(i8)((w >> (sh + 8)) & 0xff) * dd;
-            o[j] = (u32)f2h(lo) | ((u32)f2h(hi) << 16);
-        }
-        *reinterpret_cast<uint4*>(ot + i * 8) = make_uint4(o[0], o[1], o[2], o[3]);
+        *reinterpret_cast<uint4*>(ot + i * 8) = q8x8_to_f16(v, dt[i / 4] * inv);
     }
 }
 
@@ -103,13 +92,8 @@ extern "C" __global__ void __launch_bounds__(256) f32_to_f16x2(const float* __re
     const float* xt = x + t * x_tok;
     float m = 0.0f;
     for (int i = threadIdx.x; i < cols; i += blockDim.x) m = fmaxf(m, fabsf(xt[i]));
-    __shared__ float red[8];
-    m = warp_max(m);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
-    __syncthreads();
-    m = red[0];
-#pragma unroll
-    for (int w = 1; w < 8; ++w) m = fmaxf(m, red[w]);
+    __shared__ float red[32];
+    m = block_max(m, red);
     // s = 2^-14 · pow2_floor(max), so max/s is in [2^14, 2^15); 1 where the row is zero,
     // not finite, or below 2^-112 (whose fp16 values would be zero anyway; 1/s must not
     // overflow). Powers of two: x/s is exact.
@@ -124,15 +108,6 @@ extern "C" __global__ void __launch_bounds__(256) f32_to_f16x2(const float* __re
         ot[i] = hi;
         ot[cols + i] = f2h(v - h2f(hi));
     }
-}
-
-__device__ __forceinline__ void mf_mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
-                                       u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // Block tile: 128 weight rows × 128 tokens, k-tiles of 64 in MF_STAGES cp.async stages;
@@ -233,7 +208,7 @@ extern "C" __global__ void __launch_bounds__(256, 2)
             for (int i = 0; i < 4; ++i)
 #pragma unroll
                 for (int j = 0; j < 4; ++j)
-                    mf_mma(acc[i][j], a[i][0], a[i][1], a[i][2], a[i][3], b[j][0], b[j][1]);
+                    mma_f16_f32(acc[i][j], a[i][0], a[i][1], a[i][2], a[i][3], b[j][0], b[j][1]);
         }
     }
     asm volatile("cp.async.wait_group 0;" ::: "memory");

@@ -42,20 +42,11 @@ __device__ __forceinline__ void amma_ldsm4_t(u32 addr, u32& r0, u32& r1, u32& r2
                  : "r"(addr));
 }
 
-// c += A·B, fp16 inputs, f32 accumulators.
-__device__ __forceinline__ void amma_mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3,
-                                         u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // c0 += A·B0, c1 += A·B1 for the two 8-column halves (b0 b1, b2 b3) of one ldmatrix x4.
 __device__ __forceinline__ void amma_mma2(float (&c0)[4], float (&c1)[4], u32 a0, u32 a1, u32 a2,
                                           u32 a3, u32 b0, u32 b1, u32 b2, u32 b3) {
-    amma_mma(c0, a0, a1, a2, a3, b0, b1);
-    amma_mma(c1, a0, a1, a2, a3, b2, b3);
+    mma_f16_f32(c0, a0, a1, a2, a3, b0, b1);
+    mma_f16_f32(c1, a0, a1, a2, a3, b2, b3);
 }
 
 // cp.async of 32-row tile `tile` of a token's rows (`T`: f32 or fp16 values, AMMA_HD a

@@ -40,10 +40,6 @@ pub struct F16Slot {
     w: CudaSlice<u16>,
     x: CudaSlice<u16>,
     scale: CudaSlice<f32>,
-    /// Capacities: weight values (all groups of a matrix), activation values, tokens.
-    pub w_elems: usize,
-    pub x_elems: usize,
-    pub tokens: usize,
 }
 
 /// The buffers of the fp16 products: slot i serves launch lane i (0 = the main stream);
@@ -74,9 +70,6 @@ impl Gpu {
                     w: self.zeros(w_elems.max(8))?,
                     x: self.zeros(x_elems.max(8))?,
                     scale: self.zeros(tokens.max(1))?,
-                    w_elems,
-                    x_elems,
-                    tokens,
                 })
             })
             .collect::<Result<Vec<_>, CudaError>>()?;
@@ -102,10 +95,12 @@ fn unfit(m: &DeviceMatrix, b: &Batch, x_cols: usize, slot: &F16Slot) -> Option<S
         b.n_groups * m.rows * m.cols
     };
     let x = b.n_tok * x_cols;
-    if w > slot.w_elems || x > slot.x_elems || b.n_tok > slot.tokens {
+    // The buffers' lengths are the slot's capacities.
+    let (cw, cx, ct) = (slot.w.len(), slot.x.len(), slot.scale.len());
+    if w > cw || x > cx || b.n_tok > ct {
         return Some(format!(
-            "{w} weights / {x} activations / {} tokens exceed the slot ({} / {} / {})",
-            b.n_tok, slot.w_elems, slot.x_elems, slot.tokens
+            "{w} weights / {x} activations / {} tokens exceed the slot ({cw} / {cx} / {ct})",
+            b.n_tok
         ));
     }
     None
@@ -129,9 +124,13 @@ fn unfit_q8(m: &DeviceMatrix, xq: &QuantAct, b: &Batch, slot: &F16Slot) -> Optio
 }
 
 /// Why an F16 product cannot run through `slot`, if it cannot.
-fn unfit_split(m: &DeviceMatrix, b: &Batch, slot: &F16Slot) -> Option<String> {
+/// `w` is the weights' device address, which cp.async reads 16 bytes at a time.
+fn unfit_split(m: &DeviceMatrix, w: u64, b: &Batch, slot: &F16Slot) -> Option<String> {
     if m.ty != GgmlType::F16 {
         return Some(format!("{} is not F16", m.ty));
+    }
+    if !w.is_multiple_of(16) {
+        return Some("weights not 16-byte aligned".into());
     }
     if b.n_groups != 1 {
         return Some("grouped".into());
@@ -174,12 +173,9 @@ impl Launcher<'_> {
 
     /// The slot that takes an F16 product (`matmul_f32`), if any.
     pub(crate) fn f16_split_slot(&self, m: &DeviceMatrix, b: &Batch) -> Option<&F16Slot> {
-        // cp.async reads the weights 16 bytes at a time.
-        if !m.part_ptr(self, 0).is_multiple_of(16) {
-            return None;
-        }
+        let w = m.part_ptr(self, 0);
         self.f16_slot((Variant::F16Split, 4), m, b, |s| {
-            unfit_split(m, b, s).is_none()
+            unfit_split(m, w, b, s).is_none()
         })
     }
 
@@ -240,11 +236,9 @@ impl Launcher<'_> {
             return Ok(());
         }
         let what = format!("matmul_f16_split {}×{}", m.rows, m.cols);
-        if let Some(why) = unfit_split(m, &b, slot) {
+        let w = m.part_ptr(self, 0);
+        if let Some(why) = unfit_split(m, w, &b, slot) {
             return Err(invalid(format!("{what}: {why}")));
-        }
-        if !m.part_ptr(self, 0).is_multiple_of(16) {
-            return Err(invalid(format!("{what}: weights not 16-byte aligned")));
         }
         let (x16, ts) = (self.ptr(&slot.x), self.ptr(&slot.scale));
         let (x_tok, cols) = (b.x_tok as i64, m.cols as i32);
@@ -253,7 +247,7 @@ impl Launcher<'_> {
             x_tok: 2 * m.cols,
             ..b
         };
-        self.mm_f16(m.part_ptr(self, 0), (x16, ts), y, m, &packed, 2 * m.cols)
+        self.mm_f16(w, (x16, ts), y, m, &packed, 2 * m.cols)
     }
 
     /// `mm_f16_128x128` over fp16 weights `w16` (m's shape) and fp16 token rows `x16` of

@@ -245,6 +245,16 @@ pub fn bit_identical(name: String, diff: BitDiff) -> Check {
     }
 }
 
+/// [`rel_err`] of a [`gather`]ed batch output, or NaN (a failure) where the kernel also
+/// wrote outside its addressed slots (`canaries` false).
+pub fn gathered_err(got: &[f32], want: &[f64], canaries: bool) -> f64 {
+    if canaries {
+        rel_err(got, want)
+    } else {
+        f64::NAN
+    }
+}
+
 /// Addressed outputs of a batch, in (token, group, row) order, and whether every other
 /// slot of the buffer kept its NaN canary.
 pub fn gather(y: &[f32], b: &Batch, rows: usize) -> (Vec<f32>, bool) {

@@ -13,8 +13,8 @@ use ds4_gguf::GgmlType;
 use rayon::prelude::*;
 
 use super::common::{
-    bit_identical, gather, random_matrix, random_vec, rel_err, same_bits, Check, Timing, BOUND_F32,
-    Q8_SHAPES,
+    bit_identical, gather, gathered_err, random_matrix, random_vec, rel_err, same_bits, Check,
+    Timing, BOUND_F32, Q8_SHAPES,
 };
 use crate::{Batch, DeviceBuf, DeviceMatrix, Launcher, MatSel, QuantAct, Variant};
 
@@ -80,12 +80,7 @@ fn check(name: String, rel_err: f64) -> Check {
 /// The "`name` vs f64" check of a gathered batch output; NaN (a failure) where the
 /// kernel also wrote outside its addressed slots (`canaries` false, see [`gather`]).
 fn vs_f64(name: &str, got: &[f32], want: &[f64], canaries: bool) -> Check {
-    let e = if canaries {
-        rel_err(got, want)
-    } else {
-        f64::NAN
-    };
-    check(format!("{name} vs f64"), e)
+    check(format!("{name} vs f64"), gathered_err(got, want, canaries))
 }
 
 /// Every check of the batched GEMMs.
@@ -380,6 +375,13 @@ fn expert_inputs(
     })
 }
 
+/// How an expert check's inputs were made, for its result line: one input row per token
+/// (`shared`) or per pair, and Q8_0-rule activations unless `k_rule`.
+fn inputs_tag(shared: bool, k_rule: bool) -> String {
+    let rows = if shared { "shared" } else { "per-pair" };
+    format!("{rows}{}", if k_rule { "" } else { " q8_0-act" })
+}
+
 fn check_experts(
     gpu: &Launcher,
     rng: &mut Rng,
@@ -420,9 +422,8 @@ fn check_experts(
         })
         .collect();
     let name = format!(
-        "matmul_experts {ty} {n_expert}x{rows}x{cols} n{n_tok} k{k} {}{}{}",
-        if shared { "shared" } else { "per-pair" },
-        if k_rule { "" } else { " q8_0-act" },
+        "matmul_experts {ty} {n_expert}x{rows}x{cols} n{n_tok} k{k} {}{}",
+        inputs_tag(shared, k_rule),
         variant.map_or(String::new(), |v| format!(" v{v}"))
     );
     let mut out = vec![check(format!("{name} vs f64"), rel_err(&got, &want))];
@@ -488,9 +489,8 @@ fn check_experts_wide(
         .merge(same_bits(&run(64, Some(0))?, &want));
     Ok(bit_identical(
         format!(
-            "mm_exp wide = 32-pair {ty} {n_expert}x{rows}x{cols} n{n_tok} {}{}, plans of 32/64",
-            if shared { "shared" } else { "per-pair" },
-            if k_rule { "" } else { " q8_0-act" },
+            "mm_exp wide = 32-pair {ty} {n_expert}x{rows}x{cols} n{n_tok} {}, plans of 32/64",
+            inputs_tag(shared, k_rule),
         ),
         diff,
     ))

@@ -19,7 +19,8 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::common::{
-    gather, random_matrix, random_vec, rel_err, Check, BOUND_F16_SPLIT, BOUND_F32, BOUND_FP16_MMA,
+    gather, gathered_err, random_matrix, random_vec, rel_err, Check, BOUND_F16_SPLIT, BOUND_F32,
+    BOUND_FP16_MMA,
 };
 use crate::{Batch, DeviceMatrix, F16Slot, Launcher, QuantAct, Variant};
 
@@ -133,11 +134,7 @@ fn check_products(gpu: &Launcher, rng: &mut Rng, slot: &F16Slot) -> Result<Vec<C
             })
             .collect();
         let name = format!("matmul_q8act_f16 {groups}x{rows}x{cols} n{n_tok}");
-        let e = if canaries {
-            rel_err(&got, &want)
-        } else {
-            f64::NAN
-        };
+        let e = gathered_err(&got, &want, canaries);
         out.push(Check {
             name: format!("{name} vs fp16 f64"),
             rel_err: e,
@@ -219,11 +216,7 @@ fn check_split(gpu: &Launcher, rng: &mut Rng, slot: &F16Slot) -> Result<Vec<Chec
             })
             .collect();
         let name = format!("matmul_f16_split {rows}x{cols} n{n_tok} x{scale:e}");
-        let e = if canaries {
-            rel_err(&got, &want)
-        } else {
-            f64::NAN
-        };
+        let e = gathered_err(&got, &want, canaries);
         out.push(Check {
             name: format!("{name} vs f64"),
             rel_err: e,
