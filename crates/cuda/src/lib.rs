@@ -43,6 +43,7 @@ mod hostmem;
 mod layer;
 mod matmul;
 mod matmul_f16;
+mod matmul_f16_exp;
 mod mtp;
 mod ops;
 pub mod plan;

@@ -78,15 +78,15 @@ pub struct RoutePlan {
     n_pairs: usize,
     /// Pairs per work item of the last [`Launcher::route_plan`] call (EXP_TILE or
     /// EXP_TILE_WIDE).
-    tile: usize,
+    pub(crate) tile: usize,
     /// `[n_expert + 1]`: first slot of each expert in `pairs`; the last entry is the
     /// number of valid pairs.
     pub offsets: CudaSlice<i32>,
     /// `[max_pairs]`: pair indices grouped by expert (order within an expert unspecified).
     pub pairs: CudaSlice<i32>,
     /// `[max_items][4]`: {expert, first slot, pairs ≤ tile, 0}.
-    items: CudaSlice<i32>,
-    n_items: CudaSlice<i32>,
+    pub(crate) items: CudaSlice<i32>,
+    pub(crate) n_items: CudaSlice<i32>,
 }
 
 impl RoutePlan {
@@ -103,7 +103,7 @@ impl RoutePlan {
 
 /// Upper bound on work items for `n_pairs` pairs over `n_expert` experts, `tile` pairs
 /// an item at most.
-fn max_items(n_pairs: usize, n_expert: usize, tile: usize) -> usize {
+pub(crate) fn max_items(n_pairs: usize, n_expert: usize, tile: usize) -> usize {
     n_pairs / tile + n_pairs.min(n_expert)
 }
 
@@ -179,7 +179,7 @@ macro_rules! occupancy_names {
     };
 }
 
-fn invalid(msg: String) -> CudaError {
+pub(crate) fn invalid(msg: String) -> CudaError {
     CudaError::Invalid(msg)
 }
 
@@ -653,7 +653,37 @@ impl Launcher<'_> {
             y_grp: 0,
         };
         let k_div = if shared_input { k } else { 1 };
+        // A prefill chunk's launcher takes fp16 warpgroup MMA for IQ2_XXS / Q2_K where it
+        // can (matmul_f16_exp.rs); a forced variant is always the int8 kernel.
+        if variant.is_none() {
+            if let Some(slot) = self.exp_f16_slot(m, xq, in_rows) {
+                return self.matmul_experts_f16(m, xq, plan, k, shared_input, y, slot);
+            }
+        }
         self.launch_exp(m, xq, y, Some(plan), k_div, &b, variant)
+    }
+}
+
+impl Launcher<'_> {
+    /// The routed experts' gate and up ([`Launcher::matmul_experts_q8act`] with one input
+    /// row per token) into `y_gate` and `y_up`: on fp16 warpgroup MMA with one conversion
+    /// of the activations where the launcher takes that path, else two int8 GEMMs.
+    pub fn matmul_experts_gate_up(
+        &self,
+        (gate, y_gate): (&DeviceMatrix, u64),
+        (up, y_up): (&DeviceMatrix, u64),
+        xq: &QuantAct,
+        plan: &RoutePlan,
+        k: usize,
+    ) -> Result<(), CudaError> {
+        let in_rows = plan.n_pairs.div_ceil(k.max(1));
+        if k > 0 && gate.ty == up.ty && self.exp_f16_slot(up, xq, in_rows).is_some() {
+            if let Some(slot) = self.exp_f16_slot(gate, xq, in_rows) {
+                return self.matmul_experts_f16_pair((gate, y_gate), (up, y_up), xq, plan, k, slot);
+            }
+        }
+        self.matmul_experts_q8act(gate, xq, plan, k, true, y_gate, None)?;
+        self.matmul_experts_q8act(up, xq, plan, k, true, y_up, None)
     }
 }
 

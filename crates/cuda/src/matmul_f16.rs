@@ -37,9 +37,9 @@ const SMEM_WG: usize = 3 * (BM + BN) * 128 + 1024;
 
 /// The expanded weights and activations of one lane's fp16 products.
 pub struct F16Slot {
-    w: CudaSlice<u16>,
-    x: CudaSlice<u16>,
-    scale: CudaSlice<f32>,
+    pub(crate) w: CudaSlice<u16>,
+    pub(crate) x: CudaSlice<u16>,
+    pub(crate) scale: CudaSlice<f32>,
 }
 
 /// The buffers of the fp16 products: slot i serves launch lane i (0 = the main stream);
@@ -139,6 +139,13 @@ fn unfit_split(m: &DeviceMatrix, w: u64, b: &Batch, slot: &F16Slot) -> Option<St
 }
 
 impl Launcher<'_> {
+    /// Whether the sm_90a kernels (wgmma) can run: machine code from the fatbin on a 9.0
+    /// GPU (the fatbin's compute_90 PTX and NVRTC builds trap in them).
+    pub fn has_wgmma(&self) -> bool {
+        let info = self.info();
+        matches!(info.kernels, KernelSource::Fatbin) && info.compute_capability == (9, 0)
+    }
+
     /// The slot of this lane that takes a product of `m` over `b` in fp16 (`v` on, the
     /// 128×128 tiles fill at least 1/`share` of the GPU's SMs, and `fits`), if any.
     /// Q8_0 takes share 2 (a 2,048-token chunk's q_a is 128 tiles; the kv projection's
@@ -261,11 +268,7 @@ impl Launcher<'_> {
         b: &Batch,
         k: usize,
     ) -> Result<(), CudaError> {
-        let info = self.info();
-        // The wgmma kernel is sm_90a machine code: only from the fatbin on a 9.0 GPU.
-        let wgmma = self.on(Variant::F16Wgmma)
-            && matches!(info.kernels, KernelSource::Fatbin)
-            && info.compute_capability == (9, 0);
+        let wgmma = self.on(Variant::F16Wgmma) && self.has_wgmma();
         let (name, smem) = if wgmma {
             ("mm_f16_wg_128x128", SMEM_WG)
         } else {
@@ -289,7 +292,7 @@ impl Launcher<'_> {
 }
 
 /// A block of 256 threads a token.
-fn per_token(n_tok: usize) -> LaunchConfig {
+pub(crate) fn per_token(n_tok: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (n_tok as u32, 1, 1),
         block_dim: (256, 1, 1),

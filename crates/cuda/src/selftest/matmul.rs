@@ -36,7 +36,13 @@ fn upload(
 }
 
 /// Dequantized matrices of a stack, `[mats][rows·cols]`.
-fn dequant_stack(ty: GgmlType, w: &[u8], rows: usize, cols: usize, mats: usize) -> Vec<Vec<f32>> {
+pub(super) fn dequant_stack(
+    ty: GgmlType,
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    mats: usize,
+) -> Vec<Vec<f32>> {
     let per = w.len() / mats;
     (0..mats)
         .map(|i| dequantize_to_vec(ty, &w[i * per..(i + 1) * per], rows * cols).unwrap())
@@ -44,7 +50,7 @@ fn dequant_stack(ty: GgmlType, w: &[u8], rows: usize, cols: usize, mats: usize) 
 }
 
 /// The activations the GPU uses: q·d in f64.
-fn act_values(gpu: &Launcher, qa: &QuantAct) -> Result<Vec<f64>> {
+pub(super) fn act_values(gpu: &Launcher, qa: &QuantAct) -> Result<Vec<f64>> {
     let (q, d) = (gpu.download(&qa.q)?, gpu.download(&qa.d)?);
     Ok(q.iter()
         .enumerate()
@@ -52,7 +58,7 @@ fn act_values(gpu: &Launcher, qa: &QuantAct) -> Result<Vec<f64>> {
         .collect())
 }
 
-fn dot(w: &[f32], x: &[f64]) -> f64 {
+pub(super) fn dot(w: &[f32], x: &[f64]) -> f64 {
     w.iter().zip(x).map(|(&a, &b)| a as f64 * b).sum()
 }
 
@@ -310,6 +316,11 @@ fn check_dense(
 /// `k` distinct experts per token from the first `n_expert - 2` (two stay unused), with
 /// expert 0 picked by about half the tokens (so it spans several 32-pair tiles).
 fn route(rng: &mut Rng, n_tok: usize, k: usize, n_expert: usize) -> Vec<i32> {
+    // k distinct ids below n_expert − 2 (the last two experts get no pairs).
+    assert!(
+        n_expert >= k + 2,
+        "route: {k} experts a token of {n_expert}"
+    );
     let mut ids = Vec::with_capacity(n_tok * k);
     for _ in 0..n_tok {
         let mut sel: Vec<i32> = Vec::with_capacity(k);
@@ -329,19 +340,19 @@ fn route(rng: &mut Rng, n_tok: usize, k: usize, n_expert: usize) -> Vec<i32> {
 
 /// A routed-expert GEMM's inputs: `n_expert` random matrices of `ty`, k = 6 experts a
 /// token (`route`), and the activations quantised by the Q8_K rule (`k_rule`) or Q8_0's.
-struct ExpertInputs {
-    k: usize,
-    n_pairs: usize,
-    w: Vec<u8>,
-    m: DeviceMatrix,
-    ids: Vec<i32>,
-    idd: DeviceBuf<i32>,
-    qa: QuantAct,
+pub(super) struct ExpertInputs {
+    pub(super) k: usize,
+    pub(super) n_pairs: usize,
+    pub(super) w: Vec<u8>,
+    pub(super) m: DeviceMatrix,
+    pub(super) ids: Vec<i32>,
+    pub(super) idd: DeviceBuf<i32>,
+    pub(super) qa: QuantAct,
     /// The f32 activations `qa` was quantised from (kept while the GPU may read them).
-    _xd: DeviceBuf<f32>,
+    pub(super) _xd: DeviceBuf<f32>,
 }
 
-fn expert_inputs(
+pub(super) fn expert_inputs(
     gpu: &Launcher,
     rng: &mut Rng,
     ty: GgmlType,

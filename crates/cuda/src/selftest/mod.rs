@@ -19,6 +19,7 @@ mod bench;
 mod common;
 mod matmul;
 mod matmul_f16;
+mod matmul_f16_exp;
 mod matvec;
 mod tokens;
 mod variants;
@@ -34,7 +35,7 @@ pub use common::{
     bit_identical, same_bits, summary_line, BitDiff, Check, Timing, BOUND_F32, BOUND_FP16_MMA,
     BOUND_MATVEC, NAME_WIDTH,
 };
-pub use matmul::{bench_matmul, check_matmul};
+pub use matmul::bench_matmul;
 
 /// One entry of [`CHECKS`]: a group of result lines and the variants it covers.
 pub struct KernelCheck {
@@ -109,6 +110,7 @@ pub const CHECKS: &[KernelCheck] = &[
         &[Variant::Q8F16, Variant::F16Split, Variant::F16Wgmma],
         matmul_f16::check_f16_gemm,
     ),
+    check("exp_f16", &[Variant::ExpF16], matmul_f16_exp::check_exp_f16),
     check("wide", &[Variant::Wide], wide::check_wide),
     check(
         "attention",
@@ -175,6 +177,15 @@ pub fn uncovered(variants: &[Variant]) -> Vec<Variant> {
         .collect()
 }
 
+/// The batched (prefill) GEMM checks: int8 and f32 (`matmul`), fp16 (`f16_gemm`) and
+/// the fp16 expert GEMM (`exp_f16`).
+pub fn check_matmul(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
+    let mut out = matmul::check_matmul(gpu, seed)?;
+    out.extend(matmul_f16::check_f16_gemm(gpu, seed)?);
+    out.extend(matmul_f16_exp::check_exp_f16(gpu, seed)?);
+    Ok(out)
+}
+
 /// Every check of [`CHECKS`], in order.
 pub fn check_kernels(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     run_all(gpu, seed, &mut |_| {})
@@ -192,6 +203,18 @@ pub fn run_all(gpu: &Launcher, seed: u64, line: &mut dyn FnMut(&str)) -> Result<
         checks.extend(group);
     }
     Ok(checks)
+}
+
+/// The checks of the [`CHECKS`] group `name` alone; an error naming the groups if there
+/// is none of that name.
+pub fn run_group(gpu: &Launcher, seed: u64, name: &str) -> Result<Vec<Check>> {
+    match CHECKS.iter().find(|c| c.name == name) {
+        Some(c) => (c.run)(gpu, seed),
+        None => {
+            let names: Vec<&str> = CHECKS.iter().map(|c| c.name).collect();
+            anyhow::bail!("no check group {name:?}; the groups: {}", names.join(", "))
+        }
+    }
 }
 
 /// Achieved bandwidth of the decode matvecs, then the prefill GEMMs, at the real

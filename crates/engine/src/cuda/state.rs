@@ -114,8 +114,9 @@ fn work_bytes_per_token(c: &Config, ctx: usize) -> usize {
 }
 
 /// The [`F16Work`] slots of a prefill chunk of `cap` tokens, `(weights, activations,
-/// tokens)`, one per launch lane: the main lane's Q8_0 products (q_a, q_b, the grouped
-/// output projection with all its groups, out_b) and F16 router; side lane 1's kv
+/// rows)`, one per launch lane: the main lane's Q8_0 products (q_a, q_b, the grouped
+/// output projection with all its groups, out_b), F16 router and routed experts (the
+/// down projection's input is a row per (token, expert) pair); side lane 1's kv
 /// projection, shared expert and compressor; side lane 2's indexer (its compressor,
 /// projection and q_b). An F16 product's fp16 row is twice its input (hi | lo).
 fn f16_sizes(c: &Config, cap: usize) -> [(usize, usize, usize); 3] {
@@ -125,12 +126,13 @@ fn f16_sizes(c: &Config, cap: usize) -> [(usize, usize, usize); 3] {
         .max(qd * c.q_lora_rank)
         .max(c.o_lora_rank * qd)
         .max(e * og);
-    let main_x = e.max(c.q_lora_rank).max(qd).max(og).max(2 * e);
+    let pairs_x = c.n_expert_used * c.n_ff_exp;
+    let main_x = e.max(c.q_lora_rank).max(qd).max(og).max(2 * e).max(pairs_x);
     let side_w = (c.head_dim * e).max(ffs * e);
     let side_x = ffs.max(2 * e);
     let index_x = 2 * e.max(c.q_lora_rank);
     [
-        (main_w, cap * main_x, cap),
+        (main_w, cap * main_x, cap * c.n_expert_used.max(1)),
         (side_w, cap * side_x, cap),
         (0, cap * index_x, cap),
     ]

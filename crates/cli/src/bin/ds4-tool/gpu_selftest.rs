@@ -27,9 +27,14 @@ pub struct Args {
     /// (empty string: skip).
     #[arg(long, default_value = "fixtures/tiny")]
     fixtures: String,
-    /// Only the batched (prefill) GEMM checks and, with --bench, their timings.
+    /// Only the batched (prefill) GEMM checks (int8, f32, fp16 and the fp16 expert GEMM)
+    /// and, with --bench, their timings.
     #[arg(long)]
     only_matmul: bool,
+    /// Only the kernel check group of this name (e.g. exp_f16, f16_gemm, matmul; an
+    /// unknown name lists them), without the fixtures.
+    #[arg(long, value_name = "NAME")]
+    group: Option<String>,
     /// Only the read-bandwidth probe, the Q8_0 decode matvec at every split, the
     /// expert matvecs and the prefill attention kernels.
     #[arg(long)]
@@ -70,6 +75,15 @@ pub fn run(a: Args) -> Result<()> {
     }
     if a.only_matmul {
         return run_matmul(l, seed, a.bench);
+    }
+    if let Some(name) = &a.group {
+        let checks = selftest::run_group(l, seed, name)?;
+        let failed = print_checks(&checks);
+        println!("\n{}", summary_line(checks.len() - failed, failed));
+        if failed > 0 {
+            bail!("{failed} GPU checks failed");
+        }
+        return Ok(());
     }
     let checks = selftest::run_all(l, seed, &mut |l| println!("{l}"))?;
     let mut total = checks.len();

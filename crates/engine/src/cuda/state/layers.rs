@@ -815,8 +815,8 @@ impl KvView<'_> {
             Some(plan) => {
                 g.route_plan(ids, pairs, c.n_expert, plan)?;
                 g.quantize_rows(p(&s.n), &mut qb.exp_in, n, ActRule::Q8K)?;
-                g.matmul_experts_q8act(&l.gate_exps, &qb.exp_in, plan, k, true, p(&s.g), None)?;
-                g.matmul_experts_q8act(&l.up_exps, &qb.exp_in, plan, k, true, p(&s.u), None)?;
+                let (gate, up) = ((&l.gate_exps, p(&s.g)), (&l.up_exps, p(&s.u)));
+                g.matmul_experts_gate_up(gate, up, &qb.exp_in, plan, k)?;
                 Some(&*plan)
             }
             None if int8(&l.gate_exps) && int8(&l.up_exps) => {
