@@ -156,13 +156,48 @@ __device__ __forceinline__ u64 xf_grid_sel(u64 gv) {
     return o;
 }
 
+// Q2_K sub-block sb (of the stage's 8) of a row: its four values q·d·sc − dmin·m,
+// q = 0..3, as fp16 pairs {q 0, 1}, {q 2, 3}.
+__device__ __forceinline__ void xf_q2k_values(const u8* aq, int row, int sb, u32& v0, u32& v1) {
+    const u32 sc = aq[128 * 32 + row * 8 + sb];
+    const u32 dm = reinterpret_cast<const u32*>(aq + 128 * 40)[row];
+    const float ds = h2f((u16)(dm & 0xffff)) * (float)(sc & 15);
+    const float mn = h2f((u16)(dm >> 16)) * (float)(sc >> 4);
+    v0 = xf_pack(-mn, ds - mn);
+    v1 = xf_pack(2.0f * ds - mn, 3.0f * ds - mn);
+}
+
+// A quarter of the stage's per-row values for the lane's rows r, r + 8 (quad lane t):
+// IQ2_XXS sub-span t's {8c, 25c | 43c, 0}; Q2_K sub-blocks t and 4 + t.
+template <int F>
+__device__ __forceinline__ void xf_quad_values(const u8* aq, int r, int lane, u32 (&qv)[2][4]) {
+    const int t = lane & 3;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int row = r + 8 * hh;
+        if (F == EXP_F_IQ2) {
+            const u32 aux = *reinterpret_cast<const u32*>(aq + row * 32 + 8 * t + 4);
+            const float c =
+                reinterpret_cast<const float*>(aq + 128 * 32)[row] * (float)(2 * (aux >> 28) + 1);
+            qv[hh][0] = xf_pack(8.0f * c, 25.0f * c);
+            qv[hh][1] = xf_pack(43.0f * c, 0.0f);
+        } else {
+            xf_q2k_values(aq, row, t, qv[hh][0], qv[hh][1]);
+            xf_q2k_values(aq, row, 4 + t, qv[hh][2], qv[hh][3]);
+        }
+    }
+}
+
 // Decodes sub-span j (32 values) of the stage for the lane's rows r, r + 8 (block-local)
 // into A registers of k16 steps 2j, 2j+1. Each value is one byte permute out of a row's
 // few possible fp16 values, each computed in f32 and rounded once: IQ2_XXS ±c·{8, 25,
 // 43} (c = d·(2ls+1)/8; the sign by xor), Q2_K q·d·sc − dmin·m for q = 0..3.
-template <int F>
+// With QS, a row's few values come from the lane of its quad that formed them
+// (xf_quad_values: each lane forms a quarter of the stage's, the shuffle hands them out)
+// instead of each of the quad's 4 lanes forming the same ones.
+template <int F, bool QS>
 __device__ __forceinline__ void xf_decode(const u8* aq, const u64* sel64, int r, int j,
-                                          int lane, u32 (&a)[8][4]) {
+                                          int lane, const u32 (&qv)[2][4], u32 (&a)[8][4]) {
     const int t = lane & 3;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
@@ -171,10 +206,15 @@ __device__ __forceinline__ void xf_decode(const u8* aq, const u64* sel64, int r,
         u32 sign = 0;
         if (F == EXP_F_IQ2) {
             const uint2 v = *reinterpret_cast<const uint2*>(aq + row * 32 + 8 * j);
-            const float c =
-                reinterpret_cast<const float*>(aq + 128 * 32)[row] * (float)(2 * (v.y >> 28) + 1);
-            v0 = xf_pack(8.0f * c, 25.0f * c);
-            v1 = xf_pack(43.0f * c, 0.0f);
+            if (QS) {
+                v0 = __shfl_sync(0xffffffffu, qv[hh][0], (lane & ~3) | j);
+                v1 = __shfl_sync(0xffffffffu, qv[hh][1], (lane & ~3) | j);
+            } else {
+                const float c = reinterpret_cast<const float*>(aq + 128 * 32)[row] *
+                                (float)(2 * (v.y >> 28) + 1);
+                v0 = xf_pack(8.0f * c, 25.0f * c);
+                v1 = xf_pack(43.0f * c, 0.0f);
+            }
             // Grid index = byte t of v.x; this lane's copy of the entry.
             const u64 sl = sel64[xf_prmt(v.x, 0u, 0x4440u | t) * XF_COPIES + (lane & (XF_COPIES - 1))];
             sel[0] = (u32)sl;
@@ -185,12 +225,14 @@ __device__ __forceinline__ void xf_decode(const u8* aq, const u64* sel64, int r,
             sign = s | ((__popc(s) & 1) << 7);
         } else {
             const uint2 v = *reinterpret_cast<const uint2*>(aq + row * 32 + 8 * t);
-            const u32 sc = aq[128 * 32 + row * 8 + 2 * j + (t >> 1)];
-            const u32 dm = reinterpret_cast<const u32*>(aq + 128 * 40)[row];
-            const float ds = h2f((u16)(dm & 0xffff)) * (float)(sc & 15);
-            const float mn = h2f((u16)(dm >> 16)) * (float)(sc >> 4);
-            v0 = xf_pack(-mn, ds - mn);
-            v1 = xf_pack(2.0f * ds - mn, 3.0f * ds - mn);
+            if (QS) {
+                // Sub-block 2j + t/2 is register j/2 of quad lane 2(j mod 2) + t/2.
+                const int src = (lane & ~3) | (2 * (j & 1) + (t >> 1));
+                v0 = __shfl_sync(0xffffffffu, qv[hh][2 * (j >> 1)], src);
+                v1 = __shfl_sync(0xffffffffu, qv[hh][2 * (j >> 1) + 1], src);
+            } else {
+                xf_q2k_values(aq, row, 2 * j + (t >> 1), v0, v1);
+            }
             // Quant q (0..3) → selector nibbles 2q, 2q + 1: q·0x22 + 0x10 per byte.
             const u32 x0 = (v.x >> (2 * j)) & 0x03030303u, x1 = (v.y >> (2 * j)) & 0x03030303u;
             sel[0] = (x0 & 0x0303u) * 0x22u + 0x1010u;
@@ -215,7 +257,7 @@ __device__ __forceinline__ void xf_decode(const u8* aq, const u64* sel64, int r,
 // Plan mode only: block y = work item {expert, first pair, pairs ≤ 64}; pair p reads fp16
 // activation row p / k_div (x_tok halves apart, scale tscale[row]) and writes
 // y[p·y_tok + row]. rows % 128 == 0 and cols % 256 == 0 (the launcher checks).
-template <int F>
+template <int F, bool QS>
 __device__ __forceinline__ void xf_body(const u8* __restrict__ w0, const u8* __restrict__ w1,
                                         const u8* __restrict__ w2, i64 mat0, i64 mat1,
                                         i64 mat2, const u64* __restrict__ grid_g,
@@ -331,8 +373,10 @@ __device__ __forceinline__ void xf_body(const u8* __restrict__ w0, const u8* __r
         mm_commit();
         const u32 st = sbase + (u32)((s % XF_STAGES) * STAGE);
         const u8* aq = sgen + (s % XF_STAGES) * STAGE + XF_BBYTES;
+        u32 qv[2][4] = {};
+        if (QS) xf_quad_values<F>(aq, r, lane, qv);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) xf_decode<F>(aq, sel64, r, j, lane, a);
+        for (int j = 0; j < 4; ++j) xf_decode<F, QS>(aq, sel64, r, j, lane, qv, a);
         xf_keep(a);
         xf_keep(acc);
         mw_fence();
@@ -367,7 +411,7 @@ __device__ __forceinline__ void xf_body(const u8* __restrict__ w0, const u8* __r
     }
 }
 
-#define XF_KERNEL(NAME, F)                                                                      \
+#define XF_KERNEL(NAME, F, QS)                                                                  \
     extern "C" __global__ void __launch_bounds__(256, 2) NAME(                                 \
         const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2,        \
         i64 mat0, i64 mat1, i64 mat2, const u64* __restrict__ grid_g,                           \
@@ -375,8 +419,10 @@ __device__ __forceinline__ void xf_body(const u8* __restrict__ w0, const u8* __r
         int rows, int cols, const int4* __restrict__ items, const i32* __restrict__ n_items,    \
         const i32* __restrict__ pairs, int k_div, i64 x_tok, i64 y_tok) {                       \
         PDL_WAIT();                                                                             \
-        xf_body<F>(w0, w1, w2, mat0, mat1, mat2, grid_g, x16, tscale, y, rows, cols, items,     \
-                   n_items, pairs, k_div, x_tok, y_tok);                                        \
+        xf_body<F, QS>(w0, w1, w2, mat0, mat1, mat2, grid_g, x16, tscale, y, rows, cols, items, \
+                       n_items, pairs, k_div, x_tok, y_tok);                                    \
     }
-XF_KERNEL(mm_exp_f16_iq2_xxs, EXP_F_IQ2)
-XF_KERNEL(mm_exp_f16_q2_k, EXP_F_Q2K)
+XF_KERNEL(mm_exp_f16_iq2_xxs, EXP_F_IQ2, false)
+XF_KERNEL(mm_exp_f16_q2_k, EXP_F_Q2K, false)
+XF_KERNEL(mm_exp_f16_iq2_xxs_qs, EXP_F_IQ2, true)
+XF_KERNEL(mm_exp_f16_q2_k_qs, EXP_F_Q2K, true)

@@ -169,10 +169,11 @@ impl Launcher<'_> {
         y: u64,
         slot: &F16Slot,
     ) -> Result<(), CudaError> {
-        let name = if m.ty == GgmlType::IQ2_XXS {
-            "mm_exp_f16_iq2_xxs"
-        } else {
-            "mm_exp_f16_q2_k"
+        let name = match (m.ty == GgmlType::IQ2_XXS, self.on(Variant::ExpF16Qs)) {
+            (true, true) => "mm_exp_f16_iq2_xxs_qs",
+            (true, false) => "mm_exp_f16_iq2_xxs",
+            (false, true) => "mm_exp_f16_q2_k_qs",
+            (false, false) => "mm_exp_f16_q2_k",
         };
         let smem = smem(m.ty);
         self.allow_smem(name, smem)?;

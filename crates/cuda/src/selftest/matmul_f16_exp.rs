@@ -15,13 +15,28 @@ use rayon::prelude::*;
 
 use super::common::{bit_identical, random_matrix, rel_err, same_bits, Check, BOUND_FP16_MMA};
 use super::matmul::{act_values, dequant_stack, dot, expert_inputs, ExpertInputs};
-use crate::{DeviceMatrix, Launcher, EXP_VARIANT_WIDE};
+use crate::{DeviceMatrix, Launcher, Variant, EXP_VARIANT_WIDE};
 
 /// Every check; none where the GPU cannot run the sm_90a kernels.
 pub(super) fn check_exp_f16(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     if !gpu.has_wgmma() {
         return Ok(Vec::new());
     }
+    let mut out = Vec::new();
+    for qs in [false, true] {
+        let mut checks = check_products(&gpu.with(Variant::ExpF16Qs, qs), seed)?;
+        if qs {
+            for c in &mut checks {
+                c.name = format!("{} qs", c.name);
+            }
+        }
+        out.extend(checks);
+    }
+    Ok(out)
+}
+
+/// Every check through one form of the kernels.
+fn check_products(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::stream(seed, 0xe16, 0);
     let work = gpu.alloc_f16_work(&[(8, 4 << 20, 8192)])?;
     let slot = &work.slots()[0];

@@ -110,7 +110,11 @@ pub const CHECKS: &[KernelCheck] = &[
         &[Variant::Q8F16, Variant::F16Split, Variant::F16Wgmma],
         matmul_f16::check_f16_gemm,
     ),
-    check("exp_f16", &[Variant::ExpF16], matmul_f16_exp::check_exp_f16),
+    check(
+        "exp_f16",
+        &[Variant::ExpF16, Variant::ExpF16Qs],
+        matmul_f16_exp::check_exp_f16,
+    ),
     check("wide", &[Variant::Wide], wide::check_wide),
     check(
         "attention",
