@@ -14,9 +14,10 @@
 // as permute selectors, then the sign by xor): one fp16 rounding a weight, one an
 // activation (q8act_to_f16's), where the int8 path rounds neither but sums the same terms.
 //
-// Cost (SASS, a 128-k stage of a warp, 16 rows × 64 pairs): ~390 instructions, the int8
-// kernel's ~4.3 an mma-equivalent less the scale IMADs; measured 1,046 → 774 µs a
-// 2,048-token IQ2_XXS launch (H200), still issue- and latency-bound on the decode.
+// Cost (SASS, a 128-k stage of a warp, 16 rows × 64 pairs): ~390 instructions, ~365 with
+// the quad-shared values (`_qs`); a 2,048-token launch on the H200 went 1,046 → 775 µs
+// (IQ2_XXS) and ~1,000 → 732 µs (Q2_K): ~27% of the dense fp16 rate, bound by the
+// decode's issue and latency, not the tensor cores (NOTES session 21).
 //
 // The k order: a thread's A registers of one 32-value sub-span hold values 8t..8t+7 of
 // its rows (t = lane mod 4: one 8-value IQ2_XXS grid entry, one Q2_K byte run), where the
