@@ -55,13 +55,14 @@ __device__ __forceinline__ float pow2_floor(float m) {
     return e == 0 || e == 0x7f800000u ? 1.0f : __uint_as_float(e);
 }
 
-// Activations: token t's `cols` int8 values (one f32 scale per 32) to fp16 q·(d/s_t),
-// with s_t = pow2_floor(the token's largest scale) into tscale[t]. A block a token.
-extern "C" __global__ void __launch_bounds__(256) q8act_to_f16(const i8* __restrict__ q,
-                                                               const float* __restrict__ d,
-                                                               u16* __restrict__ out,
-                                                               float* __restrict__ tscale,
-                                                               int cols) {
+// Token t's `cols` int8 values (one f32 scale per 32) to fp16 q·(d/s_t), with s_t =
+// pow2_floor(the token's largest scale) into tscale[t]; PERM writes each 32-span in the
+// expert GEMM's fragment order (matmul_f16_exp.cu), else in order. A block a token.
+template <bool PERM>
+__device__ __forceinline__ void q8act_to_f16_row(const i8* __restrict__ q,
+                                                 const float* __restrict__ d,
+                                                 u16* __restrict__ out,
+                                                 float* __restrict__ tscale, int cols) {
     const i64 t = blockIdx.x;
     const int nb = cols / 32;
     const float* dt = d + t * nb;
@@ -76,8 +77,28 @@ extern "C" __global__ void __launch_bounds__(256) q8act_to_f16(const i8* __restr
     u16* ot = out + t * cols;
     for (int i = threadIdx.x; i < cols / 8; i += blockDim.x) {
         const uint2 v = *reinterpret_cast<const uint2*>(qt + i * 8);
-        *reinterpret_cast<uint4*>(ot + i * 8) = q8x8_to_f16(v, dt[i / 4] * inv);
+        const uint4 h = q8x8_to_f16(v, dt[i / 4] * inv);
+        if (PERM) {
+            // Values 8c..8c+7 of 32-block i/4 (c = i mod 4): pair p (values 8c+2p, +1)
+            // to u32 c + 4p of the block.
+            u32* ob = reinterpret_cast<u32*>(ot) + (i / 4) * 16 + (i & 3);
+            ob[0] = h.x;
+            ob[4] = h.y;
+            ob[8] = h.z;
+            ob[12] = h.w;
+        } else {
+            *reinterpret_cast<uint4*>(ot + i * 8) = h;
+        }
     }
+}
+
+// Activations of the fp16 GEMM, in order.
+extern "C" __global__ void __launch_bounds__(256) q8act_to_f16(const i8* __restrict__ q,
+                                                               const float* __restrict__ d,
+                                                               u16* __restrict__ out,
+                                                               float* __restrict__ tscale,
+                                                               int cols) {
+    q8act_to_f16_row<false>(q, d, out, tscale, cols);
 }
 
 // F16 products' activations: token t's `cols` f32 values (x_tok apart) to fp16

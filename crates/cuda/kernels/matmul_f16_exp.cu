@@ -56,29 +56,7 @@ extern "C" __global__ void __launch_bounds__(256) q8act_to_f16_perm(const i8* __
                                                                     u16* __restrict__ out,
                                                                     float* __restrict__ tscale,
                                                                     int cols) {
-    const i64 t = blockIdx.x;
-    const int nb = cols / 32;
-    const float* dt = d + t * nb;
-    float m = 0.0f;
-    for (int b = threadIdx.x; b < nb; b += blockDim.x) m = fmaxf(m, fabsf(dt[b]));
-    __shared__ float red[32];
-    m = block_max(m, red);
-    const float s = pow2_floor(m);
-    const float inv = 1.0f / s;
-    if (threadIdx.x == 0) tscale[t] = s;
-    const i8* qt = q + t * cols;
-    u32* ot = reinterpret_cast<u32*>(out + t * cols);
-    for (int i = threadIdx.x; i < cols / 8; i += blockDim.x) {
-        const uint2 v = *reinterpret_cast<const uint2*>(qt + i * 8);
-        const uint4 h = q8x8_to_f16(v, dt[i / 4] * inv);
-        // Values 8c..8c+7 of 32-block i/4 (c = i mod 4): pair p (values 8c+2p, +1) to
-        // u32 c + 4p of the block.
-        u32* ob = ot + (i / 4) * 16 + (i & 3);
-        ob[0] = h.x;
-        ob[4] = h.y;
-        ob[8] = h.z;
-        ob[12] = h.w;
-    }
+    q8act_to_f16_row<true>(q, d, out, tscale, cols);
 }
 
 // d += A·B, A (64 × 16 fp16) from registers in the mma.m16n8k16 layout (warp w of the

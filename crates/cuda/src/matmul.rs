@@ -415,16 +415,7 @@ impl Launcher<'_> {
         };
         let smem = 2 * stage + table;
         self.allow_smem(name, smem)?;
-        let elems = m.rows * m.cols;
-        let nb = (elems / 256) as i64;
-        let p: Vec<u64> = m.parts.iter().map(|b| b.ptr(self)).collect();
-        // Bytes per matrix of each part (see weights.rs `part_layout`).
-        let (w, mats): ([u64; 3], [i64; 3]) = match m.ty {
-            GgmlType::Q8_0 => ([p[0], p[1], p[0]], [elems as i64, elems as i64 / 16, 0]),
-            GgmlType::IQ2_XXS => ([p[0], p[1], p[0]], [nb * 64, nb * 2, 0]),
-            GgmlType::Q2_K => ([p[0], p[1], p[2]], [nb * 64, nb * 16, nb * 4]),
-            _ => ([p[0], p[0], p[0]], [nb * 144, 0, 0]),
-        };
+        let (w, mats) = self.exp_parts(m);
         let grid_tab = self.ptr(&self.iq2_grid);
         let (xqp, xdp) = (self.ptr(&xq.q), self.ptr(&xq.d));
         let (rows, cols) = (m.rows as i32, m.cols as i32);
@@ -455,6 +446,21 @@ impl Launcher<'_> {
         launch!(self, name, cfg;
             w0, w1, w2, m0, m1, m2, grid_tab, xqp, xdp, y, rows, cols, items, n_items, pairs, k_div; tail
         )
+    }
+
+    /// An expert stack's weight parts as the expert GEMMs (`mm_exp_*`, `mm_exp_f16_*`)
+    /// take them: three device addresses and each one's bytes per matrix (see weights.rs
+    /// `part_layout`; unused slots repeat part 0 with stride 0).
+    pub(crate) fn exp_parts(&self, m: &DeviceMatrix) -> ([u64; 3], [i64; 3]) {
+        let elems = m.rows * m.cols;
+        let nb = (elems / 256) as i64;
+        let p: Vec<u64> = m.parts.iter().map(|b| b.ptr(self)).collect();
+        match m.ty {
+            GgmlType::Q8_0 => ([p[0], p[1], p[0]], [elems as i64, elems as i64 / 16, 0]),
+            GgmlType::IQ2_XXS => ([p[0], p[1], p[0]], [nb * 64, nb * 2, 0]),
+            GgmlType::Q2_K => ([p[0], p[1], p[2]], [nb * 64, nb * 16, nb * 4]),
+            _ => ([p[0], p[0], p[0]], [nb * 144, 0, 0]),
+        }
     }
 
     /// f32 activations × F32/F16/BF16/Q8_0 weights with f32 accumulation per 32-wide
@@ -662,9 +668,7 @@ impl Launcher<'_> {
         }
         self.launch_exp(m, xq, y, Some(plan), k_div, &b, variant)
     }
-}
 
-impl Launcher<'_> {
     /// The routed experts' gate and up ([`Launcher::matmul_experts_q8act`] with one input
     /// row per token) into `y_gate` and `y_up`: on fp16 warpgroup MMA with one conversion
     /// of the activations where the launcher takes that path, else two int8 GEMMs.

@@ -177,14 +177,7 @@ impl Launcher<'_> {
         };
         let smem = smem(m.ty);
         self.allow_smem(name, smem)?;
-        let nb = (m.rows * m.cols / 256) as i64;
-        let p: Vec<u64> = m.parts.iter().map(|b| b.ptr(self)).collect();
-        // Bytes per matrix of each part (weights.rs `part_layout`).
-        let (w, mats): ([u64; 3], [i64; 3]) = if m.ty == GgmlType::IQ2_XXS {
-            ([p[0], p[1], p[0]], [nb * 64, nb * 2, 0])
-        } else {
-            ([p[0], p[1], p[2]], [nb * 64, nb * 16, nb * 4])
-        };
+        let (w, mats) = self.exp_parts(m);
         let grid_tab = self.ptr(&self.iq2_grid);
         let (items, n_items, pairs) = (
             self.ptr(&plan.items),

@@ -36,13 +36,7 @@ fn upload(
 }
 
 /// Dequantized matrices of a stack, `[mats][rows·cols]`.
-pub(super) fn dequant_stack(
-    ty: GgmlType,
-    w: &[u8],
-    rows: usize,
-    cols: usize,
-    mats: usize,
-) -> Vec<Vec<f32>> {
+fn dequant_stack(ty: GgmlType, w: &[u8], rows: usize, cols: usize, mats: usize) -> Vec<Vec<f32>> {
     let per = w.len() / mats;
     (0..mats)
         .map(|i| dequantize_to_vec(ty, &w[i * per..(i + 1) * per], rows * cols).unwrap())
@@ -50,7 +44,7 @@ pub(super) fn dequant_stack(
 }
 
 /// The activations the GPU uses: q·d in f64.
-pub(super) fn act_values(gpu: &Launcher, qa: &QuantAct) -> Result<Vec<f64>> {
+fn act_values(gpu: &Launcher, qa: &QuantAct) -> Result<Vec<f64>> {
     let (q, d) = (gpu.download(&qa.q)?, gpu.download(&qa.d)?);
     Ok(q.iter()
         .enumerate()
@@ -58,7 +52,7 @@ pub(super) fn act_values(gpu: &Launcher, qa: &QuantAct) -> Result<Vec<f64>> {
         .collect())
 }
 
-pub(super) fn dot(w: &[f32], x: &[f64]) -> f64 {
+fn dot(w: &[f32], x: &[f64]) -> f64 {
     w.iter().zip(x).map(|(&a, &b)| a as f64 * b).sum()
 }
 
@@ -386,6 +380,31 @@ pub(super) fn expert_inputs(
     })
 }
 
+/// The f64 outputs `[pair][row]` of a routed-expert GEMM: each pair's expert (`ids`)
+/// of the dequantised stack `w` times its input row of `qa`'s values (row p / k when
+/// `shared`, else p).
+pub(super) fn expert_reference(
+    gpu: &Launcher,
+    ty: GgmlType,
+    w: &[u8],
+    ids: &[i32],
+    qa: &QuantAct,
+    (k, shared): (usize, bool),
+    (n_expert, rows, cols): (usize, usize, usize),
+) -> Result<Vec<f64>> {
+    let xv = act_values(gpu, qa)?;
+    let wd = dequant_stack(ty, w, rows, cols, n_expert);
+    Ok((0..ids.len())
+        .into_par_iter()
+        .flat_map_iter(|p| {
+            let row = if shared { p / k } else { p };
+            let xs = &xv[row * cols..(row + 1) * cols];
+            let we = &wd[ids[p] as usize];
+            (0..rows).map(move |r| dot(&we[r * cols..(r + 1) * cols], xs))
+        })
+        .collect())
+}
+
 /// How an expert check's inputs were made, for its result line: one input row per token
 /// (`shared`) or per pair, and Q8_0-rule activations unless `k_rule`.
 fn inputs_tag(shared: bool, k_rule: bool) -> String {
@@ -421,17 +440,7 @@ fn check_experts(
         Ok(gpu.download(&yd)?)
     };
     let got = run()?;
-    let xv = act_values(gpu, &qa)?;
-    let wd = dequant_stack(ty, &w, rows, cols, n_expert);
-    let want: Vec<f64> = (0..n_pairs)
-        .into_par_iter()
-        .flat_map_iter(|p| {
-            let row = if shared { p / k } else { p };
-            let xs = &xv[row * cols..(row + 1) * cols];
-            let we = &wd[ids[p] as usize];
-            (0..rows).map(move |r| dot(&we[r * cols..(r + 1) * cols], xs))
-        })
-        .collect();
+    let want = expert_reference(gpu, ty, &w, &ids, &qa, (k, shared), (n_expert, rows, cols))?;
     let name = format!(
         "matmul_experts {ty} {n_expert}x{rows}x{cols} n{n_tok} k{k} {}{}",
         inputs_tag(shared, k_rule),

@@ -11,10 +11,9 @@
 use anyhow::Result;
 use ds4_gguf::quant::random::Rng;
 use ds4_gguf::GgmlType;
-use rayon::prelude::*;
 
 use super::common::{bit_identical, random_matrix, rel_err, same_bits, Check, BOUND_FP16_MMA};
-use super::matmul::{act_values, dequant_stack, dot, expert_inputs, ExpertInputs};
+use super::matmul::{expert_inputs, expert_reference, ExpertInputs};
 use crate::{DeviceMatrix, Launcher, Variant, EXP_VARIANT_WIDE};
 
 /// Every check; none where the GPU cannot run the sm_90a kernels.
@@ -61,17 +60,8 @@ fn check_products(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
                 qa,
                 _xd,
             } = expert_inputs(gpu, &mut rng, ty, shape, shared, true)?;
-            let xv = act_values(gpu, &qa)?;
-            let wd = dequant_stack(ty, &w, rows, cols, n_expert);
-            let want: Vec<f64> = (0..n_pairs)
-                .into_par_iter()
-                .flat_map_iter(|p| {
-                    let row = if shared { p / k } else { p };
-                    let xs = &xv[row * cols..(row + 1) * cols];
-                    let we = &wd[ids[p] as usize];
-                    (0..rows).map(move |r| dot(&we[r * cols..(r + 1) * cols], xs))
-                })
-                .collect();
+            let dims = (n_expert, rows, cols);
+            let want = expert_reference(gpu, ty, &w, &ids, &qa, (k, shared), dims)?;
             let mut plan = gpu.alloc_route_plan(n_pairs, n_expert)?;
             for tile in [64, 32] {
                 gpu.route_plan_tile(gpu.ptr(&idd), n_pairs, n_expert, &mut plan, tile)?;
