@@ -21,6 +21,10 @@ pub const WT_F16: i32 = crate::consts::WT_F16;
 pub const WT_BF16: i32 = crate::consts::WT_BF16;
 pub const WT_Q8_0: i32 = 8;
 
+/// The most rows `hc_mix_tc` takes (its 3 n-tiles of 8; the model's mix has 24). Its
+/// blocks are 16 tokens each (`HX_TOK` in `kernels/hc_mix_tc.cu`).
+const HC_MIX_TC_ROWS: usize = 24;
+
 /// RoPE parameters (mirrors `RopeP` in layer.cu).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -182,8 +186,10 @@ impl Launcher<'_> {
     }
 
     /// [`Launcher::hc_mix`] with the weights as a matrix (`n_out` rows of `n` = m.cols, F32 /
-    /// F16 / BF16): a batch runs the dots as one GEMM (each weight row read once per
-    /// tile of tokens instead of once per token) and then scales them per token.
+    /// F16 / BF16): a batch of F16 weights of ≤ 24 rows runs `hc_mix_tc` (variant
+    /// `hc_mix_tc`: one pass over H, dots and sums of squares together); other batches
+    /// run the dots as one GEMM (each weight row read once per tile of tokens instead
+    /// of once per token) and then scale them per token.
     pub fn hc_mix_mat(
         &self,
         n_tok: usize,
@@ -221,6 +227,17 @@ impl Launcher<'_> {
                 mix,
                 m.rows,
             );
+        }
+        if self.on(Variant::HcMixTc)
+            && m.ty == GgmlType::F16
+            && m.rows <= HC_MIX_TC_ROWS
+            && m.cols.is_multiple_of(64)
+        {
+            let (n, rows, nt) = (m.cols as i32, m.rows as i32, n_tok as i32);
+            let (x_tok, y_tok) = (m.cols as i64, m.rows as i64);
+            let w = m.part_ptr(self, 0);
+            return launch!(self, "hc_mix_tc", cfg(n_tok.div_ceil(16) as u32, 256);
+                h, x_tok, n, w, rows, eps, mix, y_tok, nt);
         }
         self.matmul_f32(m, h, mix, crate::Batch::plain(n_tok, m.cols, m.rows))?;
         let (n, n_out) = (m.cols as i32, m.rows as i32);

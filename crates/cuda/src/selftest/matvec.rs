@@ -11,7 +11,8 @@ use ds4_gguf::GgmlType;
 use super::common::{
     bit_identical, random_matrix, random_vec, rel_err, same_bits, BitDiff, Check, BOUND_MATVEC,
 };
-use crate::{DeviceMatrix, Launcher, MatSel};
+use crate::{DeviceMatrix, Launcher, MatSel, Variant};
+use rayon::prelude::*;
 
 /// CPU reference of `y[k] = W[ids[k]]·x[k]` in f64 over exactly dequantized weights.
 fn reference(
@@ -128,7 +129,25 @@ pub fn check_matvecs(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
 /// The hyper-connection mix `mix[t][k] = (fn_k · h_t) / rms(h_t)` (the batched GEMM +
 /// scale path for n_tok > 1, the fused kernel for one token) against f64.
 fn check_hc_mix(gpu: &Launcher, rng: &mut Rng, ty: GgmlType, n_tok: usize) -> Result<Check> {
-    let (rows, cols, eps) = (24usize, 16384usize, 1e-6f32);
+    let (y, want) = hc_mix_run(&[gpu], rng, ty, 24, n_tok)?;
+    Ok(Check {
+        name: format!("hc_mix {ty} 24x16384 n{n_tok}"),
+        rel_err: rel_err(&y[0], &want),
+        bound: BOUND_MATVEC,
+    })
+}
+
+/// The mix of random F16/F32 weights (`rows` × 16,384) and `n_tok` random H rows
+/// through each launcher of `gpus` (`hc_mix_mat`), and its f64 value.
+fn hc_mix_run(
+    gpus: &[&Launcher],
+    rng: &mut Rng,
+    ty: GgmlType,
+    rows: usize,
+    n_tok: usize,
+) -> Result<(Vec<Vec<f32>>, Vec<f64>)> {
+    let (cols, eps) = (16384usize, 1e-6f32);
+    let gpu = gpus[0];
     let w = random_matrix(ty, rows, cols, 1, rng);
     let m = DeviceMatrix::upload(gpu, ty, &w, rows, cols, 1)?;
     let h: Vec<f32> = random_vec(n_tok * cols, rng)
@@ -136,29 +155,59 @@ fn check_hc_mix(gpu: &Launcher, rng: &mut Rng, ty: GgmlType, n_tok: usize) -> Re
         .map(|v| 3.0 * v)
         .collect();
     let hd = gpu.upload(&h)?;
-    let yd = gpu.upload(&vec![f32::NAN; n_tok * rows])?;
-    gpu.hc_mix_mat(n_tok, gpu.ptr(&hd), &m, eps, gpu.ptr(&yd))?;
-    let y = gpu.download(&yd)?;
-    let dq = dequantize_to_vec(ty, &w, rows * cols)?;
-    let mut want = Vec::with_capacity(n_tok * rows);
-    for t in 0..n_tok {
-        let ht = &h[t * cols..(t + 1) * cols];
-        let ss: f64 = ht.iter().map(|&v| v as f64 * v as f64).sum();
-        let f = 1.0 / (ss / cols as f64 + eps as f64).sqrt();
-        for r in 0..rows {
-            let dot: f64 = dq[r * cols..(r + 1) * cols]
-                .iter()
-                .zip(ht)
-                .map(|(&a, &b)| a as f64 * b as f64)
-                .sum();
-            want.push(dot * f);
-        }
+    let mut ys = Vec::new();
+    for g in gpus {
+        let yd = g.upload(&vec![f32::NAN; n_tok * rows])?;
+        g.hc_mix_mat(n_tok, g.ptr(&hd), &m, eps, g.ptr(&yd))?;
+        ys.push(g.download(&yd)?);
     }
-    Ok(Check {
-        name: format!("hc_mix {ty} {rows}x{cols} n{n_tok}"),
-        rel_err: rel_err(&y, &want),
-        bound: BOUND_MATVEC,
-    })
+    let dq = dequantize_to_vec(ty, &w, rows * cols)?;
+    let want: Vec<f64> = (0..n_tok)
+        .into_par_iter()
+        .flat_map_iter(|t| {
+            let ht = &h[t * cols..(t + 1) * cols];
+            let ss: f64 = ht.iter().map(|&v| v as f64 * v as f64).sum();
+            let f = 1.0 / (ss / cols as f64 + eps as f64).sqrt();
+            let dq = &dq;
+            (0..rows).map(move |r| {
+                let dot: f64 = dq[r * cols..(r + 1) * cols]
+                    .iter()
+                    .zip(ht)
+                    .map(|(&a, &b)| a as f64 * b as f64)
+                    .sum();
+                dot * f
+            })
+        })
+        .collect();
+    Ok((ys, want))
+}
+
+/// `hc_mix_tc` (a chunk's mix in one pass over H) against f64 and against the GEMM +
+/// scale path it replaces, at token counts that do and do not fill its 16-token
+/// blocks, the model's 24 rows and the output head's 4.
+pub(super) fn check_hc_mix_tc(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
+    let mut rng = Rng::stream(seed, 0x4c3, 0);
+    let (on, off) = (
+        gpu.with(Variant::HcMixTc, true),
+        gpu.with(Variant::HcMixTc, false),
+    );
+    let mut out = Vec::new();
+    for &(rows, n_tok) in &[(24usize, 17usize), (24, 130), (24, 2055), (4, 48)] {
+        let (y, want) = hc_mix_run(&[&on, &off], &mut rng, GgmlType::F16, rows, n_tok)?;
+        let name = format!("hc_mix_tc {rows}x16384 n{n_tok}");
+        out.push(Check {
+            name: name.clone(),
+            rel_err: rel_err(&y[0], &want),
+            bound: BOUND_MATVEC,
+        });
+        let gemm: Vec<f64> = y[1].iter().map(|&v| v as f64).collect();
+        out.push(Check {
+            name: format!("{name} = GEMM + scale"),
+            rel_err: rel_err(&y[0], &gemm),
+            bound: BOUND_MATVEC,
+        });
+    }
+    Ok(out)
 }
 
 /// `rows × cols` floats quantised on the GPU (Q8_K rule with `k_rule`, else Q8_0):

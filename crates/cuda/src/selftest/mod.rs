@@ -116,6 +116,7 @@ pub const CHECKS: &[KernelCheck] = &[
         matmul_f16_exp::check_exp_f16,
     ),
     check("wide", &[Variant::Wide], wide::check_wide),
+    check("hc_mix_tc", &[Variant::HcMixTc], matvec::check_hc_mix_tc),
     check(
         "attention",
         &[
