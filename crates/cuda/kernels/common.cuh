@@ -51,6 +51,24 @@ __device__ __forceinline__ u16 f2h(float f) {
     return h;
 }
 
+// tf32 with round-to-nearest (the hi part of a split operand: matmul_f32.cu,
+// hc_mix_tc.cu).
+__device__ __forceinline__ float mm_tf32(float v) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
+    return __uint_as_float(r);
+}
+
+// c += A·B, m16n8k8 tf32 with f32 accumulators.
+__device__ __forceinline__ void mm_mma_tf32(float (&c)[4], float a0, float a1, float a2,
+                                            float a3, float b0, float b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(__float_as_uint(a0)), "r"(__float_as_uint(a1)), "r"(__float_as_uint(a2)),
+          "r"(__float_as_uint(a3)), "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
+}
+
 // c += A·B, mma.sync m16n8k16 with fp16 inputs and f32 accumulators (the prefill
 // attention's and the fp16 GEMM's).
 __device__ __forceinline__ void mma_f16_f32(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3,

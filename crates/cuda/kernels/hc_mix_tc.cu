@@ -25,23 +25,6 @@
 #define HX_WARPS 8
 #define HX_TOK 16
 
-// tf32 with round-to-nearest (as mm_tf32 in matmul_f32.cu).
-__device__ __forceinline__ float hx_tf32(float v) {
-    u32 r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
-    return __uint_as_float(r);
-}
-
-// c += A·B, m16n8k8 tf32 with f32 accumulators.
-__device__ __forceinline__ void hx_mma(float (&c)[4], float a0, float a1, float a2, float a3,
-                                       float b0, float b1) {
-    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(__float_as_uint(a0)), "r"(__float_as_uint(a1)), "r"(__float_as_uint(a2)),
-          "r"(__float_as_uint(a3)), "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
-}
-
 __device__ __forceinline__ float hx_h2f(u32 w, int hi) {
     return h2f((u16)(hi ? w >> 16 : w & 0xffff));
 }
@@ -123,16 +106,16 @@ __device__ __forceinline__ void hc_mix_tc_body(const float* __restrict__ h, i64 
                     ssa = fmaf(a2, a2, ssa);
                     ssb = fmaf(a1, a1, ssb);
                     ssb = fmaf(a3, a3, ssb);
-                    const float h0 = hx_tf32(a0), h1 = hx_tf32(a1), h2 = hx_tf32(a2),
-                                h3 = hx_tf32(a3);
-                    const float l0 = hx_tf32(a0 - h0), l1 = hx_tf32(a1 - h1),
-                                l2 = hx_tf32(a2 - h2), l3 = hx_tf32(a3 - h3);
+                    const float h0 = mm_tf32(a0), h1 = mm_tf32(a1), h2 = mm_tf32(a2),
+                                h3 = mm_tf32(a3);
+                    const float l0 = mm_tf32(a0 - h0), l1 = mm_tf32(a1 - h1),
+                                l2 = mm_tf32(a2 - h2), l3 = mm_tf32(a3 - h3);
 #pragma unroll
                     for (int j = 0; j < NT; ++j) {
                         const u32 w = s ? cw[j][c].y : cw[j][c].x;
                         const float b0 = hx_h2f(w, 0), b1 = hx_h2f(w, 1);
-                        hx_mma(part[j], l0, l1, l2, l3, b0, b1);
-                        hx_mma(part[j], h0, h1, h2, h3, b0, b1);
+                        mm_mma_tf32(part[j], l0, l1, l2, l3, b0, b1);
+                        mm_mma_tf32(part[j], h0, h1, h2, h3, b0, b1);
                     }
                 }
             }

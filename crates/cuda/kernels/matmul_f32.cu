@@ -13,23 +13,6 @@
 
 __device__ __forceinline__ float mm_bf2f(u32 h) { return __int_as_float(h << 16); }
 
-// tf32 with round-to-nearest (the hi part of a split operand).
-__device__ __forceinline__ float mm_tf32(float v) {
-    u32 r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
-    return __uint_as_float(r);
-}
-
-// c += A·B, m16n8k8 tf32 with f32 accumulators.
-__device__ __forceinline__ void mm_mma_tf32(float (&c)[4], float a0, float a1, float a2,
-                                            float a3, float b0, float b1) {
-    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(__float_as_uint(a0)), "r"(__float_as_uint(a1)), "r"(__float_as_uint(a2)),
-          "r"(__float_as_uint(a3)), "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
-}
-
 // TC: tensor cores for F16 / BF16 weights, which tf32 holds exactly; the activation is
 // split into a tf32 part and its f32 remainder (two mma per product), so products
 // carry ~22 bits of the activation: the f32 result to ~1e-6 instead of tf32's 1e-3.
