@@ -31,6 +31,36 @@ impl Gpu {
         Ok(())
     }
 
+    /// Reads every byte of `buf` once by bulk copies of `chunk` bytes into a ring of
+    /// `stages` shared-memory buffers, `blocks_per_sm` blocks an SM; time it against
+    /// [`Gpu::probe_stream_read`] at a matrix's size.
+    pub fn probe_bulk_read(
+        &self,
+        buf: &cudarc::driver::CudaSlice<u8>,
+        sink: &cudarc::driver::CudaSlice<u32>,
+        (chunk, stages, blocks_per_sm): (usize, usize, u32),
+    ) -> Result<(), CudaError> {
+        assert!(chunk % 16 == 0 && chunk >= 512 && (1..=16).contains(&stages));
+        let n_chunks = (buf.len() / chunk) as i64;
+        let smem = chunk * stages;
+        self.allow_smem("probe_bulk_read", smem)?;
+        let f = self.func("probe_bulk_read")?;
+        let sms = self.info().multiprocessors.max(1) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (sms * blocks_per_sm, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let (p, out) = (self.ptr(buf), self.ptr(sink));
+        let (chunk, stages) = (chunk as i32, stages as i32);
+        let mut b = self.launch_stream().launch_builder(&f);
+        b.arg(&p).arg(&n_chunks).arg(&chunk).arg(&stages).arg(&out);
+        // SAFETY: p holds n_chunks chunks of `chunk` bytes; the ring is chunk · stages
+        // bytes of dynamic shared memory; out holds one u32.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
     /// Mean µs per node of a captured graph of `n` empty kernels of `blocks` × 256
     /// threads, replayed `reps` times: the launch cost each decode kernel pays.
     pub fn probe_graph_node_us(

@@ -224,6 +224,42 @@ pub fn probe_q8_splits(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
         ms,
     });
     drop(buf);
+    // At the decode matrices' sizes, rotating copies so the L2 cannot serve them: 16-byte
+    // loads (the matvecs' form) against bulk copies into shared memory.
+    for mb in [4.456f64, 8.913, 35.65] {
+        let bytes = ((mb * 1e6) as usize) / 16384 * 16384;
+        let copies = (4 * l2).div_ceil(bytes).max(2);
+        let bufs = (0..copies)
+            .map(|_| gpu.upload(&vec![0x5au8; bytes]))
+            .collect::<Result<Vec<_>, _>>()?;
+        let ms = gpu.time_ms(copies, 50, |i| {
+            gpu.probe_stream_read(&bufs[i % copies], &sink)
+        })?;
+        out.push(Timing {
+            name: format!("read probe {mb:.1} MB, 16-byte loads"),
+            bytes: bytes as f64,
+            ms,
+        });
+        for (chunk, stages, per_sm) in [
+            (8192, 4, 1),
+            (16384, 4, 1),
+            (16384, 8, 1),
+            (8192, 8, 2),
+            (4096, 8, 2),
+            (16384, 4, 2),
+        ] {
+            let ms = gpu.time_ms(copies, 50, |i| {
+                gpu.probe_bulk_read(&bufs[i % copies], &sink, (chunk, stages, per_sm))
+            })?;
+            out.push(Timing {
+                name: format!(
+                    "read probe {mb:.1} MB, bulk copies {chunk} B x {stages} stages, {per_sm} blocks/SM"
+                ),
+                bytes: bytes as f64,
+                ms,
+            });
+        }
+    }
     for blocks in [1u32, 132, 1024] {
         let us = gpu.probe_graph_node_us(1000, blocks, 20)?;
         out.push(Timing {

@@ -123,7 +123,10 @@ fn check_gate_up(gpu: &Launcher, rng: &mut Rng, work: &crate::F16Work) -> Result
         gpu.upload(&vec![f32::NAN; len])?,
         gpu.upload(&vec![f32::NAN; len])?,
     );
-    let g = gpu.with_f16(Some(work));
+    // The variant on whatever DS4_CUDA_FUSE says: with it off the engine's call takes
+    // the int8 GEMMs, which this check is not about.
+    let on = gpu.with(Variant::ExpF16, true);
+    let g = on.with_f16(Some(work));
     g.matmul_experts_gate_up((&e.m, g.ptr(&yg)), (&up, g.ptr(&yu)), &e.qa, &plan, e.k)?;
     let (pg, pu) = (gpu.download(&yg)?, gpu.download(&yu)?);
     let (sg, su) = (

@@ -110,6 +110,20 @@ fn batch_consistency(case: &Case, tally: &mut Tally, line: &mut dyn FnMut(&str))
         floor.max,
         floor.agree
     ));
+    // Fast numerics: how far token-by-token decode is from the Exact logits (the CPU's),
+    // the yardstick for a batched path that rounds differently (below).
+    let exact = (numerics == Numerics::Fast)
+        .then(|| -> Result<_> {
+            let exact = CpuBackend::new(case.model, 4096, Numerics::Exact)
+                .forward(&tokens, LogitRows::All)?;
+            let acc = DeltaStats::new(&want, &exact, vocab, f32::INFINITY);
+            line(&format!(
+                "INFO {variant:<6} fast  token-by-token  : |Δ| vs Exact (CPU) median {:.1e} p95 {:.1e} max {:.1e}; argmax {}/{n}",
+                acc.median, acc.p95, acc.max, acc.agree
+            ));
+            Ok((exact, acc))
+        })
+        .transpose()?;
     let bound = delta_bound(numerics);
     for chunk in [7, 64, 512] {
         let got = run(true, chunk)?;
@@ -117,9 +131,26 @@ fn batch_consistency(case: &Case, tally: &mut Tally, line: &mut dyn FnMut(&str))
         // The batched path sums in other orders (GEMMs), so a position whose routing or
         // indexer top-k sits on a near-tie may flip its selection and move further, as
         // the CPU backend's positions do; a bug moves every position.
-        let ok = got.len() == want.len() && d.within_floor(&floor, numerics, n);
+        let mut ok = got.len() == want.len() && d.within_floor(&floor, numerics, n);
+        // In Fast numerics a batched product may also round differently (the prefill
+        // chunk's fp16 expert GEMMs, `exp_f16`: ~2^-11 a term, an eighth of the Q8_K
+        // activation's own rounding), so on a fixture whose only quantised products are
+        // the experts (`tiny-plain`) its near-ties tip where the int8 paths, identical
+        // per term, do not. Such a path is held to accuracy instead: against the Exact
+        // logits it must be as close as token-by-token decode is (its median and p95
+        // within 1.5×, the argmax within the binomial allowance). A bug — a wrong row, a
+        // scale, a token — moves it far past that.
+        let mut acc_note = String::new();
+        if let (false, Some((exact, tok))) = (ok, &exact) {
+            let acc = DeltaStats::new(&got, exact, vocab, f32::INFINITY);
+            ok = got.len() == want.len() && acc.as_accurate_as(tok, n);
+            acc_note = format!(
+                "; vs Exact median {:.1e} p95 {:.1e} argmax {}/{n} (token-by-token {:.1e} / {:.1e} / {}/{n})",
+                acc.median, acc.p95, acc.agree, tok.median, tok.p95, tok.agree
+            );
+        }
         tally.record(line, ok, format_args!(
-            "{variant:<6} batch {:<6} chunk {chunk:>3}: |Δ| vs token-by-token median {:.1e} p95 {:.1e} max {:.1e}; {}/{n} positions over {bound:.0e} (first {}); argmax {}/{n}",
+            "{variant:<6} batch {:<6} chunk {chunk:>3}: |Δ| vs token-by-token median {:.1e} p95 {:.1e} max {:.1e}; {}/{n} positions over {bound:.0e} (first {}); argmax {}/{n}{acc_note}",
             format!("{numerics:?}"),
             d.median,
             d.p95,
@@ -253,6 +284,24 @@ impl DeltaStats {
         self.median <= typical.max(4.0 * floor.median)
             && self.p95 <= tail.max(4.0 * floor.p95)
             && self.agree + allowed >= n
+    }
+}
+
+impl DeltaStats {
+    /// Whether a run whose distance to a reference is `self` is as accurate as one at
+    /// `base` from the same reference over `n` positions: median and p95 within 1.5×
+    /// (room for a path that tips other near-ties than `base`; the fp16 expert GEMMs on
+    /// `tiny-plain` measured 1.0×: median 1.6e-2, p95 1.1e-1 against the Exact logits,
+    /// as token-by-token decode), and argmax agreement no lower than `base`'s less three
+    /// standard deviations of a binomial count at `base`'s disagreement rate (at least
+    /// 2%). A wrong row, scale or token moves a run far past this.
+    fn as_accurate_as(&self, base: &DeltaStats, n: usize) -> bool {
+        let nf = n.max(1) as f64;
+        let p = (n.saturating_sub(base.agree) as f64 / nf).max(0.02);
+        let allowed = (3.0 * (nf * p * (1.0 - p)).sqrt()).ceil() as usize;
+        self.median <= 1.5 * base.median
+            && self.p95 <= 1.5 * base.p95
+            && self.agree + allowed >= base.agree
     }
 }
 
