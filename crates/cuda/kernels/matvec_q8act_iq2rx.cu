@@ -211,16 +211,23 @@ __device__ __forceinline__ void iq2_xxs_q8_rxp_body(IQ2_MATVEC_PARAMS) {
     const int lane = threadIdx.x;
     const int units_per_sel = (rows + R - 1) / R;
     const int n_units = (qs2 != nullptr ? 2 : 1) * n_pair * units_per_sel;
-    const int stride = gridDim.x * blockDim.y;
     // Unit u = yi · ups + ru: selection yi (past n_pair: the second stack's), row unit
-    // ru. A warp walks u by `stride` and advances the quotient and remainder instead of
-    // dividing again (two signed divisions a unit were ~50 of its ~690 instructions),
-    // and reads the expert id of the unit after next a unit early, so the next unit's
-    // weight loads do not wait on it.
+    // ru. A warp walks a contiguous range of units [u, u_end), so its units mostly share
+    // one selection and its activations are read about once: with a walk by the grid's
+    // warp count every unit of a step's per-pair inputs (a multi-row or batched step:
+    // `repeat_rows` gives each pair its own row) changed the selection and reloaded them
+    // (128 bytes a lane, twice a unit's weight bytes). It advances the quotient and
+    // remainder instead of dividing again (two signed divisions a unit were ~50 of its
+    // ~690 instructions), and reads the expert id of the unit after next a unit early,
+    // so the next unit's weight loads do not wait on it.
     struct UnitPos {
         int yi, ru;
     };
     const int ups = units_per_sel;
+    const i64 warps = (i64)gridDim.x * blockDim.y;
+    const i64 wi = (i64)blockIdx.x * blockDim.y + threadIdx.y;
+    const int u_end = (int)((wi + 1) * n_units / warps);
+    constexpr int stride = 1;
     const int step_q = stride / ups, step_r = stride - step_q * ups;
     auto advance = [&](UnitPos p) {
         p.yi += step_q;
@@ -232,7 +239,7 @@ __device__ __forceinline__ void iq2_xxs_q8_rxp_body(IQ2_MATVEC_PARAMS) {
         return p;
     };
     auto id_of = [&](int uu, UnitPos p) -> int {
-        if (sel.ids == nullptr || uu >= n_units) return 0;
+        if (sel.ids == nullptr || uu >= u_end) return 0;
         return sel.ids[qs2 != nullptr && p.yi >= n_pair ? p.yi - n_pair : p.yi];
     };
     // Issues every weight load of the unit at p (expert m) into wt, dt.
@@ -245,7 +252,7 @@ __device__ __forceinline__ void iq2_xxs_q8_rxp_body(IQ2_MATVEC_PARAMS) {
     int4 x[S][4];
     float s[S][2];
     i64 x_at = -1;
-    int u = blockIdx.x * blockDim.y + threadIdx.y;
+    int u = (int)(wi * n_units / warps);
     UnitPos pos = {u / ups, u - (u / ups) * ups};
     int m_cur = id_of(u, pos);
     UnitPos next = advance(pos);
@@ -257,7 +264,7 @@ __device__ __forceinline__ void iq2_xxs_q8_rxp_body(IQ2_MATVEC_PARAMS) {
         if (!PIPE) load(pos, m_cur, wc, dc);
         const UnitPos after = advance(next);
         const int m_after = id_of(u + 2 * stride, after);
-        if (PIPE && u + stride < n_units) load(next, m_next, wn, dn);
+        if (PIPE && u + stride < u_end) load(next, m_next, wn, dn);
         int yi = pos.yi;
         const int row0 = pos.ru * R;
         float* ym = y;
@@ -295,11 +302,11 @@ __device__ __forceinline__ void iq2_xxs_q8_rxp_body(IQ2_MATVEC_PARAMS) {
     };
     W4 wa[R][S], wb[R][S];
     u16 da[R][S], db[R][S];
-    if (PIPE && u < n_units) load(pos, m_cur, wa, da);
-    while (u < n_units) {
+    if (PIPE && u < u_end) load(pos, m_cur, wa, da);
+    while (u < u_end) {
         unit(wa, da, wb, db);
         u += stride;
-        if (u >= n_units) break;
+        if (u >= u_end) break;
         unit(wb, db, wa, da);
         u += stride;
     }
