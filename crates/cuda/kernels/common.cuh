@@ -176,11 +176,10 @@ __device__ __forceinline__ void quant_block32(float v, i8* q, float* d) {
 }
 
 // The Q8_K activation rule (quantize_q8_k32's, see there) on one block of 256 threads:
-// thread t holds v == vals[t] and writes q[base + t]; d[blockIdx.x * 8 + 0..8] get the
-// scale once per 32 values. vals is read only at the winning index, so a caller may pass
-// its global input or a shared-memory copy.
-__device__ __forceinline__ void quant_q8k_block256(float v, const float* vals, i64 base, i8* q,
-                                                   float* d) {
+// thread t holds v == vals[t] and gets its int8 value; every thread gets the scale of
+// the block's 32-value groups (0 for a block of zeros). vals is read only at the winning
+// index, so a caller may pass its global input or a shared-memory copy.
+__device__ __forceinline__ int quant_q8k_value256(float v, const float* vals, float& scale) {
     __shared__ float s_abs[8];
     __shared__ int s_idx[8];
     __shared__ float s_max;
@@ -213,12 +212,20 @@ __device__ __forceinline__ void quant_q8k_block256(float v, const float* vals, i
     __syncthreads();
     const float mx = s_max;
     if (mx == 0.f) {
-        q[base + threadIdx.x] = 0;
-        if (threadIdx.x < 8) d[blockIdx.x * 8 + threadIdx.x] = 0.f;
-        return;
+        scale = 0.f;
+        return 0;
     }
     const float iscale = -127.0f / mx;
-    int qi = __float2int_rn(iscale * v);
-    q[base + threadIdx.x] = (i8)max(-128, min(127, qi));
-    if (threadIdx.x < 8) d[blockIdx.x * 8 + threadIdx.x] = 1.0f / iscale;
+    scale = 1.0f / iscale;
+    return max(-128, min(127, __float2int_rn(iscale * v)));
+}
+
+// quant_q8k_value256 written out: thread t's value to q[base + t]; d[blockIdx.x * 8 +
+// 0..8] get the scale once per 32 values.
+__device__ __forceinline__ void quant_q8k_block256(float v, const float* vals, i64 base, i8* q,
+                                                   float* d) {
+    float scale;
+    const int qi = quant_q8k_value256(v, vals, scale);
+    q[base + threadIdx.x] = (i8)qi;
+    if (threadIdx.x < 8) d[blockIdx.x * 8 + threadIdx.x] = scale;
 }

@@ -480,6 +480,29 @@ extern "C" __global__ void __launch_bounds__(256) quantize_q8_k32(const float* _
     quant_q8k_block256(v, x + base, base, q, d);
 }
 
+// quantize_q8_k32 of n rows of `cols` values, each row's result written to k consecutive
+// rows (row r to rows r·k .. r·k + k − 1): a multi-row or batched step's expert input,
+// one row per (token, expert) pair, from its n tokens' rows — where the f32 rows were
+// copied k times (repeat_rows) and every copy quantised. The same values and scales as
+// quantize_q8_k32 on the copies. A block a 256-value block of a source row.
+extern "C" __global__ void __launch_bounds__(256) quantize_q8_k32_rep(const float* __restrict__ x,
+                                                                      i8* __restrict__ q,
+                                                                      float* __restrict__ d,
+                                                                      int cols, int k) {
+    PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
+    const int cpr = cols / 256;
+    const int r = blockIdx.x / cpr, c = blockIdx.x - r * cpr;
+    const i64 src = (i64)r * cols + c * 256;
+    float scale;
+    const int qi = quant_q8k_value256(x[src + threadIdx.x], x + src, scale);
+    for (int j = 0; j < k; ++j) {
+        const i64 row = (i64)r * k + j;
+        q[row * cols + c * 256 + threadIdx.x] = (i8)qi;
+        if (threadIdx.x < 8) d[(row * cpr + c) * 8 + threadIdx.x] = scale;
+    }
+}
+
 // One Q8_0 block of a row: 32 weight bytes (w0, w1) with scale dq against the 32 int8
 // activations at xb with scale xs.
 __device__ __forceinline__ float q8_block_dot(const uint4 w0, const uint4 w1, u16 dq,

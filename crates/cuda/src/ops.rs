@@ -399,6 +399,29 @@ impl Launcher<'_> {
         launch!(self, "quantize_q8_k32", cfg(blocks, 256); x, q, d)
     }
 
+    /// [`Launcher::quantize_rows`] in the Q8_K rule of `rows` rows at `x`, each row's
+    /// result written to `k` consecutive rows of `qa` (row r to rows r·k..r·k + k): the
+    /// same values as quantising `k` copies of every row.
+    pub fn quantize_rows_rep(
+        &self,
+        x: u64,
+        qa: &mut QuantAct,
+        rows: usize,
+        k: usize,
+    ) -> Result<(), CudaError> {
+        qa.check_rows(rows * k)?;
+        if !qa.cols.is_multiple_of(256) {
+            return Err(CudaError::Invalid(format!(
+                "{} activations are not whole 256-blocks",
+                qa.cols
+            )));
+        }
+        let (q, d) = (self.ptr(&qa.q), self.ptr(&qa.d));
+        let blocks = (rows * qa.cols / 256) as u32;
+        let (cols, k) = (qa.cols as i32, k as i32);
+        launch!(self, "quantize_q8_k32_rep", cfg(blocks, 256); x, q, d, cols, k)
+    }
+
     /// `n_blocks` blocks of 32 floats at `x` to Q8_0 (int8 at `q`, one f32 scale per
     /// block at `d`); the caller sizes the buffers.
     pub(crate) fn quantize_q8_raw(

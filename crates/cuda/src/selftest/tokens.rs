@@ -41,6 +41,7 @@ pub(super) fn check_tokens(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
         },
     )?);
     checks.push(check_groups(gpu, &mut rng)?);
+    checks.push(check_quantize_rep(gpu, &mut rng)?);
     let f16_shapes = [(256, 4096), (37, 512), (1024, 4096)];
     checks.extend(tokens_against_one(
         gpu,
@@ -192,4 +193,32 @@ fn check_tokens_mma(gpu: &Launcher, rng: &mut Rng) -> Result<Vec<Check>> {
         });
     }
     Ok(checks)
+}
+
+/// `quantize_rows_rep` (a step's expert input: each token's row quantised once and
+/// written to its k pair rows) against the Q8_K quantisation of the k copies of every
+/// row, bit for bit, values and scales; one 256-block of zeros included.
+fn check_quantize_rep(gpu: &Launcher, rng: &mut Rng) -> Result<Check> {
+    let (n, k, cols) = (3usize, 6usize, 4096usize);
+    let mut x = random_vec(n * cols, rng);
+    x[cols + 512..cols + 768].fill(0.0);
+    let copies: Vec<f32> = x
+        .chunks_exact(cols)
+        .flat_map(|row| (0..k).flat_map(move |_| row.iter().copied()))
+        .collect();
+    let (xd, cd) = (gpu.upload(&x)?, gpu.upload(&copies)?);
+    let mut want = gpu.alloc_quant_act(n * k, cols)?;
+    gpu.quantize_rows(gpu.ptr(&cd), &mut want, n * k, crate::ActRule::Q8K)?;
+    let mut got = gpu.alloc_quant_act(n * k, cols)?;
+    gpu.quantize_rows_rep(gpu.ptr(&xd), &mut got, n, k)?;
+    let as_f32 = |q: &[i8]| q.iter().map(|&v| v as f32).collect::<Vec<_>>();
+    let diff = same_bits(
+        &as_f32(&gpu.download(&got.q)?),
+        &as_f32(&gpu.download(&want.q)?),
+    )
+    .merge(same_bits(&gpu.download(&got.d)?, &gpu.download(&want.d)?));
+    Ok(bit_identical(
+        format!("quantize_q8_k32_rep {n}x{cols} x {k} = quantize_q8_k32 of the copies"),
+        diff,
+    ))
 }

@@ -790,9 +790,13 @@ impl KvView<'_> {
             && int8(&l.up_exps)
             && int8(&l.down_exps);
         // The matvecs' input: one shared row for a single token, otherwise one row per
-        // (token, expert) pair.
+        // (token, expert) pair — for int8 experts quantised once a token and written to
+        // its k pair rows (quantize_rows_rep), else its f32 row copied k times.
+        let int8_in = int8(&l.gate_exps) && int8(&l.up_exps);
         let (x_in, in_stride) = if n == 1 || expert_gemm {
             (p(&s.n), 0)
+        } else if int8_in {
+            (p(&s.n), e as i64)
         } else {
             g.repeat_rows(p(&s.n), n, e, k, p(s.rep()))?;
             (p(s.rep()), e as i64)
@@ -819,9 +823,11 @@ impl KvView<'_> {
                 g.matmul_experts_gate_up(gate, up, &qb.exp_in, plan, k)?;
                 Some(&*plan)
             }
-            None if int8(&l.gate_exps) && int8(&l.up_exps) => {
+            None if int8_in => {
                 if early_q8k {
                     g.join(2)?;
+                } else if n > 1 {
+                    g.quantize_rows_rep(x_in, &mut qb.exp_in, n, k)?;
                 } else {
                     g.quantize_rows(x_in, &mut qb.exp_in, pairs, ActRule::Q8K)?;
                 }
