@@ -168,6 +168,9 @@ impl Launcher<'_> {
             && (2..=Q8_TOKENS_MAX).contains(&n_sel)
             && self.on(Variant::Tokens)
         {
+            if n_sel >= 8 && m.cols.is_multiple_of(32) && self.on(Variant::F16Mma) {
+                return self.matvec_f16_tokens_mma(m, x, y, n_sel, sel);
+            }
             return self.matvec_f16_tokens(m, x, y, n_sel, sel);
         }
         let rows = m.rows as i32;
@@ -263,6 +266,54 @@ impl Launcher<'_> {
             .arg(&n_arg);
         // SAFETY: argument order matches F16_TOK_KERNEL in matvec.cu; x holds n_tok rows
         // at sel.x_stride and y n_tok rows at sel.y_stride (caller, as for `matvec`).
+        unsafe { self.launch_timed(name, &mut b, cfg) }?;
+        Ok(())
+    }
+
+    /// [`Launcher::matvec_f16_tokens`] for 8..=16 tokens on tf32 tensor cores
+    /// (`f16_mma`, kernels/mma_tokens_f16.cu; rows of a multiple of 32 columns): warp
+    /// tiles of 16 rows, split over `ks` warps as the Q8_0 tensor-core products
+    /// (`matvec_q8_tokens_mma`) so that ~4,096 warps stream the weights.
+    fn matvec_f16_tokens_mma(
+        &self,
+        m: &DeviceMatrix,
+        x: u64,
+        y: u64,
+        n_tok: usize,
+        sel: MatSel,
+    ) -> Result<(), CudaError> {
+        let name = if n_tok <= 8 {
+            "matvec_f16_mma8"
+        } else {
+            "matvec_f16_mma16"
+        };
+        let tiles = m.rows.div_ceil(16);
+        let ks = (4096 / tiles.max(1))
+            .clamp(1, MMA_TOKENS_MAX_KS)
+            .next_power_of_two()
+            .min(MMA_TOKENS_MAX_KS) as u32;
+        let warps = ks.max(ROWS_PER_BLOCK);
+        let tiles_per_block = warps / ks;
+        let f = self.func(name)?;
+        let cfg = LaunchConfig {
+            grid_dim: ((tiles as u32).div_ceil(tiles_per_block), 1, 1),
+            block_dim: (32, warps, 1),
+            shared_mem_bytes: 0,
+        };
+        let w = m.part_ptr(self, 0);
+        let (rows, cols, ks_arg, n_arg) = (m.rows as i32, m.cols as i32, ks as i32, n_tok as i32);
+        let mut b = self.launch_stream().launch_builder(&f);
+        b.arg(&w)
+            .arg(&x)
+            .arg(&y)
+            .arg(&rows)
+            .arg(&cols)
+            .arg(&sel)
+            .arg(&ks_arg)
+            .arg(&n_arg);
+        // SAFETY: argument order matches F16_MMA_KERNEL in mma_tokens_f16.cu; x holds
+        // n_tok rows at sel.x_stride (16-byte aligned rows: cols is a multiple of 32) and
+        // y n_tok rows at sel.y_stride (caller, as for `matvec`).
         unsafe { self.launch_timed(name, &mut b, cfg) }?;
         Ok(())
     }

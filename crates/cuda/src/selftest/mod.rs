@@ -77,7 +77,12 @@ pub const CHECKS: &[KernelCheck] = &[
     check("f16_early", &[Variant::F16Early], variants::check_f16_early),
     check(
         "tokens",
-        &[Variant::Tokens, Variant::TokensMma, Variant::MmaWide],
+        &[
+            Variant::Tokens,
+            Variant::TokensMma,
+            Variant::MmaWide,
+            Variant::F16Mma,
+        ],
         tokens::check_tokens,
     ),
     check(

@@ -21,7 +21,10 @@ pub(super) fn check_tokens(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     // The tensor-core Q8_0 form first (against the dp4a kernels), then the dp4a
     // kernels' bit identity with the one-token launch.
     checks.extend(check_tokens_mma(gpu, &mut rng)?);
-    let gpu = &gpu.with(Variant::TokensMma, false);
+    checks.extend(check_f16_mma(gpu, &mut rng)?);
+    let gpu = &gpu
+        .with(Variant::TokensMma, false)
+        .with(Variant::F16Mma, false);
     // Rows a warp: 4 (≤ 1,024 columns), 2 (longer rows), and split K (few rows: 2 or 4
     // warps a row), each with a ragged row count.
     // Q8_0 rows a warp: 4 (≤ 1,024 columns), 2 (longer rows), and split K (few rows: 2
@@ -221,4 +224,65 @@ fn check_quantize_rep(gpu: &Launcher, rng: &mut Rng) -> Result<Check> {
         format!("quantize_q8_k32_rep {n}x{cols} x {k} = quantize_q8_k32 of the copies"),
         diff,
     ))
+}
+
+/// The F16 tensor-core products (`f16_mma`, 8..=16 tokens) against an f64 product of
+/// the same weights and activations and against the FMA kernels (`matvec_f16_t*`), at
+/// the step's F16 shapes (router, compressor, indexer) with ragged row counts.
+fn check_f16_mma(gpu: &Launcher, rng: &mut Rng) -> Result<Vec<Check>> {
+    let mut checks = Vec::new();
+    for (rows, cols) in [
+        (256usize, 4096usize),
+        (1030, 4096),
+        (64, 4096),
+        (8200, 1024),
+    ] {
+        let w = random_matrix(GgmlType::F16, rows, cols, 1, rng);
+        let wf: Vec<f64> = w
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f64())
+            .collect();
+        let m = DeviceMatrix::upload(gpu, GgmlType::F16, &w, rows, cols, 1)?;
+        let (mut vs_f64, mut vs_fma) = (0.0f64, 0.0f64);
+        for n in [8usize, 9, 13, 16] {
+            let x = random_vec(n * cols, rng);
+            let xa = gpu.upload(&x)?;
+            let sel = MatSel {
+                ids: 0,
+                x_stride: cols as i64,
+                y_stride: rows as i64,
+            };
+            let run = |l: &Launcher| -> Result<Vec<f32>> {
+                let y = l.upload(&vec![f32::NAN; n * rows])?;
+                l.matvec(&m, l.ptr(&xa), l.ptr(&y), n, sel)?;
+                Ok(l.download(&y)?)
+            };
+            let got = run(&gpu.with(Variant::F16Mma, true))?;
+            let fma: Vec<f64> = run(&gpu.with(Variant::F16Mma, false))?
+                .iter()
+                .map(|&v| v as f64)
+                .collect();
+            let want: Vec<f64> = (0..n * rows)
+                .map(|i| {
+                    let (t, r) = (i / rows, i % rows);
+                    let (wr, xt) = (&wf[r * cols..][..cols], &x[t * cols..][..cols]);
+                    wr.iter().zip(xt).map(|(&a, &b)| a * b as f64).sum()
+                })
+                .collect();
+            vs_f64 = vs_f64.max(rel_err(&got, &want));
+            vs_fma = vs_fma.max(rel_err(&got, &fma));
+        }
+        let name = format!("matvec_f16_mma* {rows}x{cols}, 8..16 tokens");
+        checks.push(Check {
+            name: format!("{name} vs f64"),
+            rel_err: vs_f64,
+            bound: BOUND_F32,
+        });
+        checks.push(Check {
+            name: format!("{name} vs t* kernels"),
+            rel_err: vs_fma,
+            bound: BOUND_F32,
+        });
+    }
+    Ok(checks)
 }

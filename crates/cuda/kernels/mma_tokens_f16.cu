@@ -1,0 +1,150 @@
+// 8 to 16 tokens (a batched step over sessions, a long multi-row step) of a plain F16
+// matrix with f32 activations on tf32 tensor cores (`f16_mma`): mma.m16n8k8 of 16
+// weight rows × 8 columns against 8 tokens, each activation as tf32 hi + lo (hi =
+// tf32(x), lo = tf32(x − hi): ~22 bits, f32-grade; F16 weights are exact in tf32), the
+// products accumulated in f32.
+//
+// Why: matvec_f16_t8/16 (FMA) load each weight once but every token's 8 activation floats
+// per 8 weights through L1 (T·32 bytes of activations per 16 weight bytes), and took ~16
+// µs a launch in an 8-session step against ~5 for one token (PDL-off trace, H200,
+// NOTES session 23). Here a warp's 16 rows share each token's loads and two mma a k8
+// step replace 16·8·8 FMA.
+//
+// The sums are not the FMA kernels' (another order, tf32 split products): the check is
+// against them and an f64 product within the f32 bound (gpu-selftest `tokens`).
+//
+// Layout: warp tile = 16 rows, `ks` warps of a block split a tile's 32-column spans and
+// add through shared memory in a fixed order (as mma_tokens.cu). Lane (g = lane / 4,
+// t = lane % 4) loads the 8 weights 8t..8t+7 of a span of rows g and g + 8 (16 bytes
+// each) and token g's 8 activations at the same columns; in k8 step j of the span the
+// mma's column t is span column 8t + 2j and column t + 4 is 8t + 2j + 1 — a permutation
+// of the span's k, the same for weights and activations, which a dot product does not
+// see. Accumulator c[i]: row g (+8 for i ≥ 2), token 2t + (i & 1) of the 8-token tile.
+#include "common.cuh"
+
+#define F16MMA_SPANS 2  // spans a warp has in flight per step
+
+template <int NT>
+__device__ __forceinline__ void matvec_f16_mma_body(const u16* __restrict__ w,
+                                                    const float* __restrict__ x,
+                                                    float* __restrict__ y, int rows, int cols,
+                                                    MatSel sel, int ks, int n_tok) {
+    __shared__ float red[MMA_TOKENS_MAX_KS][16][8 * NT];
+    const int lane = threadIdx.x, wq = threadIdx.y;
+    const int g = lane >> 2, t = lane & 3;
+    const int tile = wq / ks, split = wq % ks;
+    const int row0 = (blockIdx.x * (blockDim.y / ks) + tile) * 16;
+    const int ra = row0 + g, rb = row0 + g + 8;
+    const bool oka = ra < rows, okb = rb < rows;
+    const u16* pa = w + (i64)(oka ? ra : 0) * cols + 8 * t;
+    const u16* pb = w + (i64)(okb ? rb : 0) * cols + 8 * t;
+    const i64 xs = sel.x_stride;
+    const float* px[NT];
+    bool okx[NT];
+#pragma unroll
+    for (int tt = 0; tt < NT; ++tt) {
+        const int tok = 8 * tt + g;
+        okx[tt] = tok < n_tok;
+        px[tt] = x + (i64)(okx[tt] ? tok : 0) * xs + 8 * t;
+    }
+    const int ns = cols / 32;
+    constexpr int U = F16MMA_SPANS;
+    float acc[NT][4];
+#pragma unroll
+    for (int tt = 0; tt < NT; ++tt) acc[tt][0] = acc[tt][1] = acc[tt][2] = acc[tt][3] = 0.f;
+    const uint4 zero4 = make_uint4(0u, 0u, 0u, 0u);
+    uint4 wa[U], wb[U];
+    // A step's weights: spans s0, s0 + ks, … (the matrix is plain: the first step's are
+    // loaded before the PDL wait, as the one-token F16 kernel's).
+    auto load_w = [&](int s0) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int s = s0 + u * ks;
+            wa[u] = s < ns && oka ? ld_stream16(pa + s * 32) : zero4;
+            wb[u] = s < ns && okb ? ld_stream16(pb + s * 32) : zero4;
+        }
+    };
+    load_w(split);
+    PDL_WAIT();
+    for (int s0 = split; s0 < ns; s0 += U * ks) {
+        float4 xv[U][NT][2];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int s = s0 + u * ks;
+#pragma unroll
+            for (int tt = 0; tt < NT; ++tt) {
+                const bool live = s < ns && okx[tt];
+                const float4* p = reinterpret_cast<const float4*>(px[tt] + s * 32);
+                xv[u][tt][0] = live ? p[0] : make_float4(0.f, 0.f, 0.f, 0.f);
+                xv[u][tt][1] = live ? p[1] : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+        }
+        uint4 ca[U], cb[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            ca[u] = wa[u];
+            cb[u] = wb[u];
+        }
+        load_w(s0 + U * ks);  // the next step's weights while this one is multiplied
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (s0 + u * ks >= ns) break;  // the same for every lane of the warp
+            const u32 va[4] = {ca[u].x, ca[u].y, ca[u].z, ca[u].w};
+            const u32 vb[4] = {cb[u].x, cb[u].y, cb[u].z, cb[u].w};
+#pragma unroll
+            for (int tt = 0; tt < NT; ++tt) {
+                const float xx[8] = {xv[u][tt][0].x, xv[u][tt][0].y, xv[u][tt][0].z,
+                                     xv[u][tt][0].w, xv[u][tt][1].x, xv[u][tt][1].y,
+                                     xv[u][tt][1].z, xv[u][tt][1].w};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    // Weights 2j, 2j + 1 of the lane's 8 (one u32 of two halves).
+                    const float a0 = h2f((u16)(va[j] & 0xffffu)), a2 = h2f((u16)(va[j] >> 16));
+                    const float a1 = h2f((u16)(vb[j] & 0xffffu)), a3 = h2f((u16)(vb[j] >> 16));
+                    const float h0 = mm_tf32(xx[2 * j]), h1 = mm_tf32(xx[2 * j + 1]);
+                    const float l0 = mm_tf32(xx[2 * j] - h0), l1 = mm_tf32(xx[2 * j + 1] - h1);
+                    mm_mma_tf32(acc[tt], a0, a1, a2, a3, l0, l1);
+                    mm_mma_tf32(acc[tt], a0, a1, a2, a3, h0, h1);
+                }
+            }
+        }
+    }
+    PDL_TRIGGER();
+    auto store = [&](int r, int tok, float v) {
+        if (r < rows && tok < n_tok) y[tok * sel.y_stride + r] = v;
+    };
+#pragma unroll
+    for (int tt = 0; tt < NT; ++tt) {
+        const int t0 = 8 * tt + 2 * t;
+        if (ks == 1) {
+            store(ra, t0, acc[tt][0]);
+            store(ra, t0 + 1, acc[tt][1]);
+            store(rb, t0, acc[tt][2]);
+            store(rb, t0 + 1, acc[tt][3]);
+        } else {
+            red[wq][g][t0] = acc[tt][0];
+            red[wq][g][t0 + 1] = acc[tt][1];
+            red[wq][g + 8][t0] = acc[tt][2];
+            red[wq][g + 8][t0 + 1] = acc[tt][3];
+        }
+    }
+    if (ks == 1) return;
+    __syncthreads();
+    if (split != 0) return;
+    // The tile's first warp adds the splits in order: 16 rows × 8·NT tokens.
+    for (int i = lane; i < 16 * 8 * NT; i += WARP) {
+        const int r = i / (8 * NT), tok = i % (8 * NT);
+        float s = 0.f;
+        for (int k = 0; k < ks; ++k) s += red[wq + k][r][tok];
+        store(row0 + r, tok, s);
+    }
+}
+
+#define F16_MMA_KERNEL(NAME, NT)                                                           \
+    extern "C" __global__ void __launch_bounds__(512) NAME(                                \
+        const u16* __restrict__ w, const float* __restrict__ x, float* __restrict__ y,    \
+        int rows, int cols, MatSel sel, int ks, int n_tok) {                              \
+        matvec_f16_mma_body<NT>(w, x, y, rows, cols, sel, ks, n_tok);                     \
+    }
+F16_MMA_KERNEL(matvec_f16_mma8, 1)
+F16_MMA_KERNEL(matvec_f16_mma16, 2)
