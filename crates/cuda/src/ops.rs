@@ -168,7 +168,7 @@ impl Launcher<'_> {
             && (2..=Q8_TOKENS_MAX).contains(&n_sel)
             && self.on(Variant::Tokens)
         {
-            if n_sel >= 8 && m.cols.is_multiple_of(32) && self.on(Variant::F16Mma) {
+            if n_sel >= mma_from() && m.cols.is_multiple_of(32) && self.on(Variant::F16Mma) {
                 return self.matvec_f16_tokens_mma(m, x, y, n_sel, sel);
             }
             return self.matvec_f16_tokens(m, x, y, n_sel, sel);
@@ -950,7 +950,7 @@ impl Launcher<'_> {
         // and 16 sessions the tensor cores (5.4 → 5.1, 11.3 → 9.9 ms; bench/RESULTS.md v24).
         // (Rows and token strides of a multiple of 64 columns: the kernel reads a pair of
         // blocks' scales in one load.)
-        if n_tok >= 8
+        if n_tok >= mma_from()
             && self.on(Variant::TokensMma)
             && m.cols.is_multiple_of(64)
             && bt.x_tok.is_multiple_of(64)
@@ -1079,6 +1079,20 @@ impl Launcher<'_> {
         let grid = ((tiles as u32).div_ceil(tiles_per_block), groups as u32);
         self.launch_q8_tokens(name, grid, warps, m, xq, y, bt, sel, ks)
     }
+}
+
+/// Tokens from which a step's plain Q8_0 and F16 products take the tensor-core kernels
+/// (`tokens_mma`, `f16_mma`): 8, or `DS4_CUDA_MMA_FROM` (2..=16) for timing other
+/// thresholds.
+fn mma_from() -> usize {
+    static FROM: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *FROM.get_or_init(|| {
+        std::env::var("DS4_CUDA_MMA_FROM")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|n| (2..=Q8_TOKENS_MAX).contains(n))
+            .unwrap_or(8)
+    })
 }
 
 /// Most tokens of one [`Launcher::matvec_q8act`] call that share a pass over a plain
