@@ -214,8 +214,8 @@ __device__ __forceinline__ void iq2_xxs_q8_rxp_body(IQ2_MATVEC_PARAMS) {
     // Unit u = yi · ups + ru: selection yi (past n_pair: the second stack's), row unit
     // ru. A warp walks a contiguous range of units [u, u_end), so its units mostly share
     // one selection and its activations are read about once: with a walk by the grid's
-    // warp count every unit of a step's per-pair inputs (a multi-row or batched step:
-    // `repeat_rows` gives each pair its own row) changed the selection and reloaded them
+    // warp count every unit of a step's per-pair inputs (a multi-row or batched step
+    // gives each pair its own row: quantize_q8_k32_rep) changed the selection and reloaded them
     // (128 bytes a lane, twice a unit's weight bytes). It advances the quotient and
     // remainder instead of dividing again (two signed divisions a unit were ~50 of its
     // ~690 instructions), and reads the expert id of the unit after next a unit early,

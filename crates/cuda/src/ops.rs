@@ -168,7 +168,13 @@ impl Launcher<'_> {
             && (2..=Q8_TOKENS_MAX).contains(&n_sel)
             && self.on(Variant::Tokens)
         {
-            if n_sel >= mma_from() && m.cols.is_multiple_of(32) && self.on(Variant::F16Mma) {
+            // (float4 activation loads: 16-byte aligned rows.)
+            let aligned = x.is_multiple_of(16) && sel.x_stride % 4 == 0;
+            if n_sel >= mma_from()
+                && m.cols.is_multiple_of(32)
+                && aligned
+                && self.on(Variant::F16Mma)
+            {
                 return self.matvec_f16_tokens_mma(m, x, y, n_sel, sel);
             }
             return self.matvec_f16_tokens(m, x, y, n_sel, sel);
@@ -312,8 +318,8 @@ impl Launcher<'_> {
             .arg(&ks_arg)
             .arg(&n_arg);
         // SAFETY: argument order matches F16_MMA_KERNEL in mma_tokens_f16.cu; x holds
-        // n_tok rows at sel.x_stride (16-byte aligned rows: cols is a multiple of 32) and
-        // y n_tok rows at sel.y_stride (caller, as for `matvec`).
+        // n_tok rows at sel.x_stride, 16-byte aligned (checked by `matvec`), and y n_tok
+        // rows at sel.y_stride (caller, as for `matvec`).
         unsafe { self.launch_timed(name, &mut b, cfg) }?;
         Ok(())
     }
