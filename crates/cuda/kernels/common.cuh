@@ -69,6 +69,51 @@ __device__ __forceinline__ void mm_mma_tf32(float (&c)[4], float a0, float a1, f
           "r"(__float_as_uint(a3)), "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
 }
 
+// The end of a 16-row warp tile of the step's tensor-core products (mma_tokens.cu,
+// mma_tokens_f16.cu): lane (g, t)'s accumulators acc[tt][i] — row row0 + g (+ 8 for
+// i ≥ 2), token 8·tt + 2t + (i & 1) — to y[tok · y_stride + row] for live rows and
+// tokens; with the tile split over ks warps (this one split `split` of them), through
+// `red` and the tile's first warp, which adds the splits in order.
+template <int NT>
+__device__ __forceinline__ void mma_tile_store(float (&red)[MMA_TOKENS_MAX_KS][16][8 * NT],
+                                               const float (&acc)[NT][4], int row0, int rows,
+                                               int n_tok, float* __restrict__ y, i64 y_stride,
+                                               int ks, int split) {
+    const int lane = threadIdx.x, w = threadIdx.y;
+    const int g = lane >> 2, t = lane & 3;
+    auto store = [&](int r, int tok, float v) {
+        if (r < rows && tok < n_tok) y[tok * y_stride + r] = v;
+    };
+    if (ks == 1) {
+#pragma unroll
+        for (int tt = 0; tt < NT; ++tt) {
+            const int t0 = 8 * tt + 2 * t;
+            store(row0 + g, t0, acc[tt][0]);
+            store(row0 + g, t0 + 1, acc[tt][1]);
+            store(row0 + g + 8, t0, acc[tt][2]);
+            store(row0 + g + 8, t0 + 1, acc[tt][3]);
+        }
+        return;
+    }
+#pragma unroll
+    for (int tt = 0; tt < NT; ++tt) {
+        const int t0 = 8 * tt + 2 * t;
+        red[w][g][t0] = acc[tt][0];
+        red[w][g][t0 + 1] = acc[tt][1];
+        red[w][g + 8][t0] = acc[tt][2];
+        red[w][g + 8][t0 + 1] = acc[tt][3];
+    }
+    __syncthreads();
+    if (split != 0) return;
+    // 16 rows × 8·NT tokens.
+    for (int i = lane; i < 16 * 8 * NT; i += WARP) {
+        const int r = i / (8 * NT), tok = i % (8 * NT);
+        float s = 0.f;
+        for (int k = 0; k < ks; ++k) s += red[w + k][r][tok];
+        store(row0 + r, tok, s);
+    }
+}
+
 // c += A·B, mma.sync m16n8k16 with fp16 inputs and f32 accumulators (the prefill
 // attention's and the fp16 GEMM's).
 __device__ __forceinline__ void mma_f16_f32(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3,

@@ -156,35 +156,7 @@ __device__ __forceinline__ void matvec_q8_0_q8_mma_body(
         }
     }
     PDL_TRIGGER();
-    auto store = [&](int r, int tok, float v) {
-        if (r < rows && tok < n_tok) y[tok * sel.y_stride + r] = v;
-    };
-    if (ks == 1) {
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-            store(ra, tc[t][0], acc[t][0]);
-            store(ra, tc[t][1], acc[t][1]);
-            store(rb, tc[t][0], acc[t][2]);
-            store(rb, tc[t][1], acc[t][3]);
-        }
-        return;
-    }
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-        red[w][g][tc[t][0]] = acc[t][0];
-        red[w][g][tc[t][1]] = acc[t][1];
-        red[w][g + 8][tc[t][0]] = acc[t][2];
-        red[w][g + 8][tc[t][1]] = acc[t][3];
-    }
-    __syncthreads();
-    if (split != 0) return;
-    // The tile's first warp sums the splits in order: 16 rows × 8·NT tokens.
-    for (int i = lane; i < 16 * 8 * NT; i += WARP) {
-        const int r = i / (8 * NT), tok = i % (8 * NT);
-        float s = 0.f;
-        for (int k = 0; k < ks; ++k) s += red[w + k][r][tok];
-        store(row0 + r, tok, s);
-    }
+    mma_tile_store<NT>(red, acc, row0, rows, n_tok, y, sel.y_stride, ks, split);
 }
 
 #define Q8_MMA_KERNEL(NAME, NT)                                                             \

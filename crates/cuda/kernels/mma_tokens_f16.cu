@@ -115,34 +115,7 @@ __device__ __forceinline__ void matvec_f16_mma_body(const u16* __restrict__ w,
         }
     }
     PDL_TRIGGER();
-    auto store = [&](int r, int tok, float v) {
-        if (r < rows && tok < n_tok) y[tok * sel.y_stride + r] = v;
-    };
-#pragma unroll
-    for (int tt = 0; tt < NT; ++tt) {
-        const int t0 = 8 * tt + 2 * t;
-        if (ks == 1) {
-            store(ra, t0, acc[tt][0]);
-            store(ra, t0 + 1, acc[tt][1]);
-            store(rb, t0, acc[tt][2]);
-            store(rb, t0 + 1, acc[tt][3]);
-        } else {
-            red[wq][g][t0] = acc[tt][0];
-            red[wq][g][t0 + 1] = acc[tt][1];
-            red[wq][g + 8][t0] = acc[tt][2];
-            red[wq][g + 8][t0 + 1] = acc[tt][3];
-        }
-    }
-    if (ks == 1) return;
-    __syncthreads();
-    if (split != 0) return;
-    // The tile's first warp adds the splits in order: 16 rows × 8·NT tokens.
-    for (int i = lane; i < 16 * 8 * NT; i += WARP) {
-        const int r = i / (8 * NT), tok = i % (8 * NT);
-        float s = 0.f;
-        for (int k = 0; k < ks; ++k) s += red[wq + k][r][tok];
-        store(row0 + r, tok, s);
-    }
+    mma_tile_store<NT>(red, acc, row0, rows, n_tok, y, sel.y_stride, ks, split);
 }
 
 #define F16_MMA_KERNEL(NAME, NT)                                                           \

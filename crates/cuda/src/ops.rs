@@ -253,10 +253,26 @@ impl Launcher<'_> {
             8 => "matvec_f16_t8",
             _ => "matvec_f16_t16",
         };
+        let blocks = (m.rows as u32).div_ceil(ROWS_PER_BLOCK / ks);
+        self.launch_f16_tokens(name, (blocks, ROWS_PER_BLOCK, ks), m, (x, y), n_tok, sel)
+    }
+
+    /// Launches a multi-token F16 kernel (`matvec_f16_t{T}` or `matvec_f16_mma8/16`: the
+    /// same parameters) over `blocks` blocks of `warps` warps, `ks` warps a row (or a
+    /// row tile).
+    fn launch_f16_tokens(
+        &self,
+        name: &'static str,
+        (blocks, warps, ks): (u32, u32, u32),
+        m: &DeviceMatrix,
+        (x, y): (u64, u64),
+        n_tok: usize,
+        sel: MatSel,
+    ) -> Result<(), CudaError> {
         let f = self.func(name)?;
         let cfg = LaunchConfig {
-            grid_dim: ((m.rows as u32).div_ceil(ROWS_PER_BLOCK / ks), 1, 1),
-            block_dim: (32, ROWS_PER_BLOCK, 1),
+            grid_dim: (blocks, 1, 1),
+            block_dim: (32, warps, 1),
             shared_mem_bytes: 0,
         };
         let w = m.part_ptr(self, 0);
@@ -270,8 +286,10 @@ impl Launcher<'_> {
             .arg(&sel)
             .arg(&ks_arg)
             .arg(&n_arg);
-        // SAFETY: argument order matches F16_TOK_KERNEL in matvec.cu; x holds n_tok rows
-        // at sel.x_stride and y n_tok rows at sel.y_stride (caller, as for `matvec`).
+        // SAFETY: argument order matches F16_TOK_KERNEL in matvec.cu and F16_MMA_KERNEL
+        // in mma_tokens_f16.cu (the same list); x holds n_tok rows at sel.x_stride (16-byte
+        // aligned for the mma kernels: checked by `matvec`) and y n_tok rows at
+        // sel.y_stride (caller, as for `matvec`).
         unsafe { self.launch_timed(name, &mut b, cfg) }?;
         Ok(())
     }
@@ -294,34 +312,9 @@ impl Launcher<'_> {
             "matvec_f16_mma16"
         };
         let tiles = m.rows.div_ceil(16);
-        let ks = (4096 / tiles.max(1))
-            .clamp(1, MMA_TOKENS_MAX_KS)
-            .next_power_of_two()
-            .min(MMA_TOKENS_MAX_KS) as u32;
-        let warps = ks.max(ROWS_PER_BLOCK);
-        let tiles_per_block = warps / ks;
-        let f = self.func(name)?;
-        let cfg = LaunchConfig {
-            grid_dim: ((tiles as u32).div_ceil(tiles_per_block), 1, 1),
-            block_dim: (32, warps, 1),
-            shared_mem_bytes: 0,
-        };
-        let w = m.part_ptr(self, 0);
-        let (rows, cols, ks_arg, n_arg) = (m.rows as i32, m.cols as i32, ks as i32, n_tok as i32);
-        let mut b = self.launch_stream().launch_builder(&f);
-        b.arg(&w)
-            .arg(&x)
-            .arg(&y)
-            .arg(&rows)
-            .arg(&cols)
-            .arg(&sel)
-            .arg(&ks_arg)
-            .arg(&n_arg);
-        // SAFETY: argument order matches F16_MMA_KERNEL in mma_tokens_f16.cu; x holds
-        // n_tok rows at sel.x_stride, 16-byte aligned (checked by `matvec`), and y n_tok
-        // rows at sel.y_stride (caller, as for `matvec`).
-        unsafe { self.launch_timed(name, &mut b, cfg) }?;
-        Ok(())
+        let (ks, warps, tiles_per_block) = mma_split(tiles, 4096, MMA_TOKENS_MAX_KS);
+        let blocks = (tiles as u32).div_ceil(tiles_per_block);
+        self.launch_f16_tokens(name, (blocks, warps, ks), m, (x, y), n_tok, sel)
     }
 
     /// Safe single-matrix product: `y = W · x`.
@@ -1076,15 +1069,22 @@ impl Launcher<'_> {
         } else {
             (1024, ROWS_PER_BLOCK as usize)
         };
-        let ks = (target / (tiles * groups).max(1))
-            .clamp(1, max_ks)
-            .next_power_of_two()
-            .min(max_ks) as u32;
-        let warps = ks.max(ROWS_PER_BLOCK);
-        let tiles_per_block = warps / ks;
+        let (ks, warps, tiles_per_block) = mma_split(tiles * groups, target, max_ks);
         let grid = ((tiles as u32).div_ceil(tiles_per_block), groups as u32);
         self.launch_q8_tokens(name, grid, warps, m, xq, y, bt, sel, ks)
     }
+}
+
+/// The split of the tensor-core token products' `tiles` 16-row tiles (over all groups)
+/// so that about `target` warps stream the weights: (`ks` warps a tile, a power of two up
+/// to `max_ks`; warps a block; tiles a block).
+fn mma_split(tiles: usize, target: usize, max_ks: usize) -> (u32, u32, u32) {
+    let ks = (target / tiles.max(1))
+        .clamp(1, max_ks)
+        .next_power_of_two()
+        .min(max_ks) as u32;
+    let warps = ks.max(ROWS_PER_BLOCK);
+    (ks, warps, warps / ks)
 }
 
 /// Tokens from which a step's plain Q8_0 and F16 products take the tensor-core kernels
