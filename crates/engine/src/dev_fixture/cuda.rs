@@ -278,16 +278,21 @@ impl DeltaStats {
         } else {
             (bound, 0.02, bound / 10.0)
         };
-        let nf = n.max(1) as f64;
-        let p = (n.saturating_sub(floor.agree) as f64 / nf).max(min_rate);
-        let allowed = (nf * p + 3.0 * (nf * p * (1.0 - p)).sqrt()).floor() as usize;
+        let (mean, sd) = floor.disagreements(n, min_rate);
+        let allowed = (mean + 3.0 * sd).floor() as usize;
         self.median <= typical.max(4.0 * floor.median)
             && self.p95 <= tail.max(4.0 * floor.p95)
             && self.agree + allowed >= n
     }
-}
 
-impl DeltaStats {
+    /// The mean and standard deviation of a binomial count of argmax disagreements over
+    /// `n` positions at this run's disagreement rate (at least `min_rate`).
+    fn disagreements(&self, n: usize, min_rate: f64) -> (f64, f64) {
+        let nf = n.max(1) as f64;
+        let p = (n.saturating_sub(self.agree) as f64 / nf).max(min_rate);
+        (nf * p, (nf * p * (1.0 - p)).sqrt())
+    }
+
     /// Whether a run whose distance to a reference is `self` is as accurate as one at
     /// `base` from the same reference over `n` positions: median and p95 within 1.5×
     /// (room for a path that tips other near-ties than `base`; the fp16 expert GEMMs on
@@ -296,9 +301,7 @@ impl DeltaStats {
     /// standard deviations of a binomial count at `base`'s disagreement rate (at least
     /// 2%). A wrong row, scale or token moves a run far past this.
     fn as_accurate_as(&self, base: &DeltaStats, n: usize) -> bool {
-        let nf = n.max(1) as f64;
-        let p = (n.saturating_sub(base.agree) as f64 / nf).max(0.02);
-        let allowed = (3.0 * (nf * p * (1.0 - p)).sqrt()).ceil() as usize;
+        let allowed = (3.0 * base.disagreements(n, 0.02).1).ceil() as usize;
         self.median <= 1.5 * base.median
             && self.p95 <= 1.5 * base.p95
             && self.agree + allowed >= base.agree
