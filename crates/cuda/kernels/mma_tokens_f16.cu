@@ -24,6 +24,11 @@
 
 #define F16MMA_SPANS 2  // spans a warp has in flight per step
 
+// Each of a tile's `ks` warps takes a contiguous range of spans, whole steps of U: the
+// addresses only advance and no load is predicated (rows and tokens past the end read
+// row or token 0, valid memory, and are never stored). The first form recomputed
+// addresses and predicates for every load: ~290 instructions a 2-span step, of which
+// ~100 loads and arithmetic.
 template <int NT>
 __device__ __forceinline__ void matvec_f16_mma_body(const u16* __restrict__ w,
                                                     const float* __restrict__ x,
@@ -34,61 +39,61 @@ __device__ __forceinline__ void matvec_f16_mma_body(const u16* __restrict__ w,
     const int g = lane >> 2, t = lane & 3;
     const int tile = wq / ks, split = wq % ks;
     const int row0 = (blockIdx.x * (blockDim.y / ks) + tile) * 16;
-    const int ra = row0 + g, rb = row0 + g + 8;
-    const bool oka = ra < rows, okb = rb < rows;
-    const u16* pa = w + (i64)(oka ? ra : 0) * cols + 8 * t;
-    const u16* pb = w + (i64)(okb ? rb : 0) * cols + 8 * t;
+    constexpr int U = F16MMA_SPANS;
+    const int ns = cols / 32;  // even (cols a multiple of 64: the launcher checks)
+    const int chunk = ((ns + ks - 1) / ks + U - 1) / U * U;
+    const int sbeg = min(ns, split * chunk), send = min(ns, sbeg + chunk);
+    const int nsteps = (send - sbeg) / U;
+    const int ra = row0 + g < rows ? row0 + g : 0;
+    const int rb = row0 + g + 8 < rows ? row0 + g + 8 : 0;
+    const u16* pa = w + (i64)ra * cols + 8 * t + 32 * sbeg;
+    const u16* pb = w + (i64)rb * cols + 8 * t + 32 * sbeg;
     const i64 xs = sel.x_stride;
     const float* px[NT];
-    bool okx[NT];
 #pragma unroll
     for (int tt = 0; tt < NT; ++tt) {
         const int tok = 8 * tt + g;
-        okx[tt] = tok < n_tok;
-        px[tt] = x + (i64)(okx[tt] ? tok : 0) * xs + 8 * t;
+        px[tt] = x + (i64)(tok < n_tok ? tok : 0) * xs + 8 * t + 32 * sbeg;
     }
-    const int ns = cols / 32;
-    constexpr int U = F16MMA_SPANS;
     float acc[NT][4];
 #pragma unroll
     for (int tt = 0; tt < NT; ++tt) acc[tt][0] = acc[tt][1] = acc[tt][2] = acc[tt][3] = 0.f;
-    const uint4 zero4 = make_uint4(0u, 0u, 0u, 0u);
     uint4 wa[U], wb[U];
-    // A step's weights: spans s0, s0 + ks, … (the matrix is plain: the first step's are
-    // loaded before the PDL wait, as the one-token F16 kernel's).
-    auto load_w = [&](int s0) {
+    // A step's weights (the matrix is plain: the first step's are loaded before the PDL
+    // wait, as the one-token F16 kernel's).
+    auto load_w = [&]() {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int s = s0 + u * ks;
-            wa[u] = s < ns && oka ? ld_stream16(pa + s * 32) : zero4;
-            wb[u] = s < ns && okb ? ld_stream16(pb + s * 32) : zero4;
+            wa[u] = ld_stream16(pa + 32 * u);
+            wb[u] = ld_stream16(pb + 32 * u);
         }
+        pa += 32 * U;
+        pb += 32 * U;
     };
-    load_w(split);
+    if (nsteps > 0) load_w();
     PDL_WAIT();
-    for (int s0 = split; s0 < ns; s0 += U * ks) {
+    for (int i = 0; i < nsteps; ++i) {
         float4 xv[U][NT][2];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int s = s0 + u * ks;
 #pragma unroll
             for (int tt = 0; tt < NT; ++tt) {
-                const bool live = s < ns && okx[tt];
-                const float4* p = reinterpret_cast<const float4*>(px[tt] + s * 32);
-                xv[u][tt][0] = live ? p[0] : make_float4(0.f, 0.f, 0.f, 0.f);
-                xv[u][tt][1] = live ? p[1] : make_float4(0.f, 0.f, 0.f, 0.f);
+                const float4* p = reinterpret_cast<const float4*>(px[tt] + 32 * u);
+                xv[u][tt][0] = p[0];
+                xv[u][tt][1] = p[1];
             }
         }
+#pragma unroll
+        for (int tt = 0; tt < NT; ++tt) px[tt] += 32 * U;
         uint4 ca[U], cb[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             ca[u] = wa[u];
             cb[u] = wb[u];
         }
-        load_w(s0 + U * ks);  // the next step's weights while this one is multiplied
+        if (i + 1 < nsteps) load_w();  // the next step's weights while this one is multiplied
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            if (s0 + u * ks >= ns) break;  // the same for every lane of the warp
             const u32 va[4] = {ca[u].x, ca[u].y, ca[u].z, ca[u].w};
             const u32 vb[4] = {cb[u].x, cb[u].y, cb[u].z, cb[u].w};
 #pragma unroll
@@ -110,7 +115,7 @@ __device__ __forceinline__ void matvec_f16_mma_body(const u16* __restrict__ w,
                     mm_mma_tf32(part, a0, a1, a2, a3, h0, h1);
                 }
 #pragma unroll
-                for (int i = 0; i < 4; ++i) acc[tt][i] += part[i];
+                for (int i2 = 0; i2 < 4; ++i2) acc[tt][i2] += part[i2];
             }
         }
     }

@@ -170,11 +170,7 @@ impl Launcher<'_> {
         {
             // (float4 activation loads: 16-byte aligned rows.)
             let aligned = x.is_multiple_of(16) && sel.x_stride % 4 == 0;
-            if n_sel >= mma_from()
-                && m.cols.is_multiple_of(32)
-                && aligned
-                && self.on(Variant::F16Mma)
-            {
+            if n_sel >= mma_from() && f16_mma_fits(m.cols) && aligned && self.on(Variant::F16Mma) {
                 return self.matvec_f16_tokens_mma(m, x, y, n_sel, sel);
             }
             return self.matvec_f16_tokens(m, x, y, n_sel, sel);
@@ -295,9 +291,10 @@ impl Launcher<'_> {
     }
 
     /// [`Launcher::matvec_f16_tokens`] for 8..=16 tokens on tf32 tensor cores
-    /// (`f16_mma`, kernels/mma_tokens_f16.cu; rows of a multiple of 32 columns): warp
+    /// (`f16_mma`, kernels/mma_tokens_f16.cu; rows of a multiple of 64 columns): warp
     /// tiles of 16 rows, split over `ks` warps as the Q8_0 tensor-core products
-    /// (`matvec_q8_tokens_mma`) so that ~4,096 warps stream the weights.
+    /// (`matvec_q8_tokens_mma`) so that ~4,096 warps stream the weights, each warp whole
+    /// steps of 2 spans of 32 columns.
     fn matvec_f16_tokens_mma(
         &self,
         m: &DeviceMatrix,
@@ -312,7 +309,8 @@ impl Launcher<'_> {
             "matvec_f16_mma16"
         };
         let tiles = m.rows.div_ceil(16);
-        let (ks, warps, tiles_per_block) = mma_split(tiles, 4096, MMA_TOKENS_MAX_KS);
+        let max_ks = MMA_TOKENS_MAX_KS.min(prev_power_of_two((m.cols / 64).max(1)));
+        let (ks, warps, tiles_per_block) = mma_split(tiles, 4096, max_ks);
         let blocks = (tiles as u32).div_ceil(tiles_per_block);
         self.launch_f16_tokens(name, (blocks, warps, ks), m, (x, y), n_tok, sel)
     }
@@ -947,13 +945,9 @@ impl Launcher<'_> {
         // The tensor-core form from 8 tokens (one full tile): at 2 and 4 tokens the dp4a
         // kernels were faster (H200, 8 layers: R = 2 1.95 against 2.3 ms a step), at 8
         // and 16 sessions the tensor cores (5.4 → 5.1, 11.3 → 9.9 ms; bench/RESULTS.md v24).
-        // (Rows and token strides of a multiple of 64 columns: the kernel reads a pair of
-        // blocks' scales in one load.)
         if n_tok >= mma_from()
             && self.on(Variant::TokensMma)
-            && m.cols.is_multiple_of(64)
-            && bt.x_tok.is_multiple_of(64)
-            && bt.x_grp.is_multiple_of(64)
+            && tokens_mma_fits(m.cols, bt.x_tok, bt.x_grp)
         {
             return self.matvec_q8_tokens_mma(m, xq, y, bt, sel);
         }
@@ -1069,6 +1063,10 @@ impl Launcher<'_> {
         } else {
             (1024, ROWS_PER_BLOCK as usize)
         };
+        // A warp takes whole steps of pairs of blocks (4 pairs for 8 tokens, 2 for 16):
+        // no more warps a tile than a row has steps.
+        let steps = m.cols / 64 / if n_tok <= 8 { 4 } else { 2 };
+        let max_ks = max_ks.min(prev_power_of_two(steps.max(1)));
         let (ks, warps, tiles_per_block) = mma_split(tiles * groups, target, max_ks);
         let grid = ((tiles as u32).div_ceil(tiles_per_block), groups as u32);
         self.launch_q8_tokens(name, grid, warps, m, xq, y, bt, sel, ks)
@@ -1085,6 +1083,26 @@ fn mma_split(tiles: usize, target: usize, max_ks: usize) -> (u32, u32, u32) {
         .min(max_ks) as u32;
     let warps = ks.max(ROWS_PER_BLOCK);
     (ks, warps, warps / ks)
+}
+
+/// Whether the tensor-core token products take a Q8_0 matrix of `cols` columns with
+/// activations `x_tok` apart a token and `x_grp` a group: rows of a multiple of 256
+/// columns and strides of 128, as the kernel reads a step's weight scales and
+/// activation scales in 16-byte loads (every product of the model fits; the gpu-selftest
+/// check asserts its shapes do).
+pub(crate) fn tokens_mma_fits(cols: usize, x_tok: usize, x_grp: usize) -> bool {
+    cols.is_multiple_of(256) && x_tok.is_multiple_of(128) && x_grp.is_multiple_of(128)
+}
+
+/// Whether the tf32 tensor-core token products (`f16_mma`) take an F16 matrix of `cols`
+/// columns: whole 2-span steps of 32 columns, so a multiple of 64.
+pub(crate) fn f16_mma_fits(cols: usize) -> bool {
+    cols.is_multiple_of(64)
+}
+
+/// The largest power of two ≤ `n` (n ≥ 1).
+fn prev_power_of_two(n: usize) -> usize {
+    1 << (usize::BITS - 1 - n.leading_zeros())
 }
 
 /// Tokens from which a step's plain Q8_0 and F16 products take the tensor-core kernels

@@ -163,6 +163,11 @@ fn check_tokens_mma(gpu: &Launcher, rng: &mut Rng) -> Result<Vec<Check>> {
         let w = random_matrix(GgmlType::Q8_0, rows, cols, groups, rng);
         let m = DeviceMatrix::upload(gpu, GgmlType::Q8_0, &w, rows, cols, groups)?;
         let (x_tok, y_tok) = (groups * cols, groups * rows);
+        // (Batch::grouped's strides: the check must reach the tensor-core kernel.)
+        anyhow::ensure!(
+            crate::ops::tokens_mma_fits(cols, x_tok, cols),
+            "{rows}x{cols}: not a tensor-core token product"
+        );
         let mut worst = 0.0f64;
         for n in [8usize, 9, 13, 16] {
             let x = random_vec(n * x_tok, rng);
@@ -243,6 +248,10 @@ fn check_f16_mma(gpu: &Launcher, rng: &mut Rng) -> Result<Vec<Check>> {
             .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f64())
             .collect();
         let m = DeviceMatrix::upload(gpu, GgmlType::F16, &w, rows, cols, 1)?;
+        anyhow::ensure!(
+            crate::ops::f16_mma_fits(cols),
+            "{rows}x{cols}: not a tensor-core F16 token product"
+        );
         let (mut vs_f64, mut vs_fma) = (0.0f64, 0.0f64);
         for n in [8usize, 9, 13, 16] {
             let x = random_vec(n * cols, rng);
