@@ -505,10 +505,9 @@ extern "C" __global__ void __launch_bounds__(256) quantize_q8_k32_rep(const floa
 
 // One Q8_0 block of a row: 32 weight bytes (w0, w1) with scale dq against the 32 int8
 // activations at xb with scale xs.
-__device__ __forceinline__ float q8_block_dot(const uint4 w0, const uint4 w1, u16 dq,
-                                              const i8* __restrict__ xb, float xs) {
-    const int4 x0 = *reinterpret_cast<const int4*>(xb);
-    const int4 x1 = *reinterpret_cast<const int4*>(xb + 16);
+// q8_block_dot with the block's activations already loaded (x0, x1).
+__device__ __forceinline__ float q8_block_dot_x(const uint4 w0, const uint4 w1, u16 dq,
+                                                const int4 x0, const int4 x1, float xs) {
     int s = __dp4a((int)w0.x, x0.x, 0);
     s = __dp4a((int)w0.y, x0.y, s);
     s = __dp4a((int)w0.z, x0.z, s);
@@ -518,6 +517,11 @@ __device__ __forceinline__ float q8_block_dot(const uint4 w0, const uint4 w1, u1
     s = __dp4a((int)w1.z, x1.z, s);
     s = __dp4a((int)w1.w, x1.w, s);
     return (h2f(dq) * xs) * (float)s;
+}
+__device__ __forceinline__ float q8_block_dot(const uint4 w0, const uint4 w1, u16 dq,
+                                              const i8* __restrict__ xb, float xs) {
+    return q8_block_dot_x(w0, w1, dq, *reinterpret_cast<const int4*>(xb),
+                          *reinterpret_cast<const int4*>(xb + 16), xs);
 }
 
 // EARLY: the lane's first Q8_EARLY_STEPS weight blocks are loaded before
@@ -612,11 +616,15 @@ __device__ __forceinline__ void matvec_q8_0_q8_rows_body(
     const u16* dr = dw + m * mat_d;
     uint4 w0[R], w1[R];
     u16 dq[R];
+    // Rows past the last read the last (their sums are not stored): no branch a row, so
+    // the step's activation loads are issued once, with its weight loads. (With a branch
+    // a row each row reloaded the block's activations after its weights arrived: R
+    // L1 round trips one after another a step.)
     auto load = [&](int b) {
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            const int row = row0 + r;
-            if (row < rows && b < nb) {
+            const int row = min(row0 + r, rows - 1);
+            if (b < nb) {
                 w0[r] = ld_stream16(q + (i64)row * cols + b * 32);
                 w1[r] = ld_stream16(q + (i64)row * cols + b * 32 + 16);
                 dq[r] = dr[(i64)row * nb + b];
@@ -632,9 +640,11 @@ __device__ __forceinline__ void matvec_q8_0_q8_rows_body(
     for (int r = 0; r < R; ++r) acc[r] = 0.f;
     for (int b = lane; b < nb; b += WARP) {
         if (b != lane) load(b);
+        const int4 x0 = *reinterpret_cast<const int4*>(xq + b * 32);
+        const int4 x1 = *reinterpret_cast<const int4*>(xq + b * 32 + 16);
+        const float xs = xd[b];
 #pragma unroll
-        for (int r = 0; r < R; ++r)
-            if (row0 + r < rows) acc[r] += q8_block_dot(w0[r], w1[r], dq[r], xq + b * 32, xd[b]);
+        for (int r = 0; r < R; ++r) acc[r] += q8_block_dot_x(w0[r], w1[r], dq[r], x0, x1, xs);
     }
     PDL_TRIGGER();
 #pragma unroll
@@ -689,28 +699,42 @@ __device__ __forceinline__ void matvec_q8_0_q8_tok_body(
     constexpr int P = R >= 4 ? 1 : (R == 2 ? 2 : Q8_EARLY_STEPS);
     uint4 w0[P][R], w1[P][R];
     u16 dq[P][R];
+    // Rows past the last read the last and tokens past n_tok the first (their sums are
+    // not stored): no branch a row or token, so a step's activation loads are issued
+    // together, ahead of its products (with a branch each (row, token) reloaded its
+    // activations after the weights arrived: R·T L1 round trips one after another).
     auto load = [&](int u, int b) {
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            if (row0 + r < rows && b < nb) {
-                const i8* q = qs + (i64)(row0 + r) * cols + b * 32;
+            if (b < nb) {
+                const int row = min(row0 + r, rows - 1);
+                const i8* q = qs + (i64)row * cols + b * 32;
                 w0[u][r] = ld_stream16(q);
                 w1[u][r] = ld_stream16(q + 16);
-                dq[u][r] = dw[(i64)(row0 + r) * nb + b];
+                dq[u][r] = dw[(i64)row * nb + b];
             }
         }
     };
+    constexpr int TC = T < 4 ? T : 4;  // tokens whose activations are held at once
     auto dot = [&](int u, int b) {
 #pragma unroll
-        for (int t = 0; t < T; ++t) {
-            if (t < n_tok) {
-                const i8* x = xq + t * xs + b * 32;
-                const float d = xd[t * (xs / 32) + b];
+        for (int t0 = 0; t0 < T; t0 += TC) {
+            int4 x0[TC], x1[TC];
+            float d[TC];
+#pragma unroll
+            for (int c = 0; c < TC; ++c) {
+                const int tk = t0 + c < n_tok ? t0 + c : 0;
+                const i8* x = xq + tk * xs + b * 32;
+                x0[c] = *reinterpret_cast<const int4*>(x);
+                x1[c] = *reinterpret_cast<const int4*>(x + 16);
+                d[c] = xd[tk * (xs / 32) + b];
+            }
+#pragma unroll
+            for (int c = 0; c < TC; ++c)
 #pragma unroll
                 for (int r = 0; r < R; ++r)
-                    if (row0 + r < rows)
-                        acc[r][t] += q8_block_dot(w0[u][r], w1[u][r], dq[u][r], x, d);
-            }
+                    acc[r][t0 + c] +=
+                        q8_block_dot_x(w0[u][r], w1[u][r], dq[u][r], x0[c], x1[c], d[c]);
         }
     };
 #pragma unroll
