@@ -18,6 +18,17 @@ typedef unsigned long long u64;
 // starts by waiting for its upstream grids to complete and their writes to be
 // visible; without a programmatic edge this is a no-op.
 #define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+// PDL_WAIT after loads issued ahead of it (the plain matrices' first weights): in its
+// own basic block, behind a branch on `never` (a runtime value that is never nonzero,
+// e.g. a row count < 0), because ptxas moves griddepcontrol.wait to the top of the block
+// it sits in — above loads in that block, which then no longer overlap the previous
+// kernel (the SASS of matvec_q8_0_q8_early, matvec_f16_early and the F16 token kernels
+// had the wait first).
+#define PDL_WAIT_AFTER_LOADS(never)                                                       \
+    asm volatile(                                                                       \
+        "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, %0, 0;\n\t@p bra.uni PDLW_SKIP;\n\t"        \
+        "griddepcontrol.wait;\n\tPDLW_SKIP:\n\t}" ::"r"((int)(never))                       \
+        : "memory")
 // Lets the next grid launch (its blocks then wait in PDL_WAIT) once every block of this
 // one has passed here or exited: called after a block's last load of weights.
 #define PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
@@ -162,6 +173,35 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
     asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
         : "l"(p));
+    return v;
+}
+
+// Loads meant to run before PDL_WAIT (a plain matrix's first weights, streamed while
+// the previous kernel drains). asm volatile keeps them ahead of the wait, itself asm
+// volatile: plain loads, and ld_stream16's non-volatile asm, were sunk by the compiler
+// below the wait to where their values are used (the SASS of matvec_q8_0_q8_early,
+// matvec_f16_early, the F16 token kernels and matvec_q8_0_q8_mma16 had griddepcontrol
+// .wait before their first weight load).
+__device__ __forceinline__ uint4 ld_early16(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint2 ld_early8(const void* p) {
+    uint2 v;
+    asm volatile("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ u32 ld_early4(const void* p) {
+    u32 v;
+    asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ u16 ld_early2(const void* p) {
+    u16 v;
+    asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
     return v;
 }
 

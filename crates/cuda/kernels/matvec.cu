@@ -32,10 +32,13 @@ __device__ __forceinline__ float dot2_h(u32 h, float a, float b) {
 }
 
 // 8 f16 weights (16 bytes) · 8 f32 activations at x.
-__device__ __forceinline__ float dot8_h(const uint4 v, const float* x) {
-    const float4 x0 = ldx4(x), x1 = ldx4(x + 4);
+// dot8_h with the 8 activations already loaded.
+__device__ __forceinline__ float dot8_h_x(const uint4 v, const float4 x0, const float4 x1) {
     return dot2_h(v.x, x0.x, x0.y) + dot2_h(v.y, x0.z, x0.w) + dot2_h(v.z, x1.x, x1.y) +
            dot2_h(v.w, x1.z, x1.w);
+}
+__device__ __forceinline__ float dot8_h(const uint4 v, const float* x) {
+    return dot8_h_x(v, ldx4(x), ldx4(x + 4));
 }
 
 // F16: [rows][cols] f16 (GGUF layout). EARLY (matvec_f16_early): a lane's first
@@ -61,16 +64,32 @@ __device__ __forceinline__ void matvec_f16_body(const u16* __restrict__ w, i64 m
     const int c0 = (split * WARP + threadIdx.x) * 8, cstep = ks * WARP * 8;
     int c = c0;
     if (EARLY && vec8) {
+        // Unconditional loads (a row past the last reads the last, a step past the row
+        // the row's first 8): ptxas moved griddepcontrol.wait above loads that sat in
+        // branches, so they no longer overlapped the previous kernel.
+        const u16* rc = w + m * mat_w + (i64)(row < rows ? row : rows - 1) * cols;
         uint4 wv[F16_EARLY_STEPS];
 #pragma unroll
         for (int u = 0; u < F16_EARLY_STEPS; ++u)
-            if (row < rows && c0 + u * cstep < cols)
-                wv[u] = __ldg(reinterpret_cast<const uint4*>(r + c0 + u * cstep));
-        PDL_WAIT();
+            wv[u] = ld_early16(rc + (c0 + u * cstep < cols ? c0 + u * cstep : 0));
+        PDL_WAIT_AFTER_LOADS(rows < 0);
         if (row < rows) {
+            // Every prefetched step's activations first, then the products in step
+            // order; a step past the row is computed on the row's first 8 and not added.
+            // (With a branch a step the compiler moved each step's loads behind the
+            // previous step's products.)
+            float4 xa[F16_EARLY_STEPS], xb[F16_EARLY_STEPS];
 #pragma unroll
-            for (int u = 0; u < F16_EARLY_STEPS; ++u)
-                if (c0 + u * cstep < cols) acc += dot8_h(wv[u], x + c0 + u * cstep);
+            for (int u = 0; u < F16_EARLY_STEPS; ++u) {
+                const int cu = c0 + u * cstep < cols ? c0 + u * cstep : 0;
+                xa[u] = ldx4(x + cu);
+                xb[u] = ldx4(x + cu + 4);
+            }
+#pragma unroll
+            for (int u = 0; u < F16_EARLY_STEPS; ++u) {
+                const float v = dot8_h_x(wv[u], xa[u], xb[u]);
+                if (c0 + u * cstep < cols) acc += v;
+            }
         }
         c = c0 + F16_EARLY_STEPS * cstep;
     } else if (EARLY) {
@@ -287,29 +306,41 @@ __device__ __forceinline__ void matvec_f16_tok_body(const u16* __restrict__ w,
     float acc[T];
 #pragma unroll
     for (int t = 0; t < T; ++t) acc[t] = 0.f;
-    // The first steps' weights before the PDL wait, as matvec_f16_early.
+    // The first steps' weights before the PDL wait, as matvec_f16_early (unconditional
+    // loads: a row past the last reads the last, a step past the row its first 8).
+    const u16* rc = w + (i64)(row < rows ? row : rows - 1) * cols;
     uint4 wv[F16_EARLY_STEPS];
 #pragma unroll
     for (int u = 0; u < F16_EARLY_STEPS; ++u)
-        if (row < rows && c0 + u * cstep < cols)
-            wv[u] = __ldg(reinterpret_cast<const uint4*>(r + c0 + u * cstep));
-    PDL_WAIT();
+        wv[u] = ld_early16(rc + (c0 + u * cstep < cols ? c0 + u * cstep : 0));
+    PDL_WAIT_AFTER_LOADS(rows < 0);
+    // The step's activations of every token are loaded together, ahead of its products
+    // (tokens past n_tok read the first; their sums are not stored): with a branch a
+    // token each token's loads followed the previous token's products, T L1 round trips
+    // one after another a step.
+    constexpr int TC = T < 4 ? T : 4;  // tokens whose activations are held at once
+    auto dot = [&](const uint4 wq, int c) {
+#pragma unroll
+        for (int t0 = 0; t0 < T; t0 += TC) {
+            float4 xa[TC], xb[TC];
+#pragma unroll
+            for (int k = 0; k < TC; ++k) {
+                const float* xp = x + (t0 + k < n_tok ? t0 + k : 0) * sel.x_stride + c;
+                xa[k] = ldx4(xp);
+                xb[k] = ldx4(xp + 4);
+            }
+#pragma unroll
+            for (int k = 0; k < TC; ++k) acc[t0 + k] += dot8_h_x(wq, xa[k], xb[k]);
+        }
+    };
     if (row < rows) {
 #pragma unroll
         for (int u = 0; u < F16_EARLY_STEPS; ++u) {
             const int c = c0 + u * cstep;
-            if (c < cols) {
-#pragma unroll
-                for (int t = 0; t < T; ++t)
-                    if (t < n_tok) acc[t] += dot8_h(wv[u], x + t * sel.x_stride + c);
-            }
+            if (c < cols) dot(wv[u], c);
         }
-        for (int c = c0 + F16_EARLY_STEPS * cstep; c < cols; c += cstep) {
-            const uint4 w1 = __ldg(reinterpret_cast<const uint4*>(r + c));
-#pragma unroll
-            for (int t = 0; t < T; ++t)
-                if (t < n_tok) acc[t] += dot8_h(w1, x + t * sel.x_stride + c);
-        }
+        for (int c = c0 + F16_EARLY_STEPS * cstep; c < cols; c += cstep)
+            dot(__ldg(reinterpret_cast<const uint4*>(r + c)), c);
     }
     PDL_TRIGGER();
 #pragma unroll

@@ -553,21 +553,38 @@ __device__ __forceinline__ void matvec_q8_0_q8_body(
     if (EARLY) {
         uint4 w0[Q8_EARLY_STEPS], w1[Q8_EARLY_STEPS];
         u16 dq[Q8_EARLY_STEPS];
+        // Unconditional loads (a row past the last reads the last, a step past the row
+        // the row's first block): ptxas moved griddepcontrol.wait above loads that sat
+        // in branches, so they no longer overlapped the previous kernel.
+        const i64 rc = row < rows ? row : rows - 1;
+        const i8* qc = qs + m * mat_q + rc * cols;
+        const u16* dc = dw + m * mat_d + rc * nb;
 #pragma unroll
         for (int u = 0; u < Q8_EARLY_STEPS; ++u) {
-            const int bu = b0 + u * bstep;
-            if (row < rows && bu < nb) {
-                w0[u] = ld_stream16(q + bu * 32);
-                w1[u] = ld_stream16(q + bu * 32 + 16);
-                dq[u] = dr[bu];
-            }
+            const int bu = b0 + u * bstep < nb ? b0 + u * bstep : 0;
+            w0[u] = ld_early16(qc + bu * 32);
+            w1[u] = ld_early16(qc + bu * 32 + 16);
+            dq[u] = ld_early2(dc + bu);
         }
-        PDL_WAIT();
+        PDL_WAIT_AFTER_LOADS(rows < 0);
         if (row < rows) {
+            // Every prefetched step's activations first, then the products in step
+            // order; a step past the row is computed on the row's first block and not
+            // added. (With a branch a step the compiler moved each step's loads behind
+            // the previous step's products.)
+            int4 xa[Q8_EARLY_STEPS], xb[Q8_EARLY_STEPS];
+            float xs[Q8_EARLY_STEPS];
 #pragma unroll
             for (int u = 0; u < Q8_EARLY_STEPS; ++u) {
-                const int bu = b0 + u * bstep;
-                if (bu < nb) acc += q8_block_dot(w0[u], w1[u], dq[u], xq + bu * 32, xd[bu]);
+                const int bu = b0 + u * bstep < nb ? b0 + u * bstep : 0;
+                xa[u] = *reinterpret_cast<const int4*>(xq + bu * 32);
+                xb[u] = *reinterpret_cast<const int4*>(xq + bu * 32 + 16);
+                xs[u] = xd[bu];
+            }
+#pragma unroll
+            for (int u = 0; u < Q8_EARLY_STEPS; ++u) {
+                const float v = q8_block_dot_x(w0[u], w1[u], dq[u], xa[u], xb[u], xs[u]);
+                if (b0 + u * bstep < nb) acc += v;
             }
         }
         b = b0 + Q8_EARLY_STEPS * bstep;

@@ -63,15 +63,33 @@ __device__ __forceinline__ void tmma_ld_u32(u32 (&v)[N], const void* p) {
     }
 }
 
-template <int NT, int U>
+template <int N>
+__device__ __forceinline__ void tmma_ld_u32_early(u32 (&v)[N], const void* p) {
+    static_assert(N == 2 || N == 4, "a step is 2 or 4 pairs");
+    if constexpr (N == 4) {
+        const uint4 a = ld_early16(p);
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+    } else {
+        const uint2 a = ld_early8(p);
+        v[0] = a.x, v[1] = a.y;
+    }
+}
+
+// EARLY: the loads before PDL_WAIT (ld_early*: kept ahead of the wait).
+template <int NT, int U, bool EARLY = false>
 __device__ __forceinline__ void tmma_load_w(TmmaW<U>& w, TmmaState<NT>& s) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-        w.wa[u] = ld_stream16(s.pa + 64 * u);
-        w.wb[u] = ld_stream16(s.pb + 64 * u);
+        w.wa[u] = EARLY ? ld_early16(s.pa + 64 * u) : ld_stream16(s.pa + 64 * u);
+        w.wb[u] = EARLY ? ld_early16(s.pb + 64 * u) : ld_stream16(s.pb + 64 * u);
     }
-    tmma_ld_u32<U>(w.sa2, s.da);
-    tmma_ld_u32<U>(w.sb2, s.db);
+    if constexpr (EARLY) {
+        tmma_ld_u32_early<U>(w.sa2, s.da);
+        tmma_ld_u32_early<U>(w.sb2, s.db);
+    } else {
+        tmma_ld_u32<U>(w.sa2, s.da);
+        tmma_ld_u32<U>(w.sb2, s.db);
+    }
     s.pa += 64 * U;
     s.pb += 64 * U;
     s.da += 2 * U;
@@ -204,7 +222,7 @@ __device__ __forceinline__ void matvec_q8_0_q8_mma_body(
     // (np is a multiple of 4 and chunk of U, so a range is whole steps.)
     const int nfull = (pend - pbeg) / U;
     TmmaW<U> wt;
-    if (nfull > 0) tmma_load_w<NT, U>(wt, s);
+    if (nfull > 0) tmma_load_w<NT, U, true>(wt, s);
     PDL_WAIT();
     for (int i = 0; i < nfull; ++i) {
         if (i > 0) tmma_load_w<NT, U>(wt, s);

@@ -46,8 +46,11 @@ __device__ __forceinline__ void matvec_f16_mma_body(const u16* __restrict__ w,
     const int nsteps = (send - sbeg) / U;
     const int ra = row0 + g < rows ? row0 + g : 0;
     const int rb = row0 + g + 8 < rows ? row0 + g + 8 : 0;
-    const u16* pa = w + (i64)ra * cols + 8 * t + 32 * sbeg;
-    const u16* pb = w + (i64)rb * cols + 8 * t + 32 * sbeg;
+    // (A warp without spans loads its row's first step before the wait, unused: the
+    // load is unconditional, or ptxas moves the wait above it.)
+    const int s0 = nsteps > 0 ? sbeg : 0;
+    const u16* pa = w + (i64)ra * cols + 8 * t + 32 * s0;
+    const u16* pb = w + (i64)rb * cols + 8 * t + 32 * s0;
     const i64 xs = sel.x_stride;
     const float* px[NT];
 #pragma unroll
@@ -61,17 +64,23 @@ __device__ __forceinline__ void matvec_f16_mma_body(const u16* __restrict__ w,
     uint4 wa[U], wb[U];
     // A step's weights (the matrix is plain: the first step's are loaded before the PDL
     // wait, as the one-token F16 kernel's).
-    auto load_w = [&]() {
+    // (early: before PDL_WAIT, by ld_early16, which the compiler keeps ahead of it.)
+    auto load_w = [&](bool early) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            wa[u] = ld_stream16(pa + 32 * u);
-            wb[u] = ld_stream16(pb + 32 * u);
+            if (early) {
+                wa[u] = ld_early16(pa + 32 * u);
+                wb[u] = ld_early16(pb + 32 * u);
+            } else {
+                wa[u] = ld_stream16(pa + 32 * u);
+                wb[u] = ld_stream16(pb + 32 * u);
+            }
         }
         pa += 32 * U;
         pb += 32 * U;
     };
-    if (nsteps > 0) load_w();
-    PDL_WAIT();
+    load_w(true);
+    PDL_WAIT_AFTER_LOADS(rows < 0);
     for (int i = 0; i < nsteps; ++i) {
         float4 xv[U][NT][2];
 #pragma unroll
@@ -91,7 +100,7 @@ __device__ __forceinline__ void matvec_f16_mma_body(const u16* __restrict__ w,
             ca[u] = wa[u];
             cb[u] = wb[u];
         }
-        if (i + 1 < nsteps) load_w();  // the next step's weights while this one is multiplied
+        if (i + 1 < nsteps) load_w(false);  // the next step's weights while this one is multiplied
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const u32 va[4] = {ca[u].x, ca[u].y, ca[u].z, ca[u].w};
