@@ -17,8 +17,10 @@ use crate::dev_fixture::{position_deltas, spread, within_tier, Manifest, VARIANT
 use crate::{argmax, Numerics};
 
 /// Prompt lengths of the sessions: one token, inside the 16-token window, across it,
-/// just before and after ratio-4 and ratio-128 rows, and one long prompt.
-const PROMPTS: [usize; 7] = [1, 6, 17, 127, 130, 255, 400];
+/// just before and after ratio-4 and ratio-128 rows, and one long prompt. Eight, so a
+/// step of all of them takes the products' tensor-core paths (`tokens_mma`, `f16_mma`:
+/// from 8 rows) where the fixture's shapes fit them.
+const PROMPTS: [usize; 8] = [1, 6, 17, 127, 130, 255, 258, 400];
 /// Batched steps, then plain tokens per session.
 const STEPS: usize = 12;
 const AFTER: usize = 3;
