@@ -51,6 +51,7 @@ mod probe;
 /// The GPU kernel checks (`ds4-tool gpu-selftest`, `tests/gpu_kernels.rs`).
 pub mod selftest;
 mod steer;
+mod tokens;
 pub mod trace;
 mod upload;
 mod weights;
@@ -63,8 +64,9 @@ pub use hostmem::{HostMapped, Part};
 pub use layer::{Compressor, HcNorm, HcParams, RopeP, WT_BF16, WT_F16, WT_F32, WT_Q8_0};
 pub use matmul::{Batch, RoutePlan, EXP_VARIANT_WIDE};
 pub use matmul_f16::{F16Slot, F16Work};
-pub use ops::{ActRule, MatSel, QuantAct, Q8_TOKENS_MAX};
+pub use ops::{ActRule, MatSel, QuantAct};
 pub use plan::{DecodePlan, Launcher, PlanError, Variant};
+pub use tokens::Q8_TOKENS_MAX;
 
 /// The per-row KV table of a batched step over several sessions (`kvt` of
 /// [`AttnInput`], [`Compressor`], `kv_finish` and `indexer_scores`): per row

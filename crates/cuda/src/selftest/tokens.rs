@@ -165,7 +165,7 @@ fn check_tokens_mma(gpu: &Launcher, rng: &mut Rng) -> Result<Vec<Check>> {
         let (x_tok, y_tok) = (groups * cols, groups * rows);
         // (Batch::grouped's strides: the check must reach the tensor-core kernel.)
         anyhow::ensure!(
-            crate::ops::tokens_mma_fits(cols, x_tok, cols),
+            crate::tokens::tokens_mma_fits(cols, x_tok, cols),
             "{rows}x{cols}: not a tensor-core token product"
         );
         let mut worst = 0.0f64;
@@ -249,7 +249,7 @@ fn check_f16_mma(gpu: &Launcher, rng: &mut Rng) -> Result<Vec<Check>> {
             .collect();
         let m = DeviceMatrix::upload(gpu, GgmlType::F16, &w, rows, cols, 1)?;
         anyhow::ensure!(
-            crate::ops::f16_mma_fits(cols),
+            crate::tokens::f16_mma_fits(cols),
             "{rows}x{cols}: not a tensor-core F16 token product"
         );
         let (mut vs_f64, mut vs_fma) = (0.0f64, 0.0f64);

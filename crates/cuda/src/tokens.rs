@@ -1,0 +1,327 @@
+//! The products of a few tokens (2..=16: a multi-row step's rows, a batched step's
+//! sessions) in one pass over a plain matrix's weights: the dp4a / FMA token kernels
+//! (`matvec_q8_0_q8_t{T}r{R}`, `matvec_f16_t{T}`), which give each token the one-token
+//! sums, and from 8 tokens the tensor-core kernels (`tokens_mma`, `f16_mma`). Split
+//! from ops.rs, whose public entry points (`matvec`, `matvec_q8act`) dispatch here.
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+// MMA_TOKENS_MAX_KS: most warps a row tile and a block of the tensor-core kernels.
+use crate::consts::{MMA_TOKENS_MAX_KS, Q8_ROWS_PER_WARP, ROWS_PER_BLOCK};
+use crate::error::CudaError;
+use crate::matmul::Batch;
+use crate::ops::{push_weights, split_k, split_k_q8, MatSel, QuantAct};
+use crate::plan::{Launcher, Variant};
+use crate::weights::DeviceMatrix;
+use ds4_gguf::GgmlType;
+
+impl Launcher<'_> {
+    /// `n_tok` (2..=16) tokens of a plain F16 matrix in one pass over its weights
+    /// (`matvec_f16_t{T}`), with the warps a row of the one-token launch: the same sums.
+    pub(crate) fn matvec_f16_tokens(
+        &self,
+        m: &DeviceMatrix,
+        x: u64,
+        y: u64,
+        n_tok: usize,
+        sel: MatSel,
+    ) -> Result<(), CudaError> {
+        let ks = split_k(m.rows, 1);
+        let name = match n_tok.next_power_of_two() {
+            2 => "matvec_f16_t2",
+            4 => "matvec_f16_t4",
+            8 => "matvec_f16_t8",
+            _ => "matvec_f16_t16",
+        };
+        let blocks = (m.rows as u32).div_ceil(ROWS_PER_BLOCK / ks);
+        self.launch_f16_tokens(name, (blocks, ROWS_PER_BLOCK, ks), m, (x, y), n_tok, sel)
+    }
+
+    /// Launches a multi-token F16 kernel (`matvec_f16_t{T}` or `matvec_f16_mma8/16`: the
+    /// same parameters) over `blocks` blocks of `warps` warps, `ks` warps a row (or a
+    /// row tile).
+    fn launch_f16_tokens(
+        &self,
+        name: &'static str,
+        (blocks, warps, ks): (u32, u32, u32),
+        m: &DeviceMatrix,
+        (x, y): (u64, u64),
+        n_tok: usize,
+        sel: MatSel,
+    ) -> Result<(), CudaError> {
+        let f = self.func(name)?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (32, warps, 1),
+            shared_mem_bytes: 0,
+        };
+        let w = m.part_ptr(self, 0);
+        let (rows, cols, ks_arg, n_arg) = (m.rows as i32, m.cols as i32, ks as i32, n_tok as i32);
+        let mut b = self.launch_stream().launch_builder(&f);
+        b.arg(&w)
+            .arg(&x)
+            .arg(&y)
+            .arg(&rows)
+            .arg(&cols)
+            .arg(&sel)
+            .arg(&ks_arg)
+            .arg(&n_arg);
+        // SAFETY: argument order matches F16_TOK_KERNEL in matvec.cu and F16_MMA_KERNEL
+        // in mma_tokens_f16.cu (the same list); x holds n_tok rows at sel.x_stride (16-byte
+        // aligned for the mma kernels: checked by `matvec`) and y n_tok rows at
+        // sel.y_stride (caller, as for `matvec`).
+        unsafe { self.launch_timed(name, &mut b, cfg) }?;
+        Ok(())
+    }
+
+    /// [`Launcher::matvec_f16_tokens`] for 8..=16 tokens on tf32 tensor cores
+    /// (`f16_mma`, kernels/mma_tokens_f16.cu; rows of a multiple of 64 columns): warp
+    /// tiles of 16 rows, split over `ks` warps as the Q8_0 tensor-core products
+    /// (`matvec_q8_tokens_mma`) so that ~4,096 warps stream the weights, each warp whole
+    /// steps of 2 spans of 32 columns.
+    pub(crate) fn matvec_f16_tokens_mma(
+        &self,
+        m: &DeviceMatrix,
+        x: u64,
+        y: u64,
+        n_tok: usize,
+        sel: MatSel,
+    ) -> Result<(), CudaError> {
+        let name = if n_tok <= 8 {
+            "matvec_f16_mma8"
+        } else {
+            "matvec_f16_mma16"
+        };
+        let tiles = m.rows.div_ceil(16);
+        let max_ks = MMA_TOKENS_MAX_KS.min(prev_power_of_two((m.cols / 64).max(1)));
+        let (ks, warps, tiles_per_block) = mma_split(tiles, 4096, max_ks);
+        let blocks = (tiles as u32).div_ceil(tiles_per_block);
+        self.launch_f16_tokens(name, (blocks, warps, ks), m, (x, y), n_tok, sel)
+    }
+
+    /// The grouped output projection of a multi-row step (`b.n_tok` ≤ 16 tokens, each
+    /// with `b.n_groups` inputs at `x_grp`, matrix g of the stack on input g): one pass
+    /// over the weights for every token (see `matvec_q8_tokens`).
+    pub fn matvec_q8act_groups(
+        &self,
+        m: &DeviceMatrix,
+        xq: &QuantAct,
+        y: u64,
+        b: Batch,
+    ) -> Result<(), CudaError> {
+        let need = b.x_tok * (b.n_tok.max(1) - 1) + b.x_grp * (b.n_groups.max(1) - 1) + m.cols;
+        if m.ty != GgmlType::Q8_0
+            || !(1..=Q8_TOKENS_MAX).contains(&b.n_tok)
+            || b.n_groups != m.n_mats
+            || need > xq.rows * xq.cols
+            || !b.x_tok.is_multiple_of(32)
+            || !b.x_grp.is_multiple_of(32)
+        {
+            return Err(CudaError::Invalid(format!(
+                "a grouped multi-token product takes a Q8_0 stack of {} matrices and at most \
+                 {Q8_TOKENS_MAX} tokens within the activations, not {} ({} groups, {} tokens)",
+                m.n_mats, m.ty, b.n_groups, b.n_tok
+            )));
+        }
+        self.matvec_q8_tokens(m, xq, y, b, None)
+    }
+
+    /// `b.n_tok` (1..=16) tokens of a Q8_0 matrix (or of each of `b.n_groups` matrices)
+    /// in one pass over its weights (`matvec_q8_0_q8_t{T}r{R}`, T the token capacity):
+    /// the rows a warp and warps a row are those the one-token launch picks, so each
+    /// token's sums are the ones it gives (gpu-selftest). The caller checked the
+    /// activations' extent.
+    pub(crate) fn matvec_q8_tokens(
+        &self,
+        m: &DeviceMatrix,
+        xq: &QuantAct,
+        y: u64,
+        bt: Batch,
+        ks: Option<u32>,
+    ) -> Result<(), CudaError> {
+        let n_tok = bt.n_tok;
+        let sel = MatSel {
+            ids: 0,
+            x_stride: bt.x_tok as i64,
+            y_stride: bt.y_tok as i64,
+        };
+        // The tensor-core form from 8 tokens (one full tile): at 2 and 4 tokens the dp4a
+        // kernels were faster (H200, 8 layers: R = 2 1.95 against 2.3 ms a step), at 8
+        // and 16 sessions the tensor cores (5.4 → 5.1, 11.3 → 9.9 ms; bench/RESULTS.md v24).
+        if n_tok >= mma_from()
+            && self.on(Variant::TokensMma)
+            && tokens_mma_fits(m.cols, bt.x_tok, bt.x_grp)
+        {
+            return self.matvec_q8_tokens_mma(m, xq, y, bt, sel);
+        }
+        // The one-token choice (see matvec_q8act_launch): warps per row, then, for one
+        // warp a row of the early kernel, 4 or 2 rows a warp.
+        // (A grouped stack's one-token launch has one selection per group.)
+        let ks = ks.unwrap_or_else(|| split_k_q8(m.rows, bt.n_groups.max(1)));
+        let early = self.on(Variant::Q8Early);
+        let r = match () {
+            _ if early && ks == 1 && m.cols <= 1024 && self.on(Variant::Q8Rows) => Q8_ROWS_PER_WARP,
+            _ if early && ks == 1 && m.cols > 1024 && self.on(Variant::Q8Rows2) => 2,
+            _ => 1,
+        };
+        let t = n_tok.next_power_of_two().max(2);
+        let name: &'static str = match (t, r) {
+            (2, 1) => "matvec_q8_0_q8_t2r1",
+            (2, 2) => "matvec_q8_0_q8_t2r2",
+            (2, _) => "matvec_q8_0_q8_t2r4",
+            (4, 1) => "matvec_q8_0_q8_t4r1",
+            (4, 2) => "matvec_q8_0_q8_t4r2",
+            (4, _) => "matvec_q8_0_q8_t4r4",
+            (8, 1) => "matvec_q8_0_q8_t8r1",
+            (8, 2) => "matvec_q8_0_q8_t8r2",
+            (8, _) => "matvec_q8_0_q8_t8r4",
+            (_, 1) => "matvec_q8_0_q8_t16r1",
+            (_, 2) => "matvec_q8_0_q8_t16r2",
+            _ => "matvec_q8_0_q8_t16r4",
+        };
+        let rows_per_block = ROWS_PER_BLOCK / ks * r;
+        let grid = (
+            (m.rows as u32).div_ceil(rows_per_block),
+            bt.n_groups.max(1) as u32,
+        );
+        self.launch_q8_tokens(name, grid, ROWS_PER_BLOCK, m, xq, y, bt, sel, ks)
+    }
+
+    /// Launches a multi-token Q8_0 kernel (`matvec_q8_0_q8_t{T}r{R}`, or
+    /// `matvec_q8_0_q8_mma8/16`: the same parameters) over `grid` blocks of `warps`
+    /// warps, `ks` warps a row (or a row tile).
+    #[allow(clippy::too_many_arguments)]
+    fn launch_q8_tokens(
+        &self,
+        name: &'static str,
+        (blocks, groups): (u32, u32),
+        warps: u32,
+        m: &DeviceMatrix,
+        xq: &QuantAct,
+        y: u64,
+        bt: Batch,
+        sel: MatSel,
+        ks: u32,
+    ) -> Result<(), CudaError> {
+        let f = self.func(name)?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, groups, 1),
+            block_dim: (32, warps, 1),
+            shared_mem_bytes: 0,
+        };
+        let elems = (m.rows * m.cols) as i64;
+        let (gx, gy) = (bt.x_grp as i64, bt.y_grp as i64);
+        let p: Vec<u64> = m.parts.iter().map(|b| b.ptr(self)).collect();
+        let strides = (elems, elems / 32);
+        let grid = 0u64;
+        let mut b = self.launch_stream().launch_builder(&f);
+        push_weights(&mut b, m.ty, &p, &strides, &grid);
+        let (xq_p, xd_p) = (self.ptr(&xq.q), self.ptr(&xq.d));
+        let (rows, cols, ks_arg) = (m.rows as i32, m.cols as i32, ks as i32);
+        let n_arg = bt.n_tok as i32;
+        b.arg(&xq_p)
+            .arg(&xd_p)
+            .arg(&y)
+            .arg(&rows)
+            .arg(&cols)
+            .arg(&sel)
+            .arg(&ks_arg)
+            .arg(&n_arg)
+            .arg(&gx)
+            .arg(&gy);
+        // SAFETY: argument order matches Q8_TOK_KERNEL in matvec_q8act.cu and
+        // Q8_MMA_KERNEL in mma_tokens.cu (the same list); xq holds n_tok rows at
+        // sel.x_stride (checked by the caller), y n_tok rows at sel.y_stride of m.rows
+        // floats (caller).
+        unsafe { self.launch_timed(name, &mut b, cfg) }?;
+        Ok(())
+    }
+
+    /// [`Launcher::matvec_q8_tokens`] on int8 tensor cores (`tokens_mma`,
+    /// kernels/mma_tokens.cu; rows of a multiple of 64 columns): warp tiles of 16 rows,
+    /// split over `ks` warps where the matrix has few tiles so that enough warps stream
+    /// its weights (`mma_wide`: ~4,096 warps, up to 16 a tile in blocks of up to 16
+    /// warps; else ~1,024 warps, up to 8 a tile).
+    fn matvec_q8_tokens_mma(
+        &self,
+        m: &DeviceMatrix,
+        xq: &QuantAct,
+        y: u64,
+        bt: Batch,
+        sel: MatSel,
+    ) -> Result<(), CudaError> {
+        let n_tok = bt.n_tok;
+        let name = if n_tok <= 8 {
+            "matvec_q8_0_q8_mma8"
+        } else {
+            "matvec_q8_0_q8_mma16"
+        };
+        let groups = bt.n_groups.max(1);
+        let tiles = m.rows.div_ceil(16);
+        // ncu (H200, a batched step of 8 sessions): at ~1,024 warps the grouped output
+        // projection and wo_b ran one 8-warp block an SM, long-scoreboard stalls 7.7
+        // cycles an instruction, 0.87 TB/s.
+        let (target, max_ks) = if self.on(Variant::MmaWide) {
+            (4096, MMA_TOKENS_MAX_KS)
+        } else {
+            (1024, ROWS_PER_BLOCK as usize)
+        };
+        // A warp takes whole steps of pairs of blocks (4 pairs for 8 tokens, 2 for 16):
+        // no more warps a tile than a row has steps.
+        let steps = m.cols / 64 / if n_tok <= 8 { 4 } else { 2 };
+        let max_ks = max_ks.min(prev_power_of_two(steps.max(1)));
+        let (ks, warps, tiles_per_block) = mma_split(tiles * groups, target, max_ks);
+        let grid = ((tiles as u32).div_ceil(tiles_per_block), groups as u32);
+        self.launch_q8_tokens(name, grid, warps, m, xq, y, bt, sel, ks)
+    }
+}
+
+/// The split of the tensor-core token products' `tiles` 16-row tiles (over all groups)
+/// so that about `target` warps stream the weights: (`ks` warps a tile, a power of two up
+/// to `max_ks`; warps a block; tiles a block).
+fn mma_split(tiles: usize, target: usize, max_ks: usize) -> (u32, u32, u32) {
+    let ks = (target / tiles.max(1))
+        .clamp(1, max_ks)
+        .next_power_of_two()
+        .min(max_ks) as u32;
+    let warps = ks.max(ROWS_PER_BLOCK);
+    (ks, warps, warps / ks)
+}
+
+/// Whether the tensor-core token products take a Q8_0 matrix of `cols` columns with
+/// activations `x_tok` apart a token and `x_grp` a group: rows of a multiple of 256
+/// columns and strides of 128, as the kernel reads a step's weight scales and
+/// activation scales in 16-byte loads (every product of the model fits; the gpu-selftest
+/// check asserts its shapes do).
+pub(crate) fn tokens_mma_fits(cols: usize, x_tok: usize, x_grp: usize) -> bool {
+    cols.is_multiple_of(256) && x_tok.is_multiple_of(128) && x_grp.is_multiple_of(128)
+}
+
+/// Whether the tf32 tensor-core token products (`f16_mma`) take an F16 matrix of `cols`
+/// columns: whole 2-span steps of 32 columns, so a multiple of 64.
+pub(crate) fn f16_mma_fits(cols: usize) -> bool {
+    cols.is_multiple_of(64)
+}
+
+/// The largest power of two ≤ `n` (n ≥ 1).
+fn prev_power_of_two(n: usize) -> usize {
+    1 << (usize::BITS - 1 - n.leading_zeros())
+}
+
+/// Tokens from which a step's plain Q8_0 and F16 products take the tensor-core kernels
+/// (`tokens_mma`, `f16_mma`): 8, or `DS4_CUDA_MMA_FROM` (2..=16) for timing other
+/// thresholds.
+pub(crate) fn mma_from() -> usize {
+    static FROM: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *FROM.get_or_init(|| {
+        std::env::var("DS4_CUDA_MMA_FROM")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|n| (2..=Q8_TOKENS_MAX).contains(n))
+            .unwrap_or(8)
+    })
+}
+
+/// Most tokens of one [`Launcher::matvec_q8act`] call that share a pass over a plain
+/// Q8_0 matrix (the multi-row step's rows; more take the GEMMs).
+pub const Q8_TOKENS_MAX: usize = 16;
