@@ -20,6 +20,9 @@
 // Most warps a row tile (and a block) of the tensor-core multi-token Q8_0 kernels
 // (mma_tokens.cu).
 #define MMA_TOKENS_MAX_KS 16 // rust: usize
+// Pairs of Q8_0 blocks a warp's step takes in those kernels at 8 tokens (half at 16):
+// a warp takes whole steps, so the launcher gives a tile no more warps than steps.
+#define TMMA_UNROLL 4 // rust: usize
 
 // Storage type codes of small dense tensors passed to the layer kernels.
 #define WT_F32 0 // rust: i32

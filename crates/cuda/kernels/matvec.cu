@@ -59,19 +59,19 @@ __device__ __forceinline__ void matvec_f16_body(const u16* __restrict__ w, i64 m
     const int m = sel_matrix(sel);
     x += blockIdx.y * sel.x_stride;
     float acc = 0.f;
-    const u16* r = w + m * mat_w + (i64)row * cols;
+    // A row past the last addresses the last (only the early loads read it).
+    const u16* r = w + m * mat_w + (i64)(row < rows ? row : rows - 1) * cols;
     const bool vec8 = (cols & 7) == 0;
     const int c0 = (split * WARP + threadIdx.x) * 8, cstep = ks * WARP * 8;
     int c = c0;
     if (EARLY && vec8) {
-        // Unconditional loads (a row past the last reads the last, a step past the row
-        // the row's first 8): ptxas moved griddepcontrol.wait above loads that sat in
-        // branches, so they no longer overlapped the previous kernel.
-        const u16* rc = w + m * mat_w + (i64)(row < rows ? row : rows - 1) * cols;
+        // Unconditional loads (a step past the row reads the row's first 8): ptxas
+        // moved griddepcontrol.wait above loads that sat in branches, so they no longer
+        // overlapped the previous kernel.
         uint4 wv[F16_EARLY_STEPS];
 #pragma unroll
         for (int u = 0; u < F16_EARLY_STEPS; ++u)
-            wv[u] = ld_early16(rc + (c0 + u * cstep < cols ? c0 + u * cstep : 0));
+            wv[u] = ld_early16(r + (c0 + u * cstep < cols ? c0 + u * cstep : 0));
         PDL_WAIT_AFTER_LOADS(rows < 0);
         if (row < rows) {
             // Every prefetched step's activations first, then the products in step
@@ -301,18 +301,18 @@ __device__ __forceinline__ void matvec_f16_tok_body(const u16* __restrict__ w,
     __shared__ float red[T][ROWS_PER_BLOCK];
     const int row = blockIdx.x * (blockDim.y / ks) + threadIdx.y / ks;
     const int split = threadIdx.y % ks;
-    const u16* r = w + (i64)row * cols;
+    // A row past the last addresses the last (only the early loads read it).
+    const u16* r = w + (i64)(row < rows ? row : rows - 1) * cols;
     const int c0 = (split * WARP + threadIdx.x) * 8, cstep = ks * WARP * 8;
     float acc[T];
 #pragma unroll
     for (int t = 0; t < T; ++t) acc[t] = 0.f;
     // The first steps' weights before the PDL wait, as matvec_f16_early (unconditional
-    // loads: a row past the last reads the last, a step past the row its first 8).
-    const u16* rc = w + (i64)(row < rows ? row : rows - 1) * cols;
+    // loads: a step past the row reads its first 8).
     uint4 wv[F16_EARLY_STEPS];
 #pragma unroll
     for (int u = 0; u < F16_EARLY_STEPS; ++u)
-        wv[u] = ld_early16(rc + (c0 + u * cstep < cols ? c0 + u * cstep : 0));
+        wv[u] = ld_early16(r + (c0 + u * cstep < cols ? c0 + u * cstep : 0));
     PDL_WAIT_AFTER_LOADS(rows < 0);
     // The step's activations of every token are loaded together, ahead of its products
     // (tokens past n_tok read the first; their sums are not stored): with a branch a

@@ -547,24 +547,23 @@ __device__ __forceinline__ void matvec_q8_0_q8_body(
     float acc = 0.f;
     const int nb = cols / 32;
     const int b0 = split * WARP + threadIdx.x, bstep = ks * WARP;
-    const i8* q = qs + m * mat_q + (i64)row * cols;
-    const u16* dr = dw + m * mat_d + (i64)row * nb;
+    // A row past the last addresses the last (only the early loads read it).
+    const i64 rc = row < rows ? row : rows - 1;
+    const i8* q = qs + m * mat_q + rc * cols;
+    const u16* dr = dw + m * mat_d + rc * nb;
     int b = b0;
     if (EARLY) {
         uint4 w0[Q8_EARLY_STEPS], w1[Q8_EARLY_STEPS];
         u16 dq[Q8_EARLY_STEPS];
-        // Unconditional loads (a row past the last reads the last, a step past the row
-        // the row's first block): ptxas moved griddepcontrol.wait above loads that sat
-        // in branches, so they no longer overlapped the previous kernel.
-        const i64 rc = row < rows ? row : rows - 1;
-        const i8* qc = qs + m * mat_q + rc * cols;
-        const u16* dc = dw + m * mat_d + rc * nb;
+        // Unconditional loads (a step past the row reads the row's first block): ptxas
+        // moved griddepcontrol.wait above loads that sat in branches, so they no longer
+        // overlapped the previous kernel.
 #pragma unroll
         for (int u = 0; u < Q8_EARLY_STEPS; ++u) {
             const int bu = b0 + u * bstep < nb ? b0 + u * bstep : 0;
-            w0[u] = ld_early16(qc + bu * 32);
-            w1[u] = ld_early16(qc + bu * 32 + 16);
-            dq[u] = ld_early2(dc + bu);
+            w0[u] = ld_early16(q + bu * 32);
+            w1[u] = ld_early16(q + bu * 32 + 16);
+            dq[u] = ld_early2(dr + bu);
         }
         PDL_WAIT_AFTER_LOADS(rows < 0);
         if (row < rows) {

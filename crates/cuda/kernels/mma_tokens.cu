@@ -19,8 +19,7 @@
 // Accumulator c[j]: row g (+8 for j ≥ 2), token 2q + (j & 1) of the 8-token tile.
 #include "common.cuh"
 
-#define TMMA_UNROLL 4
-// (MMA_TOKENS_MAX_KS: ds4_consts.h.)
+// (TMMA_UNROLL, MMA_TOKENS_MAX_KS: ds4_consts.h.)
 
 __device__ __forceinline__ void tmma_s8(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
                                         u32 b1) {
@@ -50,27 +49,16 @@ struct TmmaState {
     float acc[NT][4];
 };
 
-// N (2 or 4) consecutive u32 from p in one load (the caller keeps p aligned to it).
-template <int N>
+// N (2 or 4) consecutive u32 from p in one load (the caller keeps p aligned to it);
+// EARLY: by ld_early* (kept ahead of PDL_WAIT).
+template <int N, bool EARLY>
 __device__ __forceinline__ void tmma_ld_u32(u32 (&v)[N], const void* p) {
     static_assert(N == 2 || N == 4, "a step is 2 or 4 pairs");
     if constexpr (N == 4) {
-        const uint4 a = *reinterpret_cast<const uint4*>(p);
+        const uint4 a = EARLY ? ld_early16(p) : *reinterpret_cast<const uint4*>(p);
         v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
     } else {
-        const uint2 a = *reinterpret_cast<const uint2*>(p);
-        v[0] = a.x, v[1] = a.y;
-    }
-}
-
-template <int N>
-__device__ __forceinline__ void tmma_ld_u32_early(u32 (&v)[N], const void* p) {
-    static_assert(N == 2 || N == 4, "a step is 2 or 4 pairs");
-    if constexpr (N == 4) {
-        const uint4 a = ld_early16(p);
-        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
-    } else {
-        const uint2 a = ld_early8(p);
+        const uint2 a = EARLY ? ld_early8(p) : *reinterpret_cast<const uint2*>(p);
         v[0] = a.x, v[1] = a.y;
     }
 }
@@ -83,13 +71,8 @@ __device__ __forceinline__ void tmma_load_w(TmmaW<U>& w, TmmaState<NT>& s) {
         w.wa[u] = EARLY ? ld_early16(s.pa + 64 * u) : ld_stream16(s.pa + 64 * u);
         w.wb[u] = EARLY ? ld_early16(s.pb + 64 * u) : ld_stream16(s.pb + 64 * u);
     }
-    if constexpr (EARLY) {
-        tmma_ld_u32_early<U>(w.sa2, s.da);
-        tmma_ld_u32_early<U>(w.sb2, s.db);
-    } else {
-        tmma_ld_u32<U>(w.sa2, s.da);
-        tmma_ld_u32<U>(w.sb2, s.db);
-    }
+    tmma_ld_u32<U, EARLY>(w.sa2, s.da);
+    tmma_ld_u32<U, EARLY>(w.sb2, s.db);
     s.pa += 64 * U;
     s.pb += 64 * U;
     s.da += 2 * U;

@@ -6,8 +6,9 @@
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-// MMA_TOKENS_MAX_KS: most warps a row tile and a block of the tensor-core kernels.
-use crate::consts::{MMA_TOKENS_MAX_KS, Q8_ROWS_PER_WARP, ROWS_PER_BLOCK};
+// MMA_TOKENS_MAX_KS: most warps a row tile and a block of the tensor-core kernels;
+// TMMA_UNROLL: pairs of blocks a warp step of theirs takes at 8 tokens.
+use crate::consts::{MMA_TOKENS_MAX_KS, Q8_ROWS_PER_WARP, ROWS_PER_BLOCK, TMMA_UNROLL};
 use crate::error::CudaError;
 use crate::matmul::Batch;
 use crate::ops::{push_weights, split_k, split_k_q8, MatSel, QuantAct};
@@ -266,9 +267,14 @@ impl Launcher<'_> {
         } else {
             (1024, ROWS_PER_BLOCK as usize)
         };
-        // A warp takes whole steps of pairs of blocks (4 pairs for 8 tokens, 2 for 16):
-        // no more warps a tile than a row has steps.
-        let steps = m.cols / 64 / if n_tok <= 8 { 4 } else { 2 };
+        // A warp takes whole steps of pairs of blocks (TMMA_UNROLL pairs for 8 tokens,
+        // half for 16): no more warps a tile than a row has steps.
+        let pairs = if n_tok <= 8 {
+            TMMA_UNROLL
+        } else {
+            TMMA_UNROLL / 2
+        };
+        let steps = m.cols / 64 / pairs;
         let max_ks = max_ks.min(prev_power_of_two(steps.max(1)));
         let (ks, warps, tiles_per_block) = mma_split(tiles * groups, target, max_ks);
         let grid = ((tiles as u32).div_ceil(tiles_per_block), groups as u32);
