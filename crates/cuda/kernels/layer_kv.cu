@@ -68,6 +68,36 @@ __device__ __forceinline__ void compressor_finish_row(float* v, float* red, int 
     for (int j = threadIdx.x; j < d; j += blockDim.x) dst[j] = f16_round ? f16r(v[j]) : v[j];
 }
 
+// A pooled value's inputs: the kv and its gate score (APE added).
+struct CompVal {
+    float kv, sc;
+};
+
+// Compressors whose row pools at most COMP_SMALL values (ratio 4 with two lanes: the
+// main and the indexer compressor of the ratio-4 layers) load them all at once.
+#define COMP_SMALL 8
+
+// The softmax-pooled value of cv[0 … n) in the order of the generic loops below (two
+// lanes: previous-window value i, then current-window value i, for i = 0 … ratio − 1):
+// the max, then the exp-weighted sums in that order.
+__device__ __forceinline__ float comp_pool(const CompVal (&cv)[COMP_SMALL], int n) {
+    float mx = NEG_INF_F;
+#pragma unroll
+    for (int q = 0; q < COMP_SMALL; ++q)
+        if (q < n) mx = fmaxf(mx, cv[q].sc);
+    if (!(mx > -5e29f)) return 0.f;
+    float num = 0.f, den = 0.f;
+#pragma unroll
+    for (int q = 0; q < COMP_SMALL; ++q) {
+        if (q < n) {
+            const float e = expf(cv[q].sc - mx);
+            num += e * cv[q].kv;
+            den += e;
+        }
+    }
+    return num / den;
+}
+
 // ---- Compressor step (§5.4). kvs holds the new kv (w floats) then the new gate score
 // (w floats, APE not yet added). State: skv, ssc [L·r][w]. When (pos+1) % r == 0 the
 // pooled row is normed, rotated (position pos+1−r) and QAT-simulated, then stored as
@@ -101,6 +131,23 @@ extern "C" __global__ void __launch_bounds__(1024) compressor_step(const Step* s
     if ((pos + 1) % ratio != 0) return;
     __syncthreads();
     for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        if (lanes * ratio <= COMP_SMALL) {
+            // Every value of the row first (one memory round trip, not one per value),
+            // then the generic loop's max and sums in its order.
+            CompVal cv[COMP_SMALL];
+#pragma unroll
+            for (int q = 0; q < COMP_SMALL; ++q) {
+                if (q < lanes * ratio) {
+                    const int i = lanes == 2 ? q >> 1 : q;
+                    const i64 at = (lanes == 2 && (q & 1)) ? (i64)(ratio + i) * w + d + j
+                                                           : (i64)i * w + j;
+                    cv[q].sc = ssc[at];
+                    cv[q].kv = skv[at];
+                }
+            }
+            v[j] = comp_pool(cv, lanes * ratio);
+            continue;
+        }
         float mx = NEG_INF_F;
         if (lanes == 2) {
             for (int i = 0; i < ratio; ++i) {
@@ -135,10 +182,28 @@ extern "C" __global__ void __launch_bounds__(1024) compressor_step(const Step* s
                           f16_round, rows + (i64)((pos + 1) / ratio - 1) * d);
     if (lanes == 2) {
         // The current window becomes the "previous" lane of the next row.
+        // Four values a thread in flight before their stores (the source slots,
+        // ratio · w and on, never overlap the destination).
         __syncthreads();
-        for (int i = threadIdx.x; i < ratio * w; i += blockDim.x) {
-            skv[i] = skv[(i64)ratio * w + i];
-            ssc[i] = ssc[(i64)ratio * w + i];
+        const int n = ratio * w, step4 = 4 * blockDim.x;
+        for (int i0 = threadIdx.x; i0 < n; i0 += step4) {
+            float a[4], c[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int i = i0 + q * blockDim.x;
+                if (i < n) {
+                    a[q] = skv[(i64)n + i];
+                    c[q] = ssc[(i64)n + i];
+                }
+            }
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int i = i0 + q * blockDim.x;
+                if (i < n) {
+                    skv[i] = a[q];
+                    ssc[i] = c[q];
+                }
+            }
         }
     }
 }
@@ -150,9 +215,6 @@ extern "C" __global__ void __launch_bounds__(1024) compressor_step(const Step* s
 // A value of position q < p0 comes from the frontier state as it was before the
 // batch: with one lane, slot q % r; with two lanes, the current-window slots r + q % r
 // when q is in the window open at p0, the previous-window slots q mod r otherwise.
-struct CompVal {
-    float kv, sc;
-};
 
 __device__ __forceinline__ CompVal comp_value(int q, int col, int p0, const float* kvs,
         const void* ape, int ape_type, const float* skv, const float* ssc, int ratio, int lanes,
@@ -190,6 +252,23 @@ extern "C" __global__ void __launch_bounds__(1024) compressor_emit(const Step* s
     if (row > (p0 + n_tok) / ratio - 1) return;
     const int base = row * ratio;  // first position of the row's window
     for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        if (lanes * ratio <= COMP_SMALL) {
+            // As compressor_step: every value first, then the same max and sums.
+            CompVal cv[COMP_SMALL];
+#pragma unroll
+            for (int q = 0; q < COMP_SMALL; ++q) {
+                if (q < lanes * ratio) {
+                    const int i = lanes == 2 ? q >> 1 : q;
+                    cv[q] = (lanes == 2 && (q & 1))
+                                ? comp_value(base + i, d + j, p0, kvs, ape, ape_type, skv, ssc,
+                                             ratio, lanes, w)
+                                : comp_value(base - (lanes == 2 ? ratio : 0) + i, j, p0, kvs, ape,
+                                             ape_type, skv, ssc, ratio, lanes, w);
+                }
+            }
+            v[j] = comp_pool(cv, lanes * ratio);
+            continue;
+        }
         float mx = NEG_INF_F;
         for (int i = 0; i < ratio; ++i) {
             if (lanes == 2) {
