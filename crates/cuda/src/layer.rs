@@ -582,7 +582,139 @@ impl Launcher<'_> {
     }
 }
 
+/// hc_post's operands ([`Launcher::hc_post`]): the streams `h` in, the sublayer output
+/// `out` plus `n_parts` rows at `parts` (0: none), post/comb at `hcp`, the streams out.
+#[derive(Clone, Copy, Debug)]
+pub struct HcPost {
+    pub h: u64,
+    pub out: u64,
+    pub parts: u64,
+    pub n_parts: usize,
+    pub hcp: u64,
+    pub h_out: u64,
+}
+
+/// Where [`Launcher::hc_bridge`]'s streams come from: hc_post of the sublayer that ends,
+/// or the streams as they are (a sublayer start with no hc_post before it: the first
+/// layer of a device, a lone MTP layer).
+#[derive(Clone, Copy, Debug)]
+pub enum HcSrc {
+    Post(HcPost),
+    Streams(u64),
+}
+
+/// `hc_bridge`'s work buffers: [`HcBridgeWork::floats`] f32 and one u32 count per token,
+/// the counts zero before the first launch (each launch leaves them zero).
+#[derive(Clone, Copy, Debug)]
+pub struct HcBridgeWork {
+    pub shares: u64,
+    pub counts: u64,
+}
+
+impl HcBridgeWork {
+    /// Floats of the shares buffer for `n_tok` tokens of `n_embd` values.
+    pub fn floats(n_tok: usize, n_embd: usize) -> usize {
+        n_tok * n_embd.div_ceil(crate::consts::HB_T) * crate::consts::HB_SLOTS
+    }
+}
+
 impl Launcher<'_> {
+    /// Whether [`Launcher::hc_bridge`] takes `n_tok` tokens of the hyper-connection `hp`
+    /// into a sublayer whose mix weights are `fn_` (variant `hc_bridge`, a decode token or
+    /// a step of up to [`crate::Q8_TOKENS_MAX`] tokens, the kernel's shapes).
+    pub fn hc_bridge_fits(&self, n_tok: usize, hp: &HcParams, fn_: &DeviceMatrix) -> bool {
+        use crate::consts::{HB_GROUPS, HB_HC, HB_MIX, HB_T, HB_VEC};
+        let (n_hc, n_embd) = (hp.n_hc, hp.n_embd);
+        self.on(Variant::HcBridge)
+            && (1..=crate::Q8_TOKENS_MAX).contains(&n_tok)
+            && (1..=HB_HC).contains(&n_hc)
+            && fn_.rows == (2 + n_hc) * n_hc
+            && fn_.rows <= HB_MIX
+            && fn_.n_mats == 1
+            && fn_.cols == n_hc * n_embd
+            && matches!(fn_.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
+            && !fn_.on_host()
+            && n_embd.is_multiple_of(32)
+            && n_embd <= 4 * HB_GROUPS * HB_T * HB_VEC
+    }
+
+    /// One sublayer's hc_post ([`Launcher::hc_post`], `src`) then the next sublayer's mix
+    /// ([`Launcher::hc_mix_mat`] with `fn_`, `mix_eps`, into `mix`) and its hc_pre
+    /// ([`Launcher::hc_pre`] with `hp`, into `y` and `norm`) in one launch
+    /// (`kernels/layer_hc.cu`); with [`HcSrc::Streams`] only the mix and hc_pre, in the
+    /// same sums. The caller checked [`Launcher::hc_bridge_fits`].
+    pub fn hc_bridge(
+        &self,
+        n_tok: usize,
+        src: HcSrc,
+        (fn_, mix_eps, mix): (&DeviceMatrix, f32, u64),
+        hp: &HcParams,
+        y: u64,
+        norm: HcNorm,
+        work: HcBridgeWork,
+    ) -> Result<(), CudaError> {
+        self.hc_bridge_probe(n_tok, src, (fn_, mix_eps, mix), hp, y, norm, work, 0)
+    }
+
+    /// [`Launcher::hc_bridge`] with parts of the kernel left out (`probe` bits: 1 no
+    /// mix weights, 2 no tail in the last block, 4 nothing after the block's shares):
+    /// timings only.
+    pub(crate) fn hc_bridge_probe(
+        &self,
+        n_tok: usize,
+        src: HcSrc,
+        (fn_, mix_eps, mix): (&DeviceMatrix, f32, u64),
+        hp: &HcParams,
+        y: u64,
+        norm: HcNorm,
+        work: HcBridgeWork,
+        probe: i32,
+    ) -> Result<(), CudaError> {
+        if !self.hc_bridge_fits(n_tok, hp, fn_) {
+            return Err(CudaError::Invalid(format!(
+                "hc_bridge: {n_tok} tokens, {} streams of {}, mix {}×{} {}",
+                hp.n_hc, hp.n_embd, fn_.rows, fn_.cols, fn_.ty
+            )));
+        }
+        let code = match fn_.ty {
+            GgmlType::F32 => WT_F32,
+            GgmlType::F16 => WT_F16,
+            _ => WT_BF16,
+        };
+        let (flags, post) = match src {
+            HcSrc::Post(p) => (1i32, p),
+            HcSrc::Streams(h) => (
+                0,
+                HcPost {
+                    h,
+                    out: 0,
+                    parts: 0,
+                    n_parts: 0,
+                    hcp: 0,
+                    h_out: h,
+                },
+            ),
+        };
+        let HcPost {
+            h,
+            out,
+            parts,
+            n_parts,
+            hcp,
+            h_out,
+        } = post;
+        let (np, nh, ne) = (n_parts as i32, hp.n_hc as i32, hp.n_embd as i32);
+        let (fnp, nmix) = (fn_.part_ptr(self, 0), fn_.rows as i32);
+        let blocks = hp.n_embd.div_ceil(crate::consts::HB_T) as u32;
+        let fl = flags | (probe << 1);
+        let threads = (crate::consts::HB_GROUPS * crate::consts::HB_T) as u32;
+        launch!(self, "hc_bridge", cfg2(blocks, n_tok, threads);
+            h, out, parts, np, hcp, nh, ne, h_out, fnp, code, nmix, mix_eps, mix,
+            hp.scale, hp.base, hp.eps, y, norm.w, norm.w_type, norm.eps, norm.out, norm.q,
+            norm.d, work.shares, work.counts, fl
+        )
+    }
+
     /// The undo record of a multi-row step (kernels/rows.cu): `items` holds `n_items`
     /// entries of five i64 `{state, saved, floats, ring_cap, row}` (device pointers and
     /// counts). Saves (`restore` false) or restores the ring slots of the step's rows
