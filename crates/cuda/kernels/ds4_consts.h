@@ -32,17 +32,6 @@
 // thread (layer.cu).
 #define HC_PRE_VEC 2 // rust: usize
 #define HC_MAX 5 // rust: usize
-// hc_bridge (layer_hc.cu): columns a block (HB_GROUPS groups of HB_T threads, one
-// column each, HB_KG mix rows a group), most streams and mix rows, floats of a block's
-// shares in the work buffer, value groups of 4 a thread in its hc_pre (n_embd ≤
-// 4·HB_GROUPS·HB_T·HB_VEC).
-#define HB_T 128 // rust: usize
-#define HB_GROUPS 4 // rust: usize
-#define HB_KG 6 // rust: usize
-#define HB_HC 4 // rust: usize
-#define HB_MIX 24 // rust: usize
-#define HB_SLOTS 32 // rust: usize
-#define HB_VEC 2 // rust: usize
 
 // Rows per shared-memory batch of attention_split_staged (layer_attention.cu).
 #define ATT_STAGE_ROWS 32 // rust: usize

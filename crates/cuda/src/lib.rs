@@ -61,10 +61,7 @@ pub use device::{device_count, driver_present, DeviceBuf, Gpu, GpuInfo, KernelSo
 pub use error::CudaError;
 pub use graph::TokenGraph;
 pub use hostmem::{HostMapped, Part};
-pub use layer::{
-    Compressor, HcBridgeWork, HcNorm, HcParams, HcPost, HcSrc, RopeP, WT_BF16, WT_F16, WT_F32,
-    WT_Q8_0,
-};
+pub use layer::{Compressor, HcNorm, HcParams, RopeP, WT_BF16, WT_F16, WT_F32, WT_Q8_0};
 pub use matmul::{Batch, RoutePlan, EXP_VARIANT_WIDE};
 pub use matmul_f16::{F16Slot, F16Work};
 pub use ops::{ActRule, MatSel, QuantAct};

@@ -17,7 +17,6 @@
 mod attention;
 mod bench;
 mod common;
-mod hc;
 mod matmul;
 mod matmul_f16;
 mod matmul_f16_exp;
@@ -70,7 +69,6 @@ pub const CHECKS: &[KernelCheck] = &[
         &[Variant::HcPreload],
         variants::check_hc_preload,
     ),
-    check("hc_bridge", &[Variant::HcBridge], hc::check_hc_bridge),
     check(
         "router",
         &[Variant::Router4, Variant::RouterSplit],
@@ -166,8 +164,6 @@ pub const GRAPH_VARIANTS: &[GraphVariant] = &[
     graph(Variant::Prio, true),
     graph(Variant::ShexpLate, true),
     graph(Variant::OutaEarly, true),
-    // The mix dots summed in another order: within the tier, not bit for bit.
-    graph(Variant::HcBridge, false),
 ];
 
 /// A [`GRAPH_VARIANTS`] entry.

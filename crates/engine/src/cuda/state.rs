@@ -171,10 +171,6 @@ struct Scratch {
     h2: DeviceBuf<f32>,
     mix: DeviceBuf<f32>,
     hcp: DeviceBuf<f32>,
-    /// `hc_bridge`'s work: the blocks' shares and a count a token (left zero by
-    /// each launch), for up to SMALL_BATCH tokens.
-    hcb: DeviceBuf<f32>,
-    hcb_counts: DeviceBuf<u32>,
     y: DeviceBuf<f32>,
     n: DeviceBuf<f32>,
     qa: DeviceBuf<f32>,
@@ -306,8 +302,6 @@ impl Scratch {
             h2: z(cap * c.n_hc * e)?,
             mix: z(cap * c.hc_mix())?,
             hcp: z(cap * (c.n_hc + c.n_hc * c.n_hc))?,
-            hcb: z(ds4_cuda::HcBridgeWork::floats(cap.min(SMALL_BATCH), e))?,
-            hcb_counts: g.zeros::<u32>(cap.min(SMALL_BATCH).max(1))?,
             y: z(cap * e)?,
             n: z(cap * e)?,
             qa: z(cap * c.q_lora_rank)?,

@@ -95,24 +95,6 @@ pub(super) struct KvView<'a> {
     pub(super) end: usize,
 }
 
-/// The next sublayer's start, which `sublayer_end` may run in its own launch
-/// (`hc_bridge`): its hyper-connection, norm weights, quantised input and first
-/// projection (as `sublayer_begin` takes them).
-pub(super) struct NextBegin<'a> {
-    hc: &'a HcDev,
-    norm_w: u64,
-    xq: &'a QuantAct,
-    first: &'a DeviceMatrix,
-}
-
-/// A sublayer already started by the previous one's end: whether its quantised input
-/// holds `s.n`, and whether its comb matrix went to side lane 3.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Begun {
-    quantized: bool,
-    comb_lane: bool,
-}
-
 /// A projection's input: f32 rows at `x`, their Q8_0 form in `xq` (already written
 /// when the flag is set; else the projection writes it where it needs it).
 type Src<'q> = (u64, &'q mut QuantAct, bool);
@@ -139,9 +121,6 @@ pub(super) struct Pass<'a> {
     /// The layer's KV table of a batched step over several sessions ([`KvView::kvt`]
     /// at this layer), else 0.
     kvt: u64,
-    /// The next layer's weights, whose attention start the FFN's end may run
-    /// (`hc_bridge`; None: the last layer of this device, or a pass outside a forward).
-    next: Option<&'a LayerDev>,
 }
 
 impl Pass<'_> {
@@ -171,51 +150,15 @@ impl Pass<'_> {
     /// Under `comb_lane`, hc_post's comb matrix is forked to side lane 3 as background
     /// work (joined before hc_post). Returns whether `xq` now holds `s.n`, and whether
     /// the comb matrix was forked (else the caller forms it on a lane of its choosing).
-    /// When the previous sublayer's `sublayer_end` already started this one (`begun`,
-    /// under `hc_bridge`), only its result is returned.
     fn sublayer_begin(
         &self,
-        (hc, h, norm_w): (&HcDev, u64, u64),
+        hc: &HcDev,
+        h: u64,
+        norm_w: u64,
         xq: &mut QuantAct,
         first: &DeviceMatrix,
-        begun: Option<Begun>,
     ) -> Result<(bool, bool), CudaError> {
-        if let Some(b) = begun {
-            return Ok((b.quantized, b.comb_lane));
-        }
         let (g, c, s, n_tok) = (&self.g, self.c, self.s, self.n);
-        let (quantize, norm) = self.begin_norm(norm_w, xq, first)?;
-        let (mix, y, hp) = (g.ptr(&s.mix), g.ptr(&s.y), self.hc(hc));
-        if g.hc_bridge_fits(n_tok, &hp, &hc.fn_) {
-            // The mix in hc_bridge's sums, as every other start of this pass (a split
-            // model's later stage starts here and must match the unsplit model).
-            let mx = (&hc.fn_, c.rms_eps, mix);
-            let src = ds4_cuda::HcSrc::Streams(h);
-            g.hc_bridge(n_tok, src, mx, &hp, y, norm, self.bridge_work())?;
-        } else {
-            g.hc_mix_mat(n_tok, h, &hc.fn_, c.rms_eps, mix)?;
-            g.hc_pre(n_tok, (h, mix), &hp, y, Some(norm))?;
-        }
-        Ok((quantize, self.begin_comb(hc)?))
-    }
-
-    /// `hc_bridge`'s work buffers in the scratch.
-    fn bridge_work(&self) -> ds4_cuda::HcBridgeWork {
-        ds4_cuda::HcBridgeWork {
-            shares: self.g.ptr(&self.s.hcb),
-            counts: self.g.ptr(&self.s.hcb_counts),
-        }
-    }
-
-    /// A sublayer start's norm: into `s.n` and, in the fast numerics when `first` is
-    /// Q8_0, into `xq` (then the flag is set).
-    fn begin_norm(
-        &self,
-        norm_w: u64,
-        xq: &QuantAct,
-        first: &DeviceMatrix,
-    ) -> Result<(bool, ds4_cuda::HcNorm), CudaError> {
-        let (g, c, n_tok) = (&self.g, self.c, self.n);
         let quantize = self.fast && first.ty == GgmlType::Q8_0;
         if quantize && (xq.cols != c.n_embd || xq.rows < n_tok) {
             return Err(CudaError::Invalid(format!(
@@ -223,26 +166,22 @@ impl Pass<'_> {
                 c.n_embd, xq.rows, xq.cols
             )));
         }
+        g.hc_mix_mat(n_tok, h, &hc.fn_, c.rms_eps, g.ptr(&s.mix))?;
         let norm = ds4_cuda::HcNorm {
             w: norm_w,
             w_type: ds4_cuda::WT_F32,
             eps: c.rms_eps,
-            out: g.ptr(&self.s.n),
+            out: g.ptr(&s.n),
             q: if quantize { g.ptr(&xq.q) } else { 0 },
             d: if quantize { g.ptr(&xq.d) } else { 0 },
         };
-        Ok((quantize, norm))
-    }
-
-    /// A sublayer start's last launch: under `comb_lane`, hc_post's comb matrix on side
-    /// lane 3 (returns whether it was forked).
-    fn begin_comb(&self, hc: &HcDev) -> Result<bool, CudaError> {
-        let comb_lane = self.g.on(Variant::CombLane);
+        let (mix, y) = (g.ptr(&s.mix), g.ptr(&s.y));
+        g.hc_pre(n_tok, (h, mix), &self.hc(hc), y, Some(norm))?;
+        let comb_lane = g.on(Variant::CombLane);
         if comb_lane {
-            self.g
-                .branch(3, || self.g.background(|| self.hc_comb(hc)))?;
+            g.branch(3, || g.background(|| self.hc_comb(hc)))?;
         }
-        Ok(comb_lane)
+        Ok((quantize, comb_lane))
     }
 
     /// The launch parameters of the hyper-connection `hc`.
@@ -259,42 +198,21 @@ impl Pass<'_> {
 
     /// A sublayer's end: hc_post of its output `out` plus the `k` rows at `parts` (the
     /// routed experts'; k = 0: none) from the streams `h` into `h_out`, once side lane
-    /// 3's comb matrix is in (`comb_lane`, see `sublayer_begin`). Under `hc_bridge`, with
-    /// the `next` sublayer's start given, that start joins the same launch (its input
-    /// the streams `h_out`) and is returned for `next`'s `sublayer_begin`.
+    /// 3's comb matrix is in (`comb_lane`, see `sublayer_begin`).
     fn sublayer_end(
         &self,
         comb_lane: bool,
-        (h, out, h_out): (u64, u64, u64),
+        h: u64,
+        out: u64,
         (parts, k): (u64, usize),
-        next: Option<NextBegin>,
-    ) -> Result<Option<Begun>, CudaError> {
-        let (g, c, s) = (&self.g, self.c, self.s);
+        h_out: u64,
+    ) -> Result<(), CudaError> {
+        let (g, c) = (&self.g, self.c);
         if comb_lane {
             g.join(3)?;
         }
-        let hcp = g.ptr(&s.hcp);
-        if let Some(nx) = next.filter(|nx| g.hc_bridge_fits(self.n, &self.hc(nx.hc), &nx.hc.fn_)) {
-            let (quantized, norm) = self.begin_norm(nx.norm_w, nx.xq, nx.first)?;
-            let post = ds4_cuda::HcPost {
-                h,
-                out,
-                parts,
-                n_parts: k,
-                hcp,
-                h_out,
-            };
-            let mix = (&nx.hc.fn_, c.rms_eps, g.ptr(&s.mix));
-            let (hp, src) = (self.hc(nx.hc), ds4_cuda::HcSrc::Post(post));
-            g.hc_bridge(self.n, src, mix, &hp, g.ptr(&s.y), norm, self.bridge_work())?;
-            let comb_lane = self.begin_comb(nx.hc)?;
-            return Ok(Some(Begun {
-                quantized,
-                comb_lane,
-            }));
-        }
-        g.hc_post(self.n, h, out, parts, k, hcp, c.n_hc, c.n_embd, h_out)?;
-        Ok(None)
+        let hcp = g.ptr(&self.s.hcp);
+        g.hc_post(self.n, h, out, parts, k, hcp, c.n_hc, c.n_embd, h_out)
     }
 
     /// `mid = silu(gate)·up·w` (clamped) over `rows` rows of `width` (w = 0: none), also
@@ -439,31 +357,24 @@ impl KvView<'_> {
                 g.ptr(&s.h),
             )?;
         }
-        let mut begun = None;
         for il in w.range.clone() {
             let layer = (il, w.layer(il), &self.layers[il], w.rope(il));
-            let mut px = self.pass(w, numerics, layer, &b.s, n_tok);
-            if w.range.contains(&(il + 1)) {
-                px.next = Some(w.layer(il + 1));
-            }
-            begun = self.layer(&px, &mut b.q8, b.plan.as_mut(), begun)?;
+            let px = self.pass(w, numerics, layer, &b.s, n_tok);
+            self.layer(&px, &mut b.q8, b.plan.as_mut())?;
         }
         Ok(())
     }
 
     /// One layer (attention and FFN) of the pass `px` (over a batch's scratch, with its
     /// quantised activations `qb` and expert plan).
-    /// `begun`: the attention's start, when the previous layer's end ran it; returns the
-    /// next layer's start when this layer's end ran it (`hc_bridge`, `px.next`).
     pub(super) fn layer(
         &self,
         px: &Pass,
         qb: &mut QuantBufs,
         plan: Option<&mut RoutePlan>,
-        begun: Option<Begun>,
-    ) -> Result<Option<Begun>> {
-        let begun = self.attention(px, qb, begun)?;
-        self.ffn(px, qb, plan, begun)
+    ) -> Result<()> {
+        self.attention(px, qb)?;
+        self.ffn(px, qb, plan)
     }
 
     /// Advances every compressor by the first `n` tokens of a multi-row step from the
@@ -526,18 +437,10 @@ impl KvView<'_> {
             rope,
             fast,
             kvt,
-            next: None,
         }
     }
 
-    /// The attention sublayer (started by the previous layer's FFN when `begun`);
-    /// returns the FFN's start when its hc_post ran it.
-    fn attention(
-        &self,
-        px: &Pass,
-        qb: &mut QuantBufs,
-        begun: Option<Begun>,
-    ) -> Result<Option<Begun>> {
+    fn attention(&self, px: &Pass, qb: &mut QuantBufs) -> Result<()> {
         let (g, c, s, n) = (&px.g, px.c, px.s, px.n);
         let (step, rope, fast) = (px.step, px.rope, px.fast);
         let (l, st) = (px.l, px.st);
@@ -545,8 +448,8 @@ impl KvView<'_> {
         let f32t = ds4_cuda::WT_F32;
         let hd = c.head_dim;
 
-        let hc = (&l.hc_attn, p(&s.h), p(&l.attn_norm));
-        let (n_q8, comb_lane) = px.sublayer_begin(hc, &mut qb.embd, &l.q_a, begun)?;
+        let (n_q8, comb_lane) =
+            px.sublayer_begin(&l.hc_attn, p(&s.h), p(&l.attn_norm), &mut qb.embd, &l.q_a)?;
         // Three branches from the normed input, joined before attention: side lane 1
         // forms hc_post's comb matrix and writes this token's raw row and compressed
         // rows, side lane 2 the indexer's compressed rows and then (once the main lane
@@ -796,32 +699,23 @@ impl KvView<'_> {
         {
             g.steer_rows(n, p(&s.o), (0, 0), dir, scale, c.n_embd)?;
         }
-        let next = NextBegin {
-            hc: &l.hc_ffn,
-            norm_w: p(&l.ffn_norm),
-            xq: &qb.embd,
-            first: &l.gate_sh,
-        };
-        let streams = (p(&s.h), p(&s.o), p(&s.h2));
-        Ok(px.sublayer_end(comb_lane, streams, (0, 0), Some(next))?)
+        px.sublayer_end(comb_lane, p(&s.h), p(&s.o), (0, 0), p(&s.h2))?;
+        Ok(())
     }
 
-    /// The FFN sublayer (started by the attention's end when `begun`); returns the next
-    /// layer's attention start when its hc_post ran it.
-    fn ffn(
-        &self,
-        px: &Pass,
-        qb: &mut QuantBufs,
-        route_plan: Option<&mut RoutePlan>,
-        begun: Option<Begun>,
-    ) -> Result<Option<Begun>> {
+    fn ffn(&self, px: &Pass, qb: &mut QuantBufs, route_plan: Option<&mut RoutePlan>) -> Result<()> {
         let (g, c, s, il, n) = (&px.g, px.c, px.s, px.il, px.n);
         let (step, fast) = (px.step, px.fast);
         let l = px.l;
         let (k, ff, e) = (c.n_expert_used, c.n_ff_exp, c.n_embd);
         let p = |b: &DeviceBuf<f32>| g.ptr(b);
-        let hc = (&l.hc_ffn, p(&s.h2), p(&l.ffn_norm));
-        let (n_q8, comb_lane) = px.sublayer_begin(hc, &mut qb.embd, &l.gate_sh, begun)?;
+        let (n_q8, comb_lane) = px.sublayer_begin(
+            &l.hc_ffn,
+            p(&s.h2),
+            p(&l.ffn_norm),
+            &mut qb.embd,
+            &l.gate_sh,
+        )?;
         // The shared expert needs only the normed input: it runs on side lane 1 (after
         // hc_post's comb matrix) while the router and the routed experts run on the
         // main lane.
@@ -979,14 +873,8 @@ impl KvView<'_> {
             g.steer_rows(n, p(&s.sh), parts, dir, scale, e)?;
             parts = (0, 0);
         }
-        let next = px.next.map(|nx| NextBegin {
-            hc: &nx.hc_attn,
-            norm_w: p(&nx.attn_norm),
-            xq: &qb.embd,
-            first: &nx.q_a,
-        });
-        let streams = (p(&s.h2), p(&s.sh), p(&s.h));
-        Ok(px.sublayer_end(comb_lane, streams, parts, next)?)
+        px.sublayer_end(comb_lane, p(&s.h2), p(&s.sh), parts, p(&s.h))?;
+        Ok(())
     }
 }
 

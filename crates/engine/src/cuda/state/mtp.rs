@@ -512,8 +512,7 @@ impl Draft {
         };
         let layer = (mw.il, &mw.layer, &m.layer, mw.rope(g, c.rope_dim));
         let px = kv.pass(w, self.numerics, layer, s, 1);
-        // A lone layer (no next one): its end runs no other start.
-        kv.layer(&px, &mut work.q8, None, None)?;
+        kv.layer(&px, &mut work.q8, None)?;
         g.copy(&work.s.h, &mut m.chain)?;
         let h = p(&work.s.h);
         head_logits(&l, w, self.numerics, work, h, mw.head())?;
