@@ -67,7 +67,9 @@ variants! {
     Q8Early = "q8_early", true, "The Q8_0 matvec's first weight loads before the PDL wait where the selection is fixed (matvec_q8_0_q8_early).";
     Prio = "prio", true, "Decode-graph kernels at the highest priority, background work (q_b, shared expert, hc_comb) at the lowest.";
     AttStage = "att_stage", true, "A decode token's attention blocks copy their rows into shared memory (attention_split_staged).";
-    F16Early = "f16_early", true, "The F16 matvec's first weight loads before the PDL wait where no ids select the matrix (matvec_f16_early).";
+    // Off since session 26: 2k decode 175.7 -> 177.4 tok/s without it (4 interleaved
+    // rounds, H200, q2; +1.5 in 2 more), MTP draft 1 level (NOTES session 26).
+    F16Early = "f16_early", false, "The F16 matvec's first weight loads before the PDL wait where no ids select the matrix (matvec_f16_early); off by default.";
     Router4 = "router4", true, "The router's rank loop reads four keys per shared-memory load (router_wide).";
     HcPreload = "hc_preload", true, "The hyper-connection kernels with every load issued before the first use (hc_pre_pl, hc_mix_pl, hc_post_pl).";
     IdxBanks = "idx_banks", true, "The indexer scores' loads staged so the transposed stores hit 32 banks (indexer_scores_sp).";
