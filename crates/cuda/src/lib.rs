@@ -46,6 +46,7 @@ mod matmul_f16;
 mod matmul_f16_exp;
 mod mtp;
 mod ops;
+mod pick;
 pub mod plan;
 mod probe;
 /// The GPU kernel checks (`ds4-tool gpu-selftest`, `tests/gpu_kernels.rs`).
@@ -65,6 +66,7 @@ pub use layer::{Compressor, HcNorm, HcParams, RopeP, WT_BF16, WT_F16, WT_F32, WT
 pub use matmul::{Batch, RoutePlan, EXP_VARIANT_WIDE};
 pub use matmul_f16::{F16Slot, F16Work};
 pub use ops::{ActRule, MatSel, QuantAct};
+pub use pick::{PickRing, TokenEvent, PICK_SLOTS};
 pub use plan::{DecodePlan, Launcher, PlanError, Variant};
 pub use tokens::Q8_TOKENS_MAX;
 

@@ -8,6 +8,8 @@ use crate::error::{EngineError, Result};
 use crate::imatrix::MoeObserver;
 use crate::kv::KvCache;
 use crate::mtp::Mtp;
+use crate::sampling::argmax_skip;
+use crate::session::check_logits;
 
 /// Which logits rows a forward call returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -114,6 +116,20 @@ pub(crate) fn decode_rows_mismatch(states: usize, tokens: usize) -> Option<Vec<R
     )
 }
 
+/// A greedy run's request ([`Backend::greedy_run`], [`crate::Session::greedy_run`]).
+pub struct GreedyRun<'a> {
+    /// The token decoded first.
+    pub first: u32,
+    /// Picks delivered at most (≥ 1).
+    pub max: usize,
+    /// A token never picked (a benchmark's EOS); `None`: plain argmax.
+    pub skip: Option<u32>,
+    /// Tokens the context still has room for (≥ 1).
+    pub room: usize,
+    /// Receives each pick; `false` ends the run.
+    pub on_pick: &'a mut dyn FnMut(u32) -> bool,
+}
+
 pub trait Backend: Send {
     fn name(&self) -> &str;
 
@@ -127,6 +143,37 @@ pub trait Backend: Send {
     /// returns the requested logits rows (`[rows][vocab]`). Must equal running the
     /// tokens one at a time.
     fn forward(&mut self, tokens: &[u32], rows: LogitRows) -> Result<Vec<f32>>;
+
+    /// Greedy decoding (see [`crate::Session::greedy_run`], which checked `run`): decodes
+    /// `run.first`, then picks and decodes until a stop. Appends every token it decodes
+    /// to `decoded` (also when it fails) and returns the last decoded token's logits.
+    ///
+    /// Pick `k` (from 1) is delivered to `on_pick`; it is decoded when `k < max` and
+    /// the context has room, whatever `on_pick` answers (a pipelined backend has
+    /// launched that decode before the host sees the pick); the run ends after a pick
+    /// that is not decoded or that `on_pick` refused. The default runs it on the host
+    /// with [`Backend::forward`]; the CUDA backend picks on the device, one token ahead.
+    fn greedy_run(&mut self, run: GreedyRun<'_>, decoded: &mut Vec<u32>) -> Result<Vec<f32>> {
+        let mut logits = self.forward(&[run.first], LogitRows::Last)?;
+        decoded.push(run.first);
+        check_logits(&logits)?;
+        let mut picks = 0;
+        loop {
+            let pick = argmax_skip(&logits, run.skip);
+            picks += 1;
+            let ahead = picks < run.max && decoded.len() < run.room;
+            let go = (run.on_pick)(pick);
+            if !ahead {
+                return Ok(logits);
+            }
+            logits = self.forward(&[pick], LogitRows::Last)?;
+            decoded.push(pick);
+            check_logits(&logits)?;
+            if !go {
+                return Ok(logits);
+            }
+        }
+    }
 
     /// [`Backend::forward`] with no logits, handing each layer's routed-expert inputs
     /// to `obs` (imatrix collection, `imatrix.rs`). The state advances as `forward`'s.

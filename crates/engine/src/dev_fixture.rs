@@ -13,6 +13,8 @@ use anyhow::{Context, Result};
 
 #[cfg(feature = "cuda")]
 mod cuda;
+mod greedy;
+pub use greedy::greedy_run_identity;
 
 #[cfg(feature = "cuda")]
 pub use cuda::{

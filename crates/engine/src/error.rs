@@ -101,6 +101,13 @@ pub enum EngineError {
 }
 
 impl EngineError {
+    /// A forward pass produced NaN logits (every backend and path says the same).
+    pub(crate) fn nan_logits() -> EngineError {
+        EngineError::Invalid(
+            "the model produced NaN logits: its weights are corrupt (inf or NaN values)".into(),
+        )
+    }
+
     pub fn kind(&self) -> ErrorKind {
         use EngineError::*;
         match self {

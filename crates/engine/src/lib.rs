@@ -65,7 +65,7 @@ pub use placement::{
     DeviceMap, GpuList, MemoryNeeds, MemoryOptions, Offload, Placement, PlanError, Stage,
     DEFAULT_PLAN_CTX,
 };
-pub use sampling::{argmax, generate, Sampler, SamplerConfig, StopReason};
+pub use sampling::{argmax, argmax_skip, generate, Sampler, SamplerConfig, StopReason};
 pub use session::{Session, SessionOptions, SessionState, DEFAULT_PREFILL_CHUNK};
 pub use spec::{SpecOptions, SpecStats, Speculator, MAX_DRAFT};
 pub use steer::{Component, Steering};

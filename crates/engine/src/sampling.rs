@@ -106,6 +106,30 @@ pub fn argmax(logits: &[f32]) -> u32 {
     (start + within.unwrap_or(0)) as u32
 }
 
+/// [`argmax`] with the token `skip` left out (`None`: [`argmax`]): the first maximum of
+/// the rest (a benchmark's greedy continuation that never ends at EOS). The device's
+/// pick (`greedy_pick`) chooses the same token.
+pub fn argmax_skip(logits: &[f32], skip: Option<u32>) -> u32 {
+    let best = argmax(logits);
+    let Some(e) = skip.map(|s| s as usize) else {
+        return best;
+    };
+    if best as usize != e || e >= logits.len() || logits.len() < 2 {
+        return best;
+    }
+    let (before, after) = (&logits[..e], &logits[e + 1..]);
+    let a = (!before.is_empty()).then(|| argmax(before) as usize);
+    let b = (!after.is_empty()).then(|| e + 1 + argmax(after) as usize);
+    let pick = match (a, b) {
+        // The later maximum only when larger (or the earlier is NaN: all NaN before).
+        (Some(a), Some(b)) if logits[b] > logits[a] || logits[a].is_nan() => b,
+        (Some(a), _) => a,
+        (None, Some(b)) => b,
+        (None, None) => best as usize,
+    };
+    pick as u32
+}
+
 /// The largest value of `x` that is not NaN (-inf when there is none).
 pub(crate) fn max_ignoring_nan(x: &[f32]) -> f32 {
     // Independent lanes so the compiler keeps the maxima in vector registers; 32 make
@@ -291,6 +315,35 @@ mod tests {
         }
         assert_eq!(s.sample(&[f32::NAN; 4]), 0);
         assert!(s.candidates(&[f32::NAN; 4]).is_empty());
+    }
+
+    #[test]
+    fn argmax_skip_is_the_first_maximum_of_the_rest() {
+        let ninf = f32::NEG_INFINITY;
+        assert_eq!(argmax_skip(&[1.0, 3.0, 3.0, 2.0], None), 1);
+        assert_eq!(argmax_skip(&[1.0, 3.0, 3.0, 2.0], Some(1)), 2);
+        assert_eq!(argmax_skip(&[1.0, 3.0, 3.0, 2.0], Some(2)), 1);
+        assert_eq!(argmax_skip(&[4.0, 3.0, 3.0, 2.0], Some(0)), 1);
+        assert_eq!(argmax_skip(&[1.0, 3.0, 2.0, 9.0], Some(3)), 1);
+        assert_eq!(argmax_skip(&[ninf, ninf], Some(0)), 1);
+        assert_eq!(argmax_skip(&[5.0], Some(0)), 0);
+        assert_eq!(argmax_skip(&[f32::NAN, 2.0, 1.0], Some(1)), 2);
+        // Against a plain scan on coarse rows with many ties.
+        let mut rng = Rng::new(7);
+        for _ in 0..200 {
+            let row: Vec<f32> = (0..300)
+                .map(|_| (rng.next_f64() * 6.0).floor() as f32)
+                .collect();
+            let skip = (rng.next_u64() % 300) as u32;
+            let want = (0..row.len())
+                .filter(|&i| i as u32 != skip)
+                .fold(None, |b: Option<usize>, i| match b {
+                    Some(j) if row[j] >= row[i] => Some(j),
+                    _ => Some(i),
+                })
+                .unwrap() as u32;
+            assert_eq!(argmax_skip(&row, Some(skip)), want);
+        }
     }
 
     #[test]

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use crate::backend::{
-    check_accepted, check_rows, check_vocab, no_pending, Backend, HcSource, LogitRows,
+    check_accepted, check_rows, check_vocab, no_pending, Backend, GreedyRun, HcSource, LogitRows,
 };
 use crate::cpu::CpuBackend;
 use crate::error::{EngineError, Result};
@@ -347,6 +347,50 @@ impl Session {
         Ok(&self.logits)
     }
 
+    /// Greedy decoding from `first` (the token after the session's last, e.g. the
+    /// argmax of [`Session::logits`]): decodes it, then hands each greedy pick (the
+    /// first maximum of the logits, `skip` left out) to `on_pick` and decodes it, until
+    /// `on_pick` returns `false`, `max` picks were delivered, or the context is full.
+    /// The picks are the tokens of the loop `decode(t); t = argmax(logits())`; on the
+    /// CUDA backend they are made on the device and the next token's pass is launched
+    /// before the host sees the pick, so the GPU never waits for the host.
+    ///
+    /// Which picks are decoded: every pick but one that ends the run by `max` or a full
+    /// context. A pick `on_pick` refused is decoded too (the device had launched it),
+    /// so after a run that a stop token ended, the session holds that token (the
+    /// chat's end-of-turn, which the next turn's prompt repeats). [`Session::tokens`]
+    /// and [`Session::logits`] then describe the session as usual; after an error,
+    /// `tokens` holds every token that was decoded. `max` = 0 does nothing.
+    pub fn greedy_run(
+        &mut self,
+        first: u32,
+        max: usize,
+        skip: Option<u32>,
+        on_pick: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<()> {
+        if max == 0 {
+            return Ok(());
+        }
+        self.check_room(1)?;
+        check_vocab(&[first], self.vocab())?;
+        self.accept_pending();
+        let run = GreedyRun {
+            first,
+            max,
+            skip,
+            room: self.ctx() - self.tokens.len(),
+            on_pick,
+        };
+        let mut decoded = Vec::new();
+        let logits = self.backend.greedy_run(run, &mut decoded);
+        if !decoded.is_empty() {
+            self.hc_ready = true;
+        }
+        self.tokens.extend_from_slice(&decoded);
+        self.logits = logits?;
+        Ok(())
+    }
+
     /// One decode token for each of several sessions of one engine (issue #21,
     /// continuous batching in the server): `rows[i].0` decodes `rows[i].1` at its own
     /// next position against its own KV, as [`Session::decode`] would; each session's
@@ -574,11 +618,9 @@ fn has_nan(x: &[f32]) -> bool {
 /// #18 item 11: NaN logits mean corrupt weights (an inf in a quantised scale, …); saying
 /// so beats sampling token 0 forever. One pass over `vocab` floats per token is noise
 /// next to the forward pass.
-fn check_logits(logits: &[f32]) -> Result<()> {
+pub(crate) fn check_logits(logits: &[f32]) -> Result<()> {
     if has_nan(logits) {
-        return Err(EngineError::Invalid(
-            "the model produced NaN logits: its weights are corrupt (inf or NaN values)".into(),
-        ));
+        return Err(EngineError::nan_logits());
     }
     Ok(())
 }

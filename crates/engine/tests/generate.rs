@@ -57,3 +57,53 @@ fn seeded_sampling_is_reproducible() {
     assert_eq!(a, run(&cfg));
     assert!(!a.is_empty());
 }
+
+// Session::greedy_run on the CPU (the trait's default): the plain greedy loop's picks,
+// tokens and logits, after its budget, a refused pick and a resumed run, and with a
+// token left out of every pick (the CUDA twin: `gpu-selftest`, device picks).
+#[test]
+fn greedy_run_equals_the_plain_loop() {
+    for numerics in [Numerics::Exact, Numerics::Fast] {
+        let model = load("q2", numerics);
+        let prompt = tokens("b");
+        ds4_engine::dev::fixture::greedy_run_identity(
+            &mut || {
+                let mut s = Session::new(&model, 4096)?;
+                s.prefill(&prompt)?;
+                Ok(s)
+            },
+            24,
+        )
+        .unwrap();
+    }
+}
+
+#[test]
+fn greedy_run_stops_at_a_full_context_and_checks_its_input() {
+    let model = load("q2", Numerics::Exact);
+    let prompt = tokens("a");
+    let mut s = Session::new(&model, prompt.len() + 3).unwrap();
+    s.prefill(&prompt).unwrap();
+    let mut picks = Vec::new();
+    let first = ds4_engine::argmax(s.logits());
+    s.greedy_run(first, 100, None, &mut |p| {
+        picks.push(p);
+        true
+    })
+    .unwrap();
+    // Room for 3 tokens: first and 2 picks decoded, 3 picks delivered.
+    assert_eq!(s.n_tokens(), prompt.len() + 3);
+    assert_eq!(picks.len(), 3);
+    let err = s.greedy_run(picks[2], 5, None, &mut |_| true).unwrap_err();
+    assert!(
+        matches!(err, ds4_engine::EngineError::ContextFull { .. }),
+        "{err}"
+    );
+    let mut s = Session::new(&model, 4096).unwrap();
+    s.prefill(&prompt).unwrap();
+    assert!(s.greedy_run(1_000_000, 5, None, &mut |_| true).is_err());
+    assert_eq!(s.n_tokens(), prompt.len());
+    s.greedy_run(first, 0, None, &mut |_| panic!("max 0 delivers nothing"))
+        .unwrap();
+    assert_eq!(s.n_tokens(), prompt.len());
+}

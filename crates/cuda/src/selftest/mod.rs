@@ -11,7 +11,7 @@
 //! over every variant, so a new variant without a check fails the build's tests.
 //!
 //! Layout: `common` (result lines, tolerances, random inputs, comparisons) is used by
-//! the check files `matvec`, `variants`, `matmul`, `attention` and the timings in
+//! the check files `matvec`, `variants`, `matmul`, `attention`, `pick` and the timings in
 //! `bench`; none of them uses another.
 
 mod attention;
@@ -21,6 +21,7 @@ mod matmul;
 mod matmul_f16;
 mod matmul_f16_exp;
 mod matvec;
+mod pick;
 mod tokens;
 mod variants;
 mod wide;
@@ -122,6 +123,7 @@ pub const CHECKS: &[KernelCheck] = &[
     ),
     check("wide", &[Variant::Wide], wide::check_wide),
     check("hc_mix_tc", &[Variant::HcMixTc], matvec::check_hc_mix_tc),
+    check("greedy_pick", &[], pick::check_pick),
     check(
         "attention",
         &[

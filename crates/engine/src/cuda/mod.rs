@@ -19,9 +19,10 @@ pub use ds4_cuda::{device_count, driver_present, CudaError, Gpu};
 pub use split::SplitBackend;
 
 use crate::backend::{
-    check_accepted, check_rows, check_tokens, check_vocab, no_pending, Backend, HcSource, LogitRows,
+    check_accepted, check_rows, check_tokens, check_vocab, no_pending, Backend, GreedyRun,
+    HcSource, LogitRows,
 };
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
 use crate::model::Model;
 use crate::mtp::Mtp;
@@ -185,6 +186,42 @@ impl Backend for CudaBackend {
             }
         }
         Ok(out)
+    }
+
+    /// The picks on the device, one token ahead (`state/pick.rs`): token k + 1's graph
+    /// is launched before the host waits for token k's pick.
+    fn greedy_run(&mut self, run: GreedyRun<'_>, decoded: &mut Vec<u32>) -> Result<Vec<f32>> {
+        self.state.accept_rows();
+        self.check_tokens(&[run.first])?;
+        self.fresh()?;
+        let (w, numerics) = (&self.weights, self.numerics);
+        let skip = match run.skip {
+            Some(s) if (s as usize) < w.config.vocab => s as i32,
+            _ => -1,
+        };
+        let mut pos = self.state.n_tokens;
+        self.state.decode_pick(w, numerics, Some(run.first), skip)?;
+        decoded.push(run.first);
+        let mut picks = 0;
+        loop {
+            picks += 1;
+            let ahead = picks < run.max && decoded.len() < run.room;
+            if ahead {
+                self.state.decode_pick(w, numerics, None, skip)?;
+            }
+            let (pick, nan) = self.state.pick_result(pos)?;
+            pos += 1;
+            if ahead {
+                decoded.push(pick);
+            }
+            if nan {
+                return Err(EngineError::nan_logits());
+            }
+            if !(run.on_pick)(pick) || !ahead {
+                break;
+            }
+        }
+        self.state.logits(w)
     }
 
     /// The native step (`state/rows.rs`): one pass over the weights for every row, an

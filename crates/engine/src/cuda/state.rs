@@ -8,6 +8,7 @@ use ds4_cuda::{
 mod batch;
 mod layers;
 mod mtp;
+mod pick;
 mod prefill;
 mod rows;
 mod snapshot;
@@ -379,6 +380,8 @@ pub(super) struct DeviceState {
     last_hc: Option<u64>,
     /// Directional steering (state/steer.rs; `None`: off).
     steer: Option<steer::SteerDev>,
+    /// The device's greedy picks (state/pick.rs), allocated by the first pick.
+    picks: Option<pick::Picks>,
 }
 
 fn comp_cap(ctx: usize, ratio: usize) -> usize {
@@ -611,6 +614,7 @@ impl DeviceState {
             mtp_mark_pending: false,
             last_hc: None,
             steer: None,
+            picks: None,
         })
     }
 

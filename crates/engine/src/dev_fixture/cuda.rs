@@ -14,9 +14,10 @@ use ds4_cuda::DecodePlan;
 use super::{
     check_sequence, pooled_agreement, position_deltas, spread, within_tier, Manifest, VARIANTS,
 };
+use crate::dev::SessionExt;
 use crate::dev::{Backend, CpuBackend, LoadOptions, LogitRows, Model};
 use crate::dev::{CudaBackend, CudaWeights, Gpu};
-use crate::{argmax, Numerics};
+use crate::{argmax, Numerics, Session};
 
 mod batch;
 mod imatrix;
@@ -71,6 +72,32 @@ impl Case<'_> {
     fn cpu(&self) -> CpuBackend {
         CpuBackend::new(self.model, 4096, self.numerics)
     }
+}
+
+/// [`Session::greedy_run`] with the picks made on the device against the plain loop
+/// (`super::greedy_run_identity`) from a 40-token prompt over 48 picks.
+fn greedy_on_device(case: &Case, tally: &mut Tally, line: &mut dyn FnMut(&str)) -> Result<()> {
+    let prompt = spread_tokens(40, case.vocab(), 7, 3);
+    let r = super::greedy_run_identity(
+        &mut || {
+            let b = Box::new(case.cuda()?);
+            let mut s = Session::with_backend(case.model, b, case.numerics, 2048);
+            s.prefill(&prompt)?;
+            Ok(s)
+        },
+        48,
+    );
+    tally.record(
+        line,
+        r.is_ok(),
+        format_args!(
+            "{:<6} greedy {:<6} device picks = the plain loop's over 48 tokens (budget, refused and resumed, a token left out){}",
+            case.variant,
+            format!("{:?}", case.numerics),
+            r.err().map_or(String::new(), |e| format!(": {e}"))
+        ),
+    );
+    Ok(())
 }
 
 /// `n` token ids spread over the vocabulary: (i·mul + add) mod vocab.
@@ -352,6 +379,7 @@ pub fn run_fixtures(gpu: &Arc<Gpu>, dir: &Path, line: &mut dyn FnMut(&str)) -> R
             };
             batch_consistency(&case, &mut tally, line)?;
             snapshot_interchange(&case, &mut tally, line)?;
+            greedy_on_device(&case, &mut tally, line)?;
             let (frac, ok) = pooled_agreement(&results);
             let n: usize = results.iter().map(|r| r.positions).sum();
             tally.record(

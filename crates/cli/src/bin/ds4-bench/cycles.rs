@@ -5,35 +5,16 @@
 use std::time::Instant;
 
 use anyhow::Result;
-use ds4_engine::{argmax, Session};
+use ds4_engine::{argmax, argmax_skip, Session};
 use ds4_synth::Rng;
 
 use crate::plot::BenchRow;
 
 /// The greedy pick of the benchmark: the argmax over every token but EOS (random weights
-/// would otherwise end some runs early).
+/// would otherwise end some runs early). The device's pick in [`decode_greedy`] leaves
+/// EOS out the same way.
 pub fn pick(logits: &[f32], eos: u32) -> u32 {
-    // The engine's vectorised argmax (a scalar scan here cost ~0.2 ms a token); EOS,
-    // when it wins, is passed over for the first maximum of the rest.
-    let best = argmax(logits);
-    let e = eos as usize;
-    if best != eos || e >= logits.len() || logits.len() < 2 {
-        return best;
-    }
-    let (before, after) = (&logits[..e], &logits[e + 1..]);
-    let a = (!before.is_empty()).then(|| argmax(before) as usize);
-    let b = (!after.is_empty()).then(|| e + 1 + argmax(after) as usize);
-    match (a, b) {
-        (Some(a), Some(b)) => {
-            (if logits[b] > logits[a] || logits[a].is_nan() {
-                b
-            } else {
-                a
-            }) as u32
-        }
-        (Some(i), None) | (None, Some(i)) => i as u32,
-        (None, None) => best,
-    }
+    argmax_skip(logits, Some(eos))
 }
 
 /// What one timed run measured: `cycles` steps that emitted `tokens` in `secs`.
@@ -63,21 +44,30 @@ impl Timed {
 /// `n + 1` tokens decoded (the greedy continuation of the frontier). The untimed one
 /// carries the session's one-off decode costs (on CUDA: capturing the decode graph and
 /// the first loads of its kernels, ~10–30 ms on an H200), which would otherwise be
-/// charged to the first frontier's rate.
+/// charged to the first frontier's rate. The tokens go through
+/// [`Session::greedy_run`], as `ds4 --temp 0` does: on CUDA the picks are made on the
+/// device and each token's graph is launched before the host has seen the previous
+/// token, so the timing holds no host round trips between tokens.
 pub fn decode_greedy(session: &mut Session, n: usize, eos: u32) -> Result<(Timed, Vec<u32>)> {
-    let mut tokens = Vec::with_capacity(n + 1);
-    let mut step = |session: &mut Session| -> Result<()> {
-        let t = pick(session.logits(), eos);
-        session.decode(t)?;
-        tokens.push(t);
-        Ok(())
-    };
-    step(session)?;
+    let first = pick(session.logits(), eos);
+    let mut next = first;
+    session.greedy_run(first, 1, Some(eos), &mut |p| {
+        next = p;
+        true
+    })?;
+    let mut picks = Vec::with_capacity(n);
     let t = Instant::now();
-    for _ in 0..n {
-        step(session)?;
-    }
+    session.greedy_run(next, n, Some(eos), &mut |p| {
+        picks.push(p);
+        true
+    })?;
     let secs = t.elapsed().as_secs_f64();
+    // Decoded: `first`, `next` and every pick but the last (the run's budget).
+    let mut tokens = vec![first];
+    if n > 0 {
+        tokens.push(next);
+        tokens.extend_from_slice(&picks[..n - 1]);
+    }
     let timed = Timed {
         cycles: n as u64,
         tokens: n as u64,

@@ -93,6 +93,17 @@ pub fn generate<W: Write>(
     }
     let mut out = Vec::new();
     let stopped = || stop.is_some_and(|s| s.load(Ordering::SeqCst));
+    if spec.is_none() && sampler.config.temperature <= 0.0 {
+        let interrupted = greedy(session, tok, eos, max, printer, &stopped, &mut out)?;
+        let elapsed = t0.elapsed();
+        printer.finish()?;
+        return Ok(Generated {
+            tokens: out,
+            interrupted,
+            elapsed,
+            mtp: None,
+        });
+    }
     let mut interrupted = false;
     // Tokens chosen but not printed yet: one from the logits, or a cycle's worth.
     let mut next = Vec::new();
@@ -132,6 +143,51 @@ pub fn generate<W: Write>(
         elapsed,
         mtp: spec.map(|sp| sp.stats()),
     })
+}
+
+/// Greedy generation (`--temp 0` without MTP) through [`Session::greedy_run`]: on CUDA
+/// the picks are made on the device and each token's pass is launched before the host
+/// prints the previous token. The tokens are the plain loop's; a run that EOS or Ctrl-C
+/// ends has that last pick decoded too (see `greedy_run`). Returns whether Ctrl-C
+/// ended it.
+fn greedy<W: Write>(
+    session: &mut Session,
+    tok: &Tokenizer,
+    eos: u32,
+    max: usize,
+    printer: &mut TokenPrinter<W>,
+    stopped: &dyn Fn() -> bool,
+    out: &mut Vec<u32>,
+) -> Result<bool> {
+    if max == 0 || stopped() {
+        return Ok(max > 0);
+    }
+    let first = ds4_engine::argmax(session.logits());
+    if first == eos {
+        return Ok(false);
+    }
+    printer.write(tok.token_bytes(first))?;
+    out.push(first);
+    if max == 1 || stopped() {
+        return Ok(max > 1);
+    }
+    let (mut failed, mut interrupted) = (None, false);
+    session.greedy_run(first, max - 1, None, &mut |t| {
+        if t == eos {
+            return false;
+        }
+        if let Err(e) = printer.write(tok.token_bytes(t)) {
+            failed = Some(e);
+            return false;
+        }
+        out.push(t);
+        interrupted = stopped();
+        !interrupted
+    })?;
+    match failed {
+        Some(e) => Err(e.into()),
+        None => Ok(interrupted),
+    }
 }
 
 /// The final line's MTP part: `, mtp: X.XX tokens/cycle (acceptance Y%)`.

@@ -1,0 +1,103 @@
+//! [`Session::greedy_run`] against the plain greedy loop (`decode(t); t = argmax`) on
+//! sessions of one backend: the same picks, the same tokens held, bit-identical logits
+//! after a run that ended at its budget, after one that a refused pick ended (that pick
+//! decoded too) and resumed, and with a token left out of every pick. The CPU runs it in
+//! the engine's tests (the trait's default), the CUDA backend in `gpu-selftest` (the
+//! picks made on the device, one token ahead).
+
+use anyhow::{ensure, Result};
+
+use crate::{argmax_skip, Session};
+
+/// The plain loop from `s`'s logits: decodes `n` picks (`skip` left out of each) and
+/// returns the `n + 1` picks.
+fn plain(s: &mut Session, n: usize, skip: Option<u32>) -> Result<Vec<u32>> {
+    let mut picks = vec![argmax_skip(s.logits(), skip)];
+    for _ in 0..n {
+        s.decode(*picks.last().expect("one pick"))?;
+        picks.push(argmax_skip(s.logits(), skip));
+    }
+    Ok(picks)
+}
+
+fn same_state(got: &Session, want: &Session, what: &str) -> Result<()> {
+    ensure!(
+        got.tokens() == want.tokens(),
+        "{what}: holds {} tokens, the plain loop {} (or other ids)",
+        got.tokens().len(),
+        want.tokens().len()
+    );
+    let same = got
+        .logits()
+        .iter()
+        .zip(want.logits())
+        .all(|(a, b)| a.to_bits() == b.to_bits());
+    ensure!(
+        same && got.logits().len() == want.logits().len(),
+        "{what}: logits differ from the plain loop's"
+    );
+    Ok(())
+}
+
+/// The check on sessions from `fresh` (each already holding the same prompt), over
+/// `n` ≥ 12 picks. `Ok(())` or the first difference as an error.
+pub fn greedy_run_identity(fresh: &mut dyn FnMut() -> Result<Session>, n: usize) -> Result<()> {
+    ensure!(n >= 12, "greedy_run_identity needs at least 12 picks");
+    let mut base = fresh()?;
+    let want = plain(&mut base, n, None)?;
+
+    // A run to its budget: n picks delivered, the last not decoded.
+    let mut s = fresh()?;
+    let mut got = Vec::new();
+    s.greedy_run(want[0], n, None, &mut |p| {
+        got.push(p);
+        true
+    })?;
+    ensure!(
+        got == want[1..],
+        "budget run: picks differ from the plain loop's"
+    );
+    same_state(&s, &base, "budget run")?;
+
+    // Refused at pick 5 (decoded all the same), resumed, refused at pick 3 of the
+    // second run, then the plain loop to the end.
+    let mut s = fresh()?;
+    let mut got = Vec::new();
+    let mut k = 0;
+    s.greedy_run(want[0], n, None, &mut |p| {
+        got.push(p);
+        k += 1;
+        k < 5
+    })?;
+    ensure!(got == want[1..6], "refused run: picks differ");
+    ensure!(
+        s.tokens().len() == base.tokens().len() - n + 6,
+        "refused run: the refused pick was not decoded"
+    );
+    let (mut got, mut k) = (Vec::new(), 0);
+    s.greedy_run(want[6], n - 6, None, &mut |p| {
+        got.push(p);
+        k += 1;
+        k < 3
+    })?;
+    ensure!(got == want[7..10], "resumed run: picks differ");
+    while s.tokens().len() < base.tokens().len() {
+        let t = argmax_skip(s.logits(), None);
+        s.decode(t)?;
+    }
+    same_state(&s, &base, "resumed run, then plain decode")?;
+
+    // A token left out: the first plain pick, so the run differs from the one above.
+    let skip = Some(want[1]);
+    let mut base = fresh()?;
+    let want = plain(&mut base, n, skip)?;
+    let mut s = fresh()?;
+    let mut got = Vec::new();
+    s.greedy_run(want[0], n, skip, &mut |p| {
+        got.push(p);
+        true
+    })?;
+    ensure!(got == want[1..], "run with a token left out: picks differ");
+    same_state(&s, &base, "run with a token left out")?;
+    Ok(())
+}
