@@ -481,7 +481,7 @@ fn fnv1a(b: &[u8]) -> u64 {
 }
 
 /// Side lanes for parallel branches (lanes 1..=SIDE_LANES).
-pub const SIDE_LANES: usize = 3;
+pub const SIDE_LANES: usize = 4;
 
 impl Gpu {
     /// The stream kernels launch on now: the main stream, or the side stream of the
@@ -511,6 +511,16 @@ impl Gpu {
         }
         let side = self.side_stream(lane)?;
         Ok(self.stream.join(side)?)
+    }
+
+    /// Makes side lane `waiter` wait for everything queued on side lane `on` so far
+    /// (a branch that needs another branch's result; under capture, a graph edge).
+    pub fn lane_wait(&self, waiter: usize, on: usize) -> Result<(), CudaError> {
+        if !self.branches {
+            return Ok(());
+        }
+        let (w, o) = (self.side_stream(waiter)?, self.side_stream(on)?);
+        Ok(w.join(o)?)
     }
 
     /// Runs `f` with its launches on side lane `lane`, after everything queued on the

@@ -166,6 +166,7 @@ pub const GRAPH_VARIANTS: &[GraphVariant] = &[
     graph(Variant::Prio, true),
     graph(Variant::ShexpLate, true),
     graph(Variant::OutaEarly, true),
+    graph(Variant::IdxLane, true),
 ];
 
 /// A [`GRAPH_VARIANTS`] entry.

@@ -494,15 +494,27 @@ impl KvView<'_> {
             (Some(cw), Some(ix), Some(index)) => Some((cw, ix, index)),
             _ => None,
         };
+        // Under `idx_lane` a decode token's indexer compressor runs on lane 4, and lane
+        // 2 waits for it only before the scores (which read its rows): the indexer's
+        // query no longer queues behind the compressor's chain on lane 2.
+        let idx_lane = n == 1 && g.on(Variant::IdxLane);
         if let Some((_, ix, index)) = indexer {
-            g.branch(2, || {
+            let compress = || {
                 px.compress(
                     (p(&s.n), px.kvs.1),
                     &ix.compressor,
                     (st.iskv.as_ref(), st.issc.as_ref()),
                     true,
                     p(index),
-                )?;
+                )
+            };
+            if idx_lane {
+                g.branch(4, compress)?;
+            }
+            g.branch(2, || {
+                if !idx_lane {
+                    compress()?;
+                }
                 dense_f32(g, &ix.proj, p(&s.n), p(&s.wt), plain(&ix.proj, n))
             })?;
         }
@@ -529,6 +541,9 @@ impl KvView<'_> {
                 let wscale =
                     ((c.idx_head_dim as f64).powf(-0.5) * (c.idx_heads as f64).powf(-0.5)) as f32;
                 debug_assert!(max_rows <= s.iscores_stride);
+                if idx_lane {
+                    g.lane_wait(2, 4)?;
+                }
                 g.indexer_scores(
                     n,
                     step,
@@ -570,6 +585,10 @@ impl KvView<'_> {
         g.join(1)?;
         if indexer.is_some() {
             g.join(2)?;
+            if idx_lane {
+                // Already waited for through lane 2; joined for the capture's rule.
+                g.join(4)?;
+            }
         }
         let scale = (hd as f64).powf(-0.5) as f32;
         let att = ds4_cuda::AttnInput {
