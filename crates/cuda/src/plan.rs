@@ -102,7 +102,7 @@ variants! {
     ExpF16 = "exp_f16", true, "A prefill chunk's IQ2_XXS and Q2_K routed-expert GEMMs on fp16 warpgroup MMA (q8act_to_f16_perm, mm_exp_f16_*: each weight decoded once a block to fp16 with its scales folded in, straight into wgmma's A registers), not int8 mma with an integer sub-block scale per mma (mm_exp_*); sm_90a builds on 9.0 GPUs only.";
     ExpF16Qs = "exp_f16_qs", true, "With exp_f16: each row's few fp16 values formed once a quad (a lane a quarter, handed out by shuffle; mm_exp_f16_*_qs), not by all four lanes that decode the row.";
     F16Mma = "f16_mma", true, "With tokens: a step's F16 products of 8 to 16 tokens (a batched step over sessions, a long multi-row step) on tf32 tensor cores with each activation as tf32 hi + lo (matvec_f16_mma8/16), not the FMA kernels (matvec_f16_t8/16) that read every token's activations per weight.";
-    IdxLane = "idx_lane", false, "A decode token's indexer compressor on a lane of its own, joined just before the indexer scores, not ahead of the indexer query on its lane.";
+    IdxLane = "idx_lane", true, "A decode token's indexer compressor on a lane of its own, joined just before the indexer scores, not ahead of the indexer query on its lane.";
     HcMixTc = "hc_mix_tc", true, "A prefill chunk's hyper-connection mix in one pass over H (hc_mix_tc: 16 tokens a block, the values read straight into tf32 mma fragments and squared on the way), not the 64×64-tile tf32 GEMM and a second read of H for the RMS factor (mm_tc_f16_p_*, hc_mix_scale).";
 }
 
