@@ -103,6 +103,7 @@ variants! {
     ExpF16Qs = "exp_f16_qs", true, "With exp_f16: each row's few fp16 values formed once a quad (a lane a quarter, handed out by shuffle; mm_exp_f16_*_qs), not by all four lanes that decode the row.";
     F16Mma = "f16_mma", true, "With tokens: a step's F16 products of 8 to 16 tokens (a batched step over sessions, a long multi-row step) on tf32 tensor cores with each activation as tf32 hi + lo (matvec_f16_mma8/16), not the FMA kernels (matvec_f16_t8/16) that read every token's activations per weight.";
     IdxLane = "idx_lane", true, "A decode token's indexer compressor on a lane of its own, joined just before the indexer scores, not ahead of the indexer query on its lane.";
+    CompDefer = "comp_defer", true, "A decode token whose position ends no window of a layer's compressors runs them on lane 4, joined at the attention sublayer's end, not before the attention (decode graphs keyed by which ratios emit).";
     HcMixTc = "hc_mix_tc", true, "A prefill chunk's hyper-connection mix in one pass over H (hc_mix_tc: 16 tokens a block, the values read straight into tf32 mma fragments and squared on the way), not the 64×64-tile tf32 GEMM and a second read of H for the RMS factor (mm_tc_f16_p_*, hc_mix_scale).";
 }
 

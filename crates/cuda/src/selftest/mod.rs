@@ -167,6 +167,7 @@ pub const GRAPH_VARIANTS: &[GraphVariant] = &[
     graph(Variant::ShexpLate, true),
     graph(Variant::OutaEarly, true),
     graph(Variant::IdxLane, true),
+    graph(Variant::CompDefer, true),
 ];
 
 /// A [`GRAPH_VARIANTS`] entry.

@@ -1,8 +1,11 @@
 //! Per-session device state (KV rows, compressor frontiers, scratch) and the decode
 //! of one token.
 
+use std::collections::HashMap;
+
 use ds4_cuda::{
     CudaError, DecodePlan, DeviceBuf, F16Work, Gpu, Launcher, QuantAct, RoutePlan, TokenGraph,
+    Variant,
 };
 
 mod batch;
@@ -362,9 +365,10 @@ pub(super) struct DeviceState {
     /// One token (decode, captured in graphs). A prefill chunk runs in the GPU's shared
     /// [`PrefillWork`].
     s: Work,
-    /// One captured token (without / with the output head), replayed per token; all
-    /// position-dependent counts are read from the device step buffer.
-    graphs: [Option<TokenGraph>; 2],
+    /// Captured tokens (keyed by: with the output head, and [`DeviceState::emit_key`]),
+    /// replayed per token; all position-dependent counts are read from the device step
+    /// buffer.
+    graphs: HashMap<(bool, u64), TokenGraph>,
     graph_numerics: Option<Numerics>,
     use_graphs: bool,
     /// The variants this session's launches use.
@@ -604,7 +608,7 @@ impl DeviceState {
             att_stride,
             layers,
             s: Work::new(g, c, ctx, 1, att_stride)?,
-            graphs: [None, None],
+            graphs: HashMap::new(),
             graph_numerics: None,
             use_graphs: !g.profiling()
                 && std::env::var("DS4_CUDA_GRAPHS").map_or(true, |v| v != "0"),
@@ -656,21 +660,21 @@ impl DeviceState {
         g.write(&mut self.s.s.step, &[pos, token as i32])?;
         if self.use_graphs {
             if self.graph_numerics != Some(numerics) {
-                self.graphs = [None, None];
+                self.graphs.clear();
                 self.graph_numerics = Some(numerics);
             }
-            let key = usize::from(head);
-            if self.graphs[key].is_none() {
+            // One key at a time: a session that decodes a token now and then (an MTP
+            // cycle without drafts) captures only what it uses; a greedy run captures
+            // every key up front (`decode_pick`).
+            let key = (head, self.emit_key(&w.config));
+            if !self.graphs.contains_key(&key) {
                 g.begin_capture()?;
                 let enqueued = self.enqueue_token(w, numerics, head);
                 let graph = g.end_capture();
                 enqueued?;
-                self.graphs[key] = Some(graph?);
+                self.graphs.insert(key, graph?);
             }
-            self.graphs[key]
-                .as_ref()
-                .expect("captured above")
-                .launch()?;
+            self.graphs[&key].launch()?;
         } else {
             self.enqueue_token(w, numerics, head)?;
         }
@@ -691,7 +695,57 @@ impl DeviceState {
             steer: self.steer.as_ref(),
             kvt: 0,
             end: self.ctx,
+            emit_pos: None,
         }
+    }
+
+    /// Which of the model's compressor ratios emit a row at the next position
+    /// (`n_tokens`; bit i: the i-th smallest distinct ratio): the key of a decode graph
+    /// under `comp_defer`, whose joins depend on it. Without it, `u64::MAX`: one graph
+    /// for every position.
+    fn emit_key(&self, c: &Config) -> u64 {
+        self.emit_key_at(c, self.n_tokens)
+    }
+
+    /// The pick graphs to capture when the one for position `n_tokens` is missing (a
+    /// greedy run, `decode_pick`): its key with that position, then under `comp_defer`
+    /// every other key of the next positions, each with a position of its own (only the
+    /// key shapes a capture; the graph reads the real position from the step buffer).
+    /// All at once, so that no capture (~10–30 ms) interrupts the run later.
+    fn capture_plan(&self, c: &Config) -> Vec<(u64, usize)> {
+        let here = self.n_tokens;
+        let mut plan = vec![(self.emit_key_at(c, here), here)];
+        if self.plan.has(Variant::CompDefer) {
+            // Every key recurs within the ratios' least common multiple (128 for the
+            // Flash model's 4 and 128); a bound keeps odd ratios cheap.
+            for pos in here + 1..here + 4096 {
+                let k = self.emit_key_at(c, pos);
+                if !plan.iter().any(|p| p.0 == k) {
+                    plan.push((k, pos));
+                }
+            }
+        }
+        plan
+    }
+
+    /// [`DeviceState::emit_key`] at position `pos`.
+    fn emit_key_at(&self, c: &Config, pos: usize) -> u64 {
+        if !self.plan.has(Variant::CompDefer) {
+            return u64::MAX;
+        }
+        let mut ratios: Vec<usize> = c
+            .compress_ratios
+            .iter()
+            .copied()
+            .filter(|&r| r > 0)
+            .collect();
+        ratios.sort_unstable();
+        ratios.dedup();
+        ratios
+            .iter()
+            .enumerate()
+            .filter(|&(_, &r)| (pos + 1).is_multiple_of(r))
+            .fold(0, |m, (i, _)| m | 1 << i)
     }
 
     /// Enqueues every launch of one token (the step buffer already holds pos/token).
@@ -706,6 +760,7 @@ impl DeviceState {
             steer: self.steer.as_ref(),
             kvt: 0,
             end: self.ctx,
+            emit_pos: self.plan.has(Variant::CompDefer).then_some(self.n_tokens),
         };
         kv.enqueue(w, numerics, &mut self.s, 1)?;
         if head {

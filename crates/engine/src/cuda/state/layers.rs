@@ -93,6 +93,10 @@ pub(super) struct KvView<'a> {
     /// Positions written once the pass's tokens are (a prefill chunk: n_tokens + n; else
     /// ctx): how many compressed rows a chunk's fp16 copies cover.
     pub(super) end: usize,
+    /// A decode graph keyed on which compressors emit (`comp_defer`): a position of
+    /// that key. `None`: every compressor may emit (their results joined before the
+    /// attention).
+    pub(super) emit_pos: Option<usize>,
 }
 
 /// A projection's input: f32 rows at `x`, their Q8_0 form in `xq` (already written
@@ -121,6 +125,9 @@ pub(super) struct Pass<'a> {
     /// The layer's KV table of a batched step over several sessions ([`KvView::kvt`]
     /// at this layer), else 0.
     kvt: u64,
+    /// The layer's compressors may emit a row at this pass's token (see
+    /// [`KvView::emit_pos`]); when not, their work need not precede the attention.
+    emits: bool,
 }
 
 impl Pass<'_> {
@@ -424,6 +431,10 @@ impl KvView<'_> {
             0 => 0,
             base => base + (il * MAX_ROWS * kvt::STRIDE * 8) as u64,
         };
+        let emits = match self.emit_pos {
+            Some(pos) if l.ratio > 0 => (pos + 1).is_multiple_of(l.ratio),
+            _ => true,
+        };
         Pass {
             g,
             c,
@@ -437,6 +448,7 @@ impl KvView<'_> {
             rope,
             fast,
             kvt,
+            emits,
         }
     }
 
@@ -450,11 +462,30 @@ impl KvView<'_> {
 
         let (n_q8, comb_lane) =
             px.sublayer_begin(&l.hc_attn, p(&s.h), p(&l.attn_norm), &mut qb.embd, &l.q_a)?;
+        // `comp_defer`: a decode token that ends no window of this layer's compressors
+        // needs none of their results in its attention (the rows it reads were emitted
+        // before), so their chains run on lane 4 beside the attention, joined at the
+        // sublayer's end (the FFN's norm overwrites their input `n`).
+        let defer = n == 1 && !px.emits && g.on(Variant::CompDefer);
+        let main_compress = || -> Result<(), CudaError> {
+            if let (Some(cw), Some(comp)) = (&l.compressor, &st.comp) {
+                px.compress(
+                    (p(&s.n), px.kvs.0),
+                    cw,
+                    (st.skv.as_ref(), st.ssc.as_ref()),
+                    false,
+                    p(comp),
+                )?;
+            }
+            Ok(())
+        };
         // Three branches from the normed input, joined before attention: side lane 1
         // forms hc_post's comb matrix and writes this token's raw row and compressed
         // rows, side lane 2 the indexer's compressed rows and then (once the main lane
         // has q_r) the top-k selection, and the main lane builds the queries. Each is a
-        // chain of small kernels that cannot fill the GPU alone.
+        // chain of small kernels that cannot fill the GPU alone. A decode token moves
+        // compressor chains to lane 4: the indexer's (`idx_lane`), or both when they
+        // emit no row at this position (`comp_defer`).
         g.branch(1, || {
             if !comb_lane {
                 px.hc_comb(&l.hc_attn)?;
@@ -479,14 +510,8 @@ impl KvView<'_> {
                 self.raw_cap,
                 px.kvt,
             )?;
-            if let (Some(cw), Some(comp)) = (&l.compressor, &st.comp) {
-                px.compress(
-                    (p(&s.n), px.kvs.0),
-                    cw,
-                    (st.skv.as_ref(), st.ssc.as_ref()),
-                    false,
-                    p(comp),
-                )?;
+            if !defer {
+                main_compress()?;
             }
             Ok(())
         })?;
@@ -497,23 +522,32 @@ impl KvView<'_> {
         // Under `idx_lane` a decode token's indexer compressor runs on lane 4, and lane
         // 2 waits for it only before the scores (which read its rows): the indexer's
         // query no longer queues behind the compressor's chain on lane 2.
-        let idx_lane = n == 1 && g.on(Variant::IdxLane);
-        if let Some((_, ix, index)) = indexer {
-            let compress = || {
+        let idx_lane = n == 1 && g.on(Variant::IdxLane) && !defer;
+        let idx_compress = || -> Result<(), CudaError> {
+            if let Some((_, ix, index)) = indexer {
                 px.compress(
                     (p(&s.n), px.kvs.1),
                     &ix.compressor,
                     (st.iskv.as_ref(), st.issc.as_ref()),
                     true,
                     p(index),
-                )
-            };
+                )?;
+            }
+            Ok(())
+        };
+        if defer {
+            g.branch(4, || {
+                idx_compress()?;
+                main_compress()
+            })?;
+        }
+        if let Some((_, ix, _)) = indexer {
             if idx_lane {
-                g.branch(4, compress)?;
+                g.branch(4, idx_compress)?;
             }
             g.branch(2, || {
-                if !idx_lane {
-                    compress()?;
+                if !idx_lane && !defer {
+                    idx_compress()?;
                 }
                 dense_f32(g, &ix.proj, p(&s.n), p(&s.wt), plain(&ix.proj, n))
             })?;
@@ -719,6 +753,9 @@ impl KvView<'_> {
             g.steer_rows(n, p(&s.o), (0, 0), dir, scale, c.n_embd)?;
         }
         px.sublayer_end(comb_lane, p(&s.h), p(&s.o), (0, 0), p(&s.h2))?;
+        if defer {
+            g.join(4)?;
+        }
         Ok(())
     }
 

@@ -509,6 +509,7 @@ impl Draft {
             steer: None,
             kvt: 0,
             end: self.ctx,
+            emit_pos: None,
         };
         let layer = (mw.il, &mw.layer, &m.layer, mw.rope(g, c.rope_dim));
         let px = kv.pass(w, self.numerics, layer, s, 1);

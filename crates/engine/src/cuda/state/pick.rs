@@ -6,6 +6,8 @@
 //! between tokens (~0.2 ms a token otherwise: the logits' download, the host's scan,
 //! the next step's upload and the graph launch).
 
+use std::collections::HashMap;
+
 use ds4_cuda::{PickRing, TokenEvent, TokenGraph};
 
 use super::DeviceState;
@@ -18,9 +20,17 @@ pub(in crate::cuda) struct Picks {
     ring: PickRing,
     /// One event per token in flight (token `pos` uses `events[pos % 2]`).
     events: [TokenEvent; 2],
-    /// The token graph with the pick at its end, and the numerics and left-out token it
-    /// was captured with.
-    graph: Option<(TokenGraph, Numerics, i32)>,
+    /// The token graphs with the pick at their end (keyed by [`DeviceState::emit_key`]),
+    /// and the numerics and left-out token they were captured with.
+    graphs: HashMap<u64, TokenGraph>,
+    captured: Option<(Numerics, i32)>,
+}
+
+impl Picks {
+    /// Drops the captured graphs (the steering they baked in changed).
+    pub(super) fn forget_graphs(&mut self) {
+        self.graphs.clear();
+    }
 }
 
 impl DeviceState {
@@ -41,7 +51,8 @@ impl DeviceState {
             self.picks = Some(Picks {
                 ring: g.pick_ring()?,
                 events: [g.token_event()?, g.token_event()?],
-                graph: None,
+                graphs: HashMap::new(),
+                captured: None,
             });
         }
         if let Some(t) = token {
@@ -49,20 +60,35 @@ impl DeviceState {
             g.write(&mut self.s.s.step, &[pos, t as i32])?;
         }
         if self.use_graphs {
-            let stale = match &self.picks.as_ref().expect("allocated above").graph {
-                Some((_, n, s)) => *n != numerics || *s != skip,
-                None => true,
-            };
-            if stale {
-                g.begin_capture()?;
-                let enqueued = self.enqueue_pick(w, numerics, skip);
-                let graph = g.end_capture();
-                enqueued?;
-                let p = self.picks.as_mut().expect("allocated above");
-                p.graph = Some((graph?, numerics, skip));
+            let key = self.emit_key(&w.config);
+            let p = self.picks.as_mut().expect("allocated above");
+            if p.captured != Some((numerics, skip)) {
+                p.graphs.clear();
+                p.captured = Some((numerics, skip));
             }
-            let p = self.picks.as_ref().expect("allocated above");
-            p.graph.as_ref().expect("captured above").0.launch()?;
+            if !p.graphs.contains_key(&key) {
+                let here = self.n_tokens;
+                for (k, pos) in self.capture_plan(&w.config) {
+                    if self
+                        .picks
+                        .as_ref()
+                        .expect("allocated above")
+                        .graphs
+                        .contains_key(&k)
+                    {
+                        continue;
+                    }
+                    self.n_tokens = pos;
+                    g.begin_capture()?;
+                    let enqueued = self.enqueue_pick(w, numerics, skip);
+                    let graph = g.end_capture();
+                    self.n_tokens = here;
+                    enqueued?;
+                    let p = self.picks.as_mut().expect("allocated above");
+                    p.graphs.insert(k, graph?);
+                }
+            }
+            self.picks.as_ref().expect("allocated above").graphs[&key].launch()?;
         } else {
             self.enqueue_pick(w, numerics, skip)?;
         }

@@ -50,9 +50,12 @@ impl DeviceState {
             return Ok(());
         }
         self.steer = dev;
-        self.graphs = [None, None];
+        self.graphs.clear();
         if let Some(rs) = self.rows.as_mut() {
             rs.forget_graphs();
+        }
+        if let Some(p) = self.picks.as_mut() {
+            p.forget_graphs();
         }
         Ok(())
     }
