@@ -13,6 +13,7 @@ mod layers;
 mod mtp;
 mod pick;
 mod prefill;
+mod products;
 mod rows;
 mod snapshot;
 mod steer;
@@ -22,9 +23,10 @@ use crate::config::Config;
 use crate::error::{EngineError, Result};
 use crate::ops::linear::Numerics;
 pub(crate) use batch::{decode_batch, unbatchable, BatchStep};
-use layers::{gemm, hc_params, mv, Gemm, KvView, SMALL_BATCH};
+use layers::KvView;
 use prefill::prefill_work;
 pub(crate) use prefill::PrefillWork;
+use products::{gemm, hc_params, mv, Gemm, SMALL_BATCH};
 
 /// KV state of one layer on the device. Row counts derive from the position: the raw
 /// ring holds position p at slot p % raw_cap; compressed row i summarises tokens

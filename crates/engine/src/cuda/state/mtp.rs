@@ -15,7 +15,8 @@
 
 use ds4_cuda::{CudaError, DeviceBuf, Gpu, QuantAct};
 
-use super::layers::{mv, KvView};
+use super::layers::KvView;
+use super::products::mv;
 use super::{head_logits, DeviceState, LayerState};
 use crate::backend::{HcSource, MAX_ROWS};
 use crate::config::Config;
