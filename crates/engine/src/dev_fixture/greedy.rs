@@ -39,47 +39,57 @@ fn same_state(got: &Session, want: &Session, what: &str) -> Result<()> {
     Ok(())
 }
 
+/// `s.greedy_run(first, max, skip, …)`; returns the picks delivered. `refuse`: the
+/// pick (counted from 1) that `on_pick` refuses, else none.
+fn run(
+    s: &mut Session,
+    (first, max, skip): (u32, usize, Option<u32>),
+    refuse: Option<usize>,
+) -> Result<Vec<u32>> {
+    let mut got = Vec::new();
+    s.greedy_run(first, max, skip, &mut |p| {
+        got.push(p);
+        Some(got.len()) != refuse
+    })?;
+    Ok(got)
+}
+
+/// A run to its budget (`n` picks delivered, the last not decoded) against the plain
+/// loop, each on a session from `fresh`; returns the plain session and its picks.
+fn budget_run(
+    fresh: &mut dyn FnMut() -> Result<Session>,
+    n: usize,
+    skip: Option<u32>,
+    what: &str,
+) -> Result<(Session, Vec<u32>)> {
+    let mut base = fresh()?;
+    let want = plain(&mut base, n, skip)?;
+    let mut s = fresh()?;
+    let got = run(&mut s, (want[0], n, skip), None)?;
+    ensure!(
+        got == want[1..],
+        "{what}: picks differ from the plain loop's"
+    );
+    same_state(&s, &base, what)?;
+    Ok((base, want))
+}
+
 /// The check on sessions from `fresh` (each already holding the same prompt), over
 /// `n` ≥ 12 picks. `Ok(())` or the first difference as an error.
 pub fn greedy_run_identity(fresh: &mut dyn FnMut() -> Result<Session>, n: usize) -> Result<()> {
     ensure!(n >= 12, "greedy_run_identity needs at least 12 picks");
-    let mut base = fresh()?;
-    let want = plain(&mut base, n, None)?;
-
-    // A run to its budget: n picks delivered, the last not decoded.
-    let mut s = fresh()?;
-    let mut got = Vec::new();
-    s.greedy_run(want[0], n, None, &mut |p| {
-        got.push(p);
-        true
-    })?;
-    ensure!(
-        got == want[1..],
-        "budget run: picks differ from the plain loop's"
-    );
-    same_state(&s, &base, "budget run")?;
+    let (base, want) = budget_run(fresh, n, None, "budget run")?;
 
     // Refused at pick 5 (decoded all the same), resumed, refused at pick 3 of the
     // second run, then the plain loop to the end.
     let mut s = fresh()?;
-    let mut got = Vec::new();
-    let mut k = 0;
-    s.greedy_run(want[0], n, None, &mut |p| {
-        got.push(p);
-        k += 1;
-        k < 5
-    })?;
+    let got = run(&mut s, (want[0], n, None), Some(5))?;
     ensure!(got == want[1..6], "refused run: picks differ");
     ensure!(
         s.tokens().len() == base.tokens().len() - n + 6,
         "refused run: the refused pick was not decoded"
     );
-    let (mut got, mut k) = (Vec::new(), 0);
-    s.greedy_run(want[6], n - 6, None, &mut |p| {
-        got.push(p);
-        k += 1;
-        k < 3
-    })?;
+    let got = run(&mut s, (want[6], n - 6, None), Some(3))?;
     ensure!(got == want[7..10], "resumed run: picks differ");
     while s.tokens().len() < base.tokens().len() {
         let t = argmax_skip(s.logits(), None);
@@ -88,16 +98,6 @@ pub fn greedy_run_identity(fresh: &mut dyn FnMut() -> Result<Session>, n: usize)
     same_state(&s, &base, "resumed run, then plain decode")?;
 
     // A token left out: the first plain pick, so the run differs from the one above.
-    let skip = Some(want[1]);
-    let mut base = fresh()?;
-    let want = plain(&mut base, n, skip)?;
-    let mut s = fresh()?;
-    let mut got = Vec::new();
-    s.greedy_run(want[0], n, skip, &mut |p| {
-        got.push(p);
-        true
-    })?;
-    ensure!(got == want[1..], "run with a token left out: picks differ");
-    same_state(&s, &base, "run with a token left out")?;
+    budget_run(fresh, n, Some(want[1]), "run with a token left out")?;
     Ok(())
 }
