@@ -180,6 +180,20 @@ impl Launcher<'_> {
     pub fn end_capture(&self) -> Result<TokenGraph, CudaError> {
         self.gpu().end_capture_prio(self.on(Variant::Prio))
     }
+
+    /// The launches `f` makes, recorded into a graph ([`Gpu::begin_capture`],
+    /// [`Launcher::end_capture`]). The recording ends even when `f` fails, and then
+    /// `f`'s error is the one returned.
+    pub fn capture<E: From<CudaError>>(
+        &self,
+        f: impl FnOnce() -> Result<(), E>,
+    ) -> Result<TokenGraph, E> {
+        self.begin_capture()?;
+        let enqueued = f();
+        let graph = self.end_capture();
+        enqueued?;
+        Ok(graph?)
+    }
 }
 
 impl Gpu {

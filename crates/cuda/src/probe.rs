@@ -5,7 +5,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use crate::device::Gpu;
 use crate::error::CudaError;
-use crate::plan::{DecodePlan, Variant};
+use crate::plan::DecodePlan;
 
 impl Gpu {
     /// Reads every byte of `buf` once (16-byte loads, grid-stride); time it for the
@@ -76,7 +76,6 @@ impl Gpu {
             shared_mem_bytes: 0,
         };
         let zero = 0i32;
-        self.begin_capture()?;
         let launch_all = || -> Result<(), CudaError> {
             for _ in 0..n {
                 let mut b = self.launch_stream().launch_builder(&f);
@@ -86,11 +85,8 @@ impl Gpu {
             }
             Ok(())
         };
-        let captured = launch_all();
         // Instantiated as the decode graphs are under the default plan.
-        let graph = self.end_capture_prio(DecodePlan::default().has(Variant::Prio));
-        captured?;
-        let graph = graph?;
+        let graph = self.launcher(DecodePlan::default()).capture(launch_all)?;
         let ms = self.time_ms(2, reps, |_| graph.launch())?;
         Ok(ms * 1e3 / n.max(1) as f64)
     }

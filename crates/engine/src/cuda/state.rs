@@ -670,11 +670,8 @@ impl DeviceState {
             // every key up front (`decode_pick`).
             let key = (head, self.emit_key(&w.config));
             if !self.graphs.contains_key(&key) {
-                g.begin_capture()?;
-                let enqueued = self.enqueue_token(w, numerics, head);
-                let graph = g.end_capture();
-                enqueued?;
-                self.graphs.insert(key, graph?);
+                let graph = g.capture(|| self.enqueue_token(w, numerics, head))?;
+                self.graphs.insert(key, graph);
             }
             self.graphs[&key].launch()?;
         } else {

@@ -180,11 +180,7 @@ pub(crate) fn decode_batch(
             bs.graph_key = Some((numerics, plan));
         }
         if bs.graphs[b].is_none() {
-            l.begin_capture()?;
-            let enqueued = enqueue(w, numerics, &kv, bs, b);
-            let graph = l.end_capture();
-            enqueued?;
-            bs.graphs[b] = Some(graph?);
+            bs.graphs[b] = Some(l.capture(|| enqueue(w, numerics, &kv, bs, b))?);
         }
         bs.graphs[b].as_ref().expect("captured above").launch()?;
     } else {

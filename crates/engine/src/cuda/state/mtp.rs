@@ -418,11 +418,8 @@ impl DeviceState {
                     numerics == Numerics::Fast,
                 );
                 if !m.graphs.contains_key(&key) {
-                    l.begin_capture()?;
-                    let enqueued = draft.enqueue(w, mw, m, &mut self.s);
-                    let graph = l.end_capture();
-                    enqueued?;
-                    m.graphs.insert(key, graph?);
+                    let graph = l.capture(|| draft.enqueue(w, mw, m, &mut self.s))?;
+                    m.graphs.insert(key, graph);
                 }
                 m.graphs[&key].launch()?;
             } else {

@@ -79,11 +79,8 @@ impl DeviceState {
                         continue;
                     }
                     self.n_tokens = pos;
-                    g.begin_capture()?;
-                    let enqueued = self.enqueue_pick(w, numerics, skip);
-                    let graph = g.end_capture();
+                    let graph = g.capture(|| self.enqueue_pick(w, numerics, skip));
                     self.n_tokens = here;
-                    enqueued?;
                     let p = self.picks.as_mut().expect("allocated above");
                     p.graphs.insert(k, graph?);
                 }

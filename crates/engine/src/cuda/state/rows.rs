@@ -202,11 +202,8 @@ impl DeviceState {
                 rs.graph_numerics = Some(numerics);
             }
             if rs.graphs[n].is_none() {
-                g.begin_capture()?;
-                let enqueued = self.enqueue_rows(w, numerics, rs, n, head);
-                let graph = g.end_capture();
-                enqueued?;
-                rs.graphs[n] = Some(graph?);
+                let graph = g.capture(|| self.enqueue_rows(w, numerics, rs, n, head))?;
+                rs.graphs[n] = Some(graph);
             }
             rs.graphs[n].as_ref().expect("captured above").launch()?;
         } else {
