@@ -348,7 +348,18 @@ impl Gpu {
     /// runs at full PCIe rate and one memcpy fills the Vec. Falls back to a plain
     /// copy where the host cannot pin memory.
     pub fn download_f32(&self, dev: &CudaSlice<f32>, n: usize) -> Result<Vec<f32>, CudaError> {
-        let n = n.min(dev.len());
+        self.download_f32_at(dev, 0, n)
+    }
+
+    /// [`Gpu::download_f32`] of the `n` values from index `start` (a step's logits row).
+    pub fn download_f32_at(
+        &self,
+        dev: &CudaSlice<f32>,
+        start: usize,
+        n: usize,
+    ) -> Result<Vec<f32>, CudaError> {
+        let start = start.min(dev.len());
+        let n = n.min(dev.len() - start);
         let mut guard = self.readback.lock().unwrap_or_else(|e| e.into_inner());
         if guard.as_ref().is_none_or(|p| p.len() < n) {
             // Flags 0: cached host memory (write-combined memory is slow to read).
@@ -361,10 +372,15 @@ impl Gpu {
         }
         let Some(pinned) = guard.as_mut() else {
             drop(guard);
-            return self.download_prefix(dev, n);
+            let mut out = vec![0f32; n];
+            self.stream
+                .memcpy_dtoh(&dev.slice(start..start + n), &mut out)?;
+            self.stream.synchronize()?;
+            return Ok(out);
         };
         let host = pinned.as_mut_slice()?;
         let (src, _record) = dev.device_ptr(&self.stream);
+        let src = src + (start * std::mem::size_of::<f32>()) as u64;
         // SAFETY: `host[..n]` is page-locked memory of n floats and `src` a device
         // buffer of at least n; the stream is synchronised before the host reads it.
         unsafe {

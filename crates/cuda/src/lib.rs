@@ -66,7 +66,7 @@ pub use layer::{Compressor, HcNorm, HcParams, RopeP, WT_BF16, WT_F16, WT_F32, WT
 pub use matmul::{Batch, RoutePlan, EXP_VARIANT_WIDE};
 pub use matmul_f16::{F16Slot, F16Work};
 pub use ops::{ActRule, MatSel, QuantAct};
-pub use pick::{PickRing, TokenEvent, PICK_SLOTS};
+pub use pick::{DraftPick, PickRing, SpecRing, TokenEvent, PICK_SLOTS, SPEC_ROWS, SPEC_SLOTS};
 pub use plan::{DecodePlan, Launcher, PlanError, Variant};
 pub use tokens::Q8_TOKENS_MAX;
 

@@ -13,7 +13,7 @@ use cudarc::driver::{CudaEvent, CudaSlice, PinnedHostSlice, PushKernelArg};
 
 use crate::device::Gpu;
 use crate::error::CudaError;
-use crate::layer::cfg;
+use crate::layer::{cfg, cfg2};
 use crate::plan::Launcher;
 
 /// Slots of a [`PickRing`]: more than the picks in flight (two with one graph ahead).
@@ -61,6 +61,76 @@ impl PickRing {
     }
 }
 
+/// Draft slots of a [`SpecRing`]: a cycle's drafts at most (15) and one more.
+pub const SPEC_SLOTS: usize = 16;
+/// Row slots of a [`SpecRing`]: a verify step's rows at most.
+pub const SPEC_ROWS: usize = 16;
+
+/// A greedy speculative cycle's mapped host memory (`draft_pick`, `rows_pick`):
+/// per draft position `pos` (slot `pos % 16`) `{override, used, nan, margin bits}` —
+/// the host writes the override before the draft's launch, the device the rest — and
+/// per verify row `{pick, nan}`.
+pub struct SpecRing {
+    _buf: PinnedHostSlice<i32>,
+    host: *mut i32,
+    dptr: u64,
+    /// `draft_pick`'s scratch (a counter, `{best, index, second, nan}` per block) and
+    /// `rows_pick`'s (per row a counter and `{best, index, nan}` per block).
+    draft_scratch: CudaSlice<i32>,
+    rows_scratch: CudaSlice<i32>,
+}
+
+// SAFETY: plain page-locked memory. The host writes an override only while no launch
+// that reads it is queued, and reads the device's words only after the event behind
+// the launch that wrote them completed (volatile accesses both ways).
+unsafe impl Send for SpecRing {}
+
+/// What [`SpecRing::draft`] reads back of one draft's pick.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DraftPick {
+    /// The override when one was set, else the first maximum of the draft's logits.
+    pub token: u32,
+    /// Whether the draft's logits held a NaN.
+    pub nan: bool,
+    /// Top-1 − top-2 of the draft's logits (`+inf` without a second value).
+    pub margin: f32,
+}
+
+impl SpecRing {
+    /// The device address of the draft slots (the row slots follow them).
+    pub fn dptr(&self) -> u64 {
+        self.dptr
+    }
+
+    /// The token the draft at `pos` proposes instead of its pick (`None`: its pick).
+    /// Call only while no launch of a draft at `pos` is queued.
+    pub fn set_override(&self, pos: usize, token: Option<u32>) {
+        let v = token.map_or(-1, |t| t as i32);
+        // SAFETY: in bounds of the live allocation; no device access is in flight.
+        unsafe { std::ptr::write_volatile(self.host.add(4 * (pos % SPEC_SLOTS)), v) }
+    }
+
+    /// The pick of the draft at `pos`, after its launch's event completed.
+    pub fn draft(&self, pos: usize) -> DraftPick {
+        let s = 4 * (pos % SPEC_SLOTS);
+        // SAFETY: in bounds; the device's writes completed before the caller's wait.
+        let w = |i: usize| unsafe { std::ptr::read_volatile(self.host.add(s + i)) };
+        DraftPick {
+            token: w(1) as u32,
+            nan: w(2) != 0,
+            margin: f32::from_bits(w(3) as u32),
+        }
+    }
+
+    /// Row `r`'s pick of the last verify step: `(token, nan)`, after its event.
+    pub fn row(&self, r: usize) -> (u32, bool) {
+        let s = 4 * SPEC_SLOTS + 2 * (r % SPEC_ROWS);
+        // SAFETY: in bounds; the device's writes completed before the caller's wait.
+        let w = |i: usize| unsafe { std::ptr::read_volatile(self.host.add(s + i)) };
+        (w(0) as u32, w(1) != 0)
+    }
+}
+
 /// An event recorded behind a launched graph on the GPU's main stream.
 pub struct TokenEvent(CudaEvent);
 
@@ -78,13 +148,14 @@ impl TokenEvent {
 }
 
 impl Gpu {
-    /// A new [`PickRing`] (zeroed).
-    pub fn pick_ring(&self) -> Result<PickRing, CudaError> {
+    /// `n` zeroed i32 of page-locked host memory mapped into the device's address
+    /// space: the allocation, its host address and its device address.
+    fn mapped_i32(&self, n: usize) -> Result<(PinnedHostSlice<i32>, *mut i32, u64), CudaError> {
         use cudarc::driver::sys::{CUresult, CU_MEMHOSTALLOC_DEVICEMAP};
         // SAFETY: zeroed below before any kernel can write it.
         let mut buf = unsafe {
             self.ctx
-                .alloc_pinned_with_flags::<i32>(2 * PICK_SLOTS, CU_MEMHOSTALLOC_DEVICEMAP)
+                .alloc_pinned_with_flags::<i32>(n, CU_MEMHOSTALLOC_DEVICEMAP)
         }?;
         let host = buf.as_mut_slice()?;
         host.fill(0);
@@ -104,12 +175,34 @@ impl Gpu {
                 "the device cannot map host memory ({r:?}) for its greedy picks"
             )));
         }
+        Ok((buf, ptr, dptr))
+    }
+
+    /// A new [`PickRing`] (zeroed).
+    pub fn pick_ring(&self) -> Result<PickRing, CudaError> {
+        let (buf, host, dptr) = self.mapped_i32(2 * PICK_SLOTS)?;
         Ok(PickRing {
             _buf: buf,
-            host: ptr,
+            host,
             dptr,
             scratch: self.zeros::<i32>(1 + 3 * PICK_BLOCKS)?,
         })
+    }
+
+    /// A new [`SpecRing`] (every override cleared).
+    pub fn spec_ring(&self) -> Result<SpecRing, CudaError> {
+        let (buf, host, dptr) = self.mapped_i32(4 * SPEC_SLOTS + 2 * SPEC_ROWS)?;
+        let ring = SpecRing {
+            _buf: buf,
+            host,
+            dptr,
+            draft_scratch: self.zeros::<i32>(1 + 4 * PICK_BLOCKS)?,
+            rows_scratch: self.zeros::<i32>(SPEC_ROWS * (1 + 3 * PICK_BLOCKS))?,
+        };
+        for pos in 0..SPEC_SLOTS {
+            ring.set_override(pos, None);
+        }
+        Ok(ring)
     }
 
     /// A new [`TokenEvent`] (blocking-sync off: the host spins, the wait is short).
@@ -132,5 +225,41 @@ impl Launcher<'_> {
     ) -> Result<(), CudaError> {
         let (n, r, s) = (n as i32, ring.dptr, self.ptr(&ring.scratch));
         launch!(self, "greedy_pick", cfg(PICK_BLOCKS as u32, 256); step, logits, n, skip, r, s)
+    }
+
+    /// An MTP draft's pick of its `n` logits (`kernels/pick.cu` `draft_pick`): the
+    /// override of its slot or the first maximum becomes the next token of the draft's
+    /// step buffer `step` and the token of the verify step's row for `pos + 1` in
+    /// `vstep`; slot `pos % 16` of `ring` gets it with the NaN flag and the top-2 gap.
+    pub fn draft_pick(
+        &self,
+        logits: u64,
+        n: usize,
+        step: u64,
+        vstep: u64,
+        ring: &SpecRing,
+    ) -> Result<(), CudaError> {
+        let (n, r, s) = (n as i32, ring.dptr, self.ptr(&ring.draft_scratch));
+        launch!(self, "draft_pick", cfg(PICK_BLOCKS as u32, 256); logits, n, step, vstep, r, s)
+    }
+
+    /// The first maximum and NaN flag of each of `rows` logits rows of `n` values into
+    /// the row slots of `ring` (`rows_pick`).
+    pub fn rows_pick(
+        &self,
+        logits: u64,
+        n: usize,
+        rows: usize,
+        ring: &SpecRing,
+    ) -> Result<(), CudaError> {
+        if rows == 0 || rows > SPEC_ROWS {
+            return Err(CudaError::Invalid(format!(
+                "rows_pick: 1 to {SPEC_ROWS} rows, not {rows}"
+            )));
+        }
+        let out = ring.dptr + (4 * SPEC_SLOTS * 4) as u64;
+        let (n, s) = (n as i32, self.ptr(&ring.rows_scratch));
+        let grid = cfg2(PICK_BLOCKS as u32, rows, 256);
+        launch!(self, "rows_pick", grid; logits, n, out, s)
     }
 }

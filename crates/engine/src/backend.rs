@@ -130,6 +130,40 @@ pub struct GreedyRun<'a> {
     pub on_pick: &'a mut dyn FnMut(u32) -> bool,
 }
 
+/// A greedy speculative cycle's request ([`Backend::greedy_cycle`]).
+pub struct GreedyCycle<'a> {
+    pub mtp: &'a Mtp,
+    /// The cycle's token: row 0 of the verify step, at position `n_tokens()`.
+    pub token: u32,
+    /// Drafts to run at most (≥ 1, at most [`MAX_ROWS`] − 1; the caller checked the
+    /// context's room for them and the token).
+    pub drafts: usize,
+    /// The confidence gate (0: off): a draft whose top-1 − top-2 logit gap is below it
+    /// ends the drafting and is not verified.
+    pub margin: f32,
+    /// Per draft, by the position its token would sit at, a token proposed instead of
+    /// the draft's argmax (a benchmark's acceptance); `None`: the argmax.
+    pub propose: &'a mut dyn FnMut(usize) -> Option<u32>,
+    /// A draft proposing one of these ends the drafting after it (a backend may still
+    /// verify drafts past it: they are never accepted).
+    pub stop: &'a [u32],
+}
+
+/// What a greedy speculative cycle ran ([`Backend::greedy_cycle`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CyclePicks {
+    /// The verified drafts: rows 1.. of the pending step. Empty when the gate stopped
+    /// the first draft: no step ran and the caller decodes the token alone.
+    pub drafts: Vec<u32>,
+    /// MTP block runs (ring rows pushed since the cycle's [`Backend::mtp_mark`]).
+    pub runs: usize,
+    /// Each verified row's argmax (`drafts.len() + 1` of them; empty without a step).
+    pub picks: Vec<u32>,
+    /// Every row's logits (`[rows][vocab]`) when the backend has them on the host;
+    /// `None` when they stay on the device ([`Backend::row_logits`] fetches one).
+    pub logits: Option<Vec<f32>>,
+}
+
 pub trait Backend: Send {
     fn name(&self) -> &str;
 
@@ -215,6 +249,64 @@ pub trait Backend: Send {
     /// Rows of the pending step (0: none).
     fn pending_rows(&self) -> usize {
         0
+    }
+
+    /// A greedy speculative cycle (see [`crate::Speculator`]): MTP drafts from
+    /// `c.token`, each the argmax of its draft logits unless `c.propose` gives a token,
+    /// until the gate or a stop token ends them, then `c.token` and the drafts in one
+    /// multi-row step left pending (as [`Backend::step_rows`]) with every row's argmax.
+    /// A NaN in a verified row is an error that keeps no row. The default runs it with
+    /// [`Backend::mtp_draft`] and [`Backend::step_rows`] on the host; the CUDA backend
+    /// picks on the device, so the logits never cross to the host and the verify
+    /// follows the drafts without a round trip.
+    fn greedy_cycle(&mut self, c: GreedyCycle<'_>) -> Result<CyclePicks> {
+        let n = self.n_tokens();
+        let mut out = CyclePicks::default();
+        let mut prev = c.token;
+        for i in 0..c.drafts {
+            let src = if i == 0 {
+                HcSource::Last
+            } else {
+                HcSource::Chain
+            };
+            let logits = self.mtp_draft(c.mtp, prev, src, n + i)?;
+            out.runs += 1;
+            if c.margin > 0.0 && crate::spec::top2_margin(&logits) < c.margin {
+                break;
+            }
+            let d = (c.propose)(n + i + 1).unwrap_or_else(|| argmax_skip(&logits, None));
+            out.drafts.push(d);
+            if c.stop.contains(&d) {
+                break;
+            }
+            prev = d;
+        }
+        if out.drafts.is_empty() {
+            return Ok(out);
+        }
+        let mut rows_in = Vec::with_capacity(out.drafts.len() + 1);
+        rows_in.push(c.token);
+        rows_in.extend_from_slice(&out.drafts);
+        let rows = self.step_rows(&rows_in)?;
+        if let Err(e) = check_logits(&rows) {
+            // Keep nothing; a failed rewind keeps every row (consistent), still an error.
+            let _ = self.commit_rows(0);
+            return Err(e);
+        }
+        let vocab = rows.len() / rows_in.len();
+        out.picks = rows.chunks(vocab).map(|r| argmax_skip(r, None)).collect();
+        out.logits = Some(rows);
+        Ok(out)
+    }
+
+    /// Row `r`'s logits of the last multi-row step that [`Backend::greedy_cycle`] left
+    /// on the device (valid until the next step); the default has none to give.
+    fn row_logits(&self, r: usize) -> Result<Vec<f32>> {
+        let _ = r;
+        Err(EngineError::Invalid(format!(
+            "the {} backend keeps no step rows on a device",
+            self.name()
+        )))
     }
 
     /// The state in host form (a device backend copies it back, which can fail).

@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-pub use crate::backend::{Backend, GreedyRun, HcSource, LogitRows};
+pub use crate::backend::{Backend, CyclePicks, GreedyCycle, GreedyRun, HcSource, LogitRows};
 pub use crate::config::{Config, ConfigError};
 pub use crate::cpu::CpuBackend;
 #[cfg(feature = "cuda")]

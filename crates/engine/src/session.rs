@@ -3,7 +3,8 @@
 use std::sync::Arc;
 
 use crate::backend::{
-    check_accepted, check_rows, check_vocab, no_pending, Backend, GreedyRun, HcSource, LogitRows,
+    check_accepted, check_rows, check_vocab, no_pending, Backend, CyclePicks, GreedyCycle,
+    GreedyRun, HcSource, LogitRows,
 };
 use crate::cpu::CpuBackend;
 use crate::error::{EngineError, Result};
@@ -72,8 +73,11 @@ struct PendingRows {
     n_before: usize,
     /// The session's logits before the step (restored when no row is kept).
     logits_before: Vec<f32>,
-    /// Every row's logits, `[rows][vocab]`.
+    /// Every row's logits, `[rows][vocab]`; empty when they stayed on the device (a
+    /// greedy cycle: [`Backend::row_logits`] fetches the kept row).
     rows: Vec<f32>,
+    /// The step's rows.
+    n_rows: usize,
 }
 
 impl std::fmt::Debug for Session {
@@ -491,6 +495,7 @@ impl Session {
         self.pending = Some(PendingRows {
             n_before: self.tokens.len(),
             logits_before: std::mem::replace(&mut self.logits, last),
+            n_rows: tokens.len(),
             rows,
         });
         self.tokens.extend_from_slice(tokens);
@@ -508,12 +513,22 @@ impl Session {
             return no_pending(accepted);
         };
         let vocab = self.vocab();
-        check_accepted(accepted, p.rows.len() / vocab)?;
+        check_accepted(accepted, p.n_rows)?;
         let p = self.pending.take().expect("checked above");
         self.backend.commit_rows(accepted)?;
         self.tokens.truncate(p.n_before + accepted);
         self.logits = if accepted == 0 {
             p.logits_before
+        } else if p.rows.is_empty() {
+            // The rows stayed on the device (a greedy cycle): fetch the kept one. The
+            // state is committed; a failed fetch leaves no logits and says so.
+            match self.backend.row_logits(accepted - 1) {
+                Ok(l) => l,
+                Err(e) => {
+                    self.logits.clear();
+                    return Err(e);
+                }
+            }
         } else {
             p.rows[(accepted - 1) * vocab..accepted * vocab].to_vec()
         };
@@ -522,15 +537,13 @@ impl Session {
 
     /// Rows of the pending multi-row step (0: none).
     pub fn pending_rows(&self) -> usize {
-        self.pending
-            .as_ref()
-            .map_or(0, |p| p.rows.len() / self.vocab())
+        self.pending.as_ref().map_or(0, |p| p.n_rows)
     }
 
     /// Accepts every row of a pending step (which never rewinds, so cannot fail).
     fn accept_pending(&mut self) {
         if let Some(p) = self.pending.take() {
-            let all = p.rows.len() / self.vocab();
+            let all = p.n_rows;
             let kept = self.backend.commit_rows(all);
             debug_assert!(kept.is_ok(), "accepting every row only drops the record");
         }
@@ -593,6 +606,39 @@ impl Session {
     /// [`Backend::mtp_keep`].
     pub(crate) fn mtp_keep(&mut self, n: usize) -> Result<()> {
         self.backend.mtp_keep(n)
+    }
+
+    /// [`Backend::greedy_cycle`]: the verify step is then pending as after
+    /// [`Session::step_rows`] (its rows' logits possibly left on the device), for the
+    /// caller's [`Session::commit_rows`]. No step when the gate stopped the first draft.
+    pub(crate) fn greedy_cycle(&mut self, c: GreedyCycle<'_>) -> Result<CyclePicks> {
+        self.check_room(1 + c.drafts)?;
+        check_rows(1 + c.drafts)?;
+        check_vocab(&[c.token], self.vocab())?;
+        self.accept_pending();
+        let token = c.token;
+        let mut out = self.backend.greedy_cycle(c)?;
+        if out.drafts.is_empty() {
+            return Ok(out);
+        }
+        self.hc_ready = true;
+        let vocab = self.vocab();
+        let n_rows = out.drafts.len() + 1;
+        let rows = out.logits.take().unwrap_or_default();
+        let last = if rows.is_empty() {
+            Vec::new()
+        } else {
+            rows[(n_rows - 1) * vocab..].to_vec()
+        };
+        self.pending = Some(PendingRows {
+            n_before: self.tokens.len(),
+            logits_before: std::mem::replace(&mut self.logits, last),
+            rows,
+            n_rows,
+        });
+        self.tokens.push(token);
+        self.tokens.extend_from_slice(&out.drafts);
+        Ok(out)
     }
 }
 

@@ -17,7 +17,7 @@
 
 use std::collections::HashMap;
 
-use crate::backend::{HcSource, MAX_ROWS};
+use crate::backend::{GreedyCycle, HcSource, MAX_ROWS};
 use crate::error::{EngineError, Result};
 use crate::mtp::Mtp;
 use crate::sampling::{argmax, max_ignoring_nan, Sampler};
@@ -79,7 +79,7 @@ impl SpecStats {
     }
 }
 
-type DraftHook = Box<dyn FnMut(usize, u32) -> u32 + Send>;
+type DraftHook = Box<dyn FnMut(usize) -> Option<u32> + Send>;
 
 // The server moves a session's speculator between threads.
 const _: () = {
@@ -154,12 +154,13 @@ impl Speculator {
         self.stats = SpecStats::default();
     }
 
-    /// Benchmarks (`ds4-bench --accept-rate`): every drafted token passes through
-    /// `hook(position, token)` — `position` is where the drafted token would sit — and
-    /// the returned token is proposed instead (the MTP still runs, so costs are real).
-    /// With temperature, a hooked proposal is verified as a point mass, which keeps the
-    /// target distribution exact whatever the hook does.
-    pub fn set_draft_hook(&mut self, hook: Box<dyn FnMut(usize, u32) -> u32 + Send>) {
+    /// Benchmarks (`ds4-bench --accept-rate`): before every draft, `hook(position)` —
+    /// where the drafted token would sit — may return a token to propose instead of the
+    /// draft's own (the MTP block still runs, so costs are real; the hook never sees the
+    /// draft, so a device can pick and verify without a round trip). With temperature,
+    /// a hooked proposal is verified as a point mass, which keeps the target
+    /// distribution exact whatever the hook does.
+    pub fn set_draft_hook(&mut self, hook: Box<dyn FnMut(usize) -> Option<u32> + Send>) {
         self.hook = Some(hook);
     }
 
@@ -196,6 +197,9 @@ impl Speculator {
             .min(MAX_ROWS - 1)
             .min(max - 1)
             .min(session.ctx().saturating_sub(n + 1));
+        if budget > 0 && session.mtp_ready() && sampler.is_greedy() {
+            return self.greedy(session, token, budget, max, stop);
+        }
         let drafts = if budget > 0 && session.mtp_ready() {
             self.draft(session, sampler, token, budget, stop)?
         } else {
@@ -228,6 +232,56 @@ impl Speculator {
         let s = &mut self.stats;
         s.cycles += 1;
         s.drafted += drafts.tokens.len() as u64;
+        s.accepted += accepted;
+        s.emitted += out.len() as u64;
+        Ok(out)
+    }
+
+    /// [`Speculator::advance`] at temperature 0: the backend drafts, verifies and picks
+    /// in one call ([`Session::greedy_cycle`]; on CUDA the logits stay on the device).
+    /// Row `i`'s pick is the target's argmax after `token, d1..di`, so the accepted
+    /// prefix and the token after it are the plain loop's.
+    fn greedy(
+        &mut self,
+        session: &mut Session,
+        token: u32,
+        budget: usize,
+        max: usize,
+        stop: &[u32],
+    ) -> Result<Vec<u32>> {
+        session.mtp_mark();
+        let hook = &mut self.hook;
+        let mut propose = |pos: usize| hook.as_mut().and_then(|h| h(pos));
+        let cycle = session.greedy_cycle(GreedyCycle {
+            mtp: &self.mtp,
+            token,
+            drafts: budget,
+            margin: self.opts.margin,
+            propose: &mut propose,
+            stop,
+        });
+        let cycle = match cycle {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = session.mtp_keep(0);
+                return Err(e);
+            }
+        };
+        let (out, accepted) = if cycle.drafts.is_empty() {
+            // The gate stopped the first draft: the token alone.
+            session.decode(token)?;
+            (vec![argmax(session.logits())], 0)
+        } else {
+            let chosen = choose_picks(&cycle.drafts, &cycle.picks, max, stop);
+            session.commit_rows(chosen.0.len())?;
+            chosen
+        };
+        if cycle.runs > 0 {
+            session.mtp_keep(out.len().min(cycle.runs))?;
+        }
+        let s = &mut self.stats;
+        s.cycles += 1;
+        s.drafted += cycle.drafts.len() as u64;
         s.accepted += accepted;
         s.emitted += out.len() as u64;
         Ok(out)
@@ -272,8 +326,8 @@ impl Speculator {
                     None => break, // NaN draft logits: nothing to propose.
                 }
             };
-            let (proposed, q) = match &mut self.hook {
-                Some(hook) => (hook(n + i + 1, drawn), None),
+            let (proposed, q) = match self.hook.as_mut().and_then(|h| h(n + i + 1)) {
+                Some(t) => (t, None),
                 None => (drawn, q),
             };
             d.tokens.push(proposed);
@@ -326,8 +380,28 @@ fn choose(
     (out, k as u64)
 }
 
+/// [`choose`] for greedy sampling from the rows' argmaxes: the drafts up to the first
+/// one that is not its row's pick (that pick replaces it), a stop token or `max`, then
+/// the last row's pick when every draft was accepted.
+fn choose_picks(drafts: &[u32], picks: &[u32], max: usize, stop: &[u32]) -> (Vec<u32>, u64) {
+    let mut out = Vec::with_capacity(drafts.len() + 1);
+    for (i, &d) in drafts.iter().enumerate() {
+        if picks[i] != d {
+            out.push(picks[i]);
+            return (out, i as u64);
+        }
+        out.push(d);
+        if stop.contains(&d) || out.len() == max {
+            let a = out.len() as u64;
+            return (out, a);
+        }
+    }
+    out.push(picks[drafts.len()]);
+    (out, drafts.len() as u64)
+}
+
 /// The top-1 − top-2 gap of raw logits (NaN ignored; infinite with fewer than two).
-fn top2_margin(logits: &[f32]) -> f32 {
+pub(crate) fn top2_margin(logits: &[f32]) -> f32 {
     // Vectorisable passes (a draft's whole vocabulary each cycle): the maximum, its
     // first index, then the maximum of everything else (a tie gives 0).
     let a = max_ignoring_nan(logits);

@@ -129,21 +129,22 @@ fn speculate(
 
 /// A hook proposing the reference's greedy token at the position with probability
 /// `p_true` (else a wrong token), deterministic per `seed`.
-fn truth_hook(p_true: f64, seed: u64) -> Box<dyn FnMut(usize, u32) -> u32 + Send> {
+fn truth_hook(p_true: f64, seed: u64) -> Box<dyn FnMut(usize) -> Option<u32> + Send> {
     let truth = reference().0.clone();
     let p0 = prompt().len();
     let mut x = seed;
-    Box::new(move |pos, tok| {
+    Box::new(move |pos| {
         x = x
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
         let u = (x >> 11) as f64 / (1u64 << 53) as f64;
-        let t = truth.get(pos - p0).copied().unwrap_or(tok);
-        if u < p_true {
+        // Past the plain run's tokens: the MTP's own draft.
+        let t = truth.get(pos - p0).copied()?;
+        Some(if u < p_true {
             t
         } else {
             (t + 1 + (x % 7) as u32) % 512
-        }
+        })
     })
 }
 
@@ -396,11 +397,11 @@ fn sampling_keeps_the_target_distribution(hooked: bool) {
         let first = Sampler::new(cfg.clone());
         let cands: Vec<u32> = first.candidates(s.logits()).iter().map(|c| c.0).collect();
         let mut i = 0u32;
-        spec.set_draft_hook(Box::new(move |_, tok| {
+        spec.set_draft_hook(Box::new(move |_| {
             i += 1;
             match i % 4 {
-                0 => tok,
-                k => cands.get(k as usize - 1).copied().unwrap_or(tok),
+                0 => None,
+                k => cands.get(k as usize - 1).copied(),
             }
         }));
     }

@@ -107,9 +107,7 @@ fn servers_with(truth: &Truth, cfg: impl Fn(usize) -> ServerConfig) -> (Served, 
     };
     let mut spec = Speculator::new(mtp, opts).unwrap();
     let t = truth.clone();
-    spec.set_draft_hook(Box::new(move |pos, drawn| {
-        t.lock().unwrap().get(&pos).copied().unwrap_or(drawn)
-    }));
+    spec.set_draft_hook(Box::new(move |pos| t.lock().unwrap().get(&pos).copied()));
     let real = RealEngine::new(&e, e.new_session(1024).unwrap()).with_speculator(spec);
     (plain, serve(real, None))
 }

@@ -124,6 +124,7 @@ pub const CHECKS: &[KernelCheck] = &[
     check("wide", &[Variant::Wide], wide::check_wide),
     check("hc_mix_tc", &[Variant::HcMixTc], matvec::check_hc_mix_tc),
     check("greedy_pick", &[], pick::check_pick),
+    check("spec_pick", &[], pick::check_spec_pick),
     check(
         "attention",
         &[

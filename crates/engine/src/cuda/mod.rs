@@ -19,8 +19,8 @@ pub use ds4_cuda::{device_count, driver_present, CudaError, Gpu};
 pub use split::SplitBackend;
 
 use crate::backend::{
-    check_accepted, check_rows, check_tokens, check_vocab, no_pending, Backend, GreedyRun,
-    HcSource, LogitRows,
+    check_accepted, check_rows, check_tokens, check_vocab, no_pending, Backend, CyclePicks,
+    GreedyCycle, GreedyRun, HcSource, LogitRows,
 };
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
@@ -246,6 +246,22 @@ impl Backend for CudaBackend {
 
     fn pending_rows(&self) -> usize {
         self.state.pending_rows()
+    }
+
+    /// The picks on the device (`state/spec.rs`): the drafts and the verify run back
+    /// to back and only their picks reach the host.
+    fn greedy_cycle(&mut self, c: GreedyCycle<'_>) -> Result<CyclePicks> {
+        check_rows(1 + c.drafts)?;
+        self.state.accept_rows();
+        self.check_tokens(&[c.token])?;
+        self.fresh()?;
+        let mw = self.weights.mtp(c.mtp)?;
+        let numerics = (self.numerics, c.mtp.numerics());
+        self.state.greedy_cycle(&self.weights, &mw, numerics, c)
+    }
+
+    fn row_logits(&self, r: usize) -> Result<Vec<f32>> {
+        self.state.row_logits(&self.weights, r)
     }
 
     fn forward_observed(

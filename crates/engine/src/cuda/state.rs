@@ -16,6 +16,7 @@ mod prefill;
 mod products;
 mod rows;
 mod snapshot;
+mod spec;
 mod steer;
 
 use super::weights::{CudaWeights, HcDev};
@@ -388,6 +389,8 @@ pub(super) struct DeviceState {
     steer: Option<steer::SteerDev>,
     /// The device's greedy picks (state/pick.rs), allocated by the first pick.
     picks: Option<pick::Picks>,
+    /// A greedy speculative cycle's pick ring (state/spec.rs), allocated by the first.
+    spec: Option<spec::SpecDev>,
 }
 
 fn comp_cap(ctx: usize, ratio: usize) -> usize {
@@ -621,6 +624,7 @@ impl DeviceState {
             last_hc: None,
             steer: None,
             picks: None,
+            spec: None,
         })
     }
 

@@ -39,20 +39,19 @@ pub fn install_accept_hook(
 ) {
     let rates = rates.to_vec();
     let mut rng = Rng::stream(seed, 13, frontier as u64);
-    spec.set_draft_hook(Box::new(move |pos, drawn| {
+    spec.set_draft_hook(Box::new(move |pos| {
         // `pos` is where the drafted token would sit; the cycle's token sits at `base`.
         let i = pos.saturating_sub(base.load(Ordering::Relaxed) + 1);
         let truth = truth.lock().expect("truth lock");
-        let Some(&want) = pos.checked_sub(frontier).and_then(|k| truth.get(k)) else {
-            return drawn; // Past the plain run's tokens: nothing to compare with.
-        };
+        // Past the plain run's tokens (nothing to compare with): the MTP's own draft.
+        let &want = pos.checked_sub(frontier).and_then(|k| truth.get(k))?;
         let p = rates[i.min(rates.len() - 1)];
-        if (rng.uniform() as f64) < p {
+        Some(if (rng.uniform() as f64) < p {
             want
         } else {
             // Any other token: the greedy verify rejects it.
             (want + 1 + rng.below(vocab as u64 - 1) as u32) % vocab
-        }
+        })
     }));
 }
 

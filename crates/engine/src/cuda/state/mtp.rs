@@ -13,7 +13,7 @@
 //! window set to the row count: exactly the rows the CPU attends. Keys carry their own
 //! RoPE (applied when stored), so moving a row does not change it.
 
-use ds4_cuda::{CudaError, DeviceBuf, Gpu, QuantAct};
+use ds4_cuda::{CudaError, DeviceBuf, Gpu, QuantAct, SpecRing};
 
 use super::layers::KvView;
 use super::products::mv;
@@ -173,9 +173,10 @@ pub(super) struct MtpDev {
     g_n: DeviceBuf<f32>,
     /// Q8_0 activations of the projections (fast numerics), n_hc rows.
     q: QuantAct,
-    /// Captured drafts by (rows attended, chained source, fast numerics); their
-    /// addresses are this state's and its session's decode scratch.
-    graphs: std::collections::HashMap<(usize, bool, bool), ds4_cuda::TokenGraph>,
+    /// Captured drafts by (rows attended, chained source, fast numerics, ending with a
+    /// device pick); their addresses are this state's and its session's decode scratch
+    /// (and the session's verify records and pick ring, which never move).
+    graphs: std::collections::HashMap<(usize, bool, bool, bool), ds4_cuda::TokenGraph>,
 }
 
 impl MtpDev {
@@ -355,6 +356,28 @@ impl DeviceState {
         numerics: Numerics,
         (token, src, pos): (u32, HcSource, usize),
     ) -> Result<Vec<f32>> {
+        self.mtp_draft_launch(w, mw, numerics, (Some(token), src, pos), None)?;
+        w.gpu
+            .download_f32(&self.s.s.logits, usize::MAX)
+            .map_err(|e| {
+                self.mtp_lost();
+                e.into()
+            })
+    }
+
+    /// Queues one MTP draft ([`DeviceState::mtp_draft`] without the download).
+    /// `token`: the host's token at `pos`, or `None` when the previous draft's pick
+    /// left `{pos, token}` in the decode step buffer (a chained draft of a greedy
+    /// cycle). `pick`: the verify step's records and the cycle's ring — the draft then
+    /// ends with `draft_pick`, which writes the drafted token there (state/spec.rs).
+    pub(super) fn mtp_draft_launch(
+        &mut self,
+        w: &CudaWeights,
+        mw: &CudaMtpWeights,
+        numerics: Numerics,
+        (token, src, pos): (Option<u32>, HcSource, usize),
+        pick: Option<(u64, &SpecRing)>,
+    ) -> Result<()> {
         if pos >= i32::MAX as usize {
             return Err(EngineError::Invalid(format!("MTP draft position {pos}")));
         }
@@ -395,8 +418,10 @@ impl DeviceState {
             }
         };
         let (ops, rows) = m.book.draft(pos).map_err(EngineError::Invalid)?;
-        let run = (|| -> Result<Vec<f32>> {
-            g.write(&mut self.s.s.step, &[pos as i32, token as i32])?;
+        let run = (|| -> Result<()> {
+            if let Some(t) = token {
+                g.write(&mut self.s.s.step, &[pos as i32, t as i32])?;
+            }
             // The ring's moves first (the input chain below does not read the ring).
             m.apply(g, hd, &ops)?;
             let draft = Draft {
@@ -405,17 +430,20 @@ impl DeviceState {
                 rows,
                 ctx: self.ctx,
                 plan: self.plan,
+                pick,
             };
             // Once the ring is full (rows = the window, for good), a captured graph per
-            // (HC source, numerics): the draft's ~40 launches ran eagerly at ~0.65 ms
-            // for ~0.35 ms of kernels. While the ring grows every draft attends another
-            // row count: capturing each (~0.6 ms) cost more than it saved (H200, 256
-            // tokens from a prompt: 9.32 -> 9.61 ms a draft-1 cycle), so those run eagerly.
+            // (HC source, numerics, pick): the draft's ~40 launches ran eagerly at ~0.65
+            // ms for ~0.35 ms of kernels. While the ring grows every draft attends
+            // another row count: capturing each (~0.6 ms) cost more than it saved (H200,
+            // 256 tokens from a prompt: 9.32 -> 9.61 ms a draft-1 cycle), so those run
+            // eagerly.
             if self.use_graphs && rows == m.book.cap {
                 let key = (
                     rows,
                     matches!(src, HcSource::Chain),
                     numerics == Numerics::Fast,
+                    pick.is_some(),
                 );
                 if !m.graphs.contains_key(&key) {
                     let graph = l.capture(|| draft.enqueue(w, mw, m, &mut self.s))?;
@@ -425,19 +453,25 @@ impl DeviceState {
             } else {
                 draft.enqueue(w, mw, m, &mut self.s)?;
             }
-            Ok(g.download_f32(&self.s.s.logits, usize::MAX)?)
+            Ok(())
         })();
         match run {
-            Ok(logits) => {
+            Ok(()) => {
                 m.has_chain = true;
-                Ok(logits)
+                Ok(())
             }
             Err(err) => {
-                // A half-run draft leaves the ring unknown: start it again.
-                m.book.reset();
-                m.has_chain = false;
+                self.mtp_lost();
                 Err(err)
             }
+        }
+    }
+
+    /// A half-run draft leaves the ring unknown: start it again.
+    pub(super) fn mtp_lost(&mut self) {
+        if let Some(m) = self.mtp.as_mut() {
+            m.book.reset();
+            m.has_chain = false;
         }
     }
 }
@@ -446,15 +480,17 @@ impl DeviceState {
 /// step buffer) and `g_in`, the block as a ratio-0 layer over its ring attending `rows`
 /// rows, the chained state, the head. The same on every call with the same fields, so
 /// it can be captured (`DeviceState::mtp_draft`).
-struct Draft {
+struct Draft<'a> {
     numerics: Numerics,
     g_in: u64,
     rows: usize,
     ctx: usize,
     plan: ds4_cuda::DecodePlan,
+    /// The verify step's records and the cycle's ring: end with `draft_pick`.
+    pick: Option<(u64, &'a SpecRing)>,
 }
 
-impl Draft {
+impl Draft<'_> {
     fn enqueue(
         &self,
         w: &CudaWeights,
@@ -515,6 +551,10 @@ impl Draft {
         g.copy(&work.s.h, &mut m.chain)?;
         let h = p(&work.s.h);
         head_logits(&l, w, self.numerics, work, h, mw.head())?;
+        if let Some((records, ring)) = self.pick {
+            let (logits, step) = (p(&work.s.logits), g.ptr(&work.s.step));
+            l.draft_pick(logits, c.vocab, step, records, ring)?;
+        }
         Ok(())
     }
 }

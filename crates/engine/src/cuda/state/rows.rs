@@ -18,7 +18,7 @@
 //! or FFN runs again. Compressed and indexer rows past the kept positions need no undo:
 //! their counts follow the position, and the next tokens rewrite them.
 
-use ds4_cuda::{DeviceBuf, TokenGraph};
+use ds4_cuda::{DeviceBuf, SpecRing, TokenGraph};
 
 use super::layers::KvView;
 use super::{head_rows, DeviceState, Work};
@@ -40,8 +40,10 @@ pub(super) struct RowStep {
     items: DeviceBuf<i64>,
     n_items: usize,
     _saved: Vec<DeviceBuf<f32>>,
-    /// One graph per row count (index R), for one numerics.
+    /// One graph per row count (index R), for one numerics; and the same ending with
+    /// the rows' picks (a greedy cycle's verify, state/spec.rs).
     graphs: Vec<Option<TokenGraph>>,
+    pick_graphs: Vec<Option<TokenGraph>>,
     graph_numerics: Option<Numerics>,
     /// Rows of the step awaiting `commit_rows`.
     pending: Option<usize>,
@@ -50,7 +52,7 @@ pub(super) struct RowStep {
 }
 
 impl RowStep {
-    fn new(st: &DeviceState, w: &CudaWeights) -> Result<RowStep> {
+    pub(super) fn new(st: &DeviceState, w: &CudaWeights) -> Result<RowStep> {
         let g = &*w.gpu;
         let c = &w.config;
         let work = Work::new(g, c, st.ctx, MAX_ROWS, st.att_stride)?;
@@ -111,6 +113,7 @@ impl RowStep {
             n_items,
             _saved: saved,
             graphs: (0..=MAX_ROWS).map(|_| None).collect(),
+            pick_graphs: (0..=MAX_ROWS).map(|_| None).collect(),
             graph_numerics: None,
             pending: None,
             hc_before: None,
@@ -122,6 +125,29 @@ impl RowStep {
     /// Drops the captured graphs (a steering change: they hold the old launches).
     pub(super) fn forget_graphs(&mut self) {
         self.graphs.iter_mut().for_each(|g| *g = None);
+        self.pick_graphs.iter_mut().for_each(|g| *g = None);
+    }
+
+    /// The device address of the step's records (`{position, token}` per row).
+    pub(super) fn records(&self, w: &CudaWeights) -> u64 {
+        w.gpu.ptr(&self.work.s.step)
+    }
+
+    /// Writes the records of `tokens` at positions `n0..` (a greedy cycle writes them
+    /// before its drafts, whose picks fill in the drafted tokens).
+    pub(super) fn write_records(
+        &mut self,
+        w: &CudaWeights,
+        n0: usize,
+        tokens: &[u32],
+    ) -> Result<()> {
+        self.work.s.write_steps(&w.gpu, n0, tokens)
+    }
+
+    /// Row `r` of the last step's logits (valid until the next step).
+    pub(super) fn row_logits(&self, w: &CudaWeights, r: usize) -> Result<Vec<f32>> {
+        let v = w.config.vocab;
+        Ok(w.gpu.download_f32_at(&self.logits, r * v, v)?)
     }
 
     /// The device address of row `r`'s final HC state in the step's scratch.
@@ -145,6 +171,21 @@ impl DeviceState {
         self.step_rows_stage(w, numerics, tokens, None, true)
     }
 
+    /// The verify step of a greedy cycle (state/spec.rs): `n` rows whose records are
+    /// already in the step buffer ([`RowStep::write_records`], the drafts' picks), with
+    /// every row's argmax into `ring`'s row slots and nothing downloaded. Pending
+    /// afterwards as after [`DeviceState::step_rows`].
+    pub(super) fn step_rows_picks(
+        &mut self,
+        w: &CudaWeights,
+        numerics: Numerics,
+        n: usize,
+        ring: &SpecRing,
+    ) -> Result<()> {
+        self.step_rows_with(w, numerics, Rows::Picks(n, ring), None, true)
+            .map(|_| ())
+    }
+
     /// [`DeviceState::step_rows`] as one stage of a split model (`cuda/split.rs`): the
     /// rows start from the previous stage's streams `h_in` (`[n][n_hc·n_embd]`) when
     /// given, and without `head` the step returns its rows' final streams instead of
@@ -157,14 +198,25 @@ impl DeviceState {
         h_in: Option<&[f32]>,
         head: bool,
     ) -> Result<Vec<f32>> {
-        let n = tokens.len();
+        self.step_rows_with(w, numerics, Rows::Tokens(tokens), h_in, head)
+    }
+
+    fn step_rows_with(
+        &mut self,
+        w: &CudaWeights,
+        numerics: Numerics,
+        rows: Rows<'_>,
+        h_in: Option<&[f32]>,
+        head: bool,
+    ) -> Result<Vec<f32>> {
+        let n = rows.n();
         debug_assert!((1..=MAX_ROWS).contains(&n));
         if self.rows.is_none() {
             self.rows = Some(RowStep::new(self, w)?);
         }
         let mut rs = self.rows.take().expect("allocated above");
         rs.pending = None;
-        let result = self.run_rows(w, numerics, &mut rs, tokens, h_in, head);
+        let result = self.run_rows(w, numerics, &mut rs, rows, h_in, head);
         if result.is_err() {
             // Back to the state before the step (the undo record was saved first).
             let g = w.gpu.launcher(self.plan);
@@ -186,28 +238,48 @@ impl DeviceState {
         w: &CudaWeights,
         numerics: Numerics,
         rs: &mut RowStep,
-        tokens: &[u32],
+        rows: Rows<'_>,
         h_in: Option<&[f32]>,
         head: bool,
     ) -> Result<Vec<f32>> {
-        let n = tokens.len();
+        let n = rows.n();
         let g = &w.gpu.launcher(self.plan);
-        rs.work.s.write_steps(&w.gpu, self.n_tokens, tokens)?;
+        let ring = match rows {
+            Rows::Tokens(tokens) => {
+                rs.work.s.write_steps(&w.gpu, self.n_tokens, tokens)?;
+                None
+            }
+            Rows::Picks(_, ring) => Some(ring),
+        };
         if let Some(h) = h_in {
             rs.work.s.set_streams(&w.gpu, h)?;
         }
         if self.use_graphs {
             if rs.graph_numerics != Some(numerics) {
-                rs.graphs.iter_mut().for_each(|g| *g = None);
+                rs.forget_graphs();
                 rs.graph_numerics = Some(numerics);
             }
-            if rs.graphs[n].is_none() {
-                let graph = g.capture(|| self.enqueue_rows(w, numerics, rs, n, head))?;
-                rs.graphs[n] = Some(graph);
+            let have = match ring {
+                None => rs.graphs[n].is_some(),
+                Some(_) => rs.pick_graphs[n].is_some(),
+            };
+            if !have {
+                let graph = g.capture(|| self.enqueue_rows(w, numerics, rs, n, head, ring))?;
+                match ring {
+                    None => rs.graphs[n] = Some(graph),
+                    Some(_) => rs.pick_graphs[n] = Some(graph),
+                }
             }
-            rs.graphs[n].as_ref().expect("captured above").launch()?;
+            let graph = match ring {
+                None => &rs.graphs[n],
+                Some(_) => &rs.pick_graphs[n],
+            };
+            graph.as_ref().expect("captured above").launch()?;
         } else {
-            self.enqueue_rows(w, numerics, rs, n, head)?;
+            self.enqueue_rows(w, numerics, rs, n, head, ring)?;
+        }
+        if ring.is_some() {
+            return Ok(Vec::new());
         }
         if head {
             Ok(w.gpu.download_f32(&rs.logits, n * w.config.vocab)?)
@@ -227,6 +299,7 @@ impl DeviceState {
         rs: &mut RowStep,
         n: usize,
         head: bool,
+        picks: Option<&SpecRing>,
     ) -> Result<()> {
         let g = &w.gpu.launcher(self.plan);
         let step = g.ptr(&rs.work.s.step);
@@ -241,7 +314,11 @@ impl DeviceState {
         }
         // The head of each row: the stream collapse per row, then one product of the
         // output matrix over every row (one pass over its weights).
-        head_rows(g, w, numerics, &mut rs.work, (&rs.hx, &rs.logits), n)
+        head_rows(g, w, numerics, &mut rs.work, (&rs.hx, &rs.logits), n)?;
+        if let Some(ring) = picks {
+            g.rows_pick(g.ptr(&rs.logits), w.config.vocab, n, ring)?;
+        }
+        Ok(())
     }
 
     /// Keeps the first `accepted` rows of the pending step (see the module doc); the
@@ -308,5 +385,22 @@ impl DeviceState {
     /// Rows of the pending step (0: none).
     pub fn pending_rows(&self) -> usize {
         self.rows.as_ref().and_then(|r| r.pending).unwrap_or(0)
+    }
+}
+
+/// A step's rows: tokens from the host, or `n` rows whose records a greedy cycle
+/// already wrote, picked on the device into a ring.
+#[derive(Clone, Copy)]
+enum Rows<'a> {
+    Tokens(&'a [u32]),
+    Picks(usize, &'a SpecRing),
+}
+
+impl Rows<'_> {
+    fn n(&self) -> usize {
+        match self {
+            Rows::Tokens(t) => t.len(),
+            Rows::Picks(n, _) => *n,
+        }
     }
 }
