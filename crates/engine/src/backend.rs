@@ -160,7 +160,8 @@ pub struct CyclePicks {
     /// Each verified row's argmax (`drafts.len() + 1` of them; empty without a step).
     pub picks: Vec<u32>,
     /// Every row's logits (`[rows][vocab]`) when the backend has them on the host;
-    /// `None` when they stay on the device ([`Backend::row_logits`] fetches one).
+    /// `None` when they stay on the device (the commit keeps its last row there for
+    /// [`Backend::kept_logits`]).
     pub logits: Option<Vec<f32>>,
 }
 
@@ -299,12 +300,12 @@ pub trait Backend: Send {
         Ok(out)
     }
 
-    /// Row `r`'s logits of the last multi-row step that [`Backend::greedy_cycle`] left
-    /// on the device (valid until the next step); the default has none to give.
-    fn row_logits(&self, r: usize) -> Result<Vec<f32>> {
-        let _ = r;
+    /// The logits row a [`Backend::commit_rows`] of a [`Backend::greedy_cycle`] step
+    /// kept on the device (the last kept row's; `CyclePicks::logits` was `None`),
+    /// valid until the next such commit. The default has none to give.
+    fn kept_logits(&self) -> Result<Vec<f32>> {
         Err(EngineError::Invalid(format!(
-            "the {} backend keeps no step rows on a device",
+            "the {} backend keeps no logits on a device",
             self.name()
         )))
     }

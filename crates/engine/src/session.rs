@@ -56,7 +56,7 @@ pub struct Session {
     model: Model,
     backend: Box<dyn Backend>,
     tokens: Vec<u32>,
-    logits: Vec<f32>,
+    logits: Logits,
     numerics: Numerics,
     prefill_chunk: usize,
     /// The multi-row step awaiting [`Session::commit_rows`].
@@ -67,12 +67,43 @@ pub struct Session {
     hc_ready: bool,
 }
 
+/// The logits after the last token: on the host, or kept on the device by a greedy
+/// speculative cycle's commit ([`Backend::kept_logits`]) and fetched by the first
+/// read — a speculative loop reads none of them, and each fetch is a 517 KB download.
+#[derive(Debug)]
+enum Logits {
+    Host(Vec<f32>),
+    Kept(std::sync::OnceLock<Vec<f32>>),
+}
+
+impl Logits {
+    const NONE: Logits = Logits::Host(Vec::new());
+}
+
+impl Session {
+    /// The logits as a host vector (a kept row is fetched; a failed fetch is empty).
+    fn logits_vec(&self) -> Vec<f32> {
+        self.logits().to_vec()
+    }
+
+    /// The logits on the host, fetched now if kept on the device.
+    fn logits_host(&mut self) -> &mut Vec<f32> {
+        if matches!(self.logits, Logits::Kept(_)) {
+            self.logits = Logits::Host(self.logits_vec());
+        }
+        match &mut self.logits {
+            Logits::Host(v) => v,
+            Logits::Kept(_) => unreachable!("fetched above"),
+        }
+    }
+}
+
 /// A multi-row step between [`Session::step_rows`] and [`Session::commit_rows`].
 struct PendingRows {
     /// Tokens held before the step.
     n_before: usize,
     /// The session's logits before the step (restored when no row is kept).
-    logits_before: Vec<f32>,
+    logits_before: Logits,
     /// Every row's logits, `[rows][vocab]`; empty when they stayed on the device (a
     /// greedy cycle: [`Backend::row_logits`] fetches the kept row).
     rows: Vec<f32>,
@@ -144,7 +175,7 @@ impl Session {
             model: model.clone(),
             backend,
             tokens: Vec::new(),
-            logits: Vec::new(),
+            logits: Logits::NONE,
             numerics,
             prefill_chunk: prefill_chunk.max(1),
             pending: None,
@@ -160,7 +191,7 @@ impl Session {
             model: self.model.clone(),
             backend: self.backend.try_clone_box()?,
             tokens: self.tokens.clone(),
-            logits: self.logits.clone(),
+            logits: Logits::Host(self.logits_vec()),
             numerics: self.numerics,
             prefill_chunk: self.prefill_chunk,
             pending: None,
@@ -174,7 +205,7 @@ impl Session {
         Ok(SessionState {
             kv: self.backend.export_state()?,
             tokens: self.tokens.clone(),
-            logits: self.logits.clone(),
+            logits: self.logits_vec(),
         })
     }
 
@@ -207,7 +238,7 @@ impl Session {
         self.hc_ready = false;
         self.backend.import_state(state.kv)?;
         self.tokens = state.tokens;
-        self.logits = state.logits;
+        self.logits = Logits::Host(state.logits);
         Ok(())
     }
 
@@ -237,7 +268,15 @@ impl Session {
 
     /// Logits after the last token (empty before the first).
     pub fn logits(&self) -> &[f32] {
-        &self.logits
+        match &self.logits {
+            Logits::Host(v) => v,
+            Logits::Kept(cell) => cell.get_or_init(|| {
+                self.backend.kept_logits().unwrap_or_else(|e| {
+                    tracing::error!("the logits kept on the device could not be read: {e}");
+                    Vec::new()
+                })
+            }),
+        }
     }
 
     pub(crate) fn backend_ref(&self) -> &dyn Backend {
@@ -299,7 +338,7 @@ impl Session {
             self.hc_ready = true;
             self.tokens.extend_from_slice(c);
             if !l.is_empty() {
-                self.logits = l;
+                self.logits = Logits::Host(l);
             }
         }
         Ok(())
@@ -317,7 +356,7 @@ impl Session {
             self.hc_ready = true;
             self.tokens.extend_from_slice(c);
         }
-        self.logits.clear();
+        self.logits = Logits::NONE;
         Ok(())
     }
 
@@ -334,7 +373,7 @@ impl Session {
             all.extend_from_slice(&l);
         }
         if !tokens.is_empty() {
-            self.logits = all[all.len() - vocab..].to_vec();
+            self.logits = Logits::Host(all[all.len() - vocab..].to_vec());
         }
         Ok(all)
     }
@@ -346,9 +385,9 @@ impl Session {
         let logits = self.backend.forward(&[token], LogitRows::Last)?;
         check_logits(&logits)?;
         self.hc_ready = true;
-        self.logits = logits;
+        self.logits = Logits::Host(logits);
         self.tokens.push(token);
-        Ok(&self.logits)
+        Ok(self.logits())
     }
 
     /// Greedy decoding from `first` (the token after the session's last, e.g. the
@@ -391,7 +430,7 @@ impl Session {
             self.hc_ready = true;
         }
         self.tokens.extend_from_slice(&decoded);
-        self.logits = logits?;
+        self.logits = Logits::Host(logits?);
         Ok(())
     }
 
@@ -434,7 +473,7 @@ impl Session {
             out[i] = r.and_then(|logits| {
                 check_logits(&logits)?;
                 s.hc_ready = true;
-                s.logits = logits;
+                s.logits = Logits::Host(logits);
                 s.tokens.push(*t);
                 Ok(())
             });
@@ -486,7 +525,7 @@ impl Session {
             // NaN logits: keep nothing (a failed rewind leaves every row, consistent).
             if self.backend.commit_rows(0).is_err() {
                 self.tokens.extend_from_slice(tokens);
-                self.logits = rows[rows.len() - self.vocab()..].to_vec();
+                self.logits = Logits::Host(rows[rows.len() - self.vocab()..].to_vec());
             }
             return Err(e);
         }
@@ -494,7 +533,7 @@ impl Session {
         let last = rows[rows.len() - vocab..].to_vec();
         self.pending = Some(PendingRows {
             n_before: self.tokens.len(),
-            logits_before: std::mem::replace(&mut self.logits, last),
+            logits_before: std::mem::replace(&mut self.logits, Logits::Host(last)),
             n_rows: tokens.len(),
             rows,
         });
@@ -520,17 +559,11 @@ impl Session {
         self.logits = if accepted == 0 {
             p.logits_before
         } else if p.rows.is_empty() {
-            // The rows stayed on the device (a greedy cycle): fetch the kept one. The
-            // state is committed; a failed fetch leaves no logits and says so.
-            match self.backend.row_logits(accepted - 1) {
-                Ok(l) => l,
-                Err(e) => {
-                    self.logits.clear();
-                    return Err(e);
-                }
-            }
+            // The rows stayed on the device (a greedy cycle): the backend kept row
+            // `accepted - 1` there; it is fetched when read.
+            Logits::Kept(std::sync::OnceLock::new())
         } else {
-            p.rows[(accepted - 1) * vocab..accepted * vocab].to_vec()
+            Logits::Host(p.rows[(accepted - 1) * vocab..accepted * vocab].to_vec())
         };
         Ok(())
     }
@@ -565,14 +598,18 @@ impl Session {
         self.hc_ready = false;
         self.backend.reset();
         self.tokens.clear();
-        self.logits.clear();
+        self.logits = Logits::NONE;
     }
 
     /// The state's parts, to replace them (a payload load): a pending step is accepted.
     pub(crate) fn parts_mut(&mut self) -> (&mut Box<dyn Backend>, &mut Vec<u32>, &mut Vec<f32>) {
         self.accept_pending();
         self.hc_ready = false;
-        (&mut self.backend, &mut self.tokens, &mut self.logits)
+        self.logits_host();
+        let Logits::Host(logits) = &mut self.logits else {
+            unreachable!("on the host after logits_host")
+        };
+        (&mut self.backend, &mut self.tokens, logits)
     }
 }
 
@@ -625,10 +662,12 @@ impl Session {
         let vocab = self.vocab();
         let n_rows = out.drafts.len() + 1;
         let rows = out.logits.take().unwrap_or_default();
+        // Rows left on the device: the last row's logits are not known on the host
+        // while the step is pending (the caller commits at once).
         let last = if rows.is_empty() {
-            Vec::new()
+            Logits::NONE
         } else {
-            rows[(n_rows - 1) * vocab..].to_vec()
+            Logits::Host(rows[(n_rows - 1) * vocab..].to_vec())
         };
         self.pending = Some(PendingRows {
             n_before: self.tokens.len(),

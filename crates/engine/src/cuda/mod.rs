@@ -260,8 +260,8 @@ impl Backend for CudaBackend {
         self.state.greedy_cycle(&self.weights, &mw, numerics, c)
     }
 
-    fn row_logits(&self, r: usize) -> Result<Vec<f32>> {
-        self.state.row_logits(&self.weights, r)
+    fn kept_logits(&self) -> Result<Vec<f32>> {
+        self.state.kept_logits(&self.weights)
     }
 
     fn forward_observed(

@@ -33,6 +33,11 @@ pub(super) struct RowStep {
     /// The head's collapsed rows `[MAX_ROWS][n_embd]` and the logits `[MAX_ROWS][vocab]`.
     hx: DeviceBuf<f32>,
     logits: DeviceBuf<f32>,
+    /// The last kept row's logits of a step whose rows were picked on the device (a
+    /// greedy cycle), copied by its commit: the session's logits, fetched when read.
+    kept: DeviceBuf<f32>,
+    /// Whether the pending step's rows were picked on the device.
+    picked: bool,
     /// Per layer, the compressors' inputs of the step's rows (`[MAX_ROWS][4·dim]`).
     _journal: Vec<DeviceBuf<f32>>,
     journal_ptrs: Vec<(u64, u64)>,
@@ -58,6 +63,7 @@ impl RowStep {
         let work = Work::new(g, c, st.ctx, MAX_ROWS, st.att_stride)?;
         let hx = g.zeros::<f32>(MAX_ROWS * c.n_embd)?;
         let logits = g.zeros::<f32>(MAX_ROWS * c.vocab)?;
+        let kept = g.zeros::<f32>(c.vocab)?;
         let mut journal = Vec::new();
         let mut journal_ptrs = Vec::with_capacity(c.n_layer);
         let (main_w, index_w) = (4 * c.head_dim, 4 * c.idx_head_dim);
@@ -107,6 +113,8 @@ impl RowStep {
             work,
             hx,
             logits,
+            kept,
+            picked: false,
             _journal: journal,
             journal_ptrs,
             items: g.upload(&items)?,
@@ -144,10 +152,9 @@ impl RowStep {
         self.work.s.write_steps(&w.gpu, n0, tokens)
     }
 
-    /// Row `r` of the last step's logits (valid until the next step).
-    pub(super) fn row_logits(&self, w: &CudaWeights, r: usize) -> Result<Vec<f32>> {
-        let v = w.config.vocab;
-        Ok(w.gpu.download_f32_at(&self.logits, r * v, v)?)
+    /// The row the last commit of a picked step kept.
+    pub(super) fn kept_logits(&self, w: &CudaWeights) -> Result<Vec<f32>> {
+        Ok(w.gpu.download_f32(&self.kept, w.config.vocab)?)
     }
 
     /// The device address of row `r`'s final HC state in the step's scratch.
@@ -225,6 +232,7 @@ impl DeviceState {
         } else {
             self.n_tokens += n;
             rs.pending = Some(n);
+            rs.picked = matches!(rows, Rows::Picks(..));
             // The MTP draft's `HcSource::Last`: the last row's final HC state.
             rs.hc_before = self.last_hc;
             self.set_last_hc(Some(rs.hc_row(w, n - 1)));
@@ -332,9 +340,18 @@ impl DeviceState {
         let Some(mut rs) = self.rows.take() else {
             return Ok(());
         };
-        let result = self.rewind_rows(w, numerics, &mut rs, accepted);
+        let picked = rs.pending.is_some() && rs.picked;
+        let mut result = self.rewind_rows(w, numerics, &mut rs, accepted);
+        if result.is_ok() && picked && accepted > 0 {
+            // The session's logits: row accepted - 1, kept on the device.
+            let v = w.config.vocab;
+            let row = rs.logits.slice((accepted - 1) * v..accepted * v);
+            result = (w.gpu.stream().memcpy_dtod(&row, &mut rs.kept))
+                .map_err(|e| ds4_cuda::CudaError::from(e).into());
+        }
         // On a device error the bookkeeping keeps every row; the caller reports it.
         rs.pending = None;
+        rs.picked = false;
         self.rows = Some(rs);
         result
     }
@@ -379,6 +396,7 @@ impl DeviceState {
     pub fn accept_rows(&mut self) {
         if let Some(rs) = self.rows.as_mut() {
             rs.pending = None;
+            rs.picked = false;
         }
     }
 

@@ -121,10 +121,10 @@ impl DeviceState {
         Ok(out)
     }
 
-    /// Row `r` of the last multi-row step's logits.
-    pub fn row_logits(&self, w: &CudaWeights, r: usize) -> Result<Vec<f32>> {
+    /// The logits row the last commit of a greedy cycle's step kept.
+    pub fn kept_logits(&self, w: &CudaWeights) -> Result<Vec<f32>> {
         match &self.rows {
-            Some(rs) => rs.row_logits(w, r),
+            Some(rs) => rs.kept_logits(w),
             None => Err(EngineError::Invalid("no multi-row step has run".into())),
         }
     }

@@ -41,11 +41,11 @@ pub(super) fn spec_identity(
     line: &mut dyn FnMut(&str),
 ) -> Result<()> {
     let mtp = mtp.clone().with_numerics(Numerics::Exact);
-    let mut s = session(model, weights, prompt)?;
-    let mut want = vec![argmax(s.logits())];
+    let mut plain = session(model, weights, prompt)?;
+    let mut want = vec![argmax(plain.logits())];
     while want.len() < N_GEN {
-        s.decode(*want.last().expect("one token"))?;
-        want.push(argmax(s.logits()));
+        plain.decode(*want.last().expect("one token"))?;
+        want.push(argmax(plain.logits()));
     }
     // The gate at 0.25 stops some drafts (the host then reads each draft's gap before
     // the verify is launched); without it the verify follows the drafts at once.
@@ -69,15 +69,33 @@ pub(super) fn spec_identity(
         let mut s = session(model, weights, prompt)?;
         let mut sampler = Sampler::new(SamplerConfig::greedy());
         let mut got = vec![argmax(s.logits())];
+        // After every cycle the session's logits (on CUDA a row kept on the device by
+        // the commit, fetched by this read) pick the cycle's last token.
+        let mut logits_ok = true;
         while got.len() < N_GEN {
             let last = *got.last().expect("one token");
-            got.extend(spec.advance(&mut s, &mut sampler, last, N_GEN - got.len(), &[])?);
+            let out = spec.advance(&mut s, &mut sampler, last, N_GEN - got.len(), &[])?;
+            logits_ok &= out.last() == Some(&argmax(s.logits()));
+            got.extend(out);
         }
+        // And at the end they are the plain loop's (the last cycle's step rows against
+        // single decodes: the same tokens, sums in another order in places).
+        let scale = plain.logits().iter().fold(1f32, |m, v| m.max(v.abs()));
+        let diff = (s.logits().iter().zip(plain.logits()))
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+            / scale;
+        let same_logits = s.n_tokens() == plain.n_tokens()
+            && s.logits().len() == plain.logits().len()
+            && diff <= 1e-4;
         let st = spec.stats();
         let first_diff = got.iter().zip(&want).position(|(a, b)| a != b);
-        let ok = got == want && st.accepted > 0 && st.accepted < st.drafted;
+        let ok =
+            got == want && logits_ok && same_logits && st.accepted > 0 && st.accepted < st.drafted;
         let gate = if margin > 0.0 {
-            format!(", gate {margin}: {} drafts in {} cycles", st.drafted, st.cycles)
+            format!(
+                ", gate {margin}: {} drafts in {} cycles",
+                st.drafted, st.cycles
+            )
         } else {
             String::new()
         };
@@ -85,11 +103,20 @@ pub(super) fn spec_identity(
             line,
             ok,
             format_args!(
-                "{variant:<6} spec{} Exact  draft {draft}: {N_GEN} greedy tokens {} the plain loop's ({:.2} tokens/cycle, {}/{} drafts accepted{gate})",
+                "{variant:<6} spec{} Exact  draft {draft}: {N_GEN} greedy tokens {} the plain loop's, logits {} of theirs ({:.2} tokens/cycle, {}/{} drafts accepted{gate})",
                 if weights.len() > 1 { " split" } else { "" },
                 match first_diff {
                     None => "equal".to_string(),
                     Some(i) => format!("differ from (first at {i})"),
+                },
+                match (logits_ok, same_logits) {
+                    (true, true) => format!("within {diff:.1e}"),
+                    (false, _) => "NOT picking each cycle's last token".to_string(),
+                    (true, false) => format!(
+                        "NOT the plain loop's at the end ({diff:.1e}, {} / {} tokens)",
+                        s.n_tokens(),
+                        plain.n_tokens()
+                    ),
                 },
                 st.tokens_per_cycle(),
                 st.accepted,
