@@ -105,12 +105,21 @@ pub fn top_logprobs(logits: &[f32], k: usize) -> Vec<(u32, f32, f64)> {
     let mut idx: Vec<u32> = (0..logits.len() as u32)
         .filter(|&i| logits[i as usize].is_finite())
         .collect();
-    idx.sort_by(|&a, &b| {
-        logits[b as usize]
-            .total_cmp(&logits[a as usize])
-            .then(a.cmp(&b))
-    });
-    idx.truncate(k);
+    let order = |a: &u32, b: &u32| {
+        logits[*b as usize]
+            .total_cmp(&logits[*a as usize])
+            .then(a.cmp(b))
+    };
+    // The k best by selection, then only they are sorted (the whole vocabulary took
+    // milliseconds a step).
+    if k == 0 {
+        return Vec::new();
+    }
+    if k < idx.len() {
+        idx.select_nth_unstable_by(k - 1, order);
+        idx.truncate(k);
+    }
+    idx.sort_by(order);
     idx.into_iter()
         .map(|i| (i, logits[i as usize], logits[i as usize] as f64 - lse))
         .collect()
@@ -289,6 +298,30 @@ mod tests {
         let mut s = String::new();
         json_string(&mut s, b"x\xc3");
         assert_eq!(s, "\"x\\u00c3\"");
+    }
+
+    #[test]
+    fn top_logprobs_select_what_a_full_sort_keeps() {
+        // Coarse values (many ties) and a NaN / -inf: the k best, ties by lower id.
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut v: Vec<f32> = (0..5000)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x % 40) as f32 / 4.0
+            })
+            .collect();
+        v[10] = f32::NAN;
+        v[11] = f32::NEG_INFINITY;
+        let mut all: Vec<u32> = (0..5000u32)
+            .filter(|&i| v[i as usize].is_finite())
+            .collect();
+        all.sort_by(|&a, &b| v[b as usize].total_cmp(&v[a as usize]).then(a.cmp(&b)));
+        for k in [0usize, 1, 7, 50, 4998, 6000] {
+            let got: Vec<u32> = top_logprobs(&v, k).iter().map(|t| t.0).collect();
+            assert_eq!(got, all[..k.min(all.len())], "k {k}");
+        }
     }
 
     #[test]
