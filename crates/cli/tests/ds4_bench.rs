@@ -94,6 +94,33 @@ fn walks_frontiers_and_writes_one_row_each() {
     }
 }
 
+/// `--temp`: the decode row samples on the host (ds4's default filters) and times as
+/// many tokens; a temperature with --mtp is refused.
+#[test]
+fn samples_the_decode_at_a_temperature() {
+    let mut args = TWO_FRONTIERS.to_vec();
+    args.extend(["-n", "3", "--temp", "1"]);
+    let out = bench_csv("temp", &args);
+    assert_eq!(out[0], HEADER);
+    assert_eq!(out.len(), 3, "{out:?}");
+    for l in &out[1..] {
+        let f = fields(l);
+        assert_eq!((f[3], f[6]), (3.0, 1.0), "{l}");
+        assert!(f[4] > 0.0, "{l}");
+    }
+    let o = Command::new(DS4_BENCH)
+        .args(["--synthetic-mtp", "--temp", "0.5"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(text(&o.stderr).contains("--temp"), "{}", text(&o.stderr));
+    let o = Command::new(DS4_BENCH)
+        .args(["--temp", "-1"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+}
+
 /// The chart of a CSV with `header` and `rows` (which must draw); the CSV's path and
 /// the SVG text.
 fn chart_of(name: &str, header: &str, rows: &str) -> (std::path::PathBuf, String) {

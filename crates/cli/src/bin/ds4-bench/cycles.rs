@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use anyhow::Result;
-use ds4_engine::{argmax, argmax_skip, Session};
+use ds4_engine::{argmax, argmax_skip, Sampler, SamplerConfig, Session};
 use ds4_synth::Rng;
 
 use crate::plot::BenchRow;
@@ -68,6 +68,43 @@ pub fn decode_greedy(session: &mut Session, n: usize, eos: u32) -> Result<(Timed
         tokens.push(next);
         tokens.extend_from_slice(&picks[..n - 1]);
     }
+    let timed = Timed {
+        cycles: n as u64,
+        tokens: n as u64,
+        secs,
+    };
+    Ok((timed, tokens))
+}
+
+/// [`decode_greedy`] with sampled tokens (`--temp`): ds4's default sampler at
+/// temperature `temp` on the host, each token's logits downloaded, as `ds4` generates
+/// at its defaults. A sampled EOS is replaced by the best other token.
+pub fn decode_sampled(
+    session: &mut Session,
+    n: usize,
+    eos: u32,
+    temp: f32,
+    seed: u64,
+) -> Result<(Timed, Vec<u32>)> {
+    let mut sampler = Sampler::new(SamplerConfig {
+        temperature: temp,
+        seed,
+        ..SamplerConfig::default()
+    });
+    let mut draw = |logits: &[f32]| match sampler.sample(logits) {
+        t if t == eos => pick(logits, eos),
+        t => t,
+    };
+    let mut tokens = Vec::with_capacity(n + 1);
+    tokens.push(draw(session.logits()));
+    session.decode(tokens[0])?;
+    let t = Instant::now();
+    for _ in 0..n {
+        let next = draw(session.logits());
+        tokens.push(next);
+        session.decode(next)?;
+    }
+    let secs = t.elapsed().as_secs_f64();
     let timed = Timed {
         cycles: n as u64,
         tokens: n as u64,

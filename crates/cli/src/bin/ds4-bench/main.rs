@@ -31,7 +31,7 @@ mod fuse_ab;
 mod plot;
 mod spec_run;
 
-use cycles::{decode_greedy, time_rows, time_sessions};
+use cycles::{decode_greedy, decode_sampled, time_rows, time_sessions};
 use plot::{BenchRow, CSV_HEADER, CSV_HEADER_V1};
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -131,6 +131,13 @@ struct Args {
         default_value_t = 128
     )]
     gen_tokens: usize,
+    /// Sample the timed decode at this temperature with ds4's default filters (min-p
+    /// 0.05, top-p 1), on the host from each token's logits as `ds4` does at its
+    /// defaults (temperature 1), instead of greedy picks made on the device (0, the
+    /// default). EOS is never sampled (the next best token is taken). Not with --mtp or
+    /// --fuse-ab, which compare against the greedy tokens.
+    #[arg(long, default_value_t = 0.0, conflicts_with_all = ["mtp", "synthetic_mtp", "fuse_ab"])]
+    temp: f32,
     /// Also time multi-row steps of this many token rows (2..=16) at each frontier: cycles
     /// of `step_rows` + `commit_rows(R)` emitting at least --gen-tokens tokens, after one
     /// untimed cycle. Row 0 of a cycle is the previous step's greedy pick, the other R − 1
@@ -377,6 +384,9 @@ fn check_args(a: &Args) -> Result<(), clap::Error> {
     if !(1..=16).contains(&a.rows) {
         return Err(cmd.error(ValueValidation, "--rows must be 1..=16"));
     }
+    if !(a.temp.is_finite() && (0.0..=100.0).contains(&a.temp)) {
+        return Err(cmd.error(ValueValidation, "--temp must be in 0..=100"));
+    }
     if !(1..=16).contains(&a.sessions) {
         return Err(cmd.error(ValueValidation, "--sessions must be 1..=16"));
     }
@@ -542,7 +552,11 @@ fn main() -> Result<()> {
             (None, Some(session.export_state()?))
         };
         profile_prefill.add(hooks.profile_take()?);
-        let (plain, greedy) = decode_greedy(&mut session, a.gen_tokens, eos)?;
+        let (plain, greedy) = if a.temp > 0.0 {
+            decode_sampled(&mut session, a.gen_tokens, eos, a.temp, a.seed)?
+        } else {
+            decode_greedy(&mut session, a.gen_tokens, eos)?
+        };
         let base = BenchRow {
             ctx_tokens: frontier as u64,
             prefill_tokens: (frontier - have) as u64,
