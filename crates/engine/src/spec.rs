@@ -548,6 +548,24 @@ mod tests {
         assert!(tv < 0.006, "TV {tv}, counts {counts:?}");
     }
 
+    /// The greedy walk over a cycle's picks: accepted drafts, then the first pick that
+    /// differs or the last row's; cut at a stop token or `max`.
+    #[test]
+    fn choose_picks_walks_the_drafts_like_the_plain_loop() {
+        // Every draft accepted: the drafts and the last row's pick.
+        assert_eq!(choose_picks(&[5, 6], &[5, 6, 7], 9, &[]), (vec![5, 6, 7], 2));
+        // Rejected at the second draft: its row's pick replaces it.
+        assert_eq!(choose_picks(&[5, 6], &[5, 8, 7], 9, &[]), (vec![5, 8], 1));
+        // Rejected at once.
+        assert_eq!(choose_picks(&[5], &[4, 7], 9, &[]), (vec![4], 0));
+        // An accepted stop token ends the cycle without the next pick.
+        assert_eq!(choose_picks(&[5, 6], &[5, 6, 7], 9, &[5]), (vec![5], 1));
+        // A stop token after a rejection is never reached.
+        assert_eq!(choose_picks(&[5, 6], &[4, 6, 7], 9, &[6]), (vec![4], 0));
+        // `max` cuts after the accepted drafts.
+        assert_eq!(choose_picks(&[5, 6], &[5, 6, 7], 2, &[]), (vec![5, 6], 2));
+    }
+
     #[test]
     fn margin_is_top1_minus_top2() {
         assert_eq!(top2_margin(&[1.0, 4.0, 2.5, f32::NAN]), 1.5);
