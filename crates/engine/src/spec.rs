@@ -553,7 +553,10 @@ mod tests {
     #[test]
     fn choose_picks_walks_the_drafts_like_the_plain_loop() {
         // Every draft accepted: the drafts and the last row's pick.
-        assert_eq!(choose_picks(&[5, 6], &[5, 6, 7], 9, &[]), (vec![5, 6, 7], 2));
+        assert_eq!(
+            choose_picks(&[5, 6], &[5, 6, 7], 9, &[]),
+            (vec![5, 6, 7], 2)
+        );
         // Rejected at the second draft: its row's pick replaces it.
         assert_eq!(choose_picks(&[5, 6], &[5, 8, 7], 9, &[]), (vec![5, 8], 1));
         // Rejected at once.
