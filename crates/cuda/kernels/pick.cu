@@ -66,25 +66,35 @@ __device__ __forceinline__ void pick_block(float& best, int& bi, int& nan) {
 
 #define PICK_THREADS 256
 
-// grid: `PICK_BLOCKS` (src/pick.rs) blocks of PICK_THREADS. `scratch`: a counter (0
-// between launches) and {best, index, nan} per block. Each block takes a contiguous share of float4s;
-// the last block to finish (the counter) reduces the shares in block order and
-// writes the pick. One block over the whole row took 16.7 µs (one SM's L2 reads).
-extern "C" __global__ void __launch_bounds__(PICK_THREADS) greedy_pick(
-    int* step, const float* __restrict__ logits, int n, int skip, int* ring, int* scratch) {
-    PDL_WAIT();
+// The first maximum of the `n` logits (index `skip` left out; -1: none) and whether
+// any is NaN, over a grid of `PICK_BLOCKS` (src/pick.rs) blocks of PICK_THREADS:
+// each block scans a contiguous share of float4s (scalar loads where `logits` is not
+// 16-byte aligned) and the last block to finish (the counter) merges the shares. One
+// block over a whole 129k row took 16.7 µs (one SM's L2 reads). `scratch`: a counter
+// (0 between launches, reset here) and {best, index, nan} per block. Returns true in
+// one thread only, the last block's thread 0, with the result in `token` (0 when no
+// value is left: n = 1 and skip = 0, or every value NaN) and `nan`.
+__device__ __forceinline__ bool pick_grid(const float* __restrict__ logits, int n, int skip,
+                                          int* scratch, int& token, int& nan) {
     float best = -INFINITY;
-    int bi = 0x7fffffff, nan = 0;
+    int bi = 0x7fffffff;
+    nan = 0;
     const int n4 = n / 4;
     const int per = (n4 + gridDim.x - 1) / gridDim.x;
     const int j0 = blockIdx.x * per, j1 = min(n4, j0 + per);
-    const float4* l4 = reinterpret_cast<const float4*>(logits);
-    for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
-        const float4 q = l4[j];
-        pick_see(q.x, 4 * j, skip, best, bi, nan);
-        pick_see(q.y, 4 * j + 1, skip, best, bi, nan);
-        pick_see(q.z, 4 * j + 2, skip, best, bi, nan);
-        pick_see(q.w, 4 * j + 3, skip, best, bi, nan);
+    if ((reinterpret_cast<unsigned long long>(logits) & 15) == 0) {
+        const float4* l4 = reinterpret_cast<const float4*>(logits);
+        for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
+            const float4 q = l4[j];
+            pick_see(q.x, 4 * j, skip, best, bi, nan);
+            pick_see(q.y, 4 * j + 1, skip, best, bi, nan);
+            pick_see(q.z, 4 * j + 2, skip, best, bi, nan);
+            pick_see(q.w, 4 * j + 3, skip, best, bi, nan);
+        }
+    } else {
+        for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
+            for (int k = 0; k < 4; ++k) pick_see(logits[4 * j + k], 4 * j + k, skip, best, bi, nan);
+        }
     }
     if (blockIdx.x == gridDim.x - 1) {
         for (int i = 4 * n4 + threadIdx.x; i < n; i += blockDim.x) {
@@ -92,7 +102,7 @@ extern "C" __global__ void __launch_bounds__(PICK_THREADS) greedy_pick(
         }
     }
     pick_block(best, bi, nan);
-    if (threadIdx.x >= WARP) return;
+    if (threadIdx.x >= WARP) return false;
     const int lane = threadIdx.x;
     unsigned* count = reinterpret_cast<unsigned*>(scratch);
     unsigned done = 0;
@@ -104,7 +114,7 @@ extern "C" __global__ void __launch_bounds__(PICK_THREADS) greedy_pick(
         __threadfence();
         done = atomicAdd(count, 1u);
     }
-    if (__shfl_sync(0xffffffffu, done, 0) != gridDim.x - 1) return;
+    if (__shfl_sync(0xffffffffu, done, 0) != gridDim.x - 1) return false;
     // The last block's first warp: every share is written (each block fenced before
     // counting); the shares in any order (ties go to the lower index).
     __threadfence();
@@ -118,10 +128,19 @@ extern "C" __global__ void __launch_bounds__(PICK_THREADS) greedy_pick(
         if (oi != 0x7fffffff) pick_take(__int_as_float(p[0]), oi, best, bi);
     }
     pick_warp(best, bi, nan);
-    if (lane != 0) return;
+    if (lane != 0) return false;
     *count = 0;
-    // A row with no candidate (n = 1 and skip = 0) picks token 0.
-    const int token = bi == 0x7fffffff ? 0 : bi;
+    token = bi == 0x7fffffff ? 0 : bi;
+    return true;
+}
+
+// The greedy pick of a decode token (pick_grid) into the step buffer `step`
+// ({pos, token} -> {pos + 1, pick}) and slot pos % 4 of the mapped `ring`.
+extern "C" __global__ void __launch_bounds__(PICK_THREADS) greedy_pick(
+    int* step, const float* __restrict__ logits, int n, int skip, int* ring, int* scratch) {
+    PDL_WAIT();
+    int token, nan;
+    if (!pick_grid(logits, n, skip, scratch, token, nan)) return;
     const int pos = step[0];
     int* slot = ring + 2 * (pos & 3);
     slot[0] = token;
@@ -277,70 +296,17 @@ extern "C" __global__ void __launch_bounds__(PICK_THREADS) draft_pick(
 }
 
 // The picks of a verify step's `rows` logits rows (`[rows][n]`; grid: PICK_BLOCKS ×
-// rows blocks of PICK_THREADS): per row the first maximum and a NaN flag into
-// out[2·row], out[2·row + 1] (mapped host memory). `scratch`: per row a counter (0
-// between launches) and {best, index, nan} per block.
+// rows blocks of PICK_THREADS): per row pick_grid's first maximum and NaN flag into
+// out[2·row], out[2·row + 1] (mapped host memory). `scratch`: pick_grid's per row.
 extern "C" __global__ void __launch_bounds__(PICK_THREADS) rows_pick(
     const float* __restrict__ logits, int n, int* out, int* scratch) {
     PDL_WAIT();
     const int row = blockIdx.y;
-    logits += (long long)row * n;
-    scratch += row * (1 + 3 * gridDim.x);
-    float best = -INFINITY;
-    int bi = 0x7fffffff, nan = 0;
-    const int n4 = n / 4;
-    const int per = (n4 + gridDim.x - 1) / gridDim.x;
-    const int j0 = blockIdx.x * per, j1 = min(n4, j0 + per);
-    // A row's float4 view needs n % 4 == 0 for alignment past row 0 (the vocabulary,
-    // 129,280, is); otherwise every value goes through the scalar tail.
-    const bool vec = (n & 3) == 0;
-    if (vec) {
-        const float4* l4 = reinterpret_cast<const float4*>(logits);
-        for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
-            const float4 q = l4[j];
-            pick_see(q.x, 4 * j, -1, best, bi, nan);
-            pick_see(q.y, 4 * j + 1, -1, best, bi, nan);
-            pick_see(q.z, 4 * j + 2, -1, best, bi, nan);
-            pick_see(q.w, 4 * j + 3, -1, best, bi, nan);
-        }
-    } else {
-        for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
-            for (int k = 0; k < 4; ++k) pick_see(logits[4 * j + k], 4 * j + k, -1, best, bi, nan);
-        }
-    }
-    if (blockIdx.x == gridDim.x - 1) {
-        for (int i = 4 * n4 + threadIdx.x; i < n; i += blockDim.x) {
-            pick_see(logits[i], i, -1, best, bi, nan);
-        }
-    }
-    pick_block(best, bi, nan);
-    if (threadIdx.x >= WARP) return;
-    const int lane = threadIdx.x;
-    unsigned* count = reinterpret_cast<unsigned*>(scratch);
-    unsigned done = 0;
-    if (lane == 0) {
-        int* part = scratch + 1 + 3 * blockIdx.x;
-        part[0] = __float_as_int(best);
-        part[1] = bi;
-        part[2] = nan;
-        __threadfence();
-        done = atomicAdd(count, 1u);
-    }
-    if (__shfl_sync(0xffffffffu, done, 0) != gridDim.x - 1) return;
-    __threadfence();
-    best = -INFINITY;
-    bi = 0x7fffffff;
-    nan = 0;
-    for (int b = lane; b < gridDim.x; b += WARP) {
-        const volatile int* p = scratch + 1 + 3 * b;
-        const int oi = p[1];
-        nan |= p[2];
-        if (oi != 0x7fffffff) pick_take(__int_as_float(p[0]), oi, best, bi);
-    }
-    pick_warp(best, bi, nan);
-    if (lane != 0) return;
-    *count = 0;
+    int token, nan;
+    if (!pick_grid(logits + (long long)row * n, n, -1, scratch + row * (1 + 3 * gridDim.x),
+                   token, nan))
+        return;
     volatile int* o = out + 2 * row;
-    o[0] = bi == 0x7fffffff ? 0 : bi;
+    o[0] = token;
     o[1] = nan;
 }
