@@ -65,6 +65,8 @@ impl PickRing {
 pub const SPEC_SLOTS: usize = 16;
 /// Row slots of a [`SpecRing`]: a verify step's rows at most.
 pub const SPEC_ROWS: usize = 16;
+/// Where a [`SpecRing`]'s row slots start (in i32): after the draft slots.
+const SPEC_ROWS_AT: usize = 4 * SPEC_SLOTS;
 
 /// A greedy speculative cycle's mapped host memory (`draft_pick`, `rows_pick`):
 /// per draft position `pos` (slot `pos % 16`) `{override, used, nan, margin bits}` —
@@ -124,7 +126,7 @@ impl SpecRing {
 
     /// Row `r`'s pick of the last verify step: `(token, nan)`, after its event.
     pub fn row(&self, r: usize) -> (u32, bool) {
-        let s = 4 * SPEC_SLOTS + 2 * (r % SPEC_ROWS);
+        let s = SPEC_ROWS_AT + 2 * (r % SPEC_ROWS);
         // SAFETY: in bounds; the device's writes completed before the caller's wait.
         let w = |i: usize| unsafe { std::ptr::read_volatile(self.host.add(s + i)) };
         (w(0) as u32, w(1) != 0)
@@ -191,7 +193,7 @@ impl Gpu {
 
     /// A new [`SpecRing`] (every override cleared).
     pub fn spec_ring(&self) -> Result<SpecRing, CudaError> {
-        let (buf, host, dptr) = self.mapped_i32(4 * SPEC_SLOTS + 2 * SPEC_ROWS)?;
+        let (buf, host, dptr) = self.mapped_i32(SPEC_ROWS_AT + 2 * SPEC_ROWS)?;
         let ring = SpecRing {
             _buf: buf,
             host,
@@ -257,7 +259,7 @@ impl Launcher<'_> {
                 "rows_pick: 1 to {SPEC_ROWS} rows, not {rows}"
             )));
         }
-        let out = ring.dptr + (4 * SPEC_SLOTS * 4) as u64;
+        let out = ring.dptr + (SPEC_ROWS_AT * std::mem::size_of::<i32>()) as u64;
         let (n, s) = (n as i32, self.ptr(&ring.rows_scratch));
         let grid = cfg2(PICK_BLOCKS as u32, rows, 256);
         launch!(self, "rows_pick", grid; logits, n, out, s)

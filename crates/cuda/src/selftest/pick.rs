@@ -25,17 +25,44 @@ fn host_pick(logits: &[f32], skip: i32) -> (u32, bool) {
     (best.map_or(0, |(i, _)| i as u32), nan)
 }
 
-pub(super) fn check_pick(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
-    let mut rng = Rng::stream(seed, 0x9c, 0);
-    const VOCAB: usize = 129_280;
-    let plain = normal(&mut rng, VOCAB, 3.0);
-    // Coarse values: the maximum is tied dozens of times.
+const VOCAB: usize = 129_280;
+
+/// The rows both pick checks take: normal logits, coarse ones (the maximum tied dozens
+/// of times), 1,001 values with the maximum in the tail past the last float4, normal
+/// logits with a NaN, and all -inf.
+struct Rows {
+    plain: Vec<f32>,
+    ties: Vec<f32>,
+    late: Vec<f32>,
+    with_nan: Vec<f32>,
+    neg: Vec<f32>,
+}
+
+fn rows(rng: &mut Rng) -> Rows {
+    let plain = normal(rng, VOCAB, 3.0);
     let ties: Vec<f32> = (0..VOCAB).map(|_| (rng.normal() * 4.0).round()).collect();
-    let mut late = normal(&mut rng, 1001, 1.0);
-    late[1000] = 50.0; // the maximum in the tail past the last float4
+    let mut late = normal(rng, 1001, 1.0);
+    late[1000] = 50.0;
     let mut with_nan = plain.clone();
     with_nan[77_777] = f32::NAN;
-    let neg = vec![f32::NEG_INFINITY; 4096];
+    Rows {
+        plain,
+        ties,
+        late,
+        with_nan,
+        neg: vec![f32::NEG_INFINITY; 4096],
+    }
+}
+
+pub(super) fn check_pick(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
+    let mut rng = Rng::stream(seed, 0x9c, 0);
+    let Rows {
+        plain,
+        ties,
+        late,
+        with_nan,
+        neg,
+    } = rows(&mut rng);
     let first = host_pick(&plain, -1).0 as i32;
     let first_tie = host_pick(&ties, -1).0 as i32;
     let cases: [(&str, &[f32], i32); 8] = [
@@ -95,17 +122,16 @@ fn host_top2(logits: &[f32]) -> (u32, f32) {
 /// host.
 pub(super) fn check_spec_pick(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::stream(seed, 0x9d, 0);
-    const VOCAB: usize = 129_280;
-    let plain = normal(&mut rng, VOCAB, 3.0);
-    let ties: Vec<f32> = (0..VOCAB).map(|_| (rng.normal() * 4.0).round()).collect();
-    let mut late = normal(&mut rng, 1001, 1.0);
-    late[1000] = 50.0;
+    let Rows {
+        plain,
+        ties,
+        late,
+        with_nan,
+        neg,
+    } = rows(&mut rng);
     let mut runner_up_late = plain.clone();
     let top = host_pick(&plain, -1).0 as usize;
     runner_up_late[VOCAB - 1] = plain[top] - 0.125; // the second value in another block
-    let mut with_nan = plain.clone();
-    with_nan[77_777] = f32::NAN;
-    let neg = vec![f32::NEG_INFINITY; 4096];
     let one = vec![2.5f32];
     let nan_all = vec![f32::NAN; 64];
     let cases: [(&str, &[f32], Option<u32>); 9] = [
