@@ -224,14 +224,25 @@ impl Speculator {
             session.commit_rows(chosen.0.len())?;
             chosen
         };
-        if drafts.runs > 0 {
-            // The ring rows of the positions the session now holds (n.., one per
-            // committed row), as far as drafts ran.
-            session.mtp_keep(out.len().min(drafts.runs))?;
+        self.end_cycle(session, out, accepted, drafts.tokens.len(), drafts.runs)
+    }
+
+    /// A cycle's end: the MTP ring keeps the rows of the positions the session now
+    /// holds (n.., one per committed row) as far as drafts ran; the counters.
+    fn end_cycle(
+        &mut self,
+        session: &mut Session,
+        out: Vec<u32>,
+        accepted: u64,
+        drafted: usize,
+        runs: usize,
+    ) -> Result<Vec<u32>> {
+        if runs > 0 {
+            session.mtp_keep(out.len().min(runs))?;
         }
         let s = &mut self.stats;
         s.cycles += 1;
-        s.drafted += drafts.tokens.len() as u64;
+        s.drafted += drafted as u64;
         s.accepted += accepted;
         s.emitted += out.len() as u64;
         Ok(out)
@@ -276,18 +287,11 @@ impl Speculator {
             session.commit_rows(chosen.0.len())?;
             chosen
         };
-        if cycle.runs > 0 {
-            session.mtp_keep(out.len().min(cycle.runs))?;
-        }
-        let s = &mut self.stats;
-        s.cycles += 1;
-        s.drafted += cycle.drafts.len() as u64;
-        s.accepted += accepted;
-        s.emitted += out.len() as u64;
-        Ok(out)
+        self.end_cycle(session, out, accepted, cycle.drafts.len(), cycle.runs)
     }
 
-    /// Runs the MTP block up to `budget` times from `token` at position `n`.
+    /// Runs the MTP block up to `budget` times from `token` at position `n`, sampling
+    /// each draft (greedy cycles go through [`Speculator::greedy`]).
     fn draft(
         &mut self,
         session: &mut Session,
@@ -317,15 +321,11 @@ impl Speculator {
             if self.opts.margin > 0.0 && top2_margin(&logits) < self.opts.margin {
                 break;
             }
-            let (drawn, q) = if sampler.is_greedy() {
-                (argmax(&logits), None)
-            } else {
-                let q = sampler.candidates(&logits);
-                match sampler.pick(&q) {
-                    Some(t) => (t, Some(q)),
-                    None => break, // NaN draft logits: nothing to propose.
-                }
+            let q = sampler.candidates(&logits);
+            let Some(drawn) = sampler.pick(&q) else {
+                break; // NaN draft logits: nothing to propose.
             };
+            let q = Some(q);
             let (proposed, q) = match self.hook.as_mut().and_then(|h| h(n + i + 1)) {
                 Some(t) => (t, None),
                 None => (drawn, q),
@@ -341,53 +341,20 @@ impl Speculator {
     }
 }
 
-/// Picks the returned tokens from the verify step's `rows` (`[1 + k][vocab]`): the
-/// accepted prefix of the drafts, then the correction or bonus token; at most `max`,
-/// ending at a stop token. Also returns the accepted drafts among them.
-fn choose(
-    sampler: &mut Sampler,
-    rows: &[f32],
-    vocab: usize,
-    d: &Drafts,
+/// The walk over a cycle's verified rows that both samplings share: drafts stand
+/// until row `i` rejects one (`row(i, Some(d))` gives the token that replaces it),
+/// a stop token or `max`; after every draft the last row gives one more token
+/// (`row(k, None)`). Returns the tokens and the accepted drafts among them.
+fn walk(
+    drafts: &[u32],
     max: usize,
     stop: &[u32],
+    mut row: impl FnMut(usize, Option<u32>) -> Option<u32>,
 ) -> (Vec<u32>, u64) {
-    let mut out = Vec::with_capacity(d.tokens.len() + 1);
-    for (i, &di) in d.tokens.iter().enumerate() {
-        let r = &rows[i * vocab..(i + 1) * vocab];
-        let rejected = if sampler.is_greedy() {
-            Some(argmax(r)).filter(|&t| t != di)
-        } else {
-            let p = sampler.candidates(r);
-            verify_draft(sampler, &p, d.q[i].as_deref(), di)
-        };
-        match rejected {
-            Some(t) => {
-                out.push(t);
-                return (out, i as u64);
-            }
-            None => {
-                out.push(di);
-                if stop.contains(&di) || out.len() == max {
-                    let a = out.len() as u64;
-                    return (out, a);
-                }
-            }
-        }
-    }
-    let k = d.tokens.len();
-    out.push(sampler.sample(&rows[k * vocab..(k + 1) * vocab]));
-    (out, k as u64)
-}
-
-/// [`choose`] for greedy sampling from the rows' argmaxes: the drafts up to the first
-/// one that is not its row's pick (that pick replaces it), a stop token or `max`, then
-/// the last row's pick when every draft was accepted.
-fn choose_picks(drafts: &[u32], picks: &[u32], max: usize, stop: &[u32]) -> (Vec<u32>, u64) {
     let mut out = Vec::with_capacity(drafts.len() + 1);
     for (i, &d) in drafts.iter().enumerate() {
-        if picks[i] != d {
-            out.push(picks[i]);
+        if let Some(t) = row(i, Some(d)) {
+            out.push(t);
             return (out, i as u64);
         }
         out.push(d);
@@ -396,8 +363,40 @@ fn choose_picks(drafts: &[u32], picks: &[u32], max: usize, stop: &[u32]) -> (Vec
             return (out, a);
         }
     }
-    out.push(picks[drafts.len()]);
+    out.extend(row(drafts.len(), None));
     (out, drafts.len() as u64)
+}
+
+/// [`walk`] with temperature over the verify step's `rows` (`[1 + k][vocab]`): each
+/// draft is verified against its row's filtered distribution (the rejection rule),
+/// the last row is sampled.
+fn choose(
+    sampler: &mut Sampler,
+    rows: &[f32],
+    vocab: usize,
+    d: &Drafts,
+    max: usize,
+    stop: &[u32],
+) -> (Vec<u32>, u64) {
+    walk(&d.tokens, max, stop, |i, draft| {
+        let r = &rows[i * vocab..(i + 1) * vocab];
+        match draft {
+            Some(di) => {
+                let p = sampler.candidates(r);
+                verify_draft(sampler, &p, d.q[i].as_deref(), di)
+            }
+            None => Some(sampler.sample(r)),
+        }
+    })
+}
+
+/// [`walk`] at temperature 0 from the rows' argmaxes: a draft stands when it is its
+/// row's pick.
+fn choose_picks(drafts: &[u32], picks: &[u32], max: usize, stop: &[u32]) -> (Vec<u32>, u64) {
+    walk(drafts, max, stop, |i, draft| match draft {
+        Some(d) => Some(picks[i]).filter(|&p| p != d),
+        None => Some(picks[i]),
+    })
 }
 
 /// The top-1 − top-2 gap of raw logits (NaN ignored; infinite with fewer than two).
