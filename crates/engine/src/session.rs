@@ -529,16 +529,29 @@ impl Session {
             }
             return Err(e);
         }
+        self.hold_rows(tokens, rows);
+        Ok(&self.pending.as_ref().expect("just set").rows)
+    }
+
+    /// The session after a multi-row step over `tokens` that the backend left pending:
+    /// it holds them, with the last row's logits (`rows`, `[tokens][vocab]`, or empty
+    /// when they stayed on the device: then unknown on the host until the commit) and
+    /// the record [`Session::commit_rows`] rewinds to.
+    fn hold_rows(&mut self, tokens: &[u32], rows: Vec<f32>) {
         self.hc_ready = true;
-        let last = rows[rows.len() - vocab..].to_vec();
+        let vocab = self.vocab();
+        let last = if rows.is_empty() {
+            Logits::NONE
+        } else {
+            Logits::Host(rows[rows.len() - vocab..].to_vec())
+        };
         self.pending = Some(PendingRows {
             n_before: self.tokens.len(),
-            logits_before: std::mem::replace(&mut self.logits, Logits::Host(last)),
+            logits_before: std::mem::replace(&mut self.logits, last),
             n_rows: tokens.len(),
             rows,
         });
         self.tokens.extend_from_slice(tokens);
-        Ok(&self.pending.as_ref().expect("just set").rows)
     }
 
     /// Keeps the first `accepted` rows of the pending [`Session::step_rows`]: tokens,
@@ -658,25 +671,11 @@ impl Session {
         if out.drafts.is_empty() {
             return Ok(out);
         }
-        self.hc_ready = true;
-        let vocab = self.vocab();
-        let n_rows = out.drafts.len() + 1;
-        let rows = out.logits.take().unwrap_or_default();
-        // Rows left on the device: the last row's logits are not known on the host
-        // while the step is pending (the caller commits at once).
-        let last = if rows.is_empty() {
-            Logits::NONE
-        } else {
-            Logits::Host(rows[(n_rows - 1) * vocab..].to_vec())
-        };
-        self.pending = Some(PendingRows {
-            n_before: self.tokens.len(),
-            logits_before: std::mem::replace(&mut self.logits, last),
-            rows,
-            n_rows,
-        });
-        self.tokens.push(token);
-        self.tokens.extend_from_slice(&out.drafts);
+        let mut rows_in = Vec::with_capacity(out.drafts.len() + 1);
+        rows_in.push(token);
+        rows_in.extend_from_slice(&out.drafts);
+        // Rows left on the device (the caller commits at once).
+        self.hold_rows(&rows_in, out.logits.take().unwrap_or_default());
         Ok(out)
     }
 }
