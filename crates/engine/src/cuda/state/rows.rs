@@ -36,8 +36,6 @@ pub(super) struct RowStep {
     /// The last kept row's logits of a step whose rows were picked on the device (a
     /// greedy cycle), copied by its commit: the session's logits, fetched when read.
     kept: DeviceBuf<f32>,
-    /// Whether the pending step's rows were picked on the device.
-    picked: bool,
     /// Per layer, the compressors' inputs of the step's rows (`[MAX_ROWS][4·dim]`).
     _journal: Vec<DeviceBuf<f32>>,
     journal_ptrs: Vec<(u64, u64)>,
@@ -50,8 +48,8 @@ pub(super) struct RowStep {
     graphs: Vec<Option<TokenGraph>>,
     pick_graphs: Vec<Option<TokenGraph>>,
     graph_numerics: Option<Numerics>,
-    /// Rows of the step awaiting `commit_rows`.
-    pending: Option<usize>,
+    /// The step awaiting `commit_rows`.
+    pending: Option<Pending>,
     /// Where the last token's final HC state was before the step (for a commit of 0).
     hc_before: Option<u64>,
 }
@@ -114,7 +112,6 @@ impl RowStep {
             hx,
             logits,
             kept,
-            picked: false,
             _journal: journal,
             journal_ptrs,
             items: g.upload(&items)?,
@@ -134,6 +131,15 @@ impl RowStep {
     pub(super) fn forget_graphs(&mut self) {
         self.graphs.iter_mut().for_each(|g| *g = None);
         self.pick_graphs.iter_mut().for_each(|g| *g = None);
+    }
+
+    /// The captured graph of an `n`-row step (`picked`: ending with the rows' picks).
+    fn graph(&mut self, n: usize, picked: bool) -> &mut Option<TokenGraph> {
+        if picked {
+            &mut self.pick_graphs[n]
+        } else {
+            &mut self.graphs[n]
+        }
     }
 
     /// The device address of the step's records (`{position, token}` per row).
@@ -231,8 +237,10 @@ impl DeviceState {
             let _ = g.rows_undo(g.ptr(&rs.items), rs.n_items, step, (0, n), true);
         } else {
             self.n_tokens += n;
-            rs.pending = Some(n);
-            rs.picked = matches!(rows, Rows::Picks(..));
+            rs.pending = Some(Pending {
+                rows: n,
+                picked: matches!(rows, Rows::Picks(..)),
+            });
             // The MTP draft's `HcSource::Last`: the last row's final HC state.
             rs.hc_before = self.last_hc;
             self.set_last_hc(Some(rs.hc_row(w, n - 1)));
@@ -267,22 +275,15 @@ impl DeviceState {
                 rs.forget_graphs();
                 rs.graph_numerics = Some(numerics);
             }
-            let have = match ring {
-                None => rs.graphs[n].is_some(),
-                Some(_) => rs.pick_graphs[n].is_some(),
-            };
-            if !have {
+            let picked = ring.is_some();
+            if rs.graph(n, picked).is_none() {
                 let graph = g.capture(|| self.enqueue_rows(w, numerics, rs, n, head, ring))?;
-                match ring {
-                    None => rs.graphs[n] = Some(graph),
-                    Some(_) => rs.pick_graphs[n] = Some(graph),
-                }
+                *rs.graph(n, picked) = Some(graph);
             }
-            let graph = match ring {
-                None => &rs.graphs[n],
-                Some(_) => &rs.pick_graphs[n],
-            };
-            graph.as_ref().expect("captured above").launch()?;
+            rs.graph(n, picked)
+                .as_ref()
+                .expect("captured above")
+                .launch()?;
         } else {
             self.enqueue_rows(w, numerics, rs, n, head, ring)?;
         }
@@ -340,7 +341,7 @@ impl DeviceState {
         let Some(mut rs) = self.rows.take() else {
             return Ok(());
         };
-        let picked = rs.pending.is_some() && rs.picked;
+        let picked = rs.pending.is_some_and(|p| p.picked);
         let mut result = self.rewind_rows(w, numerics, &mut rs, accepted);
         if result.is_ok() && picked && accepted > 0 {
             // The session's logits: row accepted - 1, kept on the device.
@@ -351,7 +352,6 @@ impl DeviceState {
         }
         // On a device error the bookkeeping keeps every row; the caller reports it.
         rs.pending = None;
-        rs.picked = false;
         self.rows = Some(rs);
         result
     }
@@ -363,7 +363,7 @@ impl DeviceState {
         rs: &mut RowStep,
         accepted: usize,
     ) -> Result<()> {
-        let Some(n) = rs.pending else {
+        let Some(Pending { rows: n, .. }) = rs.pending else {
             return Ok(());
         };
         if accepted >= n {
@@ -396,14 +396,24 @@ impl DeviceState {
     pub fn accept_rows(&mut self) {
         if let Some(rs) = self.rows.as_mut() {
             rs.pending = None;
-            rs.picked = false;
         }
     }
 
     /// Rows of the pending step (0: none).
     pub fn pending_rows(&self) -> usize {
-        self.rows.as_ref().and_then(|r| r.pending).unwrap_or(0)
+        self.rows
+            .as_ref()
+            .and_then(|r| r.pending)
+            .map_or(0, |p| p.rows)
     }
+}
+
+/// A step awaiting `commit_rows`: its rows, and whether they were picked on the device
+/// (the commit then keeps its last kept row's logits there).
+#[derive(Clone, Copy)]
+struct Pending {
+    rows: usize,
+    picked: bool,
 }
 
 /// A step's rows: tokens from the host, or `n` rows whose records a greedy cycle
