@@ -152,6 +152,51 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// warp_sum of each of N values (N a power of two) for kernels that end with several
+// sums a warp (rows a warp, tokens a row). The butterfly of warp_sum (xor 16, 8, 4, 2,
+// 1), but at each of the first log2(N) levels a lane keeps half of its live values and
+// trades the other half with its partner: N − 1 shuffles for the first levels, not 5N
+// in all (two-token products of 4 rows: 9 instead of 40). Each total meets its partial
+// sums in warp_sum's tree and float addition is commutative, so every total has
+// warp_sum's bits. On return v[0 .. max(N / 32, 1)) hold the totals of values
+// `first`, `first` + 1, …; the lanes that differ only in their low 32 / N bits hold
+// the same totals (warp_sums_writer picks one of them).
+// One level of warp_sums: L live values, partner at xor O (both compile-time, so
+// every index is a register).
+template <int N, int L, int O>
+__device__ __forceinline__ void warp_sums_level(float (&v)[N], int& first) {
+    if constexpr (O > 0) {
+        if constexpr (L > 1) {
+            const bool hi = (threadIdx.x & O) != 0;
+#pragma unroll
+            for (int i = 0; i < L / 2; ++i) {
+                const float keep = hi ? v[i + L / 2] : v[i];
+                const float send = hi ? v[i] : v[i + L / 2];
+                v[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+            }
+            if (hi) first += L / 2;
+            warp_sums_level<N, L / 2, O / 2>(v, first);
+        } else {
+            v[0] += __shfl_xor_sync(0xffffffffu, v[0], O);
+            warp_sums_level<N, 1, O / 2>(v, first);
+        }
+    }
+}
+template <int N>
+__device__ __forceinline__ void warp_sums(float (&v)[N], int& first) {
+    static_assert(N >= 1 && (N & (N - 1)) == 0, "warp_sums takes a power of two");
+    first = 0;
+    warp_sums_level<N, N, 16>(v, first);
+}
+
+// Whether this lane stores the totals warp_sums<N> left it (one lane of each group
+// holding the same totals).
+template <int N>
+__device__ __forceinline__ bool warp_sums_writer() {
+    constexpr int low = N >= WARP ? 1 : WARP / N;
+    return (threadIdx.x % WARP) % low == 0;
+}
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));

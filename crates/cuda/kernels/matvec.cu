@@ -343,13 +343,13 @@ __device__ __forceinline__ void matvec_f16_tok_body(const u16* __restrict__ w,
             dot(__ldg(reinterpret_cast<const uint4*>(r + c)), c);
     }
     PDL_TRIGGER();
-#pragma unroll
-    for (int t = 0; t < T; ++t) {
-        const float v = warp_sum(acc[t]);
+    int first;
+    warp_sums<T>(acc, first);  // acc[0] is token first's sum: warp_sum's bits
+    if (warp_sums_writer<T>()) {
         if (ks == 1) {
-            if (threadIdx.x == 0 && t < n_tok && row < rows) y[t * sel.y_stride + row] = v;
-        } else if (threadIdx.x == 0) {
-            red[t][threadIdx.y] = v;
+            if (first < n_tok && row < rows) y[first * sel.y_stride + row] = acc[0];
+        } else {
+            red[first][threadIdx.y] = acc[0];
         }
     }
     if (ks > 1) {

@@ -663,11 +663,10 @@ __device__ __forceinline__ void matvec_q8_0_q8_rows_body(
         for (int r = 0; r < R; ++r) acc[r] += q8_block_dot_x(w0[r], w1[r], dq[r], x0, x1, xs);
     }
     PDL_TRIGGER();
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const float v = warp_sum(acc[r]);
-        if (lane == 0 && row0 + r < rows) y[blockIdx.y * sel.y_stride + row0 + r] = v;
-    }
+    int first;
+    warp_sums<R>(acc, first);  // acc[0] is row first's sum: warp_sum's bits
+    if (warp_sums_writer<R>() && row0 + first < rows)
+        y[blockIdx.y * sel.y_stride + row0 + first] = acc[0];
 }
 extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8_r4(Q8_0_Q8_PARAMS) {
     (void)ks;  // 1
@@ -764,16 +763,23 @@ __device__ __forceinline__ void matvec_q8_0_q8_tok_body(
         dot(0, b);
     }
     PDL_TRIGGER();
+    // The R·T sums in one transposed reduction (warp_sums: warp_sum's bits).
+    constexpr int N = R * T, K = N > WARP ? N / WARP : 1;
+    float v[N];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
+    for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int t = 0; t < T; ++t) {
-            const float v = warp_sum(acc[r][t]);
+        for (int t = 0; t < T; ++t) v[r * T + t] = acc[r][t];
+    int first;
+    warp_sums<N>(v, first);
+    if (warp_sums_writer<N>()) {
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int r = (first + k) / T, t = (first + k) % T;
             if (ks == 1) {
-                if (threadIdx.x == 0 && t < n_tok && row0 + r < rows)
-                    y[t * sel.y_stride + row0 + r] = v;
-            } else if (threadIdx.x == 0) {
-                red[t][threadIdx.y] = v;
+                if (t < n_tok && row0 + r < rows) y[t * sel.y_stride + row0 + r] = v[k];
+            } else {
+                red[t][threadIdx.y] = v[k];  // R = 1 with split K
             }
         }
     }
@@ -789,23 +795,27 @@ __device__ __forceinline__ void matvec_q8_0_q8_tok_body(
     }
 }
 
-#define Q8_TOK_KERNEL(T, R)                                                                 \
-    extern "C" __global__ void __launch_bounds__(256) matvec_q8_0_q8_t##T##r##R(           \
+// BOUNDS: the kernel's __launch_bounds__. t2r4 asks for three blocks an SM: the q_b
+// shapes (1,024 columns, one step a lane) are latency-bound, and at its free 93
+// registers it held two against the one-token r4's three. (An explicit minimum of one
+// block gave the others more registers than the plain bound, not fewer.)
+#define Q8_TOK_KERNEL(T, R, BOUNDS)                                                         \
+    extern "C" __global__ void BOUNDS matvec_q8_0_q8_t##T##r##R(                           \
         const i8* __restrict__ qs, const u16* __restrict__ dw, i64 mat_q, i64 mat_d,       \
         const i8* __restrict__ xq, const float* __restrict__ xd, float* __restrict__ y,    \
         int rows, int cols, MatSel sel, int ks, int n_tok, i64 gx, i64 gy) {               \
         matvec_q8_0_q8_tok_body<T, R>(qs, dw, mat_q, mat_d, xq, xd, y, rows, cols, sel, ks, \
                                       n_tok, gx, gy);                                      \
     }
-Q8_TOK_KERNEL(2, 1)
-Q8_TOK_KERNEL(2, 2)
-Q8_TOK_KERNEL(2, 4)
-Q8_TOK_KERNEL(4, 1)
-Q8_TOK_KERNEL(4, 2)
-Q8_TOK_KERNEL(4, 4)
-Q8_TOK_KERNEL(8, 1)
-Q8_TOK_KERNEL(8, 2)
-Q8_TOK_KERNEL(8, 4)
-Q8_TOK_KERNEL(16, 1)
-Q8_TOK_KERNEL(16, 2)
-Q8_TOK_KERNEL(16, 4)
+Q8_TOK_KERNEL(2, 1, __launch_bounds__(256))
+Q8_TOK_KERNEL(2, 2, __launch_bounds__(256))
+Q8_TOK_KERNEL(2, 4, __launch_bounds__(256, 3))
+Q8_TOK_KERNEL(4, 1, __launch_bounds__(256))
+Q8_TOK_KERNEL(4, 2, __launch_bounds__(256))
+Q8_TOK_KERNEL(4, 4, __launch_bounds__(256))
+Q8_TOK_KERNEL(8, 1, __launch_bounds__(256))
+Q8_TOK_KERNEL(8, 2, __launch_bounds__(256))
+Q8_TOK_KERNEL(8, 4, __launch_bounds__(256))
+Q8_TOK_KERNEL(16, 1, __launch_bounds__(256))
+Q8_TOK_KERNEL(16, 2, __launch_bounds__(256))
+Q8_TOK_KERNEL(16, 4, __launch_bounds__(256))

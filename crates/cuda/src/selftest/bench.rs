@@ -8,7 +8,7 @@ use ds4_gguf::quant::random::Rng;
 use ds4_gguf::GgmlType;
 
 use super::common::{random_matrix, random_vec, Timing, Q8_SHAPES};
-use crate::{DeviceBuf, DeviceMatrix, Launcher, MatSel, Variant};
+use crate::{Batch, DeviceBuf, DeviceMatrix, Launcher, MatSel, Variant};
 
 /// Eight rotating selections of `used` distinct-looking experts out of `mats`.
 fn expert_id_sets(gpu: &Launcher, used: usize, mats: usize) -> Result<Vec<DeviceBuf<i32>>> {
@@ -419,6 +419,82 @@ pub fn probe_q8_splits(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
             out.push(Timing {
                 name: format!("{name} ks{ks} (Δ {diff:.0e})"),
                 bytes,
+                ms,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Token counts timed by [`bench_tokens`]: decode's one token, then the verify rows of
+/// MTP drafts 1, 2 and 3.
+const BENCH_TOKENS: [usize; 4] = [1, 2, 3, 4];
+
+/// The plain and grouped Q8_0 products of a multi-row step at the Flash shapes
+/// (`gpu-selftest --bench-tokens`): each shape at 1 token (decode's own launch) and at
+/// 2–4 tokens (the multi-token kernels a step of that many rows launches), so the cost
+/// of a verify row per matrix reads off one table. Rotating copies keep the weights out
+/// of the L2; GB/s counts the weights once per launch.
+pub fn bench_tokens(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
+    let mut rng = Rng::stream(seed, 0xbe70, 0);
+    let mut out = Vec::new();
+    let l2 = gpu.info().l2_bytes.max(1) as usize;
+    for &(name, rows, cols, groups) in Q8_SHAPES {
+        let w = random_matrix(GgmlType::Q8_0, rows, cols, groups, &mut rng);
+        let first = DeviceMatrix::upload(gpu, GgmlType::Q8_0, &w, rows, cols, groups)?;
+        let copies = (4 * l2 / first.bytes()).clamp(1, 16);
+        let mut mats = vec![first];
+        for _ in 1..copies {
+            mats.push(DeviceMatrix::upload(
+                gpu,
+                GgmlType::Q8_0,
+                &w,
+                rows,
+                cols,
+                groups,
+            )?);
+        }
+        let n_max = BENCH_TOKENS[BENCH_TOKENS.len() - 1];
+        let x = gpu.upload(&random_vec(n_max * groups * cols, &mut rng))?;
+        let mut qa = gpu.alloc_quant_act(n_max * groups, cols)?;
+        gpu.quantize_act(gpu.ptr(&x), &mut qa)?;
+        let y = gpu.zeros::<f32>(n_max * groups * rows)?;
+        let ids = gpu.upload(&(0..groups as i32).collect::<Vec<_>>())?;
+        let yp = gpu.ptr(&y);
+        for n in BENCH_TOKENS {
+            let ms = gpu.time_ms(copies, 50, |i| {
+                let m = &mats[i % copies];
+                match (groups, n) {
+                    // Decode's one-token launches: the grouped stack through its
+                    // selections, a plain matrix alone.
+                    (1, _) => gpu.matvec_q8act(
+                        m,
+                        &qa,
+                        yp,
+                        n,
+                        MatSel {
+                            ids: 0,
+                            x_stride: cols as i64,
+                            y_stride: rows as i64,
+                        },
+                    ),
+                    (_, 1) => gpu.matvec_q8act(
+                        m,
+                        &qa,
+                        yp,
+                        groups,
+                        MatSel {
+                            ids: gpu.ptr(&ids),
+                            x_stride: cols as i64,
+                            y_stride: rows as i64,
+                        },
+                    ),
+                    _ => gpu.matvec_q8act_groups(m, &qa, yp, Batch::grouped(n, groups, cols, rows)),
+                }
+            })?;
+            out.push(Timing {
+                name: format!("{name} Q8_0, {n} token{}", if n == 1 { "" } else { "s" }),
+                bytes: mats[0].bytes() as f64,
                 ms,
             });
         }

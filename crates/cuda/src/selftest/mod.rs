@@ -31,7 +31,7 @@ use anyhow::Result;
 use crate::{Gpu, Launcher, Variant};
 
 pub use attention::bench_attention;
-pub use bench::probe_q8_splits;
+pub use bench::{bench_tokens, probe_q8_splits};
 pub use common::{
     bit_identical, same_bits, summary_line, BitDiff, Check, Timing, BOUND_F32, BOUND_FP16_MMA,
     BOUND_MATVEC, NAME_WIDTH,

@@ -39,6 +39,10 @@ pub struct Args {
     /// expert matvecs and the prefill attention kernels.
     #[arg(long)]
     probe_q8: bool,
+    /// Only the timings of the Q8_0 products at 1 to 4 tokens (a decode token and the
+    /// rows of a multi-row step) at the Flash shapes.
+    #[arg(long)]
+    bench_tokens: bool,
 }
 
 impl Args {
@@ -71,6 +75,10 @@ pub fn run(a: Args) -> Result<()> {
         for (name, ms) in selftest::bench_attention(l, seed)? {
             println!("{name:<56} {:>12} {:>10.1}", "", ms * 1e3);
         }
+        return Ok(());
+    }
+    if a.bench_tokens {
+        print_timings("kernel", 56, &selftest::bench_tokens(l, seed)?);
         return Ok(());
     }
     if a.only_matmul {
