@@ -56,10 +56,10 @@ struct AttRows {
     const Step *step, const float *q, const float *ring, int raw_cap, int window,           \
         const float *comp, int ratio, const i32 *sel, int top_k, const float *sinks,        \
         int heads, int hd, float scale, int rows_per_chunk, float *part_acc, float *part_ml, \
-        float *out, int q_norm, float q_eps, RopeP q_rope, const u64 *kvt
+        float *out, int q_norm, float q_eps, RopeP q_rope, const u64 *kvt, const int *window_at
 #define ATT_SPLIT_ARGS                                                                     \
     step, q, ring, raw_cap, window, comp, ratio, sel, top_k, sinks, heads, hd, scale,       \
-        rows_per_chunk, part_acc, part_ml, out, q_norm, q_eps, q_rope, kvt
+        rows_per_chunk, part_acc, part_ml, out, q_norm, q_eps, q_rope, kvt, window_at
 
 __device__ __forceinline__ void att_cp16(void* smem, const void* src) {
     const u32 d = (u32)__cvta_generic_to_shared(smem);
@@ -94,6 +94,10 @@ __device__ __forceinline__ void attention_split_body(ATT_SPLIT_PARAMS) {
     ring = kvt_ptr(kvt, t, KVT_RING, ring);
     comp = kvt_ptr(kvt, t, KVT_COMP, comp);
     raw_cap = kvt_raw_cap(kvt, t, raw_cap);
+    // window_at: the window as a device value (the MTP block's ring count, which grows
+    // after a prompt: one captured draft serves every count). Written before the
+    // launch's graph by a copy on its stream, so readable before or after the PDL wait.
+    if (window_at != nullptr) window = min(window, *window_at);
     const AttRows rows(step, t, window, ratio, sel, top_k);
     const int total = rows.total;
     // rows_per_chunk 0: split this token's rows evenly over the chunks (decode: every

@@ -402,17 +402,22 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q2_k_q8_rx(
                 fsx[j] = (float)sx;
             }
         }
+        float acc[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             // Scale bytes 8k + 2j + h: j = 0, 1 in word 2k, j = 2, 3 in word 2k + 1.
             const u32 lo = k ? scv[r].z : scv[r].x, hi = k ? scv[r].w : scv[r].y;
             const u8 sv[4] = {(u8)(lo >> (8 * h)), (u8)(lo >> (8 * (2 + h))), (u8)(hi >> (8 * h)),
                               (u8)(hi >> (8 * (2 + h)))};
-            float acc = 0.f;
-            q2k_lane_add_sx(acc, w[r], dmv[r], sv, x, xs, fsx);
-            acc = warp_sum(acc);
-            if (c == 0 && row0 + r < rows) y[(i64)yi * sel.y_stride + row0 + r] = acc;
+            acc[r] = 0.f;
+            q2k_lane_add_sx(acc[r], w[r], dmv[r], sv, x, xs, fsx);
         }
+        // The unit's R sums in one transposed reduction (warp_sum's bits): 6 shuffles,
+        // not 20, against a row's ~40 instructions of products.
+        int first;
+        warp_sums<R>(acc, first);
+        if (warp_sums_writer<R>() && row0 + first < rows)
+            y[(i64)yi * sel.y_stride + row0 + first] = acc[0];
     }
     PDL_TRIGGER();
 }

@@ -281,24 +281,27 @@ __device__ __forceinline__ void iq2_xxs_q8_rxp_body(IQ2_MATVEC_PARAMS) {
             x_at = xo;
             iq2_rx_load_x(xq, xd, xo, lane, x, s);
         }
+        float acc[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            float acc = 0.f;
+            acc[r] = 0.f;
 #pragma unroll
             for (int k = 0; k < S; ++k) {
                 if constexpr (MODE == 3)
-                    acc += (float)(wc[r][k].a ^ wc[r][k].b ^ wc[r][k].c ^ wc[r][k].d ^ dc[r][k]);
+                    acc[r] += (float)(wc[r][k].a ^ wc[r][k].b ^ wc[r][k].c ^ wc[r][k].d ^ dc[r][k]);
                 else if constexpr (MODE == 4)
-                    acc += iq2_xxs_dot_tab(wc[r][k], dc[r][k], x[k], s[k], tab);
+                    acc[r] += iq2_xxs_dot_tab(wc[r][k], dc[r][k], x[k], s[k], tab);
                 else if constexpr (MODE == 5)
-                    acc += iq2_xxs_dot_l32(wc[r][k], dc[r][k], x[k], s[k], tl);
+                    acc[r] += iq2_xxs_dot_l32(wc[r][k], dc[r][k], x[k], s[k], tl);
                 else
-                    acc += iq2_xxs_dot<MODE == 1 ? 1 : 0>(wc[r][k], dc[r][k], x[k], s[k], codes,
-                                                          signs);
+                    acc[r] += iq2_xxs_dot<MODE == 1 ? 1 : 0>(wc[r][k], dc[r][k], x[k], s[k],
+                                                             codes, signs);
             }
-            acc = warp_sum(acc);
-            if (lane == 0 && row0 + r < rows) ym[yi * sel.y_stride + row0 + r] = acc;
         }
+        // The unit's R sums in one transposed reduction (warp_sum's bits).
+        int first;
+        warp_sums<R>(acc, first);
+        if (warp_sums_writer<R>() && row0 + first < rows) ym[yi * sel.y_stride + row0 + first] = acc[0];
     };
     W4 wa[R][S], wb[R][S];
     u16 da[R][S], db[R][S];

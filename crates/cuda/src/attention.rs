@@ -38,6 +38,10 @@ pub struct AttnInput {
     /// compressed rows and ring capacity replace `ring`, `comp` and `raw_cap` per
     /// token. 0: one session.
     pub kvt: u64,
+    /// The device address of an `i32` that lowers `window` (the MTP block's ring count,
+    /// which grows after a prompt: its captured draft then serves every count). The
+    /// split FMA kernels only (`attention`); 0: `window` as given.
+    pub window_at: u64,
 }
 
 /// head_norm_rope's work (unweighted RMS norm of each head, RoPE of its tail) done by
@@ -248,7 +252,7 @@ impl Launcher<'_> {
             shared_mem_bytes: smem,
         };
         launch!(self, name, grid;
-            a.step, a.q, a.ring, rc, win, a.comp, r, a.sel, tk, a.sinks, nh, hd_, a.scale, rpc, part_acc, part_ml, out, q_norm, q_eps, q_rope, a.kvt
+            a.step, a.q, a.ring, rc, win, a.comp, r, a.sel, tk, a.sinks, nh, hd_, a.scale, rpc, part_acc, part_ml, out, q_norm, q_eps, q_rope, a.kvt, a.window_at
         )?;
         if n_chunks > 1 {
             self.attention_combine(a, n_chunks, part_acc, part_ml, out, tail)?;
@@ -332,9 +336,11 @@ impl Launcher<'_> {
     /// window within the ring, at least one token.
     fn mma_attention_smem(&self, a: &AttnInput, kernel: &'static str) -> Result<usize, CudaError> {
         let (heads, hd, raw_cap, window) = (a.heads, a.hd, a.raw_cap, a.window);
-        if a.q_norm.is_some() {
+        if a.q_norm.is_some() || a.window_at != 0 {
             return Err(CudaError::Invalid(
-                "tensor-core attention reads normed queries (no q_norm)".into(),
+                "tensor-core attention reads normed queries (no q_norm) and a window given \
+                 as a value (no window_at)"
+                    .into(),
             ));
         }
         if !Gpu::attention_mma_shape(heads, hd) || window > raw_cap || a.n_tok == 0 {

@@ -85,6 +85,7 @@ impl DeviceInputs {
             scale: self.scale,
             q_norm: None,
             kvt: 0,
+            window_at: 0,
         }
     }
 
@@ -285,13 +286,15 @@ pub(super) fn check_attention_mma(gpu: &Launcher, seed: u64) -> Result<Vec<Check
 /// for bit, the staged kernel issuing its first copies before the query's chain
 /// (`att_early`) against the staged one with the decode's own query norm + RoPE, and the
 /// combine with every chunk in flight (`combine_pl`) against the plain combine, both
-/// with the decode tail (inverse RoPE and the Q8_0 output).
+/// with the decode tail (inverse RoPE and the Q8_0 output), and a window given as a
+/// device value (`AttnInput::window_at`, the MTP block's growing ring) against the same
+/// window given as the launch's argument.
 fn check_decode_split(
     gpu: &Launcher,
     inputs: &DeviceInputs,
     want: &[f64],
     case: &str,
-) -> Result<[Check; 4]> {
+) -> Result<[Check; 5]> {
     let n = inputs.n;
     let chunks = 32;
     let acc = gpu.zeros::<f32>(HEADS * chunks * HD)?;
@@ -305,7 +308,12 @@ fn check_decode_split(
         combine_pl: bool,
         tail: bool,
         q_norm: bool,
+        /// The window: SHORT_WINDOW as the argument (`Some(false)`) or as the device
+        /// value under the argument WINDOW (`Some(true)`); None: WINDOW.
+        short: Option<bool>,
     }
+    const SHORT_WINDOW: usize = 37;
+    let short_at = gpu.upload(&[SHORT_WINDOW as i32])?;
     let run = |m: Mode| -> Result<Vec<f32>> {
         let out = gpu.upload(&vec![f32::NAN; n * HEADS * HD])?;
         let q8 = gpu.zeros::<i8>(n * HEADS * HD)?;
@@ -322,6 +330,11 @@ fn check_decode_split(
             let o = gpu.ptr(&out) + (t * HEADS * HD * 4) as u64;
             if m.q_norm {
                 a.q_norm = Some(crate::QNorm { eps: 1e-6, rope });
+            }
+            match m.short {
+                Some(true) => a.window_at = gpu.ptr(&short_at),
+                Some(false) => a.window = SHORT_WINDOW,
+                None => {}
             }
             let at = crate::AttnTail {
                 rope,
@@ -364,6 +377,16 @@ fn check_decode_split(
         early: true,
         ..normed
     })?;
+    let short_arg = run(Mode {
+        early: true,
+        short: Some(false),
+        ..normed
+    })?;
+    let short_at = run(Mode {
+        early: true,
+        short: Some(true),
+        ..normed
+    })?;
     Ok([
         Check {
             name: format!("attention decode split {case}"),
@@ -381,6 +404,10 @@ fn check_decode_split(
         bit_identical(
             format!("attention_split_early = attention_split_staged (q_norm), {case}"),
             same_bits(&early_qn, &staged_qn),
+        ),
+        bit_identical(
+            format!("attention window {SHORT_WINDOW} as a device value = as an argument, {case}"),
+            same_bits(&short_at, &short_arg),
         ),
     ])
 }

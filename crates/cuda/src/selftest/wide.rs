@@ -166,5 +166,6 @@ fn tail_input(n_tok: usize, step: u64) -> AttnInput {
         scale: 1.0,
         q_norm: None,
         kvt: 0,
+        window_at: 0,
     }
 }

@@ -697,6 +697,7 @@ impl DeviceState {
             journal: None,
             steer: self.steer.as_ref(),
             kvt: 0,
+            window_at: 0,
             end: self.ctx,
             emit_pos: None,
         }
@@ -762,6 +763,7 @@ impl DeviceState {
             journal: None,
             steer: self.steer.as_ref(),
             kvt: 0,
+            window_at: 0,
             end: self.ctx,
             emit_pos: self.plan.has(Variant::CompDefer).then_some(self.n_tokens),
         };

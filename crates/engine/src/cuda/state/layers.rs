@@ -39,6 +39,9 @@ pub(super) struct KvView<'a> {
     /// each token's own session's buffers; `layers` then only says which buffers a
     /// layer has, and no launch reads their addresses. 0: one session.
     pub(super) kvt: u64,
+    /// The device address of an `i32` that lowers `window` in the attention (the MTP
+    /// block's ring count, state/mtp.rs); 0: `window` as given.
+    pub(super) window_at: u64,
     /// Positions written once the pass's tokens are (a prefill chunk: n_tokens + n; else
     /// ctx): how many compressed rows a chunk's fp16 copies cover.
     pub(super) end: usize,
@@ -591,6 +594,7 @@ impl KvView<'_> {
             scale,
             q_norm,
             kvt: px.kvt,
+            window_at: self.window_at,
         };
         // The output projection's input: the heads after the inverse RoPE of their tails
         // and, when out_a is Q8_0 in the fast numerics, their Q8_0 form (written by the

@@ -173,10 +173,14 @@ pub(super) struct MtpDev {
     g_n: DeviceBuf<f32>,
     /// Q8_0 activations of the projections (fast numerics), n_hc rows.
     q: QuantAct,
-    /// Captured drafts by (rows attended, chained source, fast numerics, ending with a
-    /// device pick); their addresses are this state's and its session's decode scratch
-    /// (and the session's verify records and pick ring, which never move).
-    graphs: std::collections::HashMap<(usize, bool, bool, bool), ds4_cuda::TokenGraph>,
+    /// The rows the next draft attends (the ring count), as the device value its
+    /// attention reads (`KvView::window_at`): written before each draft, so that one
+    /// captured draft serves every count while the ring grows after a prompt.
+    rows_at: DeviceBuf<i32>,
+    /// Captured drafts by (chained source, fast numerics, ending with a device pick);
+    /// their addresses are this state's and its session's decode scratch (and the
+    /// session's verify records and pick ring, which never move).
+    graphs: std::collections::HashMap<(bool, bool, bool), ds4_cuda::TokenGraph>,
 }
 
 impl MtpDev {
@@ -197,6 +201,7 @@ impl MtpDev {
             e_proj: z(e)?,
             g_n: z(nhc * e)?,
             q: g.alloc_quant_act(nhc, e)?,
+            rows_at: g.zeros::<i32>(1)?,
             graphs: Default::default(),
         })
     }
@@ -422,25 +427,25 @@ impl DeviceState {
             if let Some(t) = token {
                 g.write(&mut self.s.s.step, &[pos as i32, t as i32])?;
             }
-            // The ring's moves first (the input chain below does not read the ring).
+            // The ring's moves first (the input chain below does not read the ring), and
+            // the count of rows the draft attends.
             m.apply(g, hd, &ops)?;
+            g.write(&mut m.rows_at, &[rows as i32])?;
             let draft = Draft {
                 numerics,
                 g_in,
-                rows,
                 ctx: self.ctx,
                 plan: self.plan,
                 pick,
             };
-            // Once the ring is full (rows = the window, for good), a captured graph per
-            // (HC source, numerics, pick): the draft's ~40 launches ran eagerly at ~0.65
-            // ms for ~0.35 ms of kernels. While the ring grows every draft attends
-            // another row count: capturing each (~0.6 ms) cost more than it saved (H200,
-            // 256 tokens from a prompt: 9.32 -> 9.61 ms a draft-1 cycle), so those run
-            // eagerly.
-            if self.use_graphs && rows == m.book.cap {
+            // A captured graph per (HC source, numerics, pick): the draft's ~40 launches
+            // ran eagerly at ~0.55 ms for ~0.39 ms of kernels (H200, with the verify
+            // graph's launch behind them the GPU waited ~80 µs a cycle). The ring's row
+            // count is a device value (`rows_at`), so the same graph serves a ring that
+            // still grows after a prompt (a graph per count cost more to capture than it
+            // saved: 9.32 -> 9.61 ms a draft-1 cycle, session 14).
+            if self.use_graphs {
                 let key = (
-                    rows,
                     matches!(src, HcSource::Chain),
                     numerics == Numerics::Fast,
                     pick.is_some(),
@@ -477,13 +482,12 @@ impl DeviceState {
 }
 
 /// One draft's launches after the ring's moves: the block's input from the token (the
-/// step buffer) and `g_in`, the block as a ratio-0 layer over its ring attending `rows`
-/// rows, the chained state, the head. The same on every call with the same fields, so
-/// it can be captured (`DeviceState::mtp_draft`).
+/// step buffer) and `g_in`, the block as a ratio-0 layer over its ring attending the
+/// rows `MtpDev::rows_at` counts, the chained state, the head. The same on every call
+/// with the same fields, so it can be captured (`DeviceState::mtp_draft`).
 struct Draft<'a> {
     numerics: Numerics,
     g_in: u64,
-    rows: usize,
     ctx: usize,
     plan: ds4_cuda::DecodePlan,
     /// The verify step's records and the cycle's ring: end with `draft_pick`.
@@ -535,13 +539,14 @@ impl Draft<'_> {
         l.mtp_add_rows(p(&s.h), p(&s.h), e_proj, nhc, e)?;
         let kv = KvView {
             layers: &[],
-            window: self.rows,
+            window: m.book.cap,
             raw_cap: m.book.cap,
             ctx: self.ctx,
             plan: self.plan,
             journal: None,
             steer: None,
             kvt: 0,
+            window_at: g.ptr(&m.rows_at),
             end: self.ctx,
             emit_pos: None,
         };

@@ -18,6 +18,8 @@
 //! or FFN runs again. Compressed and indexer rows past the kept positions need no undo:
 //! their counts follow the position, and the next tokens rewrite them.
 
+use std::collections::HashMap;
+
 use ds4_cuda::{DeviceBuf, SpecRing, TokenGraph};
 
 use super::layers::KvView;
@@ -48,6 +50,10 @@ pub(super) struct RowStep {
     graphs: Vec<Option<TokenGraph>>,
     pick_graphs: Vec<Option<TokenGraph>>,
     graph_numerics: Option<Numerics>,
+    /// The rewinds of rejected rows, one graph per (fast numerics, kept, rows): their
+    /// ~60 launches (the undo and a compressor replay a compressed layer) ran eagerly
+    /// at ~3× their ~150 µs of kernels, every rejected MTP cycle.
+    undo_graphs: HashMap<(bool, usize, usize), TokenGraph>,
     /// The step awaiting `commit_rows`.
     pending: Option<Pending>,
     /// Where the last token's final HC state was before the step (for a commit of 0).
@@ -120,6 +126,7 @@ impl RowStep {
             graphs: (0..=MAX_ROWS).map(|_| None).collect(),
             pick_graphs: (0..=MAX_ROWS).map(|_| None).collect(),
             graph_numerics: None,
+            undo_graphs: HashMap::new(),
             pending: None,
             hc_before: None,
         })
@@ -131,6 +138,7 @@ impl RowStep {
     pub(super) fn forget_graphs(&mut self) {
         self.graphs.iter_mut().for_each(|g| *g = None);
         self.pick_graphs.iter_mut().for_each(|g| *g = None);
+        self.undo_graphs.clear();
     }
 
     /// The captured graph of an `n`-row step (`picked`: ending with the rows' picks).
@@ -371,13 +379,28 @@ impl DeviceState {
         }
         let g = &w.gpu.launcher(self.plan);
         let step = g.ptr(&rs.work.s.step);
-        g.rows_undo(g.ptr(&rs.items), rs.n_items, step, (accepted, n), true)?;
-        if accepted > 0 {
-            let kv = KvView {
-                journal: Some(&rs.journal_ptrs),
-                ..self.kv()
-            };
-            kv.replay_compressors(w, numerics, &rs.work.s, accepted)?;
+        // The same launches for every rewind of `accepted` of `n` rows (positions come
+        // from the step buffer), so a graph per pair serves them all.
+        let undo = |rs: &RowStep| -> Result<()> {
+            g.rows_undo(g.ptr(&rs.items), rs.n_items, step, (accepted, n), true)?;
+            if accepted > 0 {
+                let kv = KvView {
+                    journal: Some(&rs.journal_ptrs),
+                    ..self.kv()
+                };
+                kv.replay_compressors(w, numerics, &rs.work.s, accepted)?;
+            }
+            Ok(())
+        };
+        if self.use_graphs {
+            let key = (numerics == Numerics::Fast, accepted, n);
+            if !rs.undo_graphs.contains_key(&key) {
+                let graph = g.capture(|| undo(rs))?;
+                rs.undo_graphs.insert(key, graph);
+            }
+            rs.undo_graphs[&key].launch()?;
+        } else {
+            undo(rs)?;
         }
         self.n_tokens -= n - accepted;
         let last = if accepted > 0 {
