@@ -113,11 +113,12 @@ pub(crate) fn split_k(rows: usize, n_sel: usize) -> u32 {
 
 /// Warps per row of the Q8_0 int8 matvec (block-of-32 lanes, 1 KiB per warp step):
 /// measured on the H200 at the Flash shapes (`gpu-selftest --probe-q8`): one warp per
-/// row from 4,096 rows, two for the 2,048-row shared expert, four below; and two again
-/// for the 129,280-row output head (135 µs, 4.2 TB/s, against 158 µs with one).
+/// row from 4,096 rows, two for the 2,048-row shared expert, four below. The 129,280-row
+/// output head took two while one warp a row meant one row a warp (135 against 158 µs);
+/// with one warp a row it now gets two rows a warp (`q8_rows2`): 129.0 µs (4.36 TB/s,
+/// 97% of the read probe) against 161.7 at two warps a row (session 29).
 pub(crate) fn split_k_q8(rows: usize, n_sel: usize) -> u32 {
     match rows * n_sel {
-        n if n >= 65536 => 2,
         n if n >= 4096 => 1,
         n if n >= 2048 => 2,
         n if n >= 512 => 4,

@@ -408,6 +408,21 @@ pub fn probe_q8_splits(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
             bytes,
             ms,
         });
+        // The plain kernel (weights loaded after the PDL wait, fewer registers).
+        let (ms, got) = run(&gpu.with(Variant::Q8Early, false), None)?;
+        let same = got
+            .iter()
+            .zip(&want)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        out.push(Timing {
+            name: format!(
+                "{name} -{} (plain kernel{})",
+                Variant::Q8Early,
+                if same { "" } else { ", differs" }
+            ),
+            bytes,
+            ms,
+        });
         let scale = want.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-30);
         for ks in [1u32, 2, 4, 8] {
             let (ms, got) = run(gpu, Some(ks))?;
