@@ -20,7 +20,11 @@ graph was captured from, so this works from time alone:
   the gap before (launch latency or a wait). With programmatic dependent launch on
   (the default) kernels start before their predecessor ends and report that wait as
   run time, so trace with DS4_CUDA_PDL=0 to read the chain;
-* with --timeline, every kernel of the token (µs from its start, * = on the chain).
+* with --timeline, every kernel of the token (µs from its start, * = on the chain);
+* with --halves, the wall time of each layer half, from one `hc_post_pl` end to the
+  next, summed by kind (attention of a window-only, ratio-128 or indexed layer; FFN).
+  End to end, so it reads a trace with programmatic dependent launch on (the default),
+  where kernels start early and the chain does not apply.
 """
 import argparse
 import bisect
@@ -101,11 +105,34 @@ def chain(tok):
     return out
 
 
+def halves(tok):
+    """Wall µs of each layer half (one `hc_post_pl` end to the next) by kind."""
+    t = sorted(tok, key=lambda r: r[3])
+    ends = [r[3] for r in t if r[0] == "hc_post_pl"]
+    prev = tok[0][2]
+    out = defaultdict(lambda: [0, 0.0])
+    for e in ends:
+        names = {r[0] for r in t if prev < r[3] <= e}
+        if any("iq2" in n or "q2_k" in n or "q4_k" in n for n in names):
+            kind = "ffn"
+        elif any(n.startswith("indexer") for n in names):
+            kind = "attention, indexed"
+        elif any(n.startswith("compressor") for n in names):
+            kind = "attention, compressed"
+        else:
+            kind = "attention, window only"
+        out[kind][0] += 1
+        out[kind][1] += (e - prev) / 1e3
+        prev = e
+    return out, (t[-1][3] - prev) / 1e3
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace")
     ap.add_argument("--token", type=int, default=-2, help="which decode token (default -2: the one before the last)")
     ap.add_argument("--timeline", action="store_true")
+    ap.add_argument("--halves", action="store_true", help="wall time per layer half (PDL on)")
     a = ap.parse_args()
     rows = load(a.trace)
     toks = tokens(rows)
@@ -123,6 +150,14 @@ def main():
     print(f"  busy {busy / 1e3:.1f} µs, idle {(wall - busy) / 1e3:.1f} µs")
     print("  running at once: " + ", ".join(
         f"{'4+' if k == 4 else k}: {conc[k] / 1e3:.1f} µs" for k in sorted(conc)))
+    if a.halves:
+        by_kind, tail = halves(tok)
+        print("\nlayer halves (wall, end to end):")
+        print(f"  {'kind':<24} {'n':>4} {'µs':>9} {'µs each':>9}")
+        for kind, (n, us) in sorted(by_kind.items()):
+            print(f"  {kind:<24} {n:>4} {us:>9.1f} {us / n:>9.2f}")
+        print(f"  {'after the last layer':<24} {'':>4} {tail:>9.1f}")
+        return
 
     run = defaultdict(lambda: [0, 0])
     for r in tok:
