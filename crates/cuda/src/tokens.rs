@@ -16,6 +16,10 @@ use crate::plan::{Launcher, Variant};
 use crate::weights::DeviceMatrix;
 use ds4_gguf::GgmlType;
 
+/// Rows from which a 2-token product takes 4 rows a warp whatever its width (the
+/// 129,280-row output head; `matvec_q8_tokens`).
+pub(crate) const Q8_TOKENS_R4_ROWS: usize = 65536;
+
 impl Launcher<'_> {
     /// `n_tok` (2..=16) tokens of a plain F16 matrix in one pass over its weights
     /// (`matvec_f16_t{T}`), with the warps a row of the one-token launch: the same sums.
@@ -160,12 +164,23 @@ impl Launcher<'_> {
         // (A grouped stack's one-token launch has one selection per group.)
         let ks = ks.unwrap_or_else(|| split_k_q8(m.rows, bt.n_groups.max(1)));
         let early = self.on(Variant::Q8Early);
+        let t = n_tok.next_power_of_two().max(2);
         let r = match () {
             _ if early && ks == 1 && m.cols <= 1024 && self.on(Variant::Q8Rows) => Q8_ROWS_PER_WARP,
+            // The output head at 2 tokens: 4 rows a warp (t2r4 holds three blocks an SM)
+            // 136.7 µs against 162.4 at the one-token launch's 2 (`--bench-tokens`,
+            // H200). A row's steps and reduction are the same at any rows a warp.
+            _ if early
+                && ks == 1
+                && t == 2
+                && m.rows >= Q8_TOKENS_R4_ROWS
+                && self.on(Variant::Q8Rows2) =>
+            {
+                Q8_ROWS_PER_WARP
+            }
             _ if early && ks == 1 && m.cols > 1024 && self.on(Variant::Q8Rows2) => 2,
             _ => 1,
         };
-        let t = n_tok.next_power_of_two().max(2);
         let name: &'static str = match (t, r) {
             (2, 1) => "matvec_q8_0_q8_t2r1",
             (2, 2) => "matvec_q8_0_q8_t2r2",
@@ -185,6 +200,55 @@ impl Launcher<'_> {
             (m.rows as u32).div_ceil(rows_per_block),
             bt.n_groups.max(1) as u32,
         );
+        self.launch_q8_tokens(name, grid, ROWS_PER_BLOCK, m, xq, y, bt, sel, ks)
+    }
+
+    /// `b.n_tok` tokens of a plain Q8_0 matrix through the dp4a kernel of `r` rows a
+    /// warp (1, 2 or 4) at `ks` warps a row, whatever the default would pick: the
+    /// timing of other shapes (`gpu-selftest --bench-tokens`). Per row the same sums as
+    /// the default at the same `ks`.
+    #[doc(hidden)]
+    pub fn matvec_q8_tokens_forced(
+        &self,
+        m: &DeviceMatrix,
+        xq: &QuantAct,
+        y: u64,
+        bt: Batch,
+        (r, ks): (u32, u32),
+    ) -> Result<(), CudaError> {
+        if m.ty != GgmlType::Q8_0
+            || bt.n_groups > 1
+            || !(2..=Q8_TOKENS_MAX).contains(&bt.n_tok)
+            || !matches!(ks, 1 | 2 | 4 | 8)
+            || (r > 1 && ks != 1)
+            || bt.x_tok * (bt.n_tok - 1) + m.cols > xq.rows * xq.cols
+        {
+            return Err(CudaError::Invalid(format!(
+                "forced multi-token launch: {} tokens, {r} rows a warp at {ks} warps a row",
+                bt.n_tok
+            )));
+        }
+        let t = bt.n_tok.next_power_of_two();
+        let name: &'static str = match (t, r) {
+            (2, 1) => "matvec_q8_0_q8_t2r1",
+            (2, 2) => "matvec_q8_0_q8_t2r2",
+            (2, 4) => "matvec_q8_0_q8_t2r4",
+            (4, 1) => "matvec_q8_0_q8_t4r1",
+            (4, 2) => "matvec_q8_0_q8_t4r2",
+            (4, 4) => "matvec_q8_0_q8_t4r4",
+            _ => {
+                return Err(CudaError::Invalid(format!(
+                    "forced multi-token launch: {} tokens, {r} rows a warp",
+                    bt.n_tok
+                )))
+            }
+        };
+        let sel = MatSel {
+            ids: 0,
+            x_stride: bt.x_tok as i64,
+            y_stride: bt.y_tok as i64,
+        };
+        let grid = ((m.rows as u32).div_ceil(ROWS_PER_BLOCK / ks * r), 1);
         self.launch_q8_tokens(name, grid, ROWS_PER_BLOCK, m, xq, y, bt, sel, ks)
     }
 

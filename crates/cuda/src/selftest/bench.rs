@@ -512,6 +512,21 @@ pub fn bench_tokens(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
                 bytes: mats[0].bytes() as f64,
                 ms,
             });
+            // The plain matrices at 2 tokens through each rows-a-warp kernel at one
+            // warp a row, and one row a warp at two.
+            if groups == 1 && n == 2 {
+                for (r, ks) in [(1u32, 1u32), (2, 1), (4, 1), (1, 2)] {
+                    let b = Batch::plain(n, cols, rows);
+                    let ms = gpu.time_ms(copies, 50, |i| {
+                        gpu.matvec_q8_tokens_forced(&mats[i % copies], &qa, yp, b, (r, ks))
+                    })?;
+                    out.push(Timing {
+                        name: format!("{name} Q8_0, 2 tokens, t2r{r} at ks {ks}"),
+                        bytes: mats[0].bytes() as f64,
+                        ms,
+                    });
+                }
+            }
         }
     }
     Ok(out)

@@ -30,7 +30,15 @@ pub(super) fn check_tokens(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     // Q8_0 rows a warp: 4 (≤ 1,024 columns), 2 (longer rows), and split K (few rows: 2
     // or 4 warps a row), each with a ragged row count; the products take int8
     // activations quantised from the same rows.
-    let q8_shapes = [(4100, 1024), (4104, 2048), (1030, 4096), (2050, 512)];
+    // And a matrix past Q8_TOKENS_R4_ROWS (the output head's 4 rows a warp at 2
+    // tokens, against the one-token launch's 2).
+    let q8_shapes = [
+        (4100, 1024),
+        (4104, 2048),
+        (1030, 4096),
+        (2050, 512),
+        (crate::tokens::Q8_TOKENS_R4_ROWS + 6, 1056),
+    ];
     checks.extend(tokens_against_one(
         gpu,
         &mut rng,
