@@ -181,26 +181,7 @@ impl Launcher<'_> {
             _ if early && ks == 1 && m.cols > 1024 && self.on(Variant::Q8Rows2) => 2,
             _ => 1,
         };
-        let name: &'static str = match (t, r) {
-            (2, 1) => "matvec_q8_0_q8_t2r1",
-            (2, 2) => "matvec_q8_0_q8_t2r2",
-            (2, _) => "matvec_q8_0_q8_t2r4",
-            (4, 1) => "matvec_q8_0_q8_t4r1",
-            (4, 2) => "matvec_q8_0_q8_t4r2",
-            (4, _) => "matvec_q8_0_q8_t4r4",
-            (8, 1) => "matvec_q8_0_q8_t8r1",
-            (8, 2) => "matvec_q8_0_q8_t8r2",
-            (8, _) => "matvec_q8_0_q8_t8r4",
-            (_, 1) => "matvec_q8_0_q8_t16r1",
-            (_, 2) => "matvec_q8_0_q8_t16r2",
-            _ => "matvec_q8_0_q8_t16r4",
-        };
-        let rows_per_block = ROWS_PER_BLOCK / ks * r;
-        let grid = (
-            (m.rows as u32).div_ceil(rows_per_block),
-            bt.n_groups.max(1) as u32,
-        );
-        self.launch_q8_tokens(name, grid, ROWS_PER_BLOCK, m, xq, y, bt, sel, ks)
+        self.launch_q8_dp4a_tokens(m, xq, y, bt, sel, (r, ks))
     }
 
     /// `b.n_tok` tokens of a plain Q8_0 matrix through the dp4a kernel of `r` rows a
@@ -220,6 +201,7 @@ impl Launcher<'_> {
             || bt.n_groups > 1
             || !(2..=Q8_TOKENS_MAX).contains(&bt.n_tok)
             || !matches!(ks, 1 | 2 | 4 | 8)
+            || !matches!(r, 1 | 2 | 4)
             || (r > 1 && ks != 1)
             || bt.x_tok * (bt.n_tok - 1) + m.cols > xq.rows * xq.cols
         {
@@ -228,27 +210,46 @@ impl Launcher<'_> {
                 bt.n_tok
             )));
         }
-        let t = bt.n_tok.next_power_of_two();
-        let name: &'static str = match (t, r) {
-            (2, 1) => "matvec_q8_0_q8_t2r1",
-            (2, 2) => "matvec_q8_0_q8_t2r2",
-            (2, 4) => "matvec_q8_0_q8_t2r4",
-            (4, 1) => "matvec_q8_0_q8_t4r1",
-            (4, 2) => "matvec_q8_0_q8_t4r2",
-            (4, 4) => "matvec_q8_0_q8_t4r4",
-            _ => {
-                return Err(CudaError::Invalid(format!(
-                    "forced multi-token launch: {} tokens, {r} rows a warp",
-                    bt.n_tok
-                )))
-            }
-        };
         let sel = MatSel {
             ids: 0,
             x_stride: bt.x_tok as i64,
             y_stride: bt.y_tok as i64,
         };
-        let grid = ((m.rows as u32).div_ceil(ROWS_PER_BLOCK / ks * r), 1);
+        self.launch_q8_dp4a_tokens(m, xq, y, bt, sel, (r, ks))
+    }
+
+    /// The dp4a multi-token kernel `matvec_q8_0_q8_t{T}r{R}` (T the token capacity, the
+    /// next power of two from 2; `r` rows a warp: 1, 2 or 4) at `ks` warps a row, over
+    /// every row of each of `bt.n_groups` matrices.
+    fn launch_q8_dp4a_tokens(
+        &self,
+        m: &DeviceMatrix,
+        xq: &QuantAct,
+        y: u64,
+        bt: Batch,
+        sel: MatSel,
+        (r, ks): (u32, u32),
+    ) -> Result<(), CudaError> {
+        let t = bt.n_tok.next_power_of_two().max(2);
+        let name: &'static str = match (t, r) {
+            (2, 1) => "matvec_q8_0_q8_t2r1",
+            (2, 2) => "matvec_q8_0_q8_t2r2",
+            (2, _) => "matvec_q8_0_q8_t2r4",
+            (4, 1) => "matvec_q8_0_q8_t4r1",
+            (4, 2) => "matvec_q8_0_q8_t4r2",
+            (4, _) => "matvec_q8_0_q8_t4r4",
+            (8, 1) => "matvec_q8_0_q8_t8r1",
+            (8, 2) => "matvec_q8_0_q8_t8r2",
+            (8, _) => "matvec_q8_0_q8_t8r4",
+            (_, 1) => "matvec_q8_0_q8_t16r1",
+            (_, 2) => "matvec_q8_0_q8_t16r2",
+            _ => "matvec_q8_0_q8_t16r4",
+        };
+        let rows_per_block = ROWS_PER_BLOCK / ks * r;
+        let grid = (
+            (m.rows as u32).div_ceil(rows_per_block),
+            bt.n_groups.max(1) as u32,
+        );
         self.launch_q8_tokens(name, grid, ROWS_PER_BLOCK, m, xq, y, bt, sel, ks)
     }
 

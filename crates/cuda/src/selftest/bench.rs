@@ -357,13 +357,8 @@ pub fn probe_q8_splits(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
     }
     for &(name, rows, cols, n_sel) in Q8_SHAPES {
         let w = random_matrix(GgmlType::Q8_0, rows, cols, n_sel, &mut rng);
-        let upload = || DeviceMatrix::upload(gpu, GgmlType::Q8_0, &w, rows, cols, n_sel);
-        let first = upload()?;
-        let copies = (4 * l2 / first.bytes()).clamp(1, 16);
-        let mut mats = vec![first];
-        for _ in 1..copies {
-            mats.push(upload()?);
-        }
+        let mats = q8_copies(gpu, &w, (rows, cols, n_sel))?;
+        let copies = mats.len();
         let x = gpu.upload(&random_vec(cols * n_sel, &mut rng))?;
         let mut qa = gpu.alloc_quant_act(n_sel, cols)?;
         gpu.quantize_act(gpu.ptr(&x), &mut qa)?;
@@ -395,34 +390,25 @@ pub fn probe_q8_splits(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
         } else {
             Variant::Q8Rows2
         };
-        let (ms, got) = run(&gpu.with(rows_fusion, false), None)?;
-        let same = got
-            .iter()
-            .zip(&want)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
-        out.push(Timing {
-            name: format!(
-                "{name} -{rows_fusion} (one row a warp{})",
-                if same { "" } else { ", differs" }
-            ),
-            bytes,
-            ms,
-        });
-        // The plain kernel (weights loaded after the PDL wait, fewer registers).
-        let (ms, got) = run(&gpu.with(Variant::Q8Early, false), None)?;
-        let same = got
-            .iter()
-            .zip(&want)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
-        out.push(Timing {
-            name: format!(
-                "{name} -{} (plain kernel{})",
-                Variant::Q8Early,
-                if same { "" } else { ", differs" }
-            ),
-            bytes,
-            ms,
-        });
+        // Then the plain kernel (weights loaded after the PDL wait, fewer registers).
+        for (off, what) in [
+            (rows_fusion, "one row a warp"),
+            (Variant::Q8Early, "plain kernel"),
+        ] {
+            let (ms, got) = run(&gpu.with(off, false), None)?;
+            let same = got
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            out.push(Timing {
+                name: format!(
+                    "{name} -{off} ({what}{})",
+                    if same { "" } else { ", differs" }
+                ),
+                bytes,
+                ms,
+            });
+        }
         let scale = want.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-30);
         for ks in [1u32, 2, 4, 8] {
             let (ms, got) = run(gpu, Some(ks))?;
@@ -453,22 +439,10 @@ const BENCH_TOKENS: [usize; 4] = [1, 2, 3, 4];
 pub fn bench_tokens(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
     let mut rng = Rng::stream(seed, 0xbe70, 0);
     let mut out = Vec::new();
-    let l2 = gpu.info().l2_bytes.max(1) as usize;
     for &(name, rows, cols, groups) in Q8_SHAPES {
         let w = random_matrix(GgmlType::Q8_0, rows, cols, groups, &mut rng);
-        let first = DeviceMatrix::upload(gpu, GgmlType::Q8_0, &w, rows, cols, groups)?;
-        let copies = (4 * l2 / first.bytes()).clamp(1, 16);
-        let mut mats = vec![first];
-        for _ in 1..copies {
-            mats.push(DeviceMatrix::upload(
-                gpu,
-                GgmlType::Q8_0,
-                &w,
-                rows,
-                cols,
-                groups,
-            )?);
-        }
+        let mats = q8_copies(gpu, &w, (rows, cols, groups))?;
+        let copies = mats.len();
         let n_max = BENCH_TOKENS[BENCH_TOKENS.len() - 1];
         let x = gpu.upload(&random_vec(n_max * groups * cols, &mut rng))?;
         let mut qa = gpu.alloc_quant_act(n_max * groups, cols)?;
@@ -479,33 +453,28 @@ pub fn bench_tokens(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
         for n in BENCH_TOKENS {
             let ms = gpu.time_ms(copies, 50, |i| {
                 let m = &mats[i % copies];
-                match (groups, n) {
-                    // Decode's one-token launches: the grouped stack through its
-                    // selections, a plain matrix alone.
-                    (1, _) => gpu.matvec_q8act(
+                if groups > 1 && n > 1 {
+                    return gpu.matvec_q8act_groups(
                         m,
                         &qa,
                         yp,
-                        n,
-                        MatSel {
-                            ids: 0,
-                            x_stride: cols as i64,
-                            y_stride: rows as i64,
-                        },
-                    ),
-                    (_, 1) => gpu.matvec_q8act(
-                        m,
-                        &qa,
-                        yp,
-                        groups,
-                        MatSel {
-                            ids: gpu.ptr(&ids),
-                            x_stride: cols as i64,
-                            y_stride: rows as i64,
-                        },
-                    ),
-                    _ => gpu.matvec_q8act_groups(m, &qa, yp, Batch::grouped(n, groups, cols, rows)),
+                        Batch::grouped(n, groups, cols, rows),
+                    );
                 }
+                // A plain matrix's n tokens, or decode's launch of the grouped stack
+                // through its selections.
+                let (n_sel, ids) = if groups == 1 {
+                    (n, 0)
+                } else {
+                    (groups, gpu.ptr(&ids))
+                };
+                let x_stride = cols as i64;
+                let sel = MatSel {
+                    ids,
+                    x_stride,
+                    y_stride: rows as i64,
+                };
+                gpu.matvec_q8act(m, &qa, yp, n_sel, sel)
             })?;
             out.push(Timing {
                 name: format!("{name} Q8_0, {n} token{}", if n == 1 { "" } else { "s" }),
@@ -528,6 +497,24 @@ pub fn bench_tokens(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
                 }
             }
         }
+    }
+    Ok(out)
+}
+
+/// Enough copies of the Q8_0 stack `w` (`mats` matrices of rows × cols) that timed
+/// calls rotating over them miss the L2 (1 to 16).
+fn q8_copies(
+    gpu: &Launcher,
+    w: &[u8],
+    (rows, cols, mats): (usize, usize, usize),
+) -> Result<Vec<DeviceMatrix>> {
+    let upload = || DeviceMatrix::upload(gpu, GgmlType::Q8_0, w, rows, cols, mats);
+    let first = upload()?;
+    let l2 = gpu.info().l2_bytes.max(1) as usize;
+    let copies = (4 * l2 / first.bytes()).clamp(1, 16);
+    let mut out = vec![first];
+    for _ in 1..copies {
+        out.push(upload()?);
     }
     Ok(out)
 }
