@@ -57,6 +57,9 @@ fn iq2_rx_units(kernel: &str) -> (usize, usize) {
         "probe_iq2_rxp4" => (4, 1),
         "matvec_iq2_xxs_q8_rxp" | "matvec_iq2_xxs_q8_rxtp" | "matvec_iq2_xxs_q8_rxtl" => (2, 2),
         k if k.starts_with("probe_iq2_rxp_") => (2, 2),
+        // q4k_rx_body's R: one 4096-column row (two spill), four 2048-column rows.
+        "matvec_q4_k_q8_rx4" => (1, 2),
+        "matvec_q4_k_q8_rx2" => (4, 2),
         _ => (EXP_ROWS_PER_WARP as usize, 2),
     }
 }
@@ -71,9 +74,11 @@ const WIDE_QUANT_BLOCKS: usize = 16384;
 const WIDE_SWIGLU_BLOCKS: usize = 1024;
 
 /// Fewest expert pairs (selections) of a launch that take the 32-copy IQ2_XXS tables
-/// (`iq2_lut32`): their 48 KB a block are filled before the PDL wait, and a decode
-/// token's 6 pairs measured no gain from conflict-free lookups (NOTES.md, session 10).
-const IQ2_LUT32_MIN_PAIRS: usize = 12;
+/// (`iq2_lut32`): their 48 KB a block are filled before the PDL wait. Session 10 measured
+/// no gain at a decode token's 6 pairs; session 30 measured one (H200, 2k decode 188.65
+/// -> 189.60 tok/s in two alternating pairs of runs; the 6-pair gate+up alone 17.9 ->
+/// 16.3 µs), so every launch takes them.
+const IQ2_LUT32_MIN_PAIRS: usize = 1;
 
 /// `DS4_CUDA_LUT32_PAIRS=N` (1–4096): the fewest expert pairs that take the 32-copy
 /// tables instead of IQ2_LUT32_MIN_PAIRS, for timing decode (6 pairs) with them.
@@ -521,11 +526,20 @@ impl Launcher<'_> {
                 return self.matvec_q8act_launch(m, None, xq, y, 2, pair, opts);
             }
         }
-        if !(same_shape && m.ty == GgmlType::IQ2_XXS) {
+        // One launch for both stacks: IQ2_XXS, or Q4_K where its register-activation
+        // kernels apply.
+        let one_launch = same_shape && (m.ty == GgmlType::IQ2_XXS || self.q4k_rx_shape(m));
+        if !one_launch {
             self.matvec_q8act(m, xq, y, n_sel, sel)?;
             return self.matvec_q8act(m2, xq, y2, n_sel, sel);
         }
         self.matvec_q8act_launch(m, Some((m2, y2)), xq, y, n_sel, sel, Q8Launch::default())
+    }
+
+    /// A Q4_K stack that the register-activation kernels take (`q4k_rx`): rows of 4096
+    /// columns (gate, up) or 2048 (down).
+    fn q4k_rx_shape(&self, m: &DeviceMatrix) -> bool {
+        m.ty == GgmlType::Q4_K && matches!(m.cols, 2048 | 4096) && self.on(Variant::Q4kRx)
     }
 
     /// [`Launcher::matvec_q8act`] with `ks` (1, 2, 4 or 8) warps per row of a Q8_0 matrix
@@ -566,6 +580,7 @@ impl Launcher<'_> {
             }
             GgmlType::Q2_K => kernel.starts_with("matvec_q2_k_q8"),
             GgmlType::Q8_0 => kernel.starts_with("matvec_q8_0_q8"),
+            GgmlType::Q4_K => kernel.starts_with("matvec_q4_k_q8"),
             _ => false,
         };
         if !fits {
@@ -702,6 +717,13 @@ impl Launcher<'_> {
                 }
             }
             None if q2k_shape && self.on(Variant::Q2kRx) => "matvec_q2_k_q8_rx",
+            None if self.q4k_rx_shape(m) => {
+                if m.cols == 4096 {
+                    "matvec_q4_k_q8_rx4"
+                } else {
+                    "matvec_q4_k_q8_rx2"
+                }
+            }
             // Weights loaded before the PDL wait: only where the matrix selection is
             // fixed (no ids, or the constant shared-expert pair), as its ids are read
             // before the wait too.
@@ -715,7 +737,15 @@ impl Launcher<'_> {
         };
         let iq2_rx = name.starts_with("matvec_iq2_xxs_q8_rx") || name.starts_with("probe_iq2_rx");
         let q2k_rx = name == "matvec_q2_k_q8_rx";
-        if (iq2_rx && !iq2_shape) || (q2k_rx && !q2k_shape) {
+        let q4k_rx = name.starts_with("matvec_q4_k_q8_rx");
+        let q4k_fits = m.ty == GgmlType::Q4_K
+            && m.cols
+                == if name == "matvec_q4_k_q8_rx4" {
+                    4096
+                } else {
+                    2048
+                };
+        if (iq2_rx && !iq2_shape) || (q2k_rx && !q2k_shape) || (q4k_rx && !q4k_fits) {
             return Err(CudaError::Invalid(format!(
                 "{name} does not take {} rows of {} columns",
                 m.ty, m.cols
@@ -749,7 +779,7 @@ impl Launcher<'_> {
             ROWS_PER_BLOCK * EXP_ROWS_PER_WARP
         };
         let n_grid = if pair.is_some() { 2 * n_sel } else { n_sel };
-        let cfg = if iq2_rx || q2k_rx {
+        let cfg = if iq2_rx || q2k_rx || q4k_rx {
             // Warps walk row units of EXP_ROWS_PER_WARP (IQ2) / Q2K_RX_ROWS (Q2_K) rows;
             // the pipelined IQ2 kernels' units are smaller (see iq2_rx_units).
             let (unit_rows, per_sm) = iq2_rx_units(name);
@@ -758,12 +788,12 @@ impl Launcher<'_> {
             let blocks = units
                 .div_ceil(ROWS_PER_BLOCK as usize)
                 .min(per_sm * self.info().multiprocessors.max(1) as usize);
-            let smem = if name == "matvec_iq2_xxs_q8_rxtl" {
-                self.allow_smem(name, IQ2_LUT32_SMEM)?;
-                IQ2_LUT32_SMEM as u32
-            } else {
-                0
+            let smem = match name {
+                "matvec_iq2_xxs_q8_rxtl" => IQ2_LUT32_SMEM,
+                _ => 0,
             };
+            self.allow_smem(name, smem)?;
+            let smem = smem as u32;
             LaunchConfig {
                 grid_dim: (blocks as u32, 1, 1),
                 block_dim: (32, ROWS_PER_BLOCK, 1),
@@ -797,7 +827,10 @@ impl Launcher<'_> {
         }
         // IQ2_XXS: the optional second stack (same selections, input and shape).
         let (qs2, dw2, y2) = match pair {
-            Some((m2, y2)) => (m2.part_ptr(self, 0), m2.part_ptr(self, 1), y2),
+            Some((m2, y2)) if m.ty == GgmlType::IQ2_XXS => {
+                (m2.part_ptr(self, 0), m2.part_ptr(self, 1), y2)
+            }
+            Some((m2, y2)) => (m2.part_ptr(self, 0), 0, y2),
             None => (0, 0, 0),
         };
         let n_pair = n_sel as i32;
@@ -806,6 +839,10 @@ impl Launcher<'_> {
         }
         if q2k_rx {
             b.arg(&n_pair);
+        }
+        // Q4_K register-activation kernels: the optional second stack and its output.
+        if q4k_rx {
+            b.arg(&qs2).arg(&y2).arg(&n_pair);
         }
         // SAFETY: argument order matches matvec_q8act.cu; xq holds n_sel rows (or one
         // shared row) of m.cols values; y holds n_sel × m.rows floats (caller).

@@ -90,7 +90,7 @@ variants! {
     Tokens = "tokens", true, "A multi-row step's plain Q8_0 (int8 activations) and F16 products read each weight block once for all their tokens (matvec_q8_0_q8_t*, matvec_f16_t*), not once per token.";
     AttMmaSplit = "att_mma_split", true, "A multi-row step's attention in the fast numerics on tensor cores, each token's rows split over chunks (attention_split_mma), not on the FMA pipes (attention_split_early).";
     OutaEarly = "outa_early", true, "The attention's grouped output projection through the early-load Q8_0 kernels (constant ids).";
-    Iq2Lut32 = "iq2_lut32", true, "With iq2_tab and iq2_pipe: the IQ2_XXS lookups in 32 interleaved copies of the tables, one bank per lane (matvec_iq2_xxs_q8_rxtl), for launches of 12 or more expert pairs (a multi-row or batched step).";
+    Iq2Lut32 = "iq2_lut32", true, "With iq2_tab and iq2_pipe: the IQ2_XXS lookups in 32 interleaved copies of the tables, one bank per lane (matvec_iq2_xxs_q8_rxtl).";
     TokensMma = "tokens_mma", true, "With tokens: a step's plain and grouped Q8_0 products of 8 to 16 tokens (a batched step over sessions, a long multi-row step) on int8 tensor cores (matvec_q8_0_q8_mma8/16), not the dp4a kernels (matvec_q8_0_q8_t*).";
     MmaWide = "mma_wide", true, "With tokens_mma: ~4,096 warps a product, a row tile split over up to 16 warps (blocks of up to 16 warps), not ~1,024 warps and up to 8.";
     Wide = "wide", true, "Element-wise work of many tokens one block a token with its RoPE angles computed once (prefill chunks; the query norm also in the multi-row and batched steps): the attention output's inverse RoPE + Q8_0 in one launch (rope_tail_q8), the query norm + RoPE a warp a head (head_norm_rope_t), the experts' swiglu + Q8_K a warp a 256-block (swiglu_q8k_w), wide Q8_0 and the HC post four values a thread (quantize_q8_32x4, hc_post_x4).";
@@ -104,6 +104,7 @@ variants! {
     F16Mma = "f16_mma", true, "With tokens: a step's F16 products of 8 to 16 tokens (a batched step over sessions, a long multi-row step) on tf32 tensor cores with each activation as tf32 hi + lo (matvec_f16_mma8/16), not the FMA kernels (matvec_f16_t8/16) that read every token's activations per weight.";
     IdxLane = "idx_lane", true, "A decode token's indexer compressor on a lane of its own, joined just before the indexer scores, not ahead of the indexer query on its lane.";
     CompDefer = "comp_defer", true, "A decode token whose position ends no window of a layer's compressors runs them on lane 4, joined at the attention sublayer's end, not before the attention (decode graphs keyed by which ratios emit).";
+    Q4kRx = "q4k_rx", true, "The Q4_K expert matvecs at 4096 and 2048 columns with their activations in registers and the gate and up in one launch (matvec_q4_k_q8_rx4 / _rx2: the MTP block's experts, the q4 GGUF's), not the staged kernel a matrix at a time (matvec_q4_k_q8).";
     HcMixTc = "hc_mix_tc", true, "A prefill chunk's hyper-connection mix in one pass over H (hc_mix_tc: 16 tokens a block, the values read straight into tf32 mma fragments and squared on the way), not the 64×64-tile tf32 GEMM and a second read of H for the RMS factor (mm_tc_f16_p_*, hc_mix_scale).";
 }
 

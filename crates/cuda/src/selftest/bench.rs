@@ -52,6 +52,33 @@ fn time_experts_q8act(
     })?)
 }
 
+/// Milliseconds per call of the default pair launch (gate and up) over `used`
+/// selections of the stacks `m`, `m2` with one shared input `x`.
+fn time_pair_q8act(
+    gpu: &Launcher,
+    m: &DeviceMatrix,
+    m2: &DeviceMatrix,
+    x: &DeviceBuf<f32>,
+    used: usize,
+) -> Result<f64> {
+    let rows = m.rows;
+    let (y, y2) = (
+        gpu.zeros::<f32>(used * rows)?,
+        gpu.zeros::<f32>(used * rows)?,
+    );
+    let mut qa = gpu.alloc_quant_act(1, m.cols)?;
+    gpu.quantize_act(gpu.ptr(x), &mut qa)?;
+    let id_sets = expert_id_sets(gpu, used, m.n_mats)?;
+    Ok(gpu.time_ms(3, 50, |i| {
+        let sel = MatSel {
+            ids: gpu.ptr(&id_sets[i % id_sets.len()]),
+            x_stride: 0,
+            y_stride: rows as i64,
+        };
+        gpu.matvec_q8act_pair((m, gpu.ptr(&y)), (m2, gpu.ptr(&y2)), &qa, used, sel)
+    })?)
+}
+
 /// Bandwidth of the decode matvecs at DeepSeek V4 Flash shapes. Several copies of
 /// each weight rotate so that the L2 cache cannot hold them.
 pub fn bench_matvecs(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
@@ -284,6 +311,21 @@ pub fn probe_q8_splits(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
             2048,
             false,
         ),
+        // The MTP block's (and the q4 GGUF's) experts.
+        (
+            "6 experts gate Q4_K 4096->2048",
+            GgmlType::Q4_K,
+            2048,
+            4096,
+            true,
+        ),
+        (
+            "6 experts down Q4_K 2048->4096",
+            GgmlType::Q4_K,
+            4096,
+            2048,
+            false,
+        ),
     ] {
         let (mats, used) = (256usize, 6usize);
         let w = random_matrix(ty, rows, cols, mats, &mut rng);
@@ -294,6 +336,29 @@ pub fn probe_q8_splits(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
             bytes: (m.bytes_per_matrix() * used) as f64,
             ms: time_experts_q8act(gpu, &m, &x, used, shared, None)?,
         });
+        if ty == GgmlType::Q4_K {
+            out.push(Timing {
+                name: format!("{name} staged kernel"),
+                bytes: (m.bytes_per_matrix() * used) as f64,
+                ms: time_experts_q8act(gpu, &m, &x, used, shared, Some("matvec_q4_k_q8"))?,
+            });
+            if cols == 4096 {
+                // Gate and up in one launch, as the MTP block runs them.
+                let m2 = DeviceMatrix::upload(
+                    gpu,
+                    ty,
+                    &random_matrix(ty, rows, cols, mats, &mut rng),
+                    rows,
+                    cols,
+                    mats,
+                )?;
+                out.push(Timing {
+                    name: "6 experts gate+up Q4_K 4096->2048 (one launch)".into(),
+                    bytes: (2 * m.bytes_per_matrix() * used) as f64,
+                    ms: time_pair_q8act(gpu, &m, &m2, &x, used)?,
+                });
+            }
+        }
         if ty == GgmlType::IQ2_XXS {
             // The same launch with parts of the work taken out: what bounds it.
             for (what, kernel) in [
@@ -309,47 +374,57 @@ pub fn probe_q8_splits(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
             }
         }
     }
-    // The gate and up pair in one launch, as decode runs it, through each IQ2_XXS
+    // The gate and up pair in one launch, as decode runs it (6 pairs, one input) and as
+    // a 2-row step does (12 pairs, an input each), through each IQ2_XXS
     // register-activation kernel and the probes of its structure.
-    {
-        let (mats, used, rows, cols) = (256usize, 6usize, 2048usize, 4096usize);
+    for (used, per_pair) in [(6usize, false), (12, true)] {
+        let (mats, rows, cols) = (256usize, 2048usize, 4096usize);
         let ty = GgmlType::IQ2_XXS;
         let mut stack = || {
             let w = random_matrix(ty, rows, cols, mats, &mut rng);
             DeviceMatrix::upload(gpu, ty, &w, rows, cols, mats)
         };
         let (gate, up) = (stack()?, stack()?);
-        let x = gpu.upload(&random_vec(cols, &mut rng))?;
-        let mut qa = gpu.alloc_quant_act(1, cols)?;
+        let n_x = if per_pair { used } else { 1 };
+        let x = gpu.upload(&random_vec(n_x * cols, &mut rng))?;
+        let mut qa = gpu.alloc_quant_act(n_x, cols)?;
         gpu.quantize_act(gpu.ptr(&x), &mut qa)?;
         let (y, y2) = (
             gpu.zeros::<f32>(used * rows)?,
             gpu.zeros::<f32>(used * rows)?,
         );
         let id_sets = expert_id_sets(gpu, used, mats)?;
-        for kernel in [
-            "matvec_iq2_xxs_q8_rxe",
-            "matvec_iq2_xxs_q8_rxp",
-            "probe_iq2_rxp4",
-            "matvec_iq2_xxs_q8_rxt",
-            "matvec_iq2_xxs_q8_rxtp",
-            "matvec_iq2_xxs_q8_rxtl",
-            "probe_iq2_rx_nolut",
-            "probe_iq2_rx_loads",
-            "probe_iq2_rxp_nolut",
-            "probe_iq2_rxp_loads",
-        ] {
+        let kernels: &[&'static str] = if per_pair {
+            &["matvec_iq2_xxs_q8_rxtp", "matvec_iq2_xxs_q8_rxtl"]
+        } else {
+            &[
+                "matvec_iq2_xxs_q8_rxe",
+                "matvec_iq2_xxs_q8_rxp",
+                "probe_iq2_rxp4",
+                "matvec_iq2_xxs_q8_rxt",
+                "matvec_iq2_xxs_q8_rxtp",
+                "matvec_iq2_xxs_q8_rxtl",
+                "probe_iq2_rx_nolut",
+                "probe_iq2_rx_loads",
+                "probe_iq2_rxp_nolut",
+                "probe_iq2_rxp_loads",
+            ]
+        };
+        for &kernel in kernels {
             let ms = gpu.time_ms(3, 50, |i| {
                 let sel = MatSel {
                     ids: gpu.ptr(&id_sets[i % id_sets.len()]),
-                    x_stride: 0,
+                    x_stride: if per_pair { cols as i64 } else { 0 },
                     y_stride: rows as i64,
                 };
                 let (a, b) = ((&gate, gpu.ptr(&y)), (&up, gpu.ptr(&y2)));
                 gpu.matvec_q8act_pair_kernel(a, b, &qa, (used, sel), kernel)
             })?;
             out.push(Timing {
-                name: format!("6 experts gate+up IQ2_XXS {kernel}"),
+                name: format!(
+                    "{used} experts gate+up IQ2_XXS{} {kernel}",
+                    if per_pair { " (an input each)" } else { "" }
+                ),
                 bytes: (2 * gate.bytes_per_matrix() * used) as f64,
                 ms,
             });

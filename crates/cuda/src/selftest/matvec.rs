@@ -93,7 +93,7 @@ pub fn check_matvecs(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
                 checks.push(check_q8act(gpu, &m, &w, &ids, &x)?);
                 checks.push(check_q8act_pair(gpu, &mut rng, &m, &ids)?);
             }
-            if matches!(ty, GgmlType::IQ2_XXS | GgmlType::Q2_K) {
+            if matches!(ty, GgmlType::IQ2_XXS | GgmlType::Q2_K | GgmlType::Q4_K) {
                 checks.extend(check_kernel_variants(gpu, &mut rng, &m, &ids)?);
             }
         }
@@ -353,7 +353,7 @@ fn check_q8act_pair(gpu: &Launcher, rng: &mut Rng, m: &DeviceMatrix, ids: &[i32]
 /// before the PDL wait, `_rxp` and `probe_iq2_rxp4` loading the next row unit while
 /// computing one, `_rxt` / `_rxtp` with iq2_xxs_dot_tab's lookups, `_rxtl` with the
 /// 32-copy tables), Q2_K
-/// at 2048 (`matvec_q2_k_q8_rx`), Q8_0 with its first weight loads before the PDL wait
+/// at 2048 (`matvec_q2_k_q8_rx`), Q4_K at 4096 and 2048 (`matvec_q4_k_q8_rx4` / `_rx2`), Q8_0 with its first weight loads before the PDL wait
 /// (`matvec_q8_0_q8_early`). Other shapes have only the staged kernel.
 fn check_kernel_variants(
     gpu: &Launcher,
@@ -376,6 +376,8 @@ fn check_kernel_variants(
             ],
         ),
         (GgmlType::Q2_K, 2048) => ("matvec_q2_k_q8", &["matvec_q2_k_q8_rx"]),
+        (GgmlType::Q4_K, 4096) => ("matvec_q4_k_q8", &["matvec_q4_k_q8_rx4"]),
+        (GgmlType::Q4_K, 2048) => ("matvec_q4_k_q8", &["matvec_q4_k_q8_rx2"]),
         (GgmlType::Q8_0, _) => ("matvec_q8_0_q8", &["matvec_q8_0_q8_early"]),
         _ => return Ok(None),
     };
