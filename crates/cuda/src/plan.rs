@@ -84,7 +84,7 @@ variants! {
     MmPitch = "mm_pitch", true, "The prefill F16/BF16 tensor-core GEMM tiles without their store bank conflicts (mm_tc_*_p).";
     Iq2Tab = "iq2_tab", true, "With iq2_rx: the IQ2_XXS lookups in one table addressed by a single LOP3 (matvec_iq2_xxs_q8_rxt).";
     Iq2Pipe = "iq2_pipe", true, "With iq2_rx: the next row unit's weights loaded while the current one is computed (_rxp, _rxtp).";
-    ShexpLate = "shexp_late", true, "A decode token's shared expert forked after the router's F16 matvec, not beside it.";
+    ShexpLate = "shexp_late", true, "A decode token's (and a multi-row or batched step's) shared expert forked after the router's F16 matvec, not beside it.";
     Q8Rows = "q8_rows", true, "The early-load Q8_0 matvec with 4 rows a warp for rows of up to 1,024 columns (matvec_q8_0_q8_r4).";
     Q8Rows2 = "q8_rows2", true, "The early-load Q8_0 matvec with 2 rows a warp for longer one-warp rows (matvec_q8_0_q8_r2).";
     Tokens = "tokens", true, "A multi-row step's plain Q8_0 (int8 activations) and F16 products read each weight block once for all their tokens (matvec_q8_0_q8_t*, matvec_f16_t*), not once per token.";

@@ -763,19 +763,34 @@ impl KvView<'_> {
             Some(f) => g.branch(1, f),
             None => Ok(()),
         };
-        let late = n == 1 && g.on(Variant::ShexpLate);
-        if !late {
-            fork_shared()?;
-        }
         let int8 = |m: &DeviceMatrix| {
             fast && matches!(m.ty, GgmlType::IQ2_XXS | GgmlType::Q2_K | GgmlType::Q4_K)
         };
-        // A decode token's int8 expert input is quantised on side lane 2 while gate_inp
-        // and the router run on the main lane.
-        let early_q8k = n == 1 && int8(&l.gate_exps) && int8(&l.up_exps);
+        let expert_gemm = n > SMALL_BATCH
+            && route_plan.is_some()
+            && int8(&l.gate_exps)
+            && int8(&l.up_exps)
+            && int8(&l.down_exps);
+        // A decode token, or a multi-row or batched step's matvecs: the shared expert is
+        // forked after the router's matvec (a prefill chunk's GEMMs fork it first).
+        let late = !expert_gemm && g.on(Variant::ShexpLate);
+        if !late {
+            fork_shared()?;
+        }
+        let int8_in = int8(&l.gate_exps) && int8(&l.up_exps);
+        // The int8 expert input of a decode token, or of a multi-row or batched step (a
+        // row per (token, expert) pair: each token's row quantised once and written to
+        // its k pair rows), is quantised on side lane 2 while gate_inp and the router run
+        // on the main lane: it does not depend on the routing. (A step quantised it after
+        // the router, on the routed chain: H200, R = 2, ~2.5 µs an FFN.)
+        let early_q8k = int8_in && !expert_gemm;
         if early_q8k {
             g.branch(2, || {
-                g.quantize_rows(p(&s.n), &mut qb.exp_in, 1, ActRule::Q8K)
+                if n == 1 {
+                    g.quantize_rows(p(&s.n), &mut qb.exp_in, 1, ActRule::Q8K)
+                } else {
+                    g.quantize_rows_rep(p(&s.n), &mut qb.exp_in, n, k)
+                }
             })?;
         }
         dense_f32(g, &l.gate_inp, p(&s.n), p(&s.rlog), plain(&l.gate_inp, n))?;
@@ -793,15 +808,9 @@ impl KvView<'_> {
             p(&s.rw),
         )?;
         let ids = g.ptr(&s.ids);
-        let expert_gemm = n > SMALL_BATCH
-            && route_plan.is_some()
-            && int8(&l.gate_exps)
-            && int8(&l.up_exps)
-            && int8(&l.down_exps);
         // The matvecs' input: one shared row for a single token, otherwise one row per
         // (token, expert) pair — for int8 experts quantised once a token and written to
-        // its k pair rows (quantize_rows_rep), else its f32 row copied k times.
-        let int8_in = int8(&l.gate_exps) && int8(&l.up_exps);
+        // its k pair rows (quantize_rows_rep, above), else its f32 row copied k times.
         let (x_in, in_stride) = if n == 1 || expert_gemm {
             (p(&s.n), 0)
         } else if int8_in {
@@ -833,13 +842,8 @@ impl KvView<'_> {
                 Some(&*plan)
             }
             None if int8_in => {
-                if early_q8k {
-                    g.join(2)?;
-                } else if n > 1 {
-                    g.quantize_rows_rep(x_in, &mut qb.exp_in, n, k)?;
-                } else {
-                    g.quantize_rows(x_in, &mut qb.exp_in, pairs, ActRule::Q8K)?;
-                }
+                // Quantised on lane 2 (early_q8k: int8_in and no expert GEMM).
+                g.join(2)?;
                 let (gate, up) = ((&l.gate_exps, p(&s.g)), (&l.up_exps, p(&s.u)));
                 g.matvec_q8act_pair(gate, up, &qb.exp_in, pairs, gate_up)?;
                 None
