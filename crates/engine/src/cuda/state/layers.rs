@@ -771,9 +771,9 @@ impl KvView<'_> {
             && int8(&l.gate_exps)
             && int8(&l.up_exps)
             && int8(&l.down_exps);
-        // A decode token, or a multi-row or batched step's matvecs: the shared expert is
-        // forked after the router's matvec (a prefill chunk's GEMMs fork it first).
-        let late = !expert_gemm && g.on(Variant::ShexpLate);
+        // A decode token, or a multi-row or batched step (up to SMALL_BATCH rows): the
+        // shared expert is forked after the router's matvec; a prefill chunk forks it first.
+        let late = n <= SMALL_BATCH && g.on(Variant::ShexpLate);
         if !late {
             fork_shared()?;
         }
