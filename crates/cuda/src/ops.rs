@@ -64,6 +64,10 @@ fn iq2_rx_units(kernel: &str) -> (usize, usize) {
     }
 }
 
+/// The Q4_K register-activation kernels (`q4k_rx`) and the row width each takes.
+const Q4K_RX_KERNELS: [(&str, usize); 2] =
+    [("matvec_q4_k_q8_rx4", 4096), ("matvec_q4_k_q8_rx2", 2048)];
+
 /// Fewest Q8_0 blocks of 32 that `quantize_q8_32x4` (variant `wide`) quantises: prefill
 /// chunks (a 2,048-token chunk's 8,192-wide rows: 524,288 blocks); decode and the steps
 /// over sessions (16 × 8,192 values: 4,096 blocks) keep a lane a value, more warps.
@@ -539,7 +543,9 @@ impl Launcher<'_> {
     /// A Q4_K stack that the register-activation kernels take (`q4k_rx`): rows of 4096
     /// columns (gate, up) or 2048 (down).
     fn q4k_rx_shape(&self, m: &DeviceMatrix) -> bool {
-        m.ty == GgmlType::Q4_K && matches!(m.cols, 2048 | 4096) && self.on(Variant::Q4kRx)
+        m.ty == GgmlType::Q4_K
+            && Q4K_RX_KERNELS.iter().any(|&(_, c)| c == m.cols)
+            && self.on(Variant::Q4kRx)
     }
 
     /// [`Launcher::matvec_q8act`] with `ks` (1, 2, 4 or 8) warps per row of a Q8_0 matrix
@@ -717,13 +723,10 @@ impl Launcher<'_> {
                 }
             }
             None if q2k_shape && self.on(Variant::Q2kRx) => "matvec_q2_k_q8_rx",
-            None if self.q4k_rx_shape(m) => {
-                if m.cols == 4096 {
-                    "matvec_q4_k_q8_rx4"
-                } else {
-                    "matvec_q4_k_q8_rx2"
-                }
-            }
+            None if self.q4k_rx_shape(m) => Q4K_RX_KERNELS
+                .iter()
+                .find(|&&(_, c)| c == m.cols)
+                .map_or(name, |&(k, _)| k),
             // Weights loaded before the PDL wait: only where the matrix selection is
             // fixed (no ids, or the constant shared-expert pair), as its ids are read
             // before the wait too.
@@ -737,14 +740,12 @@ impl Launcher<'_> {
         };
         let iq2_rx = name.starts_with("matvec_iq2_xxs_q8_rx") || name.starts_with("probe_iq2_rx");
         let q2k_rx = name == "matvec_q2_k_q8_rx";
-        let q4k_rx = name.starts_with("matvec_q4_k_q8_rx");
-        let q4k_fits = m.ty == GgmlType::Q4_K
-            && m.cols
-                == if name == "matvec_q4_k_q8_rx4" {
-                    4096
-                } else {
-                    2048
-                };
+        let q4k_cols = Q4K_RX_KERNELS
+            .iter()
+            .find(|&&(k, _)| k == name)
+            .map(|&(_, c)| c);
+        let q4k_rx = q4k_cols.is_some();
+        let q4k_fits = m.ty == GgmlType::Q4_K && q4k_cols == Some(m.cols);
         if (iq2_rx && !iq2_shape) || (q2k_rx && !q2k_shape) || (q4k_rx && !q4k_fits) {
             return Err(CudaError::Invalid(format!(
                 "{name} does not take {} rows of {} columns",
@@ -788,12 +789,12 @@ impl Launcher<'_> {
             let blocks = units
                 .div_ceil(ROWS_PER_BLOCK as usize)
                 .min(per_sm * self.info().multiprocessors.max(1) as usize);
-            let smem = match name {
-                "matvec_iq2_xxs_q8_rxtl" => IQ2_LUT32_SMEM,
-                _ => 0,
+            let smem = if name == "matvec_iq2_xxs_q8_rxtl" {
+                self.allow_smem(name, IQ2_LUT32_SMEM)?;
+                IQ2_LUT32_SMEM as u32
+            } else {
+                0
             };
-            self.allow_smem(name, smem)?;
-            let smem = smem as u32;
             LaunchConfig {
                 grid_dim: (blocks as u32, 1, 1),
                 block_dim: (32, ROWS_PER_BLOCK, 1),
@@ -825,7 +826,8 @@ impl Launcher<'_> {
         if m.ty == GgmlType::Q8_0 {
             b.arg(&ks_arg);
         }
-        // IQ2_XXS: the optional second stack (same selections, input and shape).
+        // The optional second stack (same selections, input and shape) of the IQ2_XXS and
+        // Q4_K pair kernels: its weights (and IQ2_XXS scales) and output.
         let (qs2, dw2, y2) = match pair {
             Some((m2, y2)) if m.ty == GgmlType::IQ2_XXS => {
                 (m2.part_ptr(self, 0), m2.part_ptr(self, 1), y2)

@@ -7,8 +7,8 @@ use anyhow::Result;
 use ds4_gguf::quant::random::Rng;
 use ds4_gguf::GgmlType;
 
-use super::common::{random_matrix, random_vec, Timing, Q8_SHAPES};
-use crate::{Batch, DeviceBuf, DeviceMatrix, Launcher, MatSel, Variant};
+use super::common::{random_matrix, random_vec, Timing, IQ2_RX_KERNELS, Q8_SHAPES};
+use crate::{Batch, DeviceBuf, DeviceMatrix, Launcher, MatSel, QuantAct, Variant};
 
 /// Eight rotating selections of `used` distinct-looking experts out of `mats`.
 fn expert_id_sets(gpu: &Launcher, used: usize, mats: usize) -> Result<Vec<DeviceBuf<i32>>> {
@@ -52,30 +52,33 @@ fn time_experts_q8act(
     })?)
 }
 
-/// Milliseconds per call of the default pair launch (gate and up) over `used`
-/// selections of the stacks `m`, `m2` with one shared input `x`.
+/// Milliseconds per call of a gate+up pair launch over `used` selections of the stacks
+/// `m`, `m2` with the activations `qa` (`x_stride`: 0 for one shared row, else a row per
+/// selection): the default kernel, or the named IQ2_XXS one.
 fn time_pair_q8act(
     gpu: &Launcher,
-    m: &DeviceMatrix,
-    m2: &DeviceMatrix,
-    x: &DeviceBuf<f32>,
-    used: usize,
+    (m, m2): (&DeviceMatrix, &DeviceMatrix),
+    qa: &QuantAct,
+    (used, x_stride): (usize, i64),
+    kernel: Option<&'static str>,
 ) -> Result<f64> {
     let rows = m.rows;
     let (y, y2) = (
         gpu.zeros::<f32>(used * rows)?,
         gpu.zeros::<f32>(used * rows)?,
     );
-    let mut qa = gpu.alloc_quant_act(1, m.cols)?;
-    gpu.quantize_act(gpu.ptr(x), &mut qa)?;
     let id_sets = expert_id_sets(gpu, used, m.n_mats)?;
     Ok(gpu.time_ms(3, 50, |i| {
         let sel = MatSel {
             ids: gpu.ptr(&id_sets[i % id_sets.len()]),
-            x_stride: 0,
+            x_stride,
             y_stride: rows as i64,
         };
-        gpu.matvec_q8act_pair((m, gpu.ptr(&y)), (m2, gpu.ptr(&y2)), &qa, used, sel)
+        let (a, b) = ((m, gpu.ptr(&y)), (m2, gpu.ptr(&y2)));
+        match kernel {
+            Some(k) => gpu.matvec_q8act_pair_kernel(a, b, qa, (used, sel), k),
+            None => gpu.matvec_q8act_pair(a, b, qa, used, sel),
+        }
     })?)
 }
 
@@ -352,10 +355,12 @@ pub fn probe_q8_splits(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
                     cols,
                     mats,
                 )?;
+                let mut qa = gpu.alloc_quant_act(1, cols)?;
+                gpu.quantize_act(gpu.ptr(&x), &mut qa)?;
                 out.push(Timing {
                     name: "6 experts gate+up Q4_K 4096->2048 (one launch)".into(),
                     bytes: (2 * m.bytes_per_matrix() * used) as f64,
-                    ms: time_pair_q8act(gpu, &m, &m2, &x, used)?,
+                    ms: time_pair_q8act(gpu, (&m, &m2), &qa, (used, 0), None)?,
                 });
             }
         }
@@ -389,37 +394,20 @@ pub fn probe_q8_splits(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
         let x = gpu.upload(&random_vec(n_x * cols, &mut rng))?;
         let mut qa = gpu.alloc_quant_act(n_x, cols)?;
         gpu.quantize_act(gpu.ptr(&x), &mut qa)?;
-        let (y, y2) = (
-            gpu.zeros::<f32>(used * rows)?,
-            gpu.zeros::<f32>(used * rows)?,
-        );
-        let id_sets = expert_id_sets(gpu, used, mats)?;
-        let kernels: &[&'static str] = if per_pair {
-            &["matvec_iq2_xxs_q8_rxtp", "matvec_iq2_xxs_q8_rxtl"]
+        let kernels: Vec<&'static str> = if per_pair {
+            vec!["matvec_iq2_xxs_q8_rxtp", "matvec_iq2_xxs_q8_rxtl"]
         } else {
-            &[
-                "matvec_iq2_xxs_q8_rxe",
-                "matvec_iq2_xxs_q8_rxp",
-                "probe_iq2_rxp4",
-                "matvec_iq2_xxs_q8_rxt",
-                "matvec_iq2_xxs_q8_rxtp",
-                "matvec_iq2_xxs_q8_rxtl",
+            let probes = [
                 "probe_iq2_rx_nolut",
                 "probe_iq2_rx_loads",
                 "probe_iq2_rxp_nolut",
                 "probe_iq2_rxp_loads",
-            ]
+            ];
+            IQ2_RX_KERNELS[1..].iter().chain(&probes).copied().collect()
         };
-        for &kernel in kernels {
-            let ms = gpu.time_ms(3, 50, |i| {
-                let sel = MatSel {
-                    ids: gpu.ptr(&id_sets[i % id_sets.len()]),
-                    x_stride: if per_pair { cols as i64 } else { 0 },
-                    y_stride: rows as i64,
-                };
-                let (a, b) = ((&gate, gpu.ptr(&y)), (&up, gpu.ptr(&y2)));
-                gpu.matvec_q8act_pair_kernel(a, b, &qa, (used, sel), kernel)
-            })?;
+        let x_stride = if per_pair { cols as i64 } else { 0 };
+        for kernel in kernels {
+            let ms = time_pair_q8act(gpu, (&gate, &up), &qa, (used, x_stride), Some(kernel))?;
             out.push(Timing {
                 name: format!(
                     "{used} experts gate+up IQ2_XXS{} {kernel}",

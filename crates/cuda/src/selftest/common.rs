@@ -26,6 +26,19 @@ pub const NAME_WIDTH: usize = 44;
 
 /// The model's Q8_0 weight shapes the matvec and GEMM benchmarks time: (name, rows,
 /// cols, matrices in the stack).
+/// The IQ2_XXS register-activation kernels at 4096 columns (the experts' gate and up):
+/// the selftest checks each against the staged kernel bit for bit, `--probe-q8` times
+/// them (all but the plain `_rx`) in a gate+up pair launch.
+pub const IQ2_RX_KERNELS: [&str; 7] = [
+    "matvec_iq2_xxs_q8_rx",
+    "matvec_iq2_xxs_q8_rxe",
+    "matvec_iq2_xxs_q8_rxp",
+    "probe_iq2_rxp4",
+    "matvec_iq2_xxs_q8_rxt",
+    "matvec_iq2_xxs_q8_rxtp",
+    "matvec_iq2_xxs_q8_rxtl",
+];
+
 pub const Q8_SHAPES: &[(&str, usize, usize, usize)] = &[
     ("attn_q_b 1024->32768", 32768, 1024, 1),
     ("attn_output_a 8x(4096->1024)", 1024, 4096, 8),

@@ -10,6 +10,7 @@ use ds4_gguf::GgmlType;
 
 use super::common::{
     bit_identical, random_matrix, random_vec, rel_err, same_bits, BitDiff, Check, BOUND_MATVEC,
+    IQ2_RX_KERNELS,
 };
 use crate::{DeviceMatrix, Launcher, MatSel, Variant};
 use rayon::prelude::*;
@@ -363,18 +364,7 @@ fn check_kernel_variants(
 ) -> Result<Option<Check>> {
     let (rows, cols) = (m.rows, m.cols);
     let (staged, variants): (&'static str, &[&'static str]) = match (m.ty, cols) {
-        (GgmlType::IQ2_XXS, 4096) => (
-            "matvec_iq2_xxs_q8",
-            &[
-                "matvec_iq2_xxs_q8_rx",
-                "matvec_iq2_xxs_q8_rxe",
-                "matvec_iq2_xxs_q8_rxp",
-                "probe_iq2_rxp4",
-                "matvec_iq2_xxs_q8_rxt",
-                "matvec_iq2_xxs_q8_rxtp",
-                "matvec_iq2_xxs_q8_rxtl",
-            ],
-        ),
+        (GgmlType::IQ2_XXS, 4096) => ("matvec_iq2_xxs_q8", &IQ2_RX_KERNELS),
         (GgmlType::Q2_K, 2048) => ("matvec_q2_k_q8", &["matvec_q2_k_q8_rx"]),
         (GgmlType::Q4_K, 4096) => ("matvec_q4_k_q8", &["matvec_q4_k_q8_rx4"]),
         (GgmlType::Q4_K, 2048) => ("matvec_q4_k_q8", &["matvec_q4_k_q8_rx2"]),
