@@ -32,6 +32,15 @@
 // thread (layer.cu).
 #define HC_PRE_VEC 2 // rust: usize
 #define HC_MAX 5 // rust: usize
+// The HC boundary of `hc_gram` (layer_hcgram.cu): the streams and mix rows it takes
+// (the model's 4 and (2 + 4)·4), the values of a block's share (the 24 mix dots, then
+// the 10 products H'_j·H'_j' for j ≤ j'), and the threads of hc_post_gram's blocks (one
+// column each) and hc_start_gram's (4 columns each).
+#define HCG_STREAMS 4 // rust: usize
+#define HCG_MIX 24 // rust: usize
+#define HCG_PARTS 34 // rust: usize
+#define HCG_POST_THREADS 128 // rust: usize
+#define HCG_START_THREADS 128 // rust: usize
 
 // Rows per shared-memory batch of attention_split_staged (layer_attention.cu).
 #define ATT_STAGE_ROWS 32 // rust: usize

@@ -44,7 +44,9 @@ pub(crate) fn cfg(grid: u32, block: u32) -> LaunchConfig {
 
 // Most hyper-connection streams the kernels take (HC_MAX), value groups of 4 per
 // thread in hc_pre (HC_PRE_VEC).
-use crate::consts::{HC_MAX, HC_PRE_VEC};
+use crate::consts::{
+    HCG_MIX, HCG_PARTS, HCG_POST_THREADS, HCG_START_THREADS, HCG_STREAMS, HC_MAX, HC_PRE_VEC,
+};
 
 /// A hyper-connection's per-layer weights (`scale`, `base`, device addresses of F32
 /// values) and the model's HC sizes: what `hc_pre`, `hc_comb` and `head_collapse` share.
@@ -100,6 +102,40 @@ pub struct Compressor {
     /// compressor's state fields (`KVT_SKV` or `KVT_ISKV`); `skv`, `ssc` and `rows` are
     /// then unused. 0: one session.
     pub kvt: u64,
+}
+
+/// Whether `hc_gram`'s kernels take this boundary: the model's `HCG_STREAMS` streams of
+/// a multiple of 32 values and a mix of `HCG_MIX` F32 / F16 / BF16 rows over them.
+pub fn hc_gram_fits(n_hc: usize, n_embd: usize, fn_: &DeviceMatrix) -> bool {
+    hc_gram_code(n_hc, n_embd, fn_).is_ok()
+}
+
+/// Floats of `hc_post_gram`'s shares for `n_tok` tokens of `n_embd` columns.
+pub fn hc_gram_floats(n_tok: usize, n_embd: usize) -> usize {
+    n_tok * n_embd.div_ceil(HCG_POST_THREADS) * HCG_PARTS
+}
+
+/// The mix weights' type code for the `hc_gram` kernels, or why they do not fit.
+fn hc_gram_code(n_hc: usize, n_embd: usize, m: &DeviceMatrix) -> Result<i32, CudaError> {
+    let code = match m.ty {
+        GgmlType::F32 => WT_F32,
+        GgmlType::F16 => WT_F16,
+        GgmlType::BF16 => WT_BF16,
+        _ => -1,
+    };
+    if code < 0
+        || n_hc != HCG_STREAMS
+        || !n_embd.is_multiple_of(32)
+        || m.rows != HCG_MIX
+        || m.cols != n_hc * n_embd
+        || m.n_mats != 1
+    {
+        return Err(CudaError::Invalid(format!(
+            "hc_gram: {n_hc} streams of {n_embd}, a {} mix of {}×{} (takes {HCG_STREAMS} streams of a multiple of 32 and {HCG_MIX} F32/F16/BF16 rows)",
+            m.ty, m.rows, m.cols
+        )));
+    }
+    Ok(code)
 }
 
 /// The hyper-connection kernels keep a token's streams in fixed register arrays.
@@ -331,6 +367,87 @@ impl Launcher<'_> {
         let name = self.pick(Variant::HcPreload, "hc_post", "hc_post_pl");
         launch!(self, name, cfg2((n_embd as u32).div_ceil(256), n_tok, 256);
             h, out, parts, np, hcp, nh, ne, h_out
+        )
+    }
+
+    /// [`Launcher::hc_post`] (bit-identical H') that also forms, per block of
+    /// `HCG_POST_THREADS` columns, the next sublayer's share of its mix dots (`fn_`, its
+    /// mix weights) and of the streams' Gram products, into `gram`
+    /// ([`hc_gram_floats`] floats): variant `hc_gram`, ended by
+    /// [`Launcher::hc_start_gram`]. Shapes: [`hc_gram_fits`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn hc_post_gram(
+        &self,
+        n_tok: usize,
+        (h, out): (u64, u64),
+        (parts, n_parts): (u64, usize),
+        hcp: u64,
+        n_embd: usize,
+        h_out: u64,
+        fn_: &DeviceMatrix,
+        gram: u64,
+    ) -> Result<(), CudaError> {
+        let code = hc_gram_code(HCG_STREAMS, n_embd, fn_)?;
+        let (ne, np) = (n_embd as i32, n_parts as i32);
+        let w = fn_.part_ptr(self, 0);
+        let blocks = n_embd.div_ceil(HCG_POST_THREADS) as u32;
+        launch!(self, "hc_post_gram", cfg2(blocks, n_tok, HCG_POST_THREADS as u32);
+            h, out, parts, np, hcp, ne, h_out, w, code, gram
+        )
+    }
+
+    /// [`Launcher::hc_post_gram`]'s shares of the streams `h` as they are (no hc_post: a
+    /// sublayer start that no `hc_post_gram` prepared), the same sums over the same
+    /// values, so a start has the same bits either way.
+    pub fn hc_gram_shares(
+        &self,
+        n_tok: usize,
+        h: u64,
+        n_embd: usize,
+        fn_: &DeviceMatrix,
+        gram: u64,
+    ) -> Result<(), CudaError> {
+        let code = hc_gram_code(HCG_STREAMS, n_embd, fn_)?;
+        let ne = n_embd as i32;
+        let w = fn_.part_ptr(self, 0);
+        let blocks = n_embd.div_ceil(HCG_POST_THREADS) as u32;
+        launch!(self, "hc_gram_shares", cfg2(blocks, n_tok, HCG_POST_THREADS as u32);
+            h, ne, w, code, gram
+        )
+    }
+
+    /// The next sublayer's start from [`Launcher::hc_post_gram`]'s shares: the mix into
+    /// `mix` (for `hc_comb`), and [`Launcher::hc_pre`]'s norm (`norm.out`, with `norm.q`
+    /// its Q8_0 form) from the streams `h` (hc_post_gram's `h_out`). `mix_eps` is the
+    /// mix's RMS epsilon (`hc_mix`'s `eps`), `hp.eps` pre's.
+    pub fn hc_start_gram(
+        &self,
+        n_tok: usize,
+        (h, gram): (u64, u64),
+        hp: &HcParams,
+        mix_eps: f32,
+        mix: u64,
+        norm: HcNorm,
+    ) -> Result<(), CudaError> {
+        let HcParams {
+            scale,
+            base,
+            n_hc,
+            n_embd,
+            eps,
+            ..
+        } = *hp;
+        if n_hc != HCG_STREAMS || !n_embd.is_multiple_of(32) {
+            return Err(CudaError::Invalid(format!(
+                "hc_start_gram: {n_hc} streams of {n_embd} (takes {HCG_STREAMS} of a multiple of 32)"
+            )));
+        }
+        let nb = n_embd.div_ceil(HCG_POST_THREADS) as i32;
+        let ne = n_embd as i32;
+        let blocks = n_embd.div_ceil(4 * HCG_START_THREADS) as u32;
+        launch!(self, "hc_start_gram", cfg2(blocks, n_tok, HCG_START_THREADS as u32);
+            h, gram, nb, scale, base, ne, eps, mix_eps, mix, norm.w, norm.w_type, norm.eps,
+            norm.out, norm.q, norm.d
         )
     }
 

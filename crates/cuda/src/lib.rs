@@ -62,7 +62,10 @@ pub use device::{device_count, driver_present, DeviceBuf, Gpu, GpuInfo, KernelSo
 pub use error::CudaError;
 pub use graph::TokenGraph;
 pub use hostmem::{HostMapped, Part};
-pub use layer::{Compressor, HcNorm, HcParams, RopeP, WT_BF16, WT_F16, WT_F32, WT_Q8_0};
+pub use layer::{
+    hc_gram_fits, hc_gram_floats, Compressor, HcNorm, HcParams, RopeP, WT_BF16, WT_F16, WT_F32,
+    WT_Q8_0,
+};
 pub use matmul::{Batch, RoutePlan, EXP_VARIANT_WIDE};
 pub use matmul_f16::{F16Slot, F16Work};
 pub use ops::{ActRule, MatSel, QuantAct};

@@ -106,6 +106,7 @@ variants! {
     CompDefer = "comp_defer", true, "A decode token whose position ends no window of a layer's compressors runs them on lane 4, joined at the attention sublayer's end, not before the attention (decode graphs keyed by which ratios emit).";
     Q4kRx = "q4k_rx", true, "The Q4_K expert matvecs at 4096 and 2048 columns with their activations in registers and the gate and up in one launch (matvec_q4_k_q8_rx4 / _rx2: the MTP block's experts, the q4 GGUF's), not the staged kernel a matrix at a time (matvec_q4_k_q8).";
     HcMixTc = "hc_mix_tc", true, "A prefill chunk's hyper-connection mix in one pass over H (hc_mix_tc: 16 tokens a block, the values read straight into tf32 mma fragments and squared on the way), not the 64×64-tile tf32 GEMM and a second read of H for the RMS factor (mm_tc_f16_p_*, hc_mix_scale).";
+    HcGram = "hc_gram", true, "In the fast numerics, a decode token's (and a step's of up to 16 rows) sublayer ends with hc_post_gram (hc_post plus each block's share of the next sublayer's mix dots and of the streams' Gram products) and the next one starts with hc_start_gram (the mix, pre and both RMS factors from those shares; the normed input and its Q8_0 several blocks wide), not hc_post, hc_mix and the one-block hc_pre: one grid-wide wait on the chain instead of two. Starts that no end prepared (layer 0, a split model's first layer on a GPU, the MTP block) form the same shares from their streams (hc_gram_shares).";
 }
 
 const _: () = assert!(Variant::ALL.len() <= 64, "DecodePlan is a u64 bitset");

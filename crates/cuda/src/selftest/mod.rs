@@ -71,6 +71,7 @@ pub const CHECKS: &[KernelCheck] = &[
         &[Variant::HcPreload],
         variants::check_hc_preload,
     ),
+    check("hc_gram", &[Variant::HcGram], variants::check_hc_gram),
     check(
         "router",
         &[Variant::Router4, Variant::RouterSplit],
@@ -170,6 +171,8 @@ pub const GRAPH_VARIANTS: &[GraphVariant] = &[
     graph(Variant::OutaEarly, true),
     graph(Variant::IdxLane, true),
     graph(Variant::CompDefer, true),
+    // The Gram form of the HC boundaries sums in another order (fast numerics only).
+    graph(Variant::HcGram, false),
 ];
 
 /// A [`GRAPH_VARIANTS`] entry.

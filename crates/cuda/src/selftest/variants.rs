@@ -18,7 +18,7 @@ use ds4_gguf::GgmlType;
 
 use super::common::{
     bit_identical, bit_same, both, normal, random_matrix, random_vec, rel_err, rope_freqs,
-    same_bits, same_both, upload_rope, Check,
+    same_bits, same_both, upload_rope, Check, BOUND_MATVEC,
 };
 use crate::{DeviceMatrix, HcNorm, HcParams, Launcher, MatSel, Variant, WT_F16, WT_F32};
 
@@ -577,6 +577,138 @@ pub(super) fn check_hc_preload(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> 
             )?;
             Ok(gpu.download(&h_out)?)
         })?);
+    }
+    Ok(checks)
+}
+
+/// `hc_gram` (an HC boundary as hc_post_gram + hc_start_gram) against the kernels it
+/// replaces (hc_post_pl, hc_mix_pl, hc_pre_pl) at the Flash shape, one token and a
+/// two-row step, with and without the FFN's 7 parts, F16 and F32 mix weights: the
+/// streams H' bit for bit, the mix, the normed input and its Q8_0 form (dequantised)
+/// within the fast tier's matvec bound (the Gram form sums in another order).
+pub(super) fn check_hc_gram(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
+    let mut rng = Rng::stream(seed, 0x4d, 0);
+    let mut checks = Vec::new();
+    let n_mix = (2 + N_HC) * N_HC;
+    let n = N_HC * N_EMBD;
+    let f32w = normal(&mut rng, n_mix * n, 0.02);
+    let f16w: Vec<u16> = f32w
+        .iter()
+        .map(|&v| ds4_gguf::quant::f32_to_f16(v))
+        .collect();
+    let b32: Vec<u8> = f32w.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let b16: Vec<u8> = f16w.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let w32 = DeviceMatrix::upload(gpu, GgmlType::F32, &b32, n_mix, n, 1)?;
+    let w16 = DeviceMatrix::upload(gpu, GgmlType::F16, &b16, n_mix, n, 1)?;
+    let scale = gpu.upload(&normal(&mut rng, 3, 0.5))?;
+    let base = gpu.upload(&normal(&mut rng, n_mix, 0.5))?;
+    let norm_w = gpu.upload(&normal(&mut rng, N_EMBD, 1.0))?;
+    for n_tok in [1usize, 2] {
+        let h = gpu.upload(&normal(&mut rng, n_tok * n, 1.0))?;
+        let out = gpu.upload(&normal(&mut rng, n_tok * N_EMBD, 1.0))?;
+        let parts = gpu.upload(&normal(&mut rng, n_tok * 7 * N_EMBD, 0.3))?;
+        let hcp = gpu.upload(&normal(&mut rng, n_tok * (N_HC + N_HC * N_HC), 0.5))?;
+        for (fn_, ty) in [(&w16, "F16"), (&w32, "F32")] {
+            for (parts_p, n_parts) in [(0u64, 0usize), (gpu.ptr(&parts), 7)] {
+                let hp = HcParams {
+                    scale: gpu.ptr(&scale),
+                    base: gpu.ptr(&base),
+                    n_hc: N_HC,
+                    n_embd: N_EMBD,
+                    eps: 1e-6,
+                    iters: 0,
+                };
+                // [H', mix, norm, dequantised Q8_0] of both forms.
+                // 0: hc_post, hc_mix, hc_pre; 1: hc_post_gram, hc_start_gram; 2: hc_post,
+                // hc_gram_shares, hc_start_gram (a start that no hc_post_gram prepared).
+                let run = |form: u8| -> Result<[Vec<f32>; 4]> {
+                    let g = gpu.with(Variant::HcPreload, true);
+                    let h_out = g.upload(&vec![f32::NAN; n_tok * n])?;
+                    let mix = g.upload(&vec![f32::NAN; n_tok * n_mix])?;
+                    let y = g.upload(&vec![f32::NAN; n_tok * N_EMBD])?;
+                    let nout = g.upload(&vec![f32::NAN; n_tok * N_EMBD])?;
+                    let q = g.zeros::<i8>(n_tok * N_EMBD)?;
+                    let d = g.upload(&vec![f32::NAN; n_tok * N_EMBD / 32])?;
+                    let shares = g.upload(&vec![f32::NAN; crate::hc_gram_floats(n_tok, N_EMBD)])?;
+                    let norm = HcNorm {
+                        w: g.ptr(&norm_w),
+                        w_type: WT_F32,
+                        eps: 1e-6,
+                        out: g.ptr(&nout),
+                        q: g.ptr(&q),
+                        d: g.ptr(&d),
+                    };
+                    let (hp_, op, ho) = (g.ptr(&h), g.ptr(&out), g.ptr(&h_out));
+                    let sh = g.ptr(&shares);
+                    if form == 1 {
+                        g.hc_post_gram(
+                            n_tok,
+                            (hp_, op),
+                            (parts_p, n_parts),
+                            g.ptr(&hcp),
+                            N_EMBD,
+                            ho,
+                            fn_,
+                            sh,
+                        )?;
+                        g.hc_start_gram(n_tok, (ho, sh), &hp, 1e-6, g.ptr(&mix), norm)?;
+                    } else {
+                        g.hc_post(
+                            n_tok,
+                            hp_,
+                            op,
+                            parts_p,
+                            n_parts,
+                            g.ptr(&hcp),
+                            N_HC,
+                            N_EMBD,
+                            ho,
+                        )?;
+                        if form == 0 {
+                            g.hc_mix_mat(n_tok, ho, fn_, 1e-6, g.ptr(&mix))?;
+                            g.hc_pre(n_tok, (ho, g.ptr(&mix)), &hp, g.ptr(&y), Some(norm))?;
+                        } else {
+                            g.hc_gram_shares(n_tok, ho, N_EMBD, fn_, sh)?;
+                            g.hc_start_gram(n_tok, (ho, sh), &hp, 1e-6, g.ptr(&mix), norm)?;
+                        }
+                    }
+                    let (qv, dv) = (g.download(&q)?, g.download(&d)?);
+                    let deq: Vec<f32> = qv
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &v)| v as f32 * dv[i / 32])
+                        .collect();
+                    Ok([
+                        g.download(&h_out)?,
+                        g.download(&mix)?,
+                        g.download(&nout)?,
+                        deq,
+                    ])
+                };
+                let (plain, gram, start) = (run(0)?, run(1)?, run(2)?);
+                let name = format!("hc_gram {ty} n{n_tok}, {n_parts} parts");
+                checks.push(bit_same(
+                    format!("{name}: H' = hc_post_pl"),
+                    &plain[0],
+                    &gram[0],
+                ));
+                for (i, what) in [(1, "mix"), (2, "norm"), (3, "Q8_0")] {
+                    let want: Vec<f64> = plain[i].iter().map(|&v| v as f64).collect();
+                    checks.push(Check {
+                        name: format!("{name}: {what} ~ hc_mix + hc_pre"),
+                        rel_err: rel_err(&gram[i], &want),
+                        // Q8_0: a value near a rounding boundary may step by one.
+                        bound: if i == 3 { 2e-3 } else { BOUND_MATVEC },
+                    });
+                }
+                let all = |r: &[Vec<f32>; 4]| r[1..].concat();
+                checks.push(bit_same(
+                    format!("{name}: hc_gram_shares start = hc_post_gram's"),
+                    &all(&gram),
+                    &all(&start),
+                ));
+            }
+        }
     }
     Ok(checks)
 }

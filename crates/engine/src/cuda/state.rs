@@ -178,6 +178,12 @@ struct Scratch {
     h2: DeviceBuf<f32>,
     mix: DeviceBuf<f32>,
     hcp: DeviceBuf<f32>,
+    /// `hc_gram`'s per-block mix and Gram shares of up to SMALL_BATCH tokens.
+    gram: DeviceBuf<f32>,
+    /// What `gram` holds: the shares of the mix with weights at the first address,
+    /// over the streams at the second (set by a sublayer's end, taken by the next
+    /// sublayer's start, which uses them only for those weights and streams).
+    gram_for: std::cell::Cell<Option<(u64, u64)>>,
     y: DeviceBuf<f32>,
     n: DeviceBuf<f32>,
     qa: DeviceBuf<f32>,
@@ -309,6 +315,8 @@ impl Scratch {
             h2: z(cap * c.n_hc * e)?,
             mix: z(cap * c.hc_mix())?,
             hcp: z(cap * (c.n_hc + c.n_hc * c.n_hc))?,
+            gram: z(ds4_cuda::hc_gram_floats(cap.min(SMALL_BATCH), e))?,
+            gram_for: std::cell::Cell::new(None),
             y: z(cap * e)?,
             n: z(cap * e)?,
             qa: z(cap * c.q_lora_rank)?,

@@ -80,6 +80,10 @@ pub(super) struct Pass<'a> {
     /// The layer's compressors may emit a row at this pass's token (see
     /// [`KvView::emit_pos`]); when not, their work need not precede the attention.
     emits: bool,
+    /// The next layer's attention HC when it runs right after this pass's FFN on the
+    /// same scratch (the forward's layer loop), so that the FFN's end can form its mix
+    /// and Gram shares (`hc_gram`).
+    next_attn: Option<&'a HcDev>,
 }
 
 impl Pass<'_> {
@@ -103,9 +107,10 @@ impl Pass<'_> {
         }
     }
 
-    /// A sublayer's start: the input `s.y` from the streams `h`, and its RMS norm (weights
-    /// `norm_w`) into `s.n` in the same launch; in the fast numerics, when `first` (the
-    /// sublayer's first projection) is Q8_0, also into `xq` (its Q8_0 input).
+    /// A sublayer's start: its RMS-normed input (weights `norm_w`) from the streams `h`
+    /// into `s.n` (`hc_pre` also leaves the unweighted input in `s.y`; under `hc_gram`
+    /// `hc_start_gram` does not); in the fast numerics, when `first` (the sublayer's
+    /// first projection) is Q8_0, also into `xq` (its Q8_0 input).
     /// Under `comb_lane`, hc_post's comb matrix is forked to side lane 3 as background
     /// work (joined before hc_post). Returns whether `xq` now holds `s.n`, and whether
     /// the comb matrix was forked (else the caller forms it on a lane of its choosing).
@@ -125,7 +130,6 @@ impl Pass<'_> {
                 c.n_embd, xq.rows, xq.cols
             )));
         }
-        g.hc_mix_mat(n_tok, h, &hc.fn_, c.rms_eps, g.ptr(&s.mix))?;
         let norm = ds4_cuda::HcNorm {
             w: norm_w,
             w_type: ds4_cuda::WT_F32,
@@ -135,12 +139,37 @@ impl Pass<'_> {
             d: if quantize { g.ptr(&xq.d) } else { 0 },
         };
         let (mix, y) = (g.ptr(&s.mix), g.ptr(&s.y));
-        g.hc_pre(n_tok, (h, mix), &self.hc(hc), y, Some(norm))?;
+        // `hc_gram`: the previous sublayer's end (`hc_post_gram`) formed this mix's
+        // shares from these streams when its mark names the weights and the streams;
+        // else they are formed here, so that every start has the same bits.
+        let prepared = s.gram_for.take() == Some((hc.fn_.part_ptr(g, 0), h));
+        if prepared || self.gram_fits(hc) {
+            let sh = g.ptr(&s.gram);
+            if !prepared {
+                g.hc_gram_shares(n_tok, h, c.n_embd, &hc.fn_, sh)?;
+            }
+            g.hc_start_gram(n_tok, (h, sh), &self.hc(hc), c.rms_eps, mix, norm)?;
+        } else {
+            g.hc_mix_mat(n_tok, h, &hc.fn_, c.rms_eps, mix)?;
+            g.hc_pre(n_tok, (h, mix), &self.hc(hc), y, Some(norm))?;
+        }
         let comb_lane = g.on(Variant::CombLane);
         if comb_lane {
             g.branch(3, || g.background(|| self.hc_comb(hc)))?;
         }
         Ok((quantize, comb_lane))
+    }
+
+    /// Whether the sublayer start of `hc` takes the Gram form (`hc_gram`): it sums in
+    /// another order than hc_mix / hc_pre, so fast numerics only, and only for the few
+    /// tokens its per-token blocks suit (a decode token, a step).
+    fn gram_fits(&self, hc: &HcDev) -> bool {
+        let (g, c) = (&self.g, self.c);
+        self.fast
+            && self.n <= SMALL_BATCH
+            && g.on(Variant::HcGram)
+            && ds4_cuda::hc_gram_fits(c.n_hc, c.n_embd, &hc.fn_)
+            && self.s.gram.len() >= ds4_cuda::hc_gram_floats(self.n, c.n_embd)
     }
 
     /// The launch parameters of the hyper-connection `hc`.
@@ -157,7 +186,9 @@ impl Pass<'_> {
 
     /// A sublayer's end: hc_post of its output `out` plus the `k` rows at `parts` (the
     /// routed experts'; k = 0: none) from the streams `h` into `h_out`, once side lane
-    /// 3's comb matrix is in (`comb_lane`, see `sublayer_begin`).
+    /// 3's comb matrix is in (`comb_lane`, see `sublayer_begin`). With `next` (the
+    /// hyper-connection of this pass's next sublayer) under `hc_gram` it also forms that
+    /// sublayer's mix and Gram shares, which its `sublayer_begin` then starts from.
     fn sublayer_end(
         &self,
         comb_lane: bool,
@@ -165,13 +196,30 @@ impl Pass<'_> {
         out: u64,
         (parts, k): (u64, usize),
         h_out: u64,
+        next: Option<&HcDev>,
     ) -> Result<(), CudaError> {
-        let (g, c) = (&self.g, self.c);
+        let (g, c, s) = (&self.g, self.c, self.s);
         if comb_lane {
             g.join(3)?;
         }
-        let hcp = g.ptr(&self.s.hcp);
-        g.hc_post(self.n, h, out, parts, k, hcp, c.n_hc, c.n_embd, h_out)
+        let hcp = g.ptr(&s.hcp);
+        let n = self.n;
+        let gram = next.filter(|hc| self.gram_fits(hc));
+        s.gram_for
+            .set(gram.map(|hc| (hc.fn_.part_ptr(g, 0), h_out)));
+        match gram {
+            Some(hc) => g.hc_post_gram(
+                n,
+                (h, out),
+                (parts, k),
+                hcp,
+                c.n_embd,
+                h_out,
+                &hc.fn_,
+                g.ptr(&s.gram),
+            ),
+            None => g.hc_post(n, h, out, parts, k, hcp, c.n_hc, c.n_embd, h_out),
+        }
     }
 
     /// `mid = silu(gate)·up·w` (clamped) over `rows` rows of `width` (w = 0: none), also
@@ -318,7 +366,10 @@ impl KvView<'_> {
         }
         for il in w.range.clone() {
             let layer = (il, w.layer(il), &self.layers[il], w.rope(il));
-            let px = self.pass(w, numerics, layer, &b.s, n_tok);
+            let mut px = self.pass(w, numerics, layer, &b.s, n_tok);
+            if il + 1 < w.range.end {
+                px.next_attn = Some(&w.layer(il + 1).hc_attn);
+            }
             self.layer(&px, &mut b.q8, b.plan.as_mut())?;
         }
         Ok(())
@@ -401,6 +452,7 @@ impl KvView<'_> {
             fast,
             kvt,
             emits,
+            next_attn: None,
         }
     }
 
@@ -705,7 +757,14 @@ impl KvView<'_> {
         {
             g.steer_rows(n, p(&s.o), (0, 0), dir, scale, c.n_embd)?;
         }
-        px.sublayer_end(comb_lane, p(&s.h), p(&s.o), (0, 0), p(&s.h2))?;
+        px.sublayer_end(
+            comb_lane,
+            p(&s.h),
+            p(&s.o),
+            (0, 0),
+            p(&s.h2),
+            Some(&l.hc_ffn),
+        )?;
         if defer {
             g.join(4)?;
         }
@@ -886,7 +945,7 @@ impl KvView<'_> {
             g.steer_rows(n, p(&s.sh), parts, dir, scale, e)?;
             parts = (0, 0);
         }
-        px.sublayer_end(comb_lane, p(&s.h2), p(&s.sh), parts, p(&s.h))?;
+        px.sublayer_end(comb_lane, p(&s.h2), p(&s.sh), parts, p(&s.h), px.next_attn)?;
         Ok(())
     }
 }
