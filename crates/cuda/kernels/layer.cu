@@ -476,6 +476,40 @@ __device__ __forceinline__ float hc_post_stream(float o, int j, const float (&po
     return acc;
 }
 
+// hc_post_pl's column d of one token (rows from hc_post_rows, coefficients from
+// hc_post_coefs): every load first (out, the first HC_POST_PARTS parts, the streams),
+// the sublayer output o = Σ parts (k ascending) + out, then each output stream, stored
+// to h_out and returned in hn (hc_post_gram forms the next mix from it).
+template <int PM>
+__device__ __forceinline__ void hc_post_column(const float* h, const float* out,
+                                               const float* parts, int n_parts, int n_hc,
+                                               int n_embd, int d, const float (&post)[PM],
+                                               const float (&comb)[PM][PM], float* h_out,
+                                               float (&hn)[PM]) {
+    float o = out[d];
+    float pv[HC_POST_PARTS], hv[PM];
+#pragma unroll
+    for (int k = 0; k < HC_POST_PARTS; ++k)
+        if (parts && k < n_parts) pv[k] = parts[(i64)k * n_embd + d];
+#pragma unroll
+    for (int i = 0; i < PM; ++i)
+        if (i < n_hc) hv[i] = h[(i64)i * n_embd + d];
+    if (parts) {
+        float acc = 0.f;
+#pragma unroll
+        for (int k = 0; k < HC_POST_PARTS; ++k)
+            if (k < n_parts) acc += pv[k];
+        for (int k = HC_POST_PARTS; k < n_parts; ++k) acc += parts[(i64)k * n_embd + d];
+        o = acc + o;
+    }
+#pragma unroll
+    for (int j = 0; j < PM; ++j)
+        if (j < n_hc) {
+            hn[j] = hc_post_stream(o, j, post, comb, hv, n_hc);
+            h_out[(i64)j * n_embd + d] = hn[j];
+        }
+}
+
 template <bool PRELOAD>
 __device__ __forceinline__ void hc_post_body(const float* h, const float* out,
                                              const float* parts, int n_parts, const float* hcp,
@@ -488,28 +522,11 @@ __device__ __forceinline__ void hc_post_body(const float* h, const float* out,
     float post[PM], comb[PM][PM];
     if (PRELOAD) hc_post_coefs(hcp, n_hc, post, comb);
     for (int d = threadIdx.x + blockIdx.x * blockDim.x; d < n_embd; d += blockDim.x * gridDim.x) {
-        float o = out[d];
         if (PRELOAD) {
-            constexpr int PP = PRELOAD ? HC_POST_PARTS : 1;
-            float pv[PP], hv[PM];
-#pragma unroll
-            for (int k = 0; k < PP; ++k)
-                if (parts && k < n_parts) pv[k] = parts[(i64)k * n_embd + d];
-#pragma unroll
-            for (int i = 0; i < PM; ++i)
-                if (i < n_hc) hv[i] = h[(i64)i * n_embd + d];
-            if (parts) {
-                float acc = 0.f;
-#pragma unroll
-                for (int k = 0; k < PP; ++k)
-                    if (k < n_parts) acc += pv[k];
-                for (int k = PP; k < n_parts; ++k) acc += parts[(i64)k * n_embd + d];
-                o = acc + o;
-            }
-#pragma unroll
-            for (int j = 0; j < PM; ++j)
-                if (j < n_hc) h_out[(i64)j * n_embd + d] = hc_post_stream(o, j, post, comb, hv, n_hc);
+            float hn[PM];
+            hc_post_column(h, out, parts, n_parts, n_hc, n_embd, d, post, comb, h_out, hn);
         } else {
+            float o = out[d];
             if (parts) {
                 float acc = 0.f;
                 for (int k = 0; k < n_parts; ++k) acc += parts[(i64)k * n_embd + d];

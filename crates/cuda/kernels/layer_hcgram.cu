@@ -69,29 +69,11 @@ __device__ __forceinline__ void hc_gram_body(const float* h, const float* out,
         }
     } else if (on) {
         hc_post_rows(blockIdx.y, S, n_embd, n_parts, h, h_out, out, parts, hcp);
-        float post[HC_MAX], comb[HC_MAX][HC_MAX];
+        float post[HC_MAX], comb[HC_MAX][HC_MAX], hv[HC_MAX];
         hc_post_coefs(hcp, S, post, comb);
-        constexpr int PP = HC_POST_PARTS;
-        float pv[PP], hv[HC_MAX];
+        hc_post_column(h, out, parts, n_parts, S, n_embd, d, post, comb, h_out, hv);
 #pragma unroll
-        for (int k = 0; k < PP; ++k)
-            if (parts && k < n_parts) pv[k] = parts[(i64)k * n_embd + d];
-#pragma unroll
-        for (int i = 0; i < S; ++i) hv[i] = h[(i64)i * n_embd + d];
-        float o = out[d];
-        if (parts) {
-            float acc = 0.f;
-#pragma unroll
-            for (int k = 0; k < PP; ++k)
-                if (k < n_parts) acc += pv[k];
-            for (int k = PP; k < n_parts; ++k) acc += parts[(i64)k * n_embd + d];
-            o = acc + o;
-        }
-#pragma unroll
-        for (int j = 0; j < S; ++j) {
-            hn[j] = hc_post_stream(o, j, post, comb, hv, S);
-            h_out[(i64)j * n_embd + d] = hn[j];
-        }
+        for (int jj = 0; jj < S; ++jj) hn[jj] = hv[jj];
     }
     // The 32 first values through warp_sums (24 dots, 8 Gram products), the last two
     // Gram products through warp_sum.

@@ -9,7 +9,10 @@
 //! with its keys in registers (`topk_select_rg`, fusion `topk_reg`), also checked
 //! against a sort, and the fused norm + Q8_0 with its weights fetched first
 //! (`rmsnorm_q8_pl`, fusion `norm_pl`), and the indexer query with one warp per head
-//! (`indexer_q_warp`, fusion `idxq_warp`).
+//! (`indexer_q_warp`, fusion `idxq_warp`). The HC boundary's Gram form
+//! (`hc_post_gram`, `hc_gram_shares`, `hc_start_gram`, fusion `hc_gram`) sums in
+//! another order: its streams must keep hc_post_pl's bits, its mix, norm and Q8_0 stay
+//! within the matvec bound of hc_mix + hc_pre.
 
 use anyhow::Result;
 use ds4_gguf::quant::qat::fp4_e2m1_inplace;
