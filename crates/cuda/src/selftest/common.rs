@@ -134,6 +134,14 @@ pub fn rel_err(got: &[f32], want: &[f64]) -> f64 {
     (num / den.max(1e-300)).sqrt()
 }
 
+/// Int8 values with one scale per 32 (a Q8_0 / Q8_K activation) as floats.
+pub fn dequant_q8(q: &[i8], d: &[f32]) -> Vec<f32> {
+    q.iter()
+        .enumerate()
+        .map(|(i, &v)| v as f32 * d[i / 32])
+        .collect()
+}
+
 /// `n` values ~ N(0, s²).
 pub fn normal(rng: &mut Rng, n: usize, s: f32) -> Vec<f32> {
     (0..n).map(|_| rng.normal() * s).collect()

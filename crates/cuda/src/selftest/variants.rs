@@ -20,8 +20,8 @@ use ds4_gguf::quant::random::Rng;
 use ds4_gguf::GgmlType;
 
 use super::common::{
-    bit_identical, bit_same, both, normal, random_matrix, random_vec, rel_err, rope_freqs,
-    same_bits, same_both, upload_rope, Check, BOUND_MATVEC,
+    bit_identical, bit_same, both, dequant_q8, normal, random_matrix, random_vec, rel_err,
+    rope_freqs, same_bits, same_both, upload_rope, Check, BOUND_MATVEC,
 };
 use crate::{DeviceMatrix, HcNorm, HcParams, Launcher, MatSel, Variant, WT_F16, WT_F32};
 
@@ -606,6 +606,14 @@ pub(super) fn check_hc_gram(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     let scale = gpu.upload(&normal(&mut rng, 3, 0.5))?;
     let base = gpu.upload(&normal(&mut rng, n_mix, 0.5))?;
     let norm_w = gpu.upload(&normal(&mut rng, N_EMBD, 1.0))?;
+    let hp = HcParams {
+        scale: gpu.ptr(&scale),
+        base: gpu.ptr(&base),
+        n_hc: N_HC,
+        n_embd: N_EMBD,
+        eps: 1e-6,
+        iters: 0,
+    };
     for n_tok in [1usize, 2] {
         let h = gpu.upload(&normal(&mut rng, n_tok * n, 1.0))?;
         let out = gpu.upload(&normal(&mut rng, n_tok * N_EMBD, 1.0))?;
@@ -613,14 +621,6 @@ pub(super) fn check_hc_gram(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
         let hcp = gpu.upload(&normal(&mut rng, n_tok * (N_HC + N_HC * N_HC), 0.5))?;
         for (fn_, ty) in [(&w16, "F16"), (&w32, "F32")] {
             for (parts_p, n_parts) in [(0u64, 0usize), (gpu.ptr(&parts), 7)] {
-                let hp = HcParams {
-                    scale: gpu.ptr(&scale),
-                    base: gpu.ptr(&base),
-                    n_hc: N_HC,
-                    n_embd: N_EMBD,
-                    eps: 1e-6,
-                    iters: 0,
-                };
                 // [H', mix, norm, dequantised Q8_0] of both forms.
                 // 0: hc_post, hc_mix, hc_pre; 1: hc_post_gram, hc_start_gram; 2: hc_post,
                 // hc_gram_shares, hc_start_gram (a start that no hc_post_gram prepared).
@@ -675,17 +675,11 @@ pub(super) fn check_hc_gram(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
                             g.hc_start_gram(n_tok, (ho, sh), &hp, 1e-6, g.ptr(&mix), norm)?;
                         }
                     }
-                    let (qv, dv) = (g.download(&q)?, g.download(&d)?);
-                    let deq: Vec<f32> = qv
-                        .iter()
-                        .enumerate()
-                        .map(|(i, &v)| v as f32 * dv[i / 32])
-                        .collect();
                     Ok([
                         g.download(&h_out)?,
                         g.download(&mix)?,
                         g.download(&nout)?,
-                        deq,
+                        dequant_q8(&g.download(&q)?, &g.download(&d)?),
                     ])
                 };
                 let (plain, gram, start) = (run(0)?, run(1)?, run(2)?);

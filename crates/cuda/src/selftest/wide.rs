@@ -11,7 +11,9 @@
 use anyhow::Result;
 use ds4_gguf::quant::random::Rng;
 
-use super::common::{both, normal, rel_err, rope_freqs, same_both, upload_rope, Check, BOUND_F32};
+use super::common::{
+    both, dequant_q8, normal, rel_err, rope_freqs, same_both, upload_rope, Check, BOUND_F32,
+};
 use crate::{AttnInput, AttnTail, Launcher, Variant};
 
 /// Dequantised Q8_0 outputs of inputs within BOUND_F32: a value on a rounding boundary
@@ -48,12 +50,7 @@ pub(super) fn check_wide(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
                 d: gpu.ptr(&d),
             };
             gpu.attention_tail(&a, &t, gpu.ptr(&out))?;
-            let (q, d) = (gpu.download(&q)?, gpu.download(&d)?);
-            let deq: Vec<f32> = q
-                .iter()
-                .enumerate()
-                .map(|(i, &v)| v as f32 * d[i / 32])
-                .collect();
+            let deq = dequant_q8(&gpu.download(&q)?, &gpu.download(&d)?);
             Ok((gpu.download(&out)?, deq))
         })?;
         checks.push(Check {
