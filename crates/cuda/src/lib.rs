@@ -49,6 +49,7 @@ mod ops;
 mod pick;
 pub mod plan;
 mod probe;
+mod sample;
 /// The GPU kernel checks (`ds4-tool gpu-selftest`, `tests/gpu_kernels.rs`).
 pub mod selftest;
 mod steer;
@@ -71,6 +72,7 @@ pub use matmul_f16::{F16Slot, F16Work};
 pub use ops::{ActRule, MatSel, QuantAct};
 pub use pick::{DraftPick, PickRing, SpecRing, TokenEvent, PICK_SLOTS, SPEC_ROWS, SPEC_SLOTS};
 pub use plan::{DecodePlan, Launcher, PlanError, Variant};
+pub use sample::{SampleRing, SampleSettings, SAMPLE_MAX_VOCAB, SAMPLE_SLOTS};
 pub use tokens::Q8_TOKENS_MAX;
 
 /// The per-row KV table of a batched step over several sessions (`kvt` of

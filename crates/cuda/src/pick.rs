@@ -21,7 +21,7 @@ pub const PICK_SLOTS: usize = 4;
 
 /// Blocks of a pick: each scans a share of the logits, the last to finish reduces the
 /// shares (one block over a 129k row took 16.7 µs on an H200, one SM's L2 reads).
-const PICK_BLOCKS: usize = 64;
+pub(crate) const PICK_BLOCKS: usize = 64;
 
 /// Four `{token, nan}` pairs of page-locked host memory mapped into the device's
 /// address space, written by `greedy_pick` (slot `pos % 4` for the token decoded at
@@ -152,7 +152,10 @@ impl TokenEvent {
 impl Gpu {
     /// `n` zeroed i32 of page-locked host memory mapped into the device's address
     /// space: the allocation, its host address and its device address.
-    fn mapped_i32(&self, n: usize) -> Result<(PinnedHostSlice<i32>, *mut i32, u64), CudaError> {
+    pub(crate) fn mapped_i32(
+        &self,
+        n: usize,
+    ) -> Result<(PinnedHostSlice<i32>, *mut i32, u64), CudaError> {
         use cudarc::driver::sys::{CUresult, CU_MEMHOSTALLOC_DEVICEMAP};
         // SAFETY: zeroed below before any kernel can write it.
         let mut buf = unsafe {

@@ -8,7 +8,7 @@ use crate::error::{EngineError, Result};
 use crate::imatrix::MoeObserver;
 use crate::kv::KvCache;
 use crate::mtp::Mtp;
-use crate::sampling::argmax_skip;
+use crate::sampling::{argmax_skip, Sampler};
 use crate::session::check_logits;
 
 /// Which logits rows a forward call returns.
@@ -122,8 +122,11 @@ pub struct GreedyRun<'a> {
     pub first: u32,
     /// Picks delivered at most (≥ 1).
     pub max: usize,
-    /// A token never picked (a benchmark's EOS); `None`: plain argmax.
+    /// A token never picked (a benchmark's EOS); `None`: plain argmax. Greedy runs only.
     pub skip: Option<u32>,
+    /// Sampled picks: each pick is `sampler.sample(logits)` (one draw of its stream a
+    /// delivered pick, as the plain loop takes them); `None`: greedy.
+    pub sampler: Option<&'a mut Sampler>,
     /// Tokens the context still has room for (≥ 1).
     pub room: usize,
     /// Receives each pick; `false` ends the run.
@@ -188,13 +191,19 @@ pub trait Backend: Send {
     /// launched that decode before the host sees the pick); the run ends after a pick
     /// that is not decoded or that `on_pick` refused. The default runs it on the host
     /// with [`Backend::forward`]; the CUDA backend picks on the device, one token ahead.
+    /// With `run.sampler` the picks are sampled ([`crate::Session::sample_run`]); the
+    /// sampler's stream then advances by one draw a delivered pick.
     fn greedy_run(&mut self, run: GreedyRun<'_>, decoded: &mut Vec<u32>) -> Result<Vec<f32>> {
         let mut logits = self.forward(&[run.first], LogitRows::Last)?;
         decoded.push(run.first);
         check_logits(&logits)?;
         let mut picks = 0;
+        let mut sampler = run.sampler;
         loop {
-            let pick = argmax_skip(&logits, run.skip);
+            let pick = match sampler.as_deref_mut() {
+                Some(s) => s.sample(&logits),
+                None => argmax_skip(&logits, run.skip),
+            };
             picks += 1;
             let ahead = picks < run.max && decoded.len() < run.room;
             let go = (run.on_pick)(pick);

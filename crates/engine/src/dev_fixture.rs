@@ -14,12 +14,12 @@ use anyhow::{Context, Result};
 #[cfg(feature = "cuda")]
 mod cuda;
 mod greedy;
-pub use greedy::greedy_run_identity;
+pub use greedy::{greedy_run_identity, sample_run_identity};
 
 #[cfg(feature = "cuda")]
 pub use cuda::{
-    check_batch, check_graph_variants, check_imatrix, check_mtp, check_offload, check_split,
-    check_steering, run_fixtures, Tally,
+    check_batch, check_graph_variants, check_imatrix, check_mtp, check_offload, check_sampling,
+    check_split, check_steering, run_fixtures, Tally,
 };
 
 /// One (variant, sequence, mode) comparison.

@@ -4,6 +4,9 @@
 use crate::error::Result;
 use crate::session::Session;
 
+pub mod fixed;
+pub use fixed::PickParams;
+
 /// xoshiro256** — small, fast, and fixed: the same seed gives the same stream on
 /// every platform and version.
 #[derive(Clone, Debug)]
@@ -164,46 +167,27 @@ impl Sampler {
         Sampler { config, rng }
     }
 
-    /// The candidates that survive the filters, with renormalised probabilities,
-    /// sorted by descending probability (ties: lower id first). Order of filters:
-    /// temperature softmax, top-k, top-p, min-p.
+    /// The filters' settings as the sampled pick takes them ([`fixed::PickParams`]).
+    pub fn params(&self) -> PickParams {
+        PickParams::new(&self.config)
+    }
+
+    /// The candidates that survive the filters, with renormalised probabilities, in
+    /// the candidates' order (descending logit, ties: lower id first); the definition
+    /// is [`fixed`]'s, in integer weights. Order of filters: temperature softmax,
+    /// top-k, top-p, min-p.
     ///
     /// Every sampled token runs this over the whole vocabulary (129k logits; three rows
     /// an MTP cycle). Sorting all of them took ~4.5 ms a row on the host, nearly a
     /// decode token's GPU time, and the default settings (temperature 1, min-p 0.05)
-    /// keep only tokens within `T·ln(1/min_p)` of the maximum. So only the tokens that
-    /// can survive are sorted ([`survivors`]); the result is [`Sampler::candidates_full`]'s
-    /// up to the order of a floating-point sum (the tokens that cannot survive enter
-    /// the softmax's normaliser in index order instead of sorted order).
+    /// keep only tokens within `T·ln(1/min_p)` of the maximum, so only the tokens that
+    /// can survive are weighed and sorted.
     pub fn candidates(&self, logits: &[f32]) -> Vec<(u32, f64)> {
-        survivors(&self.config, logits).unwrap_or_else(|| self.candidates_full(logits))
-    }
-
-    /// [`Sampler::candidates`] by sorting every logit: the definition, and the path for
-    /// settings that bound nothing (no filter, a temperature or maximum that is not a
-    /// positive finite number).
-    pub fn candidates_full(&self, logits: &[f32]) -> Vec<(u32, f64)> {
-        let c = &self.config;
-        // #18 item 11: NaN logits (a corrupt model) are dropped rather than sorted to the
-        // top, where they made every probability NaN and emptied the min-p filter.
-        let mut idx: Vec<u32> = (0..logits.len() as u32)
-            .filter(|&i| !logits[i as usize].is_nan())
-            .collect();
-        if idx.is_empty() {
-            return Vec::new();
-        }
-        idx.sort_by(|&a, &b| by_logit(logits, a, b));
-        if c.top_k > 0 {
-            idx.truncate(c.top_k);
-        }
-        let t = c.temperature as f64;
-        let mx = logits[idx[0] as usize] as f64;
-        let probs: Vec<(u32, f64)> = idx
-            .iter()
-            .map(|&i| (i, ((logits[i as usize] as f64 - mx) / t).exp()))
-            .collect();
-        let z: f64 = probs.iter().map(|p| p.1).sum();
-        filter_top_p_min_p(c, probs, z)
+        let s = fixed::kept(&self.params(), logits);
+        let z: u64 = s.iter().map(|e| e.1).sum();
+        s.into_iter()
+            .map(|(i, w)| (i, w as f64 / z as f64))
+            .collect()
     }
 
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
@@ -211,9 +195,9 @@ impl Sampler {
         if self.config.temperature <= 0.0 {
             return argmax(logits);
         }
-        let cands = self.candidates(logits);
-        // No candidate only when every logit is NaN.
-        self.pick(&cands).unwrap_or_else(|| argmax(logits))
+        let u = self.rng.next_f64();
+        // Nothing kept only when every logit is NaN or min-p is above 1.
+        fixed::pick(&self.params(), logits, u).unwrap_or_else(|| argmax(logits))
     }
 
     /// Whether sampling is greedy (temperature ≤ 0).
@@ -221,8 +205,10 @@ impl Sampler {
         self.config.temperature <= 0.0
     }
 
-    /// A uniform draw in [0, 1) from the sampler's stream (speculative acceptance).
-    pub(crate) fn uniform(&mut self) -> f64 {
+    /// A uniform draw in [0, 1) from the sampler's stream: speculative acceptance, and
+    /// the device's sampled picks, which take the draw [`Sampler::sample`] would take
+    /// for the same token ([`fixed::pick`] on the device).
+    pub fn uniform(&mut self) -> f64 {
         self.rng.next_f64()
     }
 
@@ -240,143 +226,6 @@ impl Sampler {
         // Rounding may leave u ≥ cum.
         cands.last().map(|c| c.0)
     }
-}
-
-/// The candidates' order: descending logit, ties by ascending id.
-fn by_logit(logits: &[f32], a: u32, b: u32) -> std::cmp::Ordering {
-    logits[b as usize]
-        .total_cmp(&logits[a as usize])
-        .then(a.cmp(&b))
-}
-
-/// Top-p, min-p and the renormalisation over `probs`: unnormalised softmax weights
-/// `e^((l − max)/T)` of a prefix of the sorted candidates, `z` the normaliser of the
-/// whole top-k set.
-fn filter_top_p_min_p(c: &SamplerConfig, mut probs: Vec<(u32, f64)>, z: f64) -> Vec<(u32, f64)> {
-    for p in probs.iter_mut() {
-        p.1 /= z;
-    }
-    if c.top_p < 1.0 {
-        let mut cum = 0.0;
-        let mut keep = probs.len();
-        for (i, p) in probs.iter().enumerate() {
-            cum += p.1;
-            if cum >= c.top_p as f64 {
-                keep = i + 1;
-                break;
-            }
-        }
-        probs.truncate(keep.max(1));
-    }
-    if c.min_p > 0.0 {
-        let floor = probs[0].1 * c.min_p as f64;
-        probs.retain(|p| p.1 >= floor);
-    }
-    let z: f64 = probs.iter().map(|p| p.1).sum();
-    for p in probs.iter_mut() {
-        p.1 /= z;
-    }
-    probs
-}
-
-/// [`Sampler::candidates`] without sorting the tokens that cannot survive; `None` when
-/// the settings bound nothing (then every token is a candidate and all are sorted).
-///
-/// Min-p keeps a token only when `e^((l − max)/T) ≥ min_p`, so every survivor has
-/// `l ≥ max + T·ln(min_p)`; top-p's prefix ends before the tokens below
-/// `max − 40·T` (over 129k tokens their weights, under e^-40 each, sum to ~2^-40 of
-/// the top token's, less than any f32 top-p below 1 leaves out; the walk checks it). A
-/// set `S` of the tokens above such a cut, taken with a margin, is a prefix of the
-/// sorted order: sorting `S` alone gives the same prefix. The top-p walk needs the
-/// normaliser of the whole top-k set, so the weights of its tokens outside `S` are
-/// added (any order) when top-p is on; when it is off the normaliser cancels in the
-/// final renormalisation. A top-p walk that does not end inside `S` falls back to the
-/// full sort when min-p cannot bound it.
-fn survivors(c: &SamplerConfig, logits: &[f32]) -> Option<Vec<(u32, f64)>> {
-    let t = c.temperature as f64;
-    let mx = max_ignoring_nan(logits);
-    let top_p = c.top_p < 1.0;
-    if !(t > 0.0 && t.is_finite() && mx.is_finite()) || !(top_p || c.min_p > 0.0 || c.top_k > 0) {
-        return None;
-    }
-    // The lowest log-weight (l − max)/T a survivor can have, less 1e-3 against rounding.
-    // Top-p alone: a model's top-p prefix is usually a few tokens, so e^-12 first
-    // (then −40, which always holds the prefix).
-    let cuts: &[f64] = if c.min_p > 0.0 {
-        &[(c.min_p as f64).ln() - 1e-3]
-    } else if top_p {
-        &[-12.0, -40.0]
-    } else {
-        &[f64::NEG_INFINITY] // top-k alone: its k largest, below.
-    };
-    cuts.iter()
-        .find_map(|&cut| survivors_above(c, logits, mx as f64, cut))
-}
-
-/// [`survivors`] with the tokens of log-weight ≥ `cut` as `S`; `None` when a top-p
-/// walk without min-p does not end inside `S`.
-fn survivors_above(
-    c: &SamplerConfig,
-    logits: &[f32],
-    mx64: f64,
-    cut: f64,
-) -> Option<Vec<(u32, f64)>> {
-    let t = c.temperature as f64;
-    let top_p = c.top_p < 1.0;
-    let weight = |i: u32| ((logits[i as usize] as f64 - mx64) / t).exp();
-    let tau = mx64 + t * cut;
-    let k = c.top_k;
-    let mut s: Vec<u32> = Vec::new();
-    // The tokens outside S that top-p's normaliser needs: all of them without top-k
-    // (summed as they pass), else kept for choosing the top-k set's among them.
-    let mut rest: Vec<u32> = Vec::new();
-    let mut z_rest = 0.0f64;
-    for (i, &l) in logits.iter().enumerate() {
-        if l as f64 >= tau {
-            s.push(i as u32);
-        } else if top_p && !l.is_nan() {
-            if k == 0 {
-                z_rest += ((l as f64 - mx64) / t).exp();
-            } else {
-                rest.push(i as u32);
-            }
-        }
-    }
-    if s.is_empty() {
-        // Only when min-p > 1: no token reaches it, the maximum included.
-        return Some(Vec::new());
-    }
-    if k > 0 && s.len() > k {
-        s.select_nth_unstable_by(k - 1, |&a, &b| by_logit(logits, a, b));
-        s.truncate(k);
-        rest.clear(); // The whole top-k set is inside S.
-    } else if k > 0 && rest.len() > k - s.len() {
-        // The top-k set's tokens outside S: the largest k − |S| of the rest.
-        let extra = k - s.len();
-        if extra == 0 {
-            rest.clear();
-        } else {
-            rest.select_nth_unstable_by(extra - 1, |&a, &b| by_logit(logits, a, b));
-            rest.truncate(extra);
-        }
-    }
-    s.sort_unstable_by(|&a, &b| by_logit(logits, a, b));
-    let probs: Vec<(u32, f64)> = s.iter().map(|&i| (i, weight(i))).collect();
-    let mut z: f64 = probs.iter().map(|p| p.1).sum();
-    if top_p {
-        z += z_rest + rest.iter().map(|&i| weight(i)).sum::<f64>();
-        // Where the walk ends must be inside S, unless min-p drops everything past S.
-        if c.min_p <= 0.0 {
-            let mut cum = 0.0;
-            if !probs.iter().any(|p| {
-                cum += p.1 / z;
-                cum >= c.top_p as f64
-            }) {
-                return None;
-            }
-        }
-    }
-    Some(filter_top_p_min_p(c, probs, z))
 }
 
 /// Why generation stopped.
@@ -576,13 +425,42 @@ mod tests {
         assert_eq!(ids, vec![3, 2, 1]);
     }
 
-    /// The bounded path against the full sort: the same tokens in the same order, the
-    /// same probabilities up to the order of the normaliser's sum, over rows with ties,
-    /// NaN, ±inf, and settings from greedy-like to flat.
+    /// [`fixed::kept`] (only the tokens that can count are weighed and sorted) against
+    /// its definition spelled out (every token weighed, all sorted, the filters in
+    /// turn), over rows with ties, NaN, ±inf, and settings from greedy-like to flat.
     #[test]
-    fn survivors_are_the_full_sort_s_candidates() {
+    fn kept_is_its_definition() {
+        fn definition(p: &PickParams, row: &[f32]) -> Vec<(u32, u64)> {
+            let mx = max_ignoring_nan(row);
+            let mut all: Vec<(u32, u64)> = (0..row.len() as u32)
+                .map(|i| (i, fixed::weight(row[i as usize], mx, p.t)))
+                .filter(|e| e.1 > 0)
+                .collect();
+            all.sort_by(|a, b| {
+                let (la, lb) = (row[a.0 as usize], row[b.0 as usize]);
+                lb.total_cmp(&la).then(a.0.cmp(&b.0))
+            });
+            if p.top_k > 0 {
+                all.truncate(p.top_k as usize);
+            }
+            if p.top_p < 1.0 {
+                let z: u64 = all.iter().map(|e| e.1).sum();
+                let need = ((p.top_p * z as f64).ceil() as u64).max(1);
+                let mut cum = 0;
+                let mut n = all.len();
+                for (i, e) in all.iter().enumerate() {
+                    cum += e.1;
+                    if cum >= need {
+                        n = i + 1;
+                        break;
+                    }
+                }
+                all.truncate(n);
+            }
+            all.retain(|e| e.1 >= p.w_min);
+            all
+        }
         let mut rng = Rng::new(11);
-        let mut bounded = 0;
         for case in 0..3000 {
             let n = [1usize, 2, 5, 64, 1000, 5000][case % 6];
             let spread = [0.5, 4.0, 30.0, 200.0][(case / 6) % 4];
@@ -604,6 +482,8 @@ mod tests {
                     row[0] = f32::NAN;
                     row[n - 1] = f32::NEG_INFINITY;
                 }
+                4 if n > 3 => row[1] = f32::INFINITY,
+                5 => row[0] = -0.0,
                 _ => {}
             }
             fn pick(rng: &mut Rng, xs: &[f32]) -> f32 {
@@ -612,38 +492,32 @@ mod tests {
             let cfg = SamplerConfig {
                 temperature: pick(&mut rng, &[0.01, 0.3, 0.6, 1.0, 1.5, 7.0, 100.0]),
                 top_k: [0usize, 0, 1, 3, 40, 2000][(rng.next_u64() % 6) as usize],
-                top_p: pick(&mut rng, &[1.0, 1.0, 0.95, 0.9, 0.5, 0.01]),
+                top_p: pick(&mut rng, &[1.0, 1.0, 0.95, 0.9, 0.5, 0.01, 0.0]),
                 min_p: pick(&mut rng, &[0.0, 0.05, 0.05, 0.1, 0.9, 1.0, 1.5]),
                 seed: 0,
             };
-            let s = Sampler::new(cfg.clone());
-            let want = s.candidates_full(&row);
-            bounded += survivors(&cfg, &row).is_some() as usize;
-            assert_same(&s.candidates(&row), &want, &format!("case {case} {cfg:?}"));
+            let p = PickParams::new(&cfg);
+            let got = fixed::kept(&p, &row);
+            assert_eq!(got, definition(&p, &row), "case {case} {cfg:?}");
+            // The draw's pick is among them, weighted: u = 0 takes the first.
+            match got.first() {
+                Some(first) => assert_eq!(fixed::pick(&p, &row, 0.0), Some(first.0)),
+                None => assert_eq!(fixed::pick(&p, &row, 0.5), None),
+            }
         }
-        assert!(bounded > 2000, "the bounded path ran {bounded} times");
         // The vocabulary at the default settings: the few near the top, not 129k.
         let mut rng = Rng::new(3);
         let row: Vec<f32> = (0..129_280)
             .map(|_| (rng.next_f64() * 20.0) as f32)
             .collect();
-        let s = Sampler::new(SamplerConfig::default());
-        let want = s.candidates_full(&row);
+        let p = PickParams::new(&SamplerConfig::default());
+        let want = definition(&p, &row);
         assert!(
             want.len() > 1000 && want.len() < 129_280 / 2,
             "{}",
             want.len()
         );
-        assert_same(&s.candidates(&row), &want, "129k row");
-    }
-
-    fn assert_same(got: &[(u32, f64)], want: &[(u32, f64)], what: &str) {
-        let ids = |v: &[(u32, f64)]| v.iter().map(|p| p.0).collect::<Vec<_>>();
-        assert_eq!(ids(got), ids(want), "{what}");
-        for (g, w) in got.iter().zip(want) {
-            let same = (g.1.is_nan() && w.1.is_nan()) || (g.1 - w.1).abs() <= 1e-12 * w.1;
-            assert!(same, "{what}: {g:?} against {w:?}");
-        }
+        assert_eq!(fixed::kept(&p, &row), want, "129k row");
     }
 
     #[test]

@@ -13,6 +13,7 @@ use crate::kv::KvCache;
 use crate::model::Model;
 use crate::mtp::Mtp;
 use crate::ops::linear::Numerics;
+use crate::sampling::Sampler;
 
 pub(crate) fn check_ctx(ctx: usize) -> Result<()> {
     if ctx == 0 {
@@ -411,6 +412,37 @@ impl Session {
         skip: Option<u32>,
         on_pick: &mut dyn FnMut(u32) -> bool,
     ) -> Result<()> {
+        self.pick_run(first, max, skip, None, on_pick)
+    }
+
+    /// [`Session::greedy_run`] with sampled picks: each pick is
+    /// `sampler.sample(logits())` of the token before it, so the tokens (and the
+    /// sampler's stream afterwards: one draw a delivered pick) are the plain loop's
+    /// `decode(t); t = sampler.sample(logits())`. On the CUDA backend the device samples
+    /// (the same integer-weight definition, `sampling/fixed.rs`, with the host's draws)
+    /// and the next token's pass is launched before the host sees the pick. A greedy
+    /// sampler (temperature ≤ 0) picks the argmax, as `sample` does.
+    pub fn sample_run(
+        &mut self,
+        first: u32,
+        max: usize,
+        sampler: &mut Sampler,
+        on_pick: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<()> {
+        if sampler.is_greedy() {
+            return self.pick_run(first, max, None, None, on_pick);
+        }
+        self.pick_run(first, max, None, Some(sampler), on_pick)
+    }
+
+    fn pick_run(
+        &mut self,
+        first: u32,
+        max: usize,
+        skip: Option<u32>,
+        sampler: Option<&mut Sampler>,
+        on_pick: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<()> {
         if max == 0 {
             return Ok(());
         }
@@ -421,6 +453,7 @@ impl Session {
             first,
             max,
             skip,
+            sampler,
             room: self.ctx() - self.tokens.len(),
             on_pick,
         };

@@ -15,6 +15,7 @@ pub mod weights;
 
 use std::sync::Arc;
 
+use ds4_cuda::SampleSettings;
 pub use ds4_cuda::{device_count, driver_present, CudaError, Gpu};
 pub use split::SplitBackend;
 
@@ -27,8 +28,9 @@ use crate::kv::KvCache;
 use crate::model::Model;
 use crate::mtp::Mtp;
 use crate::ops::linear::Numerics;
+use crate::sampling::Sampler;
 use crate::steer::Steering;
-use state::DeviceState;
+use state::{DeviceState, PickMode};
 pub use weights::CudaWeights;
 
 /// A GPU session backend.
@@ -189,25 +191,54 @@ impl Backend for CudaBackend {
     }
 
     /// The picks on the device, one token ahead (`state/pick.rs`): token k + 1's graph
-    /// is launched before the host waits for token k's pick.
+    /// is launched before the host waits for token k's pick. A sampled run writes each
+    /// launch's draw from the host's sampler into the sample ring first; the draw of a
+    /// launch whose pick is never delivered (the run ended at a refused pick) is given
+    /// back, so the stream advances as the plain loop's.
     fn greedy_run(&mut self, run: GreedyRun<'_>, decoded: &mut Vec<u32>) -> Result<Vec<f32>> {
         self.state.accept_rows();
         self.check_tokens(&[run.first])?;
         self.fresh()?;
         let (w, numerics) = (&self.weights, self.numerics);
-        let skip = match run.skip {
-            Some(s) if (s as usize) < w.config.vocab => s as i32,
-            _ => -1,
+        let mut sampler = run.sampler;
+        let mode = match &sampler {
+            Some(s) => {
+                let p = s.params();
+                let settings = SampleSettings {
+                    t: p.t,
+                    top_p: p.top_p,
+                    w_min: p.w_min,
+                    top_k: p.top_k,
+                };
+                self.state.sample_settings(w, &settings)?;
+                PickMode::Sample
+            }
+            None => PickMode::Greedy {
+                skip: match run.skip {
+                    Some(s) if (s as usize) < w.config.vocab => s as i32,
+                    _ => -1,
+                },
+            },
+        };
+        // Before the draw of the last launch (to give it back).
+        let mut before: Option<Sampler> = None;
+        let mut launch = |state: &mut DeviceState, token: Option<u32>| -> Result<()> {
+            if let Some(s) = sampler.as_deref_mut() {
+                before = Some(s.clone());
+                state.sample_draw(state.n_tokens, s.uniform())?;
+            }
+            state.decode_pick(w, numerics, token, mode)
         };
         let mut pos = self.state.n_tokens;
-        self.state.decode_pick(w, numerics, Some(run.first), skip)?;
+        launch(&mut self.state, Some(run.first))?;
         decoded.push(run.first);
         let mut picks = 0;
-        loop {
+        // Whether the loop ends with a launched pick it never delivers.
+        let undelivered = loop {
             picks += 1;
             let ahead = picks < run.max && decoded.len() < run.room;
             if ahead {
-                self.state.decode_pick(w, numerics, None, skip)?;
+                launch(&mut self.state, None)?;
             }
             let (pick, nan) = self.state.pick_result(pos)?;
             pos += 1;
@@ -218,7 +249,14 @@ impl Backend for CudaBackend {
                 return Err(EngineError::nan_logits());
             }
             if !(run.on_pick)(pick) || !ahead {
-                break;
+                break ahead;
+            }
+        };
+        if undelivered {
+            // The pick after the refused one (its graph ran) is never delivered: its
+            // draw goes back to the stream.
+            if let (Some(s), Some(b)) = (sampler, before) {
+                *s = b;
             }
         }
         self.state.logits(w)

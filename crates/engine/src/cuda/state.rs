@@ -12,6 +12,7 @@ mod batch;
 mod layers;
 mod mtp;
 mod pick;
+pub(in crate::cuda) use pick::PickMode;
 mod prefill;
 mod products;
 mod rows;

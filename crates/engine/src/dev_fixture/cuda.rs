@@ -23,8 +23,10 @@ mod batch;
 mod imatrix;
 mod mtp;
 mod offload;
+mod sample;
 pub use batch::check_batch;
 pub use offload::check_offload;
+pub use sample::check_sampling;
 mod split;
 pub use split::check_split;
 mod spec;
@@ -380,6 +382,7 @@ pub fn run_fixtures(gpu: &Arc<Gpu>, dir: &Path, line: &mut dyn FnMut(&str)) -> R
             batch_consistency(&case, &mut tally, line)?;
             snapshot_interchange(&case, &mut tally, line)?;
             greedy_on_device(&case, &mut tally, line)?;
+            sample::sampled_on_device(&case, &mut tally, line)?;
             let (frac, ok) = pooled_agreement(&results);
             let n: usize = results.iter().map(|r| r.positions).sum();
             tally.record(

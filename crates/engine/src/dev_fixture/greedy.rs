@@ -7,7 +7,7 @@
 
 use anyhow::{ensure, Result};
 
-use crate::{argmax_skip, Session};
+use crate::{argmax_skip, Sampler, SamplerConfig, Session};
 
 /// The plain loop from `s`'s logits: decodes `n` picks (`skip` left out of each) and
 /// returns the `n + 1` picks.
@@ -99,5 +99,79 @@ pub fn greedy_run_identity(fresh: &mut dyn FnMut() -> Result<Session>, n: usize)
 
     // A token left out: the first plain pick, so the run differs from the one above.
     budget_run(fresh, n, Some(want[1]), "run with a token left out")?;
+    Ok(())
+}
+
+/// [`Session::sample_run`] against the plain sampled loop (`decode(t); t =
+/// sampler.sample(logits())`) with samplers of `cfg` on sessions from `fresh`: the same
+/// picks and state after a run to its budget, and after a run that a refused pick
+/// ended, resumed by the plain loop — which also checks that the sampler's stream
+/// stands where the plain loop's does (the draw of the pick never delivered given
+/// back). `n` ≥ 12.
+pub fn sample_run_identity(
+    fresh: &mut dyn FnMut() -> Result<Session>,
+    n: usize,
+    cfg: &SamplerConfig,
+) -> Result<()> {
+    ensure!(n >= 12, "sample_run_identity needs at least 12 picks");
+    ensure!(cfg.temperature > 0.0, "sample_run_identity samples");
+    let mut base = fresh()?;
+    let mut a = Sampler::new(cfg.clone());
+    let mut want = vec![a.sample(base.logits())];
+    // Picks that are not the argmax: a check that samples.
+    let mut off_argmax = usize::from(want[0] != argmax_skip(base.logits(), None));
+    for _ in 0..n {
+        base.decode(*want.last().expect("one pick"))?;
+        let t = a.sample(base.logits());
+        off_argmax += usize::from(t != argmax_skip(base.logits(), None));
+        want.push(t);
+    }
+    ensure!(
+        off_argmax > 0,
+        "every pick of {cfg:?} was the argmax: the check would not see sampling"
+    );
+    let distinct = {
+        let mut v = want.clone();
+        v.sort_unstable();
+        v.dedup();
+        v.len()
+    };
+
+    let mut s = fresh()?;
+    let mut b = Sampler::new(cfg.clone());
+    let first = b.sample(s.logits());
+    ensure!(first == want[0], "the first pick differs");
+    let mut got = Vec::new();
+    s.sample_run(first, n, &mut b, &mut |p| {
+        got.push(p);
+        true
+    })?;
+    ensure!(
+        got == want[1..],
+        "budget run: picks differ from the plain loop's ({distinct} distinct tokens)"
+    );
+    same_state(&s, &base, "budget run")?;
+    ensure!(
+        b.uniform() == a.uniform(),
+        "budget run: the sampler's stream is not the plain loop's"
+    );
+
+    // Refused at pick 5 (decoded all the same), then the plain loop to the end.
+    let mut s = fresh()?;
+    let mut c = Sampler::new(cfg.clone());
+    let first = c.sample(s.logits());
+    let mut got = Vec::new();
+    s.sample_run(first, n, &mut c, &mut |p| {
+        got.push(p);
+        got.len() < 5
+    })?;
+    ensure!(got == want[1..6], "refused run: picks differ");
+    while s.tokens().len() < base.tokens().len() {
+        let t = c.sample(s.logits());
+        let i = s.tokens().len() - (base.tokens().len() - n);
+        ensure!(t == want[i], "after the refused run: pick {i} differs");
+        s.decode(t)?;
+    }
+    same_state(&s, &base, "refused run, then the plain loop")?;
     Ok(())
 }

@@ -77,12 +77,12 @@ pub fn decode_greedy(session: &mut Session, n: usize, eos: u32) -> Result<(Timed
 }
 
 /// [`decode_greedy`] with sampled tokens (`--temp`): ds4's default sampler at
-/// temperature `temp` on the host, each token's logits downloaded, as `ds4` generates
-/// at its defaults. A sampled EOS is replaced by the best other token.
+/// temperature `temp`, through [`Session::sample_run`] as `ds4` generates at its
+/// defaults (on CUDA the device samples, one token ahead of the host). A sampled EOS
+/// is decoded as any other token (a benchmark's run does not stop).
 pub fn decode_sampled(
     session: &mut Session,
     n: usize,
-    eos: u32,
     temp: f32,
     seed: u64,
 ) -> Result<(Timed, Vec<u32>)> {
@@ -91,20 +91,24 @@ pub fn decode_sampled(
         seed,
         ..SamplerConfig::default()
     });
-    let mut draw = |logits: &[f32]| match sampler.sample(logits) {
-        t if t == eos => pick(logits, eos),
-        t => t,
-    };
-    let mut tokens = Vec::with_capacity(n + 1);
-    tokens.push(draw(session.logits()));
-    session.decode(tokens[0])?;
+    let first = sampler.sample(session.logits());
+    let mut next = first;
+    session.sample_run(first, 1, &mut sampler, &mut |p| {
+        next = p;
+        true
+    })?;
+    let mut picks = Vec::with_capacity(n);
     let t = Instant::now();
-    for _ in 0..n {
-        let next = draw(session.logits());
-        tokens.push(next);
-        session.decode(next)?;
-    }
+    session.sample_run(next, n, &mut sampler, &mut |p| {
+        picks.push(p);
+        true
+    })?;
     let secs = t.elapsed().as_secs_f64();
+    let mut tokens = vec![first];
+    if n > 0 {
+        tokens.push(next);
+        tokens.extend_from_slice(&picks[..n - 1]);
+    }
     let timed = Timed {
         cycles: n as u64,
         tokens: n as u64,

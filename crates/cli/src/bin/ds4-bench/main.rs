@@ -132,10 +132,10 @@ struct Args {
     )]
     gen_tokens: usize,
     /// Sample the timed decode at this temperature with ds4's default filters (min-p
-    /// 0.05, top-p 1), on the host from each token's logits as `ds4` does at its
-    /// defaults (temperature 1), instead of greedy picks made on the device (0, the
-    /// default). EOS is never sampled (the next best token is taken). Not with --mtp or
-    /// --fuse-ab, which compare against the greedy tokens.
+    /// 0.05, top-p 1), as `ds4` does at its defaults (temperature 1; on CUDA the device
+    /// samples), instead of greedy picks (0, the default). A sampled EOS is decoded as
+    /// any other token. Not with --mtp or --fuse-ab, which compare against the greedy
+    /// tokens.
     #[arg(long, default_value_t = 0.0, conflicts_with_all = ["mtp", "synthetic_mtp", "fuse_ab"])]
     temp: f32,
     /// Also time multi-row steps of this many token rows (2..=16) at each frontier: cycles
@@ -553,7 +553,7 @@ fn main() -> Result<()> {
         };
         profile_prefill.add(hooks.profile_take()?);
         let (plain, greedy) = if a.temp > 0.0 {
-            decode_sampled(&mut session, a.gen_tokens, eos, a.temp, a.seed)?
+            decode_sampled(&mut session, a.gen_tokens, a.temp, a.seed)?
         } else {
             decode_greedy(&mut session, a.gen_tokens, eos)?
         };

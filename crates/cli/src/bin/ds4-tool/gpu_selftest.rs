@@ -108,6 +108,7 @@ pub fn run(a: Args) -> Result<()> {
             dev_fixture::check_offload(&gpu, dir, &mut print)?,
             dev_fixture::check_split(&gpu, dir, &mut print)?,
             dev_fixture::check_batch(&gpu, dir, &mut print)?,
+            dev_fixture::check_sampling(&gpu, &mut print)?,
         ] {
             total += t.checks;
             failed += t.failed;

@@ -93,8 +93,8 @@ pub fn generate<W: Write>(
     }
     let mut out = Vec::new();
     let stopped = || stop.is_some_and(|s| s.load(Ordering::SeqCst));
-    if spec.is_none() && sampler.config.temperature <= 0.0 {
-        let interrupted = greedy(session, tok, eos, max, printer, &stopped, &mut out)?;
+    if spec.is_none() {
+        let interrupted = picked(session, sampler, tok, eos, max, printer, &stopped, &mut out)?;
         let elapsed = t0.elapsed();
         printer.finish()?;
         return Ok(Generated {
@@ -145,13 +145,15 @@ pub fn generate<W: Write>(
     })
 }
 
-/// Greedy generation (`--temp 0` without MTP) through [`Session::greedy_run`]: on CUDA
-/// the picks are made on the device and each token's pass is launched before the host
-/// prints the previous token. The tokens are the plain loop's; a run that EOS or Ctrl-C
-/// ends has that last pick decoded too (see `greedy_run`). Returns whether Ctrl-C
-/// ended it.
-fn greedy<W: Write>(
+/// Generation without MTP through [`Session::sample_run`] (greedy at `--temp 0`): on
+/// CUDA the picks, sampled or greedy, are made on the device and each token's pass is
+/// launched before the host prints the previous token. The tokens are the plain
+/// loop's (`t = sampler.sample(logits)`); a run that EOS or Ctrl-C ends has that last
+/// pick decoded too (see `greedy_run`). Returns whether Ctrl-C ended it.
+#[allow(clippy::too_many_arguments)]
+fn picked<W: Write>(
     session: &mut Session,
+    sampler: &mut Sampler,
     tok: &Tokenizer,
     eos: u32,
     max: usize,
@@ -162,7 +164,7 @@ fn greedy<W: Write>(
     if max == 0 || stopped() {
         return Ok(max > 0);
     }
-    let first = ds4_engine::argmax(session.logits());
+    let first = sampler.sample(session.logits());
     if first == eos {
         return Ok(false);
     }
@@ -172,7 +174,7 @@ fn greedy<W: Write>(
         return Ok(max > 1);
     }
     let (mut failed, mut interrupted) = (None, false);
-    session.greedy_run(first, max - 1, None, &mut |t| {
+    session.sample_run(first, max - 1, sampler, &mut |t| {
         if t == eos {
             return false;
         }
