@@ -28,9 +28,19 @@ use crate::kv::KvCache;
 use crate::model::Model;
 use crate::mtp::Mtp;
 use crate::ops::linear::Numerics;
-use crate::sampling::Sampler;
+use crate::sampling::{PickParams, Sampler};
 use crate::steer::Steering;
 use state::{DeviceState, PickMode};
+
+/// The sampler's settings as the device's sampled pick takes them (`kernels/sample.cu`).
+pub(crate) fn device_sample_settings(p: &PickParams) -> SampleSettings {
+    SampleSettings {
+        t: p.t,
+        top_p: p.top_p,
+        w_min: p.w_min,
+        top_k: p.top_k,
+    }
+}
 pub use weights::CudaWeights;
 
 /// A GPU session backend.
@@ -203,14 +213,8 @@ impl Backend for CudaBackend {
         let mut sampler = run.sampler;
         let mode = match &sampler {
             Some(s) => {
-                let p = s.params();
-                let settings = SampleSettings {
-                    t: p.t,
-                    top_p: p.top_p,
-                    w_min: p.w_min,
-                    top_k: p.top_k,
-                };
-                self.state.sample_settings(w, &settings)?;
+                self.state
+                    .sample_settings(w, &device_sample_settings(&s.params()))?;
                 PickMode::Sample
             }
             None => PickMode::Greedy {

@@ -7,22 +7,13 @@
 use std::sync::Arc;
 
 use anyhow::Result;
-use ds4_cuda::{DecodePlan, SampleSettings};
+use ds4_cuda::DecodePlan;
 
 use super::{spread_tokens, Case, Tally};
+use crate::cuda::device_sample_settings;
 use crate::dev::{Gpu, SessionExt};
 use crate::sampling::{fixed, PickParams, Rng};
 use crate::{argmax, SamplerConfig, Session};
-
-/// The device's settings for `p`.
-pub(in crate::dev_fixture) fn settings(p: &PickParams) -> SampleSettings {
-    SampleSettings {
-        t: p.t,
-        top_p: p.top_p,
-        w_min: p.w_min,
-        top_k: p.top_k,
-    }
-}
 
 /// Rows of `n` logits: (name, values).
 fn rows(rng: &mut Rng, n: usize) -> Vec<(String, Vec<f32>)> {
@@ -87,7 +78,7 @@ pub fn check_sampling(gpu: &Arc<Gpu>, line: &mut dyn FnMut(&str)) -> Result<Tall
                     seed: 0,
                 };
                 let p = PickParams::new(&cfg);
-                ring.set(&settings(&p));
+                ring.set(&device_sample_settings(&p));
                 for u in [0.0, 0.5, 0.999_999_999, rng.next_f64(), rng.next_f64()] {
                     pos += 1;
                     let step = gpu.upload(&[pos as i32, 7])?;
