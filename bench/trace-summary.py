@@ -21,8 +21,8 @@ graph was captured from, so this works from time alone:
   (the default) kernels start before their predecessor ends and report that wait as
   run time, so trace with DS4_CUDA_PDL=0 to read the chain;
 * with --timeline, every kernel of the token (µs from its start, * = on the chain);
-* with --halves, the wall time of each layer half, from one `hc_post_pl` end to the
-  next, summed by kind (attention of a window-only, ratio-128 or indexed layer; FFN).
+* with --halves, the wall time of each layer half, from one HC end (`hc_post_pl`, or
+  `hc_post_gram` under the default `hc_gram`) to the next, summed by kind (attention of a window-only, ratio-128 or indexed layer; FFN).
   End to end, so it reads a trace with programmatic dependent launch on (the default),
   where kernels start early and the chain does not apply.
 """
@@ -106,9 +106,9 @@ def chain(tok):
 
 
 def halves(tok):
-    """Wall µs of each layer half (one `hc_post_pl` end to the next) by kind."""
+    """Wall µs of each layer half (one HC end to the next) by kind."""
     t = sorted(tok, key=lambda r: r[3])
-    ends = [r[3] for r in t if r[0] == "hc_post_pl"]
+    ends = [r[3] for r in t if r[0] in ("hc_post_pl", "hc_post_gram")]
     prev = tok[0][2]
     out = defaultdict(lambda: [0, 0.0])
     for e in ends:
