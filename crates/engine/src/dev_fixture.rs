@@ -14,7 +14,7 @@ use anyhow::{Context, Result};
 #[cfg(feature = "cuda")]
 mod cuda;
 mod greedy;
-pub use greedy::{greedy_run_identity, sample_run_identity};
+pub use greedy::{greedy_run_identity, run_samplers, sample_run_identity};
 
 #[cfg(feature = "cuda")]
 pub use cuda::{

@@ -78,27 +78,6 @@ fn greedy_run_equals_the_plain_loop() {
     }
 }
 
-/// The samplers the sampled-run checks use: a flat one (many distinct tokens) and
-/// every filter at once.
-fn run_samplers() -> [SamplerConfig; 2] {
-    [
-        SamplerConfig {
-            temperature: 1.5,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            seed: 5,
-        },
-        SamplerConfig {
-            temperature: 0.9,
-            top_k: 40,
-            top_p: 0.95,
-            min_p: 0.02,
-            seed: 9,
-        },
-    ]
-}
-
 // Session::sample_run on the CPU (the trait's default): the plain sampled loop's picks,
 // tokens, logits and sampler stream, after its budget and after a refused pick (the
 // CUDA twin: `gpu-selftest`, the device's sampled picks).
@@ -106,7 +85,7 @@ fn run_samplers() -> [SamplerConfig; 2] {
 fn sample_run_equals_the_plain_loop() {
     let model = load("q2", Numerics::Exact);
     let prompt = tokens("b");
-    for cfg in run_samplers() {
+    for cfg in ds4_engine::dev::fixture::run_samplers() {
         ds4_engine::dev::fixture::sample_run_identity(
             &mut || {
                 let mut s = Session::new(&model, 4096)?;

@@ -70,6 +70,14 @@ impl Case<'_> {
         Ok(CudaBackend::new(self.weights, 4096, self.numerics)?)
     }
 
+    /// A CUDA session of 2,048 positions that prefilled `prompt` (the device-pick checks).
+    fn prompted(&self, prompt: &[u32]) -> Result<Session> {
+        let b = Box::new(self.cuda()?);
+        let mut s = Session::with_backend(self.model, b, self.numerics, 2048);
+        s.prefill(prompt)?;
+        Ok(s)
+    }
+
     /// A fresh CPU session of 4,096 positions (the noise floor's other side).
     fn cpu(&self) -> CpuBackend {
         CpuBackend::new(self.model, 4096, self.numerics)
@@ -80,15 +88,7 @@ impl Case<'_> {
 /// (`super::greedy_run_identity`) from a 40-token prompt over 48 picks.
 fn greedy_on_device(case: &Case, tally: &mut Tally, line: &mut dyn FnMut(&str)) -> Result<()> {
     let prompt = spread_tokens(40, case.vocab(), 7, 3);
-    let r = super::greedy_run_identity(
-        &mut || {
-            let b = Box::new(case.cuda()?);
-            let mut s = Session::with_backend(case.model, b, case.numerics, 2048);
-            s.prefill(&prompt)?;
-            Ok(s)
-        },
-        48,
-    );
+    let r = super::greedy_run_identity(&mut || case.prompted(&prompt), 48);
     tally.record(
         line,
         r.is_ok(),

@@ -102,6 +102,27 @@ pub fn greedy_run_identity(fresh: &mut dyn FnMut() -> Result<Session>, n: usize)
     Ok(())
 }
 
+/// The samplers the sampled-run checks use (the CPU's in CI, the device's in
+/// `gpu-selftest`): a flat one (many distinct tokens) and every filter at once.
+pub fn run_samplers() -> [SamplerConfig; 2] {
+    [
+        SamplerConfig {
+            temperature: 1.5,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 5,
+        },
+        SamplerConfig {
+            temperature: 0.9,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.02,
+            seed: 9,
+        },
+    ]
+}
+
 /// [`Session::sample_run`] against the plain sampled loop (`decode(t); t =
 /// sampler.sample(logits())`) with samplers of `cfg` on sessions from `fresh`: the same
 /// picks and state after a run to its budget, and after a run that a refused pick

@@ -50,30 +50,9 @@ impl Timed {
 /// token, so the timing holds no host round trips between tokens.
 pub fn decode_greedy(session: &mut Session, n: usize, eos: u32) -> Result<(Timed, Vec<u32>)> {
     let first = pick(session.logits(), eos);
-    let mut next = first;
-    session.greedy_run(first, 1, Some(eos), &mut |p| {
-        next = p;
-        true
-    })?;
-    let mut picks = Vec::with_capacity(n);
-    let t = Instant::now();
-    session.greedy_run(next, n, Some(eos), &mut |p| {
-        picks.push(p);
-        true
-    })?;
-    let secs = t.elapsed().as_secs_f64();
-    // Decoded: `first`, `next` and every pick but the last (the run's budget).
-    let mut tokens = vec![first];
-    if n > 0 {
-        tokens.push(next);
-        tokens.extend_from_slice(&picks[..n - 1]);
-    }
-    let timed = Timed {
-        cycles: n as u64,
-        tokens: n as u64,
-        secs,
-    };
-    Ok((timed, tokens))
+    timed_run(first, n, &mut |t, max, on_pick| {
+        Ok(session.greedy_run(t, max, Some(eos), on_pick)?)
+    })
 }
 
 /// [`decode_greedy`] with sampled tokens (`--temp`): ds4's default sampler at
@@ -92,18 +71,31 @@ pub fn decode_sampled(
         ..SamplerConfig::default()
     });
     let first = sampler.sample(session.logits());
+    timed_run(first, n, &mut |t, max, on_pick| {
+        Ok(session.sample_run(t, max, &mut sampler, on_pick)?)
+    })
+}
+
+/// A session's pick run from a token: `greedy_run` or `sample_run` as
+/// `run(first, max, on_pick)`.
+type PickRun<'a> = dyn FnMut(u32, usize, &mut dyn FnMut(u32) -> bool) -> Result<()> + 'a;
+
+/// A pick run from `first`: one untimed pick, then `n` timed ones; the timing and the
+/// `n + 1` tokens decoded.
+fn timed_run(first: u32, n: usize, run: &mut PickRun<'_>) -> Result<(Timed, Vec<u32>)> {
     let mut next = first;
-    session.sample_run(first, 1, &mut sampler, &mut |p| {
+    run(first, 1, &mut |p| {
         next = p;
         true
     })?;
     let mut picks = Vec::with_capacity(n);
     let t = Instant::now();
-    session.sample_run(next, n, &mut sampler, &mut |p| {
+    run(next, n, &mut |p| {
         picks.push(p);
         true
     })?;
     let secs = t.elapsed().as_secs_f64();
+    // Decoded: `first`, `next` and every pick but the last (the run's budget).
     let mut tokens = vec![first];
     if n > 0 {
         tokens.push(next);

@@ -11,9 +11,9 @@ use ds4_cuda::DecodePlan;
 
 use super::{spread_tokens, Case, Tally};
 use crate::cuda::device_sample_settings;
-use crate::dev::{Gpu, SessionExt};
+use crate::dev::Gpu;
 use crate::sampling::{fixed, PickParams, Rng};
-use crate::{argmax, SamplerConfig, Session};
+use crate::{argmax, SamplerConfig};
 
 /// Rows of `n` logits: (name, values).
 fn rows(rng: &mut Rng, n: usize) -> Vec<(String, Vec<f32>)> {
@@ -126,33 +126,8 @@ pub(super) fn sampled_on_device(
     line: &mut dyn FnMut(&str),
 ) -> Result<()> {
     let prompt = spread_tokens(40, case.vocab(), 7, 3);
-    let configs = [
-        SamplerConfig {
-            temperature: 1.5,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            seed: 5,
-        },
-        SamplerConfig {
-            temperature: 0.9,
-            top_k: 40,
-            top_p: 0.95,
-            min_p: 0.02,
-            seed: 9,
-        },
-    ];
-    for cfg in configs {
-        let r = super::super::sample_run_identity(
-            &mut || {
-                let b = Box::new(case.cuda()?);
-                let mut s = Session::with_backend(case.model, b, case.numerics, 2048);
-                s.prefill(&prompt)?;
-                Ok(s)
-            },
-            48,
-            &cfg,
-        );
+    for cfg in super::super::run_samplers() {
+        let r = super::super::sample_run_identity(&mut || case.prompted(&prompt), 48, &cfg);
         tally.record(
             line,
             r.is_ok(),
