@@ -1,5 +1,5 @@
 //! Launchers of the attention and indexer kernels (kernels/layer_attention.cu,
-//! layer_indexer.cu, mma_attention.cu, mma_indexer.cu), with the layer launchers'
+//! layer_indexer.cu, layer_indexer_step.cu, mma_attention.cu, mma_indexer.cu), with the layer launchers'
 //! conventions (raw device addresses; see layer.rs).
 
 #![allow(clippy::too_many_arguments)]
@@ -10,6 +10,10 @@ use crate::device::Gpu;
 use crate::error::CudaError;
 use crate::layer::{cfg, cfg2, wide_grid, wide_rope_fits, RopeP, WIDE_THREADS};
 use crate::plan::{Launcher, Variant};
+
+/// The most compressed rows a token for which `indexer_step` is used (a 10k context
+/// at ratio 4); past it the three-launch chain is faster (NOTES session 33).
+pub const INDEXER_STEP_MAX_ROWS: usize = 2560;
 
 /// What the attention launchers read for `n_tok` tokens (device addresses): queries
 /// `q` (n_tok × heads × hd), the raw ring (position p at slot p % raw_cap, the last
@@ -175,6 +179,64 @@ impl Launcher<'_> {
         let (ss, r, kk) = (scores_stride as i32, ratio as i32, k as i32);
         let name = self.pick(Variant::TopkReg, "topk_select", "topk_select_rg");
         launch!(self, name, cfg2(1, n_tok, 1024); step, scores, ss, r, kk, sel)
+    }
+
+    /// Whether `indexer_step` takes an indexer of `heads` × `dim` with RoPE on its last
+    /// `rope_dim` dims and up to `max_rows` compressed rows a token: the Flash shape,
+    /// an even RoPE start, and contexts where one launch beats the three-launch chain
+    /// (its top-k runs in one 256-thread block: past ~2.5k rows the chain's 1,024-thread
+    /// top-k wins; NOTES session 33).
+    pub fn indexer_step_fits(
+        &self,
+        heads: usize,
+        dim: usize,
+        rope_dim: usize,
+        max_rows: usize,
+    ) -> bool {
+        heads == 64
+            && dim == 128
+            && rope_dim <= dim
+            && (dim - rope_dim).is_multiple_of(2)
+            && max_rows <= INDEXER_STEP_MAX_ROWS
+            && self.on(Variant::IdxStep)
+    }
+
+    /// The decode indexer in one launch (`indexer_step`, layer_indexer_step.cu):
+    /// `indexer_q` of the raw queries `q_raw` (read, not rewritten), `indexer_scores`
+    /// into `scores` and `topk_select` into `sel`, with those launches' bits, for
+    /// `n_tok` tokens (a decode token, or a batched step's rows with `kvt`). `done` holds
+    /// `n_tok` u32 counters, zero before the launch and left zero. Shape: see
+    /// [`Self::indexer_step_fits`].
+    pub fn indexer_step(
+        &self,
+        n_tok: usize,
+        step: u64,
+        rows: u64,
+        q_raw: u64,
+        wt: u64,
+        rope: RopeP,
+        wscale: f32,
+        ratio: usize,
+        top_k: usize,
+        scores: u64,
+        (scores_stride, max_rows): (usize, usize),
+        sel: u64,
+        done: u64,
+        kvt: u64,
+    ) -> Result<(), CudaError> {
+        if max_rows > scores_stride || ratio == 0 || top_k == 0 || rope.rope_dim as usize > 128 {
+            return Err(CudaError::Invalid(format!(
+                "indexer_step: {max_rows} rows in a stride of {scores_stride}, ratio {ratio}, top-k {top_k}"
+            )));
+        }
+        // 16-row tiles over a grid-stride loop of at most two blocks an SM, in clusters
+        // of 8 (each block of a cluster transforms 8 of the 64 heads for all 8).
+        let sms = self.info().multiprocessors.max(1) as usize;
+        let blocks = max_rows.div_ceil(16).clamp(1, 2 * sms).next_multiple_of(8);
+        let (r, k, ss) = (ratio as i32, top_k as i32, scores_stride as i32);
+        launch!(self, "indexer_step", cfg2(blocks as u32, n_tok, 256);
+            step, rows, q_raw, rope, wt, wscale, r, k, scores, ss, sel, done, kvt
+        )
     }
 
     /// Sink attention of every head of each token over its raw window and its

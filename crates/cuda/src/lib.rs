@@ -58,7 +58,7 @@ pub mod trace;
 mod upload;
 mod weights;
 
-pub use attention::{AttnInput, AttnTail, QNorm};
+pub use attention::{AttnInput, AttnTail, QNorm, INDEXER_STEP_MAX_ROWS};
 pub use device::{device_count, driver_present, DeviceBuf, Gpu, GpuInfo, KernelSource, SIDE_LANES};
 pub use error::CudaError;
 pub use graph::TokenGraph;

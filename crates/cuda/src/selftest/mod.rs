@@ -17,6 +17,7 @@
 mod attention;
 mod bench;
 mod common;
+mod indexer_step;
 mod matmul;
 mod matmul_f16;
 mod matmul_f16_exp;
@@ -104,6 +105,11 @@ pub const CHECKS: &[KernelCheck] = &[
         variants::check_indexer_mma,
     ),
     check("topk", &[Variant::TopkReg], variants::check_topk),
+    check(
+        "indexer_step",
+        &[Variant::IdxStep],
+        indexer_step::check_indexer_step,
+    ),
     check("norm_pl", &[Variant::NormPl], variants::check_norm_pl),
     check("indexer_q", &[Variant::IdxqWarp], |gpu, seed| {
         Ok(vec![variants::check_indexer_q_warp(gpu, seed)?])

@@ -201,6 +201,8 @@ struct Scratch {
     iscores: DeviceBuf<f32>,
     iscores_stride: usize,
     sel: DeviceBuf<i32>,
+    /// indexer_step's per-token block counters (zero between launches).
+    idx_done: DeviceBuf<i32>,
     /// Split-attention partials (decode: the rows split evenly over ATT_SPLITS chunks).
     att_acc: DeviceBuf<f32>,
     att_ml: DeviceBuf<f32>,
@@ -336,6 +338,7 @@ impl Scratch {
             iscores: z(cap * icap)?,
             iscores_stride: icap,
             sel: g.zeros::<i32>((cap * c.idx_topk).max(1))?,
+            idx_done: g.zeros::<i32>(cap)?,
             // Split attention (decode, multi-row steps, a batch of ≤ SMALL_BATCH
             // tokens): every token's chunk partials.
             att_acc: z(cap.min(SMALL_BATCH) * c.n_head * att_splits(att_stride) * hd)?,

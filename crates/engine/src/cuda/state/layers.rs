@@ -575,10 +575,41 @@ impl KvView<'_> {
                 // position: below top_k rows the kernels themselves select every row.
                 let max_rows = comp_cap(self.ctx, cw.ratio);
                 dense_f32(g, &ix.q_b, p(&s.qr), p(&s.qi), plain(&ix.q_b, n))?;
-                g.indexer_q(n, step, p(&s.qi), c.idx_heads, c.idx_head_dim, rope)?;
                 let wscale =
                     ((c.idx_head_dim as f64).powf(-0.5) * (c.idx_heads as f64).powf(-0.5)) as f32;
                 debug_assert!(max_rows <= s.iscores_stride);
+                // A decode token (or a batched step's rows): query, scores and top-k in
+                // one launch where it fits (`idx_step`); a multi-row step keeps the
+                // chain, whose batched scores run on tensor cores.
+                let fused = (n == 1 || px.kvt != 0)
+                    && g.indexer_step_fits(
+                        c.idx_heads,
+                        c.idx_head_dim,
+                        rope.rope_dim as usize,
+                        max_rows,
+                    );
+                if fused {
+                    if idx_lane {
+                        g.lane_wait(2, 4)?;
+                    }
+                    return g.indexer_step(
+                        n,
+                        step,
+                        px.state(index),
+                        p(&s.qi),
+                        p(&s.wt),
+                        rope,
+                        wscale,
+                        cw.ratio,
+                        c.idx_topk,
+                        p(&s.iscores),
+                        (s.iscores_stride, max_rows),
+                        g.ptr(&s.sel),
+                        g.ptr(&s.idx_done),
+                        px.kvt,
+                    );
+                }
+                g.indexer_q(n, step, p(&s.qi), c.idx_heads, c.idx_head_dim, rope)?;
                 if idx_lane {
                     g.lane_wait(2, 4)?;
                 }
