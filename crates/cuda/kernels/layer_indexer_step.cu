@@ -7,7 +7,7 @@
 // The blocks run in clusters of 8: each block turns 8 of the token's 64 raw queries
 // (the q_b product) into the indexer's queries — RoPE, Hadamard, FP4, the same
 // operations in the same order as indexer_q_warp, so the same bits — and writes them
-// into the shared memory of all 8 blocks of its cluster. Then each block scores 16-row
+// into the shared memory of all 8 blocks of its cluster. Then each block scores 64-row
 // tiles of the compressed rows over a grid-stride loop, and the last block to finish
 // runs the top-k over the token's scores. Nothing is written back to the queries.
 // (One block doing all 64 heads itself took ~3 µs of the launch's ~12 at 2k.)
@@ -24,11 +24,14 @@
 
 #define IXS_HEADS 64
 #define IXS_DIM 128
-#define IXS_ROWS 16            // rows a tile
+#define IXS_ROWS 64            // rows of a wide tile: thread (rg, g) has rows rg + 16i, heads 4g + j
+#define IXS_NARROW_MAX 2048    // live rows up to which tiles are 16 rows (one a thread)
 #define IXS_LD 132             // row stride of the staged queries and rows (floats)
 #define IXS_THREADS 256
 #define IXS_KEYS 32            // keys a thread holds in registers during the top-k
 static_assert(IXS_KEYS * IXS_THREADS * 33 / 32 <= IXS_HEADS * IXS_LD, "top-k staging fits in qs");
+// Dynamic shared memory: the queries and a tile's rows, (64 + 64) × IXS_LD floats
+// (67,584 bytes; the launcher's INDEXER_STEP_SMEM).
 #define IXS_CLUSTER 8          // blocks a cluster: each transforms 8 of the 64 heads
 
 // pow2_ceil_log2 for x ≥ 2^−126 (normal or +∞: the FP4 scale's amax / 6 always is),
@@ -68,11 +71,13 @@ __device__ __forceinline__ void ixs_topk(const float* scores, int n, int k, i32*
     if (reg) {
         // Coalesced from L2 into shared memory (a thread's contiguous chunk read straight
         // from global memory touches a sector a key), one pad a 32 so the chunks' reads
-        // below fall in distinct banks.
+        // below fall in distinct banks. Plain loads: this block has not read the scores
+        // before (no stale L1 line), and the fence and counter order the other blocks'
+        // stores before them (the last-block pattern).
 #pragma unroll
         for (int j = 0; j < IXS_KEYS; ++j) {  // every load in flight before the first store
             const int c = tid + j * IXS_THREADS;
-            kr[j] = c < n ? __float_as_uint(__ldcg(scores + c)) : 0u;
+            kr[j] = c < n ? __float_as_uint(scores[c]) : 0u;
         }
 #pragma unroll
         for (int j = 0; j < IXS_KEYS; ++j) {
@@ -107,7 +112,8 @@ __device__ __forceinline__ void ixs_topk(const float* scores, int n, int k, i32*
         __syncthreads();
         if (tid < WARP) {
             // The digit where the count from the top reaches `need` (topk_select_body's
-            // warp scan).
+            // warp scan; a block scan over 2,048 digits of 11 bits, three passes, was
+            // slower at 525 rows and not faster at 8,192).
             u32 cnt[8], tot = 0;
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
@@ -159,19 +165,86 @@ __device__ __forceinline__ void ixs_topk(const float* scores, int n, int k, i32*
             eq += key == kth;
         }
     }
-    const int eq_before = block_exclusive_scan(eq, red, nullptr);
+    // One scan of both counts (equal keys above, larger keys below 16 bits; n ≤ 65,535
+    // is checked by the launcher): a thread's first index is the larger keys before it
+    // plus the equal ones taken before it, min(equal before, need).
+    const int both = block_exclusive_scan((eq << 16) | gt, red, nullptr);
+    const int eq_before = both >> 16, gt_before = both & 0xffff;
     const int eq_take = max(0, min(eq, (int)need - eq_before));
-    int out = block_exclusive_scan(gt + eq_take, red, nullptr);
+    int out = gt_before + min(eq_before, (int)need);
+    // The selection goes to shared memory first (the stage is free: the keys are in
+    // registers), then to `sel` in coalesced stores: a thread's own run of indices
+    // written straight out was a scattered store a key.
+    int* list = reinterpret_cast<int*>(stage);
     int eq_left = eq_take;
     if (reg) {
 #pragma unroll
         for (int j = 0; j < IXS_KEYS; ++j)
-            if (c0 + j < c1 && (kr[j] > kth || (kr[j] == kth && eq_left-- > 0))) sel[out++] = c0 + j;
+            if (c0 + j < c1 && (kr[j] > kth || (kr[j] == kth && eq_left-- > 0))) list[out++] = c0 + j;
     } else {
         for (int c = c0; c < c1; ++c) {
             const u32 key = fkey(__ldcg(scores + c));
-            if (key > kth || (key == kth && eq_left-- > 0)) sel[out++] = c;
+            if (key > kth || (key == kth && eq_left-- > 0)) list[out++] = c;
         }
+    }
+    __syncthreads();
+    for (int i = tid; i < k; i += IXS_THREADS) sel[i] = list[i];
+}
+
+// One tile of 16·RPT scores: the rows `v` (2·RPT float4 a thread: row f / 32, k-quad
+// f % 32 of piece f = tid + 256u) into ks, then thread (rg, g) the dot products of rows
+// rg + 16i (i < RPT) with heads 4g + j, one fused multiply-add chain over k each; each
+// row's group sum in head order, and the 16 groups summed in order by the tile's first
+// threads. Shared-memory loads bound it (a warp's float4 load takes 4 cycles, even a
+// broadcast): RPT = 4 loads 8 float4 a k-quad for 64 products a thread, RPT = 1 loads
+// 5 for 16 but spreads a few rows over 4× the blocks (NOTES session 33). Rows rg + 16i
+// (not 4rg + i) keep a warp's row loads in distinct banks.
+template <int RPT>
+__device__ __forceinline__ void ixs_tile(int c0, int n, const float4* v, const float* qs, float* ks,
+                                         float* red, const float* ws, float* scores) {
+    constexpr int ROWS = 16 * RPT, PIECES = 2 * RPT;
+    const int tid = threadIdx.x, rg = tid % 16, g = tid / 16;
+    __syncthreads();  // the queries are staged; the last tile's ks and red are read
+#pragma unroll
+    for (int u = 0; u < PIECES; ++u) {
+        const int f = tid + u * IXS_THREADS, rr = f / 32, kq = f % 32;
+        *reinterpret_cast<float4*>(ks + rr * IXS_LD + 4 * kq) = v[u];
+    }
+    __syncthreads();
+    float acc[RPT][4];
+#pragma unroll
+    for (int i = 0; i < RPT; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+#pragma unroll 4
+    for (int kq = 0; kq < IXS_DIM / 4; ++kq) {
+        float4 a[RPT], b[4];
+#pragma unroll
+        for (int i = 0; i < RPT; ++i) a[i] = *reinterpret_cast<const float4*>(ks + (rg + 16 * i) * IXS_LD + 4 * kq);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) b[j] = *reinterpret_cast<const float4*>(qs + (4 * g + j) * IXS_LD + 4 * kq);
+#pragma unroll
+        for (int i = 0; i < RPT; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                acc[i][j] = __fmaf_rn(a[i].x, b[j].x, acc[i][j]);
+                acc[i][j] = __fmaf_rn(a[i].y, b[j].y, acc[i][j]);
+                acc[i][j] = __fmaf_rn(a[i].z, b[j].z, acc[i][j]);
+                acc[i][j] = __fmaf_rn(a[i].w, b[j].w, acc[i][j]);
+            }
+    }
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+        float p = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) p = __fmaf_rn(fmaxf(acc[i][j], 0.f), ws[4 * g + j], p);
+        red[g * ROWS + rg + 16 * i] = p;
+    }
+    __syncthreads();
+    if (tid < ROWS && c0 + tid < n) {
+        float sum = 0.f;
+        for (int gg = 0; gg < 16; ++gg) sum += red[gg * ROWS + tid];
+        scores[c0 + tid] = sum;
     }
 }
 
@@ -179,8 +252,9 @@ extern "C" __global__ void __launch_bounds__(IXS_THREADS) __cluster_dims__(IXS_C
     indexer_step(const Step* step, const float* index_rows, const float* q_raw, RopeP rope,
                  const float* wt, float wscale, int ratio, int top_k, float* scores,
                  int scores_stride, i32* sel, u32* done, const u64* kvt) {
-    __shared__ __align__(16) float qs[IXS_HEADS * IXS_LD];  // qs[h][k]
-    __shared__ __align__(16) float ks[IXS_ROWS * IXS_LD];   // ks[row][k]
+    extern __shared__ __align__(16) float ixs_smem[];
+    float* qs = ixs_smem;                   // [IXS_HEADS][IXS_LD]: qs[h][k]
+    float* ks = ixs_smem + IXS_HEADS * IXS_LD;  // [IXS_ROWS][IXS_LD]: ks[row][k]
     __shared__ float red[16 * IXS_ROWS];                    // [head group][row]
     __shared__ float ws[IXS_HEADS];
     __shared__ int last;
@@ -214,14 +288,18 @@ extern "C" __global__ void __launch_bounds__(IXS_THREADS) __cluster_dims__(IXS_C
     float4 xv[HW];
 #pragma unroll
     for (int i = 0; i < HW; ++i) xv[i] = ldx4(q_raw + (i64)(8 * (rank + IXS_CLUSTER * i) + wid) * IXS_DIM + e0);
-    const int tiles = (n + IXS_ROWS - 1) / IXS_ROWS;
-    float4 kv[2];
+    // Past IXS_NARROW_MAX live rows, 64-row tiles; below, 16-row tiles over more blocks.
+    const bool wide = n > IXS_NARROW_MAX;
+    const int tile_rows = wide ? IXS_ROWS : 16, pieces = tile_rows / 8;
+    const int tiles = (n + tile_rows - 1) / tile_rows;
+    // The rows of the block's first tile, in flight during the queries' work.
+    float4 kv[IXS_ROWS / 8];
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
+    for (int u = 0; u < IXS_ROWS / 8; ++u) {
         const int f = tid + u * IXS_THREADS, rr = f / 32, kq = f % 32;
-        const int c = blockIdx.x * IXS_ROWS + rr;
+        const int c = blockIdx.x * tile_rows + rr;
         kv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (c < n) kv[u] = ldx4(index_rows + (i64)c * IXS_DIM + 4 * kq);
+        if (u < pieces && c < n) kv[u] = ldx4(index_rows + (i64)c * IXS_DIM + 4 * kq);
     }
     if (tid < IXS_HEADS) ws[tid] = wt[(i64)t * IXS_HEADS + tid] * wscale;
     // The lane's two rotations (rope_pair_f's angle and values), the same for every head.
@@ -289,44 +367,21 @@ extern "C" __global__ void __launch_bounds__(IXS_THREADS) __cluster_dims__(IXS_C
         }
     }
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-    // ---- The scores, 16 rows a tile. Thread (row r, head group g) owns 4 dot products.
-    // The next tile's rows are loaded while this one's are summed.
-    const int r = tid % IXS_ROWS, g = tid / IXS_ROWS;
+    // ---- The scores, a tile at a time (the first one's rows already loaded).
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int c0 = tile * IXS_ROWS;
-        __syncthreads();  // the queries are staged; the last tile's ks and red are read
+        if (tile != (int)blockIdx.x) {
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            const int f = tid + u * IXS_THREADS, rr = f / 32, kq = f % 32;
-            *reinterpret_cast<float4*>(ks + rr * IXS_LD + 4 * kq) = kv[u];
-            const int c = c0 + gridDim.x * IXS_ROWS + rr;
-            kv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (c < n) kv[u] = ldx4(index_rows + (i64)c * IXS_DIM + 4 * kq);
-        }
-        __syncthreads();
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 8
-        for (int kq = 0; kq < IXS_DIM / 4; ++kq) {
-            const float4 a = *reinterpret_cast<const float4*>(ks + r * IXS_LD + 4 * kq);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const float4 b = *reinterpret_cast<const float4*>(qs + (4 * g + i) * IXS_LD + 4 * kq);
-                acc[i] = __fmaf_rn(a.x, b.x, acc[i]);
-                acc[i] = __fmaf_rn(a.y, b.y, acc[i]);
-                acc[i] = __fmaf_rn(a.z, b.z, acc[i]);
-                acc[i] = __fmaf_rn(a.w, b.w, acc[i]);
+            for (int u = 0; u < IXS_ROWS / 8; ++u) {
+                const int f = tid + u * IXS_THREADS, rr = f / 32, kq = f % 32;
+                const int c = tile * tile_rows + rr;
+                kv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (u < pieces && c < n) kv[u] = ldx4(index_rows + (i64)c * IXS_DIM + 4 * kq);
             }
         }
-        float p = 0.f;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) p = __fmaf_rn(fmaxf(acc[i], 0.f), ws[4 * g + i], p);
-        red[g * IXS_ROWS + r] = p;
-        __syncthreads();
-        if (tid < IXS_ROWS && c0 + tid < n) {
-            float sum = 0.f;
-            for (int gg = 0; gg < 16; ++gg) sum += red[gg * IXS_ROWS + tid];
-            scores[c0 + tid] = sum;
-        }
+        if (wide)
+            ixs_tile<4>(tile * tile_rows, n, kv, qs, ks, red, ws, scores);
+        else
+            ixs_tile<1>(tile * tile_rows, n, kv, qs, ks, red, ws, scores);
     }
 
     // ---- The last block to finish selects.

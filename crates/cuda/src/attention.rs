@@ -11,9 +11,14 @@ use crate::error::CudaError;
 use crate::layer::{cfg, cfg2, wide_grid, wide_rope_fits, RopeP, WIDE_THREADS};
 use crate::plan::{Launcher, Variant};
 
-/// The most compressed rows a token for which `indexer_step` is used (a 10k context
-/// at ratio 4); past it the three-launch chain is faster (NOTES session 33).
-pub const INDEXER_STEP_MAX_ROWS: usize = 2560;
+/// The most compressed rows a token for which `indexer_step` is used: a 32k context
+/// at ratio 4 (`ctx / 4 + 2`, the default context), whose live rows (at most 8,192)
+/// keep the top-k's keys in registers. Past it the three-launch chain is used.
+pub const INDEXER_STEP_MAX_ROWS: usize = 8194;
+
+/// indexer_step's dynamic shared memory: the 64 queries and a 64-row tile, 132 floats
+/// a row (layer_indexer_step.cu, IXS_LD).
+const INDEXER_STEP_SMEM: usize = (64 + 64) * 132 * 4;
 
 /// What the attention launchers read for `n_tok` tokens (device addresses): queries
 /// `q` (n_tok × heads × hd), the raw ring (position p at slot p % raw_cap, the last
@@ -183,9 +188,7 @@ impl Launcher<'_> {
 
     /// Whether `indexer_step` takes an indexer of `heads` × `dim` with RoPE on its last
     /// `rope_dim` dims and up to `max_rows` compressed rows a token: the Flash shape,
-    /// an even RoPE start, and contexts where one launch beats the three-launch chain
-    /// (its top-k runs in one 256-thread block: past ~2.5k rows the chain's 1,024-thread
-    /// top-k wins; NOTES session 33).
+    /// an even RoPE start, and up to [`INDEXER_STEP_MAX_ROWS`] rows.
     pub fn indexer_step_fits(
         &self,
         heads: usize,
@@ -224,17 +227,33 @@ impl Launcher<'_> {
         done: u64,
         kvt: u64,
     ) -> Result<(), CudaError> {
-        if max_rows > scores_stride || ratio == 0 || top_k == 0 || rope.rope_dim as usize > 128 {
+        if max_rows > scores_stride
+            || max_rows > INDEXER_STEP_MAX_ROWS
+            || ratio == 0
+            || top_k == 0
+            || top_k > 4096
+            || rope.rope_dim as usize > 128
+        {
             return Err(CudaError::Invalid(format!(
-                "indexer_step: {max_rows} rows in a stride of {scores_stride}, ratio {ratio}, top-k {top_k}"
+                "indexer_step: {max_rows} rows (at most {INDEXER_STEP_MAX_ROWS}) in a stride of \
+                 {scores_stride}, ratio {ratio}, top-k {top_k} (1 to 4,096)"
             )));
         }
-        // 16-row tiles over a grid-stride loop of at most two blocks an SM, in clusters
-        // of 8 (each block of a cluster transforms 8 of the 64 heads for all 8).
-        let sms = self.info().multiprocessors.max(1) as usize;
-        let blocks = max_rows.div_ceil(16).clamp(1, 2 * sms).next_multiple_of(8);
+        // A block a tile (16 rows up to 2,048 live rows, 64 past them) over a
+        // grid-stride loop, in clusters of 8 (each block of a cluster transforms 8 of
+        // the 64 heads for all 8), at most 64 blocks (8 clusters) on an H200's 132 SMs:
+        // a cluster's 8 blocks start together within one GPC, and at 16 clusters
+        // (128 blocks) the last ones started 6-8 µs late (NOTES session 33).
+        let sms = self.info().multiprocessors.max(16) as usize;
+        let tiles = max_rows.min(2048).div_ceil(16).max(max_rows.div_ceil(64));
+        let blocks = tiles
+            .clamp(1, (sms / 2).min(64) / 8 * 8)
+            .next_multiple_of(8);
         let (r, k, ss) = (ratio as i32, top_k as i32, scores_stride as i32);
-        launch!(self, "indexer_step", cfg2(blocks as u32, n_tok, 256);
+        let mut cfg = cfg2(blocks as u32, n_tok, 256);
+        cfg.shared_mem_bytes = INDEXER_STEP_SMEM as u32;
+        self.allow_smem("indexer_step", INDEXER_STEP_SMEM)?;
+        launch!(self, "indexer_step", cfg;
             step, rows, q_raw, rope, wt, wscale, r, k, scores, ss, sel, done, kvt
         )
     }

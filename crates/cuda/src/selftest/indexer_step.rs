@@ -2,10 +2,11 @@
 //! in one launch, against the three-launch chain it replaces (`indexer_q`,
 //! `indexer_scores`, `topk_select`, each in its default variant and on the FMA pipes)
 //! bit for bit: the scores of every live row and the selection. Rows and queries as
-//! the model makes them (FP4-simulated rows, raw queries that the kernels round), at
-//! positions past top-k, at top-k (nothing selected: `sel` untouched), at the most rows
-//! the fused path takes, and a step of three tokens. Each case runs the fused kernel
-//! twice: its block counters must be back at zero for the second launch.
+//! the model makes them (FP4-simulated rows, raw queries that the kernels round), on
+//! both tile shapes, at top-k (nothing selected: `sel` untouched), at the most keys the
+//! top-k holds in registers and past them, and a step of three tokens. Each case runs
+//! the fused kernel twice: its block counters must be back at zero for the second
+//! launch.
 
 use anyhow::Result;
 use ds4_gguf::quant::qat::fp4_e2m1_inplace;
@@ -30,9 +31,14 @@ pub(super) fn check_indexer_step(gpu: &Launcher, seed: u64) -> Result<Vec<Check>
     // The chain on the FMA kernels (a batch would otherwise score on tensor cores).
     let chain_gpu = gpu.with(Variant::IdxMma, false);
     let mut checks = Vec::new();
-    let cases: [&[usize]; 4] = [
+    // 525 rows (16-row tiles); 511 (≤ top-k: nothing selected); 2,050 (64-row tiles);
+    // 8,192 (the most keys the top-k holds in registers); 8,194 (its memory path);
+    // three tokens.
+    let cases: [&[usize]; 6] = [
         &[2100],
         &[2047],
+        &[8199],
+        &[32767],
         &[max_rows * RATIO - 1],
         &[2100, 2047, 6001],
     ];
