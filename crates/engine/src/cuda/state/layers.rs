@@ -578,10 +578,12 @@ impl KvView<'_> {
                 let wscale =
                     ((c.idx_head_dim as f64).powf(-0.5) * (c.idx_heads as f64).powf(-0.5)) as f32;
                 debug_assert!(max_rows <= s.iscores_stride);
-                // A decode token (or a batched step's rows): query, scores and top-k in
-                // one launch where it fits (`idx_step`); a multi-row step keeps the
-                // chain, whose batched scores run on tensor cores.
-                let fused = (n == 1 || px.kvt != 0)
+                // A decode token: query, scores and top-k in one launch where it fits
+                // (`idx_step`). A multi-row step keeps the chain (its batched scores
+                // run on tensor cores), and so does a batched step over sessions: the
+                // kernel takes a KV table, but its 8-session timing is not measured yet.
+                let fused = n == 1
+                    && px.kvt == 0
                     && g.indexer_step_fits(
                         c.idx_heads,
                         c.idx_head_dim,
