@@ -7,9 +7,10 @@
 // The blocks run in clusters of 8: each block turns 8 of the token's 64 raw queries
 // (the q_b product) into the indexer's queries — RoPE, Hadamard, FP4, the same
 // operations in the same order as indexer_q_warp, so the same bits — and writes them
-// into the shared memory of all 8 blocks of its cluster. Then each block scores 64-row
-// tiles of the compressed rows over a grid-stride loop, and the last block to finish
-// runs the top-k over the token's scores. Nothing is written back to the queries.
+// into the shared memory of all 8 blocks of its cluster. Then each block scores tiles
+// of the compressed rows (16 rows up to IXS_NARROW_MAX live rows, 64 past them) over a
+// grid-stride loop, and the last block to finish runs the top-k over the token's
+// scores. Nothing is written back to the queries.
 // (One block doing all 64 heads itself took ~3 µs of the launch's ~12 at 2k.)
 //
 // The sums are indexer_scores' own: each (row, head) dot product is one fused
@@ -18,8 +19,9 @@
 // the three-launch path's bit for bit (gpu-selftest checks it).
 //
 // Shape: 64 heads × 128 dims (the Flash indexer), 256 threads. gridDim.y = tokens
-// (one session's, or a batched step's rows with `kvt`). `done` holds one counter per
-// token, zero between launches: the last block resets it.
+// (the engine launches it for one decode token; the kernel also takes several, and a
+// batched step's rows with `kvt`). `done` holds one counter per token, zero between
+// launches: the last block resets it.
 #include "common.cuh"
 
 #define IXS_HEADS 64
