@@ -249,6 +249,43 @@ __device__ int block_exclusive_scan(int v, int* red, int* total) {
     return before;
 }
 
+// One radix pass's choice, by the first warp: the digit of the 256-bin histogram
+// `hist` where the count from the top reaches `need` — lane l scans digits
+// 255 − 8l … 248 − 8l after a warp prefix sum of the lanes' totals (one thread walking
+// 256 digits was most of topk_select's time) — written as prefix | digit << shift with
+// the rank still to find among its keys. Called by threads 0…31 only.
+__device__ __forceinline__ void topk_pick_digit(const u32* hist, u32 prefix, u32 need, int shift,
+                                                u32* sel_prefix, u32* sel_need) {
+    const int lane = threadIdx.x;
+    u32 cnt[8], tot = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        cnt[j] = hist[255 - 8 * lane - j];
+        tot += cnt[j];
+    }
+    u32 incl = tot;
+#pragma unroll
+    for (int o = 1; o < WARP; o <<= 1) {
+        const u32 y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+    }
+    const u32 before = incl - tot;
+    if (before < need && need <= incl) {
+        u32 acc = before;
+        int digit = 248 - 8 * lane;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            if (acc + cnt[j] >= need) {
+                digit = 255 - 8 * lane - j;
+                break;
+            }
+            acc += cnt[j];
+        }
+        *sel_prefix = prefix | ((u32)digit << shift);
+        *sel_need = need - acc;
+    }
+}
+
 // ---- Top-k selection over n scores: sel receives the indices of the k largest in
 // ascending index order (ties at the k-th value to the lowest indices), found by a
 // 4-pass radix select and a block-wide compaction. With n ≤ k nothing is written:
@@ -309,39 +346,7 @@ __device__ __forceinline__ void topk_select_body(const Step* step, const float* 
             }
         }
         __syncthreads();
-        if (threadIdx.x < WARP) {
-            // The digit where the count from the top reaches `need`: lane l scans digits
-            // 255 − 8l … 248 − 8l after a warp prefix sum of the lanes' totals (one
-            // thread walking 256 digits was most of this kernel's time).
-            const int lane = threadIdx.x;
-            u32 cnt[8], tot = 0;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                cnt[j] = hist[255 - 8 * lane - j];
-                tot += cnt[j];
-            }
-            u32 incl = tot;
-#pragma unroll
-            for (int o = 1; o < WARP; o <<= 1) {
-                const u32 y = __shfl_up_sync(0xffffffffu, incl, o);
-                if (lane >= o) incl += y;
-            }
-            const u32 before = incl - tot;
-            if (before < need && need <= incl) {
-                u32 acc = before;
-                int digit = 248 - 8 * lane;
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    if (acc + cnt[j] >= need) {
-                        digit = 255 - 8 * lane - j;
-                        break;
-                    }
-                    acc += cnt[j];
-                }
-                sel_prefix = prefix | ((u32)digit << shift);
-                sel_need = need - acc;
-            }
-        }
+        if (threadIdx.x < WARP) topk_pick_digit(hist, prefix, need, shift, &sel_prefix, &sel_need);
         __syncthreads();
         prefix = sel_prefix;
         need = sel_need;

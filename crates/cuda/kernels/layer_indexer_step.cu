@@ -65,7 +65,7 @@ __device__ __forceinline__ void ixs_topk(const float* scores, int n, int k, i32*
     __shared__ u32 hist[256];
     __shared__ u32 sel_prefix, sel_need;
     __shared__ int red[32];
-    const int tid = threadIdx.x, lane = tid % WARP;
+    const int tid = threadIdx.x;
     const int chunk = (n + IXS_THREADS - 1) / IXS_THREADS;
     const int c0 = min(n, tid * chunk), c1 = min(n, c0 + chunk);
     const bool reg = chunk <= IXS_KEYS;
@@ -112,38 +112,9 @@ __device__ __forceinline__ void ixs_topk(const float* scores, int n, int k, i32*
             }
         }
         __syncthreads();
-        if (tid < WARP) {
-            // The digit where the count from the top reaches `need` (topk_select_body's
-            // warp scan; a block scan over 2,048 digits of 11 bits, three passes, was
-            // slower at 525 rows and not faster at 8,192).
-            u32 cnt[8], tot = 0;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                cnt[j] = hist[255 - 8 * lane - j];
-                tot += cnt[j];
-            }
-            u32 incl = tot;
-#pragma unroll
-            for (int o = 1; o < WARP; o <<= 1) {
-                const u32 y = __shfl_up_sync(0xffffffffu, incl, o);
-                if (lane >= o) incl += y;
-            }
-            const u32 before = incl - tot;
-            if (before < need && need <= incl) {
-                u32 acc = before;
-                int digit = 248 - 8 * lane;
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    if (acc + cnt[j] >= need) {
-                        digit = 255 - 8 * lane - j;
-                        break;
-                    }
-                    acc += cnt[j];
-                }
-                sel_prefix = prefix | ((u32)digit << shift);
-                sel_need = need - acc;
-            }
-        }
+        // (A block scan over 2,048 digits of 11 bits, three passes, was slower at 525
+        // rows and not faster at 8,192.)
+        if (tid < WARP) topk_pick_digit(hist, prefix, need, shift, &sel_prefix, &sel_need);
         __syncthreads();
         prefix = sel_prefix;
         need = sel_need;
