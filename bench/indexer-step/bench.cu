@@ -40,21 +40,24 @@ int main() {
     const int smem_old = (2 * 128 * 68 + 16 * 64) * 4;
     CK(cudaFuncSetAttribute(indexer_scores_sp, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_old));
     cudaStream_t st; CK(cudaStreamCreate(&st));
-    CK(cudaFuncSetAttribute(indexer_step, cudaFuncAttributeMaxDynamicSharedMemorySize, 67584));
+    CK(cudaFuncSetAttribute(indexer_step, cudaFuncAttributeMaxDynamicSharedMemorySize, IXS_SMEM));
     int ctxs[] = {2100, 4096, 8192, 16384, 24576, 32768};
     for (int ctx : ctxs) {
         Step s; s.pos = ctx - 1; s.token = 0;
         CK(cudaMemcpy(d_step, &s, 8, cudaMemcpyHostToDevice));
         const int n = ctx / RATIO, max_rows = n + 2;
         const int g_old = (max_rows + 63) / 64;
-        const int g_new = (std::min(std::max((std::min(max_rows, 2048) + 15) / 16, (max_rows + 63) / 64), std::min(64, NSM / 2 / 8 * 8)) + 7) / 8 * 8;
+        // The launcher's grid (Launcher::indexer_step).
+        const int tiles = std::max((std::min(max_rows, IXS_NARROW_MAX) + 15) / 16, (max_rows + IXS_ROWS - 1) / IXS_ROWS);
+        const int cap = std::min(NSM / 2, 8 * IXS_CLUSTER) / IXS_CLUSTER * IXS_CLUSTER;
+        const int g_new = (std::max(1, std::min(tiles, cap)) + IXS_CLUSTER - 1) / IXS_CLUSTER * IXS_CLUSTER;
         auto old_chain = [&]() {
             indexer_q_warp<<<8, 256, 0, st>>>(d_step, d_qi, H, rp);
             indexer_scores_sp<<<dim3(g_old, 1), 256, smem_old, st>>>(d_step, d_rows, d_qi, d_wt, H, D, wscale, RATIO, K, d_sc1, max_rows, nullptr);
             topk_select_rg<<<dim3(1, 1), 1024, 0, st>>>(d_step, d_sc1, max_rows, RATIO, K, d_sel1);
         };
         auto new_chain = [&]() {
-            indexer_step<<<dim3(g_new, 1), 256, 67584, st>>>(d_step, d_rows, d_q, rp, d_wt, wscale, RATIO, K, d_sc2, max_rows, d_sel2, d_done, nullptr);
+            indexer_step<<<dim3(g_new, 1), 256, IXS_SMEM, st>>>(d_step, d_rows, d_q, rp, d_wt, wscale, RATIO, K, d_sc2, max_rows, d_sel2, d_done, nullptr);
         };
         CK(cudaMemcpyAsync(d_qi, d_q, q.size() * 4, cudaMemcpyDeviceToDevice, st));
         CK(cudaMemsetAsync(d_sc1, 0, NMAX * 4, st)); CK(cudaMemsetAsync(d_sc2, 0, NMAX * 4, st));

@@ -44,6 +44,15 @@
 
 // Rows per shared-memory batch of attention_split_staged (layer_attention.cu).
 #define ATT_STAGE_ROWS 32 // rust: usize
+// indexer_step (layer_indexer_step.cu, `idx_step`): rows of its wide tile, live rows
+// up to which its tiles are 16 rows, blocks a cluster, the row stride (floats) of its
+// staged queries and rows, and its dynamic shared memory (the 64 queries and a wide
+// tile: (64 + IXS_ROWS) · IXS_LD floats).
+#define IXS_ROWS 64 // rust: usize
+#define IXS_NARROW_MAX 2048 // rust: usize
+#define IXS_CLUSTER 8 // rust: usize
+#define IXS_LD 132 // rust: usize
+#define IXS_SMEM 67584 // rust: usize
 // The one attention shape of attention_prefill_mma (mma_attention.cu).
 #define AMMA_HEADS 64 // rust: usize
 #define AMMA_HD 512 // rust: usize

@@ -26,15 +26,15 @@
 
 #define IXS_HEADS 64
 #define IXS_DIM 128
-#define IXS_ROWS 64            // rows of a wide tile: thread (rg, g) has rows rg + 16i, heads 4g + j
-#define IXS_NARROW_MAX 2048    // live rows up to which tiles are 16 rows (one a thread)
-#define IXS_LD 132             // row stride of the staged queries and rows (floats)
+// IXS_ROWS (a wide tile: thread (rg, g) has rows rg + 16i, heads 4g + j), IXS_NARROW_MAX
+// (live rows up to which tiles are 16 rows, one a thread), IXS_CLUSTER (blocks a
+// cluster: each transforms 8 of the 64 heads), IXS_LD (the row stride of the staged
+// queries and rows, floats) and IXS_SMEM: ds4_consts.h, shared with the launcher.
 #define IXS_THREADS 256
 #define IXS_KEYS 32            // keys a thread holds in registers during the top-k
 static_assert(IXS_KEYS * IXS_THREADS * 33 / 32 <= IXS_HEADS * IXS_LD, "top-k staging fits in qs");
-// Dynamic shared memory: the queries and a tile's rows, (64 + 64) × IXS_LD floats
-// (67,584 bytes; the launcher's INDEXER_STEP_SMEM).
-#define IXS_CLUSTER 8          // blocks a cluster: each transforms 8 of the 64 heads
+static_assert(IXS_SMEM == (IXS_HEADS + IXS_ROWS) * IXS_LD * 4, "dynamic shared memory: queries + tile");
+static_assert(IXS_HEADS == 8 * IXS_CLUSTER, "a cluster block transforms 8 heads, one a warp");
 
 // pow2_ceil_log2 for x ≥ 2^−126 (normal or +∞: the FP4 scale's amax / 6 always is),
 // without its subnormal branch: 2^c, c = ⌈log2 x⌉ from the bits, ldexpf(1, c)'s value.

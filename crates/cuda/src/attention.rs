@@ -16,10 +16,6 @@ use crate::plan::{Launcher, Variant};
 /// keep the top-k's keys in registers. Past it the three-launch chain is used.
 pub const INDEXER_STEP_MAX_ROWS: usize = 8194;
 
-/// indexer_step's dynamic shared memory: the 64 queries and a 64-row tile, 132 floats
-/// a row (layer_indexer_step.cu, IXS_LD).
-const INDEXER_STEP_SMEM: usize = (64 + 64) * 132 * 4;
-
 /// What the attention launchers read for `n_tok` tokens (device addresses): queries
 /// `q` (n_tok × heads × hd), the raw ring (position p at slot p % raw_cap, the last
 /// `window` positions attended), the compressed rows of `ratio` (0 = none), the top-k
@@ -87,7 +83,9 @@ impl AttnTail {
 
 // Rows per shared-memory batch of `attention_split_staged` (ATT_STAGE_ROWS), the
 // attention shape of `attention_prefill_mma` (AMMA_HEADS × AMMA_HD).
-use crate::consts::{AMMA_HD, AMMA_HEADS, ATT_STAGE_ROWS};
+use crate::consts::{
+    AMMA_HD, AMMA_HEADS, ATT_STAGE_ROWS, IXS_CLUSTER, IXS_NARROW_MAX, IXS_ROWS, IXS_SMEM,
+};
 
 impl Gpu {
     /// Whether [`Launcher::attention_prefill_mma`] takes this attention shape.
@@ -245,14 +243,17 @@ impl Launcher<'_> {
         // a cluster's 8 blocks start together within one GPC, and at 16 clusters
         // (128 blocks) the last ones started 6-8 µs late (NOTES session 33).
         let sms = self.info().multiprocessors.max(16) as usize;
-        let tiles = max_rows.min(2048).div_ceil(16).max(max_rows.div_ceil(64));
+        let tiles = (max_rows.min(IXS_NARROW_MAX).div_ceil(16)).max(max_rows.div_ceil(IXS_ROWS));
         let blocks = tiles
-            .clamp(1, (sms / 2).min(64) / 8 * 8)
-            .next_multiple_of(8);
+            .clamp(
+                1,
+                (sms / 2).min(8 * IXS_CLUSTER) / IXS_CLUSTER * IXS_CLUSTER,
+            )
+            .next_multiple_of(IXS_CLUSTER);
         let (r, k, ss) = (ratio as i32, top_k as i32, scores_stride as i32);
         let mut cfg = cfg2(blocks as u32, n_tok, 256);
-        cfg.shared_mem_bytes = INDEXER_STEP_SMEM as u32;
-        self.allow_smem("indexer_step", INDEXER_STEP_SMEM)?;
+        cfg.shared_mem_bytes = IXS_SMEM as u32;
+        self.allow_smem("indexer_step", IXS_SMEM)?;
         launch!(self, "indexer_step", cfg;
             step, rows, q_raw, rope, wt, wscale, r, k, scores, ss, sel, done, kvt
         )
