@@ -3,6 +3,7 @@
 // CUDA graph of 20 launches (PDL off), at 525 to 8,192 live rows; checks that both give
 // the same scores and selection. Build and run with bench/indexer-step/run.sh (nvcc and
 // a GPU; the binary is stand-alone). Grid as the launcher sets it for a 132-SM H200.
+// Then the same beside the attention's q_b product on another stream ("contended").
 #include "all_kernels.cu"
 #include <cstdio>
 #include <cstdlib>
@@ -10,6 +11,98 @@
 #include <vector>
 #include <random>
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); exit(1); } } while (0)
+
+// ---- Contended: the indexer beside the attention's q_b product, as in the decode
+// graph. There the main lane's q_b (matvec_q8_0_q8_r4, 32,768 rows × 1,024 Q8_0, ~36 MB,
+// 1,024 blocks, background priority) starts a few µs before the indexer lane's
+// selection, and an in-graph trace put indexer_step at 18–19 µs against ~11.4 alone
+// (NOTES session 34). Each repetition: q_b on one stream (weights rotated over 4
+// copies, past the L2), on another a spin of DELAY µs then the indexer (chain or
+// fused), joined; µs a repetition for each alone and both together.
+__global__ void ixb_spin(long ns) {
+    long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}
+static void contended(cudaStream_t st, Step* d_step, float* d_rows, float* d_q, float* d_qi, float* d_wt,
+                      RopeP rp, float wscale, float* d_sc1, float* d_sc2, int* d_sel1, int* d_sel2,
+                      unsigned* d_done) {
+    const int H = 64, D = 128, K = 512, RATIO = 4, NSM = 132, QB_ROWS = 32768, QB_COLS = 1024, COPIES = 4;
+    const size_t wq = (size_t)QB_ROWS * QB_COLS, wd = (size_t)QB_ROWS * QB_COLS / 32;
+    i8 *d_wq, *d_xq; u16* d_wd; float *d_xd, *d_y;
+    CK(cudaMalloc(&d_wq, wq * COPIES)); CK(cudaMalloc(&d_wd, wd * 2 * COPIES));
+    CK(cudaMalloc(&d_xq, QB_COLS)); CK(cudaMalloc(&d_xd, QB_COLS / 32 * 4)); CK(cudaMalloc(&d_y, QB_ROWS * 4));
+    {
+        std::vector<i8> hq(wq * COPIES); std::vector<u16> hd(wd * COPIES, 0x2000);  // f16 2^-7
+        std::mt19937 r(3);
+        for (auto& v : hq) v = (i8)(r() % 255 - 127);
+        CK(cudaMemcpy(d_wq, hq.data(), hq.size(), cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(d_wd, hd.data(), hd.size() * 2, cudaMemcpyHostToDevice));
+        std::vector<i8> xq(QB_COLS); std::vector<float> xd(QB_COLS / 32, 0.01f);
+        for (auto& v : xq) v = (i8)(r() % 255 - 127);
+        CK(cudaMemcpy(d_xq, xq.data(), QB_COLS, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(d_xd, xd.data(), xd.size() * 4, cudaMemcpyHostToDevice));
+    }
+    // The indexer at the greatest priority, q_b at the least (the engine's `prio`).
+    int least, greatest; CK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    cudaStream_t sa, sb;
+    CK(cudaStreamCreateWithPriority(&sa, cudaStreamNonBlocking, greatest));
+    CK(cudaStreamCreateWithPriority(&sb, cudaStreamNonBlocking, least));
+    cudaEvent_t fork, joined; CK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming)); CK(cudaEventCreateWithFlags(&joined, cudaEventDisableTiming));
+    const int smem_old = (2 * 128 * 68 + 16 * 64) * 4;
+    const int delay_ns = 5000;
+    int ctxs[] = {2100, 8192, 32768};
+    for (int ctx : ctxs) {
+        Step s; s.pos = ctx - 1; s.token = 0;
+        CK(cudaMemcpy(d_step, &s, 8, cudaMemcpyHostToDevice));
+        const int n = ctx / RATIO, max_rows = n + 2;
+        const int g_old = (max_rows + 63) / 64;
+        const int tiles = std::max((std::min(max_rows, IXS_NARROW_MAX) + 15) / 16, (max_rows + IXS_ROWS - 1) / IXS_ROWS);
+        const int cap = std::min(NSM / 2, 8 * IXS_CLUSTER) / IXS_CLUSTER * IXS_CLUSTER;
+        const int g_new = (std::max(1, std::min(tiles, cap)) + IXS_CLUSTER - 1) / IXS_CLUSTER * IXS_CLUSTER;
+        float t[5];
+        // w: 0 q_b alone, 1 chain alone, 2 fused alone, 3 q_b + chain, 4 q_b + fused.
+        for (int w = 0; w < 5; ++w) {
+            cudaGraph_t gr; cudaGraphExec_t ge;
+            CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+            for (int i = 0; i < 20; ++i) {
+                CK(cudaEventRecord(fork, st));
+                CK(cudaStreamWaitEvent(sa, fork)); CK(cudaStreamWaitEvent(sb, fork));
+                if (w == 0 || w >= 3) {
+                    const int c = i % COPIES;
+                    MatSel sel; sel.ids = nullptr; sel.x_stride = 0; sel.y_stride = 0;
+                    matvec_q8_0_q8_r4<<<dim3(QB_ROWS / 32, 1), dim3(32, 8), 0, sb>>>(
+                        d_wq + wq * c, (const u16*)(d_wd + wd * c), 0, 0, d_xq, d_xd, d_y, QB_ROWS, QB_COLS, sel, 1);
+                }
+                if (w >= 1) {
+                    ixb_spin<<<1, 32, 0, sa>>>(delay_ns);
+                    if (w == 1 || w == 3) {
+                        indexer_q_warp<<<8, 256, 0, sa>>>(d_step, d_qi, H, rp);
+                        indexer_scores_sp<<<dim3(g_old, 1), 256, smem_old, sa>>>(d_step, d_rows, d_qi, d_wt, H, D, wscale, RATIO, K, d_sc1, max_rows, nullptr);
+                        topk_select_rg<<<dim3(1, 1), 1024, 0, sa>>>(d_step, d_sc1, max_rows, RATIO, K, d_sel1);
+                    } else {
+                        indexer_step<<<dim3(g_new, 1), 256, IXS_SMEM, sa>>>(d_step, d_rows, d_q, rp, d_wt, wscale, RATIO, K, d_sc2, max_rows, d_sel2, d_done, nullptr);
+                    }
+                }
+                CK(cudaEventRecord(joined, sa)); CK(cudaStreamWaitEvent(st, joined));
+                CK(cudaEventRecord(joined, sb)); CK(cudaStreamWaitEvent(st, joined));
+            }
+            // Node priorities as the engine's graphs use them (captured from the streams').
+            CK(cudaStreamEndCapture(st, &gr));
+            CK(cudaGraphInstantiateWithFlags(&ge, gr, cudaGraphInstantiateFlagUseNodePriority));
+            for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ge, st));
+            cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
+            cudaEventRecord(a, st);
+            for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(ge, st));
+            cudaEventRecord(b, st); CK(cudaEventSynchronize(b));
+            float ms; cudaEventElapsedTime(&ms, a, b); t[w] = ms * 1000.f / (20 * 20);
+            CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(gr));
+        }
+        printf("contended ctx %6d n %5d  q_b %6.2f  chain %6.2f  fused %6.2f  (after a %.0f us spin)  q_b+chain %6.2f  q_b+fused %6.2f us\n",
+               ctx, n, t[0], t[1], t[2], delay_ns / 1000.0, t[3], t[4]);
+    }
+}
+
 int main() {
     const int H = 64, D = 128, K = 512, RATIO = 4, NSM = 132;
     std::mt19937 rng(7);
@@ -41,7 +134,7 @@ int main() {
     CK(cudaFuncSetAttribute(indexer_scores_sp, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_old));
     cudaStream_t st; CK(cudaStreamCreate(&st));
     CK(cudaFuncSetAttribute(indexer_step, cudaFuncAttributeMaxDynamicSharedMemorySize, IXS_SMEM));
-    int ctxs[] = {2100, 4096, 8192, 16384, 24576, 32768};
+    int ctxs[] = {2100, 4096, 8192, 16384, 24576, 32768, 32900, 49152, 65536, 131072};
     for (int ctx : ctxs) {
         Step s; s.pos = ctx - 1; s.token = 0;
         CK(cudaMemcpy(d_step, &s, 8, cudaMemcpyHostToDevice));
@@ -92,5 +185,6 @@ int main() {
         }
         printf("ctx %6d n %5d  old %6.2f us (q %.2f sc %.2f tk %.2f)  new %6.2f us (grid %d)  score diffs %d  sel diffs %d\n", ctx, n, t[0], t[2], t[3], t[4], t[1], g_new, bad_s, bad_l);
     }
+    contended(st, d_step, d_rows, d_q, d_qi, d_wt, rp, wscale, d_sc1, d_sc2, d_sel1, d_sel2, d_done);
     return 0;
 }

@@ -10,7 +10,7 @@ nvcc=${NVCC:-nvcc}
 {
     cat "$k/ds4_consts.h"
     grep -v 'ds4_consts.h' "$k/common.cuh"
-    for f in layer.cu layer_indexer.cu layer_indexer_step.cu; do grep -v '#include "common.cuh"' "$k/$f"; done
+    for f in layer.cu layer_indexer.cu layer_indexer_step.cu matvec.cu matvec_q8act.cu; do grep -v '#include "common.cuh"' "$k/$f"; done
 } > "$out/all_kernels.cu"
 cp "$here/bench.cu" "$out/"
 lib=$(dirname "$(command -v "$nvcc")")/../lib
