@@ -21,6 +21,9 @@ graph was captured from, so this works from time alone:
   (the default) kernels start before their predecessor ends and report that wait as
   run time, so trace with DS4_CUDA_PDL=0 to read the chain;
 * with --timeline, every kernel of the token (µs from its start, * = on the chain);
+* with --around NAME, each launch of kernel NAME in the token with the kernels that ran
+  beside it (and for how long) and the one it followed on the chain: what a kernel
+  shares the GPU with in the graph, which a stand-alone timing does not see;
 * with --halves, the wall time of each layer half, from one HC end (`hc_post_pl`, or
   `hc_post_gram` under the default `hc_gram`) to the next, summed by kind (attention of a window-only, ratio-128 or indexed layer; FFN).
   End to end, so it reads a trace with programmatic dependent launch on (the default),
@@ -127,12 +130,49 @@ def halves(tok):
     return out, (t[-1][3] - prev) / 1e3
 
 
+def around(tok, name, on_chain):
+    """Each launch of `name`: the kernels overlapping it, and the chain predecessor."""
+    t0 = tok[0][2]
+    idx = [i for i, r in enumerate(tok) if r[0] == name]
+    if not idx:
+        sys.exit(f"no kernel named {name} in this token")
+    by_end = sorted(range(len(tok)), key=lambda i: tok[i][3])
+    ends = [tok[i][3] for i in by_end]
+    total = defaultdict(lambda: [0, 0.0])
+    durs = []
+    print(f"\n{name}: {len(idx)} launches (µs from the token's start; * = on the chain)")
+    for i in idx:
+        s0, e0 = tok[i][2], tok[i][3]
+        durs.append(e0 - s0)
+        j = bisect.bisect_right(ends, s0) - 1
+        pred = tok[by_end[j]] if j >= 0 else None
+        tag = "*" if i in on_chain else " "
+        after = f", after {pred[0]} (ended {(s0 - pred[3]) / 1e3:.2f} µs before)" if pred else ""
+        print(f"  {(s0 - t0) / 1e3:9.2f} {(e0 - t0) / 1e3:9.2f} {(e0 - s0) / 1e3:7.2f} {tag}{after}")
+        beside = defaultdict(float)
+        for k, r in enumerate(tok):
+            if k == i:
+                continue
+            ov = min(e0, r[3]) - max(s0, r[2])
+            if ov > 0:
+                beside[r[0]] += ov
+        for other, ov in sorted(beside.items(), key=lambda kv: -kv[1]):
+            print(f"      beside {other:<28} {ov / 1e3:7.2f} µs")
+            total[other][0] += 1
+            total[other][1] += ov
+    mean = sum(durs) / len(durs)
+    print(f"  mean {mean / 1e3:.2f} µs a launch; beside it over all launches:")
+    for other, (n, ov) in sorted(total.items(), key=lambda kv: -kv[1][1]):
+        print(f"    {other:<28} {n:>4} launches {ov / 1e3:9.2f} µs")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace")
     ap.add_argument("--token", type=int, default=-2, help="which decode token (default -2: the one before the last)")
     ap.add_argument("--timeline", action="store_true")
     ap.add_argument("--halves", action="store_true", help="wall time per layer half (PDL on)")
+    ap.add_argument("--around", metavar="NAME", help="each launch of kernel NAME and what ran beside it")
     a = ap.parse_args()
     rows = load(a.trace)
     toks = tokens(rows)
@@ -184,6 +224,8 @@ def main():
     print(f"  {'kernel':<28} {'n':>5} {'run µs':>9} {'gap µs':>9}")
     for name, (n, d, g) in sorted(agg.items(), key=lambda kv: -(kv[1][1] + kv[1][2])):
         print(f"  {name:<28} {n:>5} {d / 1e3:>9.1f} {g / 1e3:>9.1f}")
+    if a.around:
+        around(tok, a.around, on_chain)
     if a.timeline:
         print("\ntimeline (µs from the token's start; * = on the critical chain):")
         for i, r in enumerate(tok):
