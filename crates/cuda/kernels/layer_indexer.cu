@@ -23,37 +23,12 @@ extern "C" __global__ void __launch_bounds__(256) indexer_q(const Step* step, fl
     for (int i = threadIdx.x; i < dim; i += blockDim.x) qh[i] = v[i];
 }
 
-// ---- indexer_q with one warp per head (`idxq_warp`; dim = 128, an even RoPE start):
-// lane l holds dims 4l…4l+3 in registers. The Hadamard's strides 1 and 2 pair values
-// inside a lane, strides 4…64 pair lane l with lane l ^ (stride/4) by shuffle: every
-// butterfly is the same a + b (lower) / a − b (upper) on the same operands, so the
-// result is indexer_q's bit for bit, without its shared memory and 9 barriers (only 64
-// of its 256 threads worked in each Hadamard stage). The FP4 block maximum runs over
-// the block's 8 lanes (a maximum is exact in any order). The RoPE frequencies are
-// loaded before the PDL wait. Block = 8 heads.
-extern "C" __global__ void __launch_bounds__(256) indexer_q_warp(const Step* step, float* q,
-                                                                 int heads, RopeP p) {
-    constexpr int DIM = 128;
-    const int lane = threadIdx.x % WARP;
-    const int h = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
-    const int nope = DIM - p.rope_dim;
-    const int e0 = 4 * lane;
-    // The lane's two RoPE pairs (e0, e0+1) and (e0+2, e0+3) when they are in the tail.
-    float fq[2] = {0.f, 0.f};
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-        if (e0 + 2 * j >= nope) fq[j] = p.freqs[(e0 + 2 * j - nope) / 2];
-    PDL_WAIT();
-    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
-    if (h >= heads) return;
-    step += blockIdx.y;
-    float* qh = q + ((i64)blockIdx.y * heads + h) * DIM;
-    const float4 in = ldx4(qh + e0);
-    float x[4] = {in.x, in.y, in.z, in.w};
-    const float pos = (float)step->pos;
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-        if (e0 + 2 * j >= nope) rope_pair_f(x[2 * j], x[2 * j + 1], fq[j], pos, false);
+// The Hadamard transform of a warp's 128 values (lane l holds 4l…4l+3), × 1/√128, as
+// hadamard_smem computes it: strides 1 and 2 pair values inside a lane, strides 4…64
+// pair lane l with lane l ^ (stride/4) by shuffle, every butterfly the same a + b
+// (lower) / a − b (upper) on the same operands. Shared by indexer_q_warp and
+// indexer_step (layer_indexer_step.cu).
+__device__ __forceinline__ void hadamard128_lane(float (&x)[4], int lane) {
     // Stride 1: (0,1), (2,3); stride 2: (0,2), (1,3).
     {
         const float a0 = x[0], b0 = x[1], a1 = x[2], b1 = x[3];
@@ -79,9 +54,41 @@ extern "C" __global__ void __launch_bounds__(256) indexer_q_warp(const Step* ste
             x[j] = upper ? o - x[j] : x[j] + o;
         }
     }
-    const float sc = 1.0f / sqrtf((float)DIM);
+    const float sc = 1.0f / sqrtf(128.0f);
 #pragma unroll
     for (int j = 0; j < 4; ++j) x[j] *= sc;
+}
+
+// ---- indexer_q with one warp per head (`idxq_warp`; dim = 128, an even RoPE start):
+// lane l holds dims 4l…4l+3 in registers, and the Hadamard is hadamard128_lane's, so
+// the result is indexer_q's bit for bit, without its shared memory and 9 barriers (only
+// 64 of its 256 threads worked in each Hadamard stage). The FP4 block maximum runs over
+// the block's 8 lanes (a maximum is exact in any order). The RoPE frequencies are
+// loaded before the PDL wait. Block = 8 heads.
+extern "C" __global__ void __launch_bounds__(256) indexer_q_warp(const Step* step, float* q,
+                                                                 int heads, RopeP p) {
+    constexpr int DIM = 128;
+    const int lane = threadIdx.x % WARP;
+    const int h = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    const int nope = DIM - p.rope_dim;
+    const int e0 = 4 * lane;
+    // The lane's two RoPE pairs (e0, e0+1) and (e0+2, e0+3) when they are in the tail.
+    float fq[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+        if (e0 + 2 * j >= nope) fq[j] = p.freqs[(e0 + 2 * j - nope) / 2];
+    PDL_WAIT();
+    PDL_TRIGGER();  // single-wave kernel: let the next grid launch now
+    if (h >= heads) return;
+    step += blockIdx.y;
+    float* qh = q + ((i64)blockIdx.y * heads + h) * DIM;
+    const float4 in = ldx4(qh + e0);
+    float x[4] = {in.x, in.y, in.z, in.w};
+    const float pos = (float)step->pos;
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+        if (e0 + 2 * j >= nope) rope_pair_f(x[2 * j], x[2 * j + 1], fq[j], pos, false);
+    hadamard128_lane(x, lane);
     // FP4 per 32 values = lanes 8b…8b+7.
     float amax = fmaxf(fmaxf(fabsf(x[0]), fabsf(x[1])), fmaxf(fabsf(x[2]), fabsf(x[3])));
 #pragma unroll

@@ -293,32 +293,7 @@ extern "C" __global__ void __launch_bounds__(IXS_THREADS) __cluster_dims__(IXS_C
                 x[2 * j] = a * rc[j] - b * rs[j];
                 x[2 * j + 1] = a * rs[j] + b * rc[j];
             }
-        {
-            const float a0 = x[0], b0 = x[1], a1 = x[2], b1 = x[3];
-            x[0] = a0 + b0;
-            x[1] = a0 - b0;
-            x[2] = a1 + b1;
-            x[3] = a1 - b1;
-        }
-        {
-            const float a0 = x[0], b0 = x[2], a1 = x[1], b1 = x[3];
-            x[0] = a0 + b0;
-            x[2] = a0 - b0;
-            x[1] = a1 + b1;
-            x[3] = a1 - b1;
-        }
-#pragma unroll
-        for (int ls = 1; ls < WARP; ls <<= 1) {
-            const bool upper = lane & ls;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const float o = __shfl_xor_sync(0xffffffffu, x[j], ls);
-                x[j] = upper ? o - x[j] : x[j] + o;
-            }
-        }
-        const float sc = 1.0f / sqrtf((float)IXS_DIM);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) x[j] *= sc;
+        hadamard128_lane(x, lane);
         float amax = fmaxf(fmaxf(fabsf(x[0]), fabsf(x[1])), fmaxf(fabsf(x[2]), fabsf(x[3])));
 #pragma unroll
         for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
