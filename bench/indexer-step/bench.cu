@@ -12,6 +12,30 @@
 #include <random>
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); exit(1); } } while (0)
 
+static const int H = 64, D = 128, K = 512, RATIO = 4, NSM = 132;
+static const int SMEM_OLD = (2 * 128 * 68 + 16 * 64) * 4;  // indexer_scores_sp's
+
+// The token's inputs and both paths' outputs (chain: qi, sc1, sel1; fused: sc2, sel2).
+struct Ix {
+    Step* step; float *rows, *q, *qi, *wt; RopeP rp; float wscale;
+    float *sc1, *sc2; int *sel1, *sel2; unsigned* done;
+    // The three-launch chain on stream s.
+    void chain(int max_rows, cudaStream_t s) const {
+        indexer_q_warp<<<8, 256, 0, s>>>(step, qi, H, rp);
+        indexer_scores_sp<<<dim3((max_rows + 63) / 64, 1), 256, SMEM_OLD, s>>>(step, rows, qi, wt, H, D, wscale, RATIO, K, sc1, max_rows, nullptr);
+        topk_select_rg<<<dim3(1, 1), 1024, 0, s>>>(step, sc1, max_rows, RATIO, K, sel1);
+    }
+    // indexer_step on stream s, with the launcher's grid (Launcher::indexer_step).
+    static int grid(int max_rows) {
+        const int tiles = std::max((std::min(max_rows, IXS_NARROW_MAX) + 15) / 16, (max_rows + IXS_ROWS - 1) / IXS_ROWS);
+        const int cap = std::min(NSM / 2, 8 * IXS_CLUSTER) / IXS_CLUSTER * IXS_CLUSTER;
+        return (std::max(1, std::min(tiles, cap)) + IXS_CLUSTER - 1) / IXS_CLUSTER * IXS_CLUSTER;
+    }
+    void fused(int max_rows, cudaStream_t s) const {
+        indexer_step<<<dim3(grid(max_rows), 1), 256, IXS_SMEM, s>>>(step, rows, q, rp, wt, wscale, RATIO, K, sc2, max_rows, sel2, done, nullptr);
+    }
+};
+
 // ---- Contended: the indexer beside the attention's q_b product, as in the decode
 // graph. There the main lane's q_b (matvec_q8_0_q8_r4, 32,768 rows × 1,024 Q8_0, ~36 MB,
 // 1,024 blocks, background priority) starts a few µs before the indexer lane's
@@ -24,10 +48,8 @@ __global__ void ixb_spin(long ns) {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
     do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
 }
-static void contended(cudaStream_t st, Step* d_step, float* d_rows, float* d_q, float* d_qi, float* d_wt,
-                      RopeP rp, float wscale, float* d_sc1, float* d_sc2, int* d_sel1, int* d_sel2,
-                      unsigned* d_done) {
-    const int H = 64, D = 128, K = 512, RATIO = 4, NSM = 132, QB_ROWS = 32768, QB_COLS = 1024, COPIES = 4;
+static void contended(cudaStream_t st, const Ix& ix) {
+    const int QB_ROWS = 32768, QB_COLS = 1024, COPIES = 4;
     const size_t wq = (size_t)QB_ROWS * QB_COLS, wd = (size_t)QB_ROWS * QB_COLS / 32;
     i8 *d_wq, *d_xq; u16* d_wd; float *d_xd, *d_y;
     CK(cudaMalloc(&d_wq, wq * COPIES)); CK(cudaMalloc(&d_wd, wd * 2 * COPIES));
@@ -49,17 +71,12 @@ static void contended(cudaStream_t st, Step* d_step, float* d_rows, float* d_q, 
     CK(cudaStreamCreateWithPriority(&sa, cudaStreamNonBlocking, greatest));
     CK(cudaStreamCreateWithPriority(&sb, cudaStreamNonBlocking, least));
     cudaEvent_t fork, joined; CK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming)); CK(cudaEventCreateWithFlags(&joined, cudaEventDisableTiming));
-    const int smem_old = (2 * 128 * 68 + 16 * 64) * 4;
     const int delay_ns = 5000;
     int ctxs[] = {2100, 8192, 32768};
     for (int ctx : ctxs) {
         Step s; s.pos = ctx - 1; s.token = 0;
-        CK(cudaMemcpy(d_step, &s, 8, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(ix.step, &s, 8, cudaMemcpyHostToDevice));
         const int n = ctx / RATIO, max_rows = n + 2;
-        const int g_old = (max_rows + 63) / 64;
-        const int tiles = std::max((std::min(max_rows, IXS_NARROW_MAX) + 15) / 16, (max_rows + IXS_ROWS - 1) / IXS_ROWS);
-        const int cap = std::min(NSM / 2, 8 * IXS_CLUSTER) / IXS_CLUSTER * IXS_CLUSTER;
-        const int g_new = (std::max(1, std::min(tiles, cap)) + IXS_CLUSTER - 1) / IXS_CLUSTER * IXS_CLUSTER;
         float t[5];
         // w: 0 q_b alone, 1 chain alone, 2 fused alone, 3 q_b + chain, 4 q_b + fused.
         for (int w = 0; w < 5; ++w) {
@@ -76,13 +93,10 @@ static void contended(cudaStream_t st, Step* d_step, float* d_rows, float* d_q, 
                 }
                 if (w >= 1) {
                     ixb_spin<<<1, 32, 0, sa>>>(delay_ns);
-                    if (w == 1 || w == 3) {
-                        indexer_q_warp<<<8, 256, 0, sa>>>(d_step, d_qi, H, rp);
-                        indexer_scores_sp<<<dim3(g_old, 1), 256, smem_old, sa>>>(d_step, d_rows, d_qi, d_wt, H, D, wscale, RATIO, K, d_sc1, max_rows, nullptr);
-                        topk_select_rg<<<dim3(1, 1), 1024, 0, sa>>>(d_step, d_sc1, max_rows, RATIO, K, d_sel1);
-                    } else {
-                        indexer_step<<<dim3(g_new, 1), 256, IXS_SMEM, sa>>>(d_step, d_rows, d_q, rp, d_wt, wscale, RATIO, K, d_sc2, max_rows, d_sel2, d_done, nullptr);
-                    }
+                    if (w == 1 || w == 3)
+                        ix.chain(max_rows, sa);
+                    else
+                        ix.fused(max_rows, sa);
                 }
                 CK(cudaEventRecord(joined, sa)); CK(cudaStreamWaitEvent(st, joined));
                 CK(cudaEventRecord(joined, sb)); CK(cudaStreamWaitEvent(st, joined));
@@ -104,7 +118,6 @@ static void contended(cudaStream_t st, Step* d_step, float* d_rows, float* d_q, 
 }
 
 int main() {
-    const int H = 64, D = 128, K = 512, RATIO = 4, NSM = 132;
     std::mt19937 rng(7);
     std::normal_distribution<float> nd(0.f, 1.f);
     const int NMAX = 131072 / RATIO + 64;
@@ -130,28 +143,18 @@ int main() {
     CK(cudaMemcpy(d_fr, freqs.data(), 128, cudaMemcpyHostToDevice));
     RopeP rp; rp.freqs = d_fr; rp.rope_dim = 64; rp.pad = 0;
     const float wscale = (float)(pow(128., -0.5) * pow(64., -0.5));
-    const int smem_old = (2 * 128 * 68 + 16 * 64) * 4;
-    CK(cudaFuncSetAttribute(indexer_scores_sp, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_old));
+    CK(cudaFuncSetAttribute(indexer_scores_sp, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_OLD));
     cudaStream_t st; CK(cudaStreamCreate(&st));
     CK(cudaFuncSetAttribute(indexer_step, cudaFuncAttributeMaxDynamicSharedMemorySize, IXS_SMEM));
+    const Ix ix{d_step, d_rows, d_q, d_qi, d_wt, rp, wscale, d_sc1, d_sc2, d_sel1, d_sel2, d_done};
     int ctxs[] = {2100, 4096, 8192, 16384, 24576, 32768, 32900, 49152, 65536, 131072};
     for (int ctx : ctxs) {
         Step s; s.pos = ctx - 1; s.token = 0;
         CK(cudaMemcpy(d_step, &s, 8, cudaMemcpyHostToDevice));
         const int n = ctx / RATIO, max_rows = n + 2;
-        const int g_old = (max_rows + 63) / 64;
-        // The launcher's grid (Launcher::indexer_step).
-        const int tiles = std::max((std::min(max_rows, IXS_NARROW_MAX) + 15) / 16, (max_rows + IXS_ROWS - 1) / IXS_ROWS);
-        const int cap = std::min(NSM / 2, 8 * IXS_CLUSTER) / IXS_CLUSTER * IXS_CLUSTER;
-        const int g_new = (std::max(1, std::min(tiles, cap)) + IXS_CLUSTER - 1) / IXS_CLUSTER * IXS_CLUSTER;
-        auto old_chain = [&]() {
-            indexer_q_warp<<<8, 256, 0, st>>>(d_step, d_qi, H, rp);
-            indexer_scores_sp<<<dim3(g_old, 1), 256, smem_old, st>>>(d_step, d_rows, d_qi, d_wt, H, D, wscale, RATIO, K, d_sc1, max_rows, nullptr);
-            topk_select_rg<<<dim3(1, 1), 1024, 0, st>>>(d_step, d_sc1, max_rows, RATIO, K, d_sel1);
-        };
-        auto new_chain = [&]() {
-            indexer_step<<<dim3(g_new, 1), 256, IXS_SMEM, st>>>(d_step, d_rows, d_q, rp, d_wt, wscale, RATIO, K, d_sc2, max_rows, d_sel2, d_done, nullptr);
-        };
+        const int g_old = (max_rows + 63) / 64, g_new = Ix::grid(max_rows);
+        auto old_chain = [&]() { ix.chain(max_rows, st); };
+        auto new_chain = [&]() { ix.fused(max_rows, st); };
         CK(cudaMemcpyAsync(d_qi, d_q, q.size() * 4, cudaMemcpyDeviceToDevice, st));
         CK(cudaMemsetAsync(d_sc1, 0, NMAX * 4, st)); CK(cudaMemsetAsync(d_sc2, 0, NMAX * 4, st));
         old_chain(); new_chain();
@@ -172,7 +175,7 @@ int main() {
             for (int i = 0; i < 20; ++i) {
                 if (w == 0) old_chain(); else if (w == 1) new_chain();
                 else if (w == 2) indexer_q_warp<<<8, 256, 0, st>>>(d_step, d_qi, H, rp);
-                else if (w == 3) indexer_scores_sp<<<dim3(g_old, 1), 256, smem_old, st>>>(d_step, d_rows, d_qi, d_wt, H, D, wscale, RATIO, K, d_sc1, max_rows, nullptr);
+                else if (w == 3) indexer_scores_sp<<<dim3(g_old, 1), 256, SMEM_OLD, st>>>(d_step, d_rows, d_qi, d_wt, H, D, wscale, RATIO, K, d_sc1, max_rows, nullptr);
                 else topk_select_rg<<<dim3(1, 1), 1024, 0, st>>>(d_step, d_sc1, max_rows, RATIO, K, d_sel1);
             }
             CK(cudaStreamEndCapture(st, &gr)); CK(cudaGraphInstantiate(&ge, gr, 0));
@@ -185,6 +188,6 @@ int main() {
         }
         printf("ctx %6d n %5d  old %6.2f us (q %.2f sc %.2f tk %.2f)  new %6.2f us (grid %d)  score diffs %d  sel diffs %d\n", ctx, n, t[0], t[2], t[3], t[4], t[1], g_new, bad_s, bad_l);
     }
-    contended(st, d_step, d_rows, d_q, d_qi, d_wt, rp, wscale, d_sc1, d_sc2, d_sel1, d_sel2, d_done);
+    contended(st, ix);
     return 0;
 }
