@@ -93,18 +93,28 @@ def sweep(tok):
     return excl, shared, conc, busy
 
 
-def chain(tok):
-    """Indices of the critical chain, last kernel first."""
+def last_ended(tok):
+    """A function: time t -> index of the kernel that ended last at or before t (or None)."""
     by_end = sorted(range(len(tok)), key=lambda i: tok[i][3])
     ends = [tok[i][3] for i in by_end]
-    out = [by_end[-1]]
+
+    def at(t):
+        j = bisect.bisect_right(ends, t) - 1
+        return by_end[j] if j >= 0 else None
+
+    return at
+
+
+def chain(tok):
+    """Indices of the critical chain, last kernel first."""
+    before = last_ended(tok)
+    out = [before(max(r[3] for r in tok))]  # the last kernel to end
     while True:
-        k = out[-1]
-        # the kernel that ended last at or before k's start
-        j = bisect.bisect_right(ends, tok[k][2]) - 1
-        if j < 0:
+        # the kernel that ended last at or before the current one's start
+        j = before(tok[out[-1]][2])
+        if j is None:
             break
-        out.append(by_end[j])
+        out.append(j)
     return out
 
 
@@ -136,16 +146,15 @@ def around(tok, name, on_chain):
     idx = [i for i, r in enumerate(tok) if r[0] == name]
     if not idx:
         sys.exit(f"no kernel named {name} in this token")
-    by_end = sorted(range(len(tok)), key=lambda i: tok[i][3])
-    ends = [tok[i][3] for i in by_end]
+    before = last_ended(tok)
     total = defaultdict(lambda: [0, 0.0])
     durs = []
     print(f"\n{name}: {len(idx)} launches (µs from the token's start; * = on the chain)")
     for i in idx:
         s0, e0 = tok[i][2], tok[i][3]
         durs.append(e0 - s0)
-        j = bisect.bisect_right(ends, s0) - 1
-        pred = tok[by_end[j]] if j >= 0 else None
+        j = before(s0)
+        pred = tok[j] if j is not None else None
         tag = "*" if i in on_chain else " "
         after = f", after {pred[0]} (ended {(s0 - pred[3]) / 1e3:.2f} µs before)" if pred else ""
         print(f"  {(s0 - t0) / 1e3:9.2f} {(e0 - t0) / 1e3:9.2f} {(e0 - s0) / 1e3:7.2f} {tag}{after}")
