@@ -36,7 +36,8 @@ fn time_experts_q8act(
     let (rows, cols) = (m.rows, m.cols);
     let y = gpu.zeros::<f32>(used * rows)?;
     let mut qa = gpu.alloc_quant_act(if shared { 1 } else { used }, cols)?;
-    gpu.quantize_act(gpu.ptr(x), &mut qa)?;
+    // The Q8_K rule, as the engine quantises the routed experts' inputs.
+    gpu.quantize_act_k(gpu.ptr(x), &mut qa)?;
     let id_sets = expert_id_sets(gpu, used, m.n_mats)?;
     let yp = gpu.ptr(&y);
     Ok(gpu.time_ms(3, 50, |i| {
@@ -356,7 +357,7 @@ pub fn probe_q8_splits(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
                     mats,
                 )?;
                 let mut qa = gpu.alloc_quant_act(1, cols)?;
-                gpu.quantize_act(gpu.ptr(&x), &mut qa)?;
+                gpu.quantize_act_k(gpu.ptr(&x), &mut qa)?;
                 out.push(Timing {
                     name: "6 experts gate+up Q4_K 4096->2048 (one launch)".into(),
                     bytes: (2 * m.bytes_per_matrix() * used) as f64,
@@ -393,7 +394,7 @@ pub fn probe_q8_splits(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
         let n_x = if per_pair { used } else { 1 };
         let x = gpu.upload(&random_vec(n_x * cols, &mut rng))?;
         let mut qa = gpu.alloc_quant_act(n_x, cols)?;
-        gpu.quantize_act(gpu.ptr(&x), &mut qa)?;
+        gpu.quantize_act_k(gpu.ptr(&x), &mut qa)?;
         let kernels: Vec<&'static str> = if per_pair {
             vec!["matvec_iq2_xxs_q8_rxtp", "matvec_iq2_xxs_q8_rxtl"]
         } else {

@@ -92,10 +92,14 @@ pub fn check_matvecs(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
             });
             if matches!(ty, GgmlType::IQ2_XXS | GgmlType::Q2_K | GgmlType::Q4_K) {
                 checks.push(check_q8act(gpu, &m, &w, &ids, &x)?);
+                // The models' expert inputs (Q8_K rule: the IQ2_XXS / Q2_K kernels'
+                // integer form, see iq2_xxs_dot_sel and q2k_lane_add_int).
+                checks.push(check_q8act_k(gpu, &m, &w, &ids, &x)?);
                 checks.push(check_q8act_pair(gpu, &mut rng, &m, &ids)?);
             }
             if matches!(ty, GgmlType::IQ2_XXS | GgmlType::Q2_K | GgmlType::Q4_K) {
-                checks.extend(check_kernel_variants(gpu, &mut rng, &m, &ids)?);
+                checks.extend(check_kernel_variants(gpu, &mut rng, &m, &ids, false)?);
+                checks.extend(check_kernel_variants(gpu, &mut rng, &m, &ids, true)?);
             }
         }
     }
@@ -106,7 +110,13 @@ pub fn check_matvecs(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
         let m = DeviceMatrix::upload(gpu, GgmlType::Q8_0, &w, rows, cols, 5)?;
         let x = random_vec(4 * cols, &mut rng);
         checks.push(check_q8act(gpu, &m, &w, &[3, 1, 4, 1], &x)?);
-        checks.extend(check_kernel_variants(gpu, &mut rng, &m, &[3, 1, 4, 1])?);
+        checks.extend(check_kernel_variants(
+            gpu,
+            &mut rng,
+            &m,
+            &[3, 1, 4, 1],
+            false,
+        )?);
         let w2 = random_matrix(GgmlType::Q8_0, rows, cols, 1, &mut rng);
         let m2 = DeviceMatrix::upload(gpu, GgmlType::Q8_0, &w2, rows, cols, 1)?;
         checks.push(check_q8act_pair(gpu, &mut rng, &m2, &[])?);
@@ -118,7 +128,13 @@ pub fn check_matvecs(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     let x = random_vec(4 * 8192, &mut rng);
     // Also the upload through the pinned staging buffers (parts of 16 MiB and 1 MiB).
     checks.push(check_q8act(gpu, &m, &w, &[1, 0, 1, 0], &x)?);
-    checks.extend(check_kernel_variants(gpu, &mut rng, &m, &[1, 0, 1, 0])?);
+    checks.extend(check_kernel_variants(
+        gpu,
+        &mut rng,
+        &m,
+        &[1, 0, 1, 0],
+        false,
+    )?);
     for ty in [GgmlType::F16, GgmlType::F32] {
         for n_tok in [1usize, 7, 130] {
             checks.push(check_hc_mix(gpu, &mut rng, ty, n_tok)?);
@@ -310,6 +326,40 @@ fn check_q8act(
     })
 }
 
+/// `check_q8act` with the activations quantised in the Q8_K rule (one scale per 256
+/// values), as the engine quantises the routed experts' inputs: the reference takes
+/// the CPU's `quantize_q8_k` values.
+fn check_q8act_k(
+    gpu: &Launcher,
+    m: &DeviceMatrix,
+    w: &[u8],
+    ids: &[i32],
+    x: &[f32],
+) -> Result<Check> {
+    let (rows, cols, ty) = (m.rows, m.cols, m.ty);
+    let xq: Vec<f32> = ds4_gguf::quant::quantize_q8_k_vec(x)
+        .iter()
+        .flat_map(|b| b.qs.iter().map(move |&q| q as f32 * b.d))
+        .collect();
+    let xd = gpu.upload(x)?;
+    let mut qa = gpu.alloc_quant_act(ids.len(), cols)?;
+    gpu.quantize_act_k(gpu.ptr(&xd), &mut qa)?;
+    let idd = gpu.upload(ids)?;
+    let yd = gpu.upload(&vec![f32::NAN; ids.len() * rows])?;
+    let sel = MatSel {
+        ids: gpu.ptr(&idd),
+        x_stride: cols as i64,
+        y_stride: rows as i64,
+    };
+    gpu.matvec_q8act(m, &qa, gpu.ptr(&yd), ids.len(), sel)?;
+    let y = gpu.download(&yd)?;
+    Ok(Check {
+        name: format!("matvec_q8act {ty} {rows}x{cols} (Q8_K input)"),
+        rel_err: rel_err(&y, &reference(ty, w, rows, cols, ids, &xq, false)),
+        bound: BOUND_MATVEC,
+    })
+}
+
 /// Two stacks in one launch against one launch each, bit for bit: selected matrices
 /// (`ids`), or with `ids` empty a plain pair (the Q8_0 shared expert's gate and up).
 fn check_q8act_pair(gpu: &Launcher, rng: &mut Rng, m: &DeviceMatrix, ids: &[i32]) -> Result<Check> {
@@ -355,12 +405,14 @@ fn check_q8act_pair(gpu: &Launcher, rng: &mut Rng, m: &DeviceMatrix, ids: &[i32]
 /// computing one, `_rxt` / `_rxtp` with iq2_xxs_dot_tab's lookups, `_rxtl` with the
 /// 32-copy tables), Q2_K
 /// at 2048 (`matvec_q2_k_q8_rx`), Q4_K at 4096 and 2048 (`matvec_q4_k_q8_rx4` / `_rx2`), Q8_0 with its first weight loads before the PDL wait
-/// (`matvec_q8_0_q8_early`). Other shapes have only the staged kernel.
+/// (`matvec_q8_0_q8_early`). Other shapes have only the staged kernel. `k_rule`: the
+/// activations in the Q8_K rule (the IQ2_XXS / Q2_K kernels' integer form), else Q8_0.
 fn check_kernel_variants(
     gpu: &Launcher,
     rng: &mut Rng,
     m: &DeviceMatrix,
     ids: &[i32],
+    k_rule: bool,
 ) -> Result<Option<Check>> {
     let (rows, cols) = (m.rows, m.cols);
     let (staged, variants): (&'static str, &[&'static str]) = match (m.ty, cols) {
@@ -373,7 +425,11 @@ fn check_kernel_variants(
     };
     let xd = gpu.upload(&random_vec(ids.len() * cols, rng))?;
     let mut qa = gpu.alloc_quant_act(ids.len(), cols)?;
-    gpu.quantize_act(gpu.ptr(&xd), &mut qa)?;
+    if k_rule {
+        gpu.quantize_act_k(gpu.ptr(&xd), &mut qa)?;
+    } else {
+        gpu.quantize_act(gpu.ptr(&xd), &mut qa)?;
+    }
     let idd = gpu.upload(ids)?;
     let mut same = BitDiff::default();
     for x_stride in [cols as i64, 0] {
@@ -392,8 +448,9 @@ fn check_kernel_variants(
             same = same.merge(same_bits(&run(kernel)?, &want));
         }
     }
+    let rule = if k_rule { " (Q8_K input)" } else { "" };
     Ok(Some(bit_identical(
-        format!("{} = {staged} {rows}x{cols}", variants.join(", ")),
+        format!("{} = {staged} {rows}x{cols}{rule}", variants.join(", ")),
         same,
     )))
 }
