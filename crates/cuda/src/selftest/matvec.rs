@@ -91,10 +91,10 @@ pub fn check_matvecs(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
                 bound: BOUND_MATVEC,
             });
             if matches!(ty, GgmlType::IQ2_XXS | GgmlType::Q2_K | GgmlType::Q4_K) {
-                checks.push(check_q8act(gpu, &m, &w, &ids, &x)?);
+                checks.push(check_q8act(gpu, &m, &w, &ids, &x, false)?);
                 // The models' expert inputs (Q8_K rule: the IQ2_XXS / Q2_K kernels'
                 // integer form, see iq2_xxs_dot_sel and q2k_lane_add_int).
-                checks.push(check_q8act_k(gpu, &m, &w, &ids, &x)?);
+                checks.push(check_q8act(gpu, &m, &w, &ids, &x, true)?);
                 checks.push(check_q8act_pair(gpu, &mut rng, &m, &ids)?);
             }
             if matches!(ty, GgmlType::IQ2_XXS | GgmlType::Q2_K | GgmlType::Q4_K) {
@@ -109,7 +109,7 @@ pub fn check_matvecs(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
         let w = random_matrix(GgmlType::Q8_0, rows, cols, 5, &mut rng);
         let m = DeviceMatrix::upload(gpu, GgmlType::Q8_0, &w, rows, cols, 5)?;
         let x = random_vec(4 * cols, &mut rng);
-        checks.push(check_q8act(gpu, &m, &w, &[3, 1, 4, 1], &x)?);
+        checks.push(check_q8act(gpu, &m, &w, &[3, 1, 4, 1], &x, false)?);
         checks.extend(check_kernel_variants(
             gpu,
             &mut rng,
@@ -127,7 +127,7 @@ pub fn check_matvecs(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     let m = DeviceMatrix::upload(gpu, GgmlType::Q8_0, &w, 1024, 8192, 2)?;
     let x = random_vec(4 * 8192, &mut rng);
     // Also the upload through the pinned staging buffers (parts of 16 MiB and 1 MiB).
-    checks.push(check_q8act(gpu, &m, &w, &[1, 0, 1, 0], &x)?);
+    checks.push(check_q8act(gpu, &m, &w, &[1, 0, 1, 0], &x, false)?);
     checks.extend(check_kernel_variants(
         gpu,
         &mut rng,
@@ -293,23 +293,36 @@ fn check_quantize_k(gpu: &Launcher, rng: &mut Rng) -> Result<Check> {
 }
 
 /// Expert products with int8 activations against an f64 product of the exactly
-/// dequantized weights with the CPU-quantised activations.
+/// dequantized weights with the CPU-quantised activations: Q8_0 (a scale per 32), or
+/// with `k_rule` the Q8_K rule the engine uses for the routed experts' inputs (a scale
+/// per 256).
 fn check_q8act(
     gpu: &Launcher,
     m: &DeviceMatrix,
     w: &[u8],
     ids: &[i32],
     x: &[f32],
+    k_rule: bool,
 ) -> Result<Check> {
     let (rows, cols, ty) = (m.rows, m.cols, m.ty);
-    let blocks = ds4_gguf::quant::quantize_q8_0_vec(x);
-    let xq: Vec<f32> = blocks
-        .iter()
-        .flat_map(|b| b.qs.iter().map(move |&q| q as f32 * b.d))
-        .collect();
+    let xq: Vec<f32> = if k_rule {
+        ds4_gguf::quant::quantize_q8_k_vec(x)
+            .iter()
+            .flat_map(|b| b.qs.iter().map(move |&q| q as f32 * b.d))
+            .collect()
+    } else {
+        ds4_gguf::quant::quantize_q8_0_vec(x)
+            .iter()
+            .flat_map(|b| b.qs.iter().map(move |&q| q as f32 * b.d))
+            .collect()
+    };
     let xd = gpu.upload(x)?;
     let mut qa = gpu.alloc_quant_act(ids.len(), cols)?;
-    gpu.quantize_act(gpu.ptr(&xd), &mut qa)?;
+    if k_rule {
+        gpu.quantize_act_k(gpu.ptr(&xd), &mut qa)?;
+    } else {
+        gpu.quantize_act(gpu.ptr(&xd), &mut qa)?;
+    }
     let idd = gpu.upload(ids)?;
     let yd = gpu.upload(&vec![f32::NAN; ids.len() * rows])?;
     let sel = MatSel {
@@ -319,42 +332,9 @@ fn check_q8act(
     };
     gpu.matvec_q8act(m, &qa, gpu.ptr(&yd), ids.len(), sel)?;
     let y = gpu.download(&yd)?;
+    let rule = if k_rule { " (Q8_K input)" } else { "" };
     Ok(Check {
-        name: format!("matvec_q8act {ty} {rows}x{cols}"),
-        rel_err: rel_err(&y, &reference(ty, w, rows, cols, ids, &xq, false)),
-        bound: BOUND_MATVEC,
-    })
-}
-
-/// `check_q8act` with the activations quantised in the Q8_K rule (one scale per 256
-/// values), as the engine quantises the routed experts' inputs: the reference takes
-/// the CPU's `quantize_q8_k` values.
-fn check_q8act_k(
-    gpu: &Launcher,
-    m: &DeviceMatrix,
-    w: &[u8],
-    ids: &[i32],
-    x: &[f32],
-) -> Result<Check> {
-    let (rows, cols, ty) = (m.rows, m.cols, m.ty);
-    let xq: Vec<f32> = ds4_gguf::quant::quantize_q8_k_vec(x)
-        .iter()
-        .flat_map(|b| b.qs.iter().map(move |&q| q as f32 * b.d))
-        .collect();
-    let xd = gpu.upload(x)?;
-    let mut qa = gpu.alloc_quant_act(ids.len(), cols)?;
-    gpu.quantize_act_k(gpu.ptr(&xd), &mut qa)?;
-    let idd = gpu.upload(ids)?;
-    let yd = gpu.upload(&vec![f32::NAN; ids.len() * rows])?;
-    let sel = MatSel {
-        ids: gpu.ptr(&idd),
-        x_stride: cols as i64,
-        y_stride: rows as i64,
-    };
-    gpu.matvec_q8act(m, &qa, gpu.ptr(&yd), ids.len(), sel)?;
-    let y = gpu.download(&yd)?;
-    Ok(Check {
-        name: format!("matvec_q8act {ty} {rows}x{cols} (Q8_K input)"),
+        name: format!("matvec_q8act {ty} {rows}x{cols}{rule}"),
         rel_err: rel_err(&y, &reference(ty, w, rows, cols, ids, &xq, false)),
         bound: BOUND_MATVEC,
     })
