@@ -297,6 +297,13 @@ __device__ __forceinline__ int dp4a_us(u32 a, int b, int c) {
     asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
 }
+// The sum of 16 int8 activations (an activation block's half a lane holds).
+__device__ __forceinline__ int q8_sum16(const int4 v) {
+    int s = __dp4a(0x01010101, v.x, 0);
+    s = __dp4a(0x01010101, v.y, s);
+    s = __dp4a(0x01010101, v.z, s);
+    return __dp4a(0x01010101, v.w, s);
+}
 __device__ __forceinline__ bool q2k_uniform(const float (&xs)[4]) {
     return xs[0] == xs[1] && xs[1] == xs[2] && xs[2] == xs[3];
 }
@@ -320,35 +327,6 @@ __device__ __forceinline__ void q2k_lane_add_int(float& acc, const W4 w, u32 dmv
     acc = __fadd_rn(acc, __fsub_rn(__fmul_rn(__fmul_rn(xs, dd), (float)iq),
                                    __fmul_rn(__fmul_rn(xs, dmin), (float)im)));
 }
-__device__ __forceinline__ void q2k_lane_add(float& acc, const W4 w, u32 dmv, const u8 (&s)[4],
-                                             const int4 (&x)[4], const float (&xs)[4]) {
-    const u32 words[4] = {w.a, w.b, w.c, w.d};
-    int isx[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        int sx = 0;
-        sx = __dp4a(0x01010101, x[j].x, sx);
-        sx = __dp4a(0x01010101, x[j].y, sx);
-        sx = __dp4a(0x01010101, x[j].z, sx);
-        sx = __dp4a(0x01010101, x[j].w, sx);
-        isx[j] = sx;
-    }
-    if (q2k_uniform(xs)) {
-        q2k_lane_add_int(acc, w, dmv, s, x, xs[0], isx);
-        return;
-    }
-    const float dd = h2f((u16)(dmv & 0xffff)), dmin = h2f((u16)(dmv >> 16));
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const int xv[4] = {x[j].x, x[j].y, x[j].z, x[j].w};
-        int sq_ = 0;
-#pragma unroll
-        for (int t = 0; t < 4; ++t)
-            sq_ = __dp4a((int)((words[t] >> (2 * j)) & 0x03030303u), xv[t], sq_);
-        acc += xs[j] * (dd * (float)(s[j] & 15) * (float)sq_ - dmin * (float)(s[j] >> 4) * (float)isx[j]);
-    }
-}
-
 // q2k_lane_add with the activation sums of the 4 blocks (isx, fsx = (float)isx) and
 // the scales' uniformity (uni) given: they do not depend on the weights, so a kernel
 // that keeps a selection's activations in registers forms them once, not for every row
@@ -373,6 +351,18 @@ __device__ __forceinline__ void q2k_lane_add_sx(float& acc, const W4 w, u32 dmv,
             sq_ = __dp4a((int)((words[t] >> (2 * j)) & 0x03030303u), xv[t], sq_);
         acc += xs[j] * (dd * (float)(s[j] & 15) * (float)sq_ - dmin * (float)(s[j] >> 4) * fsx[j]);
     }
+}
+// The staged kernel's lane step: q2k_lane_add_sx with the activation sums formed here.
+__device__ __forceinline__ void q2k_lane_add(float& acc, const W4 w, u32 dmv, const u8 (&s)[4],
+                                             const int4 (&x)[4], const float (&xs)[4]) {
+    int isx[4];
+    float fsx[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        isx[j] = q8_sum16(x[j]);
+        fsx[j] = (float)isx[j];
+    }
+    q2k_lane_add_sx(acc, w, dmv, s, x, xs, isx, fsx, q2k_uniform(xs));
 }
 
 extern "C" __global__ void __launch_bounds__(256) matvec_q2_k_q8(
@@ -470,13 +460,8 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q2_k_q8_rx(
                 const int xb = b * 8 + 4 * k + j;
                 x[j] = *reinterpret_cast<const int4*>(xr + xb * 32 + 16 * h);
                 xs[j] = xdr[xb];
-                int sx = 0;
-                sx = __dp4a(0x01010101, x[j].x, sx);
-                sx = __dp4a(0x01010101, x[j].y, sx);
-                sx = __dp4a(0x01010101, x[j].z, sx);
-                sx = __dp4a(0x01010101, x[j].w, sx);
-                isx[j] = sx;
-                fsx[j] = (float)sx;
+                isx[j] = q8_sum16(x[j]);
+                fsx[j] = (float)isx[j];
             }
             uni = q2k_uniform(xs);
         }
