@@ -17,6 +17,7 @@
 // and up to 32 KB to reach a 32 KB boundary).
 #define IQ2_LUT32_WORDS 12288 // rust: usize
 #define IQ2_LUT32_SMEM 81920 // rust: usize
+#define IQ2_PRMT_SMEM 131072 // rust: usize
 // Most warps a row tile (and a block) of the tensor-core multi-token Q8_0 kernels
 // (mma_tokens.cu).
 #define MMA_TOKENS_MAX_KS 16 // rust: usize

@@ -55,6 +55,56 @@ __device__ __forceinline__ u32 lds_u32_32k(u32 addr) {
     return v;
 }
 
+// The 32-copy tables laid out for `iq2_prmt`: code entry e of lane l at byte
+// 0x10000 + 256e + 4l of the block's shared window (the first 64 KB boundary, so an
+// entry's address is the lane's address with its byte 1 replaced by the code byte: one
+// PRMT), sign entry e at 0xC000 + 128e + 4l (16 KB below, reached from the same
+// address base by the load's immediate, as in iq2_xxs_dot_l32). `t64` is the window's
+// byte 0; the launch asks for IQ2_PRMT_SMEM of dynamic shared memory.
+__device__ __forceinline__ void iq2_tables64(u8* win, const u64* grid_g) {
+    const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+    const int nthreads = blockDim.x * blockDim.y;
+    for (int e = tid; e < 384; e += nthreads) {
+        u32 v;
+        if (e < 256) {
+            const u64 g = grid_g[e];
+            v = 0;
+#pragma unroll
+            for (int b = 0; b < 8; ++b) {
+                const u32 q = (u32)(g >> (8 * b)) & 0xff;
+                v |= (q == 8 ? 0u : (q == 25 ? 1u : 2u)) << (4 * b);
+            }
+        } else {
+            u32 s7 = e - 256;
+            s7 |= (__popc(s7) & 1) << 7;
+            v = 0;
+#pragma unroll
+            for (int b = 0; b < 8; ++b) v |= ((s7 >> b) & 1u) << (4 * b + 2);
+        }
+        uint4* row = reinterpret_cast<uint4*>(e < 256 ? win + 0x10000 + 256 * e
+                                                      : win + 0xC000 + 128 * (e - 256));
+        const uint4 v4 = make_uint4(v, v, v, v);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) row[(k + tid) & 7] = v4;
+    }
+}
+__device__ __forceinline__ u32 lds_u32_m16k(u32 addr) {
+    u32 v;
+    asm volatile("ld.shared.u32 %0, [%1+-16384];" : "=r"(v) : "r"(addr));
+    return v;
+}
+// iq2_xxs_dot_l32 on the iq2_tables64 layout: tl = 0x10000 | lane · 4 (a window
+// address); the code address is one PRMT of the index word into tl's byte 1. The same
+// products and sums as iq2_xxs_dot<0>.
+__device__ __forceinline__ float iq2_xxs_dot_p64(const W4 w, u16 d, const int4 (&x)[4],
+                                                 const float (&s)[2], u32 tl) {
+    return iq2_xxs_dot_sel<true>(w, d, x, s, [&](u32 idx, u32 sg, int l) -> u32 {
+        const u32 ca = prmt_raw(idx, tl, 0x7604u | ((u32)l << 4));
+        const u32 si = (l == 0 ? sg << 7 : (l == 1 ? sg : sg >> (7 * l - 7))) & 0x3f80u;
+        return lds_u32(ca) | lds_u32_m16k(tl | si);
+    });
+}
+
 // iq2_xxs_dot_tab on the 32-copy tables. `tl` is the table's shared address (32 KB
 // aligned) OR the lane's byte offset (lane · 4): entry e of this lane sits at tl +
 // e·128, so an index field shifted to bits 7..14 and OR-ed into tl is the address —
@@ -191,7 +241,7 @@ KERNEL_PAIR(__launch_bounds__(256, 2), matvec_iq2_xxs_q8_rx, matvec_iq2_xxs_q8_r
 template <int R, bool PIPE, int MODE>
 __device__ __forceinline__ void iq2_xxs_q8_rxp_body(IQ2_MATVEC_PARAMS) {
     constexpr int S = IQ2_RX_STEPS;
-    __shared__ __align__(2048) u32 tab[MODE == 5 ? 1 : 384];  // 256 codes, 128 sign masks
+    __shared__ __align__(2048) u32 tab[MODE >= 5 ? 1 : 384];  // 256 codes, 128 sign masks
     const u32* codes = tab;
     const u32* signs = tab + 256;
     u32 tl = 0;  // MODE 5: the 32-copy tables' address | lane · 4
@@ -202,6 +252,15 @@ __device__ __forceinline__ void iq2_xxs_q8_rxp_body(IQ2_MATVEC_PARAMS) {
                                                                       iq2_l32_smem)));
         iq2_tables32(t32, grid_g);
         tl = base | (threadIdx.x * 4);
+    } else if constexpr (MODE == 6) {
+        // The window's 64 KB past 0x10000 and 16 KB past 0xC000 lie inside this block's
+        // dynamic shared memory (it starts near 0x400 and is IQ2_PRMT_SMEM long).
+        extern __shared__ __align__(16) u8 iq2_p64_smem[];
+        const u32 start = (u32)__cvta_generic_to_shared(iq2_p64_smem);
+        // A GPU that put the dynamic memory elsewhere would read outside it: stop loudly.
+        if (start > 0xC000u || start + IQ2_PRMT_SMEM < 0x20000u) __trap();
+        iq2_tables64(iq2_p64_smem - start, grid_g);
+        tl = 0x10000u | (threadIdx.x * 4);
     } else {
         iq2_tables(tab, tab + 256, grid_g);
     }
@@ -218,8 +277,7 @@ __device__ __forceinline__ void iq2_xxs_q8_rxp_body(IQ2_MATVEC_PARAMS) {
     // gives each pair its own row: quantize_q8_k32_rep) changed the selection and reloaded them
     // (128 bytes a lane, twice a unit's weight bytes). It advances the quotient and
     // remainder instead of dividing again (two signed divisions a unit were ~50 of its
-    // ~690 instructions), and reads the expert id of the unit after next a unit early,
-    // so the next unit's weight loads do not wait on it.
+    // ~690 instructions).
     struct UnitPos {
         int yi, ru;
     };
@@ -228,12 +286,9 @@ __device__ __forceinline__ void iq2_xxs_q8_rxp_body(IQ2_MATVEC_PARAMS) {
     const i64 wi = (i64)blockIdx.x * blockDim.y + threadIdx.y;
     const int u_end = (int)((wi + 1) * n_units / warps);
     constexpr int stride = 1;
-    const int step_q = stride / ups, step_r = stride - step_q * ups;
     auto advance = [&](UnitPos p) {
-        p.yi += step_q;
-        p.ru += step_r;
-        if (p.ru >= ups) {
-            p.ru -= ups;
+        if (++p.ru >= ups) {
+            p.ru = 0;
             ++p.yi;
         }
         return p;
@@ -242,45 +297,88 @@ __device__ __forceinline__ void iq2_xxs_q8_rxp_body(IQ2_MATVEC_PARAMS) {
         if (sel.ids == nullptr || uu >= u_end) return 0;
         return sel.ids[qs2 != nullptr && p.yi >= n_pair ? p.yi - n_pair : p.yi];
     };
-    // Issues every weight load of the unit at p (expert m) into wt, dt.
-    auto load = [&](UnitPos p, int m, W4 (&wt)[R][S], u16 (&dt)[R][S]) {
+    // A unit's weights through one pointer pair: the lane's first 16-byte chunk and
+    // first block scale in the unit's first row. Inside a selection the next unit's
+    // pair is this one plus R rows (the loads take immediate offsets), so the 64-bit
+    // address arithmetic and the expert id's read happen only where a selection starts
+    // (they were ~100 of a unit's ~520 instructions when every unit formed them).
+    constexpr int nc = S * WARP;  // 16-byte chunks a row
+    struct UnitPtr {
+        const u8* q;
+        const u16* d;
+    };
+    auto ptr_of = [&](UnitPos p, int m) -> UnitPtr {
         const bool second = qs2 != nullptr && p.yi >= n_pair;
-        const u8* qm = second ? qs2 : qs;
-        const u16* dm = second ? dw2 : dw;
-        iq2_rx_load_rows(qm + m * mat_q, dm + m * mat_d, p.ru * R, rows, lane, wt, dt);
+        const i64 row0 = (i64)p.ru * R;
+        return {(second ? qs2 : qs) + m * mat_q + row0 * (nc * 16) + lane * 16,
+                (second ? dw2 : dw) + m * mat_d + row0 * (nc / 4) + (lane >> 2)};
+    };
+    // Issues every weight load of the unit at row unit ru from pp into wt, dt. Rows past
+    // the matrix's end are not read (zeros; their sums are not stored).
+    auto load = [&](UnitPtr pp, int ru, W4 (&wt)[R][S], u16 (&dt)[R][S]) {
+        const int left = rows - ru * R;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+#pragma unroll
+            for (int k = 0; k < S; ++k) {
+                uint4 v = make_uint4(0, 0, 0, 0);
+                u16 d = 0;
+                if (r == 0 || r < left) {
+                    v = ld_stream16(pp.q + r * (nc * 16) + k * (WARP * 16));
+                    d = pp.d[r * (nc / 4) + k * (WARP / 4)];
+                }
+                wt[r][k].a = v.x; wt[r][k].b = v.y; wt[r][k].c = v.z; wt[r][k].d = v.w;
+                dt[r][k] = d;
+            }
+        }
     };
     int4 x[S][4];
     float s[S][2];
     i64 x_at = -1;
     int u = (int)(wi * n_units / warps);
+    // The compute side: the unit at pos, its selection's output row (ym + yi · y_stride).
     UnitPos pos = {u / ups, u - (u / ups) * ups};
-    int m_cur = id_of(u, pos);
-    UnitPos next = advance(pos);
-    int m_next = id_of(u + stride, next);
+    int cur_yi = -1;
+    float* yrow = y;
+    // The load side: the next unit to load (at ld_pos, through ld_ptr).
+    UnitPos ld_pos = pos;
+    UnitPtr ld_ptr = ptr_of(pos, id_of(u, pos));
+    int ld_u = u;
+    auto load_next = [&](W4 (&wt)[R][S], u16 (&dt)[R][S]) {
+        load(ld_ptr, ld_pos.ru, wt, dt);
+        const UnitPos np = advance(ld_pos);
+        ++ld_u;
+        if (np.yi != ld_pos.yi) {
+            ld_ptr = ptr_of(np, id_of(ld_u, np));
+        } else {
+            ld_ptr.q += R * (nc * 16);
+            ld_ptr.d += R * (nc / 4);
+        }
+        ld_pos = np;
+    };
     // Unit u from (wc, dc) — loaded here unless PIPE — with PIPE the next unit's loads
     // into (wn, dn) issued first. The loop below alternates the two buffers, so no
     // registers are copied between units (38 moves a unit when one buffer was copied).
     auto unit = [&](W4 (&wc)[R][S], u16 (&dc)[R][S], W4 (&wn)[R][S], u16 (&dn)[R][S]) {
-        if (!PIPE) load(pos, m_cur, wc, dc);
-        const UnitPos after = advance(next);
-        const int m_after = id_of(u + 2 * stride, after);
-        if (PIPE && u + stride < u_end) load(next, m_next, wn, dn);
-        int yi = pos.yi;
+        if (!PIPE) load_next(wc, dc);
+        if (PIPE && u + stride < u_end) load_next(wn, dn);
         const int row0 = pos.ru * R;
-        float* ym = y;
-        if (qs2 != nullptr && yi >= n_pair) {
-            yi -= n_pair;
-            ym = y2;
+        if (pos.yi != cur_yi) {
+            cur_yi = pos.yi;
+            int yi = pos.yi;
+            float* ym = y;
+            if (qs2 != nullptr && yi >= n_pair) {
+                yi -= n_pair;
+                ym = y2;
+            }
+            yrow = ym + yi * sel.y_stride;
+            const i64 xo = (i64)yi * sel.x_stride;
+            if (MODE != 3 && xo != x_at) {
+                x_at = xo;
+                iq2_rx_load_x(xq, xd, xo, lane, x, s);
+            }
         }
-        pos = next;
-        next = after;
-        m_cur = m_next;
-        m_next = m_after;
-        const i64 xo = (i64)yi * sel.x_stride;
-        if (MODE != 3 && xo != x_at) {
-            x_at = xo;
-            iq2_rx_load_x(xq, xd, xo, lane, x, s);
-        }
+        pos = advance(pos);
         float acc[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) {
@@ -293,6 +391,8 @@ __device__ __forceinline__ void iq2_xxs_q8_rxp_body(IQ2_MATVEC_PARAMS) {
                     acc[r] += iq2_xxs_dot_tab(wc[r][k], dc[r][k], x[k], s[k], tab);
                 else if constexpr (MODE == 5)
                     acc[r] += iq2_xxs_dot_l32(wc[r][k], dc[r][k], x[k], s[k], tl);
+                else if constexpr (MODE == 6)
+                    acc[r] += iq2_xxs_dot_p64(wc[r][k], dc[r][k], x[k], s[k], tl);
                 else
                     acc[r] += iq2_xxs_dot<MODE == 1 ? 1 : 0>(wc[r][k], dc[r][k], x[k], s[k],
                                                              codes, signs);
@@ -301,11 +401,11 @@ __device__ __forceinline__ void iq2_xxs_q8_rxp_body(IQ2_MATVEC_PARAMS) {
         // The unit's R sums in one transposed reduction (warp_sum's bits).
         int first;
         warp_sums<R>(acc, first);
-        if (warp_sums_writer<R>() && row0 + first < rows) ym[yi * sel.y_stride + row0 + first] = acc[0];
+        if (warp_sums_writer<R>() && row0 + first < rows) yrow[row0 + first] = acc[0];
     };
     W4 wa[R][S], wb[R][S];
     u16 da[R][S], db[R][S];
-    if (PIPE && u < u_end) load(pos, m_cur, wa, da);
+    if (PIPE && u < u_end) load_next(wa, da);
     while (u < u_end) {
         unit(wa, da, wb, db);
         u += stride;
@@ -333,3 +433,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) matvec_iq2_xxs_q8_rxtl(IQ2_
     iq2_xxs_q8_rxp_body<2, true, 5>(IQ2_MATVEC_ARGS);
 }
 
+
+// `iq2_prmt`: as rxtl with the code lookups' address one PRMT (iq2_xxs_dot_p64); the
+// tables need a 64 KB boundary inside the block's shared memory, so one 16-warp block an
+// SM (the same 16 warps as rxtl's two 8-warp blocks).
+extern "C" __global__ void __launch_bounds__(512, 1) matvec_iq2_xxs_q8_rxtm(IQ2_MATVEC_PARAMS) {
+    iq2_xxs_q8_rxp_body<2, true, 6>(IQ2_MATVEC_ARGS);
+}

@@ -37,6 +37,9 @@ pub struct GpuInfo {
     pub multiprocessors: i32,
     pub total_mem: usize,
     pub l2_bytes: i32,
+    /// The most shared memory a block may ask for (opt-in): the 32-copy IQ2_XXS tables'
+    /// kernels need 80 KB (`iq2_lut32`) and 128 KB (`iq2_prmt`), more than some GPUs give.
+    pub smem_optin: usize,
     pub kernels: KernelSource,
 }
 
@@ -141,6 +144,9 @@ impl Gpu {
         use cudarc::driver::sys::CUdevice_attribute as A;
         let multiprocessors = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
         let l2_bytes = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?;
+        let smem_optin = ctx
+            .attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
+            .max(0) as usize;
         let (module, kernels) = load_kernels(&ctx, cc)?;
         let info = GpuInfo {
             name: ctx.name()?,
@@ -148,6 +154,7 @@ impl Gpu {
             multiprocessors,
             total_mem: ctx.total_mem()?,
             l2_bytes,
+            smem_optin,
             kernels,
         };
         let iq2_grid = stream.clone_htod(&ds4_gguf::quant::iq2xxs_grid()[..])?;

@@ -45,7 +45,8 @@ unsafe impl DeviceRepr for MatSel {}
 // IQ2_LUT32_SMEM: the dynamic shared memory of `matvec_iq2_xxs_q8_rxtl` (its 48 KB of
 // tables at a 32 KB boundary).
 use crate::consts::{
-    EXP_ROWS_PER_WARP, IQ2_LUT32_SMEM, IQ2_RX_STEPS, Q8_ROWS_PER_WARP, ROWS_PER_BLOCK,
+    EXP_ROWS_PER_WARP, IQ2_LUT32_SMEM, IQ2_PRMT_SMEM, IQ2_RX_STEPS, Q8_ROWS_PER_WARP,
+    ROWS_PER_BLOCK,
 };
 
 /// Rows per warp unit and blocks per SM of a register-activation expert kernel: units
@@ -56,6 +57,8 @@ fn iq2_rx_units(kernel: &str) -> (usize, usize) {
     match kernel {
         "probe_iq2_rxp4" => (4, 1),
         "matvec_iq2_xxs_q8_rxp" | "matvec_iq2_xxs_q8_rxtp" | "matvec_iq2_xxs_q8_rxtl" => (2, 2),
+        // One 16-warp block an SM (its tables at a 64 KB boundary).
+        "matvec_iq2_xxs_q8_rxtm" => (2, 1),
         k if k.starts_with("probe_iq2_rxp_") => (2, 2),
         // q4k_rx_body's R: one 4096-column row (two spill), four 2048-column rows.
         "matvec_q4_k_q8_rx4" => (1, 2),
@@ -85,6 +88,20 @@ const WIDE_SWIGLU_BLOCKS: usize = 1024;
 /// -> 189.60 tok/s in two alternating pairs of runs; the 6-pair gate+up alone 17.9 ->
 /// 16.3 µs), so every launch takes them.
 const IQ2_LUT32_MIN_PAIRS: usize = 1;
+
+/// Room kept beside the IQ2_XXS tables' dynamic shared memory for the kernel's static
+/// shared memory (a 4-byte placeholder aligned to 2 KB) when checking a GPU's opt-in limit.
+const IQ2_STATIC_SMEM: usize = 4096;
+
+/// The dynamic shared memory an IQ2_XXS register-activation kernel asks for: the
+/// 32-copy tables of `_rxtl` (at a 32 KB boundary) and `_rxtm` (at 64 KB); 0 for the rest.
+pub(crate) fn iq2_dyn_smem(kernel: &str) -> usize {
+    match kernel {
+        "matvec_iq2_xxs_q8_rxtl" => IQ2_LUT32_SMEM,
+        "matvec_iq2_xxs_q8_rxtm" => IQ2_PRMT_SMEM,
+        _ => 0,
+    }
+}
 
 /// `DS4_CUDA_LUT32_PAIRS=N` (1–4096): the fewest expert pairs that take the 32-copy
 /// tables instead of IQ2_LUT32_MIN_PAIRS, for timing decode (6 pairs) with them.
@@ -162,6 +179,13 @@ fn same_stack_shape(m: &DeviceMatrix, m2: &DeviceMatrix) -> bool {
 }
 
 impl Launcher<'_> {
+    /// Whether this GPU gives a block of `kernel` the dynamic shared memory it asks for
+    /// (iq2_dyn_smem), with room for its static tables.
+    pub fn fits_smem(&self, kernel: &str) -> bool {
+        let need = iq2_dyn_smem(kernel);
+        need == 0 || need + IQ2_STATIC_SMEM <= self.info().smem_optin
+    }
+
     /// `y[k][row] = W[ids[k]] · x[k]` for `n_sel` selections (`n_sel = 1`, `sel =
     /// MatSel::default()` for a plain matrix-vector product).
     pub fn matvec(
@@ -706,11 +730,18 @@ impl Launcher<'_> {
             Some(k) => k,
             None if iq2_shape && self.on(Variant::Iq2Rx) => {
                 if self.on(Variant::Iq2Tab) {
+                    // The 32-copy tables' kernels where the GPU gives a block their
+                    // shared memory.
                     if self.on(Variant::Iq2Pipe)
                         && self.on(Variant::Iq2Lut32)
                         && n_sel >= lut32_min_pairs()
+                        && self.fits_smem("matvec_iq2_xxs_q8_rxtl")
                     {
-                        "matvec_iq2_xxs_q8_rxtl"
+                        if self.on(Variant::Iq2Prmt) && self.fits_smem("matvec_iq2_xxs_q8_rxtm") {
+                            "matvec_iq2_xxs_q8_rxtm"
+                        } else {
+                            "matvec_iq2_xxs_q8_rxtl"
+                        }
                     } else if self.on(Variant::Iq2Pipe) {
                         "matvec_iq2_xxs_q8_rxtp"
                     } else {
@@ -788,19 +819,22 @@ impl Launcher<'_> {
             let (unit_rows, per_sm) = iq2_rx_units(name);
             let per_sm = exp_blocks_per_sm().unwrap_or(per_sm);
             let units = n_grid * m.rows.div_ceil(unit_rows);
-            let blocks = units
-                .div_ceil(ROWS_PER_BLOCK as usize)
-                .min(per_sm * self.info().multiprocessors.max(1) as usize);
-            let smem = if name == "matvec_iq2_xxs_q8_rxtl" {
-                self.allow_smem(name, IQ2_LUT32_SMEM)?;
-                IQ2_LUT32_SMEM as u32
+            let warps = if name == "matvec_iq2_xxs_q8_rxtm" {
+                2 * ROWS_PER_BLOCK
             } else {
-                0
+                ROWS_PER_BLOCK
             };
+            let blocks = units
+                .div_ceil(warps as usize)
+                .min(per_sm * self.info().multiprocessors.max(1) as usize);
+            let smem = iq2_dyn_smem(name);
+            if smem > 0 {
+                self.allow_smem(name, smem)?;
+            }
             LaunchConfig {
                 grid_dim: (blocks as u32, 1, 1),
-                block_dim: (32, ROWS_PER_BLOCK, 1),
-                shared_mem_bytes: smem,
+                block_dim: (32, warps, 1),
+                shared_mem_bytes: smem as u32,
             }
         } else {
             LaunchConfig {

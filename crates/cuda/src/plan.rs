@@ -91,6 +91,10 @@ variants! {
     Tokens = "tokens", true, "A multi-row step's plain Q8_0 (int8 activations) and F16 products read each weight block once for all their tokens (matvec_q8_0_q8_t*, matvec_f16_t*), not once per token.";
     AttMmaSplit = "att_mma_split", true, "A multi-row step's attention in the fast numerics on tensor cores, each token's rows split over chunks (attention_split_mma), not on the FMA pipes (attention_split_early).";
     OutaEarly = "outa_early", true, "The attention's grouped output projection through the early-load Q8_0 kernels (constant ids).";
+    // On since session 36 (H200, 2k, q2, two interleaved pairs): decode 199.5 -> 200.6
+    // tok/s, R = 2 6.96 -> 6.91 ms, 16 sessions 648 -> 660 tok/s; the 6-pair gate+up
+    // alone 16.4 -> 15.8 µs.
+    Iq2Prmt = "iq2_prmt", true, "With iq2_lut32: the code lookups' address one PRMT of the code byte into the lane's table address (matvec_iq2_xxs_q8_rxtm: tables at a 64 KB boundary, one 16-warp block an SM; GPUs that give a block 128 KB of shared memory).";
     Iq2Lut32 = "iq2_lut32", true, "With iq2_tab and iq2_pipe: the IQ2_XXS lookups in 32 interleaved copies of the tables, one bank per lane (matvec_iq2_xxs_q8_rxtl).";
     TokensMma = "tokens_mma", true, "With tokens: a step's plain and grouped Q8_0 products of 8 to 16 tokens (a batched step over sessions, a long multi-row step) on int8 tensor cores (matvec_q8_0_q8_mma8/16), not the dp4a kernels (matvec_q8_0_q8_t*).";
     MmaWide = "mma_wide", true, "With tokens_mma: ~4,096 warps a product, a row tile split over up to 16 warps (blocks of up to 16 warps), not ~1,024 warps and up to 8.";

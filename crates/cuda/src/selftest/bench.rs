@@ -396,7 +396,11 @@ pub fn probe_q8_splits(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
         let mut qa = gpu.alloc_quant_act(n_x, cols)?;
         gpu.quantize_act_k(gpu.ptr(&x), &mut qa)?;
         let kernels: Vec<&'static str> = if per_pair {
-            vec!["matvec_iq2_xxs_q8_rxtp", "matvec_iq2_xxs_q8_rxtl"]
+            vec![
+                "matvec_iq2_xxs_q8_rxtp",
+                "matvec_iq2_xxs_q8_rxtl",
+                "matvec_iq2_xxs_q8_rxtm",
+            ]
         } else {
             let probes = [
                 "probe_iq2_rx_nolut",
@@ -407,7 +411,7 @@ pub fn probe_q8_splits(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
             IQ2_RX_KERNELS[1..].iter().chain(&probes).copied().collect()
         };
         let x_stride = if per_pair { cols as i64 } else { 0 };
-        for kernel in kernels {
+        for kernel in kernels.into_iter().filter(|k| gpu.fits_smem(k)) {
             let ms = time_pair_q8act(gpu, (&gate, &up), &qa, (used, x_stride), Some(kernel))?;
             out.push(Timing {
                 name: format!(

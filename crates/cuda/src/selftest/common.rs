@@ -29,7 +29,7 @@ pub const NAME_WIDTH: usize = 44;
 /// The IQ2_XXS register-activation kernels at 4096 columns (the experts' gate and up):
 /// the selftest checks each against the staged kernel bit for bit, `--probe-q8` times
 /// them (all but the plain `_rx`) in a gate+up pair launch.
-pub const IQ2_RX_KERNELS: [&str; 7] = [
+pub const IQ2_RX_KERNELS: [&str; 8] = [
     "matvec_iq2_xxs_q8_rx",
     "matvec_iq2_xxs_q8_rxe",
     "matvec_iq2_xxs_q8_rxp",
@@ -37,6 +37,7 @@ pub const IQ2_RX_KERNELS: [&str; 7] = [
     "matvec_iq2_xxs_q8_rxt",
     "matvec_iq2_xxs_q8_rxtp",
     "matvec_iq2_xxs_q8_rxtl",
+    "matvec_iq2_xxs_q8_rxtm",
 ];
 
 pub const Q8_SHAPES: &[(&str, usize, usize, usize)] = &[

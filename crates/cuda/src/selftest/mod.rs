@@ -60,6 +60,7 @@ pub const CHECKS: &[KernelCheck] = &[
             Variant::Iq2Tab,
             Variant::Iq2Pipe,
             Variant::Iq2Lut32,
+            Variant::Iq2Prmt,
             Variant::Q2kRx,
             Variant::Q4kRx,
             Variant::Q8Early,
