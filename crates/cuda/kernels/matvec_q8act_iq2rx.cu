@@ -236,15 +236,16 @@ KERNEL_PAIR(__launch_bounds__(256, 2), matvec_iq2_xxs_q8_rx, matvec_iq2_xxs_q8_r
 // warp_sum as matvec_iq2_xxs_q8: the same sums.
 //
 // MODE: 0 = iq2_xxs_dot, 4 = iq2_xxs_dot_tab (same sums, fewer instructions), 5 =
-// iq2_xxs_dot_l32 (the 32-copy tables); probe.cu only: 1 = no table lookups (arithmetic
-// on the weight bits), 3 = weight loads only (outputs meaningless).
+// iq2_xxs_dot_l32 (the 32-copy tables), 6 = iq2_xxs_dot_p64 (the 32-copy tables at a
+// 64 KB boundary); probe.cu only: 1 = no table lookups (arithmetic on the weight bits),
+// 3 = weight loads only (outputs meaningless).
 template <int R, bool PIPE, int MODE>
 __device__ __forceinline__ void iq2_xxs_q8_rxp_body(IQ2_MATVEC_PARAMS) {
     constexpr int S = IQ2_RX_STEPS;
     __shared__ __align__(2048) u32 tab[MODE >= 5 ? 1 : 384];  // 256 codes, 128 sign masks
     const u32* codes = tab;
     const u32* signs = tab + 256;
-    u32 tl = 0;  // MODE 5: the 32-copy tables' address | lane · 4
+    u32 tl = 0;  // MODE 5 / 6: the 32-copy tables' address | lane · 4
     if constexpr (MODE == 5) {
         extern __shared__ __align__(16) u8 iq2_l32_smem[];
         const u32 base = ((u32)__cvta_generic_to_shared(iq2_l32_smem) + 32767u) & ~32767u;
