@@ -53,6 +53,105 @@ fn time_experts_q8act(
     })?)
 }
 
+/// The routed experts' kernels as the engine picks them (the IQ2_XXS gate+up pair launch,
+/// the Q2_K down) over 1 to 96 pairs, an input each (a decode token has 6 pairs, a
+/// 2-row step 12, 16 sessions 96), and a least-squares line through the times: its
+/// intercept is the part of a launch that does not grow with the pairs (the tables, the
+/// start's load chain, the tail), its slope the cost of one more pair.
+fn expert_pairs_sweep(gpu: &Launcher, rng: &mut Rng) -> Result<Vec<Timing>> {
+    const PAIRS: [usize; 8] = [1, 2, 4, 6, 12, 24, 48, 96];
+    let max = PAIRS[PAIRS.len() - 1];
+    let mats = 256usize;
+    let mut out = Vec::new();
+    for (ty, rows, cols) in [
+        (GgmlType::IQ2_XXS, 2048usize, 4096usize),
+        (GgmlType::Q2_K, 4096, 2048),
+    ] {
+        let mut stack = || {
+            let w = random_matrix(ty, rows, cols, mats, rng);
+            DeviceMatrix::upload(gpu, ty, &w, rows, cols, mats)
+        };
+        let gate = stack()?;
+        let up = if ty == GgmlType::IQ2_XXS {
+            Some(stack()?)
+        } else {
+            None
+        };
+        let x = gpu.upload(&random_vec(max * cols, rng))?;
+        let mut qa = gpu.alloc_quant_act(max, cols)?;
+        gpu.quantize_act_k(gpu.ptr(&x), &mut qa)?;
+        let what = match up {
+            Some(_) => "gate+up IQ2_XXS",
+            None => "down Q2_K",
+        };
+        let mut points = Vec::new();
+        for used in PAIRS {
+            let (ms, bytes) = match &up {
+                Some(up) => (
+                    time_pair_q8act(gpu, (&gate, up), &qa, (used, cols as i64), None)?,
+                    2 * gate.bytes_per_matrix() * used,
+                ),
+                None => (
+                    time_experts_q8act_qa(gpu, &gate, &qa, used)?,
+                    gate.bytes_per_matrix() * used,
+                ),
+            };
+            points.push((used as f64, ms));
+            out.push(Timing {
+                name: format!("{used} pairs {what} (an input each, engine's kernel)"),
+                bytes: bytes as f64,
+                ms,
+            });
+        }
+        let (fixed, per_pair) = line_fit(&points);
+        out.push(Timing {
+            name: format!(
+                "{what} fit: {:.1} µs a launch + {:.2} µs a pair",
+                fixed * 1e3,
+                per_pair * 1e3
+            ),
+            bytes: 0.0,
+            ms: fixed,
+        });
+    }
+    Ok(out)
+}
+
+/// Least-squares line y = a + b·x through `points`: (a, b).
+fn line_fit(points: &[(f64, f64)]) -> (f64, f64) {
+    let n = points.len() as f64;
+    let (sx, sy) = points
+        .iter()
+        .fold((0.0, 0.0), |(a, b), &(x, y)| (a + x, b + y));
+    let (mx, my) = (sx / n, sy / n);
+    let (sxy, sxx) = points.iter().fold((0.0, 0.0), |(a, b), &(x, y)| {
+        (a + (x - mx) * (y - my), b + (x - mx) * (x - mx))
+    });
+    let b = if sxx > 0.0 { sxy / sxx } else { 0.0 };
+    (my - b * mx, b)
+}
+
+/// Milliseconds per call of the engine's int8-activation expert kernel over `used`
+/// selections of `m`, each with its own row of the quantised activations `qa`.
+fn time_experts_q8act_qa(
+    gpu: &Launcher,
+    m: &DeviceMatrix,
+    qa: &QuantAct,
+    used: usize,
+) -> Result<f64> {
+    let y = gpu.zeros::<f32>(used * m.rows)?;
+    let id_sets = expert_id_sets(gpu, used, m.n_mats)?;
+    let yp = gpu.ptr(&y);
+    Ok(gpu.time_ms(3, 50, |i| {
+        let sel = MatSel {
+            ids: gpu.ptr(&id_sets[i % id_sets.len()]),
+            x_stride: m.cols as i64,
+            y_stride: m.rows as i64,
+        };
+        gpu.matvec_q8act(m, qa, yp, used, sel)
+    })?)
+}
+
 /// Milliseconds per call of a gate+up pair launch over `used` selections of the stacks
 /// `m`, `m2` with the activations `qa` (`x_stride`: 0 for one shared row, else a row per
 /// selection): the default kernel, or the named IQ2_XXS one.
@@ -423,6 +522,7 @@ pub fn probe_q8_splits(gpu: &Launcher, seed: u64) -> Result<Vec<Timing>> {
             });
         }
     }
+    out.extend(expert_pairs_sweep(gpu, &mut rng)?);
     for &(name, rows, cols, n_sel) in Q8_SHAPES {
         let w = random_matrix(GgmlType::Q8_0, rows, cols, n_sel, &mut rng);
         let mats = q8_copies(gpu, &w, (rows, cols, n_sel))?;
@@ -585,4 +685,23 @@ fn q8_copies(
         out.push(upload()?);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::line_fit;
+
+    #[test]
+    fn line_fit_recovers_a_line() {
+        let pts: Vec<(f64, f64)> = [1.0, 2.0, 6.0, 96.0]
+            .iter()
+            .map(|&x| (x, 6.5 + 0.75 * x))
+            .collect();
+        let (a, b) = line_fit(&pts);
+        assert!(
+            (a - 6.5).abs() < 1e-12 && (b - 0.75).abs() < 1e-12,
+            "{a} {b}"
+        );
+        assert_eq!(line_fit(&[(3.0, 2.0), (3.0, 4.0)]), (3.0, 0.0));
+    }
 }
