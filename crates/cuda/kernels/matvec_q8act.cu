@@ -42,27 +42,35 @@ __device__ __forceinline__ void stage_x(i8* sq, float* sd, const i8* q, const fl
 #define IQ2_LUT_POS 0x002b1908u
 #define IQ2_LUT_NEG 0x00d5e7f8u
 
+// Table entry e (every table layout: iq2_tables here, iq2_tables32 / iq2_tables64 in
+// matvec_q8act_iq2rx.cu): e < 256 the grid point's 8 values (8, 25, 43) as 0, 1, 2 in
+// the low bits of their nibbles; else sign pattern e − 256 with its 8th sign (making the
+// count even) as bit 2 of each nibble.
+__device__ __forceinline__ u32 iq2_table_entry(int e, const u64* grid_g) {
+    u32 v = 0;
+    if (e < 256) {
+        const u64 g = grid_g[e];
+#pragma unroll
+        for (int b = 0; b < 8; ++b) {
+            const u32 q = (u32)(g >> (8 * b)) & 0xff;
+            v |= (q == 8 ? 0u : (q == 25 ? 1u : 2u)) << (4 * b);
+        }
+    } else {
+        u32 s7 = e - 256;
+        s7 |= (__popc(s7) & 1) << 7;
+#pragma unroll
+        for (int b = 0; b < 8; ++b) v |= ((s7 >> b) & 1u) << (4 * b + 2);
+    }
+    return v;
+}
 // Fills the code and sign-mask tables (any block shape).
 __device__ __forceinline__ void iq2_tables(u32* codes, u32* signs, const u64* grid_g) {
     const int tid = threadIdx.y * blockDim.x + threadIdx.x;
     for (int i = tid; i < 384; i += blockDim.x * blockDim.y) {
-        if (i < 256) {
-            const u64 g = grid_g[i];
-            u32 c = 0;
-#pragma unroll
-            for (int b = 0; b < 8; ++b) {
-                const u32 v = (u32)(g >> (8 * b)) & 0xff;
-                c |= (v == 8 ? 0u : (v == 25 ? 1u : 2u)) << (4 * b);
-            }
-            codes[i] = c;
-        } else {
-            u32 s7 = i - 256;
-            s7 |= (__popc(s7) & 1) << 7;  // the 8th sign makes the count even
-            u32 m = 0;
-#pragma unroll
-            for (int b = 0; b < 8; ++b) m |= ((s7 >> b) & 1u) << (4 * b + 2);
-            signs[i - 256] = m;
-        }
+        if (i < 256)
+            codes[i] = iq2_table_entry(i, grid_g);
+        else
+            signs[i - 256] = iq2_table_entry(i, grid_g);
     }
 }
 

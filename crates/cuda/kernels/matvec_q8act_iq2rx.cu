@@ -19,33 +19,18 @@
 static_assert(IQ2_LUT32_WORDS == 384 * 32, "256 code and 128 sign entries, 32 copies");
 static_assert(IQ2_LUT32_SMEM >= IQ2_LUT32_WORDS * 4 + 32768 - 16,
               "the tables at the first 32 KB boundary of 16-byte aligned dynamic memory");
+// An entry's 32 copies as 8 16-byte stores at `row`, started at a thread-dependent piece
+// so that a warp's stores spread over the banks.
+__device__ __forceinline__ void iq2_entry_copies(uint4* row, u32 v, int tid) {
+    const uint4 v4 = make_uint4(v, v, v, v);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) row[(k + tid) & 7] = v4;
+}
 __device__ __forceinline__ void iq2_tables32(u32* tab, const u64* grid_g) {
     const int tid = threadIdx.y * blockDim.x + threadIdx.x;
     const int nthreads = blockDim.x * blockDim.y;
-    for (int e = tid; e < 384; e += nthreads) {
-        u32 v;
-        if (e < 256) {
-            const u64 g = grid_g[e];
-            v = 0;
-#pragma unroll
-            for (int b = 0; b < 8; ++b) {
-                const u32 q = (u32)(g >> (8 * b)) & 0xff;
-                v |= (q == 8 ? 0u : (q == 25 ? 1u : 2u)) << (4 * b);
-            }
-        } else {
-            u32 s7 = e - 256;
-            s7 |= (__popc(s7) & 1) << 7;
-            v = 0;
-#pragma unroll
-            for (int b = 0; b < 8; ++b) v |= ((s7 >> b) & 1u) << (4 * b + 2);
-        }
-        // 8 16-byte stores of the entry's 32 copies, started at a thread-dependent
-        // piece so that a warp's stores spread over the banks.
-        uint4* row = reinterpret_cast<uint4*>(tab + e * 32);
-        const uint4 v4 = make_uint4(v, v, v, v);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) row[(k + tid) & 7] = v4;
-    }
+    for (int e = tid; e < 384; e += nthreads)
+        iq2_entry_copies(reinterpret_cast<uint4*>(tab + e * 32), iq2_table_entry(e, grid_g), tid);
 }
 
 // The sign half of the 32-copy tables, 32 KB past the code half.
@@ -59,33 +44,14 @@ __device__ __forceinline__ u32 lds_u32_32k(u32 addr) {
 // 0x10000 + 256e + 4l of the block's shared window (the first 64 KB boundary, so an
 // entry's address is the lane's address with its byte 1 replaced by the code byte: one
 // PRMT), sign entry e at 0xC000 + 128e + 4l (16 KB below, reached from the same
-// address base by the load's immediate, as in iq2_xxs_dot_l32). `t64` is the window's
+// address base by the load's immediate, as in iq2_xxs_dot_l32). `win` is the window's
 // byte 0; the launch asks for IQ2_PRMT_SMEM of dynamic shared memory.
 __device__ __forceinline__ void iq2_tables64(u8* win, const u64* grid_g) {
     const int tid = threadIdx.y * blockDim.x + threadIdx.x;
     const int nthreads = blockDim.x * blockDim.y;
     for (int e = tid; e < 384; e += nthreads) {
-        u32 v;
-        if (e < 256) {
-            const u64 g = grid_g[e];
-            v = 0;
-#pragma unroll
-            for (int b = 0; b < 8; ++b) {
-                const u32 q = (u32)(g >> (8 * b)) & 0xff;
-                v |= (q == 8 ? 0u : (q == 25 ? 1u : 2u)) << (4 * b);
-            }
-        } else {
-            u32 s7 = e - 256;
-            s7 |= (__popc(s7) & 1) << 7;
-            v = 0;
-#pragma unroll
-            for (int b = 0; b < 8; ++b) v |= ((s7 >> b) & 1u) << (4 * b + 2);
-        }
-        uint4* row = reinterpret_cast<uint4*>(e < 256 ? win + 0x10000 + 256 * e
-                                                      : win + 0xC000 + 128 * (e - 256));
-        const uint4 v4 = make_uint4(v, v, v, v);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) row[(k + tid) & 7] = v4;
+        u8* row = e < 256 ? win + 0x10000 + 256 * e : win + 0xC000 + 128 * (e - 256);
+        iq2_entry_copies(reinterpret_cast<uint4*>(row), iq2_table_entry(e, grid_g), tid);
     }
 }
 __device__ __forceinline__ u32 lds_u32_m16k(u32 addr) {
