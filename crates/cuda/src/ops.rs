@@ -49,21 +49,23 @@ use crate::consts::{
     ROWS_PER_BLOCK,
 };
 
-/// Rows per warp unit and blocks per SM of a register-activation expert kernel: units
-/// of EXP_ROWS_PER_WARP at two blocks per SM, except the pipelined IQ2_XXS kernels
-/// (`_rxp`, `_rxtp`: iq2_xxs_q8_rxp_body's R of 2 rows, or 4 at one block per SM for
-/// `probe_iq2_rxp4`).
-fn iq2_rx_units(kernel: &str) -> (usize, usize) {
+/// Rows per warp unit, blocks per SM and warps per block of a register-activation expert
+/// kernel: units of EXP_ROWS_PER_WARP at two blocks of ROWS_PER_BLOCK warps per SM,
+/// except the pipelined IQ2_XXS kernels (`_rxp`, `_rxtp`: iq2_xxs_q8_rxp_body's R of 2
+/// rows, or 4 at one block per SM for `probe_iq2_rxp4`) and `_rxtm` (one block of twice
+/// the warps).
+fn iq2_rx_units(kernel: &str) -> (usize, usize, u32) {
+    let w = ROWS_PER_BLOCK;
     match kernel {
-        "probe_iq2_rxp4" => (4, 1),
-        "matvec_iq2_xxs_q8_rxp" | "matvec_iq2_xxs_q8_rxtp" | "matvec_iq2_xxs_q8_rxtl" => (2, 2),
+        "probe_iq2_rxp4" => (4, 1, w),
+        "matvec_iq2_xxs_q8_rxp" | "matvec_iq2_xxs_q8_rxtp" | "matvec_iq2_xxs_q8_rxtl" => (2, 2, w),
         // One 16-warp block an SM (its tables at a 64 KB boundary).
-        "matvec_iq2_xxs_q8_rxtm" => (2, 1),
-        k if k.starts_with("probe_iq2_rxp_") => (2, 2),
+        "matvec_iq2_xxs_q8_rxtm" => (2, 1, 2 * w),
+        k if k.starts_with("probe_iq2_rxp_") => (2, 2, w),
         // q4k_rx_body's R: one 4096-column row (two spill), four 2048-column rows.
-        "matvec_q4_k_q8_rx4" => (1, 2),
-        "matvec_q4_k_q8_rx2" => (4, 2),
-        _ => (EXP_ROWS_PER_WARP as usize, 2),
+        "matvec_q4_k_q8_rx4" => (1, 2, w),
+        "matvec_q4_k_q8_rx2" => (4, 2, w),
+        _ => (EXP_ROWS_PER_WARP as usize, 2, w),
     }
 }
 
@@ -816,14 +818,9 @@ impl Launcher<'_> {
         let cfg = if iq2_rx || q2k_rx || q4k_rx {
             // Warps walk row units of EXP_ROWS_PER_WARP (IQ2) / Q2K_RX_ROWS (Q2_K) rows;
             // the pipelined IQ2 kernels' units are smaller (see iq2_rx_units).
-            let (unit_rows, per_sm) = iq2_rx_units(name);
+            let (unit_rows, per_sm, warps) = iq2_rx_units(name);
             let per_sm = exp_blocks_per_sm().unwrap_or(per_sm);
             let units = n_grid * m.rows.div_ceil(unit_rows);
-            let warps = if name == "matvec_iq2_xxs_q8_rxtm" {
-                2 * ROWS_PER_BLOCK
-            } else {
-                ROWS_PER_BLOCK
-            };
             let blocks = units
                 .div_ceil(warps as usize)
                 .min(per_sm * self.info().multiprocessors.max(1) as usize);

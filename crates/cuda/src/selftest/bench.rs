@@ -33,22 +33,34 @@ fn time_experts_q8act(
     shared: bool,
     probe: Option<&'static str>,
 ) -> Result<f64> {
-    let (rows, cols) = (m.rows, m.cols);
-    let y = gpu.zeros::<f32>(used * rows)?;
-    let mut qa = gpu.alloc_quant_act(if shared { 1 } else { used }, cols)?;
+    let mut qa = gpu.alloc_quant_act(if shared { 1 } else { used }, m.cols)?;
     // The Q8_K rule, as the engine quantises the routed experts' inputs.
     gpu.quantize_act_k(gpu.ptr(x), &mut qa)?;
+    let x_stride = if shared { 0 } else { m.cols as i64 };
+    time_experts_qa(gpu, m, &qa, (used, x_stride), probe)
+}
+
+/// time_experts_q8act on activations already quantised (`qa`, rows `x_stride` apart:
+/// 0 for one shared row).
+fn time_experts_qa(
+    gpu: &Launcher,
+    m: &DeviceMatrix,
+    qa: &QuantAct,
+    (used, x_stride): (usize, i64),
+    probe: Option<&'static str>,
+) -> Result<f64> {
+    let y = gpu.zeros::<f32>(used * m.rows)?;
     let id_sets = expert_id_sets(gpu, used, m.n_mats)?;
     let yp = gpu.ptr(&y);
     Ok(gpu.time_ms(3, 50, |i| {
         let sel = MatSel {
             ids: gpu.ptr(&id_sets[i % id_sets.len()]),
-            x_stride: if shared { 0 } else { cols as i64 },
-            y_stride: rows as i64,
+            x_stride,
+            y_stride: m.rows as i64,
         };
         match probe {
-            Some(kernel) => gpu.matvec_q8act_kernel(m, &qa, yp, (used, sel), kernel),
-            None => gpu.matvec_q8act(m, &qa, yp, used, sel),
+            Some(kernel) => gpu.matvec_q8act_kernel(m, qa, yp, (used, sel), kernel),
+            None => gpu.matvec_q8act(m, qa, yp, used, sel),
         }
     })?)
 }
@@ -92,7 +104,7 @@ fn expert_pairs_sweep(gpu: &Launcher, rng: &mut Rng) -> Result<Vec<Timing>> {
                     2 * gate.bytes_per_matrix() * used,
                 ),
                 None => (
-                    time_experts_q8act_qa(gpu, &gate, &qa, used)?,
+                    time_experts_qa(gpu, &gate, &qa, (used, cols as i64), None)?,
                     gate.bytes_per_matrix() * used,
                 ),
             };
@@ -129,27 +141,6 @@ fn line_fit(points: &[(f64, f64)]) -> (f64, f64) {
     });
     let b = if sxx > 0.0 { sxy / sxx } else { 0.0 };
     (my - b * mx, b)
-}
-
-/// Milliseconds per call of the engine's int8-activation expert kernel over `used`
-/// selections of `m`, each with its own row of the quantised activations `qa`.
-fn time_experts_q8act_qa(
-    gpu: &Launcher,
-    m: &DeviceMatrix,
-    qa: &QuantAct,
-    used: usize,
-) -> Result<f64> {
-    let y = gpu.zeros::<f32>(used * m.rows)?;
-    let id_sets = expert_id_sets(gpu, used, m.n_mats)?;
-    let yp = gpu.ptr(&y);
-    Ok(gpu.time_ms(3, 50, |i| {
-        let sel = MatSel {
-            ids: gpu.ptr(&id_sets[i % id_sets.len()]),
-            x_stride: m.cols as i64,
-            y_stride: m.rows as i64,
-        };
-        gpu.matvec_q8act(m, qa, yp, used, sel)
-    })?)
 }
 
 /// Milliseconds per call of a gate+up pair launch over `used` selections of the stacks
