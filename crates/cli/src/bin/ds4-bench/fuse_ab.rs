@@ -71,6 +71,9 @@ pub fn run(a: &Args, model: &Model, specs: &[Spec], alloc: usize) -> Result<()> 
     // others go on, so one bad variant does not cost the whole comparison.
     let mut failed = vec![false; specs.len()];
     for round in 1..=rounds {
+        // The round's first tokens, which every other setting's are compared with: a
+        // variant that gives the same bits must give the same tokens (also at depth 43).
+        let mut first: Option<(&str, Vec<u32>)> = None;
         for (si, spec) in specs.iter().enumerate() {
             if failed[si] {
                 continue;
@@ -78,18 +81,16 @@ pub fn run(a: &Args, model: &Model, specs: &[Spec], alloc: usize) -> Result<()> 
             if round == 1 {
                 eprintln!("ds4-bench: {} = {}", spec.label, spec.plan);
             }
-            let run = || -> Result<(f64, f64)> {
+            let run = || -> Result<(f64, f64, Vec<u32>)> {
                 let be = CudaBackend::with_plan(&weights, alloc, numerics, spec.plan)?;
                 let mut session = Session::with_backend(model, Box::new(be), numerics, 2048);
                 let t = Instant::now();
                 session.prefill(&prompt)?;
                 let prefill_s = t.elapsed().as_secs_f64();
-                Ok((
-                    prefill_s,
-                    decode_greedy(&mut session, a.gen_tokens, eos)?.0.secs,
-                ))
+                let (timed, tokens) = decode_greedy(&mut session, a.gen_tokens, eos)?;
+                Ok((prefill_s, timed.secs, tokens))
             };
-            let (prefill_s, gen_s) = match run() {
+            let (prefill_s, gen_s, tokens) = match run() {
                 Ok(r) => r,
                 Err(e) => {
                     eprintln!("ds4-bench: {} failed in round {round}: {e:#}", spec.label);
@@ -97,6 +98,22 @@ pub fn run(a: &Args, model: &Model, specs: &[Spec], alloc: usize) -> Result<()> 
                     continue;
                 }
             };
+            match &first {
+                None => first = Some((&spec.label, tokens)),
+                Some((label, want)) => match want.iter().zip(&tokens).position(|(a, b)| a != b) {
+                    None if want.len() == tokens.len() => {
+                        eprintln!(
+                            "ds4-bench: {} round {round}: the tokens of {label}",
+                            spec.label
+                        )
+                    }
+                    at => eprintln!(
+                        "ds4-bench: {} round {round}: tokens part from {label}'s at token {}",
+                        spec.label,
+                        at.unwrap_or(want.len().min(tokens.len()))
+                    ),
+                },
+            }
             gen[si].push(a.gen_tokens as f64 / gen_s.max(1e-9));
             pre[si].push(prompt.len() as f64 / prefill_s.max(1e-9));
             writeln!(
