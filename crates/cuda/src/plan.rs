@@ -81,6 +81,7 @@ variants! {
     RouterSplit = "router_split", true, "The router's rank loop split at the warp's own experts; takes the place of router4 (router_split).";
     Iq2Early = "iq2_early", true, "With iq2_rx: the IQ2_XXS tables built before the PDL wait (matvec_iq2_xxs_q8_rxe).";
     IdxStep = "idx_step", true, "A decode token's indexer query, scores and top-k in one launch (indexer_step) for contexts of up to INDEXER_STEP_MAX_ROWS compressed rows, not three.";
+    IdxStepRows = "idx_step_rows", true, "With idx_step: a multi-row step of up to IDX_STEP_ROWS tokens (an MTP verify) takes indexer_step too, a token a grid row, with a decode token's bits, not the batch chain (indexer_q, indexer_scores_mma on bf16 tensor cores, topk_select).";
     IdxMma = "idx_mma", true, "A batch's indexer scores on bf16 tensor cores (indexer_scores_mma).";
     MmPitch = "mm_pitch", true, "The prefill F16/BF16 tensor-core GEMM tiles without their store bank conflicts (mm_tc_*_p).";
     Iq2Tab = "iq2_tab", true, "With iq2_rx: the IQ2_XXS lookups in one table addressed by a single LOP3 (matvec_iq2_xxs_q8_rxt).";

@@ -108,7 +108,7 @@ pub const CHECKS: &[KernelCheck] = &[
     check("topk", &[Variant::TopkReg], variants::check_topk),
     check(
         "indexer_step",
-        &[Variant::IdxStep],
+        &[Variant::IdxStep, Variant::IdxStepRows],
         indexer_step::check_indexer_step,
     ),
     check("norm_pl", &[Variant::NormPl], variants::check_norm_pl),

@@ -20,6 +20,10 @@ use crate::error::Result;
 use crate::ops::linear::Numerics;
 use crate::steer::Component;
 
+/// Most tokens of a multi-row step whose indexer runs as one `indexer_step` launch (a
+/// token a grid row; variant `idx_step_rows`): an MTP verify of up to 4 drafts.
+const IDX_STEP_ROWS: usize = 5;
+
 /// The KV state as the layer launches see it.
 pub(super) struct KvView<'a> {
     pub(super) layers: &'a [LayerState],
@@ -579,10 +583,12 @@ impl KvView<'_> {
                     ((c.idx_head_dim as f64).powf(-0.5) * (c.idx_heads as f64).powf(-0.5)) as f32;
                 debug_assert!(max_rows <= s.iscores_stride);
                 // A decode token: query, scores and top-k in one launch where it fits
-                // (`idx_step`). A multi-row step keeps the chain (its batched scores
-                // run on tensor cores), and so does a batched step over sessions: the
+                // (`idx_step`); a multi-row step of up to IDX_STEP_ROWS tokens too
+                // (`idx_step_rows`), longer ones keep the chain (their batched scores
+                // run on tensor cores). So does a batched step over sessions: the
                 // kernel takes a KV table, but its 8-session timing is not measured yet.
-                let fused = n == 1
+                let rows_ok = n == 1 || (n <= IDX_STEP_ROWS && g.on(Variant::IdxStepRows));
+                let fused = rows_ok
                     && px.kvt == 0
                     && g.indexer_step_fits(
                         c.idx_heads,
