@@ -17,6 +17,8 @@
 // and up to 32 KB to reach a 32 KB boundary).
 #define IQ2_LUT32_WORDS 12288 // rust: usize
 #define IQ2_LUT32_SMEM 81920 // rust: usize
+// The dynamic shared memory of matvec_iq2_xxs_q8_rxtm (`iq2_prmt`): 128 KB, so that the
+// block's window covers 0xC000-0x20000 (the sign and code tables around its 64 KB boundary).
 #define IQ2_PRMT_SMEM 131072 // rust: usize
 // Most warps a row tile (and a block) of the tensor-core multi-token Q8_0 kernels
 // (mma_tokens.cu).

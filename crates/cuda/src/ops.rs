@@ -43,7 +43,8 @@ unsafe impl DeviceRepr for MatSel {}
 // unit of matvec_q2_k_q8_rx, is the same); IQ2_RX_STEPS: steps of 32 lanes per row of
 // `matvec_iq2_xxs_q8_rx`; Q8_ROWS_PER_WARP: rows per warp of `matvec_q8_0_q8_r4`.
 // IQ2_LUT32_SMEM: the dynamic shared memory of `matvec_iq2_xxs_q8_rxtl` (its 48 KB of
-// tables at a 32 KB boundary).
+// tables at a 32 KB boundary); IQ2_PRMT_SMEM: `matvec_iq2_xxs_q8_rxtm`'s (its tables
+// around a 64 KB boundary).
 use crate::consts::{
     EXP_ROWS_PER_WARP, IQ2_LUT32_SMEM, IQ2_PRMT_SMEM, IQ2_RX_STEPS, Q8_ROWS_PER_WARP,
     ROWS_PER_BLOCK,

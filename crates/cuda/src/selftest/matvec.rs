@@ -411,6 +411,8 @@ fn check_kernel_variants(
         gpu.quantize_act(gpu.ptr(&xd), &mut qa)?;
     }
     let idd = gpu.upload(ids)?;
+    // Kernels whose shared memory this GPU does not give are not run, and named so.
+    let (ran, not_run): (Vec<&str>, Vec<&str>) = variants.iter().partition(|k| gpu.fits_smem(k));
     let mut same = BitDiff::default();
     for x_stride in [cols as i64, 0] {
         let sel = MatSel {
@@ -424,13 +426,11 @@ fn check_kernel_variants(
             Ok(gpu.download(&y)?)
         };
         let want = run(staged)?;
-        for &kernel in variants.iter().filter(|k| gpu.fits_smem(k)) {
+        for &kernel in &ran {
             same = same.merge(same_bits(&run(kernel)?, &want));
         }
     }
     let rule = if k_rule { " (Q8_K input)" } else { "" };
-    // Kernels whose shared memory this GPU does not give are named as not run.
-    let (ran, not_run): (Vec<&str>, Vec<&str>) = variants.iter().partition(|k| gpu.fits_smem(k));
     let not_run = if not_run.is_empty() {
         String::new()
     } else {
