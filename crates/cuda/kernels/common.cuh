@@ -182,6 +182,8 @@ __device__ __forceinline__ void warp_sums_level(float (&v)[N], int& first) {
         }
     }
 }
+// The least power of two ≥ n (n ≥ 1), at compile time: warp_sums' padded width.
+__host__ __device__ constexpr int pow2_ceil_ct(int n) { return n <= 1 ? 1 : 2 * pow2_ceil_ct((n + 1) / 2); }
 template <int N>
 __device__ __forceinline__ void warp_sums(float (&v)[N], int& first) {
     static_assert(N >= 1 && (N & (N - 1)) == 0, "warp_sums takes a power of two");

@@ -343,13 +343,18 @@ __device__ __forceinline__ void matvec_f16_tok_body(const u16* __restrict__ w,
             dot(__ldg(reinterpret_cast<const uint4*>(r + c)), c);
     }
     PDL_TRIGGER();
+    // One transposed reduction, padded with zeros to a power of two for T = 3.
+    constexpr int TP = pow2_ceil_ct(T);
+    float v[TP];
+#pragma unroll
+    for (int t = 0; t < TP; ++t) v[t] = t < T ? acc[t] : 0.f;
     int first;
-    warp_sums<T>(acc, first);  // acc[0] is token first's sum: warp_sum's bits
-    if (warp_sums_writer<T>()) {
+    warp_sums<TP>(v, first);  // v[0] is token first's sum: warp_sum's bits
+    if (warp_sums_writer<TP>() && first < T) {
         if (ks == 1) {
-            if (first < n_tok && row < rows) y[first * sel.y_stride + row] = acc[0];
+            if (first < n_tok && row < rows) y[first * sel.y_stride + row] = v[0];
         } else {
-            red[first][threadIdx.y] = acc[0];
+            red[first][threadIdx.y] = v[0];
         }
     }
     if (ks > 1) {
@@ -371,6 +376,7 @@ __device__ __forceinline__ void matvec_f16_tok_body(const u16* __restrict__ w,
         matvec_f16_tok_body<T>(w, x, y, rows, cols, sel, ks, n_tok);                      \
     }
 F16_TOK_KERNEL(2)
+F16_TOK_KERNEL(3)
 F16_TOK_KERNEL(4)
 F16_TOK_KERNEL(8)
 F16_TOK_KERNEL(16)

@@ -839,18 +839,22 @@ __device__ __forceinline__ void matvec_q8_0_q8_tok_body(
         dot(0, b);
     }
     PDL_TRIGGER();
-    // The R·T sums in one transposed reduction (warp_sums: warp_sum's bits).
-    constexpr int N = R * T, K = N > WARP ? N / WARP : 1;
-    float v[N];
+    // The R·T sums in one transposed reduction (warp_sums: warp_sum's bits), padded
+    // with zeros to a power of two for T = 3 (a padding slot's total is not stored).
+    constexpr int N = R * T, NP = pow2_ceil_ct(N), K = NP > WARP ? NP / WARP : 1;
+    float v[NP];
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int t = 0; t < T; ++t) v[r * T + t] = acc[r][t];
+#pragma unroll
+    for (int i = N; i < NP; ++i) v[i] = 0.f;
     int first;
-    warp_sums<N>(v, first);
-    if (warp_sums_writer<N>()) {
+    warp_sums<NP>(v, first);
+    if (warp_sums_writer<NP>()) {
 #pragma unroll
         for (int k = 0; k < K; ++k) {
+            if (first + k >= N) continue;
             const int r = (first + k) / T, t = (first + k) % T;
             if (ks == 1) {
                 if (t < n_tok && row0 + r < rows) y[t * sel.y_stride + row0 + r] = v[k];
@@ -886,6 +890,11 @@ __device__ __forceinline__ void matvec_q8_0_q8_tok_body(
 Q8_TOK_KERNEL(2, 1, __launch_bounds__(256))
 Q8_TOK_KERNEL(2, 2, __launch_bounds__(256))
 Q8_TOK_KERNEL(2, 4, __launch_bounds__(256, 3))
+// T = 3 (`tokens3`): a 3-token step (an MTP verify of two drafts) without the 4-token
+// kernels' padding token, whose products were a quarter of their integer work.
+Q8_TOK_KERNEL(3, 1, __launch_bounds__(256))
+Q8_TOK_KERNEL(3, 2, __launch_bounds__(256))
+Q8_TOK_KERNEL(3, 4, __launch_bounds__(256))
 Q8_TOK_KERNEL(4, 1, __launch_bounds__(256))
 Q8_TOK_KERNEL(4, 2, __launch_bounds__(256))
 Q8_TOK_KERNEL(4, 4, __launch_bounds__(256))

@@ -90,6 +90,7 @@ variants! {
     Q8Rows = "q8_rows", true, "The early-load Q8_0 matvec with 4 rows a warp for rows of up to 1,024 columns (matvec_q8_0_q8_r4).";
     Q8Rows2 = "q8_rows2", true, "The early-load Q8_0 matvec with 2 rows a warp for longer one-warp rows (matvec_q8_0_q8_r2).";
     Tokens = "tokens", true, "A multi-row step's plain Q8_0 (int8 activations) and F16 products read each weight block once for all their tokens (matvec_q8_0_q8_t*, matvec_f16_t*), not once per token.";
+    Tokens3 = "tokens3", true, "With tokens: a 3-token step's (an MTP verify of two drafts) Q8_0 and F16 products on 3-token kernels (matvec_q8_0_q8_t3r*, matvec_f16_t3), not the 4-token ones, whose padding token was a quarter of their work.";
     AttMmaSplit = "att_mma_split", true, "A multi-row step's attention in the fast numerics on tensor cores, each token's rows split over chunks (attention_split_mma), not on the FMA pipes (attention_split_early).";
     OutaEarly = "outa_early", true, "The attention's grouped output projection through the early-load Q8_0 kernels (constant ids).";
     // On since session 36 (H200, 2k, q2, two interleaved pairs): decode 199.5 -> 200.6

@@ -33,6 +33,7 @@ impl Launcher<'_> {
     ) -> Result<(), CudaError> {
         let ks = split_k(m.rows, 1);
         let name = match n_tok.next_power_of_two() {
+            4 if n_tok == 3 && self.on(Variant::Tokens3) => "matvec_f16_t3",
             2 => "matvec_f16_t2",
             4 => "matvec_f16_t4",
             8 => "matvec_f16_t8",
@@ -219,7 +220,7 @@ impl Launcher<'_> {
     }
 
     /// The dp4a multi-token kernel `matvec_q8_0_q8_t{T}r{R}` (T the token capacity, the
-    /// next power of two from 2; `r` rows a warp: 1, 2 or 4) at `ks` warps a row, over
+    /// next power of two from 2, or 3 under `tokens3`; `r` rows a warp: 1, 2 or 4) at `ks` warps a row, over
     /// every row of each of `bt.n_groups` matrices.
     fn launch_q8_dp4a_tokens(
         &self,
@@ -230,8 +231,14 @@ impl Launcher<'_> {
         sel: MatSel,
         (r, ks): (u32, u32),
     ) -> Result<(), CudaError> {
-        let t = bt.n_tok.next_power_of_two().max(2);
+        let t = match bt.n_tok {
+            3 if self.on(Variant::Tokens3) => 3,
+            n => n.next_power_of_two().max(2),
+        };
         let name: &'static str = match (t, r) {
+            (3, 1) => "matvec_q8_0_q8_t3r1",
+            (3, 2) => "matvec_q8_0_q8_t3r2",
+            (3, _) => "matvec_q8_0_q8_t3r4",
             (2, 1) => "matvec_q8_0_q8_t2r1",
             (2, 2) => "matvec_q8_0_q8_t2r2",
             (2, _) => "matvec_q8_0_q8_t2r4",

@@ -84,6 +84,7 @@ pub const CHECKS: &[KernelCheck] = &[
         "tokens",
         &[
             Variant::Tokens,
+            Variant::Tokens3,
             Variant::TokensMma,
             Variant::MmaWide,
             Variant::F16Mma,
