@@ -21,6 +21,16 @@ use ds4_gguf::GgmlType;
 pub(crate) const Q8_TOKENS_R4_ROWS: usize = 65536;
 
 impl Launcher<'_> {
+    /// The token count T of the dp4a / FMA token kernels that serve `n_tok` tokens: the
+    /// next power of two from 2, except 3 itself under `tokens3` (past n_tok the
+    /// kernel's tokens are padding, computed and not stored).
+    fn token_capacity(&self, n_tok: usize) -> usize {
+        match n_tok {
+            3 if self.on(Variant::Tokens3) => 3,
+            n => n.next_power_of_two().max(2),
+        }
+    }
+
     /// `n_tok` (2..=16) tokens of a plain F16 matrix in one pass over its weights
     /// (`matvec_f16_t{T}`), with the warps a row of the one-token launch: the same sums.
     pub(crate) fn matvec_f16_tokens(
@@ -32,9 +42,9 @@ impl Launcher<'_> {
         sel: MatSel,
     ) -> Result<(), CudaError> {
         let ks = split_k(m.rows, 1);
-        let name = match n_tok.next_power_of_two() {
-            4 if n_tok == 3 && self.on(Variant::Tokens3) => "matvec_f16_t3",
+        let name = match self.token_capacity(n_tok) {
             2 => "matvec_f16_t2",
+            3 => "matvec_f16_t3",
             4 => "matvec_f16_t4",
             8 => "matvec_f16_t8",
             _ => "matvec_f16_t16",
@@ -219,9 +229,9 @@ impl Launcher<'_> {
         self.launch_q8_dp4a_tokens(m, xq, y, bt, sel, (r, ks))
     }
 
-    /// The dp4a multi-token kernel `matvec_q8_0_q8_t{T}r{R}` (T the token capacity, the
-    /// next power of two from 2, or 3 under `tokens3`; `r` rows a warp: 1, 2 or 4) at `ks` warps a row, over
-    /// every row of each of `bt.n_groups` matrices.
+    /// The dp4a multi-token kernel `matvec_q8_0_q8_t{T}r{R}` (T the token capacity:
+    /// [`Launcher::token_capacity`]; `r` rows a warp: 1, 2 or 4) at `ks` warps a row,
+    /// over every row of each of `bt.n_groups` matrices.
     fn launch_q8_dp4a_tokens(
         &self,
         m: &DeviceMatrix,
@@ -231,11 +241,7 @@ impl Launcher<'_> {
         sel: MatSel,
         (r, ks): (u32, u32),
     ) -> Result<(), CudaError> {
-        let t = match bt.n_tok {
-            3 if self.on(Variant::Tokens3) => 3,
-            n => n.next_power_of_two().max(2),
-        };
-        let name: &'static str = match (t, r) {
+        let name: &'static str = match (self.token_capacity(bt.n_tok), r) {
             (3, 1) => "matvec_q8_0_q8_t3r1",
             (3, 2) => "matvec_q8_0_q8_t3r2",
             (3, _) => "matvec_q8_0_q8_t3r4",
