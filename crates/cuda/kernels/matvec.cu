@@ -325,12 +325,14 @@ __device__ __forceinline__ void matvec_f16_tok_body(const u16* __restrict__ w,
             float4 xa[TC], xb[TC];
 #pragma unroll
             for (int k = 0; k < TC; ++k) {
+                if (t0 + k >= T) continue;  // T = 5: compile-time dead slots
                 const float* xp = x + (t0 + k < n_tok ? t0 + k : 0) * sel.x_stride + c;
                 xa[k] = ldx4(xp);
                 xb[k] = ldx4(xp + 4);
             }
 #pragma unroll
-            for (int k = 0; k < TC; ++k) acc[t0 + k] += dot8_h_x(wq, xa[k], xb[k]);
+            for (int k = 0; k < TC; ++k)
+                if (t0 + k < T) acc[t0 + k] += dot8_h_x(wq, xa[k], xb[k]);
         }
     };
     if (row < rows) {
@@ -378,5 +380,6 @@ __device__ __forceinline__ void matvec_f16_tok_body(const u16* __restrict__ w,
 F16_TOK_KERNEL(2)
 F16_TOK_KERNEL(3)
 F16_TOK_KERNEL(4)
+F16_TOK_KERNEL(5)
 F16_TOK_KERNEL(8)
 F16_TOK_KERNEL(16)

@@ -559,6 +559,14 @@ impl Launcher<'_> {
                 return self.matvec_q8act_launch(m, None, xq, y, 2, pair, opts);
             }
         }
+        // A multi-row step's shared expert (`tokens_pair`).
+        if same_shape
+            && n_sel > 1
+            && self.on(Variant::Tokens)
+            && self.matvec_q8_tokens_pair((m, y), (m2, y2), xq, n_sel, sel)?
+        {
+            return Ok(());
+        }
         // One launch for both stacks: IQ2_XXS, or Q4_K where its register-activation
         // kernels apply.
         let one_launch = same_shape && (m.ty == GgmlType::IQ2_XXS || self.q4k_rx_shape(m));

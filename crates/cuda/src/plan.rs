@@ -90,6 +90,8 @@ variants! {
     Q8Rows = "q8_rows", true, "The early-load Q8_0 matvec with 4 rows a warp for rows of up to 1,024 columns (matvec_q8_0_q8_r4).";
     Q8Rows2 = "q8_rows2", true, "The early-load Q8_0 matvec with 2 rows a warp for longer one-warp rows (matvec_q8_0_q8_r2).";
     Tokens = "tokens", true, "A multi-row step's plain Q8_0 (int8 activations) and F16 products read each weight block once for all their tokens (matvec_q8_0_q8_t*, matvec_f16_t*), not once per token.";
+    TokensPair = "tokens_pair", true, "With tokens and shared_pair: a step's (3 to 7 rows) shared-expert gate and up in one dp4a launch of two groups (matvec_q8_0_q8_t*, a decode token's pair launch's rows a warp), not two launches that the starved low-priority lane ran one after the other.";
+    Tokens5 = "tokens5", true, "With tokens: a 5-token step's (4-draft MTP verify, 5 batched sessions) Q8_0 and F16 products on 5-token kernels (matvec_q8_0_q8_t5r*, matvec_f16_t5), not the 8-token ones, whose 3 padding tokens were 3/8 of their work.";
     Tokens3 = "tokens3", true, "With tokens: a 3-token step's (an MTP verify of two drafts) Q8_0 and F16 products on 3-token kernels (matvec_q8_0_q8_t3r*, matvec_f16_t3), not the 4-token ones, whose padding token was a quarter of their work.";
     AttMmaSplit = "att_mma_split", true, "A multi-row step's attention in the fast numerics on tensor cores, each token's rows split over chunks (attention_split_mma), not on the FMA pipes (attention_split_early).";
     OutaEarly = "outa_early", true, "The attention's grouped output projection through the early-load Q8_0 kernels (constant ids).";

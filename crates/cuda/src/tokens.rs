@@ -22,11 +22,12 @@ pub(crate) const Q8_TOKENS_R4_ROWS: usize = 65536;
 
 impl Launcher<'_> {
     /// The token count T of the dp4a / FMA token kernels that serve `n_tok` tokens: the
-    /// next power of two from 2, except 3 itself under `tokens3` (past n_tok the
-    /// kernel's tokens are padding, computed and not stored).
+    /// next power of two from 2, except 3 and 5 themselves under `tokens3` and `tokens5`
+    /// (past n_tok the kernel's tokens are padding, computed and not stored).
     fn token_capacity(&self, n_tok: usize) -> usize {
         match n_tok {
             3 if self.on(Variant::Tokens3) => 3,
+            5 if self.on(Variant::Tokens5) => 5,
             n => n.next_power_of_two().max(2),
         }
     }
@@ -46,6 +47,7 @@ impl Launcher<'_> {
             2 => "matvec_f16_t2",
             3 => "matvec_f16_t3",
             4 => "matvec_f16_t4",
+            5 => "matvec_f16_t5",
             8 => "matvec_f16_t8",
             _ => "matvec_f16_t16",
         };
@@ -241,7 +243,89 @@ impl Launcher<'_> {
         sel: MatSel,
         (r, ks): (u32, u32),
     ) -> Result<(), CudaError> {
-        let name: &'static str = match (self.token_capacity(bt.n_tok), r) {
+        let name = self.dp4a_tokens_kernel(bt.n_tok, r);
+        let rows_per_block = ROWS_PER_BLOCK / ks * r;
+        let grid = (
+            (m.rows as u32).div_ceil(rows_per_block),
+            bt.n_groups.max(1) as u32,
+        );
+        self.launch_q8_tokens(name, grid, ROWS_PER_BLOCK, m, xq, y, bt, sel, ks)
+    }
+
+    /// The shared expert's gate and up of a multi-row step (`tokens_pair`): two plain
+    /// Q8_0 matrices of one shape on the same `n_tok` inputs (`x_stride` apart) as one
+    /// dp4a launch of two groups — group 1's matrix, scales and outputs at their
+    /// distances from group 0's — at the rows a warp and warps a row of a decode
+    /// token's pair launch (`split_k_q8` over both), so each token gets the bits of its
+    /// one-token pair. Ok(false) where it does not apply (tensor-core token counts,
+    /// addresses whose distances are not whole elements): the caller launches two.
+    pub(crate) fn matvec_q8_tokens_pair(
+        &self,
+        (m, y): (&DeviceMatrix, u64),
+        (m2, y2): (&DeviceMatrix, u64),
+        xq: &QuantAct,
+        n_tok: usize,
+        sel: MatSel,
+    ) -> Result<bool, CudaError> {
+        if !(2..mma_from().max(2)).contains(&n_tok)
+            || !self.on(Variant::TokensPair)
+            || m.ty != GgmlType::Q8_0
+            || m2.ty != GgmlType::Q8_0
+            || (m.rows, m.cols, m.n_mats) != (m2.rows, m2.cols, m2.n_mats)
+            || sel.ids != 0
+            || sel.x_stride <= 0
+            || sel.y_stride < m.rows as i64
+        {
+            return Ok(false);
+        }
+        // (Q8_0: part 0 the int8 values, part 1 the f16 scales.)
+        let (q, q2) = (m.part_ptr(self, 0) as i64, m2.part_ptr(self, 0) as i64);
+        let (d, d2) = (m.part_ptr(self, 1) as i64, m2.part_ptr(self, 1) as i64);
+        let (dy, dd) = (y2 as i64 - y as i64, d2 - d);
+        if dy % 4 != 0 || dd % 2 != 0 {
+            return Ok(false);
+        }
+        let need = sel.x_stride as usize * (n_tok - 1) + m.cols;
+        if need > xq.rows * xq.cols || !(sel.x_stride as usize).is_multiple_of(32) {
+            return Err(CudaError::Invalid(format!(
+                "activations of {}×{} do not cover {n_tok} inputs of {} at stride {}",
+                xq.rows, xq.cols, m.cols, sel.x_stride
+            )));
+        }
+        // A decode token's pair launch: two selections, so split_k_q8 of twice the rows,
+        // then the early kernel's rows a warp at one warp a row.
+        let ks = split_k_q8(m.rows, 2);
+        let early = self.on(Variant::Q8Early);
+        let r = match () {
+            _ if early && ks == 1 && m.cols <= 1024 && self.on(Variant::Q8Rows) => Q8_ROWS_PER_WARP,
+            _ if early && ks == 1 && m.cols > 1024 && self.on(Variant::Q8Rows2) => 2,
+            _ => 1,
+        };
+        let bt = Batch {
+            n_tok,
+            x_tok: sel.x_stride as usize,
+            y_tok: sel.y_stride as usize,
+            n_groups: 2,
+            x_grp: 0,
+            y_grp: 0,
+        };
+        let layout = GroupLayout {
+            mat: (q2 - q, dd / 2),
+            x: 0,
+            y: dy / 4,
+        };
+        let name = self.dp4a_tokens_kernel(n_tok, r);
+        let grid = ((m.rows as u32).div_ceil(ROWS_PER_BLOCK / ks * r), 2);
+        self.launch_q8_tokens_at(name, grid, ROWS_PER_BLOCK, m, xq, y, bt, sel, ks, layout)?;
+        Ok(true)
+    }
+
+    /// The dp4a token kernel for `n_tok` tokens at `r` rows a warp.
+    fn dp4a_tokens_kernel(&self, n_tok: usize, r: u32) -> &'static str {
+        match (self.token_capacity(n_tok), r) {
+            (5, 1) => "matvec_q8_0_q8_t5r1",
+            (5, 2) => "matvec_q8_0_q8_t5r2",
+            (5, _) => "matvec_q8_0_q8_t5r4",
             (3, 1) => "matvec_q8_0_q8_t3r1",
             (3, 2) => "matvec_q8_0_q8_t3r2",
             (3, _) => "matvec_q8_0_q8_t3r4",
@@ -257,13 +341,7 @@ impl Launcher<'_> {
             (_, 1) => "matvec_q8_0_q8_t16r1",
             (_, 2) => "matvec_q8_0_q8_t16r2",
             _ => "matvec_q8_0_q8_t16r4",
-        };
-        let rows_per_block = ROWS_PER_BLOCK / ks * r;
-        let grid = (
-            (m.rows as u32).div_ceil(rows_per_block),
-            bt.n_groups.max(1) as u32,
-        );
-        self.launch_q8_tokens(name, grid, ROWS_PER_BLOCK, m, xq, y, bt, sel, ks)
+        }
     }
 
     /// Launches a multi-token Q8_0 kernel (`matvec_q8_0_q8_t{T}r{R}`, or
@@ -282,16 +360,40 @@ impl Launcher<'_> {
         sel: MatSel,
         ks: u32,
     ) -> Result<(), CudaError> {
+        let elems = (m.rows * m.cols) as i64;
+        let layout = GroupLayout {
+            mat: (elems, elems / 32),
+            x: bt.x_grp as i64,
+            y: bt.y_grp as i64,
+        };
+        self.launch_q8_tokens_at(name, (blocks, groups), warps, m, xq, y, bt, sel, ks, layout)
+    }
+
+    /// [`Launcher::launch_q8_tokens`] with the groups' matrices, inputs and outputs at
+    /// `layout`'s strides (a pair of separate matrices: their distances).
+    #[allow(clippy::too_many_arguments)]
+    fn launch_q8_tokens_at(
+        &self,
+        name: &'static str,
+        (blocks, groups): (u32, u32),
+        warps: u32,
+        m: &DeviceMatrix,
+        xq: &QuantAct,
+        y: u64,
+        bt: Batch,
+        sel: MatSel,
+        ks: u32,
+        layout: GroupLayout,
+    ) -> Result<(), CudaError> {
         let f = self.func(name)?;
         let cfg = LaunchConfig {
             grid_dim: (blocks, groups, 1),
             block_dim: (32, warps, 1),
             shared_mem_bytes: 0,
         };
-        let elems = (m.rows * m.cols) as i64;
-        let (gx, gy) = (bt.x_grp as i64, bt.y_grp as i64);
+        let (gx, gy) = (layout.x, layout.y);
         let p: Vec<u64> = m.parts.iter().map(|b| b.ptr(self)).collect();
-        let strides = (elems, elems / 32);
+        let strides = layout.mat;
         let grid = 0u64;
         let mut b = self.launch_stream().launch_builder(&f);
         push_weights(&mut b, m.ty, &p, &strides, &grid);
@@ -409,3 +511,12 @@ pub(crate) fn mma_from() -> usize {
 /// Most tokens of one [`Launcher::matvec_q8act`] call that share a pass over a plain
 /// Q8_0 matrix (the multi-row step's rows; more take the GEMMs).
 pub const Q8_TOKENS_MAX: usize = 16;
+
+/// Where a multi-token Q8_0 launch finds group g: its matrix at g × `mat` (int8 values,
+/// scales), its input at g × `x` and its output at g × `y` elements.
+#[derive(Clone, Copy)]
+struct GroupLayout {
+    mat: (i64, i64),
+    x: i64,
+    y: i64,
+}

@@ -85,6 +85,8 @@ pub const CHECKS: &[KernelCheck] = &[
         &[
             Variant::Tokens,
             Variant::Tokens3,
+            Variant::TokensPair,
+            Variant::Tokens5,
             Variant::TokensMma,
             Variant::MmaWide,
             Variant::F16Mma,

@@ -14,6 +14,8 @@ use crate::{Batch, DeviceBuf, DeviceMatrix, Launcher, MatSel, Variant};
 
 /// Token counts: the smallest, a ragged one, one past a power of two, the most.
 const COUNTS: [usize; 4] = [2, 3, 5, 16];
+/// The count of `tokens5`'s kernels, and 6 / 7 on the 8-token ones.
+const COUNTS_57: [usize; 3] = [5, 6, 7];
 
 pub(super) fn check_tokens(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::stream(seed, 0x70c, 0);
@@ -42,7 +44,7 @@ pub(super) fn check_tokens(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     checks.extend(tokens_against_one(
         gpu,
         &mut rng,
-        GgmlType::Q8_0,
+        (GgmlType::Q8_0, &COUNTS),
         &q8_shapes,
         "matvec_q8_0_q8_t*",
         &|m, x, n, y, sel| {
@@ -51,16 +53,39 @@ pub(super) fn check_tokens(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
             gpu.matvec_q8act(m, &qa, y, n, sel)
         },
     )?);
+    // `tokens5`: 5 tokens on kernels of their own count (6 and 7: the 8-token ones).
+    let g57 = &gpu.with(Variant::Tokens5, true);
+    checks.extend(tokens_against_one(
+        g57,
+        &mut rng,
+        (GgmlType::Q8_0, &COUNTS_57),
+        &q8_shapes,
+        "matvec_q8_0_q8_t{5,8}*",
+        &|m, x, n, y, sel| {
+            let mut qa = g57.alloc_quant_act(n, m.cols)?;
+            g57.quantize_act(g57.ptr(x), &mut qa)?;
+            g57.matvec_q8act(m, &qa, y, n, sel)
+        },
+    )?);
     checks.push(check_groups(gpu, &mut rng)?);
+    checks.extend(check_pair(gpu, &mut rng)?);
     checks.push(check_quantize_rep(gpu, &mut rng)?);
     let f16_shapes = [(256, 4096), (37, 512), (1024, 4096)];
     checks.extend(tokens_against_one(
         gpu,
         &mut rng,
-        GgmlType::F16,
+        (GgmlType::F16, &COUNTS),
         &f16_shapes,
         "matvec_f16_t*",
         &|m, x, n, y, sel| gpu.matvec(m, gpu.ptr(x), y, n, sel),
+    )?);
+    checks.extend(tokens_against_one(
+        g57,
+        &mut rng,
+        (GgmlType::F16, &COUNTS_57),
+        &f16_shapes,
+        "matvec_f16_t{5,8}",
+        &|m, x, n, y, sel| g57.matvec(m, g57.ptr(x), y, n, sel),
     )?);
     Ok(checks)
 }
@@ -75,7 +100,7 @@ type Product<'a> =
 fn tokens_against_one(
     gpu: &Launcher,
     rng: &mut Rng,
-    ty: GgmlType,
+    (ty, counts): (GgmlType, &[usize]),
     shapes: &[(usize, usize)],
     kernel: &str,
     product: &Product,
@@ -85,7 +110,7 @@ fn tokens_against_one(
         let w = random_matrix(ty, rows, cols, 1, rng);
         let m = DeviceMatrix::upload(gpu, ty, &w, rows, cols, 1)?;
         let mut same = BitDiff::default();
-        for n in COUNTS {
+        for &n in counts {
             let x = random_vec(n * cols, rng);
             let mut want = Vec::with_capacity(n * rows);
             for t in 0..n {
@@ -105,7 +130,7 @@ fn tokens_against_one(
             same = same.merge(same_bits(&gpu.download(&y)?, &want));
         }
         checks.push(bit_identical(
-            format!("{kernel} ({COUNTS:?} tokens) = one token each, {rows}x{cols}"),
+            format!("{kernel} ({counts:?} tokens) = one token each, {rows}x{cols}"),
             same,
         ));
     }
@@ -151,6 +176,64 @@ fn check_groups(gpu: &Launcher, rng: &mut Rng) -> Result<Check> {
         ),
         same,
     ))
+}
+
+/// `tokens_pair`: the shared expert's gate and up over n tokens in one launch of two
+/// groups (two matrices wherever they were allocated) against each token's decode pair
+/// launch (`matvec_q8act_pair` of one token), bit for bit: at the shared expert's
+/// shape (2 rows a warp) and a short ragged one (two warps a row).
+fn check_pair(gpu: &Launcher, rng: &mut Rng) -> Result<Vec<Check>> {
+    let gpu = &gpu.with(Variant::TokensPair, true);
+    let mut checks = Vec::new();
+    for (rows, cols) in [(2048usize, 4096usize), (1030, 1024)] {
+        let up_first = rows == 1030; // the second matrix below the first in memory, maybe
+        let (wa, wb) = (
+            random_matrix(GgmlType::Q8_0, rows, cols, 1, rng),
+            random_matrix(GgmlType::Q8_0, rows, cols, 1, rng),
+        );
+        let b = DeviceMatrix::upload(gpu, GgmlType::Q8_0, &wb, rows, cols, 1)?;
+        let a = DeviceMatrix::upload(gpu, GgmlType::Q8_0, &wa, rows, cols, 1)?;
+        let (gate, up) = if up_first { (&b, &a) } else { (&a, &b) };
+        let mut same = BitDiff::default();
+        for n in [2usize, 3, 5] {
+            let x = random_vec(n * cols, rng);
+            let (mut want_g, mut want_u) = (Vec::new(), Vec::new());
+            for t in 0..n {
+                let xt = gpu.upload(&x[t * cols..(t + 1) * cols])?;
+                let mut qa = gpu.alloc_quant_act(1, cols)?;
+                gpu.quantize_act(gpu.ptr(&xt), &mut qa)?;
+                let yg = gpu.upload(&vec![f32::NAN; rows])?;
+                let yu = gpu.upload(&vec![f32::NAN; rows])?;
+                let sel = MatSel {
+                    ids: 0,
+                    x_stride: cols as i64,
+                    y_stride: rows as i64,
+                };
+                gpu.matvec_q8act_pair((gate, gpu.ptr(&yg)), (up, gpu.ptr(&yu)), &qa, 1, sel)?;
+                want_g.extend(gpu.download(&yg)?);
+                want_u.extend(gpu.download(&yu)?);
+            }
+            let xa = gpu.upload(&x)?;
+            let mut qa = gpu.alloc_quant_act(n, cols)?;
+            gpu.quantize_act(gpu.ptr(&xa), &mut qa)?;
+            let yg = gpu.upload(&vec![f32::NAN; n * rows])?;
+            let yu = gpu.upload(&vec![f32::NAN; n * rows])?;
+            let sel = MatSel {
+                ids: 0,
+                x_stride: cols as i64,
+                y_stride: rows as i64,
+            };
+            gpu.matvec_q8act_pair((gate, gpu.ptr(&yg)), (up, gpu.ptr(&yu)), &qa, n, sel)?;
+            same = same
+                .merge(same_bits(&gpu.download(&yg)?, &want_g))
+                .merge(same_bits(&gpu.download(&yu)?, &want_u));
+        }
+        checks.push(bit_identical(
+            format!("tokens_pair ([2, 3, 5] tokens) = a decode pair each, 2x({rows}x{cols})"),
+            same,
+        ));
+    }
+    Ok(checks)
 }
 
 /// `tokens_mma` (kernels/mma_tokens.cu) against the dp4a multi-token kernels on the same
