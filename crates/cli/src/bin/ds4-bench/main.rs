@@ -176,8 +176,9 @@ struct Args {
     /// Acceptance as a parameter (random weights accept almost nothing): P1[,P2,...],
     /// the probability that draft i of a cycle is replaced by the main model's own next
     /// greedy token (recorded by the plain run), the last value repeating; otherwise it is
-    /// replaced by another token, which the verify rejects. Without it the MTP's own
-    /// drafts are verified.
+    /// replaced by another token, which the verify rejects. Each position's draw is keyed
+    /// by --seed and the position, so two binaries draw the same fates. Without it the
+    /// MTP's own drafts are verified.
     #[arg(long, value_delimiter = ',')]
     accept_rate: Vec<f64>,
     /// CSV output (default stdout).
@@ -614,11 +615,22 @@ fn main() -> Result<()> {
             let resync = model.numerics() != Numerics::Exact;
             let r = spec_run::run(&mut session, spec, &truth, &cycle_base, eos, resync)?;
             let st = spec.stats();
+            let ms = 1e3 * r.timed.secs / r.timed.cycles as f64;
+            // The drawn tokens per cycle scatter around the rates' expectation (a
+            // `-n 256` run has ~110 cycles): say what the cycle time gives at it.
+            let expected = if a.accept_rate.is_empty() {
+                String::new()
+            } else {
+                let e = spec_run::expected_tokens_per_cycle(&a.accept_rate, a.mtp_draft);
+                format!(
+                    "; at the rates' expected {e:.2} tokens/cycle: {:.1} tok/s",
+                    1e3 * e / ms
+                )
+            };
             eprintln!(
-                "ds4-bench: ctx {frontier}: mtp: {:.2} tokens/cycle (acceptance {:.0}%), {:.2} ms/cycle",
+                "ds4-bench: ctx {frontier}: mtp: {:.2} tokens/cycle (acceptance {:.0}%), {ms:.2} ms/cycle{expected}",
                 st.tokens_per_cycle(),
                 100.0 * st.acceptance(),
-                1e3 * r.timed.secs / r.timed.cycles as f64
             );
             if let Some((at, want, got)) = r.mismatch {
                 let resynced = if r.resyncs > 0 {

@@ -38,21 +38,50 @@ pub fn install_accept_hook(
     seed: u64,
 ) {
     let rates = rates.to_vec();
-    let mut rng = Rng::stream(seed, 13, frontier as u64);
     spec.set_draft_hook(Box::new(move |pos| {
         // `pos` is where the drafted token would sit; the cycle's token sits at `base`.
         let i = pos.saturating_sub(base.load(Ordering::Relaxed) + 1);
         let truth = truth.lock().expect("truth lock");
         // Past the plain run's tokens (nothing to compare with): the MTP's own draft.
         let &want = pos.checked_sub(frontier).and_then(|k| truth.get(k))?;
-        let p = rates[i.min(rates.len() - 1)];
-        Some(if (rng.uniform() as f64) < p {
-            want
-        } else {
-            // Any other token: the greedy verify rejects it.
-            (want + 1 + rng.below(vocab as u64 - 1) as u32) % vocab
-        })
+        Some(proposal(
+            seed,
+            pos,
+            rates[i.min(rates.len() - 1)],
+            want,
+            vocab,
+        ))
     }));
+}
+
+/// The accept hook's proposal for the draft at position `pos`: `want` with probability
+/// `p`, else another token. The draw is keyed by (seed, position), not taken from one
+/// running stream, so a run's accept/reject pattern depends on the positions its cycles
+/// draft, not on how many draws came before: two binaries (or numerics) whose Fast runs
+/// resync at different near ties still draw the same fates and compare at the same
+/// tokens per cycle. Each position is decided at most once (a position drafted again
+/// after an earlier rejection in its cycle was never verified), so the draws stay
+/// independent with the asked rates.
+fn proposal(seed: u64, pos: usize, p: f64, want: u32, vocab: u32) -> u32 {
+    let mut rng = Rng::stream(seed, 13, pos as u64);
+    if (rng.uniform() as f64) < p {
+        want
+    } else {
+        // Any other token: the greedy verify rejects it.
+        (want + 1 + rng.below(vocab as u64 - 1) as u32) % vocab
+    }
+}
+
+/// Tokens a cycle emits on average at per-draft acceptances `rates` (the last repeats)
+/// with `draft` drafts: 1 + p0 + p0·p1 + … (the verify's own token, then each accepted
+/// draft), what the measured tokens per cycle estimate.
+pub fn expected_tokens_per_cycle(rates: &[f64], draft: usize) -> f64 {
+    let (mut sum, mut run) = (1.0, 1.0);
+    for i in 0..draft {
+        run *= rates[i.min(rates.len().saturating_sub(1))];
+        sum += run;
+    }
+    sum
 }
 
 /// What the speculative run emitted beside its timing.
@@ -175,4 +204,42 @@ fn replan(
     truth.truncate(at);
     truth.extend(next);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proposals_are_keyed_by_position_and_keep_their_rates() {
+        let (vocab, seed) = (1000u32, 7u64);
+        for (p, want) in [(0.8, 5u32), (0.3, 999), (0.0, 0), (1.0, 17)] {
+            let mut hits = 0usize;
+            let n = 20_000usize;
+            for pos in 0..n {
+                let got = proposal(seed, pos, p, want, vocab);
+                assert!(got < vocab);
+                // The same position draws the same fate, whatever came before.
+                assert_eq!(got, proposal(seed, pos, p, want, vocab));
+                hits += (got == want) as usize;
+            }
+            let rate = hits as f64 / n as f64;
+            // Binomial: σ ≤ 0.0036 at n = 20,000; 5σ.
+            assert!((rate - p).abs() < 0.018, "p = {p}: drew {rate}");
+        }
+        // Another seed draws other fates.
+        let differ = (0..1000)
+            .filter(|&pos| proposal(1, pos, 0.5, 3, vocab) != proposal(2, pos, 0.5, 3, vocab))
+            .count();
+        assert!(differ > 300, "{differ}");
+    }
+
+    #[test]
+    fn expected_tokens_per_cycle_multiplies_the_conditional_rates() {
+        assert!((expected_tokens_per_cycle(&[0.8], 1) - 1.8).abs() < 1e-12);
+        assert!((expected_tokens_per_cycle(&[0.8, 0.6], 2) - 2.28).abs() < 1e-12);
+        // The last rate repeats.
+        assert!((expected_tokens_per_cycle(&[0.5], 3) - 1.875).abs() < 1e-12);
+        assert_eq!(expected_tokens_per_cycle(&[0.9], 0), 1.0);
+    }
 }
