@@ -177,8 +177,40 @@ pub(crate) fn push_weights<'a>(
 }
 
 /// Two stacks of one format and shape: one pair launch can serve both.
-fn same_stack_shape(m: &DeviceMatrix, m2: &DeviceMatrix) -> bool {
+pub(crate) fn same_stack_shape(m: &DeviceMatrix, m2: &DeviceMatrix) -> bool {
     m2.ty == m.ty && (m2.rows, m2.cols, m2.n_mats) == (m.rows, m.cols, m.n_mats)
+}
+
+/// Two plain Q8_0 matrices as one launch's two groups: m2's int8 values and f16 scales
+/// at their distances (bytes, scale elements) from m's, or None where the scales'
+/// distance is not a whole element.
+pub(crate) fn q8_pair_strides(
+    g: &Launcher,
+    m: &DeviceMatrix,
+    m2: &DeviceMatrix,
+) -> Option<(i64, i64)> {
+    // (Q8_0: part 0 the int8 values, part 1 the f16 scales.)
+    let (q, q2) = (m.part_ptr(g, 0) as i64, m2.part_ptr(g, 0) as i64);
+    let (d, d2) = (m.part_ptr(g, 1) as i64, m2.part_ptr(g, 1) as i64);
+    ((d2 - d) % 2 == 0).then_some((q2 - q, (d2 - d) / 2))
+}
+
+/// That `xq` covers `n_sel` inputs of `cols` values at `stride` (one shared row when
+/// 0): a clear error, not a kernel reading past the activations.
+pub(crate) fn check_act_cover(
+    xq: &QuantAct,
+    cols: usize,
+    n_sel: usize,
+    stride: usize,
+) -> Result<(), CudaError> {
+    let need = stride * n_sel.saturating_sub(1) + cols;
+    if need > xq.rows * xq.cols || !stride.is_multiple_of(32) || (stride == 0 && xq.cols < cols) {
+        return Err(CudaError::Invalid(format!(
+            "activations of {}×{} do not cover {n_sel} inputs of {cols} at stride {stride}",
+            xq.rows, xq.cols
+        )));
+    }
+    Ok(())
 }
 
 impl Launcher<'_> {
@@ -544,24 +576,21 @@ impl Launcher<'_> {
             // The Q8_0 kernel picks matrix `ids[blockIdx.y]` at that many strides past
             // the first: with ids 0 and 1 and the distance between the two matrices (and
             // outputs) as strides, one launch covers both.
-            let (q, q2) = (m.part_ptr(self, 0), m2.part_ptr(self, 0));
-            let (d, d2) = (m.part_ptr(self, 1), m2.part_ptr(self, 1));
-            if (d2 as i64 - d as i64) % 2 == 0 {
+            if let Some(strides) = q8_pair_strides(self, m, m2) {
                 let pair = MatSel {
                     ids: self.ptr(&self.pair_ids),
                     x_stride: 0,
                     y_stride: (y2 as i64 - y as i64) / 4,
                 };
                 let opts = Q8Launch {
-                    strides: Some((q2 as i64 - q as i64, (d2 as i64 - d as i64) / 2)),
+                    strides: Some(strides),
                     ..Q8Launch::default()
                 };
                 return self.matvec_q8act_launch(m, None, xq, y, 2, pair, opts);
             }
         }
         // A multi-row step's shared expert (`tokens_pair`).
-        if same_shape
-            && n_sel > 1
+        if n_sel > 1
             && self.on(Variant::Tokens)
             && self.matvec_q8_tokens_pair((m, y), (m2, y2), xq, n_sel, sel)?
         {
@@ -686,17 +715,7 @@ impl Launcher<'_> {
             ));
         }
         // Each selection reads m.cols values at k·x_stride (one shared row when 0).
-        let stride = sel.x_stride.max(0) as usize;
-        let need = stride * n_sel.saturating_sub(1) + m.cols;
-        if need > xq.rows * xq.cols
-            || !stride.is_multiple_of(32)
-            || (stride == 0 && xq.cols < m.cols)
-        {
-            return Err(CudaError::Invalid(format!(
-                "activations of {}×{} do not cover {n_sel} inputs of {} at stride {stride}",
-                xq.rows, xq.cols, m.cols
-            )));
-        }
+        check_act_cover(xq, m.cols, n_sel, sel.x_stride.max(0) as usize)?;
         if m.ty == GgmlType::Q8_0
             && pair.is_none()
             && kernel.is_none()

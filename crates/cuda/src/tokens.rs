@@ -11,7 +11,10 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 use crate::consts::{MMA_TOKENS_MAX_KS, Q8_ROWS_PER_WARP, ROWS_PER_BLOCK, TMMA_UNROLL};
 use crate::error::CudaError;
 use crate::matmul::Batch;
-use crate::ops::{push_weights, split_k, split_k_q8, MatSel, QuantAct};
+use crate::ops::{
+    check_act_cover, push_weights, q8_pair_strides, same_stack_shape, split_k, split_k_q8, MatSel,
+    QuantAct,
+};
 use crate::plan::{Launcher, Variant};
 use crate::weights::DeviceMatrix;
 use ds4_gguf::GgmlType;
@@ -176,25 +179,32 @@ impl Launcher<'_> {
         // warp a row of the early kernel, 4 or 2 rows a warp.
         // (A grouped stack's one-token launch has one selection per group.)
         let ks = ks.unwrap_or_else(|| split_k_q8(m.rows, bt.n_groups.max(1)));
-        let early = self.on(Variant::Q8Early);
-        let t = n_tok.next_power_of_two().max(2);
-        let r = match () {
-            _ if early && ks == 1 && m.cols <= 1024 && self.on(Variant::Q8Rows) => Q8_ROWS_PER_WARP,
-            // The output head at 2 tokens: 4 rows a warp (t2r4 holds three blocks an SM)
-            // 136.7 µs against 162.4 at the one-token launch's 2 (`--bench-tokens`,
-            // H200). A row's steps and reduction are the same at any rows a warp.
-            _ if early
-                && ks == 1
-                && t == 2
-                && m.rows >= Q8_TOKENS_R4_ROWS
-                && self.on(Variant::Q8Rows2) =>
-            {
-                Q8_ROWS_PER_WARP
-            }
-            _ if early && ks == 1 && m.cols > 1024 && self.on(Variant::Q8Rows2) => 2,
-            _ => 1,
+        // The output head at 2 tokens: 4 rows a warp (t2r4 holds three blocks an SM)
+        // 136.7 µs against 162.4 at the one-token launch's 2 (`--bench-tokens`, H200).
+        // A row's steps and reduction are the same at any rows a warp.
+        let head_r4 = self.on(Variant::Q8Early)
+            && ks == 1
+            && n_tok.next_power_of_two().max(2) == 2
+            && m.rows >= Q8_TOKENS_R4_ROWS
+            && self.on(Variant::Q8Rows2);
+        let r = if head_r4 {
+            Q8_ROWS_PER_WARP
+        } else {
+            self.early_rows_a_warp(ks, m.cols)
         };
         self.launch_q8_dp4a_tokens(m, xq, y, bt, sel, (r, ks))
+    }
+
+    /// Rows a warp of the one-token launch at `ks` warps a row (see
+    /// `matvec_q8act_launch`): where one warp takes a row of the early kernel, 4 for rows
+    /// of up to 1,024 columns (`q8_rows`) and 2 for longer ones (`q8_rows2`), else 1.
+    fn early_rows_a_warp(&self, ks: u32, cols: usize) -> u32 {
+        let early = self.on(Variant::Q8Early) && ks == 1;
+        match () {
+            _ if early && cols <= 1024 && self.on(Variant::Q8Rows) => Q8_ROWS_PER_WARP,
+            _ if early && cols > 1024 && self.on(Variant::Q8Rows2) => 2,
+            _ => 1,
+        }
     }
 
     /// `b.n_tok` tokens of a plain Q8_0 matrix through the dp4a kernel of `r` rows a
@@ -270,37 +280,22 @@ impl Launcher<'_> {
         if !(2..mma_from().max(2)).contains(&n_tok)
             || !self.on(Variant::TokensPair)
             || m.ty != GgmlType::Q8_0
-            || m2.ty != GgmlType::Q8_0
-            || (m.rows, m.cols, m.n_mats) != (m2.rows, m2.cols, m2.n_mats)
+            || !same_stack_shape(m, m2)
             || sel.ids != 0
             || sel.x_stride <= 0
             || sel.y_stride < m.rows as i64
         {
             return Ok(false);
         }
-        // (Q8_0: part 0 the int8 values, part 1 the f16 scales.)
-        let (q, q2) = (m.part_ptr(self, 0) as i64, m2.part_ptr(self, 0) as i64);
-        let (d, d2) = (m.part_ptr(self, 1) as i64, m2.part_ptr(self, 1) as i64);
-        let (dy, dd) = (y2 as i64 - y as i64, d2 - d);
-        if dy % 4 != 0 || dd % 2 != 0 {
+        let dy = y2 as i64 - y as i64;
+        let Some(mat) = q8_pair_strides(self, m, m2).filter(|_| dy % 4 == 0) else {
             return Ok(false);
-        }
-        let need = sel.x_stride as usize * (n_tok - 1) + m.cols;
-        if need > xq.rows * xq.cols || !(sel.x_stride as usize).is_multiple_of(32) {
-            return Err(CudaError::Invalid(format!(
-                "activations of {}×{} do not cover {n_tok} inputs of {} at stride {}",
-                xq.rows, xq.cols, m.cols, sel.x_stride
-            )));
-        }
-        // A decode token's pair launch: two selections, so split_k_q8 of twice the rows,
-        // then the early kernel's rows a warp at one warp a row.
-        let ks = split_k_q8(m.rows, 2);
-        let early = self.on(Variant::Q8Early);
-        let r = match () {
-            _ if early && ks == 1 && m.cols <= 1024 && self.on(Variant::Q8Rows) => Q8_ROWS_PER_WARP,
-            _ if early && ks == 1 && m.cols > 1024 && self.on(Variant::Q8Rows2) => 2,
-            _ => 1,
         };
+        check_act_cover(xq, m.cols, n_tok, sel.x_stride as usize)?;
+        // A decode token's pair launch: two selections, so split_k_q8 of twice the rows,
+        // then the early kernel's rows a warp.
+        let ks = split_k_q8(m.rows, 2);
+        let r = self.early_rows_a_warp(ks, m.cols);
         let bt = Batch {
             n_tok,
             x_tok: sel.x_stride as usize,
@@ -310,7 +305,7 @@ impl Launcher<'_> {
             y_grp: 0,
         };
         let layout = GroupLayout {
-            mat: (q2 - q, dd / 2),
+            mat,
             x: 0,
             y: dy / 4,
         };

@@ -12,10 +12,9 @@ use super::common::{
 };
 use crate::{Batch, DeviceBuf, DeviceMatrix, Launcher, MatSel, Variant};
 
-/// Token counts: the smallest, a ragged one, one past a power of two, the most.
-const COUNTS: [usize; 4] = [2, 3, 5, 16];
-/// The count of `tokens5`'s kernels, and 6 / 7 on the 8-token ones.
-const COUNTS_57: [usize; 3] = [5, 6, 7];
+/// Token counts: the smallest, the 3- and 5-token kernels' (`tokens3`, `tokens5`), 6 and
+/// 7 on the 8-token ones, the most.
+const COUNTS: [usize; 6] = [2, 3, 5, 6, 7, 16];
 
 pub(super) fn check_tokens(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::stream(seed, 0x70c, 0);
@@ -44,27 +43,13 @@ pub(super) fn check_tokens(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     checks.extend(tokens_against_one(
         gpu,
         &mut rng,
-        (GgmlType::Q8_0, &COUNTS),
+        GgmlType::Q8_0,
         &q8_shapes,
         "matvec_q8_0_q8_t*",
         &|m, x, n, y, sel| {
             let mut qa = gpu.alloc_quant_act(n, m.cols)?;
             gpu.quantize_act(gpu.ptr(x), &mut qa)?;
             gpu.matvec_q8act(m, &qa, y, n, sel)
-        },
-    )?);
-    // `tokens5`: 5 tokens on kernels of their own count (6 and 7: the 8-token ones).
-    let g57 = &gpu.with(Variant::Tokens5, true);
-    checks.extend(tokens_against_one(
-        g57,
-        &mut rng,
-        (GgmlType::Q8_0, &COUNTS_57),
-        &q8_shapes,
-        "matvec_q8_0_q8_t{5,8}*",
-        &|m, x, n, y, sel| {
-            let mut qa = g57.alloc_quant_act(n, m.cols)?;
-            g57.quantize_act(g57.ptr(x), &mut qa)?;
-            g57.matvec_q8act(m, &qa, y, n, sel)
         },
     )?);
     checks.push(check_groups(gpu, &mut rng)?);
@@ -74,18 +59,10 @@ pub(super) fn check_tokens(gpu: &Launcher, seed: u64) -> Result<Vec<Check>> {
     checks.extend(tokens_against_one(
         gpu,
         &mut rng,
-        (GgmlType::F16, &COUNTS),
+        GgmlType::F16,
         &f16_shapes,
         "matvec_f16_t*",
         &|m, x, n, y, sel| gpu.matvec(m, gpu.ptr(x), y, n, sel),
-    )?);
-    checks.extend(tokens_against_one(
-        g57,
-        &mut rng,
-        (GgmlType::F16, &COUNTS_57),
-        &f16_shapes,
-        "matvec_f16_t{5,8}",
-        &|m, x, n, y, sel| g57.matvec(m, g57.ptr(x), y, n, sel),
     )?);
     Ok(checks)
 }
@@ -100,7 +77,7 @@ type Product<'a> =
 fn tokens_against_one(
     gpu: &Launcher,
     rng: &mut Rng,
-    (ty, counts): (GgmlType, &[usize]),
+    ty: GgmlType,
     shapes: &[(usize, usize)],
     kernel: &str,
     product: &Product,
@@ -110,7 +87,7 @@ fn tokens_against_one(
         let w = random_matrix(ty, rows, cols, 1, rng);
         let m = DeviceMatrix::upload(gpu, ty, &w, rows, cols, 1)?;
         let mut same = BitDiff::default();
-        for &n in counts {
+        for n in COUNTS {
             let x = random_vec(n * cols, rng);
             let mut want = Vec::with_capacity(n * rows);
             for t in 0..n {
@@ -130,7 +107,7 @@ fn tokens_against_one(
             same = same.merge(same_bits(&gpu.download(&y)?, &want));
         }
         checks.push(bit_identical(
-            format!("{kernel} ({counts:?} tokens) = one token each, {rows}x{cols}"),
+            format!("{kernel} ({COUNTS:?} tokens) = one token each, {rows}x{cols}"),
             same,
         ));
     }
@@ -194,26 +171,9 @@ fn check_pair(gpu: &Launcher, rng: &mut Rng) -> Result<Vec<Check>> {
         let b = DeviceMatrix::upload(gpu, GgmlType::Q8_0, &wb, rows, cols, 1)?;
         let a = DeviceMatrix::upload(gpu, GgmlType::Q8_0, &wa, rows, cols, 1)?;
         let (gate, up) = if up_first { (&b, &a) } else { (&a, &b) };
-        let mut same = BitDiff::default();
-        for n in [2usize, 3, 5] {
-            let x = random_vec(n * cols, rng);
-            let (mut want_g, mut want_u) = (Vec::new(), Vec::new());
-            for t in 0..n {
-                let xt = gpu.upload(&x[t * cols..(t + 1) * cols])?;
-                let mut qa = gpu.alloc_quant_act(1, cols)?;
-                gpu.quantize_act(gpu.ptr(&xt), &mut qa)?;
-                let yg = gpu.upload(&vec![f32::NAN; rows])?;
-                let yu = gpu.upload(&vec![f32::NAN; rows])?;
-                let sel = MatSel {
-                    ids: 0,
-                    x_stride: cols as i64,
-                    y_stride: rows as i64,
-                };
-                gpu.matvec_q8act_pair((gate, gpu.ptr(&yg)), (up, gpu.ptr(&yu)), &qa, 1, sel)?;
-                want_g.extend(gpu.download(&yg)?);
-                want_u.extend(gpu.download(&yu)?);
-            }
-            let xa = gpu.upload(&x)?;
+        // The gate and up of `n` inputs in `x` through one pair call.
+        let pair = |x: &[f32], n: usize| -> Result<(Vec<f32>, Vec<f32>)> {
+            let xa = gpu.upload(x)?;
             let mut qa = gpu.alloc_quant_act(n, cols)?;
             gpu.quantize_act(gpu.ptr(&xa), &mut qa)?;
             let yg = gpu.upload(&vec![f32::NAN; n * rows])?;
@@ -224,9 +184,21 @@ fn check_pair(gpu: &Launcher, rng: &mut Rng) -> Result<Vec<Check>> {
                 y_stride: rows as i64,
             };
             gpu.matvec_q8act_pair((gate, gpu.ptr(&yg)), (up, gpu.ptr(&yu)), &qa, n, sel)?;
+            Ok((gpu.download(&yg)?, gpu.download(&yu)?))
+        };
+        let mut same = BitDiff::default();
+        for n in [2usize, 3, 5] {
+            let x = random_vec(n * cols, rng);
+            let (mut want_g, mut want_u) = (Vec::new(), Vec::new());
+            for xt in x.chunks_exact(cols) {
+                let (g, u) = pair(xt, 1)?;
+                want_g.extend(g);
+                want_u.extend(u);
+            }
+            let (got_g, got_u) = pair(&x, n)?;
             same = same
-                .merge(same_bits(&gpu.download(&yg)?, &want_g))
-                .merge(same_bits(&gpu.download(&yu)?, &want_u));
+                .merge(same_bits(&got_g, &want_g))
+                .merge(same_bits(&got_u, &want_u));
         }
         checks.push(bit_identical(
             format!("tokens_pair ([2, 3, 5] tokens) = a decode pair each, 2x({rows}x{cols})"),
